@@ -1,0 +1,83 @@
+// The Communicator interface: the ops of one group of ranks (a line of the grid)
+// on raw buffers. Arguments are checked here, once, for every transport; traffic is
+// counted here from the op's schedule. Transports (Gloo in cpp/, NCCL in cuda/)
+// implement the run_* hooks.
+#pragma once
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dtype.h"
+#include "traffic.h"
+#include "work.h"
+
+namespace gridweave {
+
+struct CommInfo {
+  std::string axis;                // label: "y", "x,y", "world"
+  std::vector<int> members;        // global ranks; index = rank in this communicator
+  int rank = 0;                    // this process's index in members
+  std::vector<int> member_nodes;   // node of each member (placement's ranks_per_node)
+  std::chrono::milliseconds timeout{300000};
+  std::shared_ptr<TrafficCounters> counters;  // may be null
+};
+
+class Communicator {
+ public:
+  explicit Communicator(CommInfo info);
+  virtual ~Communicator() = default;
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return info_.rank; }
+  int size() const { return static_cast<int>(info_.members.size()); }
+  const CommInfo& info() const { return info_; }
+  virtual Device device() const = 0;
+  virtual const char* backend() const = 0;
+
+  // Every op is asynchronous; wait on the Work for the synchronous form.
+  // out = concat over members of in (member order).
+  std::shared_ptr<Work> all_gather(const BufferView& in, const BufferView& out);
+  // out = chunk `rank` of the reduction over members of in; in.count = size * out.count.
+  std::shared_ptr<Work> reduce_scatter(const BufferView& in, const BufferView& out, ReduceOp op);
+  std::shared_ptr<Work> all_reduce(const BufferView& buf, ReduceOp op);
+  std::shared_ptr<Work> broadcast(const BufferView& buf, int root);
+  // In place: on root, buf becomes the reduction over members.
+  std::shared_ptr<Work> reduce(const BufferView& buf, ReduceOp op, int root);
+  // Root's in (size * out.count elements) is cut into size chunks; member k gets chunk k.
+  std::shared_ptr<Work> scatter(const BufferView& in, const BufferView& out, int root);
+  // Root's out (size * in.count elements) receives every member's in, in member order.
+  std::shared_ptr<Work> gather(const BufferView& in, const BufferView& out, int root);
+  // in and out hold size equal chunks; chunk k of in goes to member k.
+  std::shared_ptr<Work> all_to_all(const BufferView& in, const BufferView& out);
+  std::shared_ptr<Work> send(const BufferView& buf, int peer, int tag);
+  std::shared_ptr<Work> recv(const BufferView& buf, int peer, int tag);
+  // Receives from whichever of `peers` sends first; Work::source() tells which.
+  std::shared_ptr<Work> recv_any(const BufferView& buf, const std::vector<int>& peers, int tag);
+  std::shared_ptr<Work> barrier();
+
+  // Thrown by every op once the communicator has failed (a peer died or timed out).
+  bool broken() const { return broken_; }
+
+ protected:
+  std::string describe(OpKind op, int peer = -1) const;
+  void mark_broken() { broken_ = true; }
+  void count(OpKind op, const BufferView& buf, int root) const;
+
+  // Transport hooks; arguments already checked. `work` is completed by the transport.
+  virtual std::shared_ptr<Work> run_collective(OpKind op, const BufferView& in, const BufferView& out,
+                                               ReduceOp rop, int root) = 0;
+  virtual std::shared_ptr<Work> run_p2p(OpKind op, const BufferView& buf, const std::vector<int>& peers,
+                                        int tag) = 0;
+
+  CommInfo info_;
+
+ private:
+  void check_buffer(const BufferView& b, const char* what, OpKind op) const;
+  void check_root(int root, OpKind op) const;
+  void check_usable(OpKind op) const;
+  bool broken_ = false;
+};
+
+}  // namespace gridweave

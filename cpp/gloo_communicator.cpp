@@ -1,0 +1,283 @@
+#include "gloo_communicator.h"
+
+#include <gloo/allgather.h>
+#include <gloo/allreduce.h>
+#include <gloo/alltoall.h>
+#include <gloo/barrier.h>
+#include <gloo/broadcast.h>
+#include <gloo/common/error.h>
+#include <gloo/gather.h>
+#include <gloo/reduce.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/scatter.h>
+#include <gloo/transport/tcp/device.h>
+#include <gloo/types.h>
+
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "error.h"
+
+namespace gridweave {
+
+namespace {
+
+constexpr uint8_t kP2PSlotPrefix = 0x40;
+constexpr uint8_t kReduceScatterSlotPrefix = 0x41;
+
+// Gloo's typed option setters only use sizeof(T); reductions go through our own
+// dtype-aware function, so any type of the right width will do.
+template <typename F>
+void with_width(DType dtype, F&& f) {
+  switch (dtype_size(dtype)) {
+    case 2: return f(uint16_t{});
+    case 4: return f(uint32_t{});
+    case 8: return f(uint64_t{});
+  }
+  GW_CHECK(false, "unsupported element width for " << dtype_name(dtype));
+}
+
+template <typename T>
+T* as(const BufferView& b) {
+  return static_cast<T*>(b.ptr);
+}
+
+}  // namespace
+
+std::shared_ptr<gloo::transport::Device> make_gloo_device(const std::string& hostname) {
+  gloo::transport::tcp::attr attr;
+  attr.hostname = hostname;
+  return gloo::transport::tcp::CreateDevice(attr);
+}
+
+GlooCommunicator::GlooCommunicator(CommInfo info, std::shared_ptr<Store> store,
+                                   std::shared_ptr<gloo::transport::Device> device)
+    : Communicator(std::move(info)) {
+  if (size() > 1) {
+    auto ctx = std::make_shared<gloo::rendezvous::Context>(rank(), size());
+    ctx->setTimeout(info_.timeout);
+    GlooStore gloo_store(store, info_.timeout);
+    try {
+      ctx->connectFullMesh(gloo_store, device);
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw Error(ErrorKind::Comm, "gridweave: connecting the communicator of axis '" + info_.axis + "' (ranks " +
+                                       join_ranks(info_.members) + ") failed: " + e.what());
+    }
+    context_ = ctx;
+  }
+  worker_ = std::make_unique<Worker>();
+}
+
+GlooCommunicator::~GlooCommunicator() {
+  worker_.reset();  // drain queued ops before the context goes
+}
+
+void GlooCommunicator::rethrow(OpKind op, const std::exception& e, int peer) {
+  if (const auto* ge = dynamic_cast<const Error*>(&e)) throw *ge;
+  mark_broken();
+  std::string msg = e.what();
+  bool timeout = msg.find("Timed out") != std::string::npos || msg.find("timed out") != std::string::npos ||
+                 msg.find("Application timeout") != std::string::npos;
+  throw Error(timeout ? ErrorKind::Timeout : ErrorKind::Comm,
+              "gridweave: " + describe(op, peer) + (timeout ? " timed out after " : " failed (timeout ") +
+                  std::to_string(info_.timeout.count() / 1000.0) + " s" + (timeout ? "" : ")") +
+                  (timeout ? ": a peer is slow, skipped this op or died: " : ": a peer died or closed the connection: ") +
+                  msg);
+}
+
+std::shared_ptr<Work> GlooCommunicator::run_collective(OpKind op, const BufferView& in, const BufferView& out,
+                                                       ReduceOp rop, int root) {
+  auto work = std::make_shared<TaskWork>(describe(op));
+  uint32_t tag = next_tag_++;
+  auto self = shared_from_this();
+  worker_->submit(work, [self, op, in, out, rop, root, tag]() {
+    self->run_on_worker(op, in, out, rop, root, tag);
+    return -1;
+  });
+  return work;
+}
+
+void GlooCommunicator::run_on_worker(OpKind op, const BufferView& in, const BufferView& out, ReduceOp rop, int root,
+                                     uint32_t tag) {
+  if (!context_) {  // one member: every op is a local copy
+    if (op != OpKind::Barrier && in.ptr != out.ptr && out.ptr && in.ptr)
+      std::memcpy(out.ptr, in.ptr, std::min(in.nbytes(), out.nbytes()));
+    return;
+  }
+  const auto timeout = info_.timeout;
+  auto reduce_fn = [dtype = in.dtype, rop](void* o, const void* a, const void* b, size_t n) {
+    reduce_into(o, a, b, n, dtype, rop);
+  };
+  try {
+    switch (op) {
+      case OpKind::AllGather:
+        with_width(in.dtype, [&](auto t) {
+          using T = decltype(t);
+          gloo::AllgatherOptions opts(context_);
+          opts.setInput(as<T>(in), in.count);
+          opts.setOutput(as<T>(out), out.count);
+          opts.setTag(tag);
+          opts.setTimeout(timeout);
+          gloo::allgather(opts);
+        });
+        break;
+      case OpKind::ReduceScatter:
+        ring_reduce_scatter(in, out, rop, tag);
+        break;
+      case OpKind::AllReduce:
+        with_width(in.dtype, [&](auto t) {
+          using T = decltype(t);
+          gloo::AllreduceOptions opts(context_);
+          opts.setAlgorithm(gloo::AllreduceOptions::Algorithm::RING);
+          opts.setOutput(as<T>(out), out.count);
+          opts.setReduceFunction(reduce_fn);
+          opts.setTag(tag);
+          opts.setTimeout(timeout);
+          gloo::allreduce(opts);
+        });
+        break;
+      case OpKind::Broadcast:
+        with_width(in.dtype, [&](auto t) {
+          using T = decltype(t);
+          gloo::BroadcastOptions opts(context_);
+          opts.setOutput(as<T>(out), out.count);
+          opts.setRoot(root);
+          opts.setTag(tag);
+          opts.setTimeout(timeout);
+          gloo::broadcast(opts);
+        });
+        break;
+      case OpKind::Reduce:
+        with_width(in.dtype, [&](auto t) {
+          using T = decltype(t);
+          // Gloo's ring reduce writes partial sums into its output on every member:
+          // reduce from a copy so non-root buffers stay untouched.
+          std::vector<T> scratch(out.count);
+          gloo::ReduceOptions opts(context_);
+          opts.setInput(as<T>(in), in.count);
+          opts.setOutput(rank() == root ? as<T>(out) : scratch.data(), out.count);
+          opts.setRoot(root);
+          opts.setReduceFunction(reduce_fn);
+          opts.setTag(tag);
+          opts.setTimeout(timeout);
+          gloo::reduce(opts);
+        });
+        break;
+      case OpKind::Gather:
+        with_width(in.dtype, [&](auto t) {
+          using T = decltype(t);
+          gloo::GatherOptions opts(context_);
+          opts.setInput(as<T>(in), in.count);
+          if (rank() == root) opts.setOutput(as<T>(out), out.count);
+          opts.setRoot(root);
+          opts.setTag(tag);
+          opts.setTimeout(timeout);
+          gloo::gather(opts);
+        });
+        break;
+      case OpKind::Scatter:
+        with_width(out.dtype, [&](auto t) {
+          using T = decltype(t);
+          gloo::ScatterOptions opts(context_);
+          if (rank() == root) {
+            std::vector<T*> chunks(size());
+            for (int k = 0; k < size(); ++k) chunks[k] = as<T>(in) + k * out.count;
+            opts.setInputs(chunks, out.count);
+          }
+          opts.setOutput(as<T>(out), out.count);
+          opts.setRoot(root);
+          opts.setTag(tag);
+          opts.setTimeout(timeout);
+          gloo::scatter(opts);
+        });
+        break;
+      case OpKind::AllToAll:
+        with_width(in.dtype, [&](auto t) {
+          using T = decltype(t);
+          gloo::AlltoallOptions opts(context_);
+          opts.setInput(as<T>(in), in.count);
+          opts.setOutput(as<T>(out), out.count);
+          opts.setTag(tag);
+          opts.setTimeout(timeout);
+          gloo::alltoall(opts);
+        });
+        break;
+      case OpKind::Barrier: {
+        gloo::BarrierOptions opts(context_);
+        opts.setTag(tag);
+        opts.setTimeout(timeout);
+        gloo::barrier(opts);
+        break;
+      }
+      default:
+        GW_CHECK(false, describe(op) << " is not a collective");
+    }
+  } catch (const std::exception& e) {
+    rethrow(op, e);
+  }
+}
+
+// Gloo has no reduce-scatter that leaves chunk k on member k, so it is a ring here:
+// at step s member i sends chunk i-s-1 to i+1 and adds chunk i-s-2 from i-1
+// (the schedule in traffic.cpp). Chunk i is complete on member i after size-1 steps.
+void GlooCommunicator::ring_reduce_scatter(const BufferView& in, const BufferView& out, ReduceOp rop, uint32_t tag) {
+  const int g = size(), i = rank();
+  const std::size_t chunk = out.count, cb = out.nbytes();
+  std::vector<char> acc(static_cast<const char*>(in.ptr), static_cast<const char*>(in.ptr) + in.nbytes());
+  std::vector<char> tmp(cb);
+  auto acc_buf = context_->createUnboundBuffer(acc.data(), acc.size());
+  auto tmp_buf = context_->createUnboundBuffer(tmp.data(), tmp.size());
+  const uint64_t slot = gloo::Slot::build(kReduceScatterSlotPrefix, tag);
+  const int right = (i + 1) % g, left = (i + g - 1) % g;
+  auto idx = [g](int c) { return ((c % g) + g) % g; };
+  for (int s = 0; s < g - 1; ++s) {
+    const int send_c = idx(i - s - 1), recv_c = idx(i - s - 2);
+    acc_buf->send(right, slot, send_c * cb, cb);
+    tmp_buf->recv(left, slot, 0, cb);
+    tmp_buf->waitRecv(info_.timeout);
+    char* dst = acc.data() + recv_c * cb;
+    reduce_into(dst, dst, tmp.data(), chunk, in.dtype, rop);
+    acc_buf->waitSend(info_.timeout);  // the next step sends the chunk just reduced
+  }
+  std::memcpy(out.ptr, acc.data() + i * cb, cb);
+}
+
+std::shared_ptr<Work> GlooCommunicator::run_p2p(OpKind op, const BufferView& buf, const std::vector<int>& peers,
+                                                int tag) {
+  auto work = std::make_shared<TaskWork>(describe(op, peers.size() == 1 ? peers[0] : -1));
+  GW_CHECK(context_, describe(op) << ": point-to-point needs at least two members");
+  const uint64_t slot = gloo::Slot::build(kP2PSlotPrefix, static_cast<uint32_t>(tag));
+  std::shared_ptr<gloo::transport::UnboundBuffer> ub;
+  try {
+    ub = context_->createUnboundBuffer(buf.ptr, buf.nbytes());
+    if (op == OpKind::Send) ub->send(peers[0], slot);
+    else if (peers.size() == 1) ub->recv(peers[0], slot);
+    else ub->recv(peers, slot);
+  } catch (const std::exception& e) {
+    rethrow(op, e, peers.size() == 1 ? peers[0] : -1);
+  }
+  // Posting never blocks; a waiter thread observes completion so test() can poll
+  // and several p2p ops can be outstanding at once (the message-driven pipeline).
+  auto self = shared_from_this();
+  std::thread([self, work, ub, op, view = buf]() {
+    try {
+      int peer = -1;
+      if (op == OpKind::Send) ub->waitSend(&peer, self->info_.timeout);
+      else ub->waitRecv(&peer, self->info_.timeout);
+      if (op == OpKind::Recv) self->count(OpKind::Recv, view, peer);
+      work->complete(peer);
+    } catch (const std::exception& e) {
+      try {
+        self->rethrow(op, e);
+      } catch (...) {
+        work->fail(std::current_exception());
+      }
+    }
+  }).detach();
+  return work;
+}
+
+}  // namespace gridweave

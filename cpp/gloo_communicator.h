@@ -1,0 +1,45 @@
+// The CPU transport: a Gloo context per communicator, collectives on a worker
+// thread (so they overlap with compute), point-to-point on unbound buffers.
+#pragma once
+#include <atomic>
+#include <memory>
+
+#include <gloo/transport/device.h>
+
+#include "communicator.h"
+#include "store.h"
+
+namespace gloo {
+class Context;
+}
+
+namespace gridweave {
+
+// One TCP device per process, shared by all its Gloo contexts. `hostname` is the
+// address peers connect to ("127.0.0.1" when every rank is on this machine).
+std::shared_ptr<gloo::transport::Device> make_gloo_device(const std::string& hostname);
+
+class GlooCommunicator : public Communicator, public std::enable_shared_from_this<GlooCommunicator> {
+ public:
+  // Collective over `store` (already prefixed for this group): every member calls it.
+  GlooCommunicator(CommInfo info, std::shared_ptr<Store> store, std::shared_ptr<gloo::transport::Device> device);
+  ~GlooCommunicator() override;
+  Device device() const override { return Device::CPU; }
+  const char* backend() const override { return "gloo"; }
+
+ protected:
+  std::shared_ptr<Work> run_collective(OpKind op, const BufferView& in, const BufferView& out, ReduceOp rop,
+                                       int root) override;
+  std::shared_ptr<Work> run_p2p(OpKind op, const BufferView& buf, const std::vector<int>& peers, int tag) override;
+
+ private:
+  void run_on_worker(OpKind op, const BufferView& in, const BufferView& out, ReduceOp rop, int root, uint32_t tag);
+  void ring_reduce_scatter(const BufferView& in, const BufferView& out, ReduceOp rop, uint32_t tag);
+  [[noreturn]] void rethrow(OpKind op, const std::exception& e, int peer = -1);
+
+  std::shared_ptr<gloo::Context> context_;
+  std::uint32_t next_tag_ = 0;  // collectives are issued in the same order on every member
+  std::unique_ptr<Worker> worker_;
+};
+
+}  // namespace gridweave

@@ -1,0 +1,66 @@
+#include "grid.h"
+
+#include <numeric>
+
+#include "error.h"
+#include "gloo_communicator.h"
+
+namespace gridweave {
+
+Grid::Grid(GridOptions options, std::shared_ptr<Store> store)
+    : options_(std::move(options)),
+      placement_(options_.axes, options_.policy, options_.ranks_per_node),
+      store_(std::move(store)),
+      counters_(std::make_shared<TrafficCounters>()) {
+  GW_CHECK(options_.rank >= 0 && options_.rank < placement_.world_size(),
+           "rank " << options_.rank << " is outside the grid of " << placement_.world_size() << " ranks");
+  GW_CHECK(options_.timeout.count() > 0, "timeout must be positive");
+  if (options_.backend == Backend::Gloo) gloo_device_ = make_gloo_device(options_.hostname);
+  else GW_CHECK(nccl_available(), "backend 'nccl' requested but gridweave was built without the NCCL transport");
+}
+
+Grid::~Grid() { shutdown(); }
+
+std::string Grid::label(const std::vector<std::string>& axes) {
+  if (axes.empty()) return "world";
+  std::string s;
+  for (const auto& a : axes) s += (s.empty() ? "" : ",") + a;
+  return s;
+}
+
+std::shared_ptr<Communicator> Grid::comm(const std::vector<std::string>& axes) {
+  const std::string key = label(axes);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = comms_.find(key);
+  if (it != comms_.end()) return it->second;
+
+  CommInfo info;
+  info.axis = key;
+  info.timeout = options_.timeout;
+  info.counters = counters_;
+  int line_id = 0;
+  if (axes.empty()) {
+    info.members.resize(world_size());
+    std::iota(info.members.begin(), info.members.end(), 0);
+    info.rank = rank();
+  } else {
+    info.members = placement_.line(rank(), axes);
+    info.rank = placement_.index_in_line(rank(), axes);
+    line_id = placement_.line_id(rank(), axes);
+  }
+  for (int m : info.members) info.member_nodes.push_back(placement_.node_of(m));
+  auto line_store = make_prefix_store("comm/" + key + "/" + std::to_string(line_id), store_);
+
+  std::shared_ptr<Communicator> c;
+  if (options_.backend == Backend::Gloo) c = std::make_shared<GlooCommunicator>(std::move(info), line_store, gloo_device_);
+  else c = make_nccl_communicator(std::move(info), line_store, options_.device_index);
+  comms_[key] = c;
+  return c;
+}
+
+void Grid::shutdown() {
+  std::lock_guard<std::mutex> lock(mu_);
+  comms_.clear();
+}
+
+}  // namespace gridweave

@@ -1,0 +1,68 @@
+// The process grid: placement, one communicator per line of every axis or tuple of
+// axes (made lazily, the first time its members use it), per-axis traffic counters.
+#pragma once
+#include <chrono>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "communicator.h"
+#include "placement.h"
+#include "store.h"
+
+namespace gloo::transport {
+class Device;
+}
+
+namespace gridweave {
+
+enum class Backend : int { Gloo = 0, Nccl = 1 };
+
+struct GridOptions {
+  std::vector<Axis> axes;  // naive order
+  PlacementPolicy policy = PlacementPolicy::Topology;
+  int ranks_per_node = 1;
+  int rank = 0;
+  Backend backend = Backend::Gloo;
+  std::chrono::milliseconds timeout{300000};
+  std::string hostname = "127.0.0.1";  // address peers use to reach this rank (Gloo)
+  int device_index = -1;               // CUDA device (NCCL)
+};
+
+class Grid {
+ public:
+  Grid(GridOptions options, std::shared_ptr<Store> store);
+  ~Grid();
+
+  int rank() const { return options_.rank; }
+  int world_size() const { return placement_.world_size(); }
+  const Placement& placement() const { return placement_; }
+  const GridOptions& options() const { return options_; }
+  std::vector<int> coords() const { return placement_.coords_of(rank()); }
+
+  // Communicator of this rank's line along `axes` (a tuple; {} means the world,
+  // indexed by global rank). Every member must ask for it the first time.
+  std::shared_ptr<Communicator> comm(const std::vector<std::string>& axes);
+  static std::string label(const std::vector<std::string>& axes);
+
+  std::map<std::string, AxisCounters> stats() const { return counters_->snapshot(); }
+  void reset_stats() { counters_->reset(); }
+  void shutdown();
+
+ private:
+  GridOptions options_;
+  Placement placement_;
+  std::shared_ptr<Store> store_;
+  std::shared_ptr<TrafficCounters> counters_;
+  std::shared_ptr<gloo::transport::Device> gloo_device_;
+  std::mutex mu_;
+  std::map<std::string, std::shared_ptr<Communicator>> comms_;
+};
+
+// Made by cuda/ when built with NCCL; otherwise throws a clear GridError.
+std::shared_ptr<Communicator> make_nccl_communicator(CommInfo info, std::shared_ptr<Store> store, int device_index);
+bool nccl_available();
+
+}  // namespace gridweave

@@ -1,0 +1,216 @@
+// gridweave._C: pybind11 bindings of the native core. No torch here: Python hands
+// in raw pointers, counts, dtypes and streams (python/gridweave/_buffers.py).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "communicator.h"
+#include "error.h"
+#include "grid.h"
+#include "placement.h"
+#include "store.h"
+
+namespace py = pybind11;
+using namespace gridweave;
+
+namespace {
+
+std::chrono::milliseconds to_ms(double seconds) {
+  return std::chrono::milliseconds(static_cast<long long>(seconds * 1000.0));
+}
+
+// A Store implemented in Python (an adapter over torch's TCPStore).
+class PyStore : public Store {
+ public:
+  void set(const std::string& key, const std::vector<char>& value) override {
+    py::gil_scoped_acquire gil;
+    call("set", key, py::bytes(value.data(), value.size()));
+  }
+  std::vector<char> get(const std::string& key, std::chrono::milliseconds timeout) override {
+    py::gil_scoped_acquire gil;
+    std::string s = call("get", key, timeout.count() / 1000.0).cast<std::string>();
+    return std::vector<char>(s.begin(), s.end());
+  }
+  void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override {
+    py::gil_scoped_acquire gil;
+    call("wait", keys, timeout.count() / 1000.0);
+  }
+
+ private:
+  template <typename... Args>
+  py::object call(const char* name, Args&&... args) {
+    py::function f = py::get_override(static_cast<const Store*>(this), name);
+    if (!f) throw Error(ErrorKind::Config, std::string("gridweave: Store subclass does not define ") + name);
+    try {
+      return f(std::forward<Args>(args)...);
+    } catch (py::error_already_set& e) {
+      std::string msg = e.what();
+      bool timeout = msg.find("imeout") != std::string::npos || msg.find("imed out") != std::string::npos;
+      throw Error(timeout ? ErrorKind::Timeout : ErrorKind::Comm,
+                  std::string("gridweave: rendezvous store ") + name + " failed: " + msg);
+    }
+  }
+};
+
+BufferView make_view(std::uintptr_t ptr, std::size_t count, int dtype, int device, int device_index,
+                     std::uintptr_t stream) {
+  GW_CHECK(dtype >= 0 && dtype <= static_cast<int>(DType::Int64), "unknown dtype code " << dtype);
+  BufferView v;
+  v.ptr = reinterpret_cast<void*>(ptr);
+  v.count = count;
+  v.dtype = static_cast<DType>(dtype);
+  v.device = static_cast<Device>(device);
+  v.device_index = device_index;
+  v.stream = reinterpret_cast<void*>(stream);
+  return v;
+}
+
+py::dict tally(const Tally& t) {
+  py::dict d;
+  d["messages"] = t.messages;
+  d["bytes"] = t.bytes;
+  return d;
+}
+
+py::dict traffic_dict(const TrafficModel& t) {
+  py::dict d;
+  d["messages"] = t.messages;
+  d["intra_messages"] = t.intra_messages;
+  d["inter_messages"] = t.inter_messages;
+  d["bytes"] = t.bytes;
+  d["intra_bytes"] = t.intra_bytes;
+  d["inter_bytes"] = t.inter_bytes;
+  return d;
+}
+
+std::vector<Axis> to_axes(const std::vector<std::pair<std::string, int>>& axes) {
+  std::vector<Axis> out;
+  for (const auto& a : axes) out.push_back({a.first, a.second});
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "gridweave native engine";
+
+  // Errors map to gridweave.errors: GridError (ValueError), CommError, CommTimeout.
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Error& e) {
+      const char* name = e.kind() == ErrorKind::Config ? "GridError"
+                         : e.kind() == ErrorKind::Timeout ? "CommTimeout" : "CommError";
+      py::object cls = py::module_::import("gridweave.errors").attr(name);
+      PyErr_SetString(cls.ptr(), e.what());
+    }
+  });
+
+  m.attr("nccl_available") = nccl_available();
+
+  py::class_<Store, PyStore, std::shared_ptr<Store>>(m, "Store").def(py::init<>());
+  m.def("file_store", &make_file_store, py::arg("path"));
+  m.def("prefix_store", &make_prefix_store, py::arg("prefix"), py::arg("store"));
+
+  py::class_<BufferView>(m, "BufferView")
+      .def(py::init(&make_view), py::arg("ptr"), py::arg("count"), py::arg("dtype"), py::arg("device") = 0,
+           py::arg("device_index") = -1, py::arg("stream") = 0)
+      .def_property_readonly("nbytes", &BufferView::nbytes)
+      .def_readonly("count", &BufferView::count);
+
+  py::class_<Work, std::shared_ptr<Work>>(m, "Work")
+      .def("test", &Work::test)
+      .def("wait", [](Work& w, double timeout_s) {
+        py::gil_scoped_release nogil;
+        w.wait(to_ms(timeout_s));
+      }, py::arg("timeout_s"))
+      .def_property_readonly("source", &Work::source)
+      .def_property_readonly("what", &Work::what);
+
+  using C = Communicator;
+  using V = const BufferView&;
+  auto rop = [](int op) {
+    GW_CHECK(op >= 0 && op <= 2, "unknown reduce op code " << op);
+    return static_cast<ReduceOp>(op);
+  };
+  py::class_<C, std::shared_ptr<C>>(m, "Communicator")
+      .def_property_readonly("rank", &C::rank)
+      .def_property_readonly("size", &C::size)
+      .def_property_readonly("members", [](const C& c) { return c.info().members; })
+      .def_property_readonly("axis", [](const C& c) { return c.info().axis; })
+      .def_property_readonly("backend", &C::backend)
+      .def("all_gather", [](C& c, V i, V o) { py::gil_scoped_release g; return c.all_gather(i, o); })
+      .def("reduce_scatter", [rop](C& c, V i, V o, int op) { auto r = rop(op); py::gil_scoped_release g; return c.reduce_scatter(i, o, r); })
+      .def("all_reduce", [rop](C& c, V b, int op) { auto r = rop(op); py::gil_scoped_release g; return c.all_reduce(b, r); })
+      .def("broadcast", [](C& c, V b, int root) { py::gil_scoped_release g; return c.broadcast(b, root); })
+      .def("reduce", [rop](C& c, V b, int op, int root) { auto r = rop(op); py::gil_scoped_release g; return c.reduce(b, r, root); })
+      .def("scatter", [](C& c, V i, V o, int root) { py::gil_scoped_release g; return c.scatter(i, o, root); })
+      .def("gather", [](C& c, V i, V o, int root) { py::gil_scoped_release g; return c.gather(i, o, root); })
+      .def("all_to_all", [](C& c, V i, V o) { py::gil_scoped_release g; return c.all_to_all(i, o); })
+      .def("send", [](C& c, V b, int peer, int tag) { py::gil_scoped_release g; return c.send(b, peer, tag); })
+      .def("recv", [](C& c, V b, int peer, int tag) { py::gil_scoped_release g; return c.recv(b, peer, tag); })
+      .def("recv_any", [](C& c, V b, const std::vector<int>& peers, int tag) { py::gil_scoped_release g; return c.recv_any(b, peers, tag); })
+      .def("barrier", [](C& c) { py::gil_scoped_release g; return c.barrier(); });
+
+  py::class_<Placement>(m, "Placement")
+      .def(py::init([](const std::vector<std::pair<std::string, int>>& axes, const std::string& policy, int rpn) {
+             GW_CHECK(policy == "naive" || policy == "topology",
+                      "placement must be 'naive' or 'topology', got '" << policy << "'");
+             return Placement(to_axes(axes), policy == "naive" ? PlacementPolicy::Naive : PlacementPolicy::Topology, rpn);
+           }), py::arg("axes"), py::arg("policy"), py::arg("ranks_per_node"))
+      .def_property_readonly("world_size", &Placement::world_size)
+      .def_property_readonly("ranks_per_node", &Placement::ranks_per_node)
+      .def_property_readonly("physical_order", &Placement::physical_order)
+      .def("coords_of", &Placement::coords_of)
+      .def("rank_of", &Placement::rank_of)
+      .def("node_of", &Placement::node_of)
+      .def("line", &Placement::line)
+      .def("index_in_line", &Placement::index_in_line)
+      .def("traffic", [](const Placement& p, const std::vector<std::string>& axes, const std::string& op,
+                         long long nbytes) { return traffic_dict(segmented_traffic(p, axes, op, nbytes)); });
+
+  py::class_<Grid, std::shared_ptr<Grid>>(m, "Grid")
+      .def(py::init([](const std::vector<std::pair<std::string, int>>& axes, const std::string& policy, int rpn,
+                       int rank, const std::string& backend, double timeout_s, const std::string& hostname,
+                       int device_index, std::shared_ptr<Store> store) {
+             GW_CHECK(policy == "naive" || policy == "topology",
+                      "placement must be 'naive' or 'topology', got '" << policy << "'");
+             GW_CHECK(backend == "gloo" || backend == "nccl", "unknown backend '" << backend << "' (gloo | nccl | auto)");
+             GridOptions o;
+             o.axes = to_axes(axes);
+             o.policy = policy == "naive" ? PlacementPolicy::Naive : PlacementPolicy::Topology;
+             o.ranks_per_node = rpn;
+             o.rank = rank;
+             o.backend = backend == "gloo" ? Backend::Gloo : Backend::Nccl;
+             o.timeout = to_ms(timeout_s);
+             o.hostname = hostname;
+             o.device_index = device_index;
+             return std::make_shared<Grid>(o, store);
+           }), py::arg("axes"), py::arg("policy"), py::arg("ranks_per_node"), py::arg("rank"), py::arg("backend"),
+           py::arg("timeout_s"), py::arg("hostname"), py::arg("device_index"), py::arg("store"))
+      .def_property_readonly("rank", &Grid::rank)
+      .def_property_readonly("world_size", &Grid::world_size)
+      .def_property_readonly("coords", &Grid::coords)
+      .def_property_readonly("placement", &Grid::placement, py::return_value_policy::reference_internal)
+      .def("comm", [](Grid& g, const std::vector<std::string>& axes) {
+        py::gil_scoped_release nogil;
+        return g.comm(axes);
+      })
+      .def("stats", [](const Grid& g) {
+        py::dict out;
+        for (const auto& [axis, c] : g.stats()) {
+          py::dict d;
+          d["ops"] = c.ops;
+          d["sent_intra"] = tally(c.sent_intra);
+          d["sent_inter"] = tally(c.sent_inter);
+          d["recv_intra"] = tally(c.recv_intra);
+          d["recv_inter"] = tally(c.recv_inter);
+          out[py::str(axis)] = d;
+        }
+        return out;
+      })
+      .def("reset_stats", &Grid::reset_stats)
+      .def("shutdown", [](Grid& g) {
+        py::gil_scoped_release nogil;
+        g.shutdown();
+      });
+}

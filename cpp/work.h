@@ -1,0 +1,69 @@
+// Work handles of asynchronous operations, and the per-communicator worker
+// thread that runs CPU collectives so communication overlaps with compute.
+#pragma once
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+namespace gridweave {
+
+class Work {
+ public:
+  explicit Work(std::string what) : what_(std::move(what)) {}
+  virtual ~Work() = default;
+  // True once finished (successfully or not); never blocks.
+  virtual bool test() = 0;
+  // Blocks up to `timeout`; rethrows the op's error; throws CommTimeout naming the op.
+  virtual void wait(std::chrono::milliseconds timeout) = 0;
+  // Source rank (index in the communicator) of a recv / recv_any, else -1.
+  virtual int source() const = 0;
+  const std::string& what() const { return what_; }
+
+ protected:
+  std::string what_;
+};
+
+// Completed by whoever runs it (a worker thread, a p2p waiter).
+class TaskWork : public Work {
+ public:
+  using Work::Work;
+  bool test() override;
+  void wait(std::chrono::milliseconds timeout) override;
+  int source() const override;
+  void complete(int source = -1);
+  void fail(std::exception_ptr error);
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  int source_ = -1;
+  std::exception_ptr error_;
+};
+
+// FIFO of tasks on one thread: ops on a communicator run in issue order, as
+// every rank of it issues them, so tags never collide.
+class Worker {
+ public:
+  Worker();
+  ~Worker();
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+  void submit(std::shared_ptr<TaskWork> work, std::function<int()> task);
+
+ private:
+  void loop();
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::pair<std::shared_ptr<TaskWork>, std::function<int()>>> queue_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace gridweave

@@ -1,0 +1,160 @@
+#include "nccl_communicator.h"
+
+#include <cstring>
+
+#include "error.h"
+#include "stream.h"
+
+namespace gridweave {
+
+namespace {
+
+void check_nccl(ncclResult_t status, const std::string& what) {
+  if (status != ncclSuccess && status != ncclInProgress)
+    throw Error(ErrorKind::Comm, "gridweave: NCCL error in " + what + ": " + ncclGetErrorString(status));
+}
+
+ncclDataType_t nccl_type(DType d) {
+  switch (d) {
+    case DType::Float32: return ncclFloat32;
+    case DType::Float64: return ncclFloat64;
+    case DType::Float16: return ncclFloat16;
+    case DType::BFloat16: return ncclBfloat16;
+    case DType::Int32: return ncclInt32;
+    case DType::Int64: return ncclInt64;
+  }
+  return ncclFloat32;
+}
+
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return ncclSum;
+    case ReduceOp::Max: return ncclMax;
+    case ReduceOp::Min: return ncclMin;
+  }
+  return ncclSum;
+}
+
+char* at(const BufferView& b, std::size_t elements) {
+  return static_cast<char*>(b.ptr) + elements * dtype_size(b.dtype);
+}
+
+}  // namespace
+
+NcclCommunicator::NcclCommunicator(CommInfo info, std::shared_ptr<Store> store, int device_index)
+    : Communicator(std::move(info)), device_index_(device_index < 0 ? 0 : device_index) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0)
+    throw Error(ErrorKind::Config, "gridweave: backend 'nccl' needs a CUDA GPU, and this process sees none");
+  GW_CHECK(device_index_ < devices, "CUDA device " << device_index_ << " requested, " << devices << " visible");
+  check_cuda(cudaSetDevice(device_index_), "cudaSetDevice");
+  ncclUniqueId id;
+  if (rank() == 0) {
+    check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
+    store->set("nccl_id", std::vector<char>(id.internal, id.internal + sizeof(id.internal)));
+  } else {
+    auto bytes = store->get("nccl_id", info_.timeout);
+    GW_CHECK(bytes.size() == sizeof(id.internal), "malformed NCCL unique id in the store");
+    std::memcpy(id.internal, bytes.data(), sizeof(id.internal));
+  }
+  check_nccl(ncclCommInitRank(&comm_, size(), id, rank()), "ncclCommInitRank for axis '" + info_.axis + "'");
+  check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+  check_cuda(cudaMalloc(&scratch_, sizeof(int)), "cudaMalloc");
+}
+
+NcclCommunicator::~NcclCommunicator() {
+  if (comm_) ncclCommDestroy(comm_);
+  if (stream_) cudaStreamDestroy(stream_);
+  if (scratch_) cudaFree(scratch_);
+}
+
+std::string NcclCommunicator::async_error() {
+  ncclResult_t state = ncclSuccess;
+  if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) return "ncclCommGetAsyncError failed";
+  if (state == ncclSuccess || state == ncclInProgress) return "";
+  mark_broken();
+  return ncclGetErrorString(state);
+}
+
+std::shared_ptr<Work> NcclCommunicator::finish(OpKind op, cudaStream_t caller, int peer) {
+  return std::make_shared<EventWork>(
+      describe(op, peer), stream_, caller, [this] { return async_error(); },
+      [this] {
+        mark_broken();
+        ncclCommAbort(comm_);  // unblocks the kernels of a peer that will never come
+        comm_ = nullptr;
+      });
+}
+
+std::shared_ptr<Work> NcclCommunicator::run_collective(OpKind op, const BufferView& in, const BufferView& out,
+                                                       ReduceOp rop, int root) {
+  cudaStream_t caller = static_cast<cudaStream_t>(op == OpKind::Barrier ? nullptr : (in.ptr ? in.stream : out.stream));
+  check_cuda(cudaSetDevice(device_index_), "cudaSetDevice");
+  order_after(stream_, caller);
+  const std::string what = describe(op);
+  const ncclDataType_t t = nccl_type(in.ptr ? in.dtype : out.dtype);
+  switch (op) {
+    case OpKind::AllGather:
+      check_nccl(ncclAllGather(in.ptr, out.ptr, in.count, t, comm_, stream_), what);
+      break;
+    case OpKind::ReduceScatter:
+      check_nccl(ncclReduceScatter(in.ptr, out.ptr, out.count, t, nccl_op(rop), comm_, stream_), what);
+      break;
+    case OpKind::AllReduce:
+      check_nccl(ncclAllReduce(in.ptr, out.ptr, in.count, t, nccl_op(rop), comm_, stream_), what);
+      break;
+    case OpKind::Broadcast:
+      check_nccl(ncclBroadcast(in.ptr, out.ptr, in.count, t, root, comm_, stream_), what);
+      break;
+    case OpKind::Reduce:
+      check_nccl(ncclReduce(in.ptr, out.ptr, in.count, t, nccl_op(rop), root, comm_, stream_), what);
+      break;
+    case OpKind::Gather:  // direct: every member sends to root (grouped p2p)
+      check_nccl(ncclGroupStart(), what);
+      if (rank() == root)
+        for (int p = 0; p < size(); ++p) check_nccl(ncclRecv(at(out, p * in.count), in.count, t, p, comm_, stream_), what);
+      check_nccl(ncclSend(in.ptr, in.count, t, root, comm_, stream_), what);
+      check_nccl(ncclGroupEnd(), what);
+      break;
+    case OpKind::Scatter:
+      check_nccl(ncclGroupStart(), what);
+      if (rank() == root)
+        for (int p = 0; p < size(); ++p) check_nccl(ncclSend(at(in, p * out.count), out.count, t, p, comm_, stream_), what);
+      check_nccl(ncclRecv(out.ptr, out.count, t, root, comm_, stream_), what);
+      check_nccl(ncclGroupEnd(), what);
+      break;
+    case OpKind::AllToAll: {
+      const std::size_t chunk = in.count / size();
+      check_nccl(ncclGroupStart(), what);
+      for (int p = 0; p < size(); ++p) {
+        check_nccl(ncclSend(at(in, p * chunk), chunk, t, p, comm_, stream_), what);
+        check_nccl(ncclRecv(at(out, p * chunk), chunk, t, p, comm_, stream_), what);
+      }
+      check_nccl(ncclGroupEnd(), what);
+      break;
+    }
+    case OpKind::Barrier:
+      check_nccl(ncclAllReduce(scratch_, scratch_, 1, ncclInt32, ncclSum, comm_, stream_), what);
+      break;
+    default:
+      GW_CHECK(false, what << " is not a collective");
+  }
+  return finish(op, caller);
+}
+
+std::shared_ptr<Work> NcclCommunicator::run_p2p(OpKind op, const BufferView& buf, const std::vector<int>& peers,
+                                                int tag) {
+  (void)tag;  // NCCL matches p2p by order between a pair, not by tag
+  GW_CHECK(peers.size() == 1, describe(op) << ": NCCL has no receive-from-any; the message-driven pipeline "
+                                             "uses the Gloo transport for recv_any");
+  cudaStream_t caller = static_cast<cudaStream_t>(buf.stream);
+  check_cuda(cudaSetDevice(device_index_), "cudaSetDevice");
+  order_after(stream_, caller);
+  const std::string what = describe(op, peers[0]);
+  if (op == OpKind::Send) check_nccl(ncclSend(buf.ptr, buf.count, nccl_type(buf.dtype), peers[0], comm_, stream_), what);
+  else check_nccl(ncclRecv(buf.ptr, buf.count, nccl_type(buf.dtype), peers[0], comm_, stream_), what);
+  if (op == OpKind::Recv) count(OpKind::Recv, buf, peers[0]);
+  return finish(op, caller, peers[0]);
+}
+
+}  // namespace gridweave

@@ -1,0 +1,34 @@
+// The GPU transport: one NCCL communicator per grid line, ops on the engine's
+// stream, ordered against the caller's stream with events.
+#pragma once
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include "communicator.h"
+#include "store.h"
+
+namespace gridweave {
+
+class NcclCommunicator : public Communicator {
+ public:
+  // Collective over `store` (prefixed for this line): member 0 publishes the unique id.
+  NcclCommunicator(CommInfo info, std::shared_ptr<Store> store, int device_index);
+  ~NcclCommunicator() override;
+  Device device() const override { return Device::CUDA; }
+  const char* backend() const override { return "nccl"; }
+
+ protected:
+  std::shared_ptr<Work> run_collective(OpKind op, const BufferView& in, const BufferView& out, ReduceOp rop,
+                                       int root) override;
+  std::shared_ptr<Work> run_p2p(OpKind op, const BufferView& buf, const std::vector<int>& peers, int tag) override;
+
+ private:
+  std::shared_ptr<Work> finish(OpKind op, cudaStream_t caller, int peer = -1);
+  std::string async_error();
+  ncclComm_t comm_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  int device_index_ = 0;
+  void* scratch_ = nullptr;  // one int for the barrier
+};
+
+}  // namespace gridweave

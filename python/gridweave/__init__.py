@@ -1,0 +1,9 @@
+"""gridweave: transformers on an N-dimensional grid of processes."""
+from . import _C
+from .errors import CommError, CommTimeout, GridError
+from .grid import Grid, Work, current, init, shutdown
+from .topology import Cube, Row, Square, SubGraph
+
+__all__ = ["init", "shutdown", "current", "Grid", "Work", "Row", "Square", "Cube", "SubGraph", "GridError",
+           "CommError", "CommTimeout"]
+__version__ = "0.1.0"

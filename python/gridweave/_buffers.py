@@ -1,0 +1,66 @@
+"""Torch tensors, numpy and cupy arrays -> the engine's raw BufferView."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import _C
+from .errors import GridError
+
+# Codes of gridweave::DType (cpp/dtype.h).
+_TORCH = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3, torch.int32: 4, torch.int64: 5}
+_NUMPY = {np.dtype("float32"): 0, np.dtype("float64"): 1, np.dtype("float16"): 2, np.dtype("int32"): 4,
+          np.dtype("int64"): 5}
+CPU, CUDA = 0, 1
+REDUCE_OPS = {"sum": 0, "max": 1, "min": 2}
+
+
+def reduce_code(op: str) -> int:
+    try:
+        return REDUCE_OPS[op]
+    except KeyError:
+        raise GridError(f"unknown reduce op {op!r}; use one of {sorted(REDUCE_OPS)}") from None
+
+
+def view(t, what: str = "tensor") -> "_C.BufferView":
+    """A BufferView of a contiguous torch tensor, numpy array or cupy array."""
+    if isinstance(t, torch.Tensor):
+        if t.dtype not in _TORCH:
+            raise GridError(f"{what}: dtype {t.dtype} is not supported (float32/64, float16, bfloat16, int32/64)")
+        if not t.is_contiguous():
+            raise GridError(f"{what}: tensor must be contiguous (call .contiguous())")
+        if t.is_cuda:
+            stream = torch.cuda.current_stream(t.device).cuda_stream
+            return _C.BufferView(t.data_ptr(), t.numel(), _TORCH[t.dtype], CUDA, t.device.index, stream)
+        if t.device.type != "cpu":
+            raise GridError(f"{what}: device {t.device} is not supported")
+        return _C.BufferView(t.data_ptr(), t.numel(), _TORCH[t.dtype], CPU)
+    if isinstance(t, np.ndarray):
+        if t.dtype not in _NUMPY:
+            raise GridError(f"{what}: numpy dtype {t.dtype} is not supported")
+        if not t.flags["C_CONTIGUOUS"]:
+            raise GridError(f"{what}: array must be C-contiguous")
+        return _C.BufferView(t.ctypes.data, t.size, _NUMPY[t.dtype], CPU)
+    cai = getattr(t, "__cuda_array_interface__", None)
+    if cai is not None:  # cupy and friends
+        dt = np.dtype(cai["typestr"])
+        if dt not in _NUMPY:
+            raise GridError(f"{what}: array dtype {dt} is not supported")
+        if cai.get("strides") is not None:
+            raise GridError(f"{what}: array must be C-contiguous")
+        count = int(np.prod(cai["shape"]))
+        stream = cai.get("stream") or 0
+        dev = getattr(getattr(t, "device", None), "id", -1)
+        return _C.BufferView(cai["data"][0], count, _NUMPY[dt], CUDA, dev, int(stream))
+    raise GridError(f"{what}: expected a torch tensor, numpy array or cupy array, got {type(t).__name__}")
+
+
+def empty_like_shape(t, shape):
+    """A new contiguous buffer of t's kind, dtype and device."""
+    if isinstance(t, torch.Tensor):
+        return torch.empty(shape, dtype=t.dtype, device=t.device)
+    if isinstance(t, np.ndarray):
+        return np.empty(shape, dtype=t.dtype)
+    import cupy  # only reached for cupy arrays
+
+    return cupy.empty(shape, dtype=t.dtype)

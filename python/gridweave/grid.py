@@ -1,0 +1,397 @@
+"""The process grid on torch tensors: gw.init, gw.shutdown and Grid's collectives.
+
+Collectives along an axis (or a tuple of axes) are *segmented*: every line of ranks
+along that axis runs the collective at once on its own communicator (SUPER §IV-B).
+"""
+from __future__ import annotations
+
+import math
+import os
+import socket
+from datetime import timedelta
+from typing import Iterable, Sequence
+
+import torch
+
+from . import _C
+from ._buffers import empty_like_shape, reduce_code, view
+from .errors import GridError
+from .topology import grid_axes
+
+AxisArg = "str | Sequence[str] | None"
+
+
+class _TorchStore(_C.Store):
+    """Adapter: torch's TCPStore (or any torch.distributed.Store) as the engine's Store."""
+
+    def __init__(self, store):
+        super().__init__()
+        self._store = store
+
+    def set(self, key, value):
+        self._store.set(key, value)
+
+    def get(self, key, timeout_s):
+        self._store.wait([key], timedelta(seconds=timeout_s))
+        return self._store.get(key)
+
+    def wait(self, keys, timeout_s):
+        self._store.wait(list(keys), timedelta(seconds=timeout_s))
+
+
+class Work:
+    """Handle of an async op. wait() returns the op's result (the output tensor)."""
+
+    def __init__(self, native, timeout, keep, finish=None):
+        self._native = native
+        self._timeout = timeout
+        self._keep = keep  # tensors that must outlive the op
+        self._finish = finish
+        self._result = None
+        self._done = False
+
+    def test(self) -> bool:
+        return self._native.test()
+
+    def wait(self, timeout: float | None = None):
+        if not self._done:
+            self._native.wait(self._timeout if timeout is None else float(timeout))
+            self._result = self._finish() if self._finish else None
+            self._done = True
+            self._keep = None
+        return self._result
+
+    @property
+    def source(self) -> int:
+        """Sender of a recv / recv_any, as an index in the op's communicator."""
+        return self._native.source
+
+
+class Grid:
+    """Named axes over the world's ranks. Use gw.init() to make one."""
+
+    def __init__(self, axes, *, rank, backend, placement, ranks_per_node, timeout, store, hostname,
+                 device_index=-1):
+        self.axes = dict(axes)
+        self.backend = backend
+        self.timeout = float(timeout)
+        self.placement_policy = placement
+        self._store = store  # the Python side of the native Store must stay alive
+        self._native = _C.Grid(list(axes), placement, int(ranks_per_node), int(rank), backend, self.timeout,
+                               hostname, int(device_index), store)
+        self.placement = self._native.placement
+        self._names = [a for a, _ in axes]
+
+    # ---- geometry -------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._native.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._native.world_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.placement.ranks_per_node
+
+    @property
+    def coords(self) -> dict:
+        return dict(zip(self._names, self._native.coords))
+
+    def size(self, axis: AxisArg = None) -> int:
+        """Number of ranks along an axis or a tuple of axes (the world for None)."""
+        return math.prod(self.axes[a] for a in self._axis_tuple(axis)) if axis is not None else self.world_size
+
+    def index(self, axis: AxisArg) -> int:
+        """This rank's index along an axis or a tuple of axes (row-major, first slowest)."""
+        return self.placement.index_in_line(self.rank, self._axis_tuple(axis))
+
+    def ranks(self, axis: AxisArg) -> list[int]:
+        """Global ranks of this rank's line along `axis`, in index order."""
+        return self.placement.line(self.rank, self._axis_tuple(axis))
+
+    def node_of(self, rank: int) -> int:
+        return self.placement.node_of(rank)
+
+    def _axis_tuple(self, axis) -> list[str]:
+        if axis is None:
+            return []
+        names = [axis] if isinstance(axis, str) else list(axis)
+        if not names:
+            raise GridError("axis tuple is empty; pass None for the whole world")
+        for a in names:
+            if a not in self.axes:
+                raise GridError(f"unknown axis {a!r}; this grid has axes {list(self.axes)}")
+        if len(set(names)) != len(names):
+            raise GridError(f"axis tuple {tuple(names)} repeats an axis")
+        return names
+
+    def comm(self, axis: AxisArg = None):
+        """This rank's native communicator along `axis` (None: the world, by global rank)."""
+        return self._native.comm(self._axis_tuple(axis))
+
+    # ---- collectives ----------------------------------------------------------------
+    def _run(self, native, async_op, keep, finish=None):
+        work = Work(native, self.timeout, keep, finish)
+        return work if async_op else work.wait()
+
+    def all_gather(self, t, axis: AxisArg, dim: int = 0, async_op: bool = False):
+        """Concatenate every member's `t` along `dim`, in index order along `axis`."""
+        c = self.comm(axis)
+        g = c.size
+        dim = _dim(t, dim)
+        src = _contig(t)
+        out = empty_like_shape(t, (g,) + tuple(t.shape))
+
+        def finish():
+            return _merge_leading(out, dim)
+
+        return self._run(c.all_gather(view(src, "all_gather input"), view(out)), async_op, (src, out), finish)
+
+    def reduce_scatter(self, t, axis: AxisArg, op: str = "sum", dim: int = 0, async_op: bool = False):
+        """Reduce `t` over the members and keep chunk `index(axis)` of `dim`."""
+        c = self.comm(axis)
+        g = c.size
+        dim = _dim(t, dim)
+        if t.shape[dim] % g:
+            raise GridError(f"reduce_scatter on axis {axis!r}: dim {dim} of size {t.shape[dim]} "
+                            f"does not split into {g} equal chunks")
+        src = _contig(_movedim(t, dim, 0))
+        out = empty_like_shape(t, (src.shape[0] // g,) + tuple(src.shape[1:]))
+        code = reduce_code(op)
+
+        def finish():
+            return _movedim(out, 0, dim)
+
+        return self._run(c.reduce_scatter(view(src, "reduce_scatter input"), view(out), code), async_op,
+                         (src, out), finish)
+
+    def all_reduce(self, t, axis: AxisArg, op: str = "sum", async_op: bool = False):
+        """In place: every member's `t` becomes the reduction over the members."""
+        c = self.comm(axis)
+        code = reduce_code(op)
+        return self._run(c.all_reduce(view(t, "all_reduce buffer"), code), async_op, (t,), lambda: t)
+
+    def broadcast(self, t, axis: AxisArg, src: int = 0, async_op: bool = False):
+        """In place: `t` of member `src` (index along axis) is copied to every member."""
+        c = self.comm(axis)
+        return self._run(c.broadcast(view(t, "broadcast buffer"), int(src)), async_op, (t,), lambda: t)
+
+    def reduce(self, t, axis: AxisArg, dst: int = 0, op: str = "sum", async_op: bool = False):
+        """In place on member `dst`: the reduction over the members; other members' t is unchanged."""
+        c = self.comm(axis)
+        code = reduce_code(op)
+        return self._run(c.reduce(view(t, "reduce buffer"), code, int(dst)), async_op, (t,), lambda: t)
+
+    def scatter(self, out, full=None, axis: AxisArg = None, src: int = 0, async_op: bool = False):
+        """Member `src` cuts `full` into size(axis) chunks along dim 0; member k receives chunk k in `out`."""
+        c = self.comm(axis)
+        if c.rank == src:
+            if full is None:
+                raise GridError("scatter: the source member must pass `full`")
+            full = _contig(full)
+            fview = view(full, "scatter input")
+        else:
+            fview = view(out)  # ignored off the root
+        return self._run(c.scatter(fview, view(out, "scatter output"), int(src)), async_op, (full, out), lambda: out)
+
+    def gather(self, t, axis: AxisArg = None, dst: int = 0, async_op: bool = False):
+        """Member `dst` gets every member's `t` concatenated along dim 0; others get None."""
+        c = self.comm(axis)
+        src = _contig(t)
+        out = empty_like_shape(t, (c.size * t.shape[0],) + tuple(t.shape[1:])) if c.rank == dst else src
+        res = (lambda: out) if c.rank == dst else (lambda: None)
+        return self._run(c.gather(view(src, "gather input"), view(out), int(dst)), async_op, (src, out), res)
+
+    def all_to_all(self, t, axis: AxisArg, async_op: bool = False):
+        """Chunk k of `t` (along dim 0) goes to member k; chunk j of the result came from member j."""
+        c = self.comm(axis)
+        if t.shape[0] % c.size:
+            raise GridError(f"all_to_all on axis {axis!r}: dim 0 of size {t.shape[0]} does not split into "
+                            f"{c.size} chunks")
+        src = _contig(t)
+        out = empty_like_shape(t, tuple(t.shape))
+        return self._run(c.all_to_all(view(src, "all_to_all input"), view(out)), async_op, (src, out), lambda: out)
+
+    def send(self, t, dst: int, axis: AxisArg = None, tag: int = 0, async_op: bool = False):
+        """Send to `dst` (an index along `axis`; a global rank when axis is None)."""
+        c = self.comm(axis)
+        src = _contig(t)
+        return self._run(c.send(view(src, "send buffer"), int(dst), int(tag)), async_op, (src,), lambda: None)
+
+    def recv(self, t, src: int, axis: AxisArg = None, tag: int = 0, async_op: bool = False):
+        """Receive into `t` from `src` (index along `axis`; a global rank when axis is None)."""
+        c = self.comm(axis)
+        return self._run(c.recv(view(t, "recv buffer"), int(src), int(tag)), async_op, (t,), lambda: t)
+
+    def recv_any(self, t, srcs: Iterable[int], axis: AxisArg = None, tag: int = 0, async_op: bool = False):
+        """Receive into `t` from whichever of `srcs` sends first; returns the sender (or a Work)."""
+        c = self.comm(axis)
+        native = c.recv_any(view(t, "recv buffer"), [int(s) for s in srcs], int(tag))
+        work = Work(native, self.timeout, (t,), lambda: native.source)
+        return work if async_op else work.wait()
+
+    def barrier(self, axis: AxisArg = None):
+        self._run(self.comm(axis).barrier(), False, ())
+
+    # ---- traffic --------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Traffic this rank has moved, per axis label ("y", "x,y", "world"):
+        ops, and messages/bytes sent and received, intra- and inter-node."""
+        return self._native.stats()
+
+    def reset_stats(self) -> None:
+        self._native.reset_stats()
+
+    def traffic(self, axis: AxisArg, op: str, nbytes: int) -> dict:
+        """SUPER's model of one segmented collective over the whole grid (§V, eqs. 3-7):
+        every rank exchanges a message with each member of its line, itself included."""
+        return self.placement.traffic(self._axis_tuple(axis), op, int(nbytes))
+
+    def shutdown(self) -> None:
+        self._native.shutdown()
+
+    def __repr__(self):
+        axes = ", ".join(f"{k}={v}" for k, v in self.axes.items())
+        return f"Grid({axes}; rank {self.rank}/{self.world_size}, {self.backend}, {self.placement_policy})"
+
+
+def _dim(t, dim: int) -> int:
+    nd = len(t.shape)
+    if nd == 0:
+        raise GridError("collectives need a tensor with at least one dimension")
+    if not -nd <= dim < nd:
+        raise GridError(f"dim {dim} is out of range for a {nd}-d tensor")
+    return dim % nd
+
+
+def _contig(t):
+    if isinstance(t, torch.Tensor):
+        return t.contiguous()
+    return t
+
+
+def _movedim(t, a: int, b: int):
+    if a == b:
+        return t
+    if isinstance(t, torch.Tensor):
+        return t.movedim(a, b)
+    import numpy as np
+
+    return np.moveaxis(t, a, b) if isinstance(t, np.ndarray) else t.__class__.moveaxis(t, a, b)
+
+
+def _merge_leading(out, dim: int):
+    """(g, *shape) -> concatenation of the g blocks along `dim`."""
+    if dim == 0:
+        return out.reshape((out.shape[0] * out.shape[1],) + tuple(out.shape[2:]))
+    moved = _movedim(out, 0, dim)  # (..., g, shape[dim], ...)
+    shape = tuple(moved.shape)
+    merged = shape[:dim] + (shape[dim] * shape[dim + 1],) + shape[dim + 2:]
+    return moved.reshape(merged)
+
+
+def _env_int(name: str):
+    v = os.environ.get(name)
+    return int(v) if v not in (None, "") else None
+
+
+class _Session:
+    """The grid of this process made by gw.init; gw.shutdown ends it."""
+
+    current: Grid | None = None
+    generation = 0
+
+
+def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", placement: str = "topology",
+         ranks_per_node: int | None = None, timeout: float = 300.0, *, rank: int | None = None,
+         world_size: int | None = None, store=None, prefix: str | None = None) -> Grid:
+    """Build the grid. Rendezvous uses torchrun's variables (RANK, WORLD_SIZE,
+    LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) unless rank/world_size/store are given.
+    Every check here is local, so bad input raises GridError on every rank before any
+    communication starts."""
+    axes = grid_axes(dp, pp, sp, tp)
+    n = math.prod(s for _, s in axes)
+    rank = _env_int("RANK") if rank is None else rank
+    world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
+    if world_size is None:
+        world_size, rank = 1, 0
+    if rank is None:
+        raise GridError("WORLD_SIZE is set but RANK is not; launch with torchrun or pass rank=")
+    desc = " x ".join(f"{a}={s}" for a, s in axes)
+    if n != world_size:
+        raise GridError(f"grid {desc} needs {n} ranks but the world has {world_size}")
+    if not 0 <= rank < world_size:
+        raise GridError(f"rank {rank} is outside the world of {world_size}")
+    if placement not in ("naive", "topology"):
+        raise GridError(f"placement must be 'naive' or 'topology', got {placement!r}")
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise GridError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    local = _env_int("LOCAL_WORLD_SIZE")
+    rpn = ranks_per_node if ranks_per_node is not None else (local or world_size)
+    if not isinstance(rpn, int) or rpn < 1:
+        raise GridError(f"ranks_per_node must be a positive integer, got {rpn!r}")
+    backend = _resolve_backend(backend)
+    device_index = -1
+    if backend == "nccl":
+        device_index = (_env_int("LOCAL_RANK") or 0) % torch.cuda.device_count()
+
+    if store is None:
+        store = _default_store(rank, world_size, timeout)
+    _Session.generation += 1
+    prefix = prefix if prefix is not None else f"gridweave/{_Session.generation}"
+    # The Python half of a Store subclass must outlive the native grid that calls it.
+    adapter = store if isinstance(store, _C.Store) else _TorchStore(store)
+    native_store = _C.prefix_store(prefix, adapter)
+    keep = (store, adapter)
+    hostname = os.environ.get("GRIDWEAVE_HOSTNAME") or (
+        "127.0.0.1" if (local or world_size) >= world_size else socket.gethostname())
+    grid = Grid(axes, rank=rank, backend=backend, placement=placement, ranks_per_node=rpn, timeout=timeout,
+                store=native_store, hostname=hostname, device_index=device_index)
+    grid._torch_store = keep
+    _Session.current = grid
+    return grid
+
+
+def _resolve_backend(backend: str) -> str:
+    if backend not in ("auto", "gloo", "nccl"):
+        raise GridError(f"unknown backend {backend!r}; use 'auto', 'gloo' or 'nccl'")
+    has_gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    if backend == "auto":
+        return "nccl" if (has_gpu and _C.nccl_available) else "gloo"
+    if backend == "nccl":
+        if not _C.nccl_available:
+            raise GridError("backend 'nccl' requested but gridweave was built without the NCCL transport "
+                            "(rebuild with nvcc and NCCL present, GRIDWEAVE_CUDA=ON)")
+        if not has_gpu:
+            raise GridError("backend 'nccl' requested but this process sees no CUDA GPU; use backend='gloo'")
+    return backend
+
+
+def _default_store(rank: int, world_size: int, timeout: float):
+    from torch.distributed import HashStore, TCPStore
+
+    if world_size == 1:
+        return HashStore()
+    addr = os.environ.get("MASTER_ADDR")
+    port = _env_int("MASTER_PORT")
+    if addr is None or port is None:
+        raise GridError("MASTER_ADDR and MASTER_PORT must be set (torchrun sets them) or pass store=")
+    # Under torchrun the agent already serves a TCPStore on MASTER_PORT.
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return TCPStore(addr, port, world_size, is_master=(rank == 0 and not agent),
+                    timeout=timedelta(seconds=timeout), wait_for_workers=False)
+
+
+def current() -> Grid:
+    if _Session.current is None:
+        raise GridError("no grid: call gw.init() first")
+    return _Session.current
+
+
+def shutdown() -> None:
+    """Close the current grid's communicators."""
+    if _Session.current is not None:
+        _Session.current.shutdown()
+        _Session.current = None

@@ -1,0 +1,217 @@
+// Every op of the Gloo transport on 2-8 processes (fork) through the file store.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <functional>
+#include <numeric>
+#include <thread>
+
+#include "error.h"
+#include "gloo_communicator.h"
+#include "store.h"
+
+using namespace gridweave;
+using std::chrono::milliseconds;
+
+namespace {
+
+BufferView view_of(std::vector<double>& v) { return {v.data(), v.size(), DType::Float64}; }
+BufferView view_of(std::vector<int64_t>& v) { return {v.data(), v.size(), DType::Int64}; }
+
+// Runs body(comm) on n forked ranks; returns the number of ranks that failed.
+int run_ranks(int n, const std::function<void(GlooCommunicator&)>& body, milliseconds timeout = milliseconds(20000),
+              std::shared_ptr<TrafficCounters> counters = nullptr) {
+  static int run = 0;
+  auto dir = std::filesystem::temp_directory_path() /
+             ("gw_ctest_" + std::to_string(getpid()) + "_" + std::to_string(run++));
+  std::filesystem::create_directories(dir);
+  std::vector<pid_t> pids;
+  for (int r = 0; r < n; ++r) {
+    pid_t pid = fork();
+    if (pid == 0) {
+      int rc = 0;
+      try {
+        CommInfo info;
+        info.axis = "world";
+        info.members.resize(n);
+        std::iota(info.members.begin(), info.members.end(), 0);
+        info.rank = r;
+        info.timeout = timeout;
+        info.counters = counters ? counters : std::make_shared<TrafficCounters>();
+        auto comm = std::make_shared<GlooCommunicator>(info, make_file_store(dir.string()),
+                                                       make_gloo_device("127.0.0.1"));
+        body(*comm);
+        if (::testing::Test::HasFailure()) rc = 1;
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "rank %d: %s\n", r, e.what());
+        rc = 2;
+      }
+      std::fflush(nullptr);
+      _exit(rc);
+    }
+    pids.push_back(pid);
+  }
+  int failed = 0;
+  for (pid_t pid : pids) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ++failed;
+  }
+  std::filesystem::remove_all(dir);
+  return failed;
+}
+
+const milliseconds kWait(20000);
+
+}  // namespace
+
+class Comm : public ::testing::TestWithParam<int> {};
+
+TEST_P(Comm, AllGatherReduceScatterAllReduce) {
+  const int n = GetParam();
+  EXPECT_EQ(run_ranks(n, [n](GlooCommunicator& c) {
+    const int r = c.rank();
+    std::vector<double> in(5), out(5 * n);
+    for (int k = 0; k < 5; ++k) in[k] = r * 100 + k;
+    c.all_gather(view_of(in), view_of(out))->wait(kWait);
+    for (int p = 0; p < n; ++p)
+      for (int k = 0; k < 5; ++k) EXPECT_EQ(out[p * 5 + k], p * 100 + k);
+
+    std::vector<int64_t> big(3 * n), mine(3);
+    for (int k = 0; k < 3 * n; ++k) big[k] = (r + 1) * k;
+    c.reduce_scatter(view_of(big), view_of(mine), ReduceOp::Sum)->wait(kWait);
+    const int64_t s = n * (n + 1) / 2;
+    for (int k = 0; k < 3; ++k) EXPECT_EQ(mine[k], s * (r * 3 + k));
+    c.reduce_scatter(view_of(big), view_of(mine), ReduceOp::Max)->wait(kWait);
+    for (int k = 0; k < 3; ++k) EXPECT_EQ(mine[k], n * (r * 3 + k));
+
+    std::vector<double> v = {double(r), -double(r), 1.0};
+    c.all_reduce(view_of(v), ReduceOp::Sum)->wait(kWait);
+    EXPECT_EQ(v[0], n * (n - 1) / 2.0);
+    EXPECT_EQ(v[2], n);
+    std::vector<int64_t> w = {r, -r};
+    c.all_reduce(view_of(w), ReduceOp::Min)->wait(kWait);
+    EXPECT_EQ(w[0], 0);
+    EXPECT_EQ(w[1], -(n - 1));
+  }), 0);
+}
+
+TEST_P(Comm, RootedOps) {
+  const int n = GetParam();
+  EXPECT_EQ(run_ranks(n, [n](GlooCommunicator& c) {
+    const int r = c.rank(), root = n - 1;
+    std::vector<double> b(4, r);
+    c.broadcast(view_of(b), root)->wait(kWait);
+    for (double x : b) EXPECT_EQ(x, root);
+
+    std::vector<int64_t> red = {r, 2 * r, 7};
+    c.reduce(view_of(red), ReduceOp::Sum, 0)->wait(kWait);
+    if (r == 0) EXPECT_EQ(red, (std::vector<int64_t>{n * (n - 1) / 2, n * (n - 1), 7 * n}));
+    else EXPECT_EQ(red, (std::vector<int64_t>{r, 2 * r, 7}));  // untouched off the root
+
+    std::vector<double> full(2 * n), part(2);
+    if (r == root) std::iota(full.begin(), full.end(), 0.0);
+    c.scatter(view_of(full), view_of(part), root)->wait(kWait);
+    EXPECT_EQ(part[0], 2 * r);
+    EXPECT_EQ(part[1], 2 * r + 1);
+
+    std::vector<double> mine = {double(r), double(r * r)}, all(2 * n, -1);
+    c.gather(view_of(mine), view_of(all), 0)->wait(kWait);
+    if (r == 0)
+      for (int p = 0; p < n; ++p) EXPECT_EQ(all[2 * p + 1], p * p);
+
+    std::vector<int64_t> a2a(n), got(n);
+    for (int p = 0; p < n; ++p) a2a[p] = r * 1000 + p;
+    c.all_to_all(view_of(a2a), view_of(got))->wait(kWait);
+    for (int p = 0; p < n; ++p) EXPECT_EQ(got[p], p * 1000 + r);
+    c.barrier()->wait(kWait);
+  }), 0);
+}
+
+TEST_P(Comm, SendRecvAndRecvAny) {
+  const int n = GetParam();
+  EXPECT_EQ(run_ranks(n, [n](GlooCommunicator& c) {
+    const int r = c.rank();
+    std::vector<double> out = {double(r)}, in = {-1};
+    auto s = c.send(view_of(out), (r + 1) % n, 3);
+    auto q = c.recv(view_of(in), (r + n - 1) % n, 3);
+    q->wait(kWait);
+    s->wait(kWait);
+    EXPECT_EQ(in[0], (r + n - 1) % n);
+    EXPECT_EQ(q->source(), (r + n - 1) % n);
+    // Everyone sends to rank 0; it takes messages in whatever order they arrive.
+    if (r == 0) {
+      std::vector<int> pending(n - 1);
+      std::iota(pending.begin(), pending.end(), 1);
+      std::vector<int> seen;
+      while (!pending.empty()) {
+        std::vector<double> buf = {0};
+        auto w = c.recv_any(view_of(buf), pending, 9);
+        w->wait(kWait);
+        EXPECT_EQ(buf[0], 10.0 * w->source());
+        seen.push_back(w->source());
+        pending.erase(std::find(pending.begin(), pending.end(), w->source()));
+      }
+      EXPECT_EQ(static_cast<int>(seen.size()), n - 1);
+    } else {
+      std::vector<double> msg = {10.0 * r};
+      c.send(view_of(msg), 0, 9)->wait(kWait);
+    }
+  }), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, Comm, ::testing::Values(2, 3, 4, 8));
+
+TEST(CommFaults, BadArgumentsFailBeforeCommunicating) {
+  EXPECT_EQ(run_ranks(2, [](GlooCommunicator& c) {
+    std::vector<double> in(3), out(5);
+    try {
+      c.all_gather(view_of(in), view_of(out));
+      ADD_FAILURE() << "expected an error";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::Config);
+      EXPECT_NE(std::string(e.what()).find("needs 2 x 3"), std::string::npos) << e.what();
+    }
+    EXPECT_THROW(c.broadcast(view_of(in), 5), Error);
+    EXPECT_FALSE(c.broken());
+    c.barrier()->wait(kWait);  // both ranks still in step: nothing was sent
+  }), 0);
+}
+
+TEST(CommFaults, SkippedCollectiveTimesOutWithANamedError) {
+  EXPECT_EQ(run_ranks(2, [](GlooCommunicator& c) {
+    std::vector<double> v(4, 1.0);
+    if (c.rank() == 1) {
+      std::this_thread::sleep_for(milliseconds(2500));  // skips the all_reduce, outlives rank 0's timeout
+      return;
+    }
+    try {
+      c.all_reduce(view_of(v), ReduceOp::Sum)->wait(milliseconds(10000));
+      ADD_FAILURE() << "expected a timeout";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::Timeout) << e.what();
+      EXPECT_NE(std::string(e.what()).find("all_reduce on axis 'world'"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("peers [0, 1]"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(c.broken());
+    EXPECT_THROW(c.all_reduce(view_of(v), ReduceOp::Sum), Error);
+  }, milliseconds(1000)), 0);
+}
+
+TEST(CommFaults, AsyncOpOverlapsWithCompute) {
+  EXPECT_EQ(run_ranks(4, [](GlooCommunicator& c) {
+    std::vector<double> v(1 << 18, c.rank() + 1.0);
+    auto w = c.all_reduce(view_of(v), ReduceOp::Sum);
+    double acc = 0;  // the caller keeps computing while the worker thread communicates
+    for (int k = 0; k < 1000000; ++k) acc += std::sqrt(double(k));
+    w->wait(kWait);
+    EXPECT_TRUE(w->test());
+    EXPECT_GT(acc, 0);
+    EXPECT_EQ(v[12345], 10.0);
+  }), 0);
+}
