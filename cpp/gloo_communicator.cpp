@@ -92,9 +92,10 @@ std::shared_ptr<Work> GlooCommunicator::run_collective(OpKind op, const BufferVi
                                                        ReduceOp rop, int root) {
   auto work = std::make_shared<TaskWork>(describe(op));
   uint32_t tag = next_tag_++;
-  auto self = shared_from_this();
-  worker_->submit(work, [self, op, in, out, rop, root, tag]() {
-    self->run_on_worker(op, in, out, rop, root, tag);
+  // Raw `this`: the destructor drains the worker before the communicator goes, and a
+  // task must not own the communicator (its last release would join the worker from itself).
+  worker_->submit(work, [this, op, in, out, rop, root, tag]() {
+    run_on_worker(op, in, out, rop, root, tag);
     return -1;
   });
   return work;
