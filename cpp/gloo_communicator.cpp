@@ -60,11 +60,14 @@ GlooCommunicator::GlooCommunicator(CommInfo info, std::shared_ptr<Store> store,
     GlooStore gloo_store(store, info_.timeout);
     try {
       ctx->connectFullMesh(gloo_store, device);
-    } catch (const Error&) {
-      throw;
     } catch (const std::exception& e) {
-      throw Error(ErrorKind::Comm, "gridweave: connecting the communicator of axis '" + info_.axis + "' (ranks " +
-                                       join_ranks(info_.members) + ") failed: " + e.what());
+      // A member that never arrives (skipped its first op on this axis, or died) shows
+      // up here as a store timeout: keep the kind, name the axis and the peers.
+      const auto* ge = dynamic_cast<const Error*>(&e);
+      throw Error(ge ? ge->kind() : ErrorKind::Comm,
+                  "gridweave: connecting axis '" + info_.axis + "' (rank " + std::to_string(info_.members[info_.rank]) +
+                      ", peers " + join_ranks(info_.members) + ") failed within " +
+                      std::to_string(info_.timeout.count() / 1000.0) + " s; a peer skipped this op or died: " + e.what());
     }
     context_ = ctx;
   }

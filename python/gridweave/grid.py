@@ -15,7 +15,7 @@ import torch
 
 from . import _C
 from ._buffers import empty_like_shape, reduce_code, view
-from .errors import GridError
+from .errors import CommError, GridError
 from .topology import grid_axes
 
 AxisArg = "str | Sequence[str] | None"
@@ -127,9 +127,15 @@ class Grid:
             raise GridError(f"axis tuple {tuple(names)} repeats an axis")
         return names
 
-    def comm(self, axis: AxisArg = None):
-        """This rank's native communicator along `axis` (None: the world, by global rank)."""
-        return self._native.comm(self._axis_tuple(axis))
+    def comm(self, axis: AxisArg = None, op: str = "op"):
+        """This rank's native communicator along `axis` (None: the world, by global rank).
+        The first call on an axis connects its members: all of them must make it."""
+        names = self._axis_tuple(axis)
+        try:
+            return self._native.comm(names)
+        except CommError as e:
+            label = ",".join(names) or "world"
+            raise type(e)(f"{op} on axis '{label}': {e}") from e
 
     # ---- collectives ----------------------------------------------------------------
     def _run(self, native, async_op, keep, finish=None):
@@ -138,7 +144,7 @@ class Grid:
 
     def all_gather(self, t, axis: AxisArg, dim: int = 0, async_op: bool = False):
         """Concatenate every member's `t` along `dim`, in index order along `axis`."""
-        c = self.comm(axis)
+        c = self.comm(axis, "all_gather")
         g = c.size
         dim = _dim(t, dim)
         src = _contig(t)
@@ -151,7 +157,7 @@ class Grid:
 
     def reduce_scatter(self, t, axis: AxisArg, op: str = "sum", dim: int = 0, async_op: bool = False):
         """Reduce `t` over the members and keep chunk `index(axis)` of `dim`."""
-        c = self.comm(axis)
+        c = self.comm(axis, "reduce_scatter")
         g = c.size
         dim = _dim(t, dim)
         if t.shape[dim] % g:
@@ -169,24 +175,24 @@ class Grid:
 
     def all_reduce(self, t, axis: AxisArg, op: str = "sum", async_op: bool = False):
         """In place: every member's `t` becomes the reduction over the members."""
-        c = self.comm(axis)
+        c = self.comm(axis, "all_reduce")
         code = reduce_code(op)
         return self._run(c.all_reduce(view(t, "all_reduce buffer"), code), async_op, (t,), lambda: t)
 
     def broadcast(self, t, axis: AxisArg, src: int = 0, async_op: bool = False):
         """In place: `t` of member `src` (index along axis) is copied to every member."""
-        c = self.comm(axis)
+        c = self.comm(axis, "broadcast")
         return self._run(c.broadcast(view(t, "broadcast buffer"), int(src)), async_op, (t,), lambda: t)
 
     def reduce(self, t, axis: AxisArg, dst: int = 0, op: str = "sum", async_op: bool = False):
         """In place on member `dst`: the reduction over the members; other members' t is unchanged."""
-        c = self.comm(axis)
+        c = self.comm(axis, "reduce")
         code = reduce_code(op)
         return self._run(c.reduce(view(t, "reduce buffer"), code, int(dst)), async_op, (t,), lambda: t)
 
     def scatter(self, out, full=None, axis: AxisArg = None, src: int = 0, async_op: bool = False):
         """Member `src` cuts `full` into size(axis) chunks along dim 0; member k receives chunk k in `out`."""
-        c = self.comm(axis)
+        c = self.comm(axis, "scatter")
         if c.rank == src:
             if full is None:
                 raise GridError("scatter: the source member must pass `full`")
@@ -198,7 +204,7 @@ class Grid:
 
     def gather(self, t, axis: AxisArg = None, dst: int = 0, async_op: bool = False):
         """Member `dst` gets every member's `t` concatenated along dim 0; others get None."""
-        c = self.comm(axis)
+        c = self.comm(axis, "gather")
         src = _contig(t)
         out = empty_like_shape(t, (c.size * t.shape[0],) + tuple(t.shape[1:])) if c.rank == dst else src
         res = (lambda: out) if c.rank == dst else (lambda: None)
@@ -206,7 +212,7 @@ class Grid:
 
     def all_to_all(self, t, axis: AxisArg, async_op: bool = False):
         """Chunk k of `t` (along dim 0) goes to member k; chunk j of the result came from member j."""
-        c = self.comm(axis)
+        c = self.comm(axis, "all_to_all")
         if t.shape[0] % c.size:
             raise GridError(f"all_to_all on axis {axis!r}: dim 0 of size {t.shape[0]} does not split into "
                             f"{c.size} chunks")
@@ -216,24 +222,24 @@ class Grid:
 
     def send(self, t, dst: int, axis: AxisArg = None, tag: int = 0, async_op: bool = False):
         """Send to `dst` (an index along `axis`; a global rank when axis is None)."""
-        c = self.comm(axis)
+        c = self.comm(axis, "send")
         src = _contig(t)
         return self._run(c.send(view(src, "send buffer"), int(dst), int(tag)), async_op, (src,), lambda: None)
 
     def recv(self, t, src: int, axis: AxisArg = None, tag: int = 0, async_op: bool = False):
         """Receive into `t` from `src` (index along `axis`; a global rank when axis is None)."""
-        c = self.comm(axis)
+        c = self.comm(axis, "recv")
         return self._run(c.recv(view(t, "recv buffer"), int(src), int(tag)), async_op, (t,), lambda: t)
 
     def recv_any(self, t, srcs: Iterable[int], axis: AxisArg = None, tag: int = 0, async_op: bool = False):
         """Receive into `t` from whichever of `srcs` sends first; returns the sender (or a Work)."""
-        c = self.comm(axis)
+        c = self.comm(axis, "recv_any")
         native = c.recv_any(view(t, "recv buffer"), [int(s) for s in srcs], int(tag))
         work = Work(native, self.timeout, (t,), lambda: native.source)
         return work if async_op else work.wait()
 
     def barrier(self, axis: AxisArg = None):
-        self._run(self.comm(axis).barrier(), False, ())
+        self._run(self.comm(axis, "barrier").barrier(), False, ())
 
     # ---- traffic --------------------------------------------------------------------
     def stats(self) -> dict:
