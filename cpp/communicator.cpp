@@ -49,7 +49,7 @@ void Communicator::count(OpKind op, const BufferView& buf, int root) const {
   info_.counters->record(info_.axis, schedule(op, size(), rank(), buf.nbytes(), root, static_cast<int>(dtype_size(buf.dtype))), intra);
 }
 
-std::shared_ptr<Work> Communicator::all_gather(const BufferView& in, const BufferView& out) {
+std::shared_ptr<Work> Communicator::all_gather(const BufferView& in, const BufferView& out, bool async_op) {
   const OpKind op = OpKind::AllGather;
   check_usable(op);
   check_buffer(in, "input", op);
@@ -59,10 +59,10 @@ std::shared_ptr<Work> Communicator::all_gather(const BufferView& in, const Buffe
   GW_CHECK(out.count == in.count * size(), describe(op) << ": output holds " << out.count << " elements, needs "
                                                         << size() << " x " << in.count);
   count(op, in, 0);
-  return run_collective(op, in, out, ReduceOp::Sum, 0);
+  return run_collective(op, in, out, ReduceOp::Sum, 0, async_op);
 }
 
-std::shared_ptr<Work> Communicator::reduce_scatter(const BufferView& in, const BufferView& out, ReduceOp rop) {
+std::shared_ptr<Work> Communicator::reduce_scatter(const BufferView& in, const BufferView& out, ReduceOp rop, bool async_op) {
   const OpKind op = OpKind::ReduceScatter;
   check_usable(op);
   check_buffer(in, "input", op);
@@ -72,36 +72,36 @@ std::shared_ptr<Work> Communicator::reduce_scatter(const BufferView& in, const B
   GW_CHECK(in.count == out.count * size(), describe(op) << ": input holds " << in.count << " elements, must be "
                                                         << size() << " x output (" << out.count << ")");
   count(op, in, 0);
-  return run_collective(op, in, out, rop, 0);
+  return run_collective(op, in, out, rop, 0, async_op);
 }
 
-std::shared_ptr<Work> Communicator::all_reduce(const BufferView& buf, ReduceOp rop) {
+std::shared_ptr<Work> Communicator::all_reduce(const BufferView& buf, ReduceOp rop, bool async_op) {
   const OpKind op = OpKind::AllReduce;
   check_usable(op);
   check_buffer(buf, "buffer", op);
   count(op, buf, 0);
-  return run_collective(op, buf, buf, rop, 0);
+  return run_collective(op, buf, buf, rop, 0, async_op);
 }
 
-std::shared_ptr<Work> Communicator::broadcast(const BufferView& buf, int root) {
+std::shared_ptr<Work> Communicator::broadcast(const BufferView& buf, int root, bool async_op) {
   const OpKind op = OpKind::Broadcast;
   check_usable(op);
   check_buffer(buf, "buffer", op);
   check_root(root, op);
   count(op, buf, root);
-  return run_collective(op, buf, buf, ReduceOp::Sum, root);
+  return run_collective(op, buf, buf, ReduceOp::Sum, root, async_op);
 }
 
-std::shared_ptr<Work> Communicator::reduce(const BufferView& buf, ReduceOp rop, int root) {
+std::shared_ptr<Work> Communicator::reduce(const BufferView& buf, ReduceOp rop, int root, bool async_op) {
   const OpKind op = OpKind::Reduce;
   check_usable(op);
   check_buffer(buf, "buffer", op);
   check_root(root, op);
   count(op, buf, root);
-  return run_collective(op, buf, buf, rop, root);
+  return run_collective(op, buf, buf, rop, root, async_op);
 }
 
-std::shared_ptr<Work> Communicator::scatter(const BufferView& in, const BufferView& out, int root) {
+std::shared_ptr<Work> Communicator::scatter(const BufferView& in, const BufferView& out, int root, bool async_op) {
   const OpKind op = OpKind::Scatter;
   check_usable(op);
   check_root(root, op);
@@ -113,10 +113,10 @@ std::shared_ptr<Work> Communicator::scatter(const BufferView& in, const BufferVi
                                                           << " elements, needs " << size() << " x " << out.count);
   }
   count(op, out, root);
-  return run_collective(op, in, out, ReduceOp::Sum, root);
+  return run_collective(op, in, out, ReduceOp::Sum, root, async_op);
 }
 
-std::shared_ptr<Work> Communicator::gather(const BufferView& in, const BufferView& out, int root) {
+std::shared_ptr<Work> Communicator::gather(const BufferView& in, const BufferView& out, int root, bool async_op) {
   const OpKind op = OpKind::Gather;
   check_usable(op);
   check_root(root, op);
@@ -128,10 +128,10 @@ std::shared_ptr<Work> Communicator::gather(const BufferView& in, const BufferVie
                                                           << " elements, needs " << size() << " x " << in.count);
   }
   count(op, in, root);
-  return run_collective(op, in, out, ReduceOp::Sum, root);
+  return run_collective(op, in, out, ReduceOp::Sum, root, async_op);
 }
 
-std::shared_ptr<Work> Communicator::all_to_all(const BufferView& in, const BufferView& out) {
+std::shared_ptr<Work> Communicator::all_to_all(const BufferView& in, const BufferView& out, bool async_op) {
   const OpKind op = OpKind::AllToAll;
   check_usable(op);
   check_buffer(in, "input", op);
@@ -141,7 +141,7 @@ std::shared_ptr<Work> Communicator::all_to_all(const BufferView& in, const Buffe
   GW_CHECK(in.count % size() == 0, describe(op) << ": " << in.count << " elements do not split into " << size()
                                                 << " equal chunks");
   count(op, in, 0);
-  return run_collective(op, in, out, ReduceOp::Sum, 0);
+  return run_collective(op, in, out, ReduceOp::Sum, 0, async_op);
 }
 
 std::shared_ptr<Work> Communicator::send(const BufferView& buf, int peer, int tag) {
@@ -173,11 +173,11 @@ std::shared_ptr<Work> Communicator::recv_any(const BufferView& buf, const std::v
   return run_p2p(op, buf, peers, tag);
 }
 
-std::shared_ptr<Work> Communicator::barrier() {
+std::shared_ptr<Work> Communicator::barrier(bool async_op) {
   check_usable(OpKind::Barrier);
   BufferView none;
   none.device = device();
-  return run_collective(OpKind::Barrier, none, none, ReduceOp::Sum, 0);
+  return run_collective(OpKind::Barrier, none, none, ReduceOp::Sum, 0, async_op);
 }
 
 }  // namespace gridweave

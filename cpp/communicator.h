@@ -36,26 +36,28 @@ class Communicator {
   virtual Device device() const = 0;
   virtual const char* backend() const = 0;
 
-  // Every op is asynchronous; wait on the Work for the synchronous form.
+  // Every op returns a Work; wait on it. With async_op=false a transport may run the
+  // op on the calling thread when nothing is queued before it (saves two thread
+  // hand-offs per op); the Work is then already complete.
   // out = concat over members of in (member order).
-  std::shared_ptr<Work> all_gather(const BufferView& in, const BufferView& out);
+  std::shared_ptr<Work> all_gather(const BufferView& in, const BufferView& out, bool async_op = true);
   // out = chunk `rank` of the reduction over members of in; in.count = size * out.count.
-  std::shared_ptr<Work> reduce_scatter(const BufferView& in, const BufferView& out, ReduceOp op);
-  std::shared_ptr<Work> all_reduce(const BufferView& buf, ReduceOp op);
-  std::shared_ptr<Work> broadcast(const BufferView& buf, int root);
+  std::shared_ptr<Work> reduce_scatter(const BufferView& in, const BufferView& out, ReduceOp op, bool async_op = true);
+  std::shared_ptr<Work> all_reduce(const BufferView& buf, ReduceOp op, bool async_op = true);
+  std::shared_ptr<Work> broadcast(const BufferView& buf, int root, bool async_op = true);
   // In place: on root, buf becomes the reduction over members.
-  std::shared_ptr<Work> reduce(const BufferView& buf, ReduceOp op, int root);
+  std::shared_ptr<Work> reduce(const BufferView& buf, ReduceOp op, int root, bool async_op = true);
   // Root's in (size * out.count elements) is cut into size chunks; member k gets chunk k.
-  std::shared_ptr<Work> scatter(const BufferView& in, const BufferView& out, int root);
+  std::shared_ptr<Work> scatter(const BufferView& in, const BufferView& out, int root, bool async_op = true);
   // Root's out (size * in.count elements) receives every member's in, in member order.
-  std::shared_ptr<Work> gather(const BufferView& in, const BufferView& out, int root);
+  std::shared_ptr<Work> gather(const BufferView& in, const BufferView& out, int root, bool async_op = true);
   // in and out hold size equal chunks; chunk k of in goes to member k.
-  std::shared_ptr<Work> all_to_all(const BufferView& in, const BufferView& out);
+  std::shared_ptr<Work> all_to_all(const BufferView& in, const BufferView& out, bool async_op = true);
   std::shared_ptr<Work> send(const BufferView& buf, int peer, int tag);
   std::shared_ptr<Work> recv(const BufferView& buf, int peer, int tag);
   // Receives from whichever of `peers` sends first; Work::source() tells which.
   std::shared_ptr<Work> recv_any(const BufferView& buf, const std::vector<int>& peers, int tag);
-  std::shared_ptr<Work> barrier();
+  std::shared_ptr<Work> barrier(bool async_op = true);
 
   // Thrown by every op once the communicator has failed (a peer died or timed out).
   bool broken() const { return broken_; }
@@ -67,7 +69,7 @@ class Communicator {
 
   // Transport hooks; arguments already checked. `work` is completed by the transport.
   virtual std::shared_ptr<Work> run_collective(OpKind op, const BufferView& in, const BufferView& out,
-                                               ReduceOp rop, int root) = 0;
+                                               ReduceOp rop, int root, bool async_op) = 0;
   virtual std::shared_ptr<Work> run_p2p(OpKind op, const BufferView& buf, const std::vector<int>& peers,
                                         int tag) = 0;
 

@@ -73,14 +73,24 @@ struct F16 {
   }
 };
 
-template <typename T>
-T apply(T a, T b, ReduceOp op) {
-  switch (op) {
-    case ReduceOp::Sum: return a + b;
-    case ReduceOp::Max: return std::max(a, b);
-    case ReduceOp::Min: return std::min(a, b);
-  }
-  return a;
+struct Sum {
+  template <typename T>
+  T operator()(T a, T b) const { return a + b; }
+};
+struct Max {
+  template <typename T>
+  T operator()(T a, T b) const { return std::max(a, b); }
+};
+struct Min {
+  template <typename T>
+  T operator()(T a, T b) const { return std::min(a, b); }
+};
+
+// The op is a type, so each loop is branch-free and vectorizes.
+template <typename T, typename Op>
+void reduce_loop(T* o, const T* x, const T* y, std::size_t n) {
+  Op f;
+  for (std::size_t k = 0; k < n; ++k) o[k] = f(x[k], y[k]);
 }
 
 template <typename T>
@@ -88,7 +98,17 @@ void reduce_native(void* out, const void* a, const void* b, std::size_t n, Reduc
   T* o = static_cast<T*>(out);
   const T* x = static_cast<const T*>(a);
   const T* y = static_cast<const T*>(b);
-  for (std::size_t k = 0; k < n; ++k) o[k] = apply(x[k], y[k], op);
+  switch (op) {
+    case ReduceOp::Sum: return reduce_loop<T, Sum>(o, x, y, n);
+    case ReduceOp::Max: return reduce_loop<T, Max>(o, x, y, n);
+    case ReduceOp::Min: return reduce_loop<T, Min>(o, x, y, n);
+  }
+}
+
+template <typename H, typename Op>
+void reduce_half_loop(uint16_t* o, const uint16_t* x, const uint16_t* y, std::size_t n) {
+  Op f;
+  for (std::size_t k = 0; k < n; ++k) o[k] = H::store(f(H::load(x[k]), H::load(y[k])));
 }
 
 template <typename H>
@@ -96,7 +116,11 @@ void reduce_half(void* out, const void* a, const void* b, std::size_t n, ReduceO
   uint16_t* o = static_cast<uint16_t*>(out);
   const uint16_t* x = static_cast<const uint16_t*>(a);
   const uint16_t* y = static_cast<const uint16_t*>(b);
-  for (std::size_t k = 0; k < n; ++k) o[k] = H::store(apply(H::load(x[k]), H::load(y[k]), op));
+  switch (op) {
+    case ReduceOp::Sum: return reduce_half_loop<H, Sum>(o, x, y, n);
+    case ReduceOp::Max: return reduce_half_loop<H, Max>(o, x, y, n);
+    case ReduceOp::Min: return reduce_half_loop<H, Min>(o, x, y, n);
+  }
 }
 
 }  // namespace

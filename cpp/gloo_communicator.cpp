@@ -92,9 +92,16 @@ void GlooCommunicator::rethrow(OpKind op, const std::exception& e, int peer) {
 }
 
 std::shared_ptr<Work> GlooCommunicator::run_collective(OpKind op, const BufferView& in, const BufferView& out,
-                                                       ReduceOp rop, int root) {
+                                                       ReduceOp rop, int root, bool async_op) {
   auto work = std::make_shared<TaskWork>(describe(op));
   uint32_t tag = next_tag_++;
+  if (!async_op) {
+    int ran = worker_->run_inline([&]() { run_on_worker(op, in, out, rop, root, tag); });
+    if (ran) {
+      work->complete();
+      return work;
+    }
+  }
   // Raw `this`: the destructor drains the worker before the communicator goes, and a
   // task must not own the communicator (its last release would join the worker from itself).
   worker_->submit(work, [this, op, in, out, rop, root, tag]() {
@@ -226,27 +233,31 @@ void GlooCommunicator::run_on_worker(OpKind op, const BufferView& in, const Buff
 
 // Gloo has no reduce-scatter that leaves chunk k on member k, so it is a ring here:
 // at step s member i sends chunk i-s-1 to i+1 and adds chunk i-s-2 from i-1
-// (the schedule in traffic.cpp). Chunk i is complete on member i after size-1 steps.
+// (the schedule in traffic.cpp). Step 0 sends straight from the input; partial sums
+// alternate between two chunk buffers; the last one lands in `out`.
 void GlooCommunicator::ring_reduce_scatter(const BufferView& in, const BufferView& out, ReduceOp rop, uint32_t tag) {
   const int g = size(), i = rank();
   const std::size_t chunk = out.count, cb = out.nbytes();
-  std::vector<char> acc(static_cast<const char*>(in.ptr), static_cast<const char*>(in.ptr) + in.nbytes());
-  std::vector<char> tmp(cb);
-  auto acc_buf = context_->createUnboundBuffer(acc.data(), acc.size());
-  auto tmp_buf = context_->createUnboundBuffer(tmp.data(), tmp.size());
+  const char* src = static_cast<const char*>(in.ptr);
+  std::vector<char> scratch(3 * cb);  // partial sums [0, cb) and [cb, 2cb); received chunk [2cb, 3cb)
+  char* partial[2] = {scratch.data(), scratch.data() + cb};
+  char* tmp = scratch.data() + 2 * cb;
+  // Gloo sends from registered buffers: the input for step 0, the scratch after.
+  auto in_buf = context_->createUnboundBuffer(const_cast<char*>(src), in.nbytes());
+  auto scratch_buf = context_->createUnboundBuffer(scratch.data(), scratch.size());
   const uint64_t slot = gloo::Slot::build(kReduceScatterSlotPrefix, tag);
   const int right = (i + 1) % g, left = (i + g - 1) % g;
   auto idx = [g](int c) { return ((c % g) + g) % g; };
   for (int s = 0; s < g - 1; ++s) {
-    const int send_c = idx(i - s - 1), recv_c = idx(i - s - 2);
-    acc_buf->send(right, slot, send_c * cb, cb);
-    tmp_buf->recv(left, slot, 0, cb);
-    tmp_buf->waitRecv(info_.timeout);
-    char* dst = acc.data() + recv_c * cb;
-    reduce_into(dst, dst, tmp.data(), chunk, in.dtype, rop);
-    acc_buf->waitSend(info_.timeout);  // the next step sends the chunk just reduced
+    if (s == 0) in_buf->send(right, slot, idx(i - 1) * cb, cb);
+    else scratch_buf->send(right, slot, ((s - 1) % 2) * cb, cb);
+    scratch_buf->recv(left, slot, 2 * cb, cb);
+    scratch_buf->waitRecv(info_.timeout);
+    if (s == 0) in_buf->waitSend(info_.timeout);
+    else scratch_buf->waitSend(info_.timeout);
+    char* dst = s == g - 2 ? static_cast<char*>(out.ptr) : partial[s % 2];
+    reduce_into(dst, src + idx(i - s - 2) * cb, tmp, chunk, in.dtype, rop);
   }
-  std::memcpy(out.ptr, acc.data() + i * cb, cb);
 }
 
 std::shared_ptr<Work> GlooCommunicator::run_p2p(OpKind op, const BufferView& buf, const std::vector<int>& peers,

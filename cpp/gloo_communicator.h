@@ -29,7 +29,7 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
 
  protected:
   std::shared_ptr<Work> run_collective(OpKind op, const BufferView& in, const BufferView& out, ReduceOp rop,
-                                       int root) override;
+                                       int root, bool async_op) override;
   std::shared_ptr<Work> run_p2p(OpKind op, const BufferView& buf, const std::vector<int>& peers, int tag) override;
 
  private:

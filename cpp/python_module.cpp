@@ -138,18 +138,26 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("members", [](const C& c) { return c.info().members; })
       .def_property_readonly("axis", [](const C& c) { return c.info().axis; })
       .def_property_readonly("backend", &C::backend)
-      .def("all_gather", [](C& c, V i, V o) { py::gil_scoped_release g; return c.all_gather(i, o); })
-      .def("reduce_scatter", [rop](C& c, V i, V o, int op) { auto r = rop(op); py::gil_scoped_release g; return c.reduce_scatter(i, o, r); })
-      .def("all_reduce", [rop](C& c, V b, int op) { auto r = rop(op); py::gil_scoped_release g; return c.all_reduce(b, r); })
-      .def("broadcast", [](C& c, V b, int root) { py::gil_scoped_release g; return c.broadcast(b, root); })
-      .def("reduce", [rop](C& c, V b, int op, int root) { auto r = rop(op); py::gil_scoped_release g; return c.reduce(b, r, root); })
-      .def("scatter", [](C& c, V i, V o, int root) { py::gil_scoped_release g; return c.scatter(i, o, root); })
-      .def("gather", [](C& c, V i, V o, int root) { py::gil_scoped_release g; return c.gather(i, o, root); })
-      .def("all_to_all", [](C& c, V i, V o) { py::gil_scoped_release g; return c.all_to_all(i, o); })
+      .def("all_gather", [](C& c, V i, V o, bool a) { py::gil_scoped_release g; return c.all_gather(i, o, a); },
+           py::arg("input"), py::arg("output"), py::arg("async_op") = true)
+      .def("reduce_scatter", [rop](C& c, V i, V o, int op, bool a) { auto r = rop(op); py::gil_scoped_release g; return c.reduce_scatter(i, o, r, a); },
+           py::arg("input"), py::arg("output"), py::arg("op"), py::arg("async_op") = true)
+      .def("all_reduce", [rop](C& c, V b, int op, bool a) { auto r = rop(op); py::gil_scoped_release g; return c.all_reduce(b, r, a); },
+           py::arg("buffer"), py::arg("op"), py::arg("async_op") = true)
+      .def("broadcast", [](C& c, V b, int root, bool a) { py::gil_scoped_release g; return c.broadcast(b, root, a); },
+           py::arg("buffer"), py::arg("root"), py::arg("async_op") = true)
+      .def("reduce", [rop](C& c, V b, int op, int root, bool a) { auto r = rop(op); py::gil_scoped_release g; return c.reduce(b, r, root, a); },
+           py::arg("buffer"), py::arg("op"), py::arg("root"), py::arg("async_op") = true)
+      .def("scatter", [](C& c, V i, V o, int root, bool a) { py::gil_scoped_release g; return c.scatter(i, o, root, a); },
+           py::arg("input"), py::arg("output"), py::arg("root"), py::arg("async_op") = true)
+      .def("gather", [](C& c, V i, V o, int root, bool a) { py::gil_scoped_release g; return c.gather(i, o, root, a); },
+           py::arg("input"), py::arg("output"), py::arg("root"), py::arg("async_op") = true)
+      .def("all_to_all", [](C& c, V i, V o, bool a) { py::gil_scoped_release g; return c.all_to_all(i, o, a); },
+           py::arg("input"), py::arg("output"), py::arg("async_op") = true)
       .def("send", [](C& c, V b, int peer, int tag) { py::gil_scoped_release g; return c.send(b, peer, tag); })
       .def("recv", [](C& c, V b, int peer, int tag) { py::gil_scoped_release g; return c.recv(b, peer, tag); })
       .def("recv_any", [](C& c, V b, const std::vector<int>& peers, int tag) { py::gil_scoped_release g; return c.recv_any(b, peers, tag); })
-      .def("barrier", [](C& c) { py::gil_scoped_release g; return c.barrier(); });
+      .def("barrier", [](C& c, bool a) { py::gil_scoped_release g; return c.barrier(a); }, py::arg("async_op") = true);
 
   py::class_<Placement>(m, "Placement")
       .def(py::init([](const std::vector<std::pair<std::string, int>>& axes, const std::string& policy, int rpn) {

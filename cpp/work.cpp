@@ -60,20 +60,45 @@ void Worker::submit(std::shared_ptr<TaskWork> work, std::function<int()> task) {
   cv_.notify_one();
 }
 
+bool Worker::run_inline(const std::function<void()>& task) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (busy_ || !queue_.empty()) return false;
+    busy_ = true;
+  }
+  struct Release {
+    Worker* w;
+    ~Release() {
+      {
+        std::lock_guard<std::mutex> lock(w->mu_);
+        w->busy_ = false;
+      }
+      w->cv_.notify_all();
+    }
+  } release{this};
+  task();
+  return true;
+}
+
 void Worker::loop() {
   for (;;) {
     std::pair<std::shared_ptr<TaskWork>, std::function<int()>> item;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      cv_.wait(lock, [&] { return (stop_ && !busy_) || (!queue_.empty() && !busy_); });
       if (queue_.empty()) return;  // stop requested and drained
       item = std::move(queue_.front());
       queue_.pop_front();
+      busy_ = true;
     }
     try {
       item.first->complete(item.second());
     } catch (...) {
       item.first->fail(std::current_exception());
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      busy_ = false;
     }
   }
 }

@@ -56,6 +56,9 @@ class Worker {
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
   void submit(std::shared_ptr<TaskWork> work, std::function<int()> task);
+  // Runs `task` on the calling thread if nothing is queued or running, keeping FIFO
+  // order; returns false (and runs nothing) otherwise. Exceptions propagate.
+  bool run_inline(const std::function<void()>& task);
 
  private:
   void loop();
@@ -63,6 +66,7 @@ class Worker {
   std::condition_variable cv_;
   std::deque<std::pair<std::shared_ptr<TaskWork>, std::function<int()>>> queue_;
   bool stop_ = false;
+  bool busy_ = false;  // a task runs, on the worker or inline
   std::thread thread_;
 };
 

@@ -87,7 +87,7 @@ std::shared_ptr<Work> NcclCommunicator::finish(OpKind op, cudaStream_t caller, i
 }
 
 std::shared_ptr<Work> NcclCommunicator::run_collective(OpKind op, const BufferView& in, const BufferView& out,
-                                                       ReduceOp rop, int root) {
+                                                       ReduceOp rop, int root, bool /*async_op*/) {
   cudaStream_t caller = static_cast<cudaStream_t>(op == OpKind::Barrier ? nullptr : (in.ptr ? in.stream : out.stream));
   check_cuda(cudaSetDevice(device_index_), "cudaSetDevice");
   order_after(stream_, caller);

@@ -19,7 +19,7 @@ class NcclCommunicator : public Communicator {
 
  protected:
   std::shared_ptr<Work> run_collective(OpKind op, const BufferView& in, const BufferView& out, ReduceOp rop,
-                                       int root) override;
+                                       int root, bool async_op) override;
   std::shared_ptr<Work> run_p2p(OpKind op, const BufferView& buf, const std::vector<int>& peers, int tag) override;
 
  private:

@@ -5,6 +5,7 @@ along that axis runs the collective at once on its own communicator (SUPER §IV-
 """
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import socket
@@ -142,21 +143,29 @@ class Grid:
         work = Work(native, self.timeout, keep, finish)
         return work if async_op else work.wait()
 
-    def all_gather(self, t, axis: AxisArg, dim: int = 0, async_op: bool = False):
-        """Concatenate every member's `t` along `dim`, in index order along `axis`."""
+    def all_gather(self, t, axis: AxisArg, dim: int = 0, async_op: bool = False, out=None):
+        """Concatenate every member's `t` along `dim`, in index order along `axis`.
+        `out` (dim 0 only) receives the result in place of a new tensor."""
         c = self.comm(axis, "all_gather")
         g = c.size
         dim = _dim(t, dim)
         src = _contig(t)
-        out = empty_like_shape(t, (g,) + tuple(t.shape))
+        shape = (g * t.shape[0],) + tuple(t.shape[1:])
+        if out is not None:
+            _check_out(out, t, shape, dim, "all_gather")
+            buf = out
+        else:
+            buf = empty_like_shape(t, (g,) + tuple(t.shape))
 
         def finish():
-            return _merge_leading(out, dim)
+            return out if out is not None else _merge_leading(buf, dim)
 
-        return self._run(c.all_gather(view(src, "all_gather input"), view(out)), async_op, (src, out), finish)
+        return self._run(c.all_gather(view(src, "all_gather input"), view(buf, "all_gather output"), async_op), async_op,
+                         (src, buf), finish)
 
-    def reduce_scatter(self, t, axis: AxisArg, op: str = "sum", dim: int = 0, async_op: bool = False):
-        """Reduce `t` over the members and keep chunk `index(axis)` of `dim`."""
+    def reduce_scatter(self, t, axis: AxisArg, op: str = "sum", dim: int = 0, async_op: bool = False, out=None):
+        """Reduce `t` over the members and keep chunk `index(axis)` of `dim`.
+        `out` (dim 0 only) receives the result in place of a new tensor."""
         c = self.comm(axis, "reduce_scatter")
         g = c.size
         dim = _dim(t, dim)
@@ -164,31 +173,36 @@ class Grid:
             raise GridError(f"reduce_scatter on axis {axis!r}: dim {dim} of size {t.shape[dim]} "
                             f"does not split into {g} equal chunks")
         src = _contig(_movedim(t, dim, 0))
-        out = empty_like_shape(t, (src.shape[0] // g,) + tuple(src.shape[1:]))
+        shape = (src.shape[0] // g,) + tuple(src.shape[1:])
+        if out is not None:
+            _check_out(out, t, shape, dim, "reduce_scatter")
+            buf = out
+        else:
+            buf = empty_like_shape(t, shape)
         code = reduce_code(op)
 
         def finish():
-            return _movedim(out, 0, dim)
+            return _movedim(buf, 0, dim)
 
-        return self._run(c.reduce_scatter(view(src, "reduce_scatter input"), view(out), code), async_op,
-                         (src, out), finish)
+        return self._run(c.reduce_scatter(view(src, "reduce_scatter input"), view(buf, "reduce_scatter output"),
+                                          code, async_op), async_op, (src, buf), finish)
 
     def all_reduce(self, t, axis: AxisArg, op: str = "sum", async_op: bool = False):
         """In place: every member's `t` becomes the reduction over the members."""
         c = self.comm(axis, "all_reduce")
         code = reduce_code(op)
-        return self._run(c.all_reduce(view(t, "all_reduce buffer"), code), async_op, (t,), lambda: t)
+        return self._run(c.all_reduce(view(t, "all_reduce buffer"), code, async_op), async_op, (t,), lambda: t)
 
     def broadcast(self, t, axis: AxisArg, src: int = 0, async_op: bool = False):
         """In place: `t` of member `src` (index along axis) is copied to every member."""
         c = self.comm(axis, "broadcast")
-        return self._run(c.broadcast(view(t, "broadcast buffer"), int(src)), async_op, (t,), lambda: t)
+        return self._run(c.broadcast(view(t, "broadcast buffer"), int(src), async_op), async_op, (t,), lambda: t)
 
     def reduce(self, t, axis: AxisArg, dst: int = 0, op: str = "sum", async_op: bool = False):
         """In place on member `dst`: the reduction over the members; other members' t is unchanged."""
         c = self.comm(axis, "reduce")
         code = reduce_code(op)
-        return self._run(c.reduce(view(t, "reduce buffer"), code, int(dst)), async_op, (t,), lambda: t)
+        return self._run(c.reduce(view(t, "reduce buffer"), code, int(dst), async_op), async_op, (t,), lambda: t)
 
     def scatter(self, out, full=None, axis: AxisArg = None, src: int = 0, async_op: bool = False):
         """Member `src` cuts `full` into size(axis) chunks along dim 0; member k receives chunk k in `out`."""
@@ -200,7 +214,7 @@ class Grid:
             fview = view(full, "scatter input")
         else:
             fview = view(out)  # ignored off the root
-        return self._run(c.scatter(fview, view(out, "scatter output"), int(src)), async_op, (full, out), lambda: out)
+        return self._run(c.scatter(fview, view(out, "scatter output"), int(src), async_op), async_op, (full, out), lambda: out)
 
     def gather(self, t, axis: AxisArg = None, dst: int = 0, async_op: bool = False):
         """Member `dst` gets every member's `t` concatenated along dim 0; others get None."""
@@ -208,7 +222,7 @@ class Grid:
         src = _contig(t)
         out = empty_like_shape(t, (c.size * t.shape[0],) + tuple(t.shape[1:])) if c.rank == dst else src
         res = (lambda: out) if c.rank == dst else (lambda: None)
-        return self._run(c.gather(view(src, "gather input"), view(out), int(dst)), async_op, (src, out), res)
+        return self._run(c.gather(view(src, "gather input"), view(out), int(dst), async_op), async_op, (src, out), res)
 
     def all_to_all(self, t, axis: AxisArg, async_op: bool = False):
         """Chunk k of `t` (along dim 0) goes to member k; chunk j of the result came from member j."""
@@ -218,7 +232,7 @@ class Grid:
                             f"{c.size} chunks")
         src = _contig(t)
         out = empty_like_shape(t, tuple(t.shape))
-        return self._run(c.all_to_all(view(src, "all_to_all input"), view(out)), async_op, (src, out), lambda: out)
+        return self._run(c.all_to_all(view(src, "all_to_all input"), view(out), async_op), async_op, (src, out), lambda: out)
 
     def send(self, t, dst: int, axis: AxisArg = None, tag: int = 0, async_op: bool = False):
         """Send to `dst` (an index along `axis`; a global rank when axis is None)."""
@@ -239,7 +253,7 @@ class Grid:
         return work if async_op else work.wait()
 
     def barrier(self, axis: AxisArg = None):
-        self._run(self.comm(axis, "barrier").barrier(), False, ())
+        self._run(self.comm(axis, "barrier").barrier(False), False, ())
 
     # ---- traffic --------------------------------------------------------------------
     def stats(self) -> dict:
@@ -270,6 +284,14 @@ def _dim(t, dim: int) -> int:
     if not -nd <= dim < nd:
         raise GridError(f"dim {dim} is out of range for a {nd}-d tensor")
     return dim % nd
+
+
+def _check_out(out, t, shape, dim, op):
+    if dim != 0:
+        raise GridError(f"{op}: out= is supported for dim=0 only")
+    if tuple(out.shape) != tuple(shape) or out.dtype != t.dtype:
+        raise GridError(f"{op}: out has shape {tuple(out.shape)} and dtype {out.dtype}; "
+                        f"expected {tuple(shape)} and {t.dtype}")
 
 
 def _contig(t):
@@ -401,3 +423,8 @@ def shutdown() -> None:
     if _Session.current is not None:
         _Session.current.shutdown()
         _Session.current = None
+
+
+# Join the engine's threads before the interpreter tears down, also when a script
+# forgets gw.shutdown().
+atexit.register(shutdown)

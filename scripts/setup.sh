@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs everything gridweave needs on a fresh Debian machine (apt and pip) and
+# builds + installs the package. Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+if ! dpkg -s libgloo-dev libgtest-dev libbenchmark-dev >/dev/null 2>&1; then
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq libgloo-dev libgtest-dev libbenchmark-dev cmake >/dev/null
+fi
+PIP="python3 -m pip install -q --disable-pip-version-check"
+# The CPU wheel of torch first, so nothing later pulls a CUDA build.
+python3 -c "import torch" 2>/dev/null || $PIP torch==2.13.0
+$PIP numpy "scikit-build-core>=0.10" "pybind11>=2.12" ninja pytest pytest-timeout matplotlib tqdm
+# NCCL headers and library, so the NCCL transport compiles wherever nvcc is found.
+if command -v nvcc >/dev/null 2>&1; then $PIP nvidia-nccl-cu13; fi
+$PIP --no-build-isolation .
