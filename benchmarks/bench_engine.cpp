@@ -91,12 +91,18 @@ int run_rank(int rank, int n, const std::string& dir, int argc, char** argv) {
       })->Iterations(iters)->UseRealTime()->Unit(benchmark::kMicrosecond);
     }
   }
-  benchmark::Initialize(&argc, argv);
+  // Only rank 0 reports; the others must not write the --benchmark_out file.
+  std::vector<char*> args;
+  for (int i = 0; i < argc; ++i)
+    if (rank == 0 || std::strncmp(argv[i], "--benchmark_out", 15) != 0) args.push_back(argv[i]);
+  int nargs = static_cast<int>(args.size());
+  args.push_back(nullptr);
+  benchmark::Initialize(&nargs, args.data());
   if (rank == 0) {
     benchmark::RunSpecifiedBenchmarks();
   } else {
     NullReporter quiet;
-    benchmark::RunSpecifiedBenchmarks(&quiet, &quiet);
+    benchmark::RunSpecifiedBenchmarks(&quiet);
   }
   benchmark::Shutdown();
   return 0;

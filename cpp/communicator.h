@@ -61,6 +61,9 @@ class Communicator {
 
   // Thrown by every op once the communicator has failed (a peer died or timed out).
   bool broken() const { return broken_; }
+  // Cancels pending point-to-point waits (their Work fails with CommError) and refuses
+  // new ops; queued collectives still drain. Called by Grid::shutdown.
+  virtual void close() { broken_ = true; }
 
  protected:
   std::string describe(OpKind op, int peer = -1) const;

@@ -13,6 +13,7 @@
 #include <gloo/transport/tcp/device.h>
 #include <gloo/types.h>
 
+#include <algorithm>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -76,6 +77,18 @@ GlooCommunicator::GlooCommunicator(CommInfo info, std::shared_ptr<Store> store,
 
 GlooCommunicator::~GlooCommunicator() {
   worker_.reset();  // drain queued ops before the context goes
+}
+
+void GlooCommunicator::close() {
+  Communicator::close();
+  std::lock_guard<std::mutex> lock(pending_mu_);
+  for (auto& w : pending_) {
+    if (auto ub = w.lock()) {
+      ub->abortWaitRecv();
+      ub->abortWaitSend();
+    }
+  }
+  pending_.clear();
 }
 
 void GlooCommunicator::rethrow(OpKind op, const std::exception& e, int peer) {
@@ -274,14 +287,25 @@ std::shared_ptr<Work> GlooCommunicator::run_p2p(OpKind op, const BufferView& buf
   } catch (const std::exception& e) {
     rethrow(op, e, peers.size() == 1 ? peers[0] : -1);
   }
+  {
+    std::lock_guard<std::mutex> lock(pending_mu_);
+    pending_.erase(std::remove_if(pending_.begin(), pending_.end(), [](auto& w) { return w.expired(); }),
+                   pending_.end());
+    pending_.push_back(ub);
+  }
   // Posting never blocks; a waiter thread observes completion so test() can poll
   // and several p2p ops can be outstanding at once (the message-driven pipeline).
   auto self = shared_from_this();
   std::thread([self, work, ub, op, view = buf]() {
     try {
       int peer = -1;
-      if (op == OpKind::Send) ub->waitSend(&peer, self->info_.timeout);
-      else ub->waitRecv(&peer, self->info_.timeout);
+      bool done = op == OpKind::Send ? ub->waitSend(&peer, self->info_.timeout)
+                                     : ub->waitRecv(&peer, self->info_.timeout);
+      if (!done) {
+        work->fail(std::make_exception_ptr(
+            Error(ErrorKind::Comm, "gridweave: " + work->what() + " cancelled: the grid was shut down")));
+        return;
+      }
       if (op == OpKind::Recv) self->count(OpKind::Recv, view, peer);
       work->complete(peer);
     } catch (const std::exception& e) {

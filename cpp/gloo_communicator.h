@@ -3,8 +3,10 @@
 #pragma once
 #include <atomic>
 #include <memory>
+#include <mutex>
 
 #include <gloo/transport/device.h>
+#include <gloo/transport/unbound_buffer.h>
 
 #include "communicator.h"
 #include "store.h"
@@ -26,6 +28,7 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   ~GlooCommunicator() override;
   Device device() const override { return Device::CPU; }
   const char* backend() const override { return "gloo"; }
+  void close() override;
 
  protected:
   std::shared_ptr<Work> run_collective(OpKind op, const BufferView& in, const BufferView& out, ReduceOp rop,
@@ -40,6 +43,8 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   std::shared_ptr<gloo::Context> context_;
   std::uint32_t next_tag_ = 0;  // collectives are issued in the same order on every member
   std::unique_ptr<Worker> worker_;
+  std::mutex pending_mu_;
+  std::vector<std::weak_ptr<gloo::transport::UnboundBuffer>> pending_;  // posted p2p buffers
 };
 
 }  // namespace gridweave

@@ -60,6 +60,7 @@ std::shared_ptr<Communicator> Grid::comm(const std::vector<std::string>& axes) {
 
 void Grid::shutdown() {
   std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [axis, c] : comms_) c->close();
   comms_.clear();
 }
 

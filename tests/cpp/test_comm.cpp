@@ -215,3 +215,23 @@ TEST(CommFaults, AsyncOpOverlapsWithCompute) {
     EXPECT_EQ(v[12345], 10.0);
   }), 0);
 }
+
+TEST(CommFaults, CloseCancelsAPendingReceive) {
+  EXPECT_EQ(run_ranks(2, [](GlooCommunicator& c) {
+    if (c.rank() == 1) return;  // never sends
+    std::vector<double> buf(2);
+    auto w = c.recv_any(view_of(buf), {1}, 4);
+    EXPECT_FALSE(w->test());
+    const auto start = std::chrono::steady_clock::now();
+    c.close();
+    try {
+      w->wait(kWait);
+      ADD_FAILURE() << "expected a cancellation";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::Comm);
+      EXPECT_NE(std::string(e.what()).find("cancelled"), std::string::npos) << e.what();
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+    EXPECT_THROW(c.barrier(), Error);  // closed: refuses new ops
+  }), 0);
+}

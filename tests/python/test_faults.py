@@ -145,3 +145,45 @@ def _after_failure(ctx):
 
 def test_pool_recovers_after_a_death(pool):
     assert pool.run(_after_failure, 2) == [[2.0, 2.0]] * 2
+
+
+class _FakeDeviceArray:
+    """Looks like a cupy array on a GPU (no GPU needed to build one)."""
+
+    def __init__(self, n):
+        self._buf = torch.zeros(n)
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "<f4", "data": (self._buf.data_ptr(), False),
+                                         "version": 3, "strides": None, "stream": 0}
+
+
+def _device_mismatch(ctx):
+    grid = ctx.init(dp=2)
+    try:
+        grid.all_reduce(_FakeDeviceArray(4), axis="dp")
+    except gw.GridError as e:
+        return str(e)
+
+
+def test_gpu_array_on_the_gloo_backend_is_a_clear_error(pool):
+    for msg in pool.run(_device_mismatch, 2):
+        assert msg and "on cuda but the gloo transport needs cpu memory" in msg
+
+
+def _shutdown_cancels(ctx):
+    grid = ctx.init(dp=2, timeout=60.0)
+    grid.barrier()
+    if ctx.rank == 1:
+        return None
+    work = grid.recv_any(torch.empty(3), [1], async_op=True)  # rank 1 never sends
+    start = time.monotonic()
+    gw.shutdown()
+    try:
+        work.wait()
+    except gw.CommError as e:
+        return str(e), time.monotonic() - start
+    return "no error", 0.0
+
+
+def test_shutdown_cancels_pending_receives(pool):
+    msg, elapsed = pool.run(_shutdown_cancels, 2)[0]
+    assert "cancelled: the grid was shut down" in msg and elapsed < 10
