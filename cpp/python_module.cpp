@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include "communicator.h"
+#include "cube.h"
 #include "error.h"
 #include "grid.h"
 #include "placement.h"
@@ -175,6 +176,32 @@ PYBIND11_MODULE(_C, m) {
       .def("index_in_line", &Placement::index_in_line)
       .def("traffic", [](const Placement& p, const std::vector<std::string>& axes, const std::string& op,
                          long long nbytes) { return traffic_dict(segmented_traffic(p, axes, op, nbytes)); });
+
+  // 3-D choreography (seed 000 §3.1): layouts, plans and gradient mappings.
+  py::class_<CubeStep>(m, "CubeStep").def_readonly("axis", &CubeStep::axis).def_readonly("dim", &CubeStep::dim);
+  py::class_<CubePlan>(m, "CubePlan")
+      .def_readonly("gather_lhs", &CubePlan::gather_lhs)
+      .def_readonly("gather_rhs", &CubePlan::gather_rhs)
+      .def_readonly("reduce_scatter_out", &CubePlan::reduce_scatter_out)
+      .def_readonly("trans_lhs", &CubePlan::trans_lhs)
+      .def_readonly("trans_rhs", &CubePlan::trans_rhs);
+  py::class_<CubeGrad>(m, "CubeGrad")
+      .def_property_readonly("form", [](const CubeGrad& g) { return static_cast<int>(g.form); })
+      .def_readonly("a", &CubeGrad::a)
+      .def_readonly("c", &CubeGrad::c)
+      .def_readonly("lhs", &CubeGrad::lhs)
+      .def_readonly("rhs", &CubeGrad::rhs);
+  auto form_of = [](int f) {
+    GW_CHECK(f >= 0 && f <= 2, "cube form must be 0 (AB), 1 (ABt) or 2 (AtB)");
+    return static_cast<CubeForm>(f);
+  };
+  m.def("cube_layout", [form_of](int f, int operand, const std::string& a, const std::string& c) {
+    return cube_layout(form_of(f), operand, a, c);
+  });
+  m.def("cube_plan", [form_of](int f, const std::string& a, const std::string& c) { return cube_plan(form_of(f), a, c); });
+  m.def("cube_backward", [form_of](int f, const std::string& a, const std::string& c) {
+    return cube_backward(form_of(f), a, c);
+  });
 
   py::class_<Grid, std::shared_ptr<Grid>>(m, "Grid")
       .def(py::init([](const std::vector<std::pair<std::string, int>>& axes, const std::string& policy, int rpn,

@@ -3,7 +3,9 @@ from . import _C
 from .errors import CommError, CommTimeout, GridError
 from .grid import Grid, Work, current, init, shutdown
 from .topology import Cube, Row, Square, SubGraph
+from .layout import Layout, gather, scatter
+from . import autograd, nn  # noqa: E402  (nn needs the grid module above)
 
 __all__ = ["init", "shutdown", "current", "Grid", "Work", "Row", "Square", "Cube", "SubGraph", "GridError",
-           "CommError", "CommTimeout"]
+           "CommError", "CommTimeout", "Layout", "scatter", "gather", "nn", "autograd"]
 __version__ = "0.1.0"

@@ -1,0 +1,92 @@
+"""Differentiable collectives (seed 003: Megatron's f and g operators, and friends)."""
+from __future__ import annotations
+
+import torch
+
+
+class _CopyToParallel(torch.autograd.Function):
+    """f: identity forward, all-reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, grid, axis):
+        ctx.grid, ctx.axis = grid, axis
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.grid.all_reduce(g.contiguous(), axis=ctx.axis), None, None
+
+
+class _ReduceFromParallel(torch.autograd.Function):
+    """g: all-reduce forward (partial sums -> replicated), identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, grid, axis):
+        return grid.all_reduce(x.contiguous().clone(), axis=axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None, None
+
+
+class _AllReduceReplicated(torch.autograd.Function):
+    """Sum of per-rank partials whose result every rank uses for its own share of the
+    loss (e.g. LayerNorm statistics over a split hidden dim): the gradient of each
+    partial is the sum of every rank's gradient, so backward all-reduces too."""
+
+    @staticmethod
+    def forward(ctx, x, grid, axis):
+        ctx.grid, ctx.axis = grid, axis
+        return grid.all_reduce(x.contiguous().clone(), axis=axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.grid.all_reduce(g.contiguous().clone(), axis=ctx.axis), None, None
+
+
+class _GatherFromParallel(torch.autograd.Function):
+    """All-gather along `dim` forward; keep this rank's chunk of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, grid, axis, dim):
+        ctx.grid, ctx.axis, ctx.dim, ctx.n = grid, axis, dim, x.shape[dim]
+        return grid.all_gather(x.contiguous(), axis=axis, dim=dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        i = ctx.grid.index(ctx.axis)
+        return g.narrow(ctx.dim, i * ctx.n, ctx.n).contiguous(), None, None, None
+
+
+def copy_to_parallel(x, grid, axis):
+    return _CopyToParallel.apply(x, grid, axis)
+
+
+def reduce_from_parallel(x, grid, axis):
+    return _ReduceFromParallel.apply(x, grid, axis)
+
+
+def all_reduce_replicated(x, grid, axis):
+    return _AllReduceReplicated.apply(x, grid, axis)
+
+
+def gather_from_parallel(x, grid, axis, dim=-1):
+    return _GatherFromParallel.apply(x, grid, axis, dim % x.dim())
+
+
+class _ScatterToParallel(torch.autograd.Function):
+    """Keep this rank's chunk of `dim` forward; all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, grid, axis, dim):
+        ctx.grid, ctx.axis, ctx.dim = grid, axis, dim
+        n = x.shape[dim] // grid.size(axis)
+        return x.narrow(dim, grid.index(axis) * n, n).contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.grid.all_gather(g.contiguous(), axis=ctx.axis, dim=ctx.dim), None, None, None
+
+
+def scatter_to_parallel(x, grid, axis, dim=-1):
+    return _ScatterToParallel.apply(x, grid, axis, dim % x.dim())

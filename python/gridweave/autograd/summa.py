@@ -1,0 +1,67 @@
+"""2-D SUMMA products on a q x q grid (axes "r", "c"), the Optimus baseline of seed 000.
+Every operand is split in q x q blocks: block (r, c) lives on rank (r, c)."""
+from __future__ import annotations
+
+import torch
+
+
+def _bcast(grid, t, axis, src, mine):
+    buf = t.detach().clone() if mine else torch.empty_like(t)
+    return grid.broadcast(buf, axis=axis, src=src)
+
+
+class _SummaMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, grid):
+        ctx.grid = grid
+        ctx.save_for_backward(a, b)
+        q, r, c = grid.axes["r"], grid.coords["r"], grid.coords["c"]
+        out = a.new_zeros(a.shape[0], b.shape[1])
+        for t in range(q):  # C_rc = sum_t A_rt B_tc
+            a_t = _bcast(grid, a, "c", t, c == t)  # A_rt along the row
+            b_t = _bcast(grid, b, "r", t, r == t)  # B_tc along the column
+            out += a_t @ b_t
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        grid = ctx.grid
+        g = g.contiguous()
+        q, r, c = grid.axes["r"], grid.coords["r"], grid.coords["c"]
+        da = db = None
+        if ctx.needs_input_grad[0]:  # dA_rt = sum_c dC_rc B_tc^T: reduce along the row to (r, t)
+            for t in range(q):
+                part = (g @ _bcast(grid, b, "r", t, r == t).t()).contiguous()
+                grid.reduce(part, axis="c", dst=t)
+                if c == t:
+                    da = part
+        if ctx.needs_input_grad[1]:  # dB_tc = sum_r A_rt^T dC_rc: reduce along the column to (t, c)
+            for t in range(q):
+                part = (_bcast(grid, a, "c", t, c == t).t() @ g).contiguous()
+                grid.reduce(part, axis="r", dst=t)
+                if r == t:
+                    db = part
+        return da, db, None
+
+
+class _SummaVector(torch.autograd.Function):
+    """A vector split over "c" and, for balanced storage, again over "r": all-gather in r
+    forward; reduce-scatter the (row-summed) gradient in r backward."""
+
+    @staticmethod
+    def forward(ctx, v, grid):
+        ctx.grid = grid
+        return grid.all_gather(v.contiguous(), axis="r")
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.grid.reduce_scatter(g.contiguous(), axis="r"), None
+
+
+def summa_matmul(a, b, grid):
+    return _SummaMatmul.apply(a.contiguous(), b.contiguous(), grid)
+
+
+def summa_vector(v, grid):
+    return _SummaVector.apply(v, grid)

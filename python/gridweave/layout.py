@@ -1,0 +1,80 @@
+"""Layouts: how a full tensor is split over the grid, and gw.scatter / gw.gather.
+
+A Layout lists, for each tensor dimension, the axes that split it (outermost first);
+dimensions past the list, and every axis not named, are replicated. Chunk k of a
+dimension split by (u, v) lives on the rank whose index over (u, v) is k, the same
+row-major order in which grid.all_gather over (u, v) concatenates.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .errors import GridError
+
+
+@dataclass(frozen=True)
+class Layout:
+    dims: tuple  # per dim: tuple of axis names
+
+    def __init__(self, *dims):
+        norm = tuple(tuple([d] if isinstance(d, str) else (d or ())) for d in dims)
+        object.__setattr__(self, "dims", norm)
+
+    def axes(self) -> tuple:
+        """Every axis that splits some dimension, in order."""
+        return tuple(a for d in self.dims for a in d)
+
+    def local_shape(self, shape, grid) -> tuple:
+        out = list(shape)
+        for d, axes in enumerate(self.dims):
+            k = math.prod(grid.axes[a] for a in axes) if axes else 1
+            if d >= len(shape):
+                raise GridError(f"layout {self} has more dims than a {len(shape)}-d tensor")
+            if out[d] % k:
+                raise GridError(f"dim {d} of size {shape[d]} does not split over axes {axes} ({k} ranks)")
+            out[d] //= k
+        return tuple(out)
+
+    def __repr__(self):
+        return "Layout(" + ", ".join("(" + ",".join(d) + ")" for d in self.dims) + ")"
+
+
+def local_slices(shape, layout: Layout, grid) -> tuple:
+    """This rank's slice of a full tensor of `shape` under `layout`."""
+    local = layout.local_shape(shape, grid)
+    sl = []
+    for d in range(len(shape)):
+        axes = layout.dims[d] if d < len(layout.dims) else ()
+        i = grid.index(axes) if axes else 0
+        sl.append(slice(i * local[d], (i + 1) * local[d]))
+    return tuple(sl)
+
+
+def scatter(full: torch.Tensor, layout: Layout, grid) -> torch.Tensor:
+    """This rank's shard of `full` (every rank passes the same full tensor)."""
+    return full[local_slices(full.shape, layout, grid)].contiguous()
+
+
+def gather(local: torch.Tensor, layout: Layout, grid) -> torch.Tensor:
+    """The full tensor on every rank, from each rank's shard."""
+    t = local.detach().contiguous()
+    for d, axes in enumerate(layout.dims):
+        if axes and math.prod(grid.axes[a] for a in axes) > 1:
+            t = grid.all_gather(t, axis=tuple(axes), dim=d)
+    return t
+
+
+def assemble(local: torch.Tensor, full_shape, layout: Layout, grid, owner: bool = True, over=None) -> torch.Tensor:
+    """The full tensor from shards that only `owner` ranks hold (e.g. diagonal storage):
+    each owner writes its slice into zeros and a sum over `over` (default: the layout's
+    axes) assembles them; every block must have exactly one owner on that sum's lines."""
+    full = torch.zeros(full_shape, dtype=local.dtype)
+    if owner:
+        full[local_slices(full_shape, layout, grid)] = local.detach()
+    axes = tuple(over) if over is not None else tuple(dict.fromkeys(layout.axes()))
+    if axes:
+        grid.all_reduce(full, axis=axes)
+    return full

@@ -1,0 +1,163 @@
+"""1-D tensor parallelism (seed 003, Megatron-LM): column- and row-parallel linears with
+the f / g operators, vocab-parallel embedding. Axis "tp"."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..autograd.comm import copy_to_parallel, gather_from_parallel, reduce_from_parallel, scatter_to_parallel
+from ..errors import GridError
+from ..layout import Layout, gather, scatter
+from .dense import dense_linear
+
+REPLICATED = Layout()
+
+
+def _split(n: int, parts: int, what: str) -> int:
+    if n % parts:
+        raise GridError(f"{what} = {n} does not split over {parts} tensor-parallel ranks")
+    return n // parts
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X W^T + b with W split by output rows: f (identity fwd, all-reduce bwd) on the input."""
+
+    def __init__(self, in_features, out_features, grid, bias=True, gather_output=False, axis="tp", dtype=None):
+        super().__init__()
+        self.grid, self.axis, self.gather_output = grid, axis, gather_output
+        self.in_features, self.out_features = in_features, out_features
+        n = _split(out_features, grid.size(axis), "out_features")
+        self.weight = nn.Parameter(torch.empty(n, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(n, dtype=dtype)) if bias else None
+        nn.init.normal_(self.weight, std=in_features ** -0.5)
+
+    @property
+    def input_layout(self):
+        return REPLICATED
+
+    @property
+    def output_layout(self):
+        return REPLICATED if self.gather_output else Layout((), (), (self.axis,))
+
+    def forward(self, x):
+        y = F.linear(copy_to_parallel(x, self.grid, self.axis), self.weight, self.bias)
+        return gather_from_parallel(y, self.grid, self.axis, -1) if self.gather_output else y
+
+    @classmethod
+    def from_dense(cls, dense: nn.Linear, grid, **kw):
+        m = cls(dense.in_features, dense.out_features, grid, bias=dense.bias is not None, dtype=dense.weight.dtype, **kw)
+        m.load_dense(dense)
+        return m
+
+    def load_dense(self, dense, order=None):
+        w, b = dense.weight.detach(), None if dense.bias is None else dense.bias.detach()
+        if order is not None:
+            w, b = w[order], (None if b is None else b[order])
+        with torch.no_grad():
+            self.weight.copy_(scatter(w, Layout((self.axis,)), self.grid))
+            if self.bias is not None:
+                self.bias.copy_(scatter(b, Layout((self.axis,)), self.grid))
+
+    def dense_state(self, grad=False):
+        pick = (lambda p: p.grad) if grad else (lambda p: p.detach())
+        out = {"weight": gather(pick(self.weight), Layout((self.axis,)), self.grid)}
+        if self.bias is not None:
+            out["bias"] = gather(pick(self.bias), Layout((self.axis,)), self.grid)
+        return out
+
+    def to_dense(self):
+        return dense_linear(self.dense_state(), self.in_features, self.out_features)
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X W^T + b with W split by input columns: g (all-reduce fwd, identity bwd) on the output."""
+
+    def __init__(self, in_features, out_features, grid, bias=True, input_is_parallel=True, axis="tp", dtype=None):
+        super().__init__()
+        self.grid, self.axis, self.input_is_parallel = grid, axis, input_is_parallel
+        self.in_features, self.out_features = in_features, out_features
+        n = _split(in_features, grid.size(axis), "in_features")
+        self.weight = nn.Parameter(torch.empty(out_features, n, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+        nn.init.normal_(self.weight, std=in_features ** -0.5)
+
+    @property
+    def input_layout(self):
+        return Layout((), (), (self.axis,)) if self.input_is_parallel else REPLICATED
+
+    @property
+    def output_layout(self):
+        return REPLICATED
+
+    def forward(self, x):
+        if not self.input_is_parallel:
+            x = scatter_to_parallel(x, self.grid, self.axis, -1)
+        y = reduce_from_parallel(F.linear(x, self.weight), self.grid, self.axis)
+        return y + self.bias if self.bias is not None else y
+
+    @classmethod
+    def from_dense(cls, dense: nn.Linear, grid, **kw):
+        m = cls(dense.in_features, dense.out_features, grid, bias=dense.bias is not None, dtype=dense.weight.dtype, **kw)
+        m.load_dense(dense)
+        return m
+
+    def load_dense(self, dense, order=None):
+        w = dense.weight.detach()
+        if order is not None:
+            w = w[:, order]
+        with torch.no_grad():
+            self.weight.copy_(scatter(w, Layout((), (self.axis,)), self.grid))
+            if self.bias is not None:
+                self.bias.copy_(dense.bias.detach())
+
+    def dense_state(self, grad=False):
+        pick = (lambda p: p.grad) if grad else (lambda p: p.detach())
+        out = {"weight": gather(pick(self.weight), Layout((), (self.axis,)), self.grid)}
+        if self.bias is not None:
+            out["bias"] = pick(self.bias).clone()
+        return out
+
+    def to_dense(self):
+        return dense_linear(self.dense_state(), self.in_features, self.out_features)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split over the vocabulary; out-of-range ids give zeros locally and
+    one all-reduce (g) assembles the lookup."""
+
+    def __init__(self, num_embeddings, embedding_dim, grid, axis="tp", dtype=None):
+        super().__init__()
+        self.grid, self.axis = grid, axis
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        n = _split(num_embeddings, grid.size(axis), "num_embeddings")
+        self.start = grid.index(axis) * n
+        self.weight = nn.Parameter(torch.empty(n, embedding_dim, dtype=dtype))
+        nn.init.normal_(self.weight)
+
+    input_layout = REPLICATED
+    output_layout = REPLICATED
+
+    def forward(self, ids):
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(torch.where(outside, torch.zeros_like(local), local), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_parallel(out, self.grid, self.axis)
+
+    @classmethod
+    def from_dense(cls, dense: nn.Embedding, grid, **kw):
+        m = cls(dense.num_embeddings, dense.embedding_dim, grid, dtype=dense.weight.dtype, **kw)
+        with torch.no_grad():
+            m.weight.copy_(scatter(dense.weight.detach(), Layout((m.axis,)), grid))
+        return m
+
+    def dense_state(self, grad=False):
+        w = self.weight.grad if grad else self.weight.detach()
+        return {"weight": gather(w, Layout((self.axis,)), self.grid)}
+
+    def to_dense(self):
+        e = nn.Embedding(self.num_embeddings, self.embedding_dim, dtype=self.weight.dtype)
+        with torch.no_grad():
+            e.weight.copy_(self.dense_state()["weight"])
+        return e

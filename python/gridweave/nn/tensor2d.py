@@ -1,0 +1,120 @@
+"""2-D tensor parallelism (SUMMA, the Optimus baseline of seed 000) on a q x q grid:
+activations (b, s, h) split by batch over "r" and hidden over "c"."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..autograd.comm import all_reduce_replicated
+from ..autograd.summa import summa_matmul, summa_vector
+from ..errors import GridError
+from .dense import dense_layernorm, dense_linear
+from ..layout import Layout, gather, scatter
+
+ACTIVATION = Layout(("r",), (), ("c",))
+WEIGHT = Layout(("r",), ("c",))  # B = W^T, (in, out)
+VECTOR = Layout(("c", "r"))      # split over c, then over r for balanced storage
+
+
+def _check(n, parts, what):
+    if n % parts:
+        raise GridError(f"{what} = {n} does not split over {parts} ranks of the 2-D grid")
+
+
+def _check_batch(x, grid):
+    q = grid.axes["r"]
+    if x.dim() != 3:
+        raise GridError(f"2-D modules take (batch, seq, hidden) shards, got {tuple(x.shape)}")
+    return q
+
+
+class Linear2D(nn.Module):
+    """Y = X W^T + b with X, W^T and Y in q x q blocks; SUMMA broadcasts per step."""
+
+    input_layout = ACTIVATION
+    output_layout = ACTIVATION
+
+    def __init__(self, in_features, out_features, grid, bias=True, dtype=None):
+        super().__init__()
+        q = grid.axes["r"]
+        if grid.axes.get("c") != q:
+            raise GridError("Linear2D needs a square grid: gw.init(tp=gw.Square(q))")
+        _check(in_features, q, "in_features")
+        _check(out_features, q * q, "out_features")
+        self.grid, self.in_features, self.out_features = grid, in_features, out_features
+        self.weight = nn.Parameter(torch.empty(in_features // q, out_features // q, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(out_features // (q * q), dtype=dtype)) if bias else None
+        nn.init.normal_(self.weight, std=in_features ** -0.5)
+
+    def forward(self, x):
+        _check_batch(x, self.grid)
+        b, s, h = x.shape
+        y = summa_matmul(x.reshape(b * s, h), self.weight, self.grid)
+        if self.bias is not None:
+            y = y + summa_vector(self.bias, self.grid)
+        return y.reshape(b, s, -1)
+
+    @classmethod
+    def from_dense(cls, dense: nn.Linear, grid):
+        m = cls(dense.in_features, dense.out_features, grid, bias=dense.bias is not None, dtype=dense.weight.dtype)
+        m.load_dense(dense)
+        return m
+
+    def load_dense(self, dense, order=None):
+        w, b = dense.weight.detach(), None if dense.bias is None else dense.bias.detach()
+        if order is not None:
+            w, b = w[order], (None if b is None else b[order])
+        with torch.no_grad():
+            self.weight.copy_(scatter(w.t().contiguous(), WEIGHT, self.grid))
+            if self.bias is not None:
+                self.bias.copy_(scatter(b, VECTOR, self.grid))
+
+    def dense_state(self, grad=False):
+        pick = (lambda p: p.grad) if grad else (lambda p: p.detach())
+        out = {"weight": gather(pick(self.weight), WEIGHT, self.grid).t().contiguous()}
+        if self.bias is not None:
+            out["bias"] = gather(pick(self.bias), VECTOR, self.grid)
+        return out
+
+    def to_dense(self):
+        return dense_linear(self.dense_state(), self.in_features, self.out_features)
+
+
+class LayerNorm2D(nn.Module):
+    """LayerNorm over a hidden dim split over "c": statistics all-reduced in c."""
+
+    input_layout = ACTIVATION
+    output_layout = ACTIVATION
+
+    def __init__(self, hidden, grid, eps=1e-5, dtype=None):
+        super().__init__()
+        q = grid.axes["r"]
+        _check(hidden, q * q, "hidden")
+        self.grid, self.hidden, self.eps = grid, hidden, eps
+        self.weight = nn.Parameter(torch.ones(hidden // (q * q), dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(hidden // (q * q), dtype=dtype))
+
+    def forward(self, x):
+        mean = all_reduce_replicated(x.sum(-1, keepdim=True), self.grid, "c") / self.hidden
+        d = x - mean
+        var = all_reduce_replicated((d * d).sum(-1, keepdim=True), self.grid, "c") / self.hidden
+        return d * torch.rsqrt(var + self.eps) * summa_vector(self.weight, self.grid) + summa_vector(self.bias, self.grid)
+
+    @classmethod
+    def from_dense(cls, dense: nn.LayerNorm, grid):
+        m = cls(dense.normalized_shape[0], grid, eps=dense.eps, dtype=dense.weight.dtype)
+        m.load_dense(dense)
+        return m
+
+    def load_dense(self, dense):
+        with torch.no_grad():
+            self.weight.copy_(scatter(dense.weight.detach(), VECTOR, self.grid))
+            self.bias.copy_(scatter(dense.bias.detach(), VECTOR, self.grid))
+
+    def dense_state(self, grad=False):
+        pick = (lambda p: p.grad) if grad else (lambda p: p.detach())
+        return {"weight": gather(pick(self.weight), VECTOR, self.grid),
+                "bias": gather(pick(self.bias), VECTOR, self.grid)}
+
+    def to_dense(self):
+        return dense_layernorm(self.dense_state(), self.hidden, self.eps)

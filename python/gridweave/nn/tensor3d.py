@@ -1,0 +1,175 @@
+"""3-D tensor parallelism (seed 000) on a p x p x p cube, weights on x. Activations
+(b, s, h): batch split over (x, a), hidden over c; a Linear3D returns batch over (x, c)
+and hidden over a, so consecutive linears swap a and c (§3.1.3)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import _C
+from ..autograd.comm import all_reduce_replicated
+from ..autograd.cube import AB, cube_matmul, cube_vector, is_diagonal
+from ..errors import GridError
+from .dense import dense_layernorm, dense_linear
+from ..layout import Layout, assemble, gather, scatter
+
+CUBE = ("x", "y", "z")
+
+
+def _p(grid):
+    p = grid.axes.get("x")
+    if p is None or grid.axes.get("y") != p or grid.axes.get("z") != p:
+        raise GridError("3-D modules need a cube: gw.init(tp=gw.Cube(p))")
+    return p
+
+
+def _check(n, parts, what):
+    if n % parts:
+        raise GridError(f"{what} = {n} does not split over {parts} ranks of the 3-D cube")
+
+
+def activation_layout(a, c):
+    return Layout(("x", a), (), (c,))
+
+
+def _matrix_layout(form, operand, a, c):
+    return Layout(*[tuple(d) for d in _C.cube_layout(form, operand, a, c)])
+
+
+class Linear3D(nn.Module):
+    """Y = X W^T + b. W^T is B_lji [c | (a, x)] (Algorithm 1); b is stored on the
+    diagonal ranks (Fig. 5) and applied with Algorithm 7."""
+
+    def __init__(self, in_features, out_features, grid, bias=True, a="y", c="z", overlap=False, dtype=None):
+        super().__init__()
+        p = _p(grid)
+        _check(in_features, p, "in_features")
+        _check(out_features, p * p, "out_features")
+        self.grid, self.a, self.c, self.overlap = grid, a, c, overlap
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(in_features // p, out_features // (p * p), dtype=dtype))
+        nn.init.normal_(self.weight, std=in_features ** -0.5)
+        self.diagonal = is_diagonal(grid, a, c)
+        n_bias = out_features // (p * p)
+        self.bias = nn.Parameter(torch.zeros(n_bias if self.diagonal else 0, dtype=dtype)) if bias else None
+        self._prefetched = None
+
+    @property
+    def input_layout(self):
+        return activation_layout(self.a, self.c)
+
+    @property
+    def output_layout(self):
+        return activation_layout(self.c, self.a)
+
+    @property
+    def weight_layout(self):
+        return _matrix_layout(AB, 1, self.a, self.c)
+
+    @property
+    def bias_layout(self):
+        return Layout((self.a, "x"))
+
+    def prefetch(self):
+        """Start the all-gather of the weight in x now, for the next forward (async)."""
+        plan = _C.cube_plan(AB, self.a, self.c)
+        self._prefetched = self.grid.all_gather(self.weight.detach(), axis=plan.gather_rhs.axis,
+                                                dim=plan.gather_rhs.dim, async_op=True)
+
+    def forward(self, x):
+        p = self.grid.axes["x"]
+        if x.dim() != 3 or x.shape[-1] != self.in_features // p:
+            raise GridError(f"Linear3D expects a (batch, seq, {self.in_features // p}) shard, got {tuple(x.shape)}")
+        b, s, h = x.shape
+        pre, self._prefetched = self._prefetched, None
+        y = cube_matmul(x.reshape(b * s, h), self.weight, self.grid, AB, self.a, self.c, self.overlap, pre)
+        if self.bias is not None:  # C + b: columns split by a, broadcast along c (Algorithm 7)
+            y = y + cube_vector(self.bias, self.grid, self.a, self.c, self.out_features // (p * p))
+        return y.reshape(b, s, -1)
+
+    @classmethod
+    def from_dense(cls, dense: nn.Linear, grid, **kw):
+        m = cls(dense.in_features, dense.out_features, grid, bias=dense.bias is not None, dtype=dense.weight.dtype,
+                **kw)
+        m.load_dense(dense)
+        return m
+
+    def load_dense(self, dense, order=None):
+        w, b = dense.weight.detach(), None if dense.bias is None else dense.bias.detach()
+        if order is not None:
+            w, b = w[order], (None if b is None else b[order])
+        with torch.no_grad():
+            self.weight.copy_(scatter(w.t().contiguous(), self.weight_layout, self.grid))
+            if self.bias is not None and self.diagonal:
+                self.bias.copy_(scatter(b, self.bias_layout, self.grid))
+
+    def dense_state(self, grad=False):
+        pick = (lambda p: p.grad) if grad else (lambda p: p.detach())
+        out = {"weight": gather(pick(self.weight), self.weight_layout, self.grid).t().contiguous()}
+        if self.bias is not None:
+            local = pick(self.bias)
+            out["bias"] = _assemble_diagonal(local, self.out_features, self.bias_layout, self.grid, self.diagonal)
+        return out
+
+    def to_dense(self):
+        return dense_linear(self.dense_state(), self.in_features, self.out_features)
+
+
+def _assemble_diagonal(local, n, layout, grid, diagonal):
+    if local is None:
+        local = torch.zeros(0)
+    return assemble(local, (n,), layout, grid, owner=diagonal, over=CUBE)
+
+
+class LayerNorm3D(nn.Module):
+    """LayerNorm over a hidden dim split over c; gamma and beta on the diagonal (Alg. 7-8)."""
+
+    def __init__(self, hidden, grid, a="y", c="z", eps=1e-5, dtype=None):
+        super().__init__()
+        p = _p(grid)
+        _check(hidden, p * p, "hidden")
+        self.grid, self.hidden, self.eps, self.a, self.c = grid, hidden, eps, a, c
+        self.diagonal = is_diagonal(grid, c, a)
+        n = hidden // (p * p) if self.diagonal else 0
+        self.weight = nn.Parameter(torch.ones(n, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(n, dtype=dtype))
+
+    @property
+    def input_layout(self):
+        return activation_layout(self.a, self.c)
+
+    output_layout = input_layout
+
+    @property
+    def vector_layout(self):
+        return Layout((self.c, "x"))
+
+    def forward(self, x):
+        p = self.grid.axes["x"]
+        n = self.hidden // (p * p)
+        mean = all_reduce_replicated(x.sum(-1, keepdim=True), self.grid, self.c) / self.hidden
+        d = x - mean
+        var = all_reduce_replicated((d * d).sum(-1, keepdim=True), self.grid, self.c) / self.hidden
+        gamma = cube_vector(self.weight, self.grid, self.c, self.a, n)
+        beta = cube_vector(self.bias, self.grid, self.c, self.a, n)
+        return d * torch.rsqrt(var + self.eps) * gamma + beta
+
+    @classmethod
+    def from_dense(cls, dense: nn.LayerNorm, grid, **kw):
+        m = cls(dense.normalized_shape[0], grid, eps=dense.eps, dtype=dense.weight.dtype, **kw)
+        m.load_dense(dense)
+        return m
+
+    def load_dense(self, dense):
+        if self.diagonal:
+            with torch.no_grad():
+                self.weight.copy_(scatter(dense.weight.detach(), self.vector_layout, self.grid))
+                self.bias.copy_(scatter(dense.bias.detach(), self.vector_layout, self.grid))
+
+    def dense_state(self, grad=False):
+        pick = (lambda t: t.grad) if grad else (lambda t: t.detach())
+        return {name: _assemble_diagonal(pick(t), self.hidden, self.vector_layout, self.grid, self.diagonal)
+                for name, t in (("weight", self.weight), ("bias", self.bias))}
+
+    def to_dense(self):
+        return dense_layernorm(self.dense_state(), self.hidden, self.eps)
