@@ -1,0 +1,69 @@
+"""A whole transformer layer per mode (1-D, 2-D, 3-D) against the dense layer: output,
+input gradient and every parameter gradient; Megatron's four all-reduces."""
+import pytest
+import torch
+
+from tp_refs import full, rel
+
+H, HEADS, B, S = 32, 8, 4, 5
+
+
+def _layer(ctx, mode, dtype_name, overlap, bias):
+    import gridweave as gw
+
+    dtype = getattr(torch, dtype_name)
+    n = ctx.world_size
+    tp = {"1d": gw.Row(n), "2d": gw.Square(2), "3d": gw.Cube(2)}[mode]
+    grid = ctx.init(tp=tp)
+    torch.manual_seed(0)
+    dense = gw.nn.DenseTransformerLayer(H, HEADS, bias=bias, dtype=dtype)
+    with torch.no_grad():
+        for p in dense.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    kw = {"overlap": overlap} if mode == "3d" else {}
+    layer = gw.nn.TransformerLayer.from_dense(dense, grid, mode=mode, **kw)
+    x = full((B, S, H), 11, dtype).requires_grad_()
+    y = dense(x)
+    dy = full(y.shape, 12, dtype)
+    y.backward(dy)
+    xl = gw.scatter(x.detach(), layer.input_layout, grid).requires_grad_()
+    grid.reset_stats()
+    yl = layer(xl)
+    yl.backward(gw.scatter(dy, layer.output_layout, grid))
+    stats = grid.stats()
+    errs = {"y": rel(gw.gather(yl, layer.output_layout, grid), y),
+            "dx": rel(gw.gather(xl.grad, layer.input_layout, grid), x.grad)}
+    grads = layer.dense_state(grad=True)
+    for name, p in dense.named_parameters():
+        errs[name] = rel(grads[name], p.grad)
+    state = layer.to_dense().state_dict()
+    errs["to_dense"] = max(rel(state[k], v) for k, v in dense.state_dict().items())
+    return errs, stats
+
+
+CASES = [("1d", 2), ("1d", 4), ("1d", 8), ("2d", 4), ("3d", 8)]
+
+
+@pytest.mark.parametrize("mode,n", CASES)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_transformer_layer_matches_dense(pool, mode, n, dtype):
+    limit = 1e-10 if dtype == "float64" else 1e-5
+    for errs, _ in pool.run(_layer, n, mode, dtype, False, True):
+        assert max(errs.values()) < limit, {k: v for k, v in errs.items() if v >= limit}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_3d_layer_overlap_and_bias(pool, overlap, bias):
+    for errs, _ in pool.run(_layer, 8, "3d", "float64", overlap, bias):
+        assert max(errs.values()) < 1e-10, errs
+
+
+def test_1d_layer_moves_exactly_four_all_reduces(pool):
+    n = 4
+    for errs, stats in pool.run(_layer, n, "1d", "float64", False, True):
+        assert list(stats) == ["tp"]
+        tp = stats["tp"]
+        assert tp["ops"] == 4  # g after attention and MLP forward, f before them backward
+        sent = tp["sent_intra"]["bytes"] + tp["sent_inter"]["bytes"]
+        assert sent == 4 * 2 * (n - 1) * (B * S * H * 8) // n  # ring all-reduce of b*s*h each
