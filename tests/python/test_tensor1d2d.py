@@ -113,3 +113,31 @@ def test_summa_2d_modules(pool, dtype):
     limit = 1e-10 if dtype == "float64" else 1e-5
     for errs in pool.run(_two_d, 4, dtype):
         assert max(errs.values()) < limit, errs
+
+
+def _bad_shapes(ctx, mode):
+    import gridweave as gw
+
+    grid = ctx.init(tp=gw.Row(4) if mode == "1d" else gw.Square(2))
+    makers = {
+        "1d": [lambda: gw.nn.ColumnParallelLinear(8, 6, grid), lambda: gw.nn.RowParallelLinear(10, 8, grid),
+               lambda: gw.nn.VocabParallelEmbedding(10, 4, grid),
+               lambda: gw.nn.TransformerLayer(16, 6, grid, mode="1d")],
+        "2d": [lambda: gw.nn.Linear2D(8, 6, grid), lambda: gw.nn.Linear2D(5, 8, grid),
+               lambda: gw.nn.LayerNorm2D(6, grid), lambda: gw.nn.TransformerLayer(16, 3, grid, mode="2d"),
+               lambda: gw.scatter(torch.zeros(3, 2, 8), gw.Layout(("r",), (), ("c",)), grid)],
+    }[mode]
+    msgs = []
+    for make in makers:
+        try:
+            make()
+            msgs.append(None)
+        except gw.GridError as e:
+            msgs.append(str(e))
+    return msgs
+
+
+@pytest.mark.parametrize("mode,n", [("1d", 4), ("2d", 4)])
+def test_shapes_the_grid_does_not_divide_fail_on_every_rank(pool, mode, n):
+    for msgs in pool.run(_bad_shapes, n, mode):
+        assert all(m is not None for m in msgs), msgs

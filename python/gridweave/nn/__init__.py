@@ -4,8 +4,8 @@ from .dense import DenseTransformerLayer, attention
 from .tensor1d import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .tensor2d import LayerNorm2D, Linear2D
 from .tensor3d import LayerNorm3D, Linear3D
-from .transformer import TransformerLayer
+from .transformer import MLP, SelfAttention, TransformerLayer
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
-           "Linear2D", "LayerNorm2D", "Linear3D", "LayerNorm3D", "TransformerLayer", "DenseTransformerLayer",
+           "Linear2D", "LayerNorm2D", "Linear3D", "LayerNorm3D", "SelfAttention", "MLP", "TransformerLayer", "DenseTransformerLayer",
            "attention"]

@@ -24,39 +24,95 @@ from .tensor3d import LayerNorm3D, Linear3D, activation_layout
 MODES = ("1d", "2d", "3d")
 
 
+def _linears(mode, grid, bias, overlap, a, c, dtype):
+    """Constructors for the first (in -> wide) and second (wide -> in) linear of a block."""
+    kw = dict(dtype=dtype)
+    if mode == "1d":
+        return (lambda i, o: ColumnParallelLinear(i, o, grid, bias, **kw),
+                lambda i, o: RowParallelLinear(i, o, grid, bias, **kw))
+    if mode == "2d":
+        return (lambda i, o: Linear2D(i, o, grid, bias, **kw),) * 2
+    # 3-D: the first linear takes (a, c) to (c, a); the second swaps them back (§3.2)
+    return (lambda i, o: Linear3D(i, o, grid, bias, a, c, overlap, **kw),
+            lambda i, o: Linear3D(i, o, grid, bias, c, a, overlap, **kw))
+
+
+def _groups(mode, grid):
+    if mode not in MODES:
+        raise GridError(f"mode must be one of {MODES}, got {mode!r}")
+    return {"1d": lambda: grid.size("tp"), "2d": lambda: grid.axes["c"], "3d": lambda: grid.axes["x"]}[mode]()
+
+
+class SelfAttention(nn.Module):
+    """qkv -> attention on this rank's heads -> proj. Heads are split over the tensor-
+    parallel groups (1-D: tp; 2-D: c; 3-D: the a direction of the qkv output)."""
+
+    def __init__(self, hidden, heads, grid, mode="3d", bias=True, causal=True, overlap=False, a="y", c="z",
+                 dtype=None):
+        super().__init__()
+        self.groups = _groups(mode, grid)
+        if heads % self.groups:
+            raise GridError(f"{heads} heads do not split over {self.groups} tensor-parallel groups")
+        self.hidden, self.heads, self.causal = hidden, heads, causal
+        first, second = _linears(mode, grid, bias, overlap, a, c, dtype)
+        self.qkv, self.proj = first(hidden, 3 * hidden), second(hidden, hidden)
+
+    def forward(self, x):
+        return self.proj(attention(self.qkv(x), self.heads // self.groups, self.causal))
+
+    def load_dense(self, qkv: nn.Linear, proj: nn.Linear):
+        self.qkv.load_dense(qkv, head_group_order(self.hidden, self.groups))
+        self.proj.load_dense(proj)
+
+    def dense_state(self, grad=False):
+        out = {f"qkv.{k}": v for k, v in self.qkv.dense_state(grad).items()}
+        out.update({f"proj.{k}": v for k, v in self.proj.dense_state(grad).items()})
+        inv = torch.argsort(head_group_order(self.hidden, self.groups))
+        for k in ("qkv.weight", "qkv.bias"):
+            if k in out:
+                out[k] = out[k][inv]
+        return out
+
+
+class MLP(nn.Module):
+    """fc1 -> GeLU -> fc2 (1-D: column then row parallel; 3-D: directions swap and back)."""
+
+    def __init__(self, hidden, ffn_hidden, grid, mode="3d", bias=True, overlap=False, a="y", c="z", dtype=None):
+        super().__init__()
+        _groups(mode, grid)
+        first, second = _linears(mode, grid, bias, overlap, a, c, dtype)
+        self.fc1, self.fc2 = first(hidden, ffn_hidden), second(ffn_hidden, hidden)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+    def load_dense(self, fc1: nn.Linear, fc2: nn.Linear):
+        self.fc1.load_dense(fc1)
+        self.fc2.load_dense(fc2)
+
+    def dense_state(self, grad=False):
+        out = {f"fc1.{k}": v for k, v in self.fc1.dense_state(grad).items()}
+        out.update({f"fc2.{k}": v for k, v in self.fc2.dense_state(grad).items()})
+        return out
+
+
 class TransformerLayer(nn.Module):
     def __init__(self, hidden, heads, grid, mode="3d", ffn_hidden=None, bias=True, causal=True, overlap=False,
                  a="y", c="z", dtype=None):
         super().__init__()
-        if mode not in MODES:
-            raise GridError(f"mode must be one of {MODES}, got {mode!r}")
+        _groups(mode, grid)
         ffn_hidden = ffn_hidden or 4 * hidden
         self.grid, self.mode, self.hidden, self.heads, self.causal = grid, mode, hidden, heads, causal
-        self.ffn_hidden, self.overlap, self.a, self.c = ffn_hidden, overlap, a, c
-        self.groups = {"1d": lambda: grid.size("tp"), "2d": lambda: grid.axes["c"],
-                       "3d": lambda: grid.axes["x"]}[mode]()
-        if heads % self.groups:
-            raise GridError(f"{heads} heads do not split over {self.groups} tensor-parallel groups")
+        self.ffn_hidden, self.overlap, self.a, self.c, self.bias = ffn_hidden, overlap, a, c, bias
         kw = dict(dtype=dtype)
         if mode == "1d":
             self.ln1, self.ln2 = nn.LayerNorm(hidden, **kw), nn.LayerNorm(hidden, **kw)
-            self.qkv = ColumnParallelLinear(hidden, 3 * hidden, grid, bias, **kw)
-            self.proj = RowParallelLinear(hidden, hidden, grid, bias, **kw)
-            self.fc1 = ColumnParallelLinear(hidden, ffn_hidden, grid, bias, **kw)
-            self.fc2 = RowParallelLinear(ffn_hidden, hidden, grid, bias, **kw)
         elif mode == "2d":
             self.ln1, self.ln2 = LayerNorm2D(hidden, grid, **kw), LayerNorm2D(hidden, grid, **kw)
-            self.qkv = Linear2D(hidden, 3 * hidden, grid, bias, **kw)
-            self.proj = Linear2D(hidden, hidden, grid, bias, **kw)
-            self.fc1 = Linear2D(hidden, ffn_hidden, grid, bias, **kw)
-            self.fc2 = Linear2D(ffn_hidden, hidden, grid, bias, **kw)
         else:
-            self.ln1 = LayerNorm3D(hidden, grid, a, c, **kw)
-            self.ln2 = LayerNorm3D(hidden, grid, a, c, **kw)
-            self.qkv = Linear3D(hidden, 3 * hidden, grid, bias, a, c, overlap, **kw)
-            self.proj = Linear3D(hidden, hidden, grid, bias, c, a, overlap, **kw)
-            self.fc1 = Linear3D(hidden, ffn_hidden, grid, bias, a, c, overlap, **kw)
-            self.fc2 = Linear3D(ffn_hidden, hidden, grid, bias, c, a, overlap, **kw)
+            self.ln1, self.ln2 = LayerNorm3D(hidden, grid, a, c, **kw), LayerNorm3D(hidden, grid, a, c, **kw)
+        self.attn = SelfAttention(hidden, heads, grid, mode, bias, causal, overlap, a, c, dtype)
+        self.mlp = MLP(hidden, ffn_hidden, grid, mode, bias, overlap, a, c, dtype)
 
     @property
     def input_layout(self):
@@ -64,18 +120,21 @@ class TransformerLayer(nn.Module):
 
     output_layout = input_layout
 
+    def linears(self):
+        return (self.attn.qkv, self.attn.proj, self.mlp.fc1, self.mlp.fc2)
+
     def prefetch(self):
-        """3-D: start the weight all-gathers of this layer's four linears (async, in x)."""
+        """3-D: start the weight all-gathers (in x) of this layer's four linears, async; call
+        it on the next layer while this one computes, or let overlap=True do it per layer."""
         if self.mode == "3d":
-            for lin in (self.qkv, self.proj, self.fc1, self.fc2):
+            for lin in self.linears():
                 lin.prefetch()
 
     def forward(self, x):
         if self.mode == "3d" and self.overlap:
             self.prefetch()
-        qkv = self.qkv(self.ln1(x))
-        x = x + self.proj(attention(qkv, self.heads // self.groups, self.causal))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
 
     @classmethod
     def from_dense(cls, dense: DenseTransformerLayer, grid, mode="3d", **kw):
@@ -86,10 +145,8 @@ class TransformerLayer(nn.Module):
         return m
 
     def load_dense(self, dense):
-        order = head_group_order(self.hidden, self.groups)
-        self.qkv.load_dense(dense.qkv, order)
-        for name in ("proj", "fc1", "fc2"):
-            getattr(self, name).load_dense(getattr(dense, name))
+        self.attn.load_dense(dense.qkv, dense.proj)
+        self.mlp.load_dense(dense.fc1, dense.fc2)
         for name in ("ln1", "ln2"):
             mine, theirs = getattr(self, name), getattr(dense, name)
             if self.mode == "1d":
@@ -98,28 +155,20 @@ class TransformerLayer(nn.Module):
                 mine.load_dense(theirs)
 
     def dense_state(self, grad=False):
-        """Full tensors under the dense layer's names (grad=True: their gradients)."""
-        out = {}
-        for name in ("qkv", "proj", "fc1", "fc2"):
-            for k, v in getattr(self, name).dense_state(grad).items():
-                out[f"{name}.{k}"] = v
-        inv = torch.argsort(head_group_order(self.hidden, self.groups))
-        out["qkv.weight"] = out["qkv.weight"][inv]
-        if "qkv.bias" in out:
-            out["qkv.bias"] = out["qkv.bias"][inv]
+        """Full tensors under DenseTransformerLayer's names (grad=True: their gradients)."""
+        out = {**self.attn.dense_state(grad), **self.mlp.dense_state(grad)}
         for name in ("ln1", "ln2"):
             ln = getattr(self, name)
             if self.mode == "1d":
                 state = {k: (p.grad if grad else p.detach()).clone() for k, p in ln.named_parameters()}
             else:
                 state = ln.dense_state(grad)
-            for k, v in state.items():
-                out[f"{name}.{k}"] = v
+            out.update({f"{name}.{k}": v for k, v in state.items()})
         return out
 
     def to_dense(self):
-        d = DenseTransformerLayer(self.hidden, self.heads, self.ffn_hidden, bias=self.qkv.bias is not None,
-                                  causal=self.causal, dtype=self.qkv.weight.dtype)
+        d = DenseTransformerLayer(self.hidden, self.heads, self.ffn_hidden, bias=self.bias, causal=self.causal,
+                                  dtype=self.attn.qkv.weight.dtype)
         with torch.no_grad():
             d.load_state_dict(self.dense_state())
         return d
