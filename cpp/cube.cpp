@@ -11,6 +11,21 @@ void check_dirs(const std::string& a, const std::string& c) {
 }
 }  // namespace
 
+Range block_range(long long n, const std::vector<int>& sizes, const std::vector<int>& coords) {
+  GW_CHECK(sizes.size() == coords.size(), "block_range: " << sizes.size() << " sizes but " << coords.size()
+                                                            << " coordinates");
+  long long parts = 1, index = 0;
+  for (std::size_t k = 0; k < sizes.size(); ++k) {
+    GW_CHECK(sizes[k] >= 1 && coords[k] >= 0 && coords[k] < sizes[k],
+             "block_range: coordinate " << coords[k] << " outside an axis of size " << sizes[k]);
+    parts *= sizes[k];
+    index = index * sizes[k] + coords[k];
+  }
+  GW_CHECK(n % parts == 0, "a dimension of size " << n << " does not split over " << parts << " ranks");
+  const long long len = n / parts;
+  return {index * len, (index + 1) * len};
+}
+
 MatrixLayout cube_layout(CubeForm form, int operand, const std::string& a, const std::string& c) {
   check_dirs(a, c);
   GW_CHECK(operand >= 0 && operand <= 2, "cube operand must be 0 (A), 1 (B) or 2 (C)");

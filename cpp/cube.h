@@ -23,6 +23,14 @@ using MatrixLayout = std::vector<std::vector<std::string>>;
 //   AtB: A     [(x,a) | c]   B     [(x,c) | a]   C     [c | (a,x)]
 MatrixLayout cube_layout(CubeForm form, int operand, const std::string& a, const std::string& c);
 
+// Element range [begin, end) of this rank's block along one dimension of length n split
+// by axes of the given sizes, where this rank's coordinates on them are `coords`
+// (row-major, the first axis outermost). The block index math of every layout.
+struct Range {
+  long long begin = 0, end = 0;
+};
+Range block_range(long long n, const std::vector<int>& sizes, const std::vector<int>& coords);
+
 struct CubeStep {
   std::string axis;
   int dim = 0;

@@ -198,6 +198,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("cube_layout", [form_of](int f, int operand, const std::string& a, const std::string& c) {
     return cube_layout(form_of(f), operand, a, c);
   });
+  m.def("block_range", [](long long n, const std::vector<int>& sizes, const std::vector<int>& coords) {
+    Range r = block_range(n, sizes, coords);
+    return std::make_pair(r.begin, r.end);
+  });
   m.def("cube_plan", [form_of](int f, const std::string& a, const std::string& c) { return cube_plan(form_of(f), a, c); });
   m.def("cube_backward", [form_of](int f, const std::string& a, const std::string& c) {
     return cube_backward(form_of(f), a, c);

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import _C
 from .errors import GridError
 
 
@@ -43,13 +44,14 @@ class Layout:
 
 
 def local_slices(shape, layout: Layout, grid) -> tuple:
-    """This rank's slice of a full tensor of `shape` under `layout`."""
-    local = layout.local_shape(shape, grid)
+    """This rank's slice of a full tensor of `shape` under `layout` (the engine's block math)."""
+    layout.local_shape(shape, grid)  # GridError if a dim does not split
+    coords = grid.coords
     sl = []
     for d in range(len(shape)):
         axes = layout.dims[d] if d < len(layout.dims) else ()
-        i = grid.index(axes) if axes else 0
-        sl.append(slice(i * local[d], (i + 1) * local[d]))
+        begin, end = _C.block_range(shape[d], [grid.axes[a] for a in axes], [coords[a] for a in axes])
+        sl.append(slice(begin, end))
     return tuple(sl)
 
 
