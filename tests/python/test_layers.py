@@ -67,3 +67,38 @@ def test_1d_layer_moves_exactly_four_all_reduces(pool):
         assert tp["ops"] == 4  # g after attention and MLP forward, f before them backward
         sent = tp["sent_intra"]["bytes"] + tp["sent_inter"]["bytes"]
         assert sent == 4 * 2 * (n - 1) * (B * S * H * 8) // n  # ring all-reduce of b*s*h each
+
+
+def _blocks(ctx, mode):
+    import gridweave as gw
+
+    n = ctx.world_size
+    grid = ctx.init(tp={"1d": gw.Row(n), "2d": gw.Square(2), "3d": gw.Cube(2)}[mode])
+    torch.manual_seed(1)
+    errs = {}
+    for name, dense in (("attn", gw.nn.DenseSelfAttention(H, HEADS, dtype=torch.float64)),
+                        ("mlp", gw.nn.DenseMLP(H, 2 * H, dtype=torch.float64))):
+        cls = gw.nn.SelfAttention if name == "attn" else gw.nn.MLP
+        block = cls.from_dense(dense, grid, mode=mode)
+        assert block.input_layout == block.output_layout
+        x = full((B, S, H), 13).requires_grad_()
+        y = dense(x)
+        dy = full(y.shape, 14)
+        y.backward(dy)
+        xl = gw.scatter(x.detach(), block.input_layout, grid).requires_grad_()
+        yl = block(xl)
+        yl.backward(gw.scatter(dy, block.output_layout, grid))
+        errs[name + ".y"] = rel(gw.gather(yl, block.output_layout, grid), y)
+        errs[name + ".dx"] = rel(gw.gather(xl.grad, block.input_layout, grid), x.grad)
+        g = block.dense_state(grad=True)
+        for k, p in dense.named_parameters():
+            errs[f"{name}.{k}"] = rel(g[k], p.grad)
+        back = block.to_dense().state_dict()
+        errs[name + ".to_dense"] = max(rel(back[k], v) for k, v in dense.state_dict().items())
+    return errs
+
+
+@pytest.mark.parametrize("mode,n", [("1d", 4), ("2d", 4), ("3d", 8)])
+def test_attention_and_mlp_blocks_match_dense(pool, mode, n):
+    for errs in pool.run(_blocks, n, mode):
+        assert max(errs.values()) < 1e-10, errs

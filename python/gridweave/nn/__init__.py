@@ -1,11 +1,11 @@
 """Parallel modules: 1-D (Megatron), 2-D (SUMMA), 3-D (Bian et al.) and the layer."""
 from ..autograd.vocab import vocab_parallel_cross_entropy
-from .dense import DenseTransformerLayer, attention
+from .dense import DenseMLP, DenseSelfAttention, DenseTransformerLayer, attention
 from .tensor1d import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .tensor2d import LayerNorm2D, Linear2D
 from .tensor3d import LayerNorm3D, Linear3D
 from .transformer import MLP, SelfAttention, TransformerLayer
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
-           "Linear2D", "LayerNorm2D", "Linear3D", "LayerNorm3D", "SelfAttention", "MLP", "TransformerLayer", "DenseTransformerLayer",
+           "Linear2D", "LayerNorm2D", "Linear3D", "LayerNorm3D", "SelfAttention", "MLP", "TransformerLayer", "DenseTransformerLayer", "DenseSelfAttention", "DenseMLP",
            "attention"]

@@ -23,6 +23,31 @@ def head_group_order(hidden: int, groups: int) -> torch.Tensor:
     return torch.cat(idx)
 
 
+class DenseSelfAttention(nn.Module):
+    """proj(attention(qkv(x))): the dense reference of SelfAttention."""
+
+    def __init__(self, hidden: int, heads: int, bias: bool = True, causal: bool = True, dtype=None):
+        super().__init__()
+        self.heads, self.causal = heads, causal
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=bias, dtype=dtype)
+        self.proj = nn.Linear(hidden, hidden, bias=bias, dtype=dtype)
+
+    def forward(self, x):
+        return self.proj(attention(self.qkv(x), self.heads, self.causal))
+
+
+class DenseMLP(nn.Module):
+    """fc2(gelu(fc1(x))): the dense reference of MLP."""
+
+    def __init__(self, hidden: int, ffn_hidden: int, bias: bool = True, dtype=None):
+        super().__init__()
+        self.fc1 = nn.Linear(hidden, ffn_hidden, bias=bias, dtype=dtype)
+        self.fc2 = nn.Linear(ffn_hidden, hidden, bias=bias, dtype=dtype)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
 class DenseTransformerLayer(nn.Module):
     """Pre-LayerNorm GPT layer: x + proj(attn(qkv(ln1 x))), then x + fc2(gelu(fc1(ln2 x)))."""
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..errors import GridError
 from ..layout import Layout
-from .dense import DenseTransformerLayer, attention, head_group_order
+from .dense import DenseMLP, DenseSelfAttention, DenseTransformerLayer, attention, head_group_order
 from .tensor1d import ColumnParallelLinear, RowParallelLinear
 from .tensor2d import ACTIVATION as ACT2D
 from .tensor2d import LayerNorm2D, Linear2D
@@ -37,6 +37,11 @@ def _linears(mode, grid, bias, overlap, a, c, dtype):
             lambda i, o: Linear3D(i, o, grid, bias, c, a, overlap, **kw))
 
 
+def _activation(mode, a, c):
+    """Layout of a block's (batch, seq, hidden) input and output in each mode."""
+    return {"1d": Layout(), "2d": ACT2D, "3d": activation_layout(a, c)}[mode]
+
+
 def _groups(mode, grid):
     if mode not in MODES:
         raise GridError(f"mode must be one of {MODES}, got {mode!r}")
@@ -53,12 +58,32 @@ class SelfAttention(nn.Module):
         self.groups = _groups(mode, grid)
         if heads % self.groups:
             raise GridError(f"{heads} heads do not split over {self.groups} tensor-parallel groups")
+        self.grid, self.mode, self.a, self.c, self.bias = grid, mode, a, c, bias
         self.hidden, self.heads, self.causal = hidden, heads, causal
         first, second = _linears(mode, grid, bias, overlap, a, c, dtype)
         self.qkv, self.proj = first(hidden, 3 * hidden), second(hidden, hidden)
 
+    @property
+    def input_layout(self):
+        return _activation(self.mode, self.a, self.c)
+
+    output_layout = input_layout
+
     def forward(self, x):
         return self.proj(attention(self.qkv(x), self.heads // self.groups, self.causal))
+
+    @classmethod
+    def from_dense(cls, dense: DenseSelfAttention, grid, mode="3d", **kw):
+        m = cls(dense.qkv.in_features, dense.heads, grid, mode, bias=dense.qkv.bias is not None, causal=dense.causal,
+                dtype=dense.qkv.weight.dtype, **kw)
+        m.load_dense(dense.qkv, dense.proj)
+        return m
+
+    def to_dense(self):
+        d = DenseSelfAttention(self.hidden, self.heads, self.bias, self.causal, dtype=self.qkv.weight.dtype)
+        with torch.no_grad():
+            d.load_state_dict(self.dense_state())
+        return d
 
     def load_dense(self, qkv: nn.Linear, proj: nn.Linear):
         self.qkv.load_dense(qkv, head_group_order(self.hidden, self.groups))
@@ -80,11 +105,32 @@ class MLP(nn.Module):
     def __init__(self, hidden, ffn_hidden, grid, mode="3d", bias=True, overlap=False, a="y", c="z", dtype=None):
         super().__init__()
         _groups(mode, grid)
+        self.mode, self.a, self.c, self.bias = mode, a, c, bias
+        self.hidden, self.ffn_hidden = hidden, ffn_hidden
         first, second = _linears(mode, grid, bias, overlap, a, c, dtype)
         self.fc1, self.fc2 = first(hidden, ffn_hidden), second(ffn_hidden, hidden)
 
+    @property
+    def input_layout(self):
+        return _activation(self.mode, self.a, self.c)
+
+    output_layout = input_layout
+
     def forward(self, x):
         return self.fc2(F.gelu(self.fc1(x)))
+
+    @classmethod
+    def from_dense(cls, dense: DenseMLP, grid, mode="3d", **kw):
+        m = cls(dense.fc1.in_features, dense.fc1.out_features, grid, mode, bias=dense.fc1.bias is not None,
+                dtype=dense.fc1.weight.dtype, **kw)
+        m.load_dense(dense.fc1, dense.fc2)
+        return m
+
+    def to_dense(self):
+        d = DenseMLP(self.hidden, self.ffn_hidden, self.bias, dtype=self.fc1.weight.dtype)
+        with torch.no_grad():
+            d.load_state_dict(self.dense_state())
+        return d
 
     def load_dense(self, fc1: nn.Linear, fc2: nn.Linear):
         self.fc1.load_dense(fc1)
@@ -116,7 +162,7 @@ class TransformerLayer(nn.Module):
 
     @property
     def input_layout(self):
-        return {"1d": Layout(), "2d": ACT2D, "3d": activation_layout(self.a, self.c)}[self.mode]
+        return _activation(self.mode, self.a, self.c)
 
     output_layout = input_layout
 
