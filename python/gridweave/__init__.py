@@ -1,5 +1,5 @@
 """gridweave: transformers on an N-dimensional grid of processes."""
-from . import _C
+from . import _C  # noqa: F401  (the native engine, gw._C)
 from .errors import CommError, CommTimeout, GridError
 from .grid import Grid, Work, current, init, shutdown
 from .topology import Cube, Row, Square, SubGraph

@@ -10,7 +10,7 @@ import math
 import os
 import socket
 from datetime import timedelta
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import torch
 

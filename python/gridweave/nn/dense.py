@@ -85,3 +85,30 @@ def dense_layernorm(state: dict, hidden: int, eps: float) -> nn.LayerNorm:
         ln.weight.copy_(state["weight"])
         ln.bias.copy_(state["bias"])
     return ln
+
+
+def values(grad: bool):
+    """Picks a parameter's value (detached) or its gradient, for dense_state()."""
+    return (lambda t: t.grad) if grad else (lambda t: t.detach())
+
+
+def linear_tensors(dense: nn.Linear, order=None):
+    """(weight, bias) of a dense Linear, output rows reordered by `order` if given."""
+    w, b = dense.weight.detach(), None if dense.bias is None else dense.bias.detach()
+    if order is not None:
+        w, b = w[order], (None if b is None else b[order])
+    return w, b
+
+
+class ParallelLinearBase(nn.Module):
+    """from_dense / to_dense for every parallel linear; subclasses define load_dense and dense_state."""
+
+    @classmethod
+    def from_dense(cls, dense: nn.Linear, grid, **kw):
+        m = cls(dense.in_features, dense.out_features, grid, bias=dense.bias is not None, dtype=dense.weight.dtype,
+                **kw)
+        m.load_dense(dense)
+        return m
+
+    def to_dense(self) -> nn.Linear:
+        return dense_linear(self.dense_state(), self.in_features, self.out_features)

@@ -9,7 +9,7 @@ from torch import nn
 from ..autograd.comm import copy_to_parallel, gather_from_parallel, reduce_from_parallel, scatter_to_parallel
 from ..errors import GridError
 from ..layout import Layout, gather, scatter
-from .dense import dense_linear
+from .dense import ParallelLinearBase, linear_tensors, values
 
 REPLICATED = Layout()
 
@@ -20,7 +20,7 @@ def _split(n: int, parts: int, what: str) -> int:
     return n // parts
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(ParallelLinearBase):
     """Y = X W^T + b with W split by output rows: f (identity fwd, all-reduce bwd) on the input."""
 
     def __init__(self, in_features, out_features, grid, bias=True, gather_output=False, axis="tp", dtype=None):
@@ -44,33 +44,24 @@ class ColumnParallelLinear(nn.Module):
         y = F.linear(copy_to_parallel(x, self.grid, self.axis), self.weight, self.bias)
         return gather_from_parallel(y, self.grid, self.axis, -1) if self.gather_output else y
 
-    @classmethod
-    def from_dense(cls, dense: nn.Linear, grid, **kw):
-        m = cls(dense.in_features, dense.out_features, grid, bias=dense.bias is not None, dtype=dense.weight.dtype, **kw)
-        m.load_dense(dense)
-        return m
 
     def load_dense(self, dense, order=None):
-        w, b = dense.weight.detach(), None if dense.bias is None else dense.bias.detach()
-        if order is not None:
-            w, b = w[order], (None if b is None else b[order])
+        w, b = linear_tensors(dense, order)
         with torch.no_grad():
             self.weight.copy_(scatter(w, Layout((self.axis,)), self.grid))
             if self.bias is not None:
                 self.bias.copy_(scatter(b, Layout((self.axis,)), self.grid))
 
     def dense_state(self, grad=False):
-        pick = (lambda p: p.grad) if grad else (lambda p: p.detach())
+        pick = values(grad)
         out = {"weight": gather(pick(self.weight), Layout((self.axis,)), self.grid)}
         if self.bias is not None:
             out["bias"] = gather(pick(self.bias), Layout((self.axis,)), self.grid)
         return out
 
-    def to_dense(self):
-        return dense_linear(self.dense_state(), self.in_features, self.out_features)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(ParallelLinearBase):
     """Y = X W^T + b with W split by input columns: g (all-reduce fwd, identity bwd) on the output."""
 
     def __init__(self, in_features, out_features, grid, bias=True, input_is_parallel=True, axis="tp", dtype=None):
@@ -96,11 +87,6 @@ class RowParallelLinear(nn.Module):
         y = reduce_from_parallel(F.linear(x, self.weight), self.grid, self.axis)
         return y + self.bias if self.bias is not None else y
 
-    @classmethod
-    def from_dense(cls, dense: nn.Linear, grid, **kw):
-        m = cls(dense.in_features, dense.out_features, grid, bias=dense.bias is not None, dtype=dense.weight.dtype, **kw)
-        m.load_dense(dense)
-        return m
 
     def load_dense(self, dense, order=None):
         w = dense.weight.detach()
@@ -112,14 +98,12 @@ class RowParallelLinear(nn.Module):
                 self.bias.copy_(dense.bias.detach())
 
     def dense_state(self, grad=False):
-        pick = (lambda p: p.grad) if grad else (lambda p: p.detach())
+        pick = values(grad)
         out = {"weight": gather(pick(self.weight), Layout((), (self.axis,)), self.grid)}
         if self.bias is not None:
             out["bias"] = pick(self.bias).clone()
         return out
 
-    def to_dense(self):
-        return dense_linear(self.dense_state(), self.in_features, self.out_features)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -8,7 +8,7 @@ from torch import nn
 from ..autograd.comm import all_reduce_replicated
 from ..autograd.summa import summa_matmul, summa_vector
 from ..errors import GridError
-from .dense import dense_layernorm, dense_linear
+from .dense import ParallelLinearBase, dense_layernorm, linear_tensors, values
 from ..layout import Layout, gather, scatter
 
 ACTIVATION = Layout(("r",), (), ("c",))
@@ -28,7 +28,7 @@ def _check_batch(x, grid):
     return q
 
 
-class Linear2D(nn.Module):
+class Linear2D(ParallelLinearBase):
     """Y = X W^T + b with X, W^T and Y in q x q blocks; SUMMA broadcasts per step."""
 
     input_layout = ACTIVATION
@@ -54,30 +54,21 @@ class Linear2D(nn.Module):
             y = y + summa_vector(self.bias, self.grid)
         return y.reshape(b, s, -1)
 
-    @classmethod
-    def from_dense(cls, dense: nn.Linear, grid):
-        m = cls(dense.in_features, dense.out_features, grid, bias=dense.bias is not None, dtype=dense.weight.dtype)
-        m.load_dense(dense)
-        return m
 
     def load_dense(self, dense, order=None):
-        w, b = dense.weight.detach(), None if dense.bias is None else dense.bias.detach()
-        if order is not None:
-            w, b = w[order], (None if b is None else b[order])
+        w, b = linear_tensors(dense, order)
         with torch.no_grad():
             self.weight.copy_(scatter(w.t().contiguous(), WEIGHT, self.grid))
             if self.bias is not None:
                 self.bias.copy_(scatter(b, VECTOR, self.grid))
 
     def dense_state(self, grad=False):
-        pick = (lambda p: p.grad) if grad else (lambda p: p.detach())
+        pick = values(grad)
         out = {"weight": gather(pick(self.weight), WEIGHT, self.grid).t().contiguous()}
         if self.bias is not None:
             out["bias"] = gather(pick(self.bias), VECTOR, self.grid)
         return out
 
-    def to_dense(self):
-        return dense_linear(self.dense_state(), self.in_features, self.out_features)
 
 
 class LayerNorm2D(nn.Module):
@@ -112,7 +103,7 @@ class LayerNorm2D(nn.Module):
             self.bias.copy_(scatter(dense.bias.detach(), VECTOR, self.grid))
 
     def dense_state(self, grad=False):
-        pick = (lambda p: p.grad) if grad else (lambda p: p.detach())
+        pick = values(grad)
         return {"weight": gather(pick(self.weight), VECTOR, self.grid),
                 "bias": gather(pick(self.bias), VECTOR, self.grid)}
 

@@ -10,7 +10,7 @@ from .. import _C
 from ..autograd.comm import all_reduce_replicated
 from ..autograd.cube import AB, cube_matmul, cube_vector, is_diagonal
 from ..errors import GridError
-from .dense import dense_layernorm, dense_linear
+from .dense import ParallelLinearBase, dense_layernorm, linear_tensors, values
 from ..layout import Layout, assemble, gather, scatter
 
 CUBE = ("x", "y", "z")
@@ -36,7 +36,7 @@ def _matrix_layout(form, operand, a, c):
     return Layout(*[tuple(d) for d in _C.cube_layout(form, operand, a, c)])
 
 
-class Linear3D(nn.Module):
+class Linear3D(ParallelLinearBase):
     """Y = X W^T + b. W^T is B_lji [c | (a, x)] (Algorithm 1); b is stored on the
     diagonal ranks (Fig. 5) and applied with Algorithm 7."""
 
@@ -87,32 +87,22 @@ class Linear3D(nn.Module):
             y = y + cube_vector(self.bias, self.grid, self.a, self.c, self.out_features // (p * p))
         return y.reshape(b, s, -1)
 
-    @classmethod
-    def from_dense(cls, dense: nn.Linear, grid, **kw):
-        m = cls(dense.in_features, dense.out_features, grid, bias=dense.bias is not None, dtype=dense.weight.dtype,
-                **kw)
-        m.load_dense(dense)
-        return m
 
     def load_dense(self, dense, order=None):
-        w, b = dense.weight.detach(), None if dense.bias is None else dense.bias.detach()
-        if order is not None:
-            w, b = w[order], (None if b is None else b[order])
+        w, b = linear_tensors(dense, order)
         with torch.no_grad():
             self.weight.copy_(scatter(w.t().contiguous(), self.weight_layout, self.grid))
             if self.bias is not None and self.diagonal:
                 self.bias.copy_(scatter(b, self.bias_layout, self.grid))
 
     def dense_state(self, grad=False):
-        pick = (lambda p: p.grad) if grad else (lambda p: p.detach())
+        pick = values(grad)
         out = {"weight": gather(pick(self.weight), self.weight_layout, self.grid).t().contiguous()}
         if self.bias is not None:
             local = pick(self.bias)
             out["bias"] = _assemble_diagonal(local, self.out_features, self.bias_layout, self.grid, self.diagonal)
         return out
 
-    def to_dense(self):
-        return dense_linear(self.dense_state(), self.in_features, self.out_features)
 
 
 def _assemble_diagonal(local, n, layout, grid, diagonal):
@@ -167,7 +157,7 @@ class LayerNorm3D(nn.Module):
                 self.bias.copy_(scatter(dense.bias.detach(), self.vector_layout, self.grid))
 
     def dense_state(self, grad=False):
-        pick = (lambda t: t.grad) if grad else (lambda t: t.detach())
+        pick = values(grad)
         return {name: _assemble_diagonal(pick(t), self.hidden, self.vector_layout, self.grid, self.diagonal)
                 for name, t in (("weight", self.weight), ("bias", self.bias))}
 
