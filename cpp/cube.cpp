@@ -40,6 +40,7 @@ MatrixLayout cube_layout(CubeForm form, int operand, const std::string& a, const
       return operand == 0 ? input : operand == 1 ? output : MatrixLayout{{c}, {a, "x"}};
   }
   GW_CHECK(false, "unknown cube form " << static_cast<int>(form));
+  return {};
 }
 
 CubePlan cube_plan(CubeForm form, const std::string& a, const std::string& c) {
@@ -78,6 +79,7 @@ std::pair<CubeGrad, CubeGrad> cube_backward(CubeForm form, const std::string& a,
       return {{CubeForm::ABt, c, a, 1, 2}, {CubeForm::AB, a, c, 0, 2}};
   }
   GW_CHECK(false, "unknown cube form " << static_cast<int>(form));
+  return {};
 }
 
 }  // namespace gridweave

@@ -5,6 +5,11 @@
 
 #include "communicator.h"
 #include "cube.h"
+#include "ring.h"
+
+#ifdef GRIDWEAVE_WITH_NCCL
+#include "lse_merge.h"
+#endif
 #include "error.h"
 #include "grid.h"
 #include "placement.h"
@@ -108,6 +113,19 @@ PYBIND11_MODULE(_C, m) {
 
   m.attr("nccl_available") = nccl_available();
 
+#ifdef GRIDWEAVE_WITH_NCCL
+  // The ring-attention merge kernel (cuda/lse_merge.cu) on device pointers.
+  m.attr("cuda_kernels") = true;
+  m.def("lse_merge", [](std::uintptr_t out, std::uintptr_t lse, std::uintptr_t blk, std::uintptr_t blk_lse,
+                        long long rows, long long dim, int dtype, std::uintptr_t stream) {
+    lse_merge(reinterpret_cast<void*>(out), reinterpret_cast<void*>(lse), reinterpret_cast<const void*>(blk),
+              reinterpret_cast<const void*>(blk_lse), rows, dim, static_cast<DType>(dtype),
+              reinterpret_cast<cudaStream_t>(stream));
+  });
+#else
+  m.attr("cuda_kernels") = false;
+#endif
+
   py::class_<Store, PyStore, std::shared_ptr<Store>>(m, "Store").def(py::init<>());
   m.def("file_store", &make_file_store, py::arg("path"));
   m.def("prefix_store", &make_prefix_store, py::arg("prefix"), py::arg("store"));
@@ -176,6 +194,18 @@ PYBIND11_MODULE(_C, m) {
       .def("index_in_line", &Placement::index_in_line)
       .def("traffic", [](const Placement& p, const std::vector<std::string>& axes, const std::string& op,
                          long long nbytes) { return traffic_dict(segmented_traffic(p, axes, op, nbytes)); });
+
+  py::class_<Ring>(m, "Ring")
+      .def(py::init<std::shared_ptr<Communicator>>())
+      .def_property_readonly("size", &Ring::size)
+      .def_property_readonly("rank", &Ring::rank)
+      .def_property_readonly("next", &Ring::next)
+      .def_property_readonly("prev", &Ring::prev)
+      .def("source_at", &Ring::source_at)
+      .def("exchange", [](Ring& r, const std::vector<BufferView>& send, const std::vector<BufferView>& recv, int step) {
+        py::gil_scoped_release nogil;
+        return r.exchange(send, recv, step);
+      });
 
   // 3-D choreography (seed 000 §3.1): layouts, plans and gradient mappings.
   py::class_<CubeStep>(m, "CubeStep").def_readonly("axis", &CubeStep::axis).def_readonly("dim", &CubeStep::dim);

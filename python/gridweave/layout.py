@@ -19,10 +19,14 @@ from .errors import GridError
 @dataclass(frozen=True)
 class Layout:
     dims: tuple  # per dim: tuple of axis names
+    zigzag: int | None = None  # a dim split over its axes in zigzag order (causal ring attention)
 
-    def __init__(self, *dims):
+    def __init__(self, *dims, zigzag=None):
         norm = tuple(tuple([d] if isinstance(d, str) else (d or ())) for d in dims)
         object.__setattr__(self, "dims", norm)
+        object.__setattr__(self, "zigzag", zigzag)
+        if zigzag is not None and not (0 <= zigzag < len(norm) and norm[zigzag]):
+            raise GridError(f"zigzag dim {zigzag} must be a split dim of {norm}")
 
     def axes(self) -> tuple:
         """Every axis that splits some dimension, in order."""
@@ -32,6 +36,9 @@ class Layout:
         out = list(shape)
         for d, axes in enumerate(self.dims):
             k = math.prod(grid.axes[a] for a in axes) if axes else 1
+            if d == self.zigzag and d < len(shape) and shape[d] % (2 * k):
+                raise GridError(f"dim {d} of size {shape[d]} does not split into {2 * k} zigzag chunks "
+                                f"over axes {axes}")
             if d >= len(shape):
                 raise GridError(f"layout {self} has more dims than a {len(shape)}-d tensor")
             if out[d] % k:
@@ -55,8 +62,18 @@ def local_slices(shape, layout: Layout, grid) -> tuple:
     return tuple(sl)
 
 
+def zigzag_order(length: int, n: int) -> torch.Tensor:
+    """Global positions in zigzag order: rank r's shard is chunks r and 2n-1-r of 2n."""
+    c = length // (2 * n)
+    return torch.cat([torch.cat([torch.arange(r * c, (r + 1) * c), torch.arange((2 * n - 1 - r) * c, (2 * n - r) * c)])
+                      for r in range(n)])
+
+
 def scatter(full: torch.Tensor, layout: Layout, grid) -> torch.Tensor:
     """This rank's shard of `full` (every rank passes the same full tensor)."""
+    if layout.zigzag is not None:
+        d = layout.zigzag
+        full = full.index_select(d, zigzag_order(full.shape[d], grid.size(layout.dims[d])))
     return full[local_slices(full.shape, layout, grid)].contiguous()
 
 
@@ -66,6 +83,10 @@ def gather(local: torch.Tensor, layout: Layout, grid) -> torch.Tensor:
     for d, axes in enumerate(layout.dims):
         if axes and math.prod(grid.axes[a] for a in axes) > 1:
             t = grid.all_gather(t, axis=tuple(axes), dim=d)
+    if layout.zigzag is not None:
+        d = layout.zigzag
+        order = zigzag_order(t.shape[d], grid.size(layout.dims[d]))
+        t = t.index_select(d, torch.argsort(order))
     return t
 
 

@@ -1,0 +1,272 @@
+"""Sequence parallelism on the engine's ring (seed 004).
+
+RingSelfAttention: the paper's algorithm as written (§3.1): Ring-QK^T assembles this
+rank's (L/N x L) score rows, softmax, Ring-AV. Backward: ring V and ring K again, and
+two all-reduces of the full-length dK, dV partials: 2(N-1)BZ(L/N)A values forward and
+6(N-1)BZ(L/N)A backward per rank, as the paper counts.
+
+RingAttention: blockwise with online softmax (log-sum-exp merge), never more than an
+(L/N x L/N) block of scores; causal load balancing by zigzag (rank i holds chunks i and
+2N-1-i); backward passes K and V around the ring with their dK, dV accumulators, which
+one last step brings home.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import _C
+from .._buffers import view
+from ..errors import GridError
+
+
+class _Ring:
+    """The engine's ring on one axis, with double-buffered exchanges of torch tensors."""
+
+    def __init__(self, grid, axis):
+        self.grid = grid
+        self.native = _C.Ring(grid.comm(axis, "ring"))
+        self.size, self.rank = self.native.size, self.native.rank
+
+    def source_at(self, step):
+        return self.native.source_at(step)
+
+    def pass_on(self, tensors, step):
+        """Start sending `tensors` to the next rank; returns (work, tensors from the previous rank)."""
+        send = [t.contiguous() for t in tensors]
+        if self.size == 1:  # a ring of one passes to itself
+            return _Exchange(self.native.exchange([], [], step), send, send, self.grid.timeout)
+        recv = [torch.empty_like(t) for t in send]
+        work = self.native.exchange([view(t) for t in send], [view(t) for t in recv], step)
+        return _Exchange(work, send, recv, self.grid.timeout)
+
+
+class _Exchange:
+    def __init__(self, work, send, recv, timeout):
+        self.work, self.send, self.recv, self.timeout = work, send, recv, timeout
+
+    def wait(self):
+        self.work.wait(self.timeout)
+        return self.recv
+
+
+def positions(length_local: int, n: int, rank: int, zigzag: bool) -> torch.Tensor:
+    """Global token positions of a rank's local sequence (zigzag: chunks rank and 2n-1-rank)."""
+    if not zigzag:
+        return torch.arange(rank * length_local, (rank + 1) * length_local)
+    c = length_local // 2
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * n - 1 - rank) * c, (2 * n - rank) * c)])
+
+
+def check_sequence(length_local: int, zigzag: bool):
+    if zigzag and length_local % 2:
+        raise GridError(f"zigzag ring attention needs an even local sequence (2N chunks), got {length_local}")
+
+
+# ---------------------------------------------------------------------------------------
+# The paper's Ring Self-Attention
+
+
+class _RingSelfAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, grid, axis, causal):
+        ring = _Ring(grid, axis)
+        n, r = ring.size, ring.rank
+        B, Z, Lq, A = q.shape
+        scale = A ** -0.5
+        scores = q.new_empty(B, Z, Lq, n * Lq)
+        cur = k
+        for s in range(n):  # Ring-QK^T
+            ex = ring.pass_on([cur], s) if s < n - 1 else None
+            src = ring.source_at(s)
+            scores[..., src * Lq:(src + 1) * Lq] = q @ cur.transpose(-1, -2) * scale
+            if ex is not None:
+                (cur,) = ex.wait()
+        if causal:
+            qpos = positions(Lq, n, r, False)
+            scores.masked_fill_(torch.arange(n * Lq)[None, :] > qpos[:, None], float("-inf"))
+        p = torch.softmax(scores, dim=-1)
+        out = torch.zeros_like(q)
+        cur = v
+        for s in range(n):  # Ring-AV
+            ex = ring.pass_on([cur], n + s) if s < n - 1 else None
+            src = ring.source_at(s)
+            out += p[..., src * Lq:(src + 1) * Lq] @ cur
+            if ex is not None:
+                (cur,) = ex.wait()
+        ctx.save_for_backward(q, k, v, p)  # p is the paper's (B, Z, L/N, L) term
+        ctx.grid, ctx.axis = grid, axis
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, p = ctx.saved_tensors
+        grid, ring = ctx.grid, _Ring(ctx.grid, ctx.axis)
+        n, r = ring.size, ring.rank
+        dout = dout.contiguous()
+        B, Z, Lq, A = q.shape
+        scale = A ** -0.5
+        dp = torch.empty_like(p)
+        dv_full = q.new_zeros(B, Z, n * Lq, A)
+        cur = v
+        for s in range(n):  # ring V: dP = dO V^T; this rank's share of every dV block
+            ex = ring.pass_on([cur], s) if s < n - 1 else None
+            src = ring.source_at(s)
+            blk = slice(src * Lq, (src + 1) * Lq)
+            dp[..., blk] = dout @ cur.transpose(-1, -2)
+            dv_full[..., blk, :] = p[..., blk].transpose(-1, -2) @ dout
+            if ex is not None:
+                (cur,) = ex.wait()
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * scale
+        dq = torch.zeros_like(q)
+        dk_full = q.new_zeros(B, Z, n * Lq, A)
+        cur = k
+        for s in range(n):  # ring K: dQ = dS K; this rank's share of every dK block
+            ex = ring.pass_on([cur], n + s) if s < n - 1 else None
+            src = ring.source_at(s)
+            blk = slice(src * Lq, (src + 1) * Lq)
+            dq += ds[..., blk] @ cur
+            dk_full[..., blk, :] = ds[..., blk].transpose(-1, -2) @ q
+            if ex is not None:
+                (cur,) = ex.wait()
+        grid.all_reduce(dk_full, axis=ctx.axis)  # the paper's two all-reduces
+        grid.all_reduce(dv_full, axis=ctx.axis)
+        mine = slice(r * Lq, (r + 1) * Lq)
+        return dq, dk_full[..., mine, :].contiguous(), dv_full[..., mine, :].contiguous(), None, None, None
+
+
+def ring_self_attention(q, k, v, grid, axis="sp", causal=False):
+    """Seed 004's RSA on (batch, heads, L/N, head_dim) shards of contiguous sequence chunks."""
+    return _RingSelfAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), grid, axis, causal)
+
+
+# ---------------------------------------------------------------------------------------
+# Blockwise ring attention with online softmax
+
+
+def lse_merge_(out, lse, blk_out, blk_lse):
+    """In place: out, lse <- the log-sum-exp merge of (out, lse) and (blk_out, blk_lse).
+    On CUDA this is the engine's kernel (cuda/lse_merge.cu); torch elsewhere."""
+    if out.is_cuda and out.is_contiguous() and getattr(_C, "cuda_kernels", False):
+        from .._buffers import _TORCH
+
+        rows, dim = lse.numel(), out.shape[-1]
+        stream = torch.cuda.current_stream(out.device).cuda_stream
+        _C.lse_merge(out.data_ptr(), lse.data_ptr(), blk_out.contiguous().data_ptr(), blk_lse.contiguous().data_ptr(),
+                     rows, dim, _TORCH[out.dtype], stream)
+        return
+    merged = torch.logaddexp(lse, blk_lse)
+    empty = torch.isneginf(merged)
+    wa = torch.where(empty, torch.zeros_like(lse), torch.exp(lse - merged))
+    wb = torch.where(empty, torch.zeros_like(lse), torch.exp(blk_lse - merged))
+    out.mul_(wa.unsqueeze(-1).to(out.dtype)).add_(blk_out * wb.unsqueeze(-1).to(out.dtype))
+    lse.copy_(merged)
+
+
+def _chunks(length_local, zigzag):
+    """Slices of the local sequence that are contiguous in global positions."""
+    if not zigzag:
+        return [slice(0, length_local)]
+    c = length_local // 2
+    return [slice(0, c), slice(c, 2 * c)]
+
+
+def _visible(qpos, kpos, causal):
+    """None: all visible; "none": nothing visible; else the boolean mask of hidden pairs."""
+    if not causal:
+        return None
+    if kpos[0] > qpos[-1]:
+        return "none"
+    if kpos[-1] <= qpos[0]:
+        return None
+    return kpos[None, :] > qpos[:, None]
+
+
+def _block_forward(q, k, v, mask, scale):
+    s = q @ k.transpose(-1, -2) * scale
+    if mask is not None:
+        s = s.masked_fill(mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    if mask is not None:
+        p = torch.nan_to_num(p, nan=0.0)
+    return p @ v, lse
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, grid, axis, causal, zigzag):
+        ring = _Ring(grid, axis)
+        n, r = ring.size, ring.rank
+        B, Z, Lq, A = q.shape
+        scale = A ** -0.5
+        # The log-sum-exp is kept in float64 whatever the inputs: backward recomputes
+        # P = exp(S - lse), so lse's rounding would reach every gradient. (B*Z*L/N values.)
+        lse_dtype = torch.float64
+        out = torch.zeros_like(q)
+        lse = torch.full((B, Z, Lq), float("-inf"), dtype=lse_dtype)
+        qpos = positions(Lq, n, r, zigzag)
+        chunks = _chunks(Lq, zigzag)
+        kc, vc = k, v
+        for s in range(n):
+            ex = ring.pass_on([kc, vc], s) if s < n - 1 else None  # overlaps the block compute
+            kpos = positions(Lq, n, ring.source_at(s), zigzag)
+            for qs in chunks:
+                for ks in chunks:
+                    mask = _visible(qpos[qs], kpos[ks], causal)
+                    if isinstance(mask, str):
+                        continue
+                    o, l = _block_forward(q[..., qs, :], kc[..., ks, :], vc[..., ks, :], mask, scale)
+                    o_view, l_view = out[..., qs, :], lse[..., qs]
+                    lse_merge_(o_view, l_view, o, l.to(lse_dtype))
+            if ex is not None:
+                kc, vc = ex.wait()
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.grid, ctx.axis, ctx.causal, ctx.zigzag = grid, axis, causal, zigzag
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring = _Ring(ctx.grid, ctx.axis)
+        n, r = ring.size, ring.rank
+        Lq, A = q.shape[2], q.shape[3]
+        scale = A ** -0.5
+        dout = dout.contiguous()
+        delta = (dout.double() * out.double()).sum(-1)  # rowsum(dO * O), in float64 like lse
+        dq = torch.zeros_like(q)
+        qpos = positions(Lq, n, r, ctx.zigzag)
+        chunks = _chunks(Lq, ctx.zigzag)
+        kc, vc = k, v
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        for s in range(n):
+            # K and V leave for the next rank at once; their dK, dV accumulators follow
+            # once this rank has added its share.
+            ex = ring.pass_on([kc, vc], 2 * s) if s < n - 1 else None
+            kpos = positions(Lq, n, ring.source_at(s), ctx.zigzag)
+            for qs in chunks:
+                for ks in chunks:
+                    mask = _visible(qpos[qs], kpos[ks], ctx.causal)
+                    if isinstance(mask, str):
+                        continue
+                    qb, kb, vb, dob = q[..., qs, :], kc[..., ks, :], vc[..., ks, :], dout[..., qs, :]
+                    sc = qb @ kb.transpose(-1, -2) * scale
+                    p = torch.exp(sc.double() - lse[..., qs].unsqueeze(-1)).to(sc.dtype)
+                    if mask is not None:
+                        p = p.masked_fill(mask, 0.0)
+                    dv[..., ks, :] += p.transpose(-1, -2) @ dob
+                    ds = (p * ((dob @ vb.transpose(-1, -2)).double() - delta[..., qs].unsqueeze(-1)) * scale).to(q.dtype)
+                    dq[..., qs, :] += ds @ kb
+                    dk[..., ks, :] += ds.transpose(-1, -2) @ qb
+            back = ring.pass_on([dk, dv], 2 * s + 1)  # the last of these brings them home
+            if ex is not None:
+                kc, vc = ex.wait()
+            dk, dv = back.wait()
+        return dq, dk, dv, None, None, None, None
+
+
+def ring_attention(q, k, v, grid, axis="sp", causal=False, zigzag=None):
+    """Blockwise ring attention on (batch, heads, L/N, head_dim) shards. zigzag (default:
+    when causal) expects the local sequence to be chunks rank and 2N-1-rank."""
+    zigzag = causal if zigzag is None else zigzag
+    check_sequence(q.shape[2], zigzag)
+    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), grid, axis, causal, zigzag)

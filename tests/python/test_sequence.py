@@ -1,0 +1,113 @@
+"""Sequence parallelism (seed 004): RSA and blockwise ring attention against dense
+softmax attention, bytes against the paper, error growth with N."""
+import pytest
+import torch
+
+from tp_refs import full, rel
+
+B, Z, A = 2, 2, 4
+
+
+def _layout(causal_zigzag):
+    import gridweave as gw
+
+    return gw.Layout((), (), ("sp",), zigzag=2 if causal_zigzag else None)
+
+
+def _attention(ctx, algo, causal, L, dtype_name):
+    import gridweave as gw
+    from gridweave.autograd.ring import ring_attention, ring_self_attention
+
+    dtype = getattr(torch, dtype_name)
+    grid = ctx.init(sp=ctx.world_size)
+    q, k, v = (full((B, Z, L, A), s).requires_grad_() for s in (1, 2, 3))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    dout = full(ref.shape, 4)
+    ref.backward(dout)
+    zig = algo == "ring" and causal
+    lay = _layout(zig)
+    ql, kl, vl = (gw.scatter(t.detach(), lay, grid).to(dtype).requires_grad_() for t in (q, k, v))
+    grid.reset_stats()
+    if algo == "rsa":
+        out = ring_self_attention(ql, kl, vl, grid, causal=causal)
+    else:
+        out = ring_attention(ql, kl, vl, grid, causal=causal)
+    fwd = grid.stats().get("sp", None)
+    grid.reset_stats()
+    out.backward(gw.scatter(dout, lay, grid).to(dtype))
+    bwd = grid.stats().get("sp", None)
+
+    def sent(s):
+        return 0 if s is None else s["sent_intra"]["bytes"] + s["sent_inter"]["bytes"]
+
+    errs = {"out": rel(gw.gather(out, lay, grid), ref)}
+    for name, loc, ref_t in (("dq", ql, q), ("dk", kl, k), ("dv", vl, v)):
+        errs[name] = rel(gw.gather(loc.grad, lay, grid), ref_t.grad)
+    # torch's own error in this dtype, for the flash-attention tolerance rule
+    q32, k32, v32 = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+    o32 = torch.nn.functional.scaled_dot_product_attention(q32, k32, v32, is_causal=causal)
+    o32.backward(dout.to(dtype))
+    errs["torch"] = max(rel(o32, ref), rel(q32.grad, q.grad), rel(k32.grad, k.grad), rel(v32.grad, v.grad))
+    return errs, sent(fwd), sent(bwd)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("algo", ["rsa", "ring"])
+def test_ring_attention_matches_dense(pool, n, causal, algo):
+    L = 32
+    for errs, fwd, bwd in pool.run(_attention, n, algo, causal, L, "float64"):
+        assert max(v for k, v in errs.items() if k != "torch") < 1e-10, errs
+        if algo == "rsa":
+            b = B * Z * (L // n) * A * 8
+            assert fwd == 2 * (n - 1) * b  # seed 004 §3.3: 2(N-1)BZ(L/N)A forward
+            assert bwd == 6 * (n - 1) * b  # and 6(N-1)BZ(L/N)A backward
+
+
+def test_backward_error_does_not_grow_with_n(pool):
+    worst = {}
+    for n in (2, 8):
+        res = pool.run(_attention, n, "ring", True, 64, "float32")
+        worst[n] = max(max(e["dq"], e["dk"], e["dv"]) for e, _, _ in res)
+        torch_err = max(e["torch"] for e, _, _ in res)
+        assert worst[n] <= 2 * torch_err + 1e-7, (n, worst[n], torch_err)  # flash-attention's rule
+    assert worst[8] <= 2 * worst[2] + 1e-7, worst
+
+
+def _agree(ctx):
+    import gridweave as gw
+    from gridweave.autograd.ring import ring_attention, ring_self_attention
+
+    grid = ctx.init(sp=ctx.world_size)
+    lay = _layout(False)
+    q, k, v = (gw.scatter(full((B, Z, 16, A), s), lay, grid) for s in (5, 6, 7))
+    a = ring_self_attention(q, k, v, grid, causal=True)
+    b = ring_attention(q, k, v, grid, causal=True, zigzag=False)
+    return rel(a, b)
+
+
+def test_rsa_and_ring_attention_agree(pool):
+    assert max(pool.run(_agree, 4)) < 1e-12
+
+
+def _indivisible(ctx):
+    import gridweave as gw
+    from gridweave.autograd.ring import ring_attention
+
+    grid = ctx.init(sp=ctx.world_size)
+    msgs = []
+    for make in (lambda: gw.scatter(torch.zeros(B, Z, 6, A), _layout(False), grid),
+                 lambda: gw.scatter(torch.zeros(B, Z, 12, A), _layout(True), grid),
+                 lambda: ring_attention(*(torch.zeros(B, Z, 3, A) for _ in range(3)), grid, causal=True)):
+        try:
+            make()
+            msgs.append(None)
+        except gw.GridError as e:
+            msgs.append(str(e))
+    return msgs
+
+
+def test_sequence_lengths_that_do_not_split_fail_clearly(pool):
+    for msgs in pool.run(_indivisible, 4):
+        assert all(msgs), msgs
+        assert "does not split over" in msgs[0] and "zigzag" in msgs[1] and "even local sequence" in msgs[2]
