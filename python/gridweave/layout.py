@@ -71,6 +71,7 @@ def zigzag_order(length: int, n: int) -> torch.Tensor:
 
 def scatter(full: torch.Tensor, layout: Layout, grid) -> torch.Tensor:
     """This rank's shard of `full` (every rank passes the same full tensor)."""
+    layout.local_shape(full.shape, grid)  # GridError before anything moves
     if layout.zigzag is not None:
         d = layout.zigzag
         full = full.index_select(d, zigzag_order(full.shape[d], grid.size(layout.dims[d])))
