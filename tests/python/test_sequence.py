@@ -111,3 +111,59 @@ def test_sequence_lengths_that_do_not_split_fail_clearly(pool):
     for msgs in pool.run(_indivisible, 4):
         assert all(msgs), msgs
         assert "does not split over" in msgs[0] and "zigzag" in msgs[1] and "even local sequence" in msgs[2]
+
+
+def _sp_layer(ctx, dp, attention, causal):
+    import gridweave as gw
+
+    sp = ctx.world_size // dp
+    grid = ctx.init(dp=dp, sp=sp)
+    torch.manual_seed(0)
+    H, heads, Bt, L = 16, 4, 4, 16
+    dense = gw.nn.DenseTransformerLayer(H, heads, causal=causal, dtype=torch.float64)
+    layer = gw.nn.TransformerLayer.from_dense(dense, grid, mode="sp", attention=attention)
+    x = full((Bt, L, H), 21).requires_grad_()
+    y = dense(x)
+    loss = y.pow(2).sum(-1).mean()  # mean over every token of the global batch
+    loss.backward()
+    xl = gw.scatter(x.detach(), layer.input_layout, grid).requires_grad_()
+    yl = layer(xl)
+    tokens = yl.shape[0] * yl.shape[1]
+    local = gw.nn.global_token_mean(yl.pow(2).sum(), tokens, grid)
+    local.backward()
+    gw.nn.reduce_gradients(layer, grid)
+    total = local.detach().clone().reshape(1)
+    grid.all_reduce(total, axis=("dp", "sp"))
+    errs = {"loss": rel(total[0], loss), "dx": rel(gw.gather(xl.grad, layer.input_layout, grid), x.grad)}
+    grads = layer.dense_state(grad=True)
+    for name, p in dense.named_parameters():
+        errs[name] = rel(grads[name], p.grad)
+    return errs
+
+
+@pytest.mark.parametrize("dp,n", [(1, 4), (2, 4), (2, 8)])
+@pytest.mark.parametrize("attention,causal", [("ring", True), ("ring", False), ("rsa", True)])
+def test_sequence_parallel_layer_with_dp_matches_dense(pool, dp, n, attention, causal):
+    for errs in pool.run(_sp_layer, n, dp, attention, causal):
+        assert max(errs.values()) < 1e-10, {k: v for k, v in errs.items() if v >= 1e-10}
+
+
+def _blocks(ctx):
+    import gridweave as gw
+
+    grid = ctx.init(sp=ctx.world_size)
+    torch.manual_seed(2)
+    out = {}
+    for cls, causal in ((gw.nn.RingSelfAttention, False), (gw.nn.RingAttention, True)):
+        dense = gw.nn.DenseSelfAttention(16, 4, causal=causal, dtype=torch.float64)
+        block = cls.from_dense(dense, grid)
+        x = full((2, 16, 16), 22)
+        out[cls.__name__] = rel(gw.gather(block(gw.scatter(x, block.input_layout, grid)), block.output_layout, grid),
+                                dense(x))
+        out[cls.__name__ + ".to_dense"] = rel(block.to_dense().qkv.weight, dense.qkv.weight)
+    return out
+
+
+def test_ring_attention_blocks_match_dense(pool):
+    for errs in pool.run(_blocks, 4):
+        assert max(errs.values()) < 1e-10, errs

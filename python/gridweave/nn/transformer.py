@@ -20,8 +20,10 @@ from .tensor1d import ColumnParallelLinear, RowParallelLinear
 from .tensor2d import ACTIVATION as ACT2D
 from .tensor2d import LayerNorm2D, Linear2D
 from .tensor3d import LayerNorm3D, Linear3D, activation_layout
+from ..autograd.ring import ring_attention, ring_self_attention
+from .sequence import ReplicatedLinear
 
-MODES = ("1d", "2d", "3d")
+MODES = ("1d", "2d", "3d", "sp")
 
 
 def _linears(mode, grid, bias, overlap, a, c, dtype):
@@ -32,20 +34,25 @@ def _linears(mode, grid, bias, overlap, a, c, dtype):
                 lambda i, o: RowParallelLinear(i, o, grid, bias, **kw))
     if mode == "2d":
         return (lambda i, o: Linear2D(i, o, grid, bias, **kw),) * 2
+    if mode == "sp":  # sequence parallel: weights replicated, tokens split
+        return (lambda i, o: ReplicatedLinear(i, o, bias, **kw),) * 2
     # 3-D: the first linear takes (a, c) to (c, a); the second swaps them back (§3.2)
     return (lambda i, o: Linear3D(i, o, grid, bias, a, c, overlap, **kw),
             lambda i, o: Linear3D(i, o, grid, bias, c, a, overlap, **kw))
 
 
-def _activation(mode, a, c):
+def _activation(mode, a, c, zigzag=False):
     """Layout of a block's (batch, seq, hidden) input and output in each mode."""
+    if mode == "sp":
+        return Layout(("dp",), ("sp",), (), zigzag=1 if zigzag else None)
     return {"1d": Layout(), "2d": ACT2D, "3d": activation_layout(a, c)}[mode]
 
 
 def _groups(mode, grid):
     if mode not in MODES:
         raise GridError(f"mode must be one of {MODES}, got {mode!r}")
-    return {"1d": lambda: grid.size("tp"), "2d": lambda: grid.axes["c"], "3d": lambda: grid.axes["x"]}[mode]()
+    return {"1d": lambda: grid.size("tp"), "2d": lambda: grid.axes["c"], "3d": lambda: grid.axes["x"],
+            "sp": lambda: 1}[mode]()
 
 
 class SelfAttention(nn.Module):
@@ -53,8 +60,11 @@ class SelfAttention(nn.Module):
     parallel groups (1-D: tp; 2-D: c; 3-D: the a direction of the qkv output)."""
 
     def __init__(self, hidden, heads, grid, mode="3d", bias=True, causal=True, overlap=False, a="y", c="z",
-                 dtype=None):
+                 dtype=None, attention="ring"):
         super().__init__()
+        if attention not in ("ring", "rsa"):
+            raise GridError(f"attention must be 'ring' (blockwise) or 'rsa' (seed 004's), got {attention!r}")
+        self.attention = attention
         self.groups = _groups(mode, grid)
         if heads % self.groups:
             raise GridError(f"{heads} heads do not split over {self.groups} tensor-parallel groups")
@@ -65,12 +75,24 @@ class SelfAttention(nn.Module):
 
     @property
     def input_layout(self):
-        return _activation(self.mode, self.a, self.c)
+        return _activation(self.mode, self.a, self.c, self.zigzag)
 
     output_layout = input_layout
 
+    @property
+    def zigzag(self):
+        return self.mode == "sp" and self.attention == "ring" and self.causal
+
     def forward(self, x):
-        return self.proj(attention(self.qkv(x), self.heads // self.groups, self.causal))
+        if self.mode != "sp":
+            return self.proj(attention(self.qkv(x), self.heads // self.groups, self.causal))
+        b, s, _ = x.shape
+        q, k, v = (t.reshape(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(self.hidden, -1))
+        if self.attention == "rsa":
+            o = ring_self_attention(q, k, v, self.grid, "sp", self.causal)
+        else:
+            o = ring_attention(q, k, v, self.grid, "sp", self.causal, self.zigzag)
+        return self.proj(o.transpose(1, 2).reshape(b, s, self.hidden))
 
     @classmethod
     def from_dense(cls, dense: DenseSelfAttention, grid, mode="3d", **kw):
@@ -97,6 +119,29 @@ class SelfAttention(nn.Module):
             if k in out:
                 out[k] = out[k][inv]
         return out
+
+
+class RingSelfAttention(SelfAttention):
+    """Seed 004's Ring Self-Attention block: qkv and proj replicated, RSA over "sp"."""
+
+    def __init__(self, hidden, heads, grid, causal=False, bias=True, dtype=None):
+        super().__init__(hidden, heads, grid, "sp", bias, causal, dtype=dtype, attention="rsa")
+
+    @classmethod
+    def from_dense(cls, dense: DenseSelfAttention, grid):
+        m = cls(dense.qkv.in_features, dense.heads, grid, dense.causal, dense.qkv.bias is not None,
+                dense.qkv.weight.dtype)
+        m.load_dense(dense.qkv, dense.proj)
+        return m
+
+
+class RingAttention(SelfAttention):
+    """Blockwise ring attention block (online softmax; zigzag sequence layout when causal)."""
+
+    def __init__(self, hidden, heads, grid, causal=True, bias=True, dtype=None):
+        super().__init__(hidden, heads, grid, "sp", bias, causal, dtype=dtype, attention="ring")
+
+    from_dense = RingSelfAttention.__dict__["from_dense"]
 
 
 class MLP(nn.Module):
@@ -144,25 +189,25 @@ class MLP(nn.Module):
 
 class TransformerLayer(nn.Module):
     def __init__(self, hidden, heads, grid, mode="3d", ffn_hidden=None, bias=True, causal=True, overlap=False,
-                 a="y", c="z", dtype=None):
+                 a="y", c="z", dtype=None, attention="ring"):
         super().__init__()
         _groups(mode, grid)
         ffn_hidden = ffn_hidden or 4 * hidden
         self.grid, self.mode, self.hidden, self.heads, self.causal = grid, mode, hidden, heads, causal
         self.ffn_hidden, self.overlap, self.a, self.c, self.bias = ffn_hidden, overlap, a, c, bias
         kw = dict(dtype=dtype)
-        if mode == "1d":
+        if mode in ("1d", "sp"):
             self.ln1, self.ln2 = nn.LayerNorm(hidden, **kw), nn.LayerNorm(hidden, **kw)
         elif mode == "2d":
             self.ln1, self.ln2 = LayerNorm2D(hidden, grid, **kw), LayerNorm2D(hidden, grid, **kw)
         else:
             self.ln1, self.ln2 = LayerNorm3D(hidden, grid, a, c, **kw), LayerNorm3D(hidden, grid, a, c, **kw)
-        self.attn = SelfAttention(hidden, heads, grid, mode, bias, causal, overlap, a, c, dtype)
+        self.attn = SelfAttention(hidden, heads, grid, mode, bias, causal, overlap, a, c, dtype, attention)
         self.mlp = MLP(hidden, ffn_hidden, grid, mode, bias, overlap, a, c, dtype)
 
     @property
     def input_layout(self):
-        return _activation(self.mode, self.a, self.c)
+        return self.attn.input_layout
 
     output_layout = input_layout
 
@@ -195,7 +240,7 @@ class TransformerLayer(nn.Module):
         self.mlp.load_dense(dense.fc1, dense.fc2)
         for name in ("ln1", "ln2"):
             mine, theirs = getattr(self, name), getattr(dense, name)
-            if self.mode == "1d":
+            if self.mode in ("1d", "sp"):
                 mine.load_state_dict(theirs.state_dict())
             else:
                 mine.load_dense(theirs)
@@ -205,7 +250,7 @@ class TransformerLayer(nn.Module):
         out = {**self.attn.dense_state(grad), **self.mlp.dense_state(grad)}
         for name in ("ln1", "ln2"):
             ln = getattr(self, name)
-            if self.mode == "1d":
+            if self.mode in ("1d", "sp"):
                 state = {k: (p.grad if grad else p.detach()).clone() for k, p in ln.named_parameters()}
             else:
                 state = ln.dense_state(grad)
