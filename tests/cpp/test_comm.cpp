@@ -13,6 +13,7 @@
 
 #include "error.h"
 #include "gloo_communicator.h"
+#include "ring.h"
 #include "store.h"
 
 using namespace gridweave;
@@ -234,4 +235,24 @@ TEST(CommFaults, CloseCancelsAPendingReceive) {
     EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
     EXPECT_THROW(c.barrier(), Error);  // closed: refuses new ops
   }), 0);
+}
+
+TEST(Ring, BlocksVisitEveryRankInOrder) {
+  for (int n : {2, 4}) {
+    EXPECT_EQ(run_ranks(n, [n](GlooCommunicator& c) {
+      std::shared_ptr<Communicator> self(&c, [](Communicator*) {});  // borrowed
+      Ring ring(self);
+      EXPECT_EQ(ring.next(), (c.rank() + 1) % n);
+      EXPECT_EQ(ring.prev(), (c.rank() + n - 1) % n);
+      std::vector<double> cur = {double(c.rank()), 10.0 * c.rank()}, nxt(2);
+      for (int s = 0; s < n; ++s) {
+        EXPECT_EQ(cur[0], ring.source_at(s));  // the block held at step s came from source_at(s)
+        EXPECT_EQ(cur[1], 10.0 * ring.source_at(s));
+        auto w = ring.exchange({view_of(cur)}, {view_of(nxt)}, s);
+        w->wait(kWait);
+        cur.swap(nxt);
+      }
+      EXPECT_EQ(cur[0], c.rank());  // n exchanges bring every block home
+    }), 0);
+  }
 }

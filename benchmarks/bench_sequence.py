@@ -1,0 +1,230 @@
+"""Sequence parallelism (seed 004) on CPU ranks.
+
+    python benchmarks/bench_sequence.py      # writes results/sequence.json and .png
+
+memory: per-rank activation bytes saved for backward by one attention (B=1, Z=8, A=32,
+  L=2048) vs N = 1, 2, 4, 8: RSA keeps its (L/N x L) probabilities, blockwise keeps O(L/N).
+longest: the longest sequence whose layer activations fit a per-rank budget, sequence
+  parallel (blockwise ring, and RSA) vs 1-D tensor parallel, at N = 4 and 8.
+overlap: blockwise ring attention forward+backward vs its compute alone (the ring
+  replaced by a local stand-in) and its communication alone (the same exchanges, no math).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MEM = dict(B=1, Z=8, A=32, L=2048)
+LAYER = dict(hidden=256, heads=8, batch=1)
+BUDGET = 24 << 20  # bytes of activations per rank
+
+
+def _saved(fn, exclude=()):
+    import torch
+
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in skip:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+class _LocalRing:
+    """Stand-in ring for 'compute alone': same steps, no communication."""
+
+    def __init__(self, grid, axis):
+        self.size, self.rank = grid.size(axis), grid.index(axis)
+
+    def source_at(self, step):
+        return (self.rank - step) % self.size
+
+    def pass_on(self, tensors, step):
+        class Done:
+            def wait(_self):
+                return [t.contiguous() for t in tensors]
+        return Done()
+
+
+def worker(part, out_path):
+    import torch
+    import torch.distributed as dist
+
+    import gridweave as gw
+    from gridweave.autograd import ring as ring_mod
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    n, rank = dist.get_world_size(), dist.get_rank()
+    store = dist.distributed_c10d._get_default_store()
+    result = {"ranks": n}
+    if part == "memory":
+        grid = gw.init(sp=n, store=store, prefix="seq-mem")
+        B, Z, A, L = MEM["B"], MEM["Z"], MEM["A"], MEM["L"]
+        for algo in ("rsa", "ring"):
+            q, k, v = (torch.randn(B, Z, L // n, A, requires_grad=True) for _ in range(3))
+            fn = (lambda: ring_mod.ring_self_attention(q, k, v, grid, causal=True)) if algo == "rsa" else \
+                (lambda: ring_mod.ring_attention(q, k, v, grid, causal=True))
+            out, saved = _saved(fn, (q, k, v))
+            result[algo] = saved
+            out.sum().backward()
+    elif part == "longest":
+        grid_sp = gw.init(sp=n, store=store, prefix="seq-long-sp")
+        grid_tp = gw.init(tp=gw.Row(n), store=store, prefix="seq-long-tp")
+        torch.manual_seed(0)
+        H, heads = LAYER["hidden"], LAYER["heads"]
+        dense = gw.nn.DenseTransformerLayer(H, heads)
+        layers = {"sp-ring": gw.nn.TransformerLayer.from_dense(dense, grid_sp, mode="sp", attention="ring"),
+                  "sp-rsa": gw.nn.TransformerLayer.from_dense(dense, grid_sp, mode="sp", attention="rsa"),
+                  "tp-1d": gw.nn.TransformerLayer.from_dense(dense, grid_tp, mode="1d")}
+        for name, layer in layers.items():
+            params = list(layer.parameters())
+            curve = []
+
+            def fits_budget(L):
+                x = torch.randn(LAYER["batch"], L if name == "tp-1d" else L // n, H)
+                _, saved = _saved(lambda: layer(x.requires_grad_()), params)
+                # every rank must take the same decision: use the largest rank's bytes
+                t = torch.tensor([saved], dtype=torch.float64)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                curve.append((L, int(t.item())))
+                return t.item() <= BUDGET
+
+            step = 2 * n * 16  # zigzag needs 2N chunks
+            lo, hi = 0, step
+            while fits_budget(hi) and hi < (1 << 17):  # doubling, then bisection to `step`
+                lo, hi = hi, hi * 2
+            while hi - lo > step:
+                mid = (lo + hi) // 2 // step * step
+                lo, hi = (mid, hi) if fits_budget(mid) else (lo, mid)
+            result[name] = {"longest": lo, "curve": sorted(curve)}
+    else:  # overlap
+        grid = gw.init(sp=n, store=store, prefix="seq-ovl")
+        B, Z, A, L = 1, 8, 64, 4096
+        q, k, v = (torch.randn(B, Z, L // n, A, requires_grad=True) for _ in range(3))
+
+        def full():
+            out = ring_mod.ring_attention(q, k, v, grid, causal=True)
+            out.sum().backward()
+
+        def compute():
+            saved = ring_mod._Ring
+            ring_mod._Ring = _LocalRing
+            try:
+                full()
+            finally:
+                ring_mod._Ring = saved
+
+        ring = ring_mod._Ring(grid, "sp")
+
+        def comm():  # the exchanges of forward (K, V) and backward (K, V, then dK, dV)
+            for s in range(n - 1):
+                ring.pass_on([k.detach(), v.detach()], s).wait()
+            for s in range(n):
+                if s < n - 1:
+                    ring.pass_on([k.detach(), v.detach()], 2 * s).wait()
+                ring.pass_on([k.detach(), v.detach()], 2 * s + 1).wait()
+
+        times = {"ring": [], "compute": [], "comm": []}
+        for f in (full, compute, comm):
+            f()  # warm-up
+        for _ in range(7):
+            for name, f in (("ring", full), ("compute", compute), ("comm", comm)):
+                dist.barrier()
+                t0 = time.perf_counter()
+                f()
+                times[name].append(time.perf_counter() - t0)
+        result.update({k: statistics.median(v) for k, v in times.items()})
+        result["config"] = dict(B=B, Z=Z, A=A, L=L)
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(result))
+    gw.shutdown()
+    dist.destroy_process_group()
+
+
+def run(part, n, out):
+    path = out / f".seq_{part}_{n}.json"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", "--master-port=29547",
+                    __file__, "--worker", part, "--out", str(path)], check=True,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
+    data = json.loads(path.read_text())
+    path.unlink()
+    return data
+
+
+def plot(data, png):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
+    ax = axes[0]
+    ns = [r["ranks"] for r in data["memory"]]
+    for algo in ("rsa", "ring"):
+        ax.plot(ns, [r[algo] / 2 ** 20 for r in data["memory"]], "o-", label=algo)
+    ax.plot(ns, [data["memory"][0]["ring"] / 2 ** 20 / x for x in ns], "k--", lw=1, label="1/N")
+    ax.set(xscale="log", yscale="log", title=f"attention activations per rank, L={MEM['L']}", xlabel="N",
+           ylabel="MiB")
+    ax.legend()
+    ax = axes[1]
+    labels, vals = [], []
+    for r in data["longest"]:
+        for name in ("sp-ring", "sp-rsa", "tp-1d"):
+            labels.append(f"{name}\nN={r['ranks']}")
+            vals.append(r[name]["longest"])
+    ax.bar(labels, vals)
+    ax.set(title=f"longest sequence within {BUDGET >> 20} MiB of activations per rank", ylabel="tokens")
+    ax.tick_params(axis="x", labelsize=8)
+    ax = axes[2]
+    labels = [f"N={r['ranks']}" for r in data["overlap"]]
+    for i, key in enumerate(("ring", "compute", "comm")):
+        ax.bar([x + i * 0.27 for x in range(len(labels))], [r[key] * 1e3 for r in data["overlap"]], 0.27, label=key)
+    ax.set_xticks([x + 0.27 for x in range(len(labels))], labels)
+    ax.set(title="ring attention fwd+bwd vs compute alone and comm alone", ylabel="ms")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worker", choices=["memory", "longest", "overlap"])
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--parts", default="memory,longest,overlap")
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.worker, args.out)
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "sequence.json"
+    data = json.loads(path.read_text()) if path.exists() else {}
+    ranks = {"memory": (1, 2, 4, 8), "longest": (4, 8), "overlap": (4, 8)}
+    for part in args.parts.split(","):
+        data[part] = [run(part, n, out) for n in ranks[part]]
+    path.write_text(json.dumps(data, indent=1))
+    plot(data, out / "sequence.png")
+    for r in data["memory"]:
+        print(f"memory N={r['ranks']}: RSA {r['rsa']} B, blockwise {r['ring']} B")
+    for r in data["longest"]:
+        print(f"longest N={r['ranks']}: " + ", ".join(f"{k} {r[k]['longest']}" for k in ("sp-ring", "sp-rsa", "tp-1d")))
+    for r in data["overlap"]:
+        print(f"overlap N={r['ranks']}: ring {r['ring'] * 1e3:.1f} ms, compute {r['compute'] * 1e3:.1f} ms, "
+              f"comm {r['comm'] * 1e3:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
