@@ -20,11 +20,13 @@ from .errors import GridError
 class Layout:
     dims: tuple  # per dim: tuple of axis names
     zigzag: int | None = None  # a dim split over its axes in zigzag order (causal ring attention)
+    only: tuple | None = None  # (axis, index): only ranks there hold data (SUPER's cSub common grid)
 
-    def __init__(self, *dims, zigzag=None):
+    def __init__(self, *dims, zigzag=None, only=None):
         norm = tuple(tuple([d] if isinstance(d, str) else (d or ())) for d in dims)
         object.__setattr__(self, "dims", norm)
         object.__setattr__(self, "zigzag", zigzag)
+        object.__setattr__(self, "only", tuple(only) if only is not None else None)
         if zigzag is not None and not (0 <= zigzag < len(norm) and norm[zigzag]):
             raise GridError(f"zigzag dim {zigzag} must be a split dim of {norm}")
 
@@ -75,11 +77,22 @@ def scatter(full: torch.Tensor, layout: Layout, grid) -> torch.Tensor:
     if layout.zigzag is not None:
         d = layout.zigzag
         full = full.index_select(d, zigzag_order(full.shape[d], grid.size(layout.dims[d])))
-    return full[local_slices(full.shape, layout, grid)].contiguous()
+    local = full[local_slices(full.shape, layout, grid)].contiguous()
+    if layout.only is not None and grid.coords[layout.only[0]] != layout.only[1]:
+        return local[:0].contiguous()
+    return local
 
 
-def gather(local: torch.Tensor, layout: Layout, grid) -> torch.Tensor:
-    """The full tensor on every rank, from each rank's shard."""
+def gather(local: torch.Tensor, layout: Layout, grid, shape=None) -> torch.Tensor:
+    """The full tensor on every rank, from each rank's shard. Layouts with `only` need the
+    full `shape` (ranks outside hold empty shards)."""
+    if layout.only is not None:
+        axis, index = layout.only
+        inner = Layout(*layout.dims, zigzag=layout.zigzag)
+        # The owners' lines along the layout's other axes hold owners only, so the others
+        # just wait for the broadcast.
+        t = gather(local, inner, grid) if grid.coords[axis] == index else local.new_empty(shape)
+        return grid.broadcast(t.contiguous(), axis=axis, src=index)
     t = local.detach().contiguous()
     for d, axes in enumerate(layout.dims):
         if axes and math.prod(grid.axes[a] for a in axes) > 1:

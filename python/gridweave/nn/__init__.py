@@ -5,10 +5,11 @@ from .tensor1d import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbe
 from .tensor2d import LayerNorm2D, Linear2D
 from .tensor3d import LayerNorm3D, Linear3D
 from .sequence import ReplicatedLinear, global_token_mean, reduce_gradients
+from .subgraph import SubGraphAttention
 from .transformer import MLP, RingAttention, RingSelfAttention, SelfAttention, TransformerLayer
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
            "Linear2D", "LayerNorm2D", "Linear3D", "LayerNorm3D", "SelfAttention", "MLP", "TransformerLayer", "DenseTransformerLayer", "DenseSelfAttention", "DenseMLP",
-           "RingSelfAttention", "RingAttention", "ReplicatedLinear", "global_token_mean", "reduce_gradients",
+           "RingSelfAttention", "RingAttention", "ReplicatedLinear", "global_token_mean", "reduce_gradients", "SubGraphAttention",
            "attention"]
 

@@ -21,9 +21,10 @@ from .tensor2d import ACTIVATION as ACT2D
 from .tensor2d import LayerNorm2D, Linear2D
 from .tensor3d import LayerNorm3D, Linear3D, activation_layout
 from ..autograd.ring import ring_attention, ring_self_attention
-from .sequence import ReplicatedLinear
+from .sequence import ReplicatedLinear, reduce_gradients
+from .subgraph import SubGraphAttention, subgraph_layout
 
-MODES = ("1d", "2d", "3d", "sp")
+MODES = ("1d", "2d", "3d", "sp", "dsp", "csub")
 
 
 def _linears(mode, grid, bias, overlap, a, c, dtype):
@@ -34,7 +35,7 @@ def _linears(mode, grid, bias, overlap, a, c, dtype):
                 lambda i, o: RowParallelLinear(i, o, grid, bias, **kw))
     if mode == "2d":
         return (lambda i, o: Linear2D(i, o, grid, bias, **kw),) * 2
-    if mode == "sp":  # sequence parallel: weights replicated, tokens split
+    if mode in ("sp", "dsp", "csub"):  # weights replicated: sequence, sub-graph common layers
         return (lambda i, o: ReplicatedLinear(i, o, bias, **kw),) * 2
     # 3-D: the first linear takes (a, c) to (c, a); the second swaps them back (§3.2)
     return (lambda i, o: Linear3D(i, o, grid, bias, a, c, overlap, **kw),
@@ -45,6 +46,8 @@ def _activation(mode, a, c, zigzag=False):
     """Layout of a block's (batch, seq, hidden) input and output in each mode."""
     if mode == "sp":
         return Layout(("dp",), ("sp",), (), zigzag=1 if zigzag else None)
+    if mode in ("dsp", "csub"):
+        return subgraph_layout(mode)
     return {"1d": Layout(), "2d": ACT2D, "3d": activation_layout(a, c)}[mode]
 
 
@@ -52,7 +55,7 @@ def _groups(mode, grid):
     if mode not in MODES:
         raise GridError(f"mode must be one of {MODES}, got {mode!r}")
     return {"1d": lambda: grid.size("tp"), "2d": lambda: grid.axes["c"], "3d": lambda: grid.axes["x"],
-            "sp": lambda: 1}[mode]()
+            "sp": lambda: 1, "dsp": lambda: 1, "csub": lambda: 1}[mode]()
 
 
 class SelfAttention(nn.Module):
@@ -189,20 +192,23 @@ class MLP(nn.Module):
 
 class TransformerLayer(nn.Module):
     def __init__(self, hidden, heads, grid, mode="3d", ffn_hidden=None, bias=True, causal=True, overlap=False,
-                 a="y", c="z", dtype=None, attention="ring"):
+                 a="y", c="z", dtype=None, attention="ring", projection="branch", method="all_gather"):
         super().__init__()
         _groups(mode, grid)
         ffn_hidden = ffn_hidden or 4 * hidden
         self.grid, self.mode, self.hidden, self.heads, self.causal = grid, mode, hidden, heads, causal
         self.ffn_hidden, self.overlap, self.a, self.c, self.bias = ffn_hidden, overlap, a, c, bias
         kw = dict(dtype=dtype)
-        if mode in ("1d", "sp"):
+        if mode in ("1d", "sp", "dsp", "csub"):
             self.ln1, self.ln2 = nn.LayerNorm(hidden, **kw), nn.LayerNorm(hidden, **kw)
         elif mode == "2d":
             self.ln1, self.ln2 = LayerNorm2D(hidden, grid, **kw), LayerNorm2D(hidden, grid, **kw)
         else:
             self.ln1, self.ln2 = LayerNorm3D(hidden, grid, a, c, **kw), LayerNorm3D(hidden, grid, a, c, **kw)
-        self.attn = SelfAttention(hidden, heads, grid, mode, bias, causal, overlap, a, c, dtype, attention)
+        if mode in ("dsp", "csub"):
+            self.attn = SubGraphAttention(hidden, heads, grid, mode, projection, method, causal, bias, dtype)
+        else:
+            self.attn = SelfAttention(hidden, heads, grid, mode, bias, causal, overlap, a, c, dtype, attention)
         self.mlp = MLP(hidden, ffn_hidden, grid, mode, bias, overlap, a, c, dtype)
 
     @property
@@ -240,7 +246,7 @@ class TransformerLayer(nn.Module):
         self.mlp.load_dense(dense.fc1, dense.fc2)
         for name in ("ln1", "ln2"):
             mine, theirs = getattr(self, name), getattr(dense, name)
-            if self.mode in ("1d", "sp"):
+            if self.mode in ("1d", "sp", "dsp", "csub"):
                 mine.load_state_dict(theirs.state_dict())
             else:
                 mine.load_dense(theirs)
@@ -250,12 +256,24 @@ class TransformerLayer(nn.Module):
         out = {**self.attn.dense_state(grad), **self.mlp.dense_state(grad)}
         for name in ("ln1", "ln2"):
             ln = getattr(self, name)
-            if self.mode in ("1d", "sp"):
+            if self.mode in ("1d", "sp", "dsp", "csub"):
                 state = {k: (p.grad if grad else p.detach()).clone() for k, p in ln.named_parameters()}
             else:
                 state = ln.dense_state(grad)
             out.update({f"{name}.{k}": v for k, v in state.items()})
         return out
+
+    def reduce_gradients(self):
+        """Sub-graph modes: common parameters summed over (dp, sg), branch ones over dp.
+        Sequence parallel: everything over (dp, sp). Use with gw.nn.global_token_mean."""
+        if self.mode in ("dsp", "csub"):
+            from .subgraph import reduce_gradients_of
+
+            branch = {id(p) for p in self.attn.branch_parameters()}
+            reduce_gradients_of([p for p in self.parameters() if id(p) not in branch], self.grid, ("dp", "sg"))
+            reduce_gradients_of(self.attn.branch_parameters(), self.grid, ("dp",))
+        elif self.mode == "sp":
+            reduce_gradients(self, self.grid, ("dp", "sp"))
 
     def to_dense(self):
         d = DenseTransformerLayer(self.hidden, self.heads, self.ffn_hidden, bias=self.bias, causal=self.causal,

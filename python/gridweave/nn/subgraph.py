@@ -1,0 +1,144 @@
+"""Sub-graph parallelism (seed 002, SUPER): attention heads are the branches, one head group
+per sub-grid; common layers data-parallel over every rank (D&SP) or on sub-grid 0 (cSub)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..autograd import subgraph as sgops
+from ..errors import GridError
+from ..layout import Layout
+from .dense import DenseSelfAttention, attention, head_group_order
+from .sequence import ReplicatedLinear, reduce_gradients
+
+SUBGRAPH_MODES = ("dsp", "csub")
+
+
+def subgraph_layout(mode):
+    """(batch, seq, hidden) of the common layers: D&SP splits the batch over (dp, sg); cSub
+    over dp on sub-grid 0, the other sub-grids holding nothing."""
+    return Layout(("dp", "sg"), (), ()) if mode == "dsp" else Layout(("dp",), (), (), only=("sg", 0))
+
+
+def _common_shape(x, grid):
+    """cSub: the common shard's shape, known on sub-grid 0, sent to the other sub-grids."""
+    s = torch.tensor(list(x.shape), dtype=torch.int64)
+    grid.broadcast(s, axis="sg", src=0)
+    return tuple(int(v) for v in s)
+
+
+class SubGraphAttention(nn.Module):
+    """projection="branch": split -> [qkv_k, attention of head group k, proj_k] -> sum (the
+    branches own their projections; their gradients are reduced within the sub-grid).
+    projection="common": qkv (common) -> slice -> attention of group k -> concat -> proj."""
+
+    def __init__(self, hidden, heads, grid, mode="dsp", projection="branch", method="all_gather", causal=True,
+                 bias=True, dtype=None):
+        super().__init__()
+        if mode not in SUBGRAPH_MODES:
+            raise GridError(f"sub-graph mode must be one of {SUBGRAPH_MODES}, got {mode!r}")
+        if projection not in ("branch", "common"):
+            raise GridError(f"projection must be 'branch' or 'common', got {projection!r}")
+        if "sg" not in grid.axes:
+            raise GridError("sub-graph parallelism needs gw.init(tp=gw.SubGraph(g))")
+        g = grid.axes["sg"]
+        if heads % g or hidden % g:
+            raise GridError(f"{heads} heads / hidden {hidden} do not split over {g} sub-grids")
+        sgops._method(method)
+        self.grid, self.mode, self.projection, self.method = grid, mode, projection, method
+        self.hidden, self.heads, self.causal, self.g = hidden, heads, causal, g
+        kw = dict(dtype=dtype)
+        if projection == "branch":
+            self.qkv = ReplicatedLinear(hidden, 3 * hidden // g, bias, **kw)      # branch k's heads
+            self.proj = ReplicatedLinear(hidden // g, hidden, False, **kw)       # branch k's columns
+            self.proj_bias = nn.Parameter(torch.zeros(hidden, **kw)) if bias else None  # common
+        else:
+            self.qkv = ReplicatedLinear(hidden, 3 * hidden, bias, **kw)
+            self.proj = ReplicatedLinear(hidden, hidden, bias, **kw)
+            self.proj_bias = None
+
+    @property
+    def input_layout(self):
+        return subgraph_layout(self.mode)
+
+    output_layout = input_layout
+
+    def branch_parameters(self):
+        return [self.qkv.weight] + ([self.qkv.bias] if self.qkv.bias is not None else []) + [self.proj.weight] \
+            if self.projection == "branch" else []
+
+    def common_parameters(self):
+        branch = {id(p) for p in self.branch_parameters()}
+        return [p for p in self.parameters() if id(p) not in branch]
+
+    def forward(self, x):
+        shape = _common_shape(x, self.grid) if self.mode == "csub" else None
+        if self.projection == "branch":
+            xb = sgops.split(x, self.grid, self.mode, shape)
+            y = self.proj(attention(self.qkv(xb), self.heads // self.g, self.causal))
+            out = sgops.branch_sum(y, self.grid, self.mode)
+            return out + self.proj_bias if self.proj_bias is not None else out
+        qkv = self.qkv(x)
+        qshape = tuple(shape[:-1]) + (3 * self.hidden,) if shape is not None else None
+        branch = sgops.slice_(qkv, self.grid, self.mode, self.method, qshape)
+        o = sgops.concat(attention(branch, self.heads // self.g, self.causal), self.grid, self.mode, self.method)
+        return self.proj(o)
+
+    @classmethod
+    def from_dense(cls, dense: DenseSelfAttention, grid, mode="dsp", **kw):
+        m = cls(dense.qkv.in_features, dense.heads, grid, mode, causal=dense.causal, bias=dense.qkv.bias is not None,
+                dtype=dense.qkv.weight.dtype, **kw)
+        m.load_dense(dense.qkv, dense.proj)
+        return m
+
+    def load_dense(self, qkv: nn.Linear, proj: nn.Linear):
+        order = head_group_order(self.hidden, self.g)
+        if self.projection == "common":
+            self.qkv.load_dense(qkv, order)
+            self.proj.load_dense(proj)
+            return
+        k, w = self.grid.index("sg"), 3 * self.hidden // self.g
+        rows = order[k * w:(k + 1) * w]
+        cols = slice(k * self.hidden // self.g, (k + 1) * self.hidden // self.g)
+        with torch.no_grad():
+            self.qkv.weight.copy_(qkv.weight[rows])
+            if self.qkv.bias is not None:
+                self.qkv.bias.copy_(qkv.bias[rows])
+            self.proj.weight.copy_(proj.weight[:, cols])
+            if self.proj_bias is not None:
+                self.proj_bias.copy_(proj.bias)
+
+    def dense_state(self, grad=False):
+        pick = (lambda t: t.grad) if grad else (lambda t: t.detach())
+        inv = torch.argsort(head_group_order(self.hidden, self.g))
+        if self.projection == "common":
+            out = {f"qkv.{k}": v for k, v in self.qkv.dense_state(grad).items()}
+            out.update({f"proj.{k}": v for k, v in self.proj.dense_state(grad).items()})
+        else:  # each sub-grid holds one head group: gather them along sg
+            out = {"qkv.weight": self.grid.all_gather(pick(self.qkv.weight).contiguous(), axis="sg"),
+                   "proj.weight": self.grid.all_gather(pick(self.proj.weight).contiguous(), axis="sg", dim=1)}
+            if self.qkv.bias is not None:
+                out["qkv.bias"] = self.grid.all_gather(pick(self.qkv.bias).contiguous(), axis="sg")
+                out["proj.bias"] = pick(self.proj_bias).clone()
+        out["qkv.weight"] = out["qkv.weight"][inv]
+        if "qkv.bias" in out:
+            out["qkv.bias"] = out["qkv.bias"][inv]
+        return out
+
+    def to_dense(self):
+        d = DenseSelfAttention(self.hidden, self.heads, "qkv.bias" in self.dense_state(), self.causal,
+                               dtype=self.qkv.weight.dtype)
+        with torch.no_grad():
+            d.load_state_dict(self.dense_state())
+        return d
+
+    def reduce_gradients(self):
+        """Common parameters over every rank (dp, sg); branch parameters within the sub-grid (dp)."""
+        reduce_gradients_of(self.common_parameters(), self.grid, ("dp", "sg"))
+        reduce_gradients_of(self.branch_parameters(), self.grid, ("dp",))
+
+
+def reduce_gradients_of(params, grid, axes):
+    holder = nn.Module()
+    holder.params = nn.ParameterList(params)
+    reduce_gradients(holder, grid, axes)
