@@ -219,11 +219,11 @@ def branch_sum(y, grid, mode="dsp"):
     return _Sum.apply(y, grid) if mode == "dsp" else _CSubSum.apply(y, grid)
 
 
-def slice_(x, grid, mode="dsp", method="all_gather", shape=None):
+def slice_(x, grid, mode="dsp", method="all_to_all", shape=None):
     """Branch k gets slice k of the last dim."""
     return _Slice.apply(x, grid, _method(method)) if mode == "dsp" else _CSubSlice.apply(x, grid, tuple(shape))
 
 
-def concat(y, grid, mode="dsp", method="all_gather"):
+def concat(y, grid, mode="dsp", method="all_to_all"):
     """The common tensor is the branches' outputs concatenated along the last dim."""
     return _Concat.apply(y, grid, _method(method)) if mode == "dsp" else _CSubConcat.apply(y, grid)

@@ -30,9 +30,12 @@ def _common_shape(x, grid):
 class SubGraphAttention(nn.Module):
     """projection="branch": split -> [qkv_k, attention of head group k, proj_k] -> sum (the
     branches own their projections; their gradients are reduced within the sub-grid).
-    projection="common": qkv (common) -> slice -> attention of group k -> concat -> proj."""
+    projection="common": qkv (common) -> slice -> attention of group k -> concat -> proj.
+    method: how D&SP slices and concatenates: "all_to_all" (default: measured faster here,
+    benchmarks/results/subgraph.json) or "all_gather" (gather everything, keep one slice:
+    the paper's choice on NCCL, which had no fast all-to-all)."""
 
-    def __init__(self, hidden, heads, grid, mode="dsp", projection="branch", method="all_gather", causal=True,
+    def __init__(self, hidden, heads, grid, mode="dsp", projection="branch", method="all_to_all", causal=True,
                  bias=True, dtype=None):
         super().__init__()
         if mode not in SUBGRAPH_MODES:

@@ -192,7 +192,7 @@ class MLP(nn.Module):
 
 class TransformerLayer(nn.Module):
     def __init__(self, hidden, heads, grid, mode="3d", ffn_hidden=None, bias=True, causal=True, overlap=False,
-                 a="y", c="z", dtype=None, attention="ring", projection="branch", method="all_gather"):
+                 a="y", c="z", dtype=None, attention="ring", projection="branch", method="all_to_all"):
         super().__init__()
         _groups(mode, grid)
         ffn_hidden = ffn_hidden or 4 * hidden
