@@ -6,6 +6,8 @@
 #include "communicator.h"
 #include "cube.h"
 #include "ring.h"
+#include "pipeline.h"
+#include <pybind11/functional.h>
 
 #ifdef GRIDWEAVE_WITH_NCCL
 #include "lse_merge.h"
@@ -206,6 +208,31 @@ PYBIND11_MODULE(_C, m) {
         py::gil_scoped_release nogil;
         return r.exchange(send, recv, step);
       });
+
+  // Pipeline schedules (seed 001 Algorithm 2; seed 003 1F1B). Callbacks take
+  // (microbatch, input address or 0) and return the address of the bytes to send.
+  py::class_<PipelineStats>(m, "PipelineStats")
+      .def_readonly("forwards", &PipelineStats::forwards)
+      .def_readonly("backwards", &PipelineStats::backwards)
+      .def_readonly("messages", &PipelineStats::messages)
+      .def_readonly("compute_s", &PipelineStats::compute_s)
+      .def_readonly("wait_s", &PipelineStats::wait_s);
+  m.def("run_pipeline", [](std::shared_ptr<Communicator> pp, const std::string& schedule, int stage, int stages,
+                           int microbatches, int pipeline_limit, std::size_t payload_bytes,
+                           std::function<std::uintptr_t(int, std::uintptr_t)> fwd,
+                           std::function<std::uintptr_t(int, std::uintptr_t)> bwd) {
+    GW_CHECK(schedule == "message_driven" || schedule == "1f1b",
+             "schedule must be 'message_driven' or '1f1b', got '" << schedule << "'");
+    PipelineConfig cfg{stage, stages, microbatches, pipeline_limit, payload_bytes};
+    StageForward f = [&fwd](int mb, const void* x) {
+      return reinterpret_cast<const void*>(fwd(mb, reinterpret_cast<std::uintptr_t>(x)));
+    };
+    StageBackward b = [&bwd](int mb, const void* g) {
+      return reinterpret_cast<const void*>(bwd(mb, reinterpret_cast<std::uintptr_t>(g)));
+    };
+    py::gil_scoped_release nogil;  // callbacks take the GIL back while they run
+    return schedule == "1f1b" ? run_one_f_one_b(*pp, cfg, f, b) : run_message_driven(*pp, cfg, f, b);
+  });
 
   // 3-D choreography (seed 000 §3.1): layouts, plans and gradient mappings.
   py::class_<CubeStep>(m, "CubeStep").def_readonly("axis", &CubeStep::axis).def_readonly("dim", &CubeStep::dim);

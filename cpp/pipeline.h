@@ -1,0 +1,49 @@
+// Pipeline schedules over the "pp" axis (seed 001, AxoNN; seed 003, Megatron's 1F1B).
+// The engine owns the control flow and the messages; the caller's callbacks do the
+// compute of one microbatch on this stage:
+//   forward(mb, input)  -> pointer to this stage's output (input: null on stage 0)
+//   backward(mb, grad)  -> pointer to the gradient of this stage's input (grad: null on
+//                          the last stage, which starts the backward from its loss;
+//                          the return value is ignored on stage 0)
+// Every message is one activation or gradient of `payload_bytes` plus a 16-byte header
+// (kind, microbatch), so one posted receive can take either.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "communicator.h"
+
+namespace gridweave {
+
+using StageForward = std::function<const void*(int microbatch, const void* input)>;
+using StageBackward = std::function<const void*(int microbatch, const void* grad)>;
+
+struct PipelineConfig {
+  int stage = 0;
+  int stages = 1;
+  int microbatches = 1;
+  int pipeline_limit = 1;  // microbatches in flight (AxoNN Algorithm 2)
+  std::size_t payload_bytes = 0;
+};
+
+// Per-run counters: messages handled, and the seconds spent inside callbacks vs waiting.
+struct PipelineStats {
+  int forwards = 0, backwards = 0, messages = 0;
+  double compute_s = 0, wait_s = 0;
+};
+
+// Algorithm 2: receives stay posted from both neighbours (one receive-from-any at a time,
+// re-posted before the compute of the message it delivered); whichever message arrives
+// first is processed; stage 0 keeps pipeline_limit microbatches in flight, injecting one
+// each time a backward completes; the last stage turns each forward into a backward.
+PipelineStats run_message_driven(Communicator& pp, const PipelineConfig& cfg, const StageForward& forward,
+                                 const StageBackward& backward);
+
+// Megatron's synchronous 1F1B with flush: warm-up forwards, one-forward-one-backward,
+// cool-down backwards, each message to a known peer.
+PipelineStats run_one_f_one_b(Communicator& pp, const PipelineConfig& cfg, const StageForward& forward,
+                              const StageBackward& backward);
+
+}  // namespace gridweave
