@@ -7,12 +7,15 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <cstring>
 #include <functional>
+#include <map>
 #include <numeric>
 #include <thread>
 
 #include "error.h"
 #include "gloo_communicator.h"
+#include "pipeline.h"
 #include "ring.h"
 #include "store.h"
 
@@ -256,3 +259,37 @@ TEST(Ring, BlocksVisitEveryRankInOrder) {
     }), 0);
   }
 }
+
+// A 3-stage pipeline whose "compute" adds the stage index: stage 0 must get back, for
+// every microbatch, the gradient the last stage made from that microbatch's activation.
+void pipeline_case(bool message_driven) {
+  EXPECT_EQ(run_ranks(3, [message_driven](GlooCommunicator& c) {
+    const int s = c.rank(), m = 5;
+    PipelineConfig cfg{s, 3, m, 2, 4 * sizeof(double)};
+    std::map<int, std::vector<double>> outs, grads;
+    std::vector<double> seen(m, -1);
+    StageForward fwd = [&](int mb, const void* in) -> const void* {
+      std::vector<double> x(4, mb);
+      if (in) std::memcpy(x.data(), in, 4 * sizeof(double));
+      for (double& v : x) v += s;
+      outs[mb] = x;
+      return outs[mb].data();
+    };
+    StageBackward bwd = [&](int mb, const void* g) -> const void* {
+      std::vector<double> d(4);
+      if (g) std::memcpy(d.data(), g, 4 * sizeof(double));
+      else d = outs[mb];  // the last stage's "loss gradient" is its output
+      if (s == 0) seen[mb] = d[0];
+      grads[mb] = d;
+      return grads[mb].data();
+    };
+    PipelineStats st = message_driven ? run_message_driven(c, cfg, fwd, bwd) : run_one_f_one_b(c, cfg, fwd, bwd);
+    EXPECT_EQ(st.forwards, m);
+    EXPECT_EQ(st.backwards, m);
+    if (s == 0)
+      for (int mb = 0; mb < m; ++mb) EXPECT_EQ(seen[mb], mb + 0 + 1 + 2);
+  }), 0);
+}
+
+TEST(Pipeline, MessageDrivenRunsEveryMicrobatchBothWays) { pipeline_case(true); }
+TEST(Pipeline, OneFOneBRunsEveryMicrobatchBothWays) { pipeline_case(false); }
