@@ -3,8 +3,11 @@
 #include <chrono>
 #include <cstring>
 #include <deque>
+#include <string>
+#include <thread>
 
 #include "error.h"
+#include "memory.h"
 
 namespace gridweave {
 
@@ -24,12 +27,30 @@ void check(const PipelineConfig& c, const Communicator& pp) {
                                                                                      << " bytes must be a positive multiple of 8");
 }
 
-// A pipeline message viewed as int64 words: [kind, microbatch, payload...].
+// A pipeline message on the communicator's device, as int64 words: [kind, microbatch,
+// payload...]. The header is read back to the host after the message arrives.
 struct StageMessage {
-  std::vector<std::int64_t> words;
-  explicit StageMessage(std::size_t payload_bytes) : words(2 + payload_bytes / 8) {}
-  BufferView view() { return {words.data(), words.size(), DType::Int64}; }
-  void* payload() { return words.data() + 2; }
+  std::shared_ptr<DeviceMemory> mem;
+  std::size_t words;
+  Device device;
+  StageMessage(std::size_t payload_bytes, Device dev)
+      : mem(allocate(dev, 16 + payload_bytes)), words(2 + payload_bytes / 8), device(dev) {}
+  BufferView view() const {
+    BufferView v{mem->data(), words, DType::Int64};
+    v.device = device;
+    return v;
+  }
+  void* payload() const { return static_cast<std::int64_t*>(mem->data()) + 2; }
+  std::pair<std::int64_t, int> header() const {
+    std::int64_t h[2];
+    copy_bytes(h, mem->data(), sizeof(h), device);
+    return {h[0], static_cast<int>(h[1])};
+  }
+  void set(std::int64_t kind, int mb, const void* data, std::size_t payload_bytes) {
+    std::int64_t h[2] = {kind, mb};
+    copy_bytes(mem->data(), h, sizeof(h), device);
+    copy_bytes(payload(), data, payload_bytes, device);
+  }
 };
 
 class Timer {
@@ -47,10 +68,8 @@ class Outbox {
  public:
   Outbox(Communicator& pp, std::size_t payload) : pp_(pp), payload_(payload) {}
   void send(int peer, std::int64_t kind, int mb, const void* data) {
-    auto m = std::make_shared<StageMessage>(payload_);
-    m->words[0] = kind;
-    m->words[1] = mb;
-    std::memcpy(m->payload(), data, payload_);
+    auto m = std::make_shared<StageMessage>(payload_, pp_.device());
+    m->set(kind, mb, data, payload_);
     pending_.push_back({m, pp_.send(m->view(), peer, kTag)});
     reap(false);
   }
@@ -100,22 +119,52 @@ PipelineStats run_message_driven(Communicator& pp, const PipelineConfig& cfg, co
   std::vector<int> peers;
   if (s > 0) peers.push_back(s - 1);
   if (s < last) peers.push_back(s + 1);
-  StageMessage bufs[2] = {StageMessage(cfg.payload_bytes), StageMessage(cfg.payload_bytes)};
-  int cur = 0;
-  std::shared_ptr<Work> posted;
-  if (expected > 0) posted = pp.recv_any(bufs[cur].view(), peers, kTag);
+  // Gloo: one receive-from-any on both neighbours, double-buffered. Transports without
+  // receive-from-any (NCCL): one receive posted per neighbour (each on its own stream
+  // there), polled by events; whichever completes first is processed and re-posted.
+  const bool any = std::string(pp.backend()) == "gloo";
+  std::vector<StageMessage> bufs;
+  for (std::size_t k = 0; k < (any ? 2 : 2 * peers.size()); ++k) bufs.emplace_back(cfg.payload_bytes, pp.device());
+  std::vector<std::shared_ptr<Work>> posted(any ? 1 : peers.size());
+  std::vector<int> cur(posted.size(), 0);
+  auto post = [&](std::size_t k) {
+    StageMessage& b = bufs[2 * (any ? 0 : k) + cur[k]];
+    posted[k] = any ? pp.recv_any(b.view(), peers, kTag) : pp.recv(b.view(), peers[k], kTag);
+  };
+  // Messages still to come per receive slot (a neighbour sends m of them).
+  std::vector<int> left(posted.size(), any ? expected : cfg.microbatches);
+  for (std::size_t k = 0; k < posted.size() && expected > 0; ++k) post(k);
   while (expected > 0) {
+    std::size_t k = 0;
     {
       Timer t(st.wait_s);
-      posted->wait(pp.info().timeout);
+      if (any) {
+        posted[0]->wait(pp.info().timeout);
+      } else {
+        const auto deadline = Clock::now() + pp.info().timeout;
+        for (bool done = false; !done;) {
+          for (k = 0; k < posted.size(); ++k)
+            if (left[k] > 0 && posted[k]->test()) {
+              done = true;
+              break;
+            }
+          if (!done) {
+            if (Clock::now() > deadline)
+              throw Error(ErrorKind::Timeout, "gridweave: pipeline stage " + std::to_string(s) +
+                                                  " waited past its timeout for a neighbour's message");
+            std::this_thread::sleep_for(std::chrono::microseconds(50));
+          }
+        }
+        posted[k]->wait(pp.info().timeout);  // rethrows a transport error
+      }
     }
-    StageMessage& msg = bufs[cur];
+    StageMessage& msg = bufs[2 * (any ? 0 : k) + cur[k]];
     --expected;
+    --left[k];
     ++st.messages;
-    cur ^= 1;  // keep a receive posted while this message is computed on
-    if (expected > 0) posted = pp.recv_any(bufs[cur].view(), peers, kTag);
-    const std::int64_t kind = msg.words[0];
-    const int mb = static_cast<int>(msg.words[1]);
+    cur[k] ^= 1;  // keep a receive posted while this message is computed on
+    if (left[k] > 0) post(k);
+    const auto [kind, mb] = msg.header();
     if (kind == kActivation) {  // from s-1: forward
       const void* y;
       {
@@ -161,16 +210,17 @@ PipelineStats run_one_f_one_b(Communicator& pp, const PipelineConfig& cfg, const
   PipelineStats st;
   const int s = cfg.stage, last = cfg.stages - 1, m = cfg.microbatches;
   Outbox out(pp, cfg.payload_bytes);
-  StageMessage in(cfg.payload_bytes);
+  StageMessage in(cfg.payload_bytes, pp.device());
   auto receive = [&](int peer, std::int64_t kind, int mb) -> const void* {
     {
       Timer t(st.wait_s);
       pp.recv(in.view(), peer, kTag)->wait(pp.info().timeout);
     }
     ++st.messages;
-    GW_CHECK(in.words[0] == kind && in.words[1] == mb,
+    const auto [got_kind, got_mb] = in.header();
+    GW_CHECK(got_kind == kind && got_mb == mb,
              "1F1B stage " << s << " expected " << (kind == kActivation ? "activation" : "gradient") << " of microbatch "
-                           << mb << ", got kind " << in.words[0] << " of microbatch " << in.words[1]);
+                           << mb << ", got kind " << got_kind << " of microbatch " << got_mb);
     return in.payload();
   };
   auto do_forward = [&](int mb) {

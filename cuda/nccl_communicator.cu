@@ -65,6 +65,8 @@ NcclCommunicator::NcclCommunicator(CommInfo info, std::shared_ptr<Store> store, 
 NcclCommunicator::~NcclCommunicator() {
   if (comm_) ncclCommDestroy(comm_);
   if (stream_) cudaStreamDestroy(stream_);
+  for (cudaStream_t ps : peer_streams_)
+    if (ps) cudaStreamDestroy(ps);
   if (scratch_) cudaFree(scratch_);
 }
 
@@ -76,9 +78,16 @@ std::string NcclCommunicator::async_error() {
   return ncclGetErrorString(state);
 }
 
-std::shared_ptr<Work> NcclCommunicator::finish(OpKind op, cudaStream_t caller, int peer) {
+cudaStream_t NcclCommunicator::peer_stream(int peer) {
+  if (peer_streams_.empty()) peer_streams_.assign(size(), nullptr);
+  if (!peer_streams_[peer]) check_cuda(cudaStreamCreateWithFlags(&peer_streams_[peer], cudaStreamNonBlocking),
+                                       "cudaStreamCreate");
+  return peer_streams_[peer];
+}
+
+std::shared_ptr<Work> NcclCommunicator::finish(OpKind op, cudaStream_t caller, int peer, cudaStream_t on) {
   return std::make_shared<EventWork>(
-      describe(op, peer), stream_, caller, [this] { return async_error(); },
+      describe(op, peer), on ? on : stream_, caller, [this] { return async_error(); },
       [this] {
         mark_broken();
         ncclCommAbort(comm_);  // unblocks the kernels of a peer that will never come
@@ -145,16 +154,17 @@ std::shared_ptr<Work> NcclCommunicator::run_collective(OpKind op, const BufferVi
 std::shared_ptr<Work> NcclCommunicator::run_p2p(OpKind op, const BufferView& buf, const std::vector<int>& peers,
                                                 int tag) {
   (void)tag;  // NCCL matches p2p by order between a pair, not by tag
-  GW_CHECK(peers.size() == 1, describe(op) << ": NCCL has no receive-from-any; the message-driven pipeline "
-                                             "uses the Gloo transport for recv_any");
+  GW_CHECK(peers.size() == 1, describe(op) << ": NCCL has no receive-from-any; post one receive per peer and "
+                                             "poll them (the message-driven pipeline does)");
   cudaStream_t caller = static_cast<cudaStream_t>(buf.stream);
   check_cuda(cudaSetDevice(device_index_), "cudaSetDevice");
-  order_after(stream_, caller);
+  cudaStream_t on = peer_stream(peers[0]);
+  order_after(on, caller);
   const std::string what = describe(op, peers[0]);
-  if (op == OpKind::Send) check_nccl(ncclSend(buf.ptr, buf.count, nccl_type(buf.dtype), peers[0], comm_, stream_), what);
-  else check_nccl(ncclRecv(buf.ptr, buf.count, nccl_type(buf.dtype), peers[0], comm_, stream_), what);
+  if (op == OpKind::Send) check_nccl(ncclSend(buf.ptr, buf.count, nccl_type(buf.dtype), peers[0], comm_, on), what);
+  else check_nccl(ncclRecv(buf.ptr, buf.count, nccl_type(buf.dtype), peers[0], comm_, on), what);
   if (op == OpKind::Recv) count(OpKind::Recv, buf, peers[0]);
-  return finish(op, caller, peers[0]);
+  return finish(op, caller, peers[0], on);
 }
 
 }  // namespace gridweave

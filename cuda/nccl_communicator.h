@@ -23,10 +23,13 @@ class NcclCommunicator : public Communicator {
   std::shared_ptr<Work> run_p2p(OpKind op, const BufferView& buf, const std::vector<int>& peers, int tag) override;
 
  private:
-  std::shared_ptr<Work> finish(OpKind op, cudaStream_t caller, int peer = -1);
+  std::shared_ptr<Work> finish(OpKind op, cudaStream_t caller, int peer = -1, cudaStream_t on = nullptr);
   std::string async_error();
+  cudaStream_t peer_stream(int peer);
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
+  std::vector<cudaStream_t> peer_streams_;  // p2p: one stream per peer, so a receive posted
+                                            // from one neighbour never blocks the other's
   int device_index_ = 0;
   void* scratch_ = nullptr;  // one int for the barrier
 };

@@ -58,8 +58,21 @@ def _run(layers, x):
     return x
 
 
-def _tensor_at(addr: int, shape, dtype) -> torch.Tensor:
-    """A copy of the message bytes the engine received at `addr`."""
+class _DeviceBytes:
+    """Device memory the engine owns, seen through __cuda_array_interface__."""
+
+    def __init__(self, addr, shape, dtype):
+        typestr = {torch.float32: "<f4", torch.float64: "<f8", torch.float16: "<f2"}.get(dtype)
+        if typestr is None:
+            raise GridError(f"pipeline activations of dtype {dtype} are not supported on CUDA")
+        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": typestr, "data": (addr, True),
+                                         "version": 3, "strides": None}
+
+
+def _tensor_at(addr: int, shape, dtype, device) -> torch.Tensor:
+    """A copy of the message bytes the engine received at `addr` (on `device`)."""
+    if device.type == "cuda":
+        return torch.as_tensor(_DeviceBytes(addr, shape, dtype), device=device).clone()
     t = torch.empty(shape, dtype=dtype)
     ctypes.memmove(t.data_ptr(), addr, t.numel() * t.element_size())
     return t
@@ -83,11 +96,13 @@ def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_s
     if m < 1:
         raise GridError("pipeline_step needs at least one microbatch")
     elem = torch.empty((), dtype=dtype).element_size()
+    params = list(stage.parameters())
+    device = params[0].device if params else torch.device("cpu")
     payload = math.prod(activation_shape) * elem
     ctx, keep, losses = {}, {}, []
 
     def forward(mb, addr):
-        x = inputs[mb] if s == 0 else _tensor_at(addr, activation_shape, dtype).requires_grad_()
+        x = inputs[mb] if s == 0 else _tensor_at(addr, activation_shape, dtype, device).requires_grad_()
         y = stage(x)
         if s == n_stages - 1:
             loss = loss_fn(y, targets[mb]) / m
@@ -106,7 +121,7 @@ def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_s
         if s == n_stages - 1:
             y.backward()
         else:
-            y.backward(_tensor_at(addr, activation_shape, dtype))
+            y.backward(_tensor_at(addr, activation_shape, dtype, device))
         if s == 0:
             return 0
         g = x.grad.contiguous()
