@@ -4,9 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
-if ! dpkg -s libgloo-dev libgtest-dev libbenchmark-dev >/dev/null 2>&1; then
+# fortunes: a real English text corpus for the main job (byte-level tokens).
+if ! dpkg -s libgloo-dev libgtest-dev libbenchmark-dev fortunes >/dev/null 2>&1; then
   $SUDO apt-get update -qq
-  $SUDO apt-get install -y -qq libgloo-dev libgtest-dev libbenchmark-dev cmake >/dev/null
+  $SUDO apt-get install -y -qq libgloo-dev libgtest-dev libbenchmark-dev cmake fortunes >/dev/null
 fi
 PIP="python3 -m pip install -q --disable-pip-version-check"
 # The CPU wheel of torch first, so nothing later pulls a CUDA build.

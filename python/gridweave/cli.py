@@ -1,0 +1,73 @@
+"""`gridweave` command line: train (the main job)."""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+
+def _train_parser(sub):
+    p = sub.add_parser("train", help="train a GPT on byte-level English text over CPU ranks")
+    p.add_argument("--nproc", type=int, default=8, help="ranks to spawn (0: use torchrun's ranks)")
+    p.add_argument("--dp", type=int, default=0)
+    p.add_argument("--pp", type=int, default=0)
+    p.add_argument("--tp", default="none", help="none | row:N | square:Q | cube:P | subgraph:G")
+    p.add_argument("--sp", type=int, default=1)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", default=None, help="a text file or folder (default: the fortunes corpus)")
+    p.add_argument("--out", default="runs/latest")
+    p.add_argument("--resume", default=None, help="a run folder whose checkpoint/ to continue from")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--microbatches", type=int, default=2)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--schedule", default="message_driven", choices=["message_driven", "1f1b"])
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--quiet", action="store_true")
+    return p
+
+
+def _without_nproc(argv):
+    """torchrun would read --nproc as its own --nproc-per-node: the spawned ranks get it
+    through GRIDWEAVE_SPAWNED instead."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="gridweave")
+    sub = ap.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    args = ap.parse_args(argv)
+    if args.command == "train":
+        if args.nproc > 0 and "RANK" not in os.environ and not os.environ.get("GRIDWEAVE_SPAWNED"):
+            if args.nproc == 1:
+                os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+            else:  # spawn the ranks through torchrun, each running this command with --nproc 0
+                argv = _without_nproc(list(sys.argv[1:] if argv is None else argv))
+                cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
+                       "--master-port", os.environ.get("GRIDWEAVE_PORT", "29561"), "-m", "gridweave.cli", *argv]
+                env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                       "GRIDWEAVE_SPAWNED": "1"}
+                return subprocess.call(cmd, env=env)
+        from . import train
+
+        train.run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
