@@ -1,9 +1,11 @@
-"""The main job: train a GPT on byte-level English text over a dp x pp grid of CPU ranks.
+"""The main job: train a GPT on byte-level English text over dp x pp x tp x sp CPU ranks.
 
-Composition implemented here: data parallelism x the message-driven pipeline (AxoNN) with
-the bucketed OffloadAdam. Tensor, sequence and sub-graph axes train through their layers
-(gw.nn.TransformerLayer) but are not yet composed into this GPT: asking for them here
-gives a clear error (issue 7 continues).
+Data parallelism over "dp" (OffloadAdam averages the gradients), the message-driven
+pipeline (AxoNN) over "pp", and in every stage the transformer layers in one tensor mode
+(row: Megatron 1-D, square: SUMMA 2-D, cube: 3-D, subgraph/csub: SUPER) with the sequence
+split over "sp" (ring attention). The embedding and head are replicated (gw.models.GPTStage).
+Checkpoints hold dense tensors (parameters and optimizer states) under the dense GPT's
+names, one file per pipeline stage and a manifest written last, so they load into any grid.
 """
 from __future__ import annotations
 
@@ -32,34 +34,40 @@ def _json_writer(obj, path):
     Path(path).write_text(json.dumps(obj, indent=1))
 
 
-def _names(model, stage_layers):
-    """Global parameter names (as in the dense GPT) of this stage's parameters."""
-    ids = {id(p): n for n, p in model.named_parameters()}
-    return [(ids[id(p)], p) for m in stage_layers for p in m.parameters()]
+def _state_views(stage, opt):
+    """OffloadAdam's flat fp32 buffers, viewed per parameter: {kind: {id(p): tensor}}."""
+    views, off = {"master": {}, "exp_avg": {}, "exp_avg_sq": {}}, 0
+    for p in opt.params:
+        n = p.numel()
+        for kind in views:
+            views[kind][id(p)] = getattr(opt, kind)[off:off + n].view(p.shape)
+        off += n
+    return views
 
 
-def save_checkpoint(out: Path, step, cfg, grid, model, layers, opt, losses):
-    """Each stage (its dp-rank-0 replica) writes its parameters and optimizer state under
-    their dense names; the manifest is written last by rank 0, after every shard."""
+def save_checkpoint(out: Path, step, cfg, grid, stage, opt, losses):
+    """Every rank of a stage helps assemble its dense tensors (collectives over tp/sp); the
+    stage's first rank writes them (temporary name, then rename); rank 0 writes the manifest
+    last, after a barrier, so a manifest always points at complete files."""
     ck = out / "checkpoint"
-    ck.mkdir(parents=True, exist_ok=True)
+    if grid.rank == 0:
+        ck.mkdir(parents=True, exist_ok=True)
+    grid.barrier()
     s = grid.coords["pp"]
-    if grid.coords["dp"] == 0:
-        named = _names(model, layers)
-        off, state = 0, {}
-        for name, p in named:
-            n = p.numel()
-            state[name] = {"param": p.detach().clone(), "master": opt.master[off:off + n].clone(),
-                           "exp_avg": opt.exp_avg[off:off + n].clone(),
-                           "exp_avg_sq": opt.exp_avg_sq[off:off + n].clone()}
-            off += n
-        _atomic_save({"stage": s, "tensors": state, "optimizer_step": opt.step_count}, ck / f"stage{s}.pt",
+    views = _state_views(stage, opt)
+    tensors = {"param": stage.dense_state(False)}
+    for kind, v in views.items():
+        tensors[kind] = stage.dense_state(lambda p, v=v: v[id(p)])
+    writer = all(c == 0 for a, c in grid.coords.items() if a != "pp")
+    if writer:
+        _atomic_save({"stage": s, "tensors": tensors, "optimizer_step": opt.step_count}, ck / f"stage{s}.pt",
                      torch.save)
     grid.barrier()
     if grid.rank == 0:
         manifest = {"step": step, "config": {k: cfg[k] for k in CONFIG_KEYS}, "grid": dict(grid.axes),
                     "files": [f"stage{k}.pt" for k in range(grid.axes["pp"])], "losses": losses,
-                    "layout": "every tensor is dense (replicated over dp, one pipeline stage per file)"}
+                    "layout": "dense tensors under the dense GPT's names (gw.models.GPT), for parameters "
+                              "and OffloadAdam's master weights and states; one file per pipeline stage"}
         _atomic_save(manifest, ck / "manifest.json", _json_writer)
     grid.barrier()
 
@@ -73,7 +81,8 @@ def load_checkpoint(path: Path):
     tensors, step = {}, 0
     for f in manifest["files"]:
         blob = torch.load(ck / f, weights_only=False)
-        tensors.update(blob["tensors"])
+        for kind, d in blob["tensors"].items():
+            tensors.setdefault(kind, {}).update(d)
         step = blob["optimizer_step"]
     return manifest, tensors, step
 
@@ -81,14 +90,16 @@ def load_checkpoint(path: Path):
 def run(args) -> dict:
     cfg = dict(vocab=256, hidden=args.hidden, heads=args.heads, layers=args.layers, seq=args.seq, batch=args.batch,
                microbatches=args.microbatches, lr=args.lr, seed=args.seed, steps=args.steps)
-    tp = (args.tp or "none").lower()
-    if tp != "none" or args.sp != 1:
-        raise GridError(f"gridweave train composes dp x pp today; --tp {tp} / --sp {args.sp} train through "
-                        "gw.nn.TransformerLayer but are not yet wired into the GPT of the main job")
+    mode, tp = gw.models.parse_tp(args.tp)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    pp = args.pp or (2 if world % 2 == 0 and cfg["layers"] % 2 == 0 and world > 1 else 1)
-    dp = args.dp or world // pp
-    grid = gw.init(dp=dp, pp=pp, timeout=args.timeout)
+    tp_size = 1 if tp is None else math.prod(n for _, n in tp.axes())
+    sp = args.sp
+    if sp < 1 or world % (tp_size * sp):
+        raise GridError(f"--tp {args.tp} ({tp_size} ranks) x --sp {sp} does not divide the world of {world} ranks")
+    rest = world // (tp_size * sp)
+    pp = args.pp or (2 if rest % 2 == 0 and cfg["layers"] % 2 == 0 and rest > 1 else 1)
+    dp = args.dp or rest // pp
+    grid = gw.init(dp=dp, pp=pp, tp=tp, sp=sp, timeout=args.timeout)
     if cfg["layers"] % pp:
         raise GridError(f"{cfg['layers']} layers do not split over {pp} pipeline stages")
     if cfg["batch"] % (dp * cfg["microbatches"]):
@@ -98,8 +109,7 @@ def run(args) -> dict:
     torch.manual_seed(cfg["seed"])
     model = gw.models.GPT(cfg["vocab"], cfg["hidden"], cfg["heads"], cfg["layers"], cfg["seq"])
     s = grid.coords["pp"]
-    layers = model.stage_layers(s, pp)
-    stage = torch.nn.Sequential(*layers)
+    stage = gw.models.GPTStage(model, grid, mode, s, pp)
     opt = gw.optim.OffloadAdam(stage.parameters(), lr=cfg["lr"], weight_decay=0.01, bsize=1 << 14, coarsening=4,
                                grid=grid, dp_axis="dp")
     start, losses = 0, []
@@ -107,15 +117,13 @@ def run(args) -> dict:
         manifest, tensors, opt_step = load_checkpoint(Path(args.resume))
         if any(manifest["config"][k] != cfg[k] for k in CONFIG_KEYS if k != "steps"):
             raise GridError(f"checkpoint config {manifest['config']} differs from this run's {cfg}")
-        off = 0
+        stage.load_dense_state(tensors["param"])  # resharded for this grid by each module
+        views = _state_views(stage, opt)
         with torch.no_grad():
-            for name, p in _names(model, layers):
-                t, n = tensors[name], p.numel()
-                p.copy_(t["param"])
-                opt.master[off:off + n] = t["master"]
-                opt.exp_avg[off:off + n] = t["exp_avg"]
-                opt.exp_avg_sq[off:off + n] = t["exp_avg_sq"]
-                off += n
+            for kind, v in views.items():
+                local = stage.local_from_dense(tensors[kind])
+                for pid, t in v.items():
+                    t.copy_(local[pid])
         opt.step_count = opt_step
         start, losses = manifest["step"], list(manifest["losses"])
     out = Path(args.out)
@@ -136,10 +144,13 @@ def run(args) -> dict:
         xs = [x[lo + i * mb:lo + (i + 1) * mb] for i in range(cfg["microbatches"])]
         ys = [y[lo + i * mb:lo + (i + 1) * mb] for i in range(cfg["microbatches"])]
         opt.zero_grad()
-        loss, _ = gw.pipeline.pipeline_step(stage, grid, xs, ys, model.loss, (mb, cfg["seq"], cfg["hidden"]),
+        loss, _ = gw.pipeline.pipeline_step(stage, grid, xs, ys, model.loss, stage.activation_shape(mb, cfg["seq"]),
                                             schedule=args.schedule, pipeline_limit=max(pp, 2))
+        stage.reduce_gradients()
         opt.step()
-        total = torch.tensor([loss.item() if loss is not None else 0.0], dtype=torch.float64)
+        # the last stage's loss, identical over its tp/sp group: count one rank of each group
+        mine = loss is not None and all(c == 0 for a, c in grid.coords.items() if a not in ("pp", "dp"))
+        total = torch.tensor([loss.item() if mine else 0.0], dtype=torch.float64)
         grid.all_reduce(total, axis=None)
         losses.append(total.item() / dp)
         tokens_per_s.append(cfg["batch"] * cfg["seq"] / (time.perf_counter() - t0))
@@ -147,10 +158,10 @@ def run(args) -> dict:
             bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens_per_s[-1]:.0f}")
             bar.update(1)
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
-            save_checkpoint(out, step + 1, cfg, grid, model, layers, opt, losses)
+            save_checkpoint(out, step + 1, cfg, grid, stage, opt, losses)
     if bar is not None:
         bar.close()
-    save_checkpoint(out, cfg["steps"], cfg, grid, model, layers, opt, losses)
+    save_checkpoint(out, cfg["steps"], cfg, grid, stage, opt, losses)
     metrics = {"loss": losses, "tokens_per_s": tokens_per_s, "config": cfg, "grid": dict(grid.axes)}
     if grid.rank == 0:
         _atomic_save(metrics, out / "metrics.json", _json_writer)
@@ -178,4 +189,4 @@ def _plot(losses, png):
 def export_dense(path) -> dict:
     """The whole model of a checkpoint as a dense torch state_dict (gw.models.GPT names)."""
     _, tensors, _ = load_checkpoint(Path(path))
-    return {k: v["param"] for k, v in tensors.items()}
+    return dict(tensors["param"])

@@ -87,8 +87,11 @@ def dense_layernorm(state: dict, hidden: int, eps: float) -> nn.LayerNorm:
     return ln
 
 
-def values(grad: bool):
-    """Picks a parameter's value (detached) or its gradient, for dense_state()."""
+def values(grad):
+    """Picks, for dense_state(), a parameter's value (False), its gradient (True), or any
+    tensor shaped like it (a callable param -> tensor, e.g. an optimizer state)."""
+    if callable(grad):
+        return grad
     return (lambda t: t.grad) if grad else (lambda t: t.detach())
 
 

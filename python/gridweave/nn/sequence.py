@@ -54,3 +54,25 @@ def reduce_gradients(module: nn.Module, grid, axes=("dp", "sp")) -> None:
     for p in module.parameters():
         if p.grad is not None:
             grid.all_reduce(p.grad, axis=axes)
+
+
+def sequence_parallel(grid) -> bool:
+    return grid.axes.get("sp", 1) > 1
+
+
+def attend(qkv, heads, causal, grid, algorithm="ring"):
+    """Attention of the local heads of a packed [q | k | v]: on this rank alone, or over the
+    "sp" ring when the grid splits the sequence (blockwise, zigzag when causal; or RSA)."""
+    from ..autograd.ring import ring_attention, ring_self_attention
+    from .dense import attention
+
+    if not sequence_parallel(grid):
+        return attention(qkv, heads, causal)
+    b, s, three_h = qkv.shape
+    h = three_h // 3
+    q, k, v = (t.reshape(b, s, heads, h // heads).transpose(1, 2) for t in qkv.split(h, dim=-1))
+    if algorithm == "rsa":
+        o = ring_self_attention(q, k, v, grid, "sp", causal)
+    else:
+        o = ring_attention(q, k, v, grid, "sp", causal, causal)
+    return o.transpose(1, 2).reshape(b, s, h)

@@ -8,16 +8,20 @@ from torch import nn
 from ..autograd import subgraph as sgops
 from ..errors import GridError
 from ..layout import Layout
-from .dense import DenseSelfAttention, attention, head_group_order
-from .sequence import ReplicatedLinear, reduce_gradients
+from .dense import DenseSelfAttention, head_group_order, values
+from .sequence import ReplicatedLinear, attend, reduce_gradients, sequence_parallel
 
 SUBGRAPH_MODES = ("dsp", "csub")
 
 
-def subgraph_layout(mode):
+def subgraph_layout(mode, sp=False, causal=False):
     """(batch, seq, hidden) of the common layers: D&SP splits the batch over (dp, sg); cSub
-    over dp on sub-grid 0, the other sub-grids holding nothing."""
-    return Layout(("dp", "sg"), (), ()) if mode == "dsp" else Layout(("dp",), (), (), only=("sg", 0))
+    over dp on sub-grid 0, the other sub-grids holding nothing; the sequence over sp."""
+    seq = ("sp",) if sp else ()
+    zig = 1 if sp and causal else None
+    if mode == "dsp":
+        return Layout(("dp", "sg"), seq, (), zigzag=zig)
+    return Layout(("dp",), seq, (), zigzag=zig, only=("sg", 0))
 
 
 def _common_shape(x, grid):
@@ -62,7 +66,7 @@ class SubGraphAttention(nn.Module):
 
     @property
     def input_layout(self):
-        return subgraph_layout(self.mode)
+        return subgraph_layout(self.mode, sequence_parallel(self.grid), self.causal)
 
     output_layout = input_layout
 
@@ -78,13 +82,14 @@ class SubGraphAttention(nn.Module):
         shape = _common_shape(x, self.grid) if self.mode == "csub" else None
         if self.projection == "branch":
             xb = sgops.split(x, self.grid, self.mode, shape)
-            y = self.proj(attention(self.qkv(xb), self.heads // self.g, self.causal))
+            y = self.proj(attend(self.qkv(xb), self.heads // self.g, self.causal, self.grid))
             out = sgops.branch_sum(y, self.grid, self.mode)
             return out + self.proj_bias if self.proj_bias is not None else out
         qkv = self.qkv(x)
         qshape = tuple(shape[:-1]) + (3 * self.hidden,) if shape is not None else None
         branch = sgops.slice_(qkv, self.grid, self.mode, self.method, qshape)
-        o = sgops.concat(attention(branch, self.heads // self.g, self.causal), self.grid, self.mode, self.method)
+        o = sgops.concat(attend(branch, self.heads // self.g, self.causal, self.grid), self.grid, self.mode,
+                         self.method)
         return self.proj(o)
 
     @classmethod
@@ -112,7 +117,7 @@ class SubGraphAttention(nn.Module):
                 self.proj_bias.copy_(proj.bias)
 
     def dense_state(self, grad=False):
-        pick = (lambda t: t.grad) if grad else (lambda t: t.detach())
+        pick = values(grad)
         inv = torch.argsort(head_group_order(self.hidden, self.g))
         if self.projection == "common":
             out = {f"qkv.{k}": v for k, v in self.qkv.dense_state(grad).items()}

@@ -15,13 +15,13 @@ from torch import nn
 
 from ..errors import GridError
 from ..layout import Layout
-from .dense import DenseMLP, DenseSelfAttention, DenseTransformerLayer, attention, head_group_order
+from .dense import DenseMLP, DenseSelfAttention, DenseTransformerLayer, attention, head_group_order, values
 from .tensor1d import ColumnParallelLinear, RowParallelLinear
 from .tensor2d import ACTIVATION as ACT2D
 from .tensor2d import LayerNorm2D, Linear2D
 from .tensor3d import LayerNorm3D, Linear3D, activation_layout
 from ..autograd.ring import ring_attention, ring_self_attention
-from .sequence import ReplicatedLinear, reduce_gradients
+from .sequence import ReplicatedLinear, attend, reduce_gradients, sequence_parallel
 from .subgraph import SubGraphAttention, subgraph_layout
 
 MODES = ("1d", "2d", "3d", "sp", "dsp", "csub")
@@ -42,13 +42,19 @@ def _linears(mode, grid, bias, overlap, a, c, dtype):
             lambda i, o: Linear3D(i, o, grid, bias, c, a, overlap, **kw))
 
 
-def _activation(mode, a, c, zigzag=False):
-    """Layout of a block's (batch, seq, hidden) input and output in each mode."""
+def _activation(mode, a, c, zigzag=False, sp=False):
+    """Layout of a block's (batch, seq, hidden) input and output in each mode; `sp`: the
+    sequence is also split over the "sp" axis (zigzag for causal ring attention)."""
     if mode == "sp":
         return Layout(("dp",), ("sp",), (), zigzag=1 if zigzag else None)
     if mode in ("dsp", "csub"):
-        return subgraph_layout(mode)
-    return {"1d": Layout(), "2d": ACT2D, "3d": activation_layout(a, c)}[mode]
+        return subgraph_layout(mode, sp, zigzag)
+    base = {"1d": Layout(), "2d": ACT2D, "3d": activation_layout(a, c)}[mode]
+    if not sp:
+        return base
+    dims = list(base.dims) + [()] * (3 - len(base.dims))
+    dims[1] = ("sp",)
+    return Layout(*dims, zigzag=1 if zigzag else None)
 
 
 def _groups(mode, grid):
@@ -78,17 +84,17 @@ class SelfAttention(nn.Module):
 
     @property
     def input_layout(self):
-        return _activation(self.mode, self.a, self.c, self.zigzag)
+        return _activation(self.mode, self.a, self.c, self.zigzag, sequence_parallel(self.grid))
 
     output_layout = input_layout
 
     @property
     def zigzag(self):
-        return self.mode == "sp" and self.attention == "ring" and self.causal
+        return (self.mode == "sp" or sequence_parallel(self.grid)) and self.attention == "ring" and self.causal
 
     def forward(self, x):
         if self.mode != "sp":
-            return self.proj(attention(self.qkv(x), self.heads // self.groups, self.causal))
+            return self.proj(attend(self.qkv(x), self.heads // self.groups, self.causal, self.grid, self.attention))
         b, s, _ = x.shape
         q, k, v = (t.reshape(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(self.hidden, -1))
         if self.attention == "rsa":
@@ -153,14 +159,15 @@ class MLP(nn.Module):
     def __init__(self, hidden, ffn_hidden, grid, mode="3d", bias=True, overlap=False, a="y", c="z", dtype=None):
         super().__init__()
         _groups(mode, grid)
-        self.mode, self.a, self.c, self.bias = mode, a, c, bias
+        self.grid, self.mode, self.a, self.c, self.bias = grid, mode, a, c, bias
         self.hidden, self.ffn_hidden = hidden, ffn_hidden
         first, second = _linears(mode, grid, bias, overlap, a, c, dtype)
         self.fc1, self.fc2 = first(hidden, ffn_hidden), second(ffn_hidden, hidden)
 
     @property
     def input_layout(self):
-        return _activation(self.mode, self.a, self.c)
+        # token-wise: any sequence order works; the contiguous one is reported
+        return _activation(self.mode, self.a, self.c, False, sequence_parallel(self.grid))
 
     output_layout = input_layout
 
@@ -257,7 +264,7 @@ class TransformerLayer(nn.Module):
         for name in ("ln1", "ln2"):
             ln = getattr(self, name)
             if self.mode in ("1d", "sp", "dsp", "csub"):
-                state = {k: (p.grad if grad else p.detach()).clone() for k, p in ln.named_parameters()}
+                state = {k: values(grad)(p).clone() for k, p in ln.named_parameters()}
             else:
                 state = ln.dense_state(grad)
             out.update({f"{name}.{k}": v for k, v in state.items()})
