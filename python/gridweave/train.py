@@ -137,7 +137,13 @@ def run(args) -> dict:
 
         bar = tqdm(total=cfg["steps"], initial=start, desc="train", unit="step")
     tokens_per_s = []
+    # Fault injection for resilience tests: GRIDWEAVE_FAULT="rank:step" makes that rank
+    # die (as a killed process would) when it reaches that step.
+    fault = os.environ.get("GRIDWEAVE_FAULT")
+    fault_rank, fault_step = (int(v) for v in fault.split(":")) if fault else (-1, -1)
     for step in range(start, cfg["steps"]):
+        if grid.rank == fault_rank and step == fault_step:
+            os._exit(9)
         t0 = time.perf_counter()
         x, y = gw.data.batch(corpus, step, cfg["seed"], cfg["batch"], cfg["seq"])
         lo = grid.coords["dp"] * shard
@@ -162,7 +168,15 @@ def run(args) -> dict:
     if bar is not None:
         bar.close()
     save_checkpoint(out, cfg["steps"], cfg, grid, stage, opt, losses)
-    metrics = {"loss": losses, "tokens_per_s": tokens_per_s, "config": cfg, "grid": dict(grid.axes)}
+    import resource
+
+    # per-rank memory: parameters held and the peak resident set of the process
+    mem = torch.tensor([sum(p.numel() * p.element_size() for p in stage.parameters()),
+                        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0], dtype=torch.float64)
+    per_rank = grid.all_gather(mem.reshape(1, 2), axis=None)
+    metrics = {"loss": losses, "tokens_per_s": tokens_per_s, "config": cfg, "grid": dict(grid.axes),
+               "param_bytes_per_rank": [int(v) for v in per_rank[:, 0]],
+               "max_rss_bytes_per_rank": [int(v) for v in per_rank[:, 1]]}
     if grid.rank == 0:
         _atomic_save(metrics, out / "metrics.json", _json_writer)
         _plot(losses, out / "loss.png")

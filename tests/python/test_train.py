@@ -102,3 +102,39 @@ def test_unsupported_combinations_are_clear_errors(tmp_path, spec, needle):
     r = subprocess.run([sys.executable, "-m", "gridweave.cli", "train", *ARGS, "--nproc", "8", *spec,
                         "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=180, env=env)
     assert r.returncode != 0 and needle in r.stderr + r.stdout, (r.stdout[-1500:], r.stderr[-3000:])
+
+
+def _launch(tmp, name, world, port, fault=None, extra=()):
+    """Ranks started by hand (no torchrun agent), so each one's own error is seen."""
+    procs = []
+    for r in range(world):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(r), "WORLD_SIZE": str(world),
+               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        if fault:
+            env["GRIDWEAVE_FAULT"] = fault
+        procs.append(subprocess.Popen([sys.executable, "-m", "gridweave.cli", "train", *ARGS, "--nproc", "0",
+                                       "--steps", "6", "--checkpoint-every", "2", "--timeout", "20",
+                                       "--out", str(tmp / name), *extra],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    return [(p.wait(timeout=150), p.stderr.read()) for p in procs]
+
+
+def test_a_killed_rank_stops_every_rank_and_a_restart_reproduces(tmp_path):
+    import time
+
+    clean = _launch(tmp_path, "clean", 4, 29641, extra=("--dp", "2", "--pp", "2"))
+    assert all(rc == 0 for rc, _ in clean), [e[-800:] for _, e in clean]
+    t0 = time.monotonic()
+    hurt = _launch(tmp_path, "hurt", 4, 29643, fault="3:5", extra=("--dp", "2", "--pp", "2"))
+    assert time.monotonic() - t0 < 140
+    assert hurt[3][0] == 9  # the killed rank
+    for rc, err in hurt[:3]:
+        assert rc != 0 and ("CommError" in err or "CommTimeout" in err), err[-1500:]
+    manifest = json.loads((tmp_path / "hurt" / "checkpoint" / "manifest.json").read_text())
+    assert manifest["step"] == 4  # the last complete checkpoint before the fault
+    again = _launch(tmp_path, "again", 4, 29645, extra=("--dp", "2", "--pp", "2", "--resume",
+                                                         str(tmp_path / "hurt")))
+    assert all(rc == 0 for rc, _ in again), [e[-800:] for _, e in again]
+    a = json.loads((tmp_path / "clean" / "metrics.json").read_text())["loss"]
+    b = json.loads((tmp_path / "again" / "metrics.json").read_text())["loss"]
+    assert _close(b, a), (b, a)
