@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from launch import run_ranks
 
 TIMING = dict(hidden=256, heads=8, ffn=1024, batch=8, seq=64)
 SCALING = dict(hidden=72, heads=24, ffn=288, batch=36, seq=4)
@@ -149,13 +148,7 @@ def worker(part: str, out_path: str, rounds: int) -> None:
 
 
 def run(part: str, n: int, out: Path, rounds: int) -> dict:
-    path = out / f".layers_{part}_{n}.json"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", "--master-port=29541",
-                    __file__, "--worker", part, "--out", str(path), "--rounds", str(rounds)], check=True,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
-    data = json.loads(path.read_text())
-    path.unlink()
-    return data
+    return run_ranks(__file__, n, 29541, out, f"{part}_{n}", part, "--rounds", str(rounds))
 
 
 def plot(data: dict, png: Path) -> None:

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from launch import run_ranks
 
 F_MS, B_MS = 1.0, 2.0
 
@@ -129,13 +128,7 @@ def worker(part, out_path):
 
 
 def run(part, n, out):
-    path = out / f".pipeline_{part}.json"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", "--master-port=29559",
-                    __file__, "--worker", part, "--out", str(path)], check=True,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
-    data = json.loads(path.read_text())
-    path.unlink()
-    return data
+    return run_ranks(__file__, n, 29559, out, part, part)
 
 
 def plot(data, png):

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from launch import run_ranks
 
 MEM = dict(B=1, Z=8, A=32, L=2048)
 LAYER = dict(hidden=256, heads=8, batch=1)
@@ -155,13 +154,7 @@ def worker(part, out_path):
 
 
 def run(part, n, out):
-    path = out / f".seq_{part}_{n}.json"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", "--master-port=29547",
-                    __file__, "--worker", part, "--out", str(path)], check=True,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
-    data = json.loads(path.read_text())
-    path.unlink()
-    return data
+    return run_ranks(__file__, n, 29547, out, f"{part}_{n}", part)
 
 
 def plot(data, png):

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from launch import run_ranks
 
 CFG = dict(hidden=256, heads=32, seq=64)
 
@@ -88,13 +87,7 @@ def worker(out_path, rounds):
 
 
 def run(n, out, rounds):
-    path = out / f".subgraph_{n}.json"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", "--master-port=29553",
-                    __file__, "--worker", "--out", str(path), "--rounds", str(rounds)], check=True,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
-    data = json.loads(path.read_text())
-    path.unlink()
-    return data
+    return run_ranks(__file__, n, 29553, out, str(n), "--rounds", str(rounds))
 
 
 def plot(data, png):

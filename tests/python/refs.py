@@ -17,3 +17,17 @@ def as_np(t: torch.Tensor) -> np.ndarray:
 
 def reduce_np(arrays, op: str) -> np.ndarray:
     return {"sum": np.sum, "max": np.max, "min": np.min}[op](np.stack(arrays), axis=0)
+
+
+def grid_errors(makers):
+    """Run each maker; the GridError message it raised, or None if it raised nothing."""
+    import gridweave as gw
+
+    out = []
+    for make in makers:
+        try:
+            make()
+            out.append(None)
+        except gw.GridError as e:
+            out.append(str(e))
+    return out

@@ -3,6 +3,7 @@ softmax attention, bytes against the paper, error growth with N."""
 import pytest
 import torch
 
+from refs import grid_errors
 from tp_refs import full, rel
 
 B, Z, A = 2, 2, 4
@@ -95,16 +96,9 @@ def _indivisible(ctx):
     from gridweave.autograd.ring import ring_attention
 
     grid = ctx.init(sp=ctx.world_size)
-    msgs = []
-    for make in (lambda: gw.scatter(torch.zeros(B, Z, 6, A), _layout(False), grid),
-                 lambda: gw.scatter(torch.zeros(B, Z, 12, A), _layout(True), grid),
-                 lambda: ring_attention(*(torch.zeros(B, Z, 3, A) for _ in range(3)), grid, causal=True)):
-        try:
-            make()
-            msgs.append(None)
-        except gw.GridError as e:
-            msgs.append(str(e))
-    return msgs
+    return grid_errors((lambda: gw.scatter(torch.zeros(B, Z, 6, A), _layout(False), grid),
+                               lambda: gw.scatter(torch.zeros(B, Z, 12, A), _layout(True), grid),
+                               lambda: ring_attention(*(torch.zeros(B, Z, 3, A) for _ in range(3)), grid, causal=True)))
 
 
 def test_sequence_lengths_that_do_not_split_fail_clearly(pool):

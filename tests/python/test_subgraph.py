@@ -3,6 +3,7 @@ dense and pure data parallelism, and the topology counters vs SUPER eqs. (4)-(7)
 import pytest
 import torch
 
+from refs import grid_errors
 from tp_refs import full, rel
 
 H, HEADS, B, S = 16, 4, 8, 4
@@ -125,15 +126,8 @@ def _bad(ctx):
     import gridweave as gw
 
     grid = ctx.init(dp=2, tp=gw.SubGraph(2))
-    msgs = []
-    for make in (lambda: gw.nn.SubGraphAttention(16, 3, grid),
-                 lambda: gw.scatter(torch.zeros(6, 2, 16), gw.nn.subgraph.subgraph_layout("dsp"), grid)):
-        try:
-            make()
-            msgs.append(None)
-        except gw.GridError as e:
-            msgs.append(str(e))
-    return msgs
+    return grid_errors((lambda: gw.nn.SubGraphAttention(16, 3, grid),
+                               lambda: gw.scatter(torch.zeros(6, 2, 16), gw.nn.subgraph.subgraph_layout("dsp"), grid)))
 
 
 def test_heads_or_batch_that_g_does_not_divide_fail_clearly(pool):

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from refs import grid_errors
 from tp_refs import full, rel
 
 
@@ -127,14 +128,7 @@ def _bad_shapes(ctx, mode):
                lambda: gw.nn.LayerNorm2D(6, grid), lambda: gw.nn.TransformerLayer(16, 3, grid, mode="2d"),
                lambda: gw.scatter(torch.zeros(3, 2, 8), gw.Layout(("r",), (), ("c",)), grid)],
     }[mode]
-    msgs = []
-    for make in makers:
-        try:
-            make()
-            msgs.append(None)
-        except gw.GridError as e:
-            msgs.append(str(e))
-    return msgs
+    return grid_errors(makers)
 
 
 @pytest.mark.parametrize("mode,n", [("1d", 4), ("2d", 4)])

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from refs import grid_errors
 from tp_refs import full, rel
 
 FORMS = {0: "AB", 1: "ABt", 2: "AtB"}
@@ -150,16 +151,9 @@ def _bad_shapes(ctx):
     import gridweave as gw
 
     grid = ctx.init(tp=gw.Cube(2))
-    msgs = []
-    for make in (lambda: gw.nn.Linear3D(12, 6, grid), lambda: gw.nn.Linear3D(9, 8, grid),
-                 lambda: gw.nn.LayerNorm3D(6, grid),
-                 lambda: gw.nn.TransformerLayer(16, 3, grid, mode="3d")):
-        try:
-            make()
-            msgs.append(None)
-        except gw.GridError as e:
-            msgs.append(str(e))
-    return msgs
+    return grid_errors((lambda: gw.nn.Linear3D(12, 6, grid), lambda: gw.nn.Linear3D(9, 8, grid),
+                               lambda: gw.nn.LayerNorm3D(6, grid),
+                               lambda: gw.nn.TransformerLayer(16, 3, grid, mode="3d")))
 
 
 def test_shapes_the_cube_does_not_divide_fail_on_every_rank(pool):

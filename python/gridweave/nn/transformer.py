@@ -15,7 +15,7 @@ from torch import nn
 
 from ..errors import GridError
 from ..layout import Layout
-from .dense import DenseMLP, DenseSelfAttention, DenseTransformerLayer, attention, head_group_order, values
+from .dense import DenseMLP, DenseSelfAttention, DenseTransformerLayer, head_group_order, values
 from .tensor1d import ColumnParallelLinear, RowParallelLinear
 from .tensor2d import ACTIVATION as ACT2D
 from .tensor2d import LayerNorm2D, Linear2D
