@@ -152,8 +152,8 @@ def _bad_shapes(ctx):
 
     grid = ctx.init(tp=gw.Cube(2))
     return grid_errors((lambda: gw.nn.Linear3D(12, 6, grid), lambda: gw.nn.Linear3D(9, 8, grid),
-                               lambda: gw.nn.LayerNorm3D(6, grid),
-                               lambda: gw.nn.TransformerLayer(16, 3, grid, mode="3d")))
+                        lambda: gw.nn.LayerNorm3D(6, grid),
+                        lambda: gw.nn.TransformerLayer(16, 3, grid, mode="3d")))
 
 
 def test_shapes_the_cube_does_not_divide_fail_on_every_rank(pool):
