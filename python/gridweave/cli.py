@@ -47,11 +47,52 @@ def _without_nproc(argv):
     return out
 
 
+def _plan_parser(sub):
+    p = sub.add_parser("plan", help="rank grids by predicted step time and memory (gw.plan)")
+    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, default=None)
+    p.add_argument("--cluster", default="a100-ib", help="v100-ib | a100-ib | h100-ib | local | a JSON file")
+    p.add_argument("--hidden", type=int, required=True)
+    p.add_argument("--layers", type=int, required=True)
+    p.add_argument("--heads", type=int, required=True)
+    p.add_argument("--seq", type=int, required=True)
+    p.add_argument("--batch", type=int, required=True)
+    p.add_argument("--vocab", type=int, default=51200)
+    p.add_argument("--top", type=int, default=15)
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def _plan(args) -> int:
+    import json
+
+    from . import plan
+
+    cluster = plan.load_cluster(args.cluster, args.gpus_per_node)
+    model = plan.Model(args.hidden, args.layers, args.heads, args.seq, args.batch, args.vocab)
+    rows = plan.plan(args.gpus, model, cluster, args.top)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"{args.gpus} GPUs, {cluster.gpus_per_node} per node ({cluster.name}); "
+          f"{model.layers} layers, hidden {model.hidden}, seq {model.seq}, batch {model.batch}")
+    print(f"{'dp':>4} {'pp':>3} {'tp':>12} {'sp':>3} {'placement':>9} {'step s':>9} {'mem GiB':>8}  bytes/axis")
+    for r in rows:
+        axes = " ".join(f"{k}={v / 2 ** 20:.0f}MiB({r['axis_links'].get(k, 'intra')[:5]})"
+                        for k, v in r["bytes_per_axis"].items() if v)
+        print(f"{r['dp']:>4} {r['pp']:>3} {r['tp']:>12} {r['sp']:>3} {r['placement']:>9} {r['step_time_s']:>9.3f} "
+              f"{r['memory_bytes'] / 2 ** 30:>8.1f}  {axes}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="gridweave")
     sub = ap.add_subparsers(dest="command", required=True)
     _train_parser(sub)
+    _plan_parser(sub)
     args = ap.parse_args(argv)
+    if args.command == "plan":
+        return _plan(args)
     if args.command == "train":
         if args.nproc > 0 and "RANK" not in os.environ and not os.environ.get("GRIDWEAVE_SPAWNED"):
             if args.nproc == 1:
