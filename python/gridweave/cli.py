@@ -85,14 +85,37 @@ def _plan(args) -> int:
     return 0
 
 
+def _bench_parser(sub):
+    p = sub.add_parser("bench", help="measure this machine for gw.plan")
+    p.add_argument("--calibrate", action="store_true", required=True,
+                   help="measure alpha, beta and the GEMM rate into a 'local' cluster preset")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--out", default="runs/local.json")
+    return p
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="gridweave")
     sub = ap.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _plan_parser(sub)
+    _bench_parser(sub)
     args = ap.parse_args(argv)
     if args.command == "plan":
         return _plan(args)
+    if args.command == "bench":
+        if args.nproc > 1 and "RANK" not in os.environ:
+            argv = _without_nproc(list(sys.argv[1:] if argv is None else argv))
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
+                   "--master-port", os.environ.get("GRIDWEAVE_PORT", "29651"), "-m", "gridweave.cli", *argv]
+            return subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        from . import calibrate
+
+        preset = calibrate.run(args.out)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"wrote {args.out}: alpha {preset['intra_alpha_s']:.2e} s, "
+                  f"{preset['intra_bandwidth_Bps'] / 1e9:.2f} GB/s, GEMM {preset['gemm_flops'] / 1e9:.1f} GFLOP/s")
+        return 0
     if args.command == "train":
         if args.nproc > 0 and "RANK" not in os.environ and not os.environ.get("GRIDWEAVE_SPAWNED"):
             if args.nproc == 1:

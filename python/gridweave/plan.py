@@ -45,7 +45,11 @@ def load_cluster(name_or_path: str, gpus_per_node: int | None = None) -> Cluster
     d = json.loads(p.read_text())
     if gpus_per_node:
         d["gpus_per_node"] = gpus_per_node
-    return Cluster(**d)
+    fields = set(Cluster.__dataclass_fields__)
+    missing = fields - set(d) - {"about"}
+    if missing:
+        raise GridError(f"cluster file {p} lacks {sorted(missing)}")
+    return Cluster(**{k: v for k, v in d.items() if k in fields})  # extra keys (measurements) are kept out
 
 
 @dataclass(frozen=True)

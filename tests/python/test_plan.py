@@ -74,3 +74,18 @@ def _tp_ranks(spec):
 def test_unknown_cluster_is_a_clear_error():
     with pytest.raises(gw.GridError, match="unknown cluster"):
         plan.load_cluster("no-such-cluster")
+
+
+def test_calibrate_writes_a_usable_local_preset(tmp_path):
+    import os
+
+    out = tmp_path / "local.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GRIDWEAVE_PORT": "29655"}
+    env.pop("RANK", None)
+    r = subprocess.run([sys.executable, "-m", "gridweave.cli", "bench", "--calibrate", "--out", str(out)],
+                       capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    c = plan.load_cluster(str(out))
+    assert c.intra_alpha_s > 0 and c.intra_bandwidth_Bps > 1e6 and c.gemm_flops > 1e8
+    rows = plan.plan(2, plan.Model(hidden=64, layers=2, heads=4, seq=32, batch=4), c)
+    assert rows and rows[0]["step_time_s"] > 0
