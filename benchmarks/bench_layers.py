@@ -18,32 +18,10 @@ import statistics
 import time
 from pathlib import Path
 
-from launch import run_ranks
+from launch import run_ranks, saved_bytes, start_worker
 
 TIMING = dict(hidden=256, heads=8, ffn=1024, batch=8, seq=64)
 SCALING = dict(hidden=72, heads=24, ffn=288, batch=36, seq=4)
-
-
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _saved_bytes(fn, params):
-    """Bytes of the distinct non-parameter tensors autograd saves for backward in fn()."""
-    import torch
-
-    skip = {_local(p).untyped_storage().data_ptr() for p in params}
-    seen = {}
-
-    def pack(t):
-        s = _local(t).untyped_storage()
-        if s.data_ptr() not in skip:
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(seen.values())
 
 
 def _sent(grid):
@@ -86,10 +64,7 @@ def worker(part: str, out_path: str, rounds: int) -> None:
 
     import gridweave as gw
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    n, rank = dist.get_world_size(), dist.get_rank()
-    store = dist.distributed_c10d._get_default_store()
+    n, rank, store = start_worker()
     cfg = TIMING if part == "timing" else SCALING
     torch.manual_seed(0)
     dense = gw.nn.DenseTransformerLayer(cfg["hidden"], cfg["heads"], cfg["ffn"])
@@ -119,7 +94,7 @@ def worker(part: str, out_path: str, rounds: int) -> None:
 
     def step(layer, x):
         x = x.detach().requires_grad_()
-        y, act = _saved_bytes(lambda: layer(x), list(layer.parameters()))
+        y, act = saved_bytes(lambda: layer(x), list(layer.parameters()))
         y.sum().backward()
         return act
 
@@ -127,7 +102,8 @@ def worker(part: str, out_path: str, rounds: int) -> None:
         if grid is not None:
             grid.reset_stats()
         act = step(layer, x)
-        params = sum(_local(p).numel() * p.element_size() for p in layer.parameters())
+        params = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
+                     for p in layer.parameters())
         results[name] = {"bytes_sent": _sent(grid) if grid is not None else None, "activation_bytes": act,
                          "param_bytes": params, "times": []}
     if part == "timing":

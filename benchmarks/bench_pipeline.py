@@ -20,7 +20,7 @@ import statistics
 import time
 from pathlib import Path
 
-from launch import run_ranks
+from launch import run_ranks, start_worker
 
 F_MS, B_MS = 1.0, 2.0
 
@@ -60,10 +60,7 @@ def worker(part, out_path):
 
     import gridweave as gw
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    n, rank = dist.get_world_size(), dist.get_rank()
-    store = dist.distributed_c10d._get_default_store()
+    n, rank, store = start_worker()
     result = {"ranks": n}
     if part in ("imbalance", "bubble"):
         grid = gw.init(pp=n, store=store, prefix=f"pp-{part}")

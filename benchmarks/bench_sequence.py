@@ -17,28 +17,11 @@ import statistics
 import time
 from pathlib import Path
 
-from launch import run_ranks
+from launch import run_ranks, saved_bytes, start_worker
 
 MEM = dict(B=1, Z=8, A=32, L=2048)
 LAYER = dict(hidden=256, heads=8, batch=1)
 BUDGET = 24 << 20  # bytes of activations per rank
-
-
-def _saved(fn, exclude=()):
-    import torch
-
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    seen = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in skip:
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(seen.values())
 
 
 class _LocalRing:
@@ -64,10 +47,7 @@ def worker(part, out_path):
     import gridweave as gw
     from gridweave.autograd import ring as ring_mod
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    n, rank = dist.get_world_size(), dist.get_rank()
-    store = dist.distributed_c10d._get_default_store()
+    n, rank, store = start_worker()
     result = {"ranks": n}
     if part == "memory":
         grid = gw.init(sp=n, store=store, prefix="seq-mem")
@@ -76,7 +56,7 @@ def worker(part, out_path):
             q, k, v = (torch.randn(B, Z, L // n, A, requires_grad=True) for _ in range(3))
             fn = (lambda: ring_mod.ring_self_attention(q, k, v, grid, causal=True)) if algo == "rsa" else \
                 (lambda: ring_mod.ring_attention(q, k, v, grid, causal=True))
-            out, saved = _saved(fn, (q, k, v))
+            out, saved = saved_bytes(fn, (q, k, v))
             result[algo] = saved
             out.sum().backward()
     elif part == "longest":
@@ -94,7 +74,7 @@ def worker(part, out_path):
 
             def fits_budget(L):
                 x = torch.randn(LAYER["batch"], L if name == "tp-1d" else L // n, H)
-                _, saved = _saved(lambda: layer(x.requires_grad_()), params)
+                _, saved = saved_bytes(lambda: layer(x.requires_grad_()), params)
                 # every rank must take the same decision: use the largest rank's bytes
                 t = torch.tensor([saved], dtype=torch.float64)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -209,12 +189,13 @@ def main():
     for part in args.parts.split(","):
         data[part] = [run(part, n, out) for n in ranks[part]]
     path.write_text(json.dumps(data, indent=1))
-    plot(data, out / "sequence.png")
-    for r in data["memory"]:
+    if all(k in data for k in ranks):  # the figure needs every part
+        plot(data, out / "sequence.png")
+    for r in data.get("memory", []):
         print(f"memory N={r['ranks']}: RSA {r['rsa']} B, blockwise {r['ring']} B")
-    for r in data["longest"]:
+    for r in data.get("longest", []):
         print(f"longest N={r['ranks']}: " + ", ".join(f"{k} {r[k]['longest']}" for k in ("sp-ring", "sp-rsa", "tp-1d")))
-    for r in data["overlap"]:
+    for r in data.get("overlap", []):
         print(f"overlap N={r['ranks']}: ring {r['ring'] * 1e3:.1f} ms, compute {r['compute'] * 1e3:.1f} ms, "
               f"comm {r['comm'] * 1e3:.1f} ms")
 

@@ -16,7 +16,7 @@ import statistics
 import time
 from pathlib import Path
 
-from launch import run_ranks
+from launch import run_ranks, start_worker
 
 CFG = dict(hidden=256, heads=32, seq=64)
 
@@ -27,10 +27,7 @@ def worker(out_path, rounds):
 
     import gridweave as gw
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    n, rank = dist.get_world_size(), dist.get_rank()
-    store = dist.distributed_c10d._get_default_store()
+    n, rank, store = start_worker()
     torch.manual_seed(0)
     H, heads, S = CFG["hidden"], CFG["heads"], CFG["seq"]
     dense = gw.nn.DenseTransformerLayer(H, heads)

@@ -46,7 +46,7 @@ def ping_pong(grid, sizes=(8, 1 << 16, 1 << 20), reps: int = 10) -> dict:
 def fit_alpha_beta(times: dict) -> tuple:
     """Least squares t = alpha + beta * bytes."""
     xs, ys = list(times), list(times.values())
-    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     beta = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     alpha = max(my - beta * mx, 1e-7)
     return alpha, max(beta, 1e-12)

@@ -32,26 +32,18 @@ def _check_hidden(x, g):
 # ---- D&SP --------------------------------------------------------------------------------
 
 
-class _Split(torch.autograd.Function):
+class _Conjugate(torch.autograd.Function):
+    """A collective along sg forward and its conjugate backward: split is all-gather /
+    reduce-scatter, sum the reverse."""
+
     @staticmethod
-    def forward(ctx, x, grid):
-        ctx.grid = grid
-        return grid.all_gather(x.contiguous(), axis=AXIS)
+    def forward(ctx, x, grid, op, conjugate):
+        ctx.grid, ctx.conjugate = grid, conjugate
+        return getattr(grid, op)(x.contiguous(), axis=AXIS)
 
     @staticmethod
     def backward(ctx, g):
-        return ctx.grid.reduce_scatter(g.contiguous(), axis=AXIS), None
-
-
-class _Sum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, grid):
-        ctx.grid = grid
-        return grid.reduce_scatter(y.contiguous(), axis=AXIS)
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.grid.all_gather(g.contiguous(), axis=AXIS), None
+        return getattr(ctx.grid, ctx.conjugate)(g.contiguous(), axis=AXIS), None, None, None
 
 
 def _a2a_slice(grid, x):
@@ -211,12 +203,16 @@ def _method(method):
 
 def split(x, grid, mode="dsp", shape=None):
     """Every branch gets the common tensor. cSub: `shape` is the common shard's shape."""
-    return _Split.apply(x, grid) if mode == "dsp" else _CSubSplit.apply(x, grid, tuple(shape))
+    if mode == "dsp":
+        return _Conjugate.apply(x, grid, "all_gather", "reduce_scatter")
+    return _CSubSplit.apply(x, grid, tuple(shape))
 
 
 def branch_sum(y, grid, mode="dsp"):
     """The common tensor is the sum of the branches' outputs."""
-    return _Sum.apply(y, grid) if mode == "dsp" else _CSubSum.apply(y, grid)
+    if mode == "dsp":
+        return _Conjugate.apply(y, grid, "reduce_scatter", "all_gather")
+    return _CSubSum.apply(y, grid)
 
 
 def slice_(x, grid, mode="dsp", method="all_to_all", shape=None):
