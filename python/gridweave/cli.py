@@ -76,10 +76,10 @@ def _plan(args) -> int:
         return 0
     print(f"{args.gpus} GPUs, {cluster.gpus_per_node} per node ({cluster.name}); "
           f"{model.layers} layers, hidden {model.hidden}, seq {model.seq}, batch {model.batch}")
-    print(f"{'dp':>4} {'pp':>3} {'tp':>12} {'sp':>3} {'placement':>9} {'step s':>9} {'mem GiB':>8}  bytes/axis")
+    print(f"{'dp':>4} {'pp':>3} {'tp':>12} {'sp':>3} {'placement':>9} {'step s':>9} {'mem GiB':>8}  MiB per GPU per step, axis=intra/inter")
     for r in rows:
-        axes = " ".join(f"{k}={v / 2 ** 20:.0f}MiB({r['axis_links'].get(k, 'intra')[:5]})"
-                        for k, v in r["bytes_per_axis"].items() if v)
+        axes = " ".join(f"{k}={v['intra'] / 2 ** 20:.0f}/{v['inter'] / 2 ** 20:.0f}"
+                        for k, v in r["bytes_per_axis"].items() if v["intra"] or v["inter"])
         print(f"{r['dp']:>4} {r['pp']:>3} {r['tp']:>12} {r['sp']:>3} {r['placement']:>9} {r['step_time_s']:>9.3f} "
               f"{r['memory_bytes'] / 2 ** 30:>8.1f}  {axes}")
     return 0
@@ -89,7 +89,7 @@ def _bench_parser(sub):
     p = sub.add_parser("bench", help="measure this machine for gw.plan")
     p.add_argument("--calibrate", action="store_true", required=True,
                    help="measure alpha, beta and the GEMM rate into a 'local' cluster preset")
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--nproc", type=int, default=8, help="ranks measuring at once (as many as your job runs)")
     p.add_argument("--out", default="runs/local.json")
     return p
 

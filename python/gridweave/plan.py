@@ -28,10 +28,13 @@ class Cluster:
     intra_alpha_s: float
     intra_bandwidth_Bps: float
     inter_alpha_s: float
-    inter_bandwidth_Bps: float  # per node
+    inter_bandwidth_Bps: float  # per network link (nics_per_node of them per node)
     gemm_flops: float
     memory_bytes: float
     about: str = ""
+    vector_bandwidth_Bps: float = 0.0  # memory-bound element-wise work (0: not counted)
+    launch_s: float = 0.0  # fixed cost of each kernel or collective call
+    nics_per_node: int = 1  # network links per node; lines leaving a node share them
 
 
 def load_cluster(name_or_path: str, gpus_per_node: int | None = None) -> Cluster:
@@ -46,7 +49,7 @@ def load_cluster(name_or_path: str, gpus_per_node: int | None = None) -> Cluster
     if gpus_per_node:
         d["gpus_per_node"] = gpus_per_node
     fields = set(Cluster.__dataclass_fields__)
-    missing = fields - set(d) - {"about"}
+    missing = fields - set(d) - {"about", "vector_bandwidth_Bps", "launch_s", "nics_per_node"}
     if missing:
         raise GridError(f"cluster file {p} lacks {sorted(missing)}")
     return Cluster(**{k: v for k, v in d.items() if k in fields})  # extra keys (measurements) are kept out
@@ -83,8 +86,9 @@ def collective_time(op: str, g: int, nbytes: float, link: tuple, cluster: Cluste
         return steps * alpha + 2 * frac * nbytes / bw
     if op == "all_to_all":
         return (g - 1) * alpha + frac * nbytes / bw
-    if op in ("broadcast", "reduce"):  # pipelined tree
-        return math.ceil(math.log2(g)) * alpha + nbytes / bw
+    if op in ("broadcast", "reduce"):  # pipelined: a chain (NCCL's ring) or a binomial tree
+        steps = math.ceil(math.log2(g)) if algorithm == "tree" else g - 1
+        return steps * alpha + nbytes / bw
     if op == "send":
         return alpha + nbytes / bw
     raise GridError(f"no cost model for {op!r}")
@@ -132,7 +136,8 @@ class Grid:
 
 
 def _links(grid: Grid, cluster: Cluster):
-    """For each axis: (alpha, effective bandwidth, nodes a line spans), from the placement."""
+    """For each axis: (alpha, effective bandwidth, nodes a line spans, the share of its bytes
+    that cross nodes), from the engine's placement and its SUPER traffic model (eqs. 4-7)."""
     placement = _C.Placement(grid.axes(), grid.placement, cluster.gpus_per_node)
     out = {}
     for name, size in grid.axes():
@@ -140,20 +145,89 @@ def _links(grid: Grid, cluster: Cluster):
             continue
         line = placement.line(0, [name])
         nodes = {placement.node_of(r) for r in line}
+        t = placement.traffic([name], "all_gather", 1 << 10)
+        inter = t["inter_bytes"] / t["bytes"]
         if len(nodes) == 1:
-            out[name] = (cluster.intra_alpha_s, cluster.intra_bandwidth_Bps, 1)
+            out[name] = (cluster.intra_alpha_s, cluster.intra_bandwidth_Bps, 1, inter)
         else:  # the node's network link is shared by every line leaving it
             node0 = [r for r in range(min(placement.world_size, cluster.gpus_per_node))]
             here = sum(1 for r in line if placement.node_of(r) == 0)
             flows = max(1, len(node0) // max(here, 1))
-            out[name] = (cluster.inter_alpha_s, cluster.inter_bandwidth_Bps / flows, len(nodes))
+            share = max(1, -(-flows // cluster.nics_per_node))
+            out[name] = (cluster.inter_alpha_s, cluster.inter_bandwidth_Bps / share, len(nodes), inter)
     return out, placement
+
+
+def _activation_bytes(model: Model, grid: Grid, tokens: float) -> float:
+    """Bytes of activations one layer keeps for backward, per rank, for `tokens` tokens of a
+    replica (Korthikanti et al.: s b h (34 + 5 a s / h) in 16-bit; Megatron 1-D replicates the
+    10 s b h of layer norms, dropouts and residuals on every tensor rank)."""
+    h, s, a = model.hidden, model.seq, model.heads
+    if grid.tp == "row":
+        t = grid.tp_size
+        per = tokens * h * (10 + 24 / t + 5 * a * s / (h * t))
+    else:
+        per = tokens * h * (34 + 5 * a * s / h) / grid.tp_ranks()
+    return per / grid.sp
+
+
+def _cube_vector(row_axis: str, nbytes: float) -> list:
+    """Seed 000 Algorithms 7-8: a vector on the diagonal is broadcast along its row and
+    all-gathered in x forward; backward, reduce-scattered in x and reduced to the diagonal."""
+    return [("broadcast", row_axis, nbytes), ("all_gather", "x", nbytes),
+            ("reduce_scatter", "x", nbytes), ("reduce", row_axis, nbytes)]
+
+
+def layer_ops(model: Model, grid: Grid, tokens: float) -> list:
+    """One transformer layer's work on one rank for `tokens` tokens of its replica, forward and
+    backward: ("gemm", flops, kernels), ("vector", bytes, kernels) and (collective, axis, bytes)."""
+    h, s, e = model.hidden, model.seq, model.bytes_per_value
+    P = grid.tp_ranks()
+    flops = 72 * tokens * h * h * (1 + s / (6 * h)) / (P * grid.sp)  # seed 001 eq. (3), one layer
+    # element-wise work: its bytes written forward, read and written backward; ~10 kernels
+    # forward (2 layer norms, softmax, mask, GELU, residuals, biases) and twice that backward
+    ops = [("vector", 3 * _activation_bytes(model, grid, tokens), 30)]
+    lin = [(h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)]  # QKV, projection, MLP up, MLP down
+    T = tokens / grid.sp
+    gemm_kernels = 3 * (len(lin) + 2)  # three products (forward, dA, dB) per linear and attention's two
+    if grid.tp == "row":  # seed 003: f/g conjugates, two all-reduces forward and two backward
+        ops += [("all_reduce", "tp", T * h * e)] * 4
+    elif grid.tp == "square":  # SUMMA (Optimus): q steps of row and column broadcasts per product
+        q = grid.tp_size
+        gemm_kernels = 3 * len(lin) * q + 6
+        for N, K in lin:
+            A, B, C = T / q * N / q * e, N / q * K / q * e, T / q * K / q * e
+            ops += [("broadcast", "c", A), ("broadcast", "r", B),  # C = A B
+                    ("broadcast", "r", B), ("reduce", "c", A),  # dA = dC B^T
+                    ("broadcast", "c", C), ("reduce", "r", B)] * q  # dB = A^T dC
+            ops += [("broadcast", "r", K / q * e), ("reduce", "r", K / q * e)]  # the bias, held by one row
+        for _ln in range(2):  # layer norm: mean and variance over the row; gamma and beta as the bias
+            ops += [("all_reduce", "c", T / q * e)] * 4 + [("broadcast", "r", h / q * e), ("reduce", "r", h / q * e)] * 2
+    elif grid.tp == "cube":  # seed 000 Algorithms 1-2; directions y and z swap after each linear
+        p = grid.tp_size
+        for i, (N, K) in enumerate(lin):
+            a, c = ("y", "z") if i % 2 == 0 else ("z", "y")
+            A, B, C = T * N / p ** 2 * e, N * K / p ** 2 * e, T * K / p ** 2 * e
+            ops += [("all_gather", a, A), ("all_gather", "x", B), ("reduce_scatter", c, C),
+                    ("all_gather", c, C), ("all_gather", "x", B), ("all_gather", a, A),
+                    ("reduce_scatter", a, A), ("reduce_scatter", "x", B)]
+            ops += _cube_vector(c, K / p * e)  # the bias, added to C (Algorithms 7-8)
+        for _ln in range(2):  # layer norm: mean and variance over the hidden split, gamma and beta
+            ops += [("all_reduce", "y", T / p ** 2 * e)] * 4 + _cube_vector("y", h / p * e) * 2
+    elif grid.tp == "subgraph":  # seed 002 D&SP: split and join, and their conjugates backward
+        g = grid.tp_size
+        ops += [("all_gather", "sg", T * h * e), ("reduce_scatter", "sg", T * g * h * e),
+                ("reduce_scatter", "sg", T * g * h * e), ("all_gather", "sg", T * h * e)]
+    if grid.sp > 1:  # seed 004 RSA: K and V around the ring forward; K, V, dK, dV backward
+        kv = T * 2 * h * e / (1 if grid.tp == "subgraph" else P)
+        ops += [("send", "sp", kv)] * (3 * (grid.sp - 1))
+    ops.append(("gemm", flops, gemm_kernels))
+    return ops
 
 
 def predict(model: Model, grid: Grid, cluster: Cluster, microbatches: int | None = None,
             offload_bsize: int | None = None, recompute: bool = False) -> dict:
     """Predicted step time (s), memory per GPU (bytes) and bytes per axis for one step."""
-    n = grid.dp * grid.pp * grid.tp_ranks() * grid.sp
     h, s, L, e = model.hidden, model.seq, model.layers, model.bytes_per_value
     if model.batch % grid.dp:
         raise GridError(f"batch {model.batch} does not split over dp={grid.dp}")
@@ -162,84 +236,56 @@ def predict(model: Model, grid: Grid, cluster: Cluster, microbatches: int | None
     b = model.batch // grid.dp  # sequences per data-parallel replica
     m = microbatches or (min(b, 4 * grid.pp) if grid.pp > 1 else 1)
     links, _ = _links(grid, cluster)
-
-    def cost(op, axis, nbytes, algorithm="ring"):
-        if axis not in links:
-            return 0.0, 0.0
-        a, bw, nodes = links[axis]
-        g = dict(grid.axes())[axis]
-        return collective_time(op, g, nbytes, (a, bw), cluster, algorithm), nbytes
-
-    tokens = b * s / grid.sp  # this rank's tokens of its replica, per step
+    sizes = dict(grid.axes())
+    layers_here = L // grid.pp
+    tokens = b * s / m  # tokens of one micro-batch of this replica
     per_axis = {}
 
-    def add(axis, t_bytes):
-        t, nb = t_bytes
-        acc = per_axis.setdefault(axis, [0.0, 0.0])
-        acc[0] += t
-        acc[1] += nb
+    def seconds(ops, repeat):
+        """Time of `ops` done `repeat` times; each collective's bytes and time go to its axis."""
+        t = 0.0
+        for op in ops:
+            if op[0] == "gemm":
+                t += op[1] / cluster.gemm_flops + op[2] * cluster.launch_s
+            elif op[0] == "vector":
+                t += (op[1] / cluster.vector_bandwidth_Bps if cluster.vector_bandwidth_Bps else 0.0) + \
+                    op[2] * cluster.launch_s
+            elif op[1] in links:
+                a, bw = links[op[1]][:2]
+                c = cluster.launch_s + collective_time(op[0], sizes[op[1]], op[2], (a, bw), cluster)
+                acc = per_axis.setdefault(op[1], [0.0, 0.0])
+                acc[0] += c * repeat
+                acc[1] += op[2] * repeat
+                t += c
+        return t * repeat
 
-    layers_here = L // grid.pp
-    lin = [(h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)]
-    for _ in range(layers_here):
-        if grid.tp == "row":  # Megatron: 4 all-reduces of the layer's activations
-            for _k in range(4):
-                add("tp", cost("all_reduce", "tp", tokens * h * e))
-        elif grid.tp == "square":  # SUMMA: q steps of row/column broadcasts per product
-            q = grid.tp_size
-            for N, K in lin:
-                A, B, C = tokens / q * N / q * e, N / q * K / q * e, tokens / q * K / q * e
-                for _t in range(q):
-                    for axis, nb in (("c", A), ("r", B), ("r", B), ("c", C), ("c", A), ("r", C)):
-                        add(axis, cost("broadcast", axis, nb))
-        elif grid.tp == "cube":  # seed 000: Algorithms 1-2 per linear, directions swapping
-            p = grid.tp_size
-            for i, (N, K) in enumerate(lin):
-                a, c = ("y", "z") if i % 2 == 0 else ("z", "y")
-                A, B, C = tokens * N / p ** 2 * e, N * K / p ** 2 * e, tokens * K / p ** 2 * e
-                for op, axis, nb in (("all_gather", a, A), ("all_gather", "x", B), ("reduce_scatter", c, C),
-                                     ("all_gather", c, C), ("all_gather", "x", B), ("all_gather", a, A),
-                                     ("reduce_scatter", a, A), ("reduce_scatter", "x", B)):
-                    add(axis, cost(op, axis, nb))
-        elif grid.tp == "subgraph":  # SUPER D&SP: split and join, and their conjugates
-            g = grid.tp_size
-            for op in ("all_gather", "reduce_scatter", "reduce_scatter", "all_gather"):
-                add("sg", cost(op, "sg", tokens * g * h * e / g if op == "all_gather" else tokens * h * e))
-        if grid.sp > 1:  # blockwise ring: K, V around the ring forward; K, V and dK, dV backward
-            blk = tokens / grid.tp_ranks() * 2 * h * e if grid.tp != "subgraph" else tokens * 2 * h * e
-            steps = 2 * (grid.sp - 1) + grid.sp
-            for _k in range(steps):
-                add("sp", cost("send", "sp", blk))
+    stage = seconds(layer_ops(model, grid, tokens), layers_here)  # one micro-batch through a stage
+    if model.vocab:  # the logits on the last stage (seed 001 eq. (3)'s V / 16lh term), over the tensor ranks
+        stage += 72 * tokens * h * model.vocab / 16 / (grid.tp_ranks() * grid.sp) / cluster.gemm_flops
     if grid.pp > 1:  # activations forward and gradients backward at each stage boundary
-        act = tokens / max(grid.tp_ranks() if grid.tp in ("square", "cube") else 1, 1) * h * e
-        add("pp", cost("send", "pp", 2 * act))
-    phi = 12 * L * h * h + model.vocab * h
-    phi_local = 12 * L * h * h / (grid.pp * grid.tp_ranks()) + model.vocab * h
-    if grid.tp == "subgraph":
-        phi_local = 12 * L * h * h / grid.pp + model.vocab * h  # common layers replicated
-    add("dp", cost("all_reduce", "dp", phi_local * e))
-
-    compute = transformer_flops(model, recompute) / n / cluster.gemm_flops
-    comm_pipe = sum(v[0] for k, v in per_axis.items() if k not in ("dp", "pp"))
-    stage_time = compute + comm_pipe
+        act = tokens / grid.sp * h * e / (grid.tp_ranks() if grid.tp in ("square", "cube") else 1)
+        stage += seconds([("send", "pp", act), ("send", "pp", act)], 1)
     bubble = bubble_fraction(grid.pp, m) if grid.pp > 1 else 0.0
-    step = stage_time * (1 + bubble) + per_axis.get("pp", [0, 0])[0] + per_axis.get("dp", [0, 0])[0]
+    pipeline = m * stage * (1 + bubble)  # (m + p - 1) micro-batch slots
+    for k in per_axis:  # the per-axis figures so far are for one micro-batch
+        per_axis[k] = [v * m for v in per_axis[k]]
+    phi = 12 * L * h * h + model.vocab * h
+    phi_local = 12 * L * h * h / (grid.pp * (1 if grid.tp == "subgraph" else grid.tp_ranks())) + model.vocab * h
+    step = pipeline + seconds([("all_reduce", "dp", phi_local * e)], 1)
+    compute = (transformer_flops(model, recompute) / (grid.dp * grid.pp * grid.tp_ranks() * grid.sp)
+               / cluster.gemm_flops)
 
     # memory per GPU: weights, gradients and Adam (20 phi mixed precision, or AxoNN's 4 phi + 16 bsize)
     state = (4 * phi_local + 16 * offload_bsize) if offload_bsize else 20 * phi_local
-    b_mb = b / m
-    act_layer = s / grid.sp * b_mb * h * (34 + 5 * model.heads * s / h)  # bytes, fp16 (Korthikanti et al.)
-    if grid.tp == "row":
-        act_layer = s / grid.sp * b_mb * h * (10 + 24 / grid.tp_size + 5 * model.heads * s / (h * grid.tp_size))
-    elif grid.tp in ("square", "cube"):
-        act_layer /= grid.tp_ranks()
+    act_layer = _activation_bytes(model, grid, tokens)
     in_flight = min(m, grid.pp)
-    act = (2 * s / grid.sp * b_mb * h * layers_here + act_layer) * in_flight if recompute else \
+    act = (2 * tokens / grid.sp * h * layers_here + act_layer) * in_flight if recompute else \
         act_layer * layers_here * in_flight
     return {**asdict(grid), "tp": grid.tp if grid.tp == "none" else f"{grid.tp}:{grid.tp_size}",
             "step_time_s": step, "compute_s": compute, "bubble": bubble, "microbatches": m,
             "memory_bytes": state + act, "parameters": phi,
-            "bytes_per_axis": {k: v[1] for k, v in per_axis.items()},
+            "bytes_per_axis": {k: {"intra": v[1] * (1 - links[k][3]), "inter": v[1] * links[k][3]}
+                               for k, v in per_axis.items()},
             "seconds_per_axis": {k: v[0] for k, v in per_axis.items()},
             "axis_links": {k: ("intra" if v[2] == 1 else f"inter ({v[2]} nodes)") for k, v in links.items()}}
 
@@ -265,12 +311,23 @@ def enumerate_grids(n: int, model: Model, placements=("topology", "naive")):
     return out
 
 
-def plan(n: int, model: Model, cluster: Cluster, top: int | None = None) -> list:
+def best_microbatching(model: Model, grid: Grid, cluster: Cluster, sizes=(1, 2, 4, 8, 16), **kw) -> dict:
+    """predict() at the micro-batch size (sequences per micro-batch, Megatron's
+    --micro-batch-size) that is fastest among those that fit in memory, else the smallest."""
+    b = model.batch // grid.dp if grid.dp and model.batch % grid.dp == 0 else 0
+    rows = [predict(model, grid, cluster, microbatches=b // mbs, **kw) for mbs in sizes if b and b % mbs == 0]
+    if not rows:
+        return predict(model, grid, cluster, **kw)
+    fits = [r for r in rows if r["memory_bytes"] <= cluster.memory_bytes]
+    return min(fits, key=lambda r: r["step_time_s"]) if fits else min(rows, key=lambda r: r["memory_bytes"])
+
+
+def plan(n: int, model: Model, cluster: Cluster, top: int | None = None, **kw) -> list:
     """Grids ranked by predicted step time, the ones that fit in memory first."""
     rows = []
     for g in enumerate_grids(n, model):
         try:
-            rows.append(predict(model, g, cluster))
+            rows.append(best_microbatching(model, g, cluster, **kw))
         except GridError:
             continue
     rows.sort(key=lambda r: (r["memory_bytes"] > cluster.memory_bytes, r["step_time_s"]))

@@ -1,0 +1,103 @@
+"""gw.plan against seed 000 (Bian et al.) Tables 1-2: 1-D, 2-D and 3-D tensor parallelism of
+consecutive transformer layers on TACC Longhorn (4 V100 per node, EDR InfiniBand).
+
+    python benchmarks/plan_seed000.py [--cluster v100-ib]   # results/plan_seed000.json, .png
+
+The paper gives the average step time per sequence (its eq. 6) but not the number of layers,
+so times are compared as ratios: each mode to 3-D at 64 GPUs, and the order of the modes at
+each GPU count. Sequence 512; heads = hidden / 64; the paper's rank order (naive placement);
+each batch as one pass (the paper reports whole-batch forward and backward times).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from gridweave import plan
+
+# (table, mode, GPUs, batch, hidden, measured average step time per sequence in s)
+SEED000 = [
+    (1, "row", 8, 60, 2048, 0.341), (1, "row", 16, 60, 4096, 0.723), (1, "row", 36, 40, 6120, 1.133),
+    (1, "row", 64, 30, 8192, 1.560), (1, "square", 16, 192, 4096, 0.708), (1, "square", 36, 288, 6120, 0.766),
+    (1, "square", 64, 384, 8192, 1.052), (1, "cube", 8, 192, 2048, 0.580), (1, "cube", 64, 384, 8192, 0.672),
+    (2, "row", 8, 12, 3072, 0.597), (2, "row", 16, 12, 3072, 0.544), (2, "row", 36, 12, 3072, 0.572),
+    (2, "row", 64, 12, 3072, 0.550), (2, "square", 16, 24, 3072, 0.766), (2, "square", 36, 24, 3072, 0.639),
+    (2, "square", 64, 24, 3072, 0.497), (2, "cube", 8, 24, 3072, 0.515), (2, "cube", 64, 24, 3072, 0.359),
+]
+LAYERS = 24  # cancels in every ratio
+
+
+def tp_size(mode: str, n: int) -> int:
+    return {"row": n, "square": round(n ** 0.5), "cube": round(n ** (1 / 3))}[mode]
+
+
+def predicted_per_sequence(cluster: plan.Cluster, mode: str, n: int, batch: int, hidden: int) -> float:
+    model = plan.Model(hidden=hidden, layers=LAYERS, heads=max(1, round(hidden / 64)), seq=512, batch=batch, vocab=0)
+    grid = plan.Grid(tp=mode, tp_size=tp_size(mode, n), placement="naive")
+    return plan.predict(model, grid, cluster, microbatches=1)["step_time_s"] / batch
+
+
+def compare(cluster: plan.Cluster) -> dict:
+    rows = [{"table": t, "mode": m, "gpus": n, "batch": b, "hidden": h, "measured_s": v,
+             "predicted_s": predicted_per_sequence(cluster, m, n, b, h)} for t, m, n, b, h, v in SEED000]
+    at = {(r["table"], r["mode"], r["gpus"]): r for r in rows}
+    ratios = []
+    for t in (1, 2):
+        for m in ("row", "square"):
+            meas = at[(t, m, 64)]["measured_s"] / at[(t, "cube", 64)]["measured_s"]
+            pred = at[(t, m, 64)]["predicted_s"] / at[(t, "cube", 64)]["predicted_s"]
+            ratios.append({"table": t, "ratio": f"{m}/cube at 64", "measured": meas, "predicted": pred,
+                           "error": pred / meas - 1})
+    orders = []
+    for t in (1, 2):
+        for n in (8, 16, 36, 64):
+            here = [r for r in rows if r["table"] == t and r["gpus"] == n]
+            if len(here) > 1:
+                meas = [r["mode"] for r in sorted(here, key=lambda r: r["measured_s"])]
+                pred = [r["mode"] for r in sorted(here, key=lambda r: r["predicted_s"])]
+                orders.append({"table": t, "gpus": n, "measured": meas, "predicted": pred, "same": meas == pred})
+    return {"cluster": cluster.__dict__, "rows": rows, "ratios": ratios, "orders": orders}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cluster", default="v100-ib")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args()
+    data = compare(plan.load_cluster(args.cluster))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan_seed000.json").write_text(json.dumps(data, indent=1))
+    for r in data["ratios"]:
+        print(f"Table {r['table']} {r['ratio']}: measured {r['measured']:.2f} predicted {r['predicted']:.2f} "
+              f"({r['error']:+.0%})")
+    for o in data["orders"]:
+        print(f"Table {o['table']} {o['gpus']} GPUs: measured {o['measured']} predicted {o['predicted']}"
+              f" {'same' if o['same'] else 'DIFFERENT'}")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    for ax, t in zip(axes, (1, 2)):
+        ref = {k: next(r for r in data["rows"] if (r["table"], r["mode"], r["gpus"]) == (t, "cube", 64))[k]
+               for k in ("measured_s", "predicted_s")}
+        for m, c in (("row", "C0"), ("square", "C1"), ("cube", "C2")):
+            pts = [r for r in data["rows"] if r["table"] == t and r["mode"] == m]
+            ax.plot([r["gpus"] for r in pts], [r["measured_s"] / ref["measured_s"] for r in pts], "o-", color=c,
+                    label=f"{m} measured (seed 000)")
+            ax.plot([r["gpus"] for r in pts], [r["predicted_s"] / ref["predicted_s"] for r in pts], "x--",
+                    color=c, label=f"{m} gw.plan")
+        ax.set(xscale="log", xticks=[8, 16, 36, 64], xticklabels=["8", "16", "36", "64"], xlabel="GPUs",
+               ylabel="step time per sequence / 3-D's at 64 GPUs",
+               title=f"seed 000 Table {t} ({'weak' if t == 1 else 'strong'} scaling), {args.cluster}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "plan_seed000.png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()
