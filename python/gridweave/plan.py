@@ -130,10 +130,6 @@ class Grid:
         tp = {"none": None, "row": Row, "square": Square, "cube": Cube, "subgraph": SubGraph}[self.tp]
         return grid_axes(self.dp, self.pp, self.sp, tp(self.tp_size) if tp else None)
 
-    def label(self) -> str:
-        t = "none" if self.tp == "none" else f"{self.tp}:{self.tp_size}"
-        return f"dp{self.dp} pp{self.pp} tp {t} sp{self.sp} ({self.placement})"
-
 
 def _links(grid: Grid, cluster: Cluster):
     """For each axis: (alpha, effective bandwidth, nodes a line spans, the share of its bytes
