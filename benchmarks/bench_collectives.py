@@ -10,14 +10,13 @@ four all-gathers one group after another.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from launch import bench_parser, results_dir, run_ranks, save
 
 SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 OPS = ["all_gather", "reduce_scatter", "all_reduce"]
@@ -141,26 +140,17 @@ def plot(results: list, png: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--worker", action="store_true")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap = bench_parser(__file__)
     ap.add_argument("--ranks", default="2,4,8")
     args = ap.parse_args()
     if args.worker:
         worker(args.out)
         return
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_dir(args)
     results = []
     for n in [int(v) for v in args.ranks.split(",")]:
-        part = out / f".collectives_{n}.json"
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}",
-                        "--master-port=29517", __file__, "--worker", "--out", str(part)], check=True,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-        results += json.loads(part.read_text())
-        part.unlink()
-    (out / "collectives.json").write_text(json.dumps(results, indent=1))
-    plot(results, out / "collectives.png")
+        results += run_ranks(__file__, n, 29517, out, str(n))
+    save(out, "collectives", results, plot)
     for r in results:
         if "torch_s" in r:
             print(f"{r['op']:15s} n={r['ranks']} {r['nbytes']:>9d} B  gridweave/torch median "

@@ -12,13 +12,12 @@ scaling: per-rank bytes of one step at a fixed problem size for P = 2, 4, 8 (1-D
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 from pathlib import Path
 
-from launch import run_ranks, saved_bytes, start_worker
+from launch import bench_parser, results_dir, run_ranks, save, saved_bytes, start_worker
 
 TIMING = dict(hidden=256, heads=8, ffn=1024, batch=8, seq=64)
 SCALING = dict(hidden=72, heads=24, ffn=288, batch=36, seq=4)
@@ -165,9 +164,7 @@ def plot(data: dict, png: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--worker", choices=["timing", "scaling"])
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap = bench_parser(__file__, ("timing", "scaling"))
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--plot-only", action="store_true", help="redraw the PNG from results/layers.json")
     args = ap.parse_args()
@@ -178,12 +175,10 @@ def main() -> None:
     if args.worker:
         worker(args.worker, args.out, args.rounds)
         return
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_dir(args)
     data = {"timing": [run("timing", n, out, args.rounds) for n in (8, 4)],
             "scaling": [run("scaling", n, out, 1) for n in (2, 4, 8, 9, 27)]}
-    (out / "layers.json").write_text(json.dumps(data, indent=1))
-    plot(data, out / "layers.png")
+    save(out, "layers", data, plot)
     for r in data["timing"]:
         print(f"-- timing, {r['ranks']} ranks, {r['config']}")
         for k, v in r["results"].items():

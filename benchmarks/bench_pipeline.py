@@ -13,14 +13,13 @@ overlap: OffloadAdam.step on 8 data-parallel ranks (all-reduce in chunks of k x 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
 import time
 from pathlib import Path
 
-from launch import run_ranks, start_worker
+from launch import bench_parser, results_dir, run_ranks, save, start_worker
 
 F_MS, B_MS = 1.0, 2.0
 
@@ -158,18 +157,14 @@ def plot(data, png):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--worker", choices=["imbalance", "bubble", "overlap"])
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap = bench_parser(__file__, ("imbalance", "bubble", "overlap"))
     args = ap.parse_args()
     if args.worker:
         worker(args.worker, args.out)
         return
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_dir(args)
     data = {"imbalance": run("imbalance", 4, out), "bubble": run("bubble", 4, out), "overlap": run("overlap", 8, out)}
-    (out / "pipeline.json").write_text(json.dumps(data, indent=1))
-    plot(data, out / "pipeline.png")
+    save(out, "pipeline", data, plot)
     for part in ("imbalance", "bubble"):
         for k, v in data[part]["runs"].items():
             print(f"{part:9s} {k:22s} step {v['step_s'] * 1e3:7.1f} ms idle {v['idle_fraction']:.3f} "

@@ -11,14 +11,13 @@ tensor parallelism. The parent predicts each measurement from the calibrated pre
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 from pathlib import Path
 
 from bench_layers import TIMING
-from launch import run_ranks, start_worker
+from launch import bench_parser, results_dir, run_ranks, save, start_worker
 
 SIZES = [1 << 16, 1 << 18, 1 << 20, 1 << 22]  # bytes of the full buffer
 OPS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -132,23 +131,19 @@ def plot(rows: list, png: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--worker", action="store_true")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap = bench_parser(__file__)
     ap.add_argument("--reps", type=int, default=21)
     args = ap.parse_args()
     if args.worker:
         worker(args.out, args.reps)
         return
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_dir(args)
     data = run_ranks(__file__, 8, 29571, out, "8", "--reps", str(args.reps))
     pred = predictions(data)
     rows = [{"key": k, "measured_s": v, "predicted_s": pred[k], "ratio": pred[k] / v}
             for k, v in data["measured"].items()]
     data["rows"] = rows
-    (out / "plan_local.json").write_text(json.dumps(data, indent=1))
-    plot(rows, out / "plan_local.png")
+    save(out, "plan_local", data, lambda d, png: plot(d["rows"], png))
     for r in rows:
         print(f"{r['key']:24s} measured {r['measured_s'] * 1e3:9.3f} ms  predicted {r['predicted_s'] * 1e3:9.3f} ms"
               f"  ratio {r['ratio']:.2f}")

@@ -11,13 +11,12 @@ overlap: blockwise ring attention forward+backward vs its compute alone (the rin
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 from pathlib import Path
 
-from launch import run_ranks, saved_bytes, start_worker
+from launch import bench_parser, results_dir, run_ranks, saved_bytes, start_worker
 
 MEM = dict(B=1, Z=8, A=32, L=2048)
 LAYER = dict(hidden=256, heads=8, batch=1)
@@ -173,16 +172,13 @@ def plot(data, png):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--worker", choices=["memory", "longest", "overlap"])
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap = bench_parser(__file__, ("memory", "longest", "overlap"))
     ap.add_argument("--parts", default="memory,longest,overlap")
     args = ap.parse_args()
     if args.worker:
         worker(args.worker, args.out)
         return
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_dir(args)
     path = out / "sequence.json"
     data = json.loads(path.read_text()) if path.exists() else {}
     ranks = {"memory": (1, 2, 4, 8), "longest": (4, 8), "overlap": (4, 8)}

@@ -10,13 +10,12 @@ bytes: intra- and inter-node bytes of a D&SP step on 8 ranks emulating 4 nodes o
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 from pathlib import Path
 
-from launch import run_ranks, start_worker
+from launch import bench_parser, results_dir, run_ranks, save, start_worker
 
 CFG = dict(hidden=256, heads=32, seq=64)
 
@@ -113,19 +112,15 @@ def plot(data, png):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--worker", action="store_true")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap = bench_parser(__file__)
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
     if args.worker:
         worker(args.out, args.rounds)
         return
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = results_dir(args)
     data = {"runs": [run(n, out, args.rounds) for n in (4, 8)]}
-    (out / "subgraph.json").write_text(json.dumps(data, indent=1))
-    plot(data, out / "subgraph.png")
+    save(out, "subgraph", data, plot)
     for r in data["runs"]:
         base = r["step_s"]["dp"]
         print(f"-- {r['ranks']} ranks: " + ", ".join(f"{k} {v * 1e3:.1f} ms (DP/this {base / v:.2f}x)"

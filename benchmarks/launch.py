@@ -1,12 +1,38 @@
-"""Shared by the Python benchmarks: run a benchmark script's worker on n CPU ranks under
-torchrun and collect what rank 0 wrote."""
+"""Shared by the Python benchmarks: the command line every script has, running a script's
+worker on n CPU ranks under torchrun and collecting what rank 0 wrote, and saving results."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+
+def bench_parser(script: str, parts=None) -> argparse.ArgumentParser:
+    """--worker (a flag, or which of `parts` this rank process runs) and --out (default:
+    results/ beside the script); each script adds its own options."""
+    ap = argparse.ArgumentParser()
+    if parts:
+        ap.add_argument("--worker", choices=list(parts))
+    else:
+        ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--out", default=str(Path(script).parent / "results"))
+    return ap
+
+
+def results_dir(args) -> Path:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def save(out: Path, stem: str, data, plot=None) -> None:
+    """out/STEM.json, and out/STEM.png drawn by plot(data, path)."""
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=1))
+    if plot is not None:
+        plot(data, out / f"{stem}.png")
 
 
 def run_ranks(script: str, n: int, port: int, out: Path, tag: str, *worker_args: str) -> dict:

@@ -85,11 +85,10 @@ def features(cluster: plan.Cluster, mode: str, n: int, batch: int, hidden: int, 
             f[1] += op[1]
             f[4] += op[2]
         elif sizes[op[1]] > 1:
-            g = sizes[op[1]]
-            moved = op[2] * {"all_gather": (g - 1) / g, "reduce_scatter": (g - 1) / g,
-                             "all_reduce": 2 * (g - 1) / g}.get(op[0], 1.0)
+            g = sizes[op[1]]  # the model's own cost, split: bytes at unit bandwidth, steps at unit alpha
+            moved = plan.collective_time(op[0], g, op[2], (0.0, 1.0), cluster)
+            steps = plan.collective_time(op[0], g, op[2], (1.0, float("inf")), cluster)
             _, bw, nodes, _ = links[op[1]]
-            steps = 2 * (g - 1) if op[0] == "all_reduce" else g - 1
             if nodes > 1:
                 f[3] += moved * cluster.inter_bandwidth_Bps / bw
                 f[5] += steps

@@ -146,9 +146,8 @@ def _links(grid: Grid, cluster: Cluster):
         if len(nodes) == 1:
             out[name] = (cluster.intra_alpha_s, cluster.intra_bandwidth_Bps, 1, inter)
         else:  # the node's network link is shared by every line leaving it
-            node0 = [r for r in range(min(placement.world_size, cluster.gpus_per_node))]
             here = sum(1 for r in line if placement.node_of(r) == 0)
-            flows = max(1, len(node0) // max(here, 1))
+            flows = max(1, min(placement.world_size, cluster.gpus_per_node) // max(here, 1))
             share = max(1, -(-flows // cluster.nics_per_node))
             out[name] = (cluster.inter_alpha_s, cluster.inter_bandwidth_Bps / share, len(nodes), inter)
     return out, placement
