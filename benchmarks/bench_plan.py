@@ -21,7 +21,7 @@ from launch import bench_parser, results_dir, run_ranks, save, start_worker
 
 SIZES = [1 << 16, 1 << 18, 1 << 20, 1 << 22]  # bytes of the full buffer
 OPS = ("all_gather", "reduce_scatter", "all_reduce")
-LAYER_GRIDS = {"1d": ("row", 8), "3d": ("cube", 2)}
+LAYER_GRIDS = {"1d": "row:8", "3d": "cube:2"}
 
 
 def worker(out_path: str, reps: int) -> None:
@@ -97,8 +97,8 @@ def predictions(data: dict) -> dict:
             cfg = data["layer_config"]
             model = plan.Model(hidden=cfg["hidden"], layers=1, heads=cfg["heads"], seq=cfg["seq"],
                                batch=cfg["batch"], vocab=0, bytes_per_value=4)
-            tp, size = LAYER_GRIDS[arg]
-            out[key] = plan.predict(model, plan.Grid(tp=tp, tp_size=size), cluster)["step_time_s"]
+            tp = gw.modes.parse(LAYER_GRIDS[arg])
+            out[key] = plan.predict(model, plan.GridShape(tp=tp), cluster)["step_time_s"]
         else:
             out[key] = cluster.launch_s + plan.collective_time(kind, n, int(arg), link, cluster)
     return out

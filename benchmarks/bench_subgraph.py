@@ -50,7 +50,7 @@ def worker(out_path, rounds):
         y = layer(x)
         axes = ("dp", "sg")
         gw.nn.global_token_mean(y.pow(2).sum(), y.shape[0] * y.shape[1], grid, axes).backward()
-        layer.reduce_gradients()
+        gw.reduce_gradients(layer, grid)
 
     inputs = {k: gw.scatter(x_full, layer.input_layout, grid) for k, (grid, layer) in runs.items()}
     for k, (grid, layer) in runs.items():

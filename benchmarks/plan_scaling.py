@@ -27,8 +27,9 @@ def best_per_mode(n: int, cluster: plan.Cluster) -> dict:
             continue
         if r["memory_bytes"] > cluster.memory_bytes:
             continue
-        if g.tp not in out or r["step_time_s"] < out[g.tp]["step_time_s"]:
-            out[g.tp] = r
+        kind = g.tp.keyword
+        if kind not in out or r["step_time_s"] < out[kind]["step_time_s"]:
+            out[kind] = r
     return out
 
 

@@ -28,13 +28,32 @@ SEED000 = [
 LAYERS = 24  # cancels in every ratio
 
 
-def tp_size(mode: str, n: int) -> int:
-    return {"row": n, "square": round(n ** 0.5), "cube": round(n ** (1 / 3))}[mode]
+def tp_mode(mode: str, n: int):
+    """The paper's mode on n GPUs as gridweave's mode object."""
+    from gridweave.modes import parse
+
+    size = {"row": n, "square": round(n ** 0.5), "cube": round(n ** (1 / 3))}[mode]
+    return parse(f"{mode}:{size}")
+
+
+def runnable(hidden: int, mode) -> tuple:
+    """(hidden, heads) that gridweave's layer in `mode` can run: the seed gives no head count,
+    so the one nearest hidden / 64 that the mode's head groups split; a hidden size the mode
+    cannot split (e.g. 3072 over 36 Megatron ranks) padded up to the next one it can, as a
+    Megatron-LM user would. The planner costs the layer the code actually runs."""
+    g = mode.head_groups_count()
+    for h in range(hidden, 2 * hidden):
+        heads = [a for a in range(g, h + 1, g) if h % a == 0 and mode.accepts(a, h)]
+        if heads:
+            return h, min(heads, key=lambda a: (abs(a - hidden / 64), a))
+    raise ValueError(f"no runnable size near hidden {hidden} for {mode}")
 
 
 def predicted_per_sequence(cluster: plan.Cluster, mode: str, n: int, batch: int, hidden: int) -> float:
-    model = plan.Model(hidden=hidden, layers=LAYERS, heads=max(1, round(hidden / 64)), seq=512, batch=batch, vocab=0)
-    grid = plan.Grid(tp=mode, tp_size=tp_size(mode, n), placement="naive")
+    tp = tp_mode(mode, n)
+    hidden, heads = runnable(hidden, tp)
+    model = plan.Model(hidden=hidden, layers=LAYERS, heads=heads, seq=512, batch=batch, vocab=0)
+    grid = plan.GridShape(tp=tp, placement="naive")
     return plan.predict(model, grid, cluster, microbatches=1)["step_time_s"] / batch
 
 
@@ -71,8 +90,10 @@ def features(cluster: plan.Cluster, mode: str, n: int, batch: int, hidden: int, 
     being one weight (a GEMM rate 1/w, a bandwidth 1/w, an alpha w), times the layer count."""
     import numpy as np
 
-    model = plan.Model(hidden=hidden, layers=1, heads=max(1, round(hidden / 64)), seq=512, batch=batch, vocab=0)
-    grid = plan.Grid(tp=mode, tp_size=tp_size(mode, n), placement=placement)
+    tp = tp_mode(mode, n)
+    hidden, heads = runnable(hidden, tp)
+    model = plan.Model(hidden=hidden, layers=1, heads=heads, seq=512, batch=batch, vocab=0)
+    grid = plan.GridShape(tp=tp, placement=placement)
     links, _ = plan._links(grid, cluster)
     sizes = dict(grid.axes())
     f = np.zeros(len(FEATURES))

@@ -34,7 +34,10 @@ class Communicator {
   int size() const { return static_cast<int>(info_.members.size()); }
   const CommInfo& info() const { return info_; }
   virtual Device device() const = 0;
-  virtual const char* backend() const = 0;
+  virtual const char* backend() const = 0;  // for messages only: code branches on capabilities
+  // Capability: recv_any completes from whichever peer sends first (Gloo: yes; NCCL has no
+  // receive-from-any, so its recv_any can only post one receive per peer).
+  virtual bool can_recv_any() const = 0;
 
   // Every op returns a Work; wait on it. With async_op=false a transport may run the
   // op on the calling thread when nothing is queued before it (saves two thread

@@ -28,6 +28,7 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   ~GlooCommunicator() override;
   Device device() const override { return Device::CPU; }
   const char* backend() const override { return "gloo"; }
+  bool can_recv_any() const override { return true; }
   void close() override;
 
  protected:

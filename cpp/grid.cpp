@@ -16,7 +16,8 @@ Grid::Grid(GridOptions options, std::shared_ptr<Store> store)
            "rank " << options_.rank << " is outside the grid of " << placement_.world_size() << " ranks");
   GW_CHECK(options_.timeout.count() > 0, "timeout must be positive");
   if (options_.backend == Backend::Gloo) gloo_device_ = make_gloo_device(options_.hostname);
-  else GW_CHECK(nccl_available(), "backend 'nccl' requested but gridweave was built without the NCCL transport");
+  else GW_CHECK(transport_available(options_.backend), "backend '" << backend_name(options_.backend)
+                                                                 << "' requested but gridweave was built without it");
 }
 
 Grid::~Grid() { shutdown(); }
@@ -53,7 +54,7 @@ std::shared_ptr<Communicator> Grid::comm(const std::vector<std::string>& axes) {
 
   std::shared_ptr<Communicator> c;
   if (options_.backend == Backend::Gloo) c = std::make_shared<GlooCommunicator>(std::move(info), line_store, gloo_device_);
-  else c = make_nccl_communicator(std::move(info), line_store, options_.device_index);
+  else c = make_communicator(options_.backend, std::move(info), line_store, options_.device_index);
   comms_[key] = c;
   return c;
 }

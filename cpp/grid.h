@@ -10,6 +10,7 @@
 
 #include "communicator.h"
 #include "placement.h"
+#include "registry.h"
 #include "store.h"
 
 namespace gloo::transport {
@@ -17,8 +18,6 @@ class Device;
 }
 
 namespace gridweave {
-
-enum class Backend : int { Gloo = 0, Nccl = 1 };
 
 struct GridOptions {
   std::vector<Axis> axes;  // naive order
@@ -60,9 +59,5 @@ class Grid {
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<Communicator>> comms_;
 };
-
-// Made by cuda/ when built with NCCL; otherwise throws a clear GridError.
-std::shared_ptr<Communicator> make_nccl_communicator(CommInfo info, std::shared_ptr<Store> store, int device_index);
-bool nccl_available();
 
 }  // namespace gridweave

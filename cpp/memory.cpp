@@ -4,12 +4,7 @@
 #include <cstring>
 
 #include "error.h"
-
-#ifdef GRIDWEAVE_WITH_NCCL
-#include <cuda_runtime.h>
-
-#include "stream.h"
-#endif
+#include "registry.h"
 
 namespace gridweave {
 
@@ -24,26 +19,29 @@ class HostMemory : public DeviceMemory {
   ~HostMemory() override { std::free(ptr_); }
 };
 
-#ifdef GRIDWEAVE_WITH_NCCL
-class CudaMemory : public DeviceMemory {
+// Memory of a device whose allocator an extension registered (cuda/ registers CUDA).
+class RegisteredMemory : public DeviceMemory {
  public:
-  explicit CudaMemory(std::size_t bytes) {
-    check_cuda(cudaMalloc(&ptr_, bytes ? bytes : 1), "cudaMalloc");
-    check_cuda(cudaMemset(ptr_, 0, bytes ? bytes : 1), "cudaMemset");
+  RegisteredMemory(const DeviceAllocator& a, std::size_t bytes) : allocator_(a) {
+    ptr_ = a.allocate(bytes ? bytes : 1);
     bytes_ = bytes;
   }
-  ~CudaMemory() override { cudaFree(ptr_); }
+  ~RegisteredMemory() override { allocator_.release(ptr_); }
+
+ private:
+  const DeviceAllocator& allocator_;
 };
-#endif
+
+const DeviceAllocator& need(Device device, const char* what) {
+  const DeviceAllocator* a = allocator_for(device);
+  GW_CHECK(a != nullptr, what << " on a CUDA device requested but gridweave was built without CUDA");
+  return *a;
+}
 }  // namespace
 
 std::unique_ptr<DeviceMemory> allocate(Device device, std::size_t bytes) {
   if (device == Device::CPU) return std::make_unique<HostMemory>(bytes);
-#ifdef GRIDWEAVE_WITH_NCCL
-  return std::make_unique<CudaMemory>(bytes);
-#else
-  GW_CHECK(false, "device memory requested but gridweave was built without CUDA");
-#endif
+  return std::make_unique<RegisteredMemory>(need(device, "memory"), bytes);
 }
 
 void copy_bytes(void* dst, const void* src, std::size_t bytes, Device device) {
@@ -51,11 +49,7 @@ void copy_bytes(void* dst, const void* src, std::size_t bytes, Device device) {
     std::memcpy(dst, src, bytes);
     return;
   }
-#ifdef GRIDWEAVE_WITH_NCCL
-  check_cuda(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault), "cudaMemcpy");
-#else
-  GW_CHECK(false, "device copy requested but gridweave was built without CUDA");
-#endif
+  need(device, "a copy").copy(dst, src, bytes);
 }
 
 }  // namespace gridweave

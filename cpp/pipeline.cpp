@@ -122,7 +122,9 @@ PipelineStats run_message_driven(Communicator& pp, const PipelineConfig& cfg, co
   // Gloo: one receive-from-any on both neighbours, double-buffered. Transports without
   // receive-from-any (NCCL): one receive posted per neighbour (each on its own stream
   // there), polled by events; whichever completes first is processed and re-posted.
-  const bool any = std::string(pp.backend()) == "gloo";
+  GW_CHECK(cfg.receive != ReceiveStrategy::Any || pp.can_recv_any(),
+           "the " << pp.backend() << " transport cannot receive from any peer; use the per-peer strategy");
+  const bool any = cfg.receive == ReceiveStrategy::Any || (cfg.receive == ReceiveStrategy::Auto && pp.can_recv_any());
   std::vector<StageMessage> bufs;
   for (std::size_t k = 0; k < (any ? 2 : 2 * peers.size()); ++k) bufs.emplace_back(cfg.payload_bytes, pp.device());
   std::vector<std::shared_ptr<Work>> posted(any ? 1 : peers.size());

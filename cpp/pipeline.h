@@ -20,12 +20,20 @@ namespace gridweave {
 using StageForward = std::function<const void*(int microbatch, const void* input)>;
 using StageBackward = std::function<const void*(int microbatch, const void* grad)>;
 
+enum class PipelineSchedule : int { MessageDriven = 0, OneFOneB = 1 };
+
+// How a stage waits for its neighbours' messages: one receive-from-any over both (needs
+// Communicator::can_recv_any), or one receive posted per neighbour, polled. Auto picks
+// receive-from-any where the transport can.
+enum class ReceiveStrategy : int { Auto = 0, Any = 1, PerPeer = 2 };
+
 struct PipelineConfig {
   int stage = 0;
   int stages = 1;
   int microbatches = 1;
   int pipeline_limit = 1;  // microbatches in flight (AxoNN Algorithm 2)
   std::size_t payload_bytes = 0;
+  ReceiveStrategy receive = ReceiveStrategy::Auto;
 };
 
 // Per-run counters: messages handled, and the seconds spent inside callbacks vs waiting.

@@ -9,12 +9,10 @@
 #include "pipeline.h"
 #include <pybind11/functional.h>
 
-#ifdef GRIDWEAVE_WITH_NCCL
-#include "lse_merge.h"
-#endif
 #include "error.h"
 #include "grid.h"
 #include "placement.h"
+#include "registry.h"
 #include "store.h"
 
 namespace py = pybind11;
@@ -59,14 +57,13 @@ class PyStore : public Store {
   }
 };
 
-BufferView make_view(std::uintptr_t ptr, std::size_t count, int dtype, int device, int device_index,
+BufferView make_view(std::uintptr_t ptr, std::size_t count, DType dtype, Device device, int device_index,
                      std::uintptr_t stream) {
-  GW_CHECK(dtype >= 0 && dtype <= static_cast<int>(DType::Int64), "unknown dtype code " << dtype);
   BufferView v;
   v.ptr = reinterpret_cast<void*>(ptr);
   v.count = count;
-  v.dtype = static_cast<DType>(dtype);
-  v.device = static_cast<Device>(device);
+  v.dtype = dtype;
+  v.device = device;
   v.device_index = device_index;
   v.stream = reinterpret_cast<void*>(stream);
   return v;
@@ -113,27 +110,43 @@ PYBIND11_MODULE(_C, m) {
     }
   });
 
-  m.attr("nccl_available") = nccl_available();
+  // The typed enums that cross the boundary: one definition each (cpp/dtype.h, cube.h, pipeline.h).
+  py::enum_<DType>(m, "DType")
+      .value("Float32", DType::Float32)
+      .value("Float64", DType::Float64)
+      .value("Float16", DType::Float16)
+      .value("BFloat16", DType::BFloat16)
+      .value("Int32", DType::Int32)
+      .value("Int64", DType::Int64);
+  py::enum_<Device>(m, "Device").value("CPU", Device::CPU).value("CUDA", Device::CUDA);
+  py::enum_<ReduceOp>(m, "ReduceOp").value("Sum", ReduceOp::Sum).value("Max", ReduceOp::Max).value("Min", ReduceOp::Min);
+  py::enum_<CubeForm>(m, "CubeForm").value("AB", CubeForm::AB).value("ABt", CubeForm::ABt).value("AtB", CubeForm::AtB);
+  py::enum_<PipelineSchedule>(m, "PipelineSchedule")
+      .value("MessageDriven", PipelineSchedule::MessageDriven)
+      .value("OneFOneB", PipelineSchedule::OneFOneB);
+  py::enum_<ReceiveStrategy>(m, "ReceiveStrategy")
+      .value("Auto", ReceiveStrategy::Auto)
+      .value("Any", ReceiveStrategy::Any)
+      .value("PerPeer", ReceiveStrategy::PerPeer);
 
-#ifdef GRIDWEAVE_WITH_NCCL
+  // What extensions registered while the module loaded (cuda/register.cu when built).
+  m.attr("nccl_available") = transport_available(Backend::Nccl);
+  m.attr("cuda_kernels") = lse_merge_kernel() != nullptr;
   // The ring-attention merge kernel (cuda/lse_merge.cu) on device pointers.
-  m.attr("cuda_kernels") = true;
   m.def("lse_merge", [](std::uintptr_t out, std::uintptr_t lse, std::uintptr_t blk, std::uintptr_t blk_lse,
-                        long long rows, long long dim, int dtype, std::uintptr_t stream) {
-    lse_merge(reinterpret_cast<void*>(out), reinterpret_cast<void*>(lse), reinterpret_cast<const void*>(blk),
-              reinterpret_cast<const void*>(blk_lse), rows, dim, static_cast<DType>(dtype),
-              reinterpret_cast<cudaStream_t>(stream));
+                        long long rows, long long dim, DType dtype, std::uintptr_t stream) {
+    const LseMergeKernel* k = lse_merge_kernel();
+    GW_CHECK(k != nullptr, "lse_merge: gridweave was built without its CUDA kernels");
+    (*k)(reinterpret_cast<void*>(out), reinterpret_cast<void*>(lse), reinterpret_cast<const void*>(blk),
+         reinterpret_cast<const void*>(blk_lse), rows, dim, dtype, reinterpret_cast<void*>(stream));
   });
-#else
-  m.attr("cuda_kernels") = false;
-#endif
 
   py::class_<Store, PyStore, std::shared_ptr<Store>>(m, "Store").def(py::init<>());
   m.def("file_store", &make_file_store, py::arg("path"));
   m.def("prefix_store", &make_prefix_store, py::arg("prefix"), py::arg("store"));
 
   py::class_<BufferView>(m, "BufferView")
-      .def(py::init(&make_view), py::arg("ptr"), py::arg("count"), py::arg("dtype"), py::arg("device") = 0,
+      .def(py::init(&make_view), py::arg("ptr"), py::arg("count"), py::arg("dtype"), py::arg("device") = Device::CPU,
            py::arg("device_index") = -1, py::arg("stream") = 0)
       .def_property_readonly("nbytes", &BufferView::nbytes)
       .def_readonly("count", &BufferView::count);
@@ -149,25 +162,22 @@ PYBIND11_MODULE(_C, m) {
 
   using C = Communicator;
   using V = const BufferView&;
-  auto rop = [](int op) {
-    GW_CHECK(op >= 0 && op <= 2, "unknown reduce op code " << op);
-    return static_cast<ReduceOp>(op);
-  };
   py::class_<C, std::shared_ptr<C>>(m, "Communicator")
       .def_property_readonly("rank", &C::rank)
       .def_property_readonly("size", &C::size)
       .def_property_readonly("members", [](const C& c) { return c.info().members; })
       .def_property_readonly("axis", [](const C& c) { return c.info().axis; })
       .def_property_readonly("backend", &C::backend)
+      .def_property_readonly("can_recv_any", &C::can_recv_any)
       .def("all_gather", [](C& c, V i, V o, bool a) { py::gil_scoped_release g; return c.all_gather(i, o, a); },
            py::arg("input"), py::arg("output"), py::arg("async_op") = true)
-      .def("reduce_scatter", [rop](C& c, V i, V o, int op, bool a) { auto r = rop(op); py::gil_scoped_release g; return c.reduce_scatter(i, o, r, a); },
+      .def("reduce_scatter", [](C& c, V i, V o, ReduceOp r, bool a) { py::gil_scoped_release g; return c.reduce_scatter(i, o, r, a); },
            py::arg("input"), py::arg("output"), py::arg("op"), py::arg("async_op") = true)
-      .def("all_reduce", [rop](C& c, V b, int op, bool a) { auto r = rop(op); py::gil_scoped_release g; return c.all_reduce(b, r, a); },
+      .def("all_reduce", [](C& c, V b, ReduceOp r, bool a) { py::gil_scoped_release g; return c.all_reduce(b, r, a); },
            py::arg("buffer"), py::arg("op"), py::arg("async_op") = true)
       .def("broadcast", [](C& c, V b, int root, bool a) { py::gil_scoped_release g; return c.broadcast(b, root, a); },
            py::arg("buffer"), py::arg("root"), py::arg("async_op") = true)
-      .def("reduce", [rop](C& c, V b, int op, int root, bool a) { auto r = rop(op); py::gil_scoped_release g; return c.reduce(b, r, root, a); },
+      .def("reduce", [](C& c, V b, ReduceOp r, int root, bool a) { py::gil_scoped_release g; return c.reduce(b, r, root, a); },
            py::arg("buffer"), py::arg("op"), py::arg("root"), py::arg("async_op") = true)
       .def("scatter", [](C& c, V i, V o, int root, bool a) { py::gil_scoped_release g; return c.scatter(i, o, root, a); },
            py::arg("input"), py::arg("output"), py::arg("root"), py::arg("async_op") = true)
@@ -217,13 +227,11 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("messages", &PipelineStats::messages)
       .def_readonly("compute_s", &PipelineStats::compute_s)
       .def_readonly("wait_s", &PipelineStats::wait_s);
-  m.def("run_pipeline", [](std::shared_ptr<Communicator> pp, const std::string& schedule, int stage, int stages,
+  m.def("run_pipeline", [](std::shared_ptr<Communicator> pp, PipelineSchedule schedule, int stage, int stages,
                            int microbatches, int pipeline_limit, std::size_t payload_bytes,
                            std::function<std::uintptr_t(int, std::uintptr_t)> fwd,
-                           std::function<std::uintptr_t(int, std::uintptr_t)> bwd) {
-    GW_CHECK(schedule == "message_driven" || schedule == "1f1b",
-             "schedule must be 'message_driven' or '1f1b', got '" << schedule << "'");
-    PipelineConfig cfg{stage, stages, microbatches, pipeline_limit, payload_bytes};
+                           std::function<std::uintptr_t(int, std::uintptr_t)> bwd, ReceiveStrategy receive) {
+    PipelineConfig cfg{stage, stages, microbatches, pipeline_limit, payload_bytes, receive};
     StageForward f = [&fwd](int mb, const void* x) {
       return reinterpret_cast<const void*>(fwd(mb, reinterpret_cast<std::uintptr_t>(x)));
     };
@@ -231,8 +239,11 @@ PYBIND11_MODULE(_C, m) {
       return reinterpret_cast<const void*>(bwd(mb, reinterpret_cast<std::uintptr_t>(g)));
     };
     py::gil_scoped_release nogil;  // callbacks take the GIL back while they run
-    return schedule == "1f1b" ? run_one_f_one_b(*pp, cfg, f, b) : run_message_driven(*pp, cfg, f, b);
-  });
+    return schedule == PipelineSchedule::OneFOneB ? run_one_f_one_b(*pp, cfg, f, b)
+                                                  : run_message_driven(*pp, cfg, f, b);
+  }, py::arg("pp"), py::arg("schedule"), py::arg("stage"), py::arg("stages"), py::arg("microbatches"),
+     py::arg("pipeline_limit"), py::arg("payload_bytes"), py::arg("forward"), py::arg("backward"),
+     py::arg("receive") = ReceiveStrategy::Auto);
 
   // 3-D choreography (seed 000 §3.1): layouts, plans and gradient mappings.
   py::class_<CubeStep>(m, "CubeStep").def_readonly("axis", &CubeStep::axis).def_readonly("dim", &CubeStep::dim);
@@ -243,26 +254,18 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("trans_lhs", &CubePlan::trans_lhs)
       .def_readonly("trans_rhs", &CubePlan::trans_rhs);
   py::class_<CubeGrad>(m, "CubeGrad")
-      .def_property_readonly("form", [](const CubeGrad& g) { return static_cast<int>(g.form); })
+      .def_readonly("form", &CubeGrad::form)
       .def_readonly("a", &CubeGrad::a)
       .def_readonly("c", &CubeGrad::c)
       .def_readonly("lhs", &CubeGrad::lhs)
       .def_readonly("rhs", &CubeGrad::rhs);
-  auto form_of = [](int f) {
-    GW_CHECK(f >= 0 && f <= 2, "cube form must be 0 (AB), 1 (ABt) or 2 (AtB)");
-    return static_cast<CubeForm>(f);
-  };
-  m.def("cube_layout", [form_of](int f, int operand, const std::string& a, const std::string& c) {
-    return cube_layout(form_of(f), operand, a, c);
-  });
+  m.def("cube_layout", &cube_layout, py::arg("form"), py::arg("operand"), py::arg("a"), py::arg("c"));
   m.def("block_range", [](long long n, const std::vector<int>& sizes, const std::vector<int>& coords) {
     Range r = block_range(n, sizes, coords);
     return std::make_pair(r.begin, r.end);
   });
-  m.def("cube_plan", [form_of](int f, const std::string& a, const std::string& c) { return cube_plan(form_of(f), a, c); });
-  m.def("cube_backward", [form_of](int f, const std::string& a, const std::string& c) {
-    return cube_backward(form_of(f), a, c);
-  });
+  m.def("cube_plan", &cube_plan, py::arg("form"), py::arg("a"), py::arg("c"));
+  m.def("cube_backward", &cube_backward, py::arg("form"), py::arg("a"), py::arg("c"));
 
   py::class_<Grid, std::shared_ptr<Grid>>(m, "Grid")
       .def(py::init([](const std::vector<std::pair<std::string, int>>& axes, const std::string& policy, int rpn,

@@ -16,6 +16,7 @@ class NcclCommunicator : public Communicator {
   ~NcclCommunicator() override;
   Device device() const override { return Device::CUDA; }
   const char* backend() const override { return "nccl"; }
+  bool can_recv_any() const override { return false; }
 
  protected:
   std::shared_ptr<Work> run_collective(OpKind op, const BufferView& in, const BufferView& out, ReduceOp rop,

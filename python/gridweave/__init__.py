@@ -2,10 +2,12 @@
 from . import _C  # noqa: F401  (the native engine, gw._C)
 from .errors import CommError, CommTimeout, GridError
 from .grid import Grid, Work, current, init, shutdown
-from .topology import Cube, Row, Square, SubGraph
+from .modes import CSub, Cube, Mode, Row, Sequence, Square, SubGraph
 from .layout import Layout, gather, scatter
+from .sharding import ParamPlacement, clip_grad_norm_, placement_of, reduce_gradients
 from . import autograd, data, models, nn, optim, pipeline  # noqa: E402  (they need the grid module above)
 
-__all__ = ["init", "shutdown", "current", "Grid", "Work", "Row", "Square", "Cube", "SubGraph", "GridError",
+__all__ = ["init", "shutdown", "current", "Grid", "Work", "Mode", "Row", "Square", "Cube", "SubGraph", "CSub",
+           "Sequence", "ParamPlacement", "placement_of", "reduce_gradients", "clip_grad_norm_", "GridError",
            "CommError", "CommTimeout", "Layout", "scatter", "gather", "nn", "autograd", "optim", "pipeline", "models", "data"]
 __version__ = "0.1.0"

@@ -7,15 +7,24 @@ import torch
 from . import _C
 from .errors import GridError
 
-# Codes of gridweave::DType (cpp/dtype.h).
-_TORCH = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3, torch.int32: 4, torch.int64: 5}
-_NUMPY = {np.dtype("float32"): 0, np.dtype("float64"): 1, np.dtype("float16"): 2, np.dtype("int32"): 4,
-          np.dtype("int64"): 5}
-CPU, CUDA = 0, 1
-REDUCE_OPS = {"sum": 0, "max": 1, "min": 2}
+# gridweave::DType, Device and ReduceOp (cpp/dtype.h), as the engine's enums.
+_D = _C.DType
+_TORCH = {torch.float32: _D.Float32, torch.float64: _D.Float64, torch.float16: _D.Float16,
+          torch.bfloat16: _D.BFloat16, torch.int32: _D.Int32, torch.int64: _D.Int64}
+_NUMPY = {np.dtype("float32"): _D.Float32, np.dtype("float64"): _D.Float64, np.dtype("float16"): _D.Float16,
+          np.dtype("int32"): _D.Int32, np.dtype("int64"): _D.Int64}
+CPU, CUDA = _C.Device.CPU, _C.Device.CUDA
+REDUCE_OPS = {"sum": _C.ReduceOp.Sum, "max": _C.ReduceOp.Max, "min": _C.ReduceOp.Min}
 
 
-def reduce_code(op: str) -> int:
+def engine_dtype(dtype):
+    """The engine's DType of a torch dtype."""
+    if dtype not in _TORCH:
+        raise GridError(f"dtype {dtype} is not supported (float32/64, float16, bfloat16, int32/64)")
+    return _TORCH[dtype]
+
+
+def reduce_code(op: str):
     try:
         return REDUCE_OPS[op]
     except KeyError:

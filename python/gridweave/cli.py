@@ -28,6 +28,7 @@ def _train_parser(sub):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--schedule", default="message_driven", choices=["message_driven", "1f1b"])
     p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--max-grad-norm", type=float, default=None, help="clip the global gradient norm")
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--quiet", action="store_true")
     return p
@@ -129,8 +130,26 @@ def main(argv=None) -> int:
                 return subprocess.call(cmd, env=env)
         from . import train
 
-        train.run(args)
+        train.run(train_config(args))
     return 0
+
+
+def train_config(args):
+    """The parsed `train` command line as a gw.train.TrainConfig (the library takes no argparse)."""
+    from dataclasses import fields
+
+    from .train import TrainConfig
+
+    names = {f.name for f in fields(TrainConfig) if f.init}
+    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def parse_train(argv):
+    """`gridweave train` flags -> TrainConfig, for scripts that drive the main job themselves."""
+    ap = argparse.ArgumentParser(prog="gridweave train")
+    sub = ap.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    return train_config(ap.parse_args(["train", *argv]))
 
 
 if __name__ == "__main__":

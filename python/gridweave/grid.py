@@ -17,7 +17,7 @@ import torch
 from . import _C
 from ._buffers import empty_like_shape, reduce_code, view
 from .errors import CommError, GridError
-from .topology import grid_axes
+from .modes import Sequence, grid_axes
 
 AxisArg = "str | Sequence[str] | None"
 
@@ -72,9 +72,13 @@ class Grid:
     """Named axes over the world's ranks. Use gw.init() to make one."""
 
     def __init__(self, axes, *, rank, backend, placement, ranks_per_node, timeout, store, hostname,
-                 device_index=-1):
+                 device_index=-1, tp=None, device=None):
         self.axes = dict(axes)
         self.backend = backend
+        self.tp = tp if tp is not None else Sequence()  # the tensor-parallel mode object
+        # every tensor the library makes for this grid is made here
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", device_index) if device_index >= 0 else torch.device("cpu"))
         self.timeout = float(timeout)
         self.placement_policy = placement
         self._store = store  # the Python side of the native Store must stay alive
@@ -252,6 +256,17 @@ class Grid:
         work = Work(native, self.timeout, (t,), lambda: native.source)
         return work if async_op else work.wait()
 
+    def ring(self, axis: str):
+        """The engine's ring over `axis` (seed 004): neighbours, double-buffered exchanges."""
+        from .autograd.ring import Ring
+
+        return Ring(self, axis)
+
+    def capabilities(self, axis: AxisArg = None) -> dict:
+        """What the transport of `axis` can do (code branches on these, never on a backend name)."""
+        c = self.comm(axis, "capabilities")
+        return {"recv_any": c.can_recv_any}
+
     def barrier(self, axis: AxisArg = None):
         self._run(self.comm(axis, "barrier").barrier(False), False, ())
 
@@ -376,7 +391,7 @@ def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", 
     hostname = os.environ.get("GRIDWEAVE_HOSTNAME") or (
         "127.0.0.1" if (local or world_size) >= world_size else socket.gethostname())
     grid = Grid(axes, rank=rank, backend=backend, placement=placement, ranks_per_node=rpn, timeout=timeout,
-                store=native_store, hostname=hostname, device_index=device_index)
+                store=native_store, hostname=hostname, device_index=device_index, tp=tp)
     grid._torch_store = keep
     _Session.current = grid
     return grid

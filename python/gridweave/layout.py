@@ -64,10 +64,11 @@ def local_slices(shape, layout: Layout, grid) -> tuple:
     return tuple(sl)
 
 
-def zigzag_order(length: int, n: int) -> torch.Tensor:
+def zigzag_order(length: int, n: int, device="cpu") -> torch.Tensor:
     """Global positions in zigzag order: rank r's shard is chunks r and 2n-1-r of 2n."""
     c = length // (2 * n)
-    return torch.cat([torch.cat([torch.arange(r * c, (r + 1) * c), torch.arange((2 * n - 1 - r) * c, (2 * n - r) * c)])
+    return torch.cat([torch.cat([torch.arange(r * c, (r + 1) * c, device=device),
+                                 torch.arange((2 * n - 1 - r) * c, (2 * n - r) * c, device=device)])
                       for r in range(n)])
 
 
@@ -76,7 +77,7 @@ def scatter(full: torch.Tensor, layout: Layout, grid) -> torch.Tensor:
     layout.local_shape(full.shape, grid)  # GridError before anything moves
     if layout.zigzag is not None:
         d = layout.zigzag
-        full = full.index_select(d, zigzag_order(full.shape[d], grid.size(layout.dims[d])))
+        full = full.index_select(d, zigzag_order(full.shape[d], grid.size(layout.dims[d]), full.device))
     local = full[local_slices(full.shape, layout, grid)].contiguous()
     if layout.only is not None and grid.coords[layout.only[0]] != layout.only[1]:
         return local[:0].contiguous()
@@ -99,7 +100,7 @@ def gather(local: torch.Tensor, layout: Layout, grid, shape=None) -> torch.Tenso
             t = grid.all_gather(t, axis=tuple(axes), dim=d)
     if layout.zigzag is not None:
         d = layout.zigzag
-        order = zigzag_order(t.shape[d], grid.size(layout.dims[d]))
+        order = zigzag_order(t.shape[d], grid.size(layout.dims[d]), t.device)
         t = t.index_select(d, torch.argsort(order))
     return t
 
@@ -108,7 +109,7 @@ def assemble(local: torch.Tensor, full_shape, layout: Layout, grid, owner: bool 
     """The full tensor from shards that only `owner` ranks hold (e.g. diagonal storage):
     each owner writes its slice into zeros and a sum over `over` (default: the layout's
     axes) assembles them; every block must have exactly one owner on that sum's lines."""
-    full = torch.zeros(full_shape, dtype=local.dtype)
+    full = torch.zeros(full_shape, dtype=local.dtype, device=local.device)
     if owner:
         full[local_slices(full_shape, layout, grid)] = local.detach()
     axes = tuple(over) if over is not None else tuple(dict.fromkeys(layout.axes()))

@@ -12,10 +12,10 @@ from .nn.dense import DenseTransformerLayer
 class Embedding(nn.Module):
     """Token + learned position embeddings: (batch, seq) ids -> (batch, seq, hidden)."""
 
-    def __init__(self, vocab, hidden, seq, dtype=None):
+    def __init__(self, vocab, hidden, seq, dtype=None, device=None):
         super().__init__()
-        self.tok = nn.Embedding(vocab, hidden, dtype=dtype)
-        self.pos = nn.Embedding(seq, hidden, dtype=dtype)
+        self.tok = nn.Embedding(vocab, hidden, dtype=dtype, device=device)
+        self.pos = nn.Embedding(seq, hidden, dtype=dtype, device=device)
 
     def forward(self, ids):
         return self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
@@ -24,10 +24,10 @@ class Embedding(nn.Module):
 class Head(nn.Module):
     """Final LayerNorm and the vocabulary projection."""
 
-    def __init__(self, vocab, hidden, dtype=None):
+    def __init__(self, vocab, hidden, dtype=None, device=None):
         super().__init__()
-        self.ln = nn.LayerNorm(hidden, dtype=dtype)
-        self.out = nn.Linear(hidden, vocab, bias=False, dtype=dtype)
+        self.ln = nn.LayerNorm(hidden, dtype=dtype, device=device)
+        self.out = nn.Linear(hidden, vocab, bias=False, dtype=dtype, device=device)
 
     def forward(self, x):
         return self.out(self.ln(x))
@@ -36,12 +36,13 @@ class Head(nn.Module):
 class GPT(nn.Module):
     """A GPT: embedding, `layers` pre-LN causal transformer layers, head."""
 
-    def __init__(self, vocab=256, hidden=64, heads=4, layers=4, seq=32, dtype=None):
+    def __init__(self, vocab=256, hidden=64, heads=4, layers=4, seq=32, dtype=None, device=None):
         super().__init__()
         self.vocab, self.seq = vocab, seq
-        self.embed = Embedding(vocab, hidden, seq, dtype)
-        self.layers = nn.ModuleList(DenseTransformerLayer(hidden, heads, dtype=dtype) for _ in range(layers))
-        self.head = Head(vocab, hidden, dtype)
+        self.embed = Embedding(vocab, hidden, seq, dtype, device)
+        self.layers = nn.ModuleList(DenseTransformerLayer(hidden, heads, dtype=dtype, device=device)
+                                    for _ in range(layers))
+        self.head = Head(vocab, hidden, dtype, device)
 
     def forward(self, ids):
         x = self.embed(ids)
@@ -70,23 +71,12 @@ class GPT(nn.Module):
 
 # ---- the GPT on a grid: embedding and head replicated, transformer layers in a tp mode ----
 
-TP_MODES = {"none": "sp", "row": "1d", "square": "2d", "cube": "3d", "subgraph": "dsp", "csub": "csub"}
-
 
 def parse_tp(spec: str):
-    """--tp none | row:N | square:Q | cube:P | subgraph:G | csub:G -> (layer mode, gw.init tp)."""
-    from . import topology
+    """--tp none | row:N | square:Q | cube:P | subgraph:G | csub:G -> the mode object."""
+    from .modes import parse
 
-    spec = (spec or "none").lower()
-    if spec == "none":
-        return "sp", None
-    kind, _, n = spec.partition(":")
-    if kind not in TP_MODES or not n.isdigit() or int(n) < 1:
-        raise GridError(f"--tp must be none, row:N, square:Q, cube:P, subgraph:G or csub:G; got {spec!r}")
-    n = int(n)
-    tp = {"row": topology.Row, "square": topology.Square, "cube": topology.Cube, "subgraph": topology.SubGraph,
-          "csub": topology.SubGraph}[kind](n)
-    return TP_MODES[kind], tp
+    return parse(spec)
 
 
 def _without_dp(layout):
@@ -133,23 +123,31 @@ class _FromLayout(torch.autograd.Function):
 
 class GPTStage(nn.Module):
     """One pipeline stage of a GPT on a grid: the embedding (first stage) and the head (last
-    stage) are replicated; the transformer layers are gw.nn.TransformerLayer in `mode`.
-    Gradients: reduce_gradients() sums the layers' gradients over "sp" (and the common
-    ones over "sg"); the data-parallel average is the optimizer's (OffloadAdam)."""
+    stage) are replicated (computed on the whole data-parallel shard by every tensor and
+    sequence rank, so their gradients are partial over "dp" only); the transformer layers
+    are gw.nn.TransformerLayer in `mode` (a mode object, a layer-mode name, or None for the
+    grid's own). Gradients follow the parameters' placements (gw.reduce_gradients)."""
 
-    def __init__(self, gpt: GPT, grid, mode: str, stage: int, stages: int):
+    def __init__(self, gpt: GPT, grid, mode, stage: int, stages: int):
         super().__init__()
+        from .modes import resolve
         from .nn.transformer import TransformerLayer
+        from .sharding import place
 
         n = len(gpt.layers)
         if n % stages:
             raise GridError(f"{n} layers do not split over {stages} pipeline stages")
         k = n // stages
-        self.grid, self.mode, self.stage, self.stages = grid, mode, stage, stages
+        self.mode = resolve(mode, grid)
+        self.grid, self.stage, self.stages = grid, stage, stages
         self.first = range(stage * k, (stage + 1) * k)
-        self.embed = gpt.embed if stage == 0 else None
-        self.head = gpt.head if stage == stages - 1 else None
-        self.layers = nn.ModuleList(TransformerLayer.from_dense(gpt.layers[i], grid, mode=mode) for i in self.first)
+        self.embed = gpt.embed.to(grid.device) if stage == 0 else None
+        self.head = gpt.head.to(grid.device) if stage == stages - 1 else None
+        for mod in (self.embed, self.head):
+            for p in (mod.parameters() if mod is not None else ()):
+                place(p, partial=("dp",))
+        self.layers = nn.ModuleList(TransformerLayer.from_dense(gpt.layers[i], grid, mode=self.mode)
+                                    for i in self.first)
         self.layout = _without_dp(self.layers[0].input_layout)
         self.hidden = gpt.head.ln.normalized_shape[0]
 
@@ -181,20 +179,10 @@ class GPTStage(nn.Module):
                 k *= self.grid.axes[a]
             sizes.append(x.shape[d] * k)
         if self.layout.only is not None:  # cSub: sub-grid 0 knows the batch; tell the others
-            t = torch.tensor(sizes, dtype=torch.int64)
+            t = torch.tensor(sizes, dtype=torch.int64, device=self.grid.device)
             self.grid.broadcast(t, axis=self.layout.only[0], src=self.layout.only[1])
-            sizes = [int(v) for v in t]
+            sizes = [int(v) for v in t.tolist()]
         return tuple(sizes)
-
-    def reduce_gradients(self):
-        from .nn.subgraph import reduce_gradients_of
-
-        layer_params = [p for layer in self.layers for p in layer.parameters()]
-        if self.grid.axes.get("sp", 1) > 1:
-            reduce_gradients_of(layer_params, self.grid, ("sp",))
-        if self.mode in ("dsp", "csub") and self.grid.axes.get("sg", 1) > 1:
-            branch = {id(p) for layer in self.layers for p in layer.attn.branch_parameters()}
-            reduce_gradients_of([p for p in layer_params if id(p) not in branch], self.grid, ("sg",))
 
     def dense_state(self, pick=False) -> dict:
         """This stage's tensors under the dense GPT's names (collective over the tp group)."""
@@ -220,8 +208,9 @@ class GPTStage(nn.Module):
                         p.copy_(state[f"{name}.{k}"])
             for i, layer in zip(self.first, self.layers):
                 prefix = f"layers.{i}."
+                w = next(layer.parameters())
                 d = DenseTransformerLayer(layer.hidden, layer.heads, layer.ffn_hidden, bias=layer.bias,
-                                          causal=layer.causal, dtype=next(layer.parameters()).dtype)
+                                          causal=layer.causal, dtype=w.dtype, device=w.device)
                 d.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
                 layer.load_dense(d)
 

@@ -1,4 +1,4 @@
-"""Seed 001 §V: the bucketed, offloaded mixed-precision optimizer, and the data-parallel
+"""Seed 001 §V: the bucketed, offloaded mixed-precision optimizer, and the gradient
 all-reduce in chunks of k x bsize overlapped with it."""
 from __future__ import annotations
 
@@ -7,31 +7,57 @@ import math
 import torch
 
 from .errors import GridError
+from .sharding import grad_norm_of, placement_of
 
 
 class OffloadAdam:
     """AdamW with fp32 master weights and Adam states in host memory, updated `bsize`
     elements at a time; the model keeps its own (fp16/bf16/fp32) weights and gradients.
 
-    step() first all-reduces the gradients over `dp_axis` (averaged) in chunks of
-    k x bsize: each chunk's all-reduce is started asynchronously, and while the next one
-    travels the optimizer updates the buckets of the chunk that has arrived.
+    With a grid, step() first sums every gradient over its placement's partial axes
+    (gw.reduce_gradients' rule), in chunks of k x bsize: each chunk's all-reduce is started
+    asynchronously, and while the next one travels the optimizer updates the buckets of the
+    chunk that has arrived. Gradients are divided by the data-parallel size before that sum
+    (average_dp, the convention of torch DDP and Megatron: each rank's loss is the mean over
+    its own shard), so half-precision sums do not overflow. With max_grad_norm, the global
+    norm (every element once) is taken after the sum and the update is scaled as
+    torch.nn.utils.clip_grad_norm_ would; the reduction then finishes before any update.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, bsize=1 << 20,
-                 grid=None, dp_axis="dp", coarsening=4):
+                 grid=None, coarsening=4, average_dp=True, max_grad_norm=None):
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise GridError("OffloadAdam got no parameters")
         if bsize < 1 or coarsening < 1:
             raise GridError("bsize and coarsening must be >= 1")
-        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
-        self.bsize, self.k, self.grid, self.dp_axis = int(bsize), int(coarsening), grid, dp_axis
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise GridError(f"max_grad_norm must be positive, got {max_grad_norm!r}")
+        self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
+        self.bsize, self.k, self.grid = int(bsize), int(coarsening), grid
+        self.average_dp, self.max_grad_norm = average_dp, max_grad_norm
         self.numel = sum(p.numel() for p in self.params)
+        # The flat buffers hold the parameters grouped by the axes their gradients are
+        # summed over, so that each chunk's all-reduce has one set of axes.
+        axes_of = [placement_of(p).reduce_axes(grid) if grid is not None else () for p in self.params]
+        groups = list(dict.fromkeys(axes_of))
+        self._order = sorted(range(len(self.params)), key=lambda i: groups.index(axes_of[i]))
+        self._offset, off = {}, 0
+        self._chunks = []  # (lo, hi, axes): the all-reduces of step()
+        for axes in groups:
+            lo = off
+            for i in self._order:
+                if axes_of[i] == axes:
+                    self._offset[i] = off
+                    off += self.params[i].numel()
+            step = self.k * self.bsize
+            self._chunks += [(a, min(a + step, off), axes) for a in range(lo, off, step)]
         host = torch.device("cpu")
         pin = torch.cuda.is_available()
-        flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in self.params])
-        self.master = flat.to(host).pin_memory() if pin else flat.to(host).clone()
+        flat = torch.empty(self.numel, dtype=torch.float32, device=host)
+        for i, p in enumerate(self.params):
+            flat[self._offset[i]:self._offset[i] + p.numel()] = p.detach().reshape(-1).to(host, torch.float32)
+        self.master = flat.pin_memory() if pin else flat
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.step_count = 0
@@ -53,35 +79,58 @@ class OffloadAdam:
             p.grad = None
 
     def _flat_grads(self):
-        grads = []
-        for p in self.params:
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
-            grads.append(g.reshape(-1))
-        return torch.cat(grads).contiguous()
+        grads = [None] * len(self.params)
+        for i in self._order:
+            p = self.params[i]
+            grads[i] = (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+        return torch.cat([grads[i] for i in self._order]).contiguous()
+
+    def _dp_scale(self) -> float:
+        g = self.grid
+        return 1.0 / g.axes["dp"] if self.average_dp and g is not None and g.axes.get("dp", 1) > 1 else 1.0
 
     def step(self):
         self.step_count += 1
         grads = self._flat_grads()
-        chunk = self.k * self.bsize
-        dp = self.grid is not None and self.dp_axis in self.grid.axes and self.grid.axes[self.dp_axis] > 1
-        scale = 1.0 / self.grid.axes[self.dp_axis] if dp else 1.0
-        starts = list(range(0, self.numel, chunk))
+        scale = self._dp_scale()
+        if scale != 1.0:
+            grads.mul_(scale)  # pre-divided: the sum over dp is then the mean
+        chunks = [c for c in self._chunks]
         work = {}
 
         def launch(i):
-            if dp and i < len(starts):
-                lo = starts[i]
-                work[i] = self.grid.all_reduce(grads[lo:lo + chunk], axis=self.dp_axis, async_op=True)
+            if i < len(chunks) and chunks[i][2]:
+                lo, hi, axes = chunks[i]
+                work[i] = self.grid.all_reduce(grads[lo:hi], axis=axes, async_op=True)
 
-        launch(0)
-        for i, lo in enumerate(starts):
-            launch(i + 1)  # the next chunk travels while this one is optimized
+        coef = 1.0
+        if self.max_grad_norm is not None:  # the norm needs every sum first
+            for i in range(len(chunks)):
+                launch(i)
+            for w in work.values():
+                w.wait()
+            work.clear()
+            coef = self._clip_coefficient(grads)
+        else:
+            launch(0)
+        for i, (lo, hi, _) in enumerate(chunks):
+            if self.max_grad_norm is None:
+                launch(i + 1)  # the next chunk travels while this one is optimized
             if i in work:
                 work.pop(i).wait()
-            hi = min(lo + chunk, self.numel)
             for b in range(lo, hi, self.bsize):
-                self._bucket(grads, b, min(b + self.bsize, hi), scale)
+                self._bucket(grads, b, min(b + self.bsize, hi), coef)
         self._write_back()
+
+    def _clip_coefficient(self, grads) -> float:
+        pieces = [(grads[self._offset[i]:self._offset[i] + p.numel()], placement_of(p))
+                  for i, p in enumerate(self.params)]
+        if self.grid is None:
+            total = float(torch.linalg.vector_norm(grads.double()))
+        else:
+            total = float(grad_norm_of(pieces, self.grid))
+        self.last_grad_norm = total
+        return min(1.0, self.max_grad_norm / (total + 1e-6))
 
     def _bucket(self, grads, lo, hi, scale):
         n = hi - lo
@@ -105,9 +154,55 @@ class OffloadAdam:
         self.exp_avg_sq[lo:hi].copy_(v)
 
     def _write_back(self):
-        off = 0
         with torch.no_grad():
-            for p in self.params:
-                n = p.numel()
-                p.copy_(self.master[off:off + n].view_as(p).to(p.dtype))
-                off += n
+            for i, p in enumerate(self.params):
+                o = self._offset[i]
+                p.copy_(self.master[o:o + p.numel()].view_as(p).to(p.device, p.dtype))
+
+    # ---- the torch.optim.Optimizer protocol -------------------------------------------
+    STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+    def _view(self, kind: str, i: int) -> torch.Tensor:
+        p, o = self.params[i], self._offset[i]
+        return getattr(self, kind)[o:o + p.numel()].view(p.shape)
+
+    def state_dict(self) -> dict:
+        """{"state": {index: {"step", "master", "exp_avg", "exp_avg_sq"}}, "param_groups": [...]},
+        indices in the order the parameters were given; the tensors are views of the host
+        buffers (fp32), as torch optimizers return references to their state."""
+        step = torch.tensor(float(self.step_count), device="cpu")
+        state = {i: {"step": step, **{k: self._view(k, i) for k in self.STATE_KEYS}} for i in range(len(self.params))}
+        group = {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay,
+                 "bsize": self.bsize, "coarsening": self.k, "max_grad_norm": self.max_grad_norm,
+                 "params": list(range(len(self.params)))}
+        return {"state": state, "param_groups": [group]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Copy a state_dict's tensors into the host buffers and take its hyperparameters;
+        every entry is checked before anything is written."""
+        state, groups = state_dict.get("state"), state_dict.get("param_groups")
+        if not isinstance(state, dict) or not isinstance(groups, list) or len(groups) != 1:
+            raise GridError("OffloadAdam.load_state_dict: expected {'state': {...}, 'param_groups': [one group]}")
+        if len(groups[0].get("params", ())) != len(self.params):
+            raise GridError(f"OffloadAdam.load_state_dict: the state has {len(groups[0].get('params', ()))} "
+                            f"parameters, this optimizer {len(self.params)}")
+        steps = set()
+        for i, p in enumerate(self.params):
+            s = state.get(i, state.get(str(i)))
+            if s is None or any(k not in s for k in self.STATE_KEYS):
+                raise GridError(f"OffloadAdam.load_state_dict: parameter {i} lacks {list(self.STATE_KEYS)}")
+            for k in self.STATE_KEYS:
+                if tuple(s[k].shape) != tuple(p.shape):
+                    raise GridError(f"OffloadAdam.load_state_dict: {k} of parameter {i} has shape "
+                                    f"{tuple(s[k].shape)}, the parameter {tuple(p.shape)}")
+            steps.add(int(float(s["step"])))
+        if len(steps) > 1:
+            raise GridError(f"OffloadAdam.load_state_dict: parameters at different steps {sorted(steps)}")
+        with torch.no_grad():
+            for i in range(len(self.params)):
+                s = state.get(i, state.get(str(i)))
+                for k in self.STATE_KEYS:
+                    self._view(k, i).copy_(s[k])
+        g = groups[0]
+        self.lr, self.betas, self.eps, self.weight_decay = g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"]
+        self.step_count = steps.pop() if steps else 0

@@ -59,45 +59,56 @@ def _run(layers, x):
 
 
 class _DeviceBytes:
-    """Device memory the engine owns, seen through __cuda_array_interface__."""
+    """Device memory the engine owns, seen through __cuda_array_interface__ as raw bytes
+    (every dtype, bf16 included, is then a view of them)."""
 
-    def __init__(self, addr, shape, dtype):
-        typestr = {torch.float32: "<f4", torch.float64: "<f8", torch.float16: "<f2"}.get(dtype)
-        if typestr is None:
-            raise GridError(f"pipeline activations of dtype {dtype} are not supported on CUDA")
-        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": typestr, "data": (addr, True),
+    def __init__(self, addr, nbytes):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, True),
                                          "version": 3, "strides": None}
 
 
 def _tensor_at(addr: int, shape, dtype, device) -> torch.Tensor:
     """A copy of the message bytes the engine received at `addr` (on `device`)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    nbytes = t.numel() * t.element_size()
     if device.type == "cuda":
-        return torch.as_tensor(_DeviceBytes(addr, shape, dtype), device=device).clone()
-    t = torch.empty(shape, dtype=dtype)
-    ctypes.memmove(t.data_ptr(), addr, t.numel() * t.element_size())
+        t.view(-1).view(torch.uint8).copy_(torch.as_tensor(_DeviceBytes(addr, nbytes), device=device))
+    else:
+        ctypes.memmove(t.data_ptr(), addr, nbytes)
     return t
 
 
+SCHEDULES = {"message_driven": _C.PipelineSchedule.MessageDriven, "1f1b": _C.PipelineSchedule.OneFOneB}
+RECEIVE = {"auto": _C.ReceiveStrategy.Auto, "any": _C.ReceiveStrategy.Any, "per_peer": _C.ReceiveStrategy.PerPeer}
+
+
 def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_shape, dtype=torch.float32,
-                  schedule="message_driven", pipeline_limit=2, axis="pp"):
+                  schedule="message_driven", pipeline_limit=2, axis="pp", receive="auto"):
     """Forward and backward of every microbatch of this rank's batch shard.
 
     inputs: the microbatches (used on stage 0); targets: theirs (used on the last stage);
     loss_fn(output, target) -> scalar mean loss of one microbatch; activation_shape: the
-    shape of what crosses a stage boundary. Returns (loss, stats): the mean microbatch loss
-    on the last stage (None elsewhere) and the engine's PipelineStats.
+    shape of what crosses a stage boundary. schedule: "message_driven" (AxoNN) or "1f1b";
+    receive: "auto" (receive-from-any where the transport can), "any" or "per_peer" (one
+    receive per neighbour: what NCCL needs). Returns (loss, stats): the mean microbatch
+    loss on the last stage (None elsewhere) and the engine's PipelineStats.
     """
+    if schedule not in SCHEDULES:
+        raise GridError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+    if receive not in RECEIVE:
+        raise GridError(f"receive must be one of {sorted(RECEIVE)}, got {receive!r}")
     pp = grid.comm(axis, "pipeline")
+    if receive == "any" and not pp.can_recv_any:
+        raise GridError(f"receive='any': the {pp.backend} transport cannot receive from any peer; use 'per_peer'")
     s, n_stages = pp.rank, pp.size
     m = len(inputs) if s == 0 else len(targets) if s == n_stages - 1 else None
-    counts = torch.tensor([float(m if m is not None else -1)], dtype=torch.float64)
+    counts = torch.tensor([float(m if m is not None else -1)], dtype=torch.float64, device=grid.device)
     grid.all_reduce(counts, axis=axis, op="max")  # every stage learns the microbatch count
     m = int(counts.item())
     if m < 1:
         raise GridError("pipeline_step needs at least one microbatch")
-    elem = torch.empty((), dtype=dtype).element_size()
-    params = list(stage.parameters())
-    device = params[0].device if params else torch.device("cpu")
+    elem = dtype.itemsize
+    device = grid.device
     payload = math.prod(activation_shape) * elem
     ctx, keep, losses = {}, {}, []
 
@@ -128,6 +139,7 @@ def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_s
         keep[mb] = g  # alive until the engine has copied it into its message
         return g.data_ptr()
 
-    stats = _C.run_pipeline(pp, schedule, s, n_stages, m, pipeline_limit, payload, forward, backward)
+    stats = _C.run_pipeline(pp, SCHEDULES[schedule], s, n_stages, m, pipeline_limit, payload, forward, backward,
+                            RECEIVE[receive])
     loss = torch.stack(losses).sum() if losses else None
     return loss, stats

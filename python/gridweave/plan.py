@@ -3,10 +3,11 @@
 Collectives are alpha-beta costed (ring, halving-doubling, pairwise, tree) over the links a
 grid line actually uses under the engine's placement (cpp/placement.h): a line inside a node
 uses the intra-node link; a line across nodes shares each node's network link with the
-other lines leaving that node. Per-layer traffic follows the papers' algorithms (seed 003
-1-D, SUMMA 2-D, seed 000 3-D, seed 004 ring, seed 002 split/join, seed 001 pipeline);
-compute follows seed 001 eq. (3); memory the mixed-precision 20 phi (or AxoNN's
-4 phi + 16 bsize) and the activations per layer.
+other lines leaving that node. A layer's collectives, GEMM calls and parameters are
+recorded from the mode's own TransformerLayer run on meta tensors (modes/schedule.py), so
+they are exactly what autograd executes (seed 003 1-D, SUMMA 2-D, seed 000 3-D, seed 004
+ring, seed 002 split/join); the pipeline follows seed 001; compute follows seed 001 eq. (3);
+memory the mixed-precision 20 phi (or AxoNN's 4 phi + 16 bsize) and the activations per layer.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from pathlib import Path
 
 from . import _C
 from .errors import GridError
+from .modes import Mode, Sequence, grid_axes, known
+from .modes.schedule import collectives_at, layer_schedule
 
 PRESETS = Path(__file__).parent / "clusters"
 
@@ -108,30 +111,32 @@ def transformer_flops(model: Model, recompute: bool = False) -> float:
 
 # ---- a grid ------------------------------------------------------------------------------
 
-TP_KINDS = ("none", "row", "square", "cube", "subgraph")
-
 
 @dataclass(frozen=True)
-class Grid:
+class GridShape:
+    """A candidate grid: degrees, the tensor mode object, and the placement policy."""
     dp: int = 1
     pp: int = 1
-    tp: str = "none"  # none | row | square | cube | subgraph
-    tp_size: int = 1  # N (row), q (square), p (cube), g (subgraph)
+    tp: Mode = Sequence()
     sp: int = 1
     placement: str = "topology"
 
+    def __post_init__(self):
+        if not isinstance(self.tp, Mode):
+            raise GridError(f"tp must be a mode object (gw.Row(n), gw.Cube(p), ...), got {self.tp!r}")
+        for name in ("dp", "pp", "sp"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise GridError(f"{name} must be a positive integer, got {v!r}")
+
     def tp_ranks(self) -> int:
-        return {"none": 1, "row": self.tp_size, "square": self.tp_size ** 2, "cube": self.tp_size ** 3,
-                "subgraph": self.tp_size}[self.tp]
+        return self.tp.ranks()
 
     def axes(self):
-        from .topology import grid_axes, Cube, Row, Square, SubGraph
-
-        tp = {"none": None, "row": Row, "square": Square, "cube": Cube, "subgraph": SubGraph}[self.tp]
-        return grid_axes(self.dp, self.pp, self.sp, tp(self.tp_size) if tp else None)
+        return grid_axes(self.dp, self.pp, self.sp, self.tp)
 
 
-def _links(grid: Grid, cluster: Cluster):
+def _links(grid: GridShape, cluster: Cluster):
     """For each axis: (alpha, effective bandwidth, nodes a line spans, the share of its bytes
     that cross nodes), from the engine's placement and its SUPER traffic model (eqs. 4-7)."""
     placement = _C.Placement(grid.axes(), grid.placement, cluster.gpus_per_node)
@@ -153,74 +158,24 @@ def _links(grid: Grid, cluster: Cluster):
     return out, placement
 
 
-def _activation_bytes(model: Model, grid: Grid, tokens: float) -> float:
-    """Bytes of activations one layer keeps for backward, per rank, for `tokens` tokens of a
-    replica (Korthikanti et al.: s b h (34 + 5 a s / h) in 16-bit; Megatron 1-D replicates the
-    10 s b h of layer norms, dropouts and residuals on every tensor rank)."""
-    h, s, a = model.hidden, model.seq, model.heads
-    if grid.tp == "row":
-        t = grid.tp_size
-        per = tokens * h * (10 + 24 / t + 5 * a * s / (h * t))
-    else:
-        per = tokens * h * (34 + 5 * a * s / h) / grid.tp_ranks()
-    return per / grid.sp
-
-
-def _cube_vector(row_axis: str, nbytes: float) -> list:
-    """Seed 000 Algorithms 7-8: a vector on the diagonal is broadcast along its row and
-    all-gathered in x forward; backward, reduce-scattered in x and reduced to the diagonal."""
-    return [("broadcast", row_axis, nbytes), ("all_gather", "x", nbytes),
-            ("reduce_scatter", "x", nbytes), ("reduce", row_axis, nbytes)]
-
-
-def layer_ops(model: Model, grid: Grid, tokens: float) -> list:
+def layer_ops(model: Model, grid: GridShape, tokens: float) -> list:
     """One transformer layer's work on one rank for `tokens` tokens of its replica, forward and
-    backward: ("gemm", flops, kernels), ("vector", bytes, kernels) and (collective, axis, bytes)."""
-    h, s, e = model.hidden, model.seq, model.bytes_per_value
-    P = grid.tp_ranks()
-    flops = 72 * tokens * h * h * (1 + s / (6 * h)) / (P * grid.sp)  # seed 001 eq. (3), one layer
+    backward: ("gemm", flops, calls), ("vector", bytes, kernels) and (collective, axis, bytes),
+    the collectives and GEMM calls as the mode's layer issues them (modes/schedule.py)."""
+    h, s = model.hidden, model.seq
+    mode = grid.tp
+    flops = 72 * tokens * h * h * (1 + s / (6 * h)) / (mode.ranks() * grid.sp)  # seed 001 eq. (3), one layer
     # element-wise work: its bytes written forward, read and written backward; ~10 kernels
     # forward (2 layer norms, softmax, mask, GELU, residuals, biases) and twice that backward
-    ops = [("vector", 3 * _activation_bytes(model, grid, tokens), 30)]
-    lin = [(h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)]  # QKV, projection, MLP up, MLP down
-    T = tokens / grid.sp
-    gemm_kernels = 3 * (len(lin) + 2)  # three products (forward, dA, dB) per linear and attention's two
-    if grid.tp == "row":  # seed 003: f/g conjugates, two all-reduces forward and two backward
-        ops += [("all_reduce", "tp", T * h * e)] * 4
-    elif grid.tp == "square":  # SUMMA (Optimus): q steps of row and column broadcasts per product
-        q = grid.tp_size
-        gemm_kernels = 3 * len(lin) * q + 6
-        for N, K in lin:
-            A, B, C = T / q * N / q * e, N / q * K / q * e, T / q * K / q * e
-            ops += [("broadcast", "c", A), ("broadcast", "r", B),  # C = A B
-                    ("broadcast", "r", B), ("reduce", "c", A),  # dA = dC B^T
-                    ("broadcast", "c", C), ("reduce", "r", B)] * q  # dB = A^T dC
-            ops += [("broadcast", "r", K / q * e), ("reduce", "r", K / q * e)]  # the bias, held by one row
-        for _ln in range(2):  # layer norm: mean and variance over the row; gamma and beta as the bias
-            ops += [("all_reduce", "c", T / q * e)] * 4 + [("broadcast", "r", h / q * e), ("reduce", "r", h / q * e)] * 2
-    elif grid.tp == "cube":  # seed 000 Algorithms 1-2; directions y and z swap after each linear
-        p = grid.tp_size
-        for i, (N, K) in enumerate(lin):
-            a, c = ("y", "z") if i % 2 == 0 else ("z", "y")
-            A, B, C = T * N / p ** 2 * e, N * K / p ** 2 * e, T * K / p ** 2 * e
-            ops += [("all_gather", a, A), ("all_gather", "x", B), ("reduce_scatter", c, C),
-                    ("all_gather", c, C), ("all_gather", "x", B), ("all_gather", a, A),
-                    ("reduce_scatter", a, A), ("reduce_scatter", "x", B)]
-            ops += _cube_vector(c, K / p * e)  # the bias, added to C (Algorithms 7-8)
-        for _ln in range(2):  # layer norm: mean and variance over the hidden split, gamma and beta
-            ops += [("all_reduce", "y", T / p ** 2 * e)] * 4 + _cube_vector("y", h / p * e) * 2
-    elif grid.tp == "subgraph":  # seed 002 D&SP: split and join, and their conjugates backward
-        g = grid.tp_size
-        ops += [("all_gather", "sg", T * h * e), ("reduce_scatter", "sg", T * g * h * e),
-                ("reduce_scatter", "sg", T * g * h * e), ("all_gather", "sg", T * h * e)]
-    if grid.sp > 1:  # seed 004 RSA: K and V around the ring forward; K, V, dK, dV backward
-        kv = T * 2 * h * e / (1 if grid.tp == "subgraph" else P)
-        ops += [("send", "sp", kv)] * (3 * (grid.sp - 1))
-    ops.append(("gemm", flops, gemm_kernels))
+    act = mode.activation_bytes(h, s, model.heads, tokens, grid.sp) * model.bytes_per_value / 2
+    ops = [("vector", 3 * act, 30)]
+    recorded = collectives_at(mode, h, model.heads, s, grid.sp, tokens / s)
+    ops += [(c.op, c.axis, c.nbytes * model.bytes_per_value / 2) for c in recorded]  # recorded in bf16
+    ops.append(("gemm", flops, layer_schedule(mode, h, model.heads, s, grid.sp)[0].gemm_calls))
     return ops
 
 
-def predict(model: Model, grid: Grid, cluster: Cluster, microbatches: int | None = None,
+def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int | None = None,
             offload_bsize: int | None = None, recompute: bool = False) -> dict:
     """Predicted step time (s), memory per GPU (bytes) and bytes per axis for one step."""
     h, s, L, e = model.hidden, model.seq, model.layers, model.bytes_per_value
@@ -258,25 +213,27 @@ def predict(model: Model, grid: Grid, cluster: Cluster, microbatches: int | None
     if model.vocab:  # the logits on the last stage (seed 001 eq. (3)'s V / 16lh term), over the tensor ranks
         stage += 72 * tokens * h * model.vocab / 16 / (grid.tp_ranks() * grid.sp) / cluster.gemm_flops
     if grid.pp > 1:  # activations forward and gradients backward at each stage boundary
-        act = tokens / grid.sp * h * e / (grid.tp_ranks() if grid.tp in ("square", "cube") else 1)
+        act = tokens / grid.sp * h * e * grid.tp.boundary_fraction()
         stage += seconds([("send", "pp", act), ("send", "pp", act)], 1)
     bubble = bubble_fraction(grid.pp, m) if grid.pp > 1 else 0.0
     pipeline = m * stage * (1 + bubble)  # (m + p - 1) micro-batch slots
     for k in per_axis:  # the per-axis figures so far are for one micro-batch
         per_axis[k] = [v * m for v in per_axis[k]]
     phi = 12 * L * h * h + model.vocab * h
-    phi_local = 12 * L * h * h / (grid.pp * (1 if grid.tp == "subgraph" else grid.tp_ranks())) + model.vocab * h
+    # the layer's parameters this rank holds, as its modules place them (recorded)
+    layer_local = layer_schedule(grid.tp, h, model.heads, s, grid.sp)[0].parameters
+    phi_local = layer_local * L / grid.pp + model.vocab * h
     step = pipeline + seconds([("all_reduce", "dp", phi_local * e)], 1)
     compute = (transformer_flops(model, recompute) / (grid.dp * grid.pp * grid.tp_ranks() * grid.sp)
                / cluster.gemm_flops)
 
     # memory per GPU: weights, gradients and Adam (20 phi mixed precision, or AxoNN's 4 phi + 16 bsize)
     state = (4 * phi_local + 16 * offload_bsize) if offload_bsize else 20 * phi_local
-    act_layer = _activation_bytes(model, grid, tokens)
+    act_layer = grid.tp.activation_bytes(h, s, model.heads, tokens, grid.sp) * e / 2
     in_flight = min(m, grid.pp)
     act = (2 * tokens / grid.sp * h * layers_here + act_layer) * in_flight if recompute else \
         act_layer * layers_here * in_flight
-    return {**asdict(grid), "tp": grid.tp if grid.tp == "none" else f"{grid.tp}:{grid.tp_size}",
+    return {**{k: v for k, v in asdict(grid).items() if k != "tp"}, "tp": grid.tp.spec(),
             "step_time_s": step, "compute_s": compute, "bubble": bubble, "microbatches": m,
             "memory_bytes": state + act, "parameters": phi,
             "bytes_per_axis": {k: {"intra": v[1] * (1 - links[k][3]), "inter": v[1] * links[k][3]}
@@ -285,28 +242,39 @@ def predict(model: Model, grid: Grid, cluster: Cluster, microbatches: int | None
             "axis_links": {k: ("intra" if v[2] == 1 else f"inter ({v[2]} nodes)") for k, v in links.items()}}
 
 
-def enumerate_grids(n: int, model: Model, placements=("topology", "naive")):
-    """Every grid of n ranks the model's sizes allow."""
-    out = []
-    for tp, sizes in (("none", [1]), ("row", range(2, n + 1)), ("square", range(2, int(n ** .5) + 1)),
-                      ("cube", range(2, round(n ** (1 / 3)) + 2)), ("subgraph", range(2, n + 1))):
-        for t in sizes:
-            g = Grid(tp=tp, tp_size=t)
-            tr = g.tp_ranks()
-            if n % tr or (tp != "none" and model.heads % t) or (tp in ("square", "cube") and model.hidden % (t * t)):
-                continue
-            rest = n // tr
-            for sp in (d for d in range(1, rest + 1) if rest % d == 0 and model.seq % (2 * d) == 0):
-                for pp in (d for d in range(1, rest // sp + 1) if (rest // sp) % d == 0 and model.layers % d == 0):
-                    dp = rest // (sp * pp)
-                    if model.batch % dp:
-                        continue
-                    for pl in placements:
-                        out.append(Grid(dp=dp, pp=pp, tp=tp, tp_size=t, sp=sp, placement=pl))
+def tensor_modes(n: int, model: Model) -> list:
+    """Every tensor mode of at most n ranks that the model's sizes split over, asked of each
+    registered mode class (cSub is left out: with the same GEMMs and collectives as D&SP, its
+    common layers idle every sub-grid but one, so it never wins)."""
+    out = [Sequence()]
+    for cls in known():
+        if not cls.size_arg or cls.name == "csub":
+            continue
+        for size in range(2, n + 1):
+            m = cls(size)
+            if m.ranks() > n:
+                break
+            if n % m.ranks() == 0 and m.accepts(model.heads, model.hidden):
+                out.append(m)
     return out
 
 
-def best_microbatching(model: Model, grid: Grid, cluster: Cluster, sizes=(1, 2, 4, 8, 16), **kw) -> dict:
+def enumerate_grids(n: int, model: Model, placements=("topology", "naive")):
+    """Every grid of n ranks the model's sizes allow."""
+    out = []
+    for mode in tensor_modes(n, model):
+        rest = n // mode.ranks()
+        for sp in (d for d in range(1, rest + 1) if rest % d == 0 and model.seq % (2 * d) == 0):
+            for pp in (d for d in range(1, rest // sp + 1) if (rest // sp) % d == 0 and model.layers % d == 0):
+                dp = rest // (sp * pp)
+                if model.batch % dp:
+                    continue
+                for pl in placements:
+                    out.append(GridShape(dp=dp, pp=pp, tp=mode, sp=sp, placement=pl))
+    return out
+
+
+def best_microbatching(model: Model, grid: GridShape, cluster: Cluster, sizes=(1, 2, 4, 8, 16), **kw) -> dict:
     """predict() at the micro-batch size (sequences per micro-batch, Megatron's
     --micro-batch-size) that is fastest among those that fit in memory, else the smallest."""
     b = model.batch // grid.dp if grid.dp and model.batch % grid.dp == 0 else 0

@@ -1,6 +1,7 @@
 """The main job: train a GPT on byte-level English text over dp x pp x tp x sp CPU ranks.
 
-Data parallelism over "dp" (OffloadAdam averages the gradients), the message-driven
+Data parallelism over "dp" (OffloadAdam sums each gradient over its placement's partial
+axes, dp pre-divided so the sum is the mean), the message-driven
 pipeline (AxoNN) over "pp", and in every stage the transformer layers in one tensor mode
 (row: Megatron 1-D, square: SUMMA 2-D, cube: 3-D, subgraph/csub: SUPER) with the sequence
 split over "sp" (ring attention). The embedding and head are replicated (gw.models.GPTStage).
@@ -13,15 +14,67 @@ import json
 import math
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 import gridweave as gw
 
 from .errors import GridError
+from .modes import Mode, parse
 
 CONFIG_KEYS = ("vocab", "hidden", "heads", "layers", "seq", "batch", "microbatches", "lr", "seed", "steps")
+
+
+@dataclass
+class TrainConfig:
+    """Everything the main job takes (the command line fills one: gridweave train --help).
+    dp / pp of 0: chosen from the world size (pp 2 when it divides, the rest dp)."""
+    hidden: int = 64
+    heads: int = 4
+    layers: int = 4
+    seq: int = 64
+    batch: int = 16
+    microbatches: int = 2
+    lr: float = 3e-3
+    seed: int = 0
+    steps: int = 50
+    vocab: int = 256
+    dp: int = 0
+    pp: int = 0
+    tp: Mode | str | None = None
+    sp: int = 1
+    data: str | None = None
+    out: str = "runs/latest"
+    resume: str | None = None
+    schedule: str = "message_driven"
+    checkpoint_every: int = 0
+    max_grad_norm: float | None = None
+    timeout: float = 120.0
+    quiet: bool = False
+    mode: Mode = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.mode = self.tp if isinstance(self.tp, Mode) else parse(self.tp or "none")
+        for name in ("hidden", "heads", "layers", "seq", "batch", "microbatches", "steps", "vocab", "sp"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise GridError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("dp", "pp", "checkpoint_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise GridError(f"{name} must be a non-negative integer, got {v!r}")
+        if not self.lr > 0 or not self.timeout > 0:
+            raise GridError(f"lr and timeout must be positive, got {self.lr!r} and {self.timeout!r}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise GridError(f"max_grad_norm must be positive, got {self.max_grad_norm!r}")
+        if self.schedule not in gw.pipeline.SCHEDULES:
+            raise GridError(f"schedule must be one of {sorted(gw.pipeline.SCHEDULES)}, got {self.schedule!r}")
+
+    def model_config(self) -> dict:
+        return {k: getattr(self, k) for k in CONFIG_KEYS}
 
 
 def _atomic_save(obj, path: Path, writer):
@@ -34,15 +87,10 @@ def _json_writer(obj, path):
     Path(path).write_text(json.dumps(obj, indent=1))
 
 
-def _state_views(stage, opt):
-    """OffloadAdam's flat fp32 buffers, viewed per parameter: {kind: {id(p): tensor}}."""
-    views, off = {"master": {}, "exp_avg": {}, "exp_avg_sq": {}}, 0
-    for p in opt.params:
-        n = p.numel()
-        for kind in views:
-            views[kind][id(p)] = getattr(opt, kind)[off:off + n].view(p.shape)
-        off += n
-    return views
+def _state_views(opt):
+    """OffloadAdam's state per parameter (its state_dict): {kind: {id(p): tensor}}."""
+    state = opt.state_dict()["state"]
+    return {kind: {id(p): state[i][kind] for i, p in enumerate(opt.params)} for kind in opt.STATE_KEYS}
 
 
 def save_checkpoint(out: Path, step, cfg, grid, stage, opt, losses):
@@ -54,7 +102,7 @@ def save_checkpoint(out: Path, step, cfg, grid, stage, opt, losses):
         ck.mkdir(parents=True, exist_ok=True)
     grid.barrier()
     s = grid.coords["pp"]
-    views = _state_views(stage, opt)
+    views = _state_views(opt)
     tensors = {"param": stage.dense_state(False)}
     for kind, v in views.items():
         tensors[kind] = stage.dense_state(lambda p, v=v: v[id(p)])
@@ -64,7 +112,7 @@ def save_checkpoint(out: Path, step, cfg, grid, stage, opt, losses):
                      torch.save)
     grid.barrier()
     if grid.rank == 0:
-        manifest = {"step": step, "config": {k: cfg[k] for k in CONFIG_KEYS}, "grid": dict(grid.axes),
+        manifest = {"step": step, "config": cfg.model_config(), "grid": dict(grid.axes),
                     "files": [f"stage{k}.pt" for k in range(grid.axes["pp"])], "losses": losses,
                     "layout": "dense tensors under the dense GPT's names (gw.models.GPT), for parameters "
                               "and OffloadAdam's master weights and states; one file per pipeline stage"}
@@ -87,94 +135,92 @@ def load_checkpoint(path: Path):
     return manifest, tensors, step
 
 
-def run(args) -> dict:
-    cfg = dict(vocab=256, hidden=args.hidden, heads=args.heads, layers=args.layers, seq=args.seq, batch=args.batch,
-               microbatches=args.microbatches, lr=args.lr, seed=args.seed, steps=args.steps)
-    mode, tp = gw.models.parse_tp(args.tp)
+def run(cfg: TrainConfig, on_step: Callable[[int, "gw.Grid"], None] | None = None) -> dict:
+    """Train as `cfg` says; on_step(step, grid), if given, is called at the start of each step
+    (progress hooks, profilers; the tests' fault injection)."""
+    if not isinstance(cfg, TrainConfig):
+        raise GridError(f"train.run takes a gw.train.TrainConfig, got {type(cfg).__name__}")
+    mode = cfg.mode
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    tp_size = 1 if tp is None else math.prod(n for _, n in tp.axes())
-    sp = args.sp
-    if sp < 1 or world % (tp_size * sp):
-        raise GridError(f"--tp {args.tp} ({tp_size} ranks) x --sp {sp} does not divide the world of {world} ranks")
+    tp_size = mode.ranks()
+    sp = cfg.sp
+    if world % (tp_size * sp):
+        raise GridError(f"--tp {mode.spec()} ({tp_size} ranks) x --sp {sp} does not divide the world of {world} "
+                        "ranks")
     rest = world // (tp_size * sp)
-    pp = args.pp or (2 if rest % 2 == 0 and cfg["layers"] % 2 == 0 and rest > 1 else 1)
-    dp = args.dp or rest // pp
-    grid = gw.init(dp=dp, pp=pp, tp=tp, sp=sp, timeout=args.timeout)
-    if cfg["layers"] % pp:
-        raise GridError(f"{cfg['layers']} layers do not split over {pp} pipeline stages")
-    if cfg["batch"] % (dp * cfg["microbatches"]):
-        raise GridError(f"batch {cfg['batch']} does not split into {dp} dp shards of {cfg['microbatches']} "
-                        "microbatches")
-    corpus = gw.data.load_corpus(args.data)
-    torch.manual_seed(cfg["seed"])
-    model = gw.models.GPT(cfg["vocab"], cfg["hidden"], cfg["heads"], cfg["layers"], cfg["seq"])
+    pp = cfg.pp or (2 if rest % 2 == 0 and cfg.layers % 2 == 0 and rest > 1 else 1)
+    dp = cfg.dp or rest // pp
+    grid = gw.init(dp=dp, pp=pp, tp=mode, sp=sp, timeout=cfg.timeout)
+    if cfg.layers % pp:
+        raise GridError(f"{cfg.layers} layers do not split over {pp} pipeline stages")
+    if cfg.batch % (dp * cfg.microbatches):
+        raise GridError(f"batch {cfg.batch} does not split into {dp} dp shards of {cfg.microbatches} microbatches")
+    corpus = gw.data.load_corpus(cfg.data)
+    torch.manual_seed(cfg.seed)
+    model = gw.models.GPT(cfg.vocab, cfg.hidden, cfg.heads, cfg.layers, cfg.seq, device=grid.device)
     s = grid.coords["pp"]
     stage = gw.models.GPTStage(model, grid, mode, s, pp)
-    opt = gw.optim.OffloadAdam(stage.parameters(), lr=cfg["lr"], weight_decay=0.01, bsize=1 << 14, coarsening=4,
-                               grid=grid, dp_axis="dp")
+    opt = gw.optim.OffloadAdam(stage.parameters(), lr=cfg.lr, weight_decay=0.01, bsize=1 << 14, coarsening=4,
+                               grid=grid, max_grad_norm=cfg.max_grad_norm)
     start, losses = 0, []
-    if args.resume:
-        manifest, tensors, opt_step = load_checkpoint(Path(args.resume))
-        if any(manifest["config"][k] != cfg[k] for k in CONFIG_KEYS if k != "steps"):
-            raise GridError(f"checkpoint config {manifest['config']} differs from this run's {cfg}")
+    if cfg.resume:
+        manifest, tensors, opt_step = load_checkpoint(Path(cfg.resume))
+        mine = cfg.model_config()
+        if any(manifest["config"][k] != mine[k] for k in CONFIG_KEYS if k != "steps"):
+            raise GridError(f"checkpoint config {manifest['config']} differs from this run's {mine}")
         stage.load_dense_state(tensors["param"])  # resharded for this grid by each module
-        views = _state_views(stage, opt)
-        with torch.no_grad():
-            for kind, v in views.items():
-                local = stage.local_from_dense(tensors[kind])
-                for pid, t in v.items():
-                    t.copy_(local[pid])
-        opt.step_count = opt_step
+        state = {i: {"step": torch.tensor(float(opt_step))} for i in range(len(opt.params))}
+        for kind in opt.STATE_KEYS:
+            local = stage.local_from_dense(tensors[kind])
+            for i, p in enumerate(opt.params):
+                state[i][kind] = local[id(p)]
+        opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
         start, losses = manifest["step"], list(manifest["losses"])
-    out = Path(args.out)
+    out = Path(cfg.out)
     if grid.rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-    shard = cfg["batch"] // dp
-    mb = shard // cfg["microbatches"]
+    shard = cfg.batch // dp
+    mb = shard // cfg.microbatches
     bar = None
-    if grid.rank == 0 and not args.quiet:
+    if grid.rank == 0 and not cfg.quiet:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg["steps"], initial=start, desc="train", unit="step")
+        bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step")
     tokens_per_s = []
-    # Fault injection for resilience tests: GRIDWEAVE_FAULT="rank:step" makes that rank
-    # die (as a killed process would) when it reaches that step.
-    fault = os.environ.get("GRIDWEAVE_FAULT")
-    fault_rank, fault_step = (int(v) for v in fault.split(":")) if fault else (-1, -1)
-    for step in range(start, cfg["steps"]):
-        if grid.rank == fault_rank and step == fault_step:
-            os._exit(9)
+    for step in range(start, cfg.steps):
+        if on_step is not None:
+            on_step(step, grid)
         t0 = time.perf_counter()
-        x, y = gw.data.batch(corpus, step, cfg["seed"], cfg["batch"], cfg["seq"])
+        x, y = gw.data.batch(corpus, step, cfg.seed, cfg.batch, cfg.seq)
         lo = grid.coords["dp"] * shard
-        xs = [x[lo + i * mb:lo + (i + 1) * mb] for i in range(cfg["microbatches"])]
-        ys = [y[lo + i * mb:lo + (i + 1) * mb] for i in range(cfg["microbatches"])]
+        xs = [x[lo + i * mb:lo + (i + 1) * mb].to(grid.device) for i in range(cfg.microbatches)]
+        ys = [y[lo + i * mb:lo + (i + 1) * mb].to(grid.device) for i in range(cfg.microbatches)]
         opt.zero_grad()
-        loss, _ = gw.pipeline.pipeline_step(stage, grid, xs, ys, model.loss, stage.activation_shape(mb, cfg["seq"]),
-                                            schedule=args.schedule, pipeline_limit=max(pp, 2))
-        stage.reduce_gradients()
-        opt.step()
+        loss, _ = gw.pipeline.pipeline_step(stage, grid, xs, ys, model.loss, stage.activation_shape(mb, cfg.seq),
+                                            schedule=cfg.schedule, pipeline_limit=max(pp, 2))
+        opt.step()  # sums each gradient over its partial axes (dp averaged), then updates
         # the last stage's loss, identical over its tp/sp group: count one rank of each group
         mine = loss is not None and all(c == 0 for a, c in grid.coords.items() if a not in ("pp", "dp"))
-        total = torch.tensor([loss.item() if mine else 0.0], dtype=torch.float64)
+        total = torch.tensor([loss.item() if mine else 0.0], dtype=torch.float64, device=grid.device)
         grid.all_reduce(total, axis=None)
         losses.append(total.item() / dp)
-        tokens_per_s.append(cfg["batch"] * cfg["seq"] / (time.perf_counter() - t0))
+        tokens_per_s.append(cfg.batch * cfg.seq / (time.perf_counter() - t0))
         if bar is not None:
             bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens_per_s[-1]:.0f}")
             bar.update(1)
-        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
             save_checkpoint(out, step + 1, cfg, grid, stage, opt, losses)
     if bar is not None:
         bar.close()
-    save_checkpoint(out, cfg["steps"], cfg, grid, stage, opt, losses)
+    save_checkpoint(out, cfg.steps, cfg, grid, stage, opt, losses)
     import resource
 
     # per-rank memory: parameters held and the peak resident set of the process
     mem = torch.tensor([sum(p.numel() * p.element_size() for p in stage.parameters()),
-                        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0], dtype=torch.float64)
+                        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0], dtype=torch.float64,
+                       device=grid.device)
     per_rank = grid.all_gather(mem.reshape(1, 2), axis=None)
-    metrics = {"loss": losses, "tokens_per_s": tokens_per_s, "config": cfg, "grid": dict(grid.axes),
+    metrics = {"loss": losses, "tokens_per_s": tokens_per_s, "config": cfg.model_config(), "grid": dict(grid.axes),
                "param_bytes_per_rank": [int(v) for v in per_rank[:, 0]],
                "max_rss_bytes_per_rank": [int(v) for v in per_rank[:, 1]]}
     if grid.rank == 0:

@@ -57,7 +57,7 @@ def _pipeline(ctx, stages, schedule, slow_stage=-1, ac=1, die_stage=-1):
     tail = [m for m in layers[1:] if not isinstance(m, gw.nn.DenseTransformerLayer)]
     stage = torch.nn.Sequential(*first, gw.pipeline.PipelineStage(blocks, total_layers=LAYERS, ac=ac), *tail)
     params = [p for m in layers for p in m.parameters()]
-    opt = gw.optim.OffloadAdam(params, lr=1e-2, bsize=97, coarsening=2, grid=grid, dp_axis="dp")
+    opt = gw.optim.OffloadAdam(params, lr=1e-2, bsize=97, coarsening=2, grid=grid)
     x, y = _data()
     shard = BATCH // dp
     lo = grid.coords["dp"] * shard

@@ -31,7 +31,7 @@ def test_papers_formulas():
 def test_topology_keeps_subgraph_lines_inside_a_node():
     cluster = plan.load_cluster("v100-ib")  # 4 GPUs per node
     for placement, where in (("topology", "intra"), ("naive", "inter")):
-        g = plan.Grid(dp=4, tp="subgraph", tp_size=4, placement=placement)
+        g = plan.GridShape(dp=4, tp=gw.SubGraph(4), placement=placement)
         links, placement_obj = plan._links(g, cluster)
         assert (links["sg"][2] == 1) == (where == "intra")
         # and the engine's SUPER model agrees: eq. (7) 0 inter-node messages with topology
@@ -42,9 +42,10 @@ def test_topology_keeps_subgraph_lines_inside_a_node():
 def test_memory_follows_axonn_accounting():
     cluster = plan.load_cluster("a100-ib")
     m = plan.Model(hidden=1024, layers=8, heads=16, seq=256, batch=32)
-    full = plan.predict(m, plan.Grid(dp=8), cluster)
-    off = plan.predict(m, plan.Grid(dp=8), cluster, offload_bsize=1 << 20)
-    phi = 12 * 8 * 1024 * 1024 + 51200 * 1024
+    full = plan.predict(m, plan.GridShape(dp=8), cluster)
+    off = plan.predict(m, plan.GridShape(dp=8), cluster, offload_bsize=1 << 20)
+    layer = gw.nn.DenseTransformerLayer(1024, 16, device="meta")  # torch's own count of a layer's parameters
+    phi = 8 * sum(p.numel() for p in layer.parameters()) + 51200 * 1024
     assert full["memory_bytes"] - off["memory_bytes"] == pytest.approx(20 * phi - (4 * phi + 16 * (1 << 20)))
 
 
@@ -62,13 +63,9 @@ def test_plan_command_json(tmp_path):
     times = [x["step_time_s"] for x in rows if x["memory_bytes"] <= 1 << 34]
     assert times == sorted(times)
     for x in rows:
-        tp_ranks = {"none": 1}.get(x["tp"]) or _tp_ranks(x["tp"])
-        assert x["dp"] * x["pp"] * x["sp"] * tp_ranks == 8
-
-
-def _tp_ranks(spec):
-    kind, n = spec.split(":")
-    return {"row": int(n), "square": int(n) ** 2, "cube": int(n) ** 3, "subgraph": int(n)}[kind]
+        kind, _, n = x["tp"].partition(":")
+        tp_ranks = {"none": 1, "row": 1, "subgraph": 1, "square": 2, "cube": 3}[kind]  # the exponent
+        assert x["dp"] * x["pp"] * x["sp"] * (int(n or 1) ** tp_ranks) == 8
 
 
 def test_unknown_cluster_is_a_clear_error():
@@ -104,7 +101,7 @@ def test_pipeline_bubble_is_p_minus_1_over_m(p, m):
 
     cluster = dataclasses.replace(plan.load_cluster("a100-ib"), **FREE)
     model = plan.Model(hidden=512, layers=24, heads=8, seq=128, batch=48, vocab=0)
-    r = plan.predict(model, plan.Grid(pp=p), cluster, microbatches=m)
+    r = plan.predict(model, plan.GridShape(pp=p), cluster, microbatches=m)
     assert r["bubble"] == pytest.approx((p - 1) / m)
     assert r["step_time_s"] == pytest.approx(r["compute_s"] * (1 + (p - 1) / m), rel=1e-12)
 
@@ -124,9 +121,9 @@ def test_planner_traffic_split_is_super_eqs_4_to_7(n, n_node, g):
     import dataclasses
 
     cluster = dataclasses.replace(plan.load_cluster("v100-ib"), gpus_per_node=n_node)
-    model = plan.Model(hidden=256, layers=2, heads=8, seq=64, batch=n, vocab=0)
+    model = plan.Model(hidden=256, layers=2, heads=32, seq=64, batch=n, vocab=0)  # heads split over g <= 32
     for placement, (intra, inter) in zip(("naive", "topology"), _super_eqs(n, n_node, g)):
-        r = plan.predict(model, plan.Grid(dp=n // g, tp="subgraph", tp_size=g, placement=placement), cluster)
+        r = plan.predict(model, plan.GridShape(dp=n // g, tp=gw.SubGraph(g), placement=placement), cluster)
         b = r["bytes_per_axis"]["sg"]
         assert b["inter"] / (b["intra"] + b["inter"]) == pytest.approx(inter / (intra + inter), abs=1e-12)
 

@@ -125,7 +125,7 @@ def _sp_layer(ctx, dp, attention, causal):
     tokens = yl.shape[0] * yl.shape[1]
     local = gw.nn.global_token_mean(yl.pow(2).sum(), tokens, grid)
     local.backward()
-    gw.nn.reduce_gradients(layer, grid)
+    gw.reduce_gradients(layer, grid)
     total = local.detach().clone().reshape(1)
     grid.all_reduce(total, axis=("dp", "sp"))
     errs = {"loss": rel(total[0], loss), "dx": rel(gw.gather(xl.grad, layer.input_layout, grid), x.grad)}

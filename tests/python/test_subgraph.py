@@ -24,7 +24,7 @@ def _attention(ctx, g, mode, projection, method):
     xl = gw.scatter(x.detach(), lay, grid).requires_grad_()
     yl = attn(xl)
     yl.backward(gw.scatter(dy, lay, grid))
-    attn.reduce_gradients()
+    gw.reduce_gradients(attn, grid)
     errs = {"y": rel(gw.gather(yl, lay, grid, shape=y.shape), y),
             "dx": rel(gw.gather(xl.grad, lay, grid, shape=x.shape), x.grad)}
     grads = attn.dense_state(grad=True)
@@ -73,7 +73,7 @@ def _train(ctx, kind, g, steps=10):
             total = t.item()
         loss.backward()
         if grid is not None:
-            layer.reduce_gradients()
+            gw.reduce_gradients(layer, grid)
         opt.step()
         losses.append(total)
     return losses

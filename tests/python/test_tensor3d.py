@@ -5,32 +5,33 @@ import torch
 from refs import grid_errors
 from tp_refs import full, rel
 
-FORMS = {0: "AB", 1: "ABt", 2: "AtB"}
+FORMS = ("AB", "ABt", "AtB")
 
 
 def _forms(ctx, a, c, overlap):
     import gridweave as gw
     from gridweave.autograd.cube import cube_matmul
-    from gridweave.nn.tensor3d import _matrix_layout
+    from gridweave.modes.cube import matrix_layout
 
     grid = ctx.init(tp=gw.Cube(2))
     M, N, K = 12, 8, 20  # non-square; each divisible by p^2 = 4
     shapes = {0: ((M, N), (N, K)), 1: ((M, K), (N, K)), 2: ((M, N), (M, K))}
     refs = {0: lambda A, B: A @ B, 1: lambda A, B: A @ B.t(), 2: lambda A, B: A.t() @ B}
     errs = {}
-    for form in (0, 1, 2):
-        (sa, sb) = shapes[form]
+    for i, name in enumerate(FORMS):
+        form = getattr(gw._C.CubeForm, name)
+        (sa, sb) = shapes[i]
         A, B = full(sa, 1).requires_grad_(), full(sb, 2).requires_grad_()
-        C = refs[form](A, B)
+        C = refs[i](A, B)
         dC = full(C.shape, 3)
         C.backward(dC)
-        la, lb, lc = (_matrix_layout(form, k, a, c) for k in range(3))
+        la, lb, lc = (matrix_layout(form, k, a, c) for k in range(3))
         A_loc = gw.scatter(A.detach(), la, grid).requires_grad_()
         B_loc = gw.scatter(B.detach(), lb, grid).requires_grad_()
         C_loc = cube_matmul(A_loc, B_loc, grid, form, a, c, overlap)
-        assert tuple(C_loc.shape) == lc.local_shape(C.shape, grid), (FORMS[form], C_loc.shape)
+        assert tuple(C_loc.shape) == lc.local_shape(C.shape, grid), (name, C_loc.shape)
         C_loc.backward(gw.scatter(dC, lc, grid))
-        errs[FORMS[form]] = (rel(gw.gather(C_loc, lc, grid), C), rel(gw.gather(A_loc.grad, la, grid), A.grad),
+        errs[name] = (rel(gw.gather(C_loc, lc, grid), C), rel(gw.gather(A_loc.grad, la, grid), A.grad),
                              rel(gw.gather(B_loc.grad, lb, grid), B.grad))
     return errs
 

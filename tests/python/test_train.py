@@ -109,9 +109,9 @@ def _launch(tmp, name, world, port, fault=None, extra=()):
     for r in range(world):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(r), "WORLD_SIZE": str(world),
                "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        if fault:
-            env["GRIDWEAVE_FAULT"] = fault
-        procs.append(subprocess.Popen([sys.executable, "-m", "gridweave.cli", "train", *ARGS, "--nproc", "0",
+        entry = [os.path.join(os.path.dirname(__file__), "faulty_train.py"), fault] if fault else \
+            ["-m", "gridweave.cli", "train"]
+        procs.append(subprocess.Popen([sys.executable, *entry, *ARGS, "--nproc", "0",
                                        "--steps", "6", "--checkpoint-every", "2", "--timeout", "20",
                                        "--out", str(tmp / name), *extra],
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))

@@ -8,7 +8,7 @@ import torch
 from .. import _C
 from ..grid import Work
 
-AB, ABT, ATB = 0, 1, 2
+AB, ABT, ATB = _C.CubeForm.AB, _C.CubeForm.ABt, _C.CubeForm.AtB
 
 
 def _resolve(r):
@@ -85,7 +85,7 @@ class _CubeVector(torch.autograd.Function):
         ctx.grid, ctx.col, ctx.row = grid, col_axis, row_axis
         ctx.diag = is_diagonal(grid, col_axis, row_axis)
         ctx.root = grid.coords[col_axis]
-        buf = b_local.detach().clone() if ctx.diag else torch.empty(n_local, dtype=b_local.dtype)
+        buf = b_local.detach().clone() if ctx.diag else torch.empty(n_local, dtype=b_local.dtype, device=b_local.device)
         grid.broadcast(buf, axis=row_axis, src=ctx.root)
         return grid.all_gather(buf, axis="x")
 

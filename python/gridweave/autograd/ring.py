@@ -19,8 +19,9 @@ from .._buffers import view
 from ..errors import GridError
 
 
-class _Ring:
-    """The engine's ring on one axis, with double-buffered exchanges of torch tensors."""
+class Ring:
+    """The engine's ring on one axis, with double-buffered exchanges of torch tensors
+    (grid.ring(axis) makes one)."""
 
     def __init__(self, grid, axis):
         self.grid = grid
@@ -49,12 +50,19 @@ class _Exchange:
         return self.recv
 
 
-def positions(length_local: int, n: int, rank: int, zigzag: bool) -> torch.Tensor:
-    """Global token positions of a rank's local sequence (zigzag: chunks rank and 2n-1-rank)."""
+def chunk_starts(length_local: int, n: int, rank: int, zigzag: bool) -> list:
+    """(local slice, first global position) of each run of a rank's local sequence that is
+    contiguous in global positions (zigzag: chunks rank and 2n-1-rank of 2n)."""
     if not zigzag:
-        return torch.arange(rank * length_local, (rank + 1) * length_local)
+        return [(slice(0, length_local), rank * length_local)]
     c = length_local // 2
-    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * n - 1 - rank) * c, (2 * n - rank) * c)])
+    return [(slice(0, c), rank * c), (slice(c, 2 * c), (2 * n - 1 - rank) * c)]
+
+
+def positions(length_local: int, n: int, rank: int, zigzag: bool, device="cpu") -> torch.Tensor:
+    """Global token positions of a rank's local sequence."""
+    return torch.cat([torch.arange(g, g + (sl.stop - sl.start), device=device)
+                      for sl, g in chunk_starts(length_local, n, rank, zigzag)])
 
 
 def check_sequence(length_local: int, zigzag: bool):
@@ -69,7 +77,7 @@ def check_sequence(length_local: int, zigzag: bool):
 class _RingSelfAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, grid, axis, causal):
-        ring = _Ring(grid, axis)
+        ring = grid.ring(axis)
         n, r = ring.size, ring.rank
         B, Z, Lq, A = q.shape
         scale = A ** -0.5
@@ -82,8 +90,8 @@ class _RingSelfAttention(torch.autograd.Function):
             if ex is not None:
                 (cur,) = ex.wait()
         if causal:
-            qpos = positions(Lq, n, r, False)
-            scores.masked_fill_(torch.arange(n * Lq)[None, :] > qpos[:, None], float("-inf"))
+            qpos = positions(Lq, n, r, False, q.device)
+            scores.masked_fill_(torch.arange(n * Lq, device=q.device)[None, :] > qpos[:, None], float("-inf"))
         p = torch.softmax(scores, dim=-1)
         out = torch.zeros_like(q)
         cur = v
@@ -100,7 +108,7 @@ class _RingSelfAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, p = ctx.saved_tensors
-        grid, ring = ctx.grid, _Ring(ctx.grid, ctx.axis)
+        grid, ring = ctx.grid, ctx.grid.ring(ctx.axis)
         n, r = ring.size, ring.rank
         dout = dout.contiguous()
         B, Z, Lq, A = q.shape
@@ -147,12 +155,12 @@ def lse_merge_(out, lse, blk_out, blk_lse):
     """In place: out, lse <- the log-sum-exp merge of (out, lse) and (blk_out, blk_lse).
     On CUDA this is the engine's kernel (cuda/lse_merge.cu); torch elsewhere."""
     if out.is_cuda and out.is_contiguous() and getattr(_C, "cuda_kernels", False):
-        from .._buffers import _TORCH
+        from .._buffers import engine_dtype
 
         rows, dim = lse.numel(), out.shape[-1]
         stream = torch.cuda.current_stream(out.device).cuda_stream
         _C.lse_merge(out.data_ptr(), lse.data_ptr(), blk_out.contiguous().data_ptr(), blk_lse.contiguous().data_ptr(),
-                     rows, dim, _TORCH[out.dtype], stream)
+                     rows, dim, engine_dtype(out.dtype), stream)
         return
     merged = torch.logaddexp(lse, blk_lse)
     empty = torch.isneginf(merged)
@@ -162,23 +170,24 @@ def lse_merge_(out, lse, blk_out, blk_lse):
     lse.copy_(merged)
 
 
-def _chunks(length_local, zigzag):
-    """Slices of the local sequence that are contiguous in global positions."""
-    if not zigzag:
-        return [slice(0, length_local)]
-    c = length_local // 2
-    return [slice(0, c), slice(c, 2 * c)]
-
-
-def _visible(qpos, kpos, causal):
-    """None: all visible; "none": nothing visible; else the boolean mask of hidden pairs."""
-    if not causal:
-        return None
-    if kpos[0] > qpos[-1]:
-        return "none"
-    if kpos[-1] <= qpos[0]:
-        return None
-    return kpos[None, :] > qpos[:, None]
+def _blocks(Lq, n, q_rank, k_rank, zigzag, causal, device):
+    """(q slice, k slice, mask) of every block of scores with a visible pair: mask None when
+    all are visible, else the boolean mask of the hidden pairs. Decided on positions as
+    Python ints, so nothing waits on the device."""
+    out = []
+    for qs, q0 in chunk_starts(Lq, n, q_rank, zigzag):
+        q1 = q0 + qs.stop - qs.start - 1
+        for ks, k0 in chunk_starts(Lq, n, k_rank, zigzag):
+            k1 = k0 + ks.stop - ks.start - 1
+            if causal and k0 > q1:
+                continue  # nothing visible
+            mask = None
+            if causal and k1 > q0:
+                kpos = torch.arange(k0, k1 + 1, device=device)
+                qpos = torch.arange(q0, q1 + 1, device=device)
+                mask = kpos[None, :] > qpos[:, None]
+            out.append((qs, ks, mask))
+    return out
 
 
 def _block_forward(q, k, v, mask, scale):
@@ -195,7 +204,7 @@ def _block_forward(q, k, v, mask, scale):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, grid, axis, causal, zigzag):
-        ring = _Ring(grid, axis)
+        ring = grid.ring(axis)
         n, r = ring.size, ring.rank
         B, Z, Lq, A = q.shape
         scale = A ** -0.5
@@ -203,21 +212,14 @@ class _RingAttention(torch.autograd.Function):
         # P = exp(S - lse), so lse's rounding would reach every gradient. (B*Z*L/N values.)
         lse_dtype = torch.float64
         out = torch.zeros_like(q)
-        lse = torch.full((B, Z, Lq), float("-inf"), dtype=lse_dtype)
-        qpos = positions(Lq, n, r, zigzag)
-        chunks = _chunks(Lq, zigzag)
+        lse = torch.full((B, Z, Lq), float("-inf"), dtype=lse_dtype, device=q.device)
         kc, vc = k, v
         for s in range(n):
             ex = ring.pass_on([kc, vc], s) if s < n - 1 else None  # overlaps the block compute
-            kpos = positions(Lq, n, ring.source_at(s), zigzag)
-            for qs in chunks:
-                for ks in chunks:
-                    mask = _visible(qpos[qs], kpos[ks], causal)
-                    if isinstance(mask, str):
-                        continue
-                    o, l = _block_forward(q[..., qs, :], kc[..., ks, :], vc[..., ks, :], mask, scale)
-                    o_view, l_view = out[..., qs, :], lse[..., qs]
-                    lse_merge_(o_view, l_view, o, l.to(lse_dtype))
+            for qs, ks, mask in _blocks(Lq, n, r, ring.source_at(s), zigzag, causal, q.device):
+                o, l = _block_forward(q[..., qs, :], kc[..., ks, :], vc[..., ks, :], mask, scale)
+                o_view, l_view = out[..., qs, :], lse[..., qs]
+                lse_merge_(o_view, l_view, o, l.to(lse_dtype))
             if ex is not None:
                 kc, vc = ex.wait()
         ctx.save_for_backward(q, k, v, out, lse)
@@ -227,36 +229,29 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        ring = _Ring(ctx.grid, ctx.axis)
+        ring = ctx.grid.ring(ctx.axis)
         n, r = ring.size, ring.rank
         Lq, A = q.shape[2], q.shape[3]
         scale = A ** -0.5
         dout = dout.contiguous()
         delta = (dout.double() * out.double()).sum(-1)  # rowsum(dO * O), in float64 like lse
         dq = torch.zeros_like(q)
-        qpos = positions(Lq, n, r, ctx.zigzag)
-        chunks = _chunks(Lq, ctx.zigzag)
         kc, vc = k, v
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
         for s in range(n):
             # K and V leave for the next rank at once; their dK, dV accumulators follow
             # once this rank has added its share.
             ex = ring.pass_on([kc, vc], 2 * s) if s < n - 1 else None
-            kpos = positions(Lq, n, ring.source_at(s), ctx.zigzag)
-            for qs in chunks:
-                for ks in chunks:
-                    mask = _visible(qpos[qs], kpos[ks], ctx.causal)
-                    if isinstance(mask, str):
-                        continue
-                    qb, kb, vb, dob = q[..., qs, :], kc[..., ks, :], vc[..., ks, :], dout[..., qs, :]
-                    sc = qb @ kb.transpose(-1, -2) * scale
-                    p = torch.exp(sc.double() - lse[..., qs].unsqueeze(-1)).to(sc.dtype)
-                    if mask is not None:
-                        p = p.masked_fill(mask, 0.0)
-                    dv[..., ks, :] += p.transpose(-1, -2) @ dob
-                    ds = (p * ((dob @ vb.transpose(-1, -2)).double() - delta[..., qs].unsqueeze(-1)) * scale).to(q.dtype)
-                    dq[..., qs, :] += ds @ kb
-                    dk[..., ks, :] += ds.transpose(-1, -2) @ qb
+            for qs, ks, mask in _blocks(Lq, n, r, ring.source_at(s), ctx.zigzag, ctx.causal, q.device):
+                qb, kb, vb, dob = q[..., qs, :], kc[..., ks, :], vc[..., ks, :], dout[..., qs, :]
+                sc = qb @ kb.transpose(-1, -2) * scale
+                p = torch.exp(sc.double() - lse[..., qs].unsqueeze(-1)).to(sc.dtype)
+                if mask is not None:
+                    p = p.masked_fill(mask, 0.0)
+                dv[..., ks, :] += p.transpose(-1, -2) @ dob
+                ds = (p * ((dob @ vb.transpose(-1, -2)).double() - delta[..., qs].unsqueeze(-1)) * scale).to(q.dtype)
+                dq[..., qs, :] += ds @ kb
+                dk[..., ks, :] += ds.transpose(-1, -2) @ qb
             back = ring.pass_on([dk, dv], 2 * s + 1)  # the last of these brings them home
             if ex is not None:
                 kc, vc = ex.wait()

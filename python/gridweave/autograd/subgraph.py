@@ -201,25 +201,62 @@ def _method(method):
     return method
 
 
+def dsp_split(x, grid):
+    return _Conjugate.apply(x, grid, "all_gather", "reduce_scatter")
+
+
+def dsp_sum(y, grid):
+    return _Conjugate.apply(y, grid, "reduce_scatter", "all_gather")
+
+
+def dsp_slice(x, grid, method="all_to_all"):
+    return _Slice.apply(x, grid, _method(method))
+
+
+def dsp_concat(y, grid, method="all_to_all"):
+    return _Concat.apply(y, grid, _method(method))
+
+
+def csub_split(x, grid, shape):
+    return _CSubSplit.apply(x, grid, tuple(shape))
+
+
+def csub_sum(y, grid):
+    return _CSubSum.apply(y, grid)
+
+
+def csub_slice(x, grid, shape):
+    return _CSubSlice.apply(x, grid, tuple(shape))
+
+
+def csub_concat(y, grid):
+    return _CSubConcat.apply(y, grid)
+
+
+# The mode objects (gw.SubGraph, gw.CSub) pick among these; by layer-mode name:
+
+
+def _mode(mode, grid):
+    from ..modes import resolve
+
+    return resolve(mode, grid)
+
+
 def split(x, grid, mode="dsp", shape=None):
     """Every branch gets the common tensor. cSub: `shape` is the common shard's shape."""
-    if mode == "dsp":
-        return _Conjugate.apply(x, grid, "all_gather", "reduce_scatter")
-    return _CSubSplit.apply(x, grid, tuple(shape))
+    return _mode(mode, grid).split(x, grid, shape)
 
 
 def branch_sum(y, grid, mode="dsp"):
     """The common tensor is the sum of the branches' outputs."""
-    if mode == "dsp":
-        return _Conjugate.apply(y, grid, "reduce_scatter", "all_gather")
-    return _CSubSum.apply(y, grid)
+    return _mode(mode, grid).branch_sum(y, grid)
 
 
 def slice_(x, grid, mode="dsp", method="all_to_all", shape=None):
     """Branch k gets slice k of the last dim."""
-    return _Slice.apply(x, grid, _method(method)) if mode == "dsp" else _CSubSlice.apply(x, grid, tuple(shape))
+    return _mode(mode, grid).slice_(x, grid, method, shape)
 
 
 def concat(y, grid, mode="dsp", method="all_to_all"):
     """The common tensor is the branches' outputs concatenated along the last dim."""
-    return _Concat.apply(y, grid, _method(method)) if mode == "dsp" else _CSubConcat.apply(y, grid)
+    return _mode(mode, grid).concat(y, grid, method)

@@ -4,12 +4,12 @@ from .dense import DenseMLP, DenseSelfAttention, DenseTransformerLayer, attentio
 from .tensor1d import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .tensor2d import LayerNorm2D, Linear2D
 from .tensor3d import LayerNorm3D, Linear3D
-from .sequence import ReplicatedLinear, global_token_mean, reduce_gradients
+from .sequence import ReplicatedLayerNorm, ReplicatedLinear, global_token_mean
 from .subgraph import SubGraphAttention
 from .transformer import MLP, RingAttention, RingSelfAttention, SelfAttention, TransformerLayer
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
            "Linear2D", "LayerNorm2D", "Linear3D", "LayerNorm3D", "SelfAttention", "MLP", "TransformerLayer", "DenseTransformerLayer", "DenseSelfAttention", "DenseMLP",
-           "RingSelfAttention", "RingAttention", "ReplicatedLinear", "global_token_mean", "reduce_gradients", "SubGraphAttention",
+           "RingSelfAttention", "RingAttention", "ReplicatedLinear", "ReplicatedLayerNorm", "global_token_mean", "SubGraphAttention",
            "attention"]
 

@@ -15,22 +15,22 @@ def attention(qkv: torch.Tensor, heads: int, causal: bool) -> torch.Tensor:
     return out.transpose(1, 2).reshape(b, s, h)
 
 
-def head_group_order(hidden: int, groups: int) -> torch.Tensor:
+def head_group_order(hidden: int, groups: int, device="cpu") -> torch.Tensor:
     """Row order of a packed [q | k | v] projection that makes `groups` equal column
     blocks, block t = [q_t | k_t | v_t] (the heads of group t), so heads split cleanly."""
     w = hidden // groups
-    idx = [part * hidden + t * w + torch.arange(w) for t in range(groups) for part in range(3)]
-    return torch.cat(idx)
+    idx = [part * hidden + t * w + k for t in range(groups) for part in range(3) for k in range(w)]
+    return torch.tensor(idx, dtype=torch.int64, device=device)
 
 
 class DenseSelfAttention(nn.Module):
     """proj(attention(qkv(x))): the dense reference of SelfAttention."""
 
-    def __init__(self, hidden: int, heads: int, bias: bool = True, causal: bool = True, dtype=None):
+    def __init__(self, hidden: int, heads: int, bias: bool = True, causal: bool = True, dtype=None, device=None):
         super().__init__()
         self.heads, self.causal = heads, causal
-        self.qkv = nn.Linear(hidden, 3 * hidden, bias=bias, dtype=dtype)
-        self.proj = nn.Linear(hidden, hidden, bias=bias, dtype=dtype)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=bias, dtype=dtype, device=device)
+        self.proj = nn.Linear(hidden, hidden, bias=bias, dtype=dtype, device=device)
 
     def forward(self, x):
         return self.proj(attention(self.qkv(x), self.heads, self.causal))
@@ -39,10 +39,10 @@ class DenseSelfAttention(nn.Module):
 class DenseMLP(nn.Module):
     """fc2(gelu(fc1(x))): the dense reference of MLP."""
 
-    def __init__(self, hidden: int, ffn_hidden: int, bias: bool = True, dtype=None):
+    def __init__(self, hidden: int, ffn_hidden: int, bias: bool = True, dtype=None, device=None):
         super().__init__()
-        self.fc1 = nn.Linear(hidden, ffn_hidden, bias=bias, dtype=dtype)
-        self.fc2 = nn.Linear(ffn_hidden, hidden, bias=bias, dtype=dtype)
+        self.fc1 = nn.Linear(hidden, ffn_hidden, bias=bias, dtype=dtype, device=device)
+        self.fc2 = nn.Linear(ffn_hidden, hidden, bias=bias, dtype=dtype, device=device)
 
     def forward(self, x):
         return self.fc2(F.gelu(self.fc1(x)))
@@ -52,10 +52,10 @@ class DenseTransformerLayer(nn.Module):
     """Pre-LayerNorm GPT layer: x + proj(attn(qkv(ln1 x))), then x + fc2(gelu(fc1(ln2 x)))."""
 
     def __init__(self, hidden: int, heads: int, ffn_hidden: int | None = None, bias: bool = True,
-                 causal: bool = True, dtype=None):
+                 causal: bool = True, dtype=None, device=None):
         super().__init__()
         ffn_hidden = ffn_hidden or 4 * hidden
-        kw = dict(dtype=dtype)
+        kw = dict(dtype=dtype, device=device)
         self.heads, self.causal = heads, causal
         self.ln1 = nn.LayerNorm(hidden, **kw)
         self.qkv = nn.Linear(hidden, 3 * hidden, bias=bias, **kw)
@@ -71,7 +71,8 @@ class DenseTransformerLayer(nn.Module):
 
 def dense_linear(state: dict, in_features: int, out_features: int) -> nn.Linear:
     """A torch Linear holding full tensors assembled by a parallel module's dense_state()."""
-    lin = nn.Linear(in_features, out_features, bias="bias" in state, dtype=state["weight"].dtype)
+    w = state["weight"]
+    lin = nn.Linear(in_features, out_features, bias="bias" in state, dtype=w.dtype, device=w.device)
     with torch.no_grad():
         lin.weight.copy_(state["weight"])
         if "bias" in state:
@@ -80,7 +81,7 @@ def dense_linear(state: dict, in_features: int, out_features: int) -> nn.Linear:
 
 
 def dense_layernorm(state: dict, hidden: int, eps: float) -> nn.LayerNorm:
-    ln = nn.LayerNorm(hidden, eps=eps, dtype=state["weight"].dtype)
+    ln = nn.LayerNorm(hidden, eps=eps, dtype=state["weight"].dtype, device=state["weight"].device)
     with torch.no_grad():
         ln.weight.copy_(state["weight"])
         ln.bias.copy_(state["bias"])
@@ -108,8 +109,8 @@ class ParallelLinearBase(nn.Module):
 
     @classmethod
     def from_dense(cls, dense: nn.Linear, grid, **kw):
-        m = cls(dense.in_features, dense.out_features, grid, bias=dense.bias is not None, dtype=dense.weight.dtype,
-                **kw)
+        kw.setdefault("dtype", dense.weight.dtype)
+        m = cls(dense.in_features, dense.out_features, grid, bias=dense.bias is not None, **kw)
         m.load_dense(dense)
         return m
 

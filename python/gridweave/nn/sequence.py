@@ -1,22 +1,29 @@
-"""Sequence parallelism helpers (seed 004): replicated linears, gradient reduction over
-the sequence and data axes, and the token-mean loss that makes them exact.
+"""Sequence parallelism helpers (seed 004): replicated linears and layer norms, and the
+token-mean loss that makes the gradient sum exact.
 
 Convention (the usual source of silent bugs): each rank's loss is the SUM of its local
-token losses divided by the GLOBAL token count (global_token_mean); every replicated
-parameter's gradient is then the SUM of the ranks' gradients over dp and sp
-(reduce_gradients). Averaging local means, or averaging gradients over sp, is wrong
-whenever ranks hold different token counts, and off by a factor N_sp otherwise.
+token losses divided by the GLOBAL token count (global_token_mean); every gradient is then
+the SUM of the ranks' gradients over its placement's partial axes (gw.reduce_gradients).
+Averaging local means, or averaging gradients over sp, is wrong whenever ranks hold
+different token counts, and off by a factor N_sp otherwise.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from ..sharding import DATA_AXES, place
 from .dense import linear_tensors, values
 
 
 class ReplicatedLinear(nn.Linear):
-    """A torch Linear whose weights every rank holds (sequence and data parallel)."""
+    """A torch Linear whose weights every rank holds (sequence and data parallel); its
+    gradients are partial sums over `partial`."""
+
+    def __init__(self, in_features, out_features, bias=True, dtype=None, device=None, partial=DATA_AXES):
+        super().__init__(in_features, out_features, bias, dtype=dtype, device=device)
+        for p in self.parameters():
+            place(p, partial=partial)
 
     def load_dense(self, dense: nn.Linear, order=None):
         w, b = linear_tensors(dense, order)
@@ -33,27 +40,35 @@ class ReplicatedLinear(nn.Linear):
         return out
 
 
+class ReplicatedLayerNorm(nn.LayerNorm):
+    """A torch LayerNorm every rank of the tensor group holds (1-D, sequence, sub-graph)."""
+
+    def __init__(self, hidden, eps=1e-5, dtype=None, device=None, partial=DATA_AXES):
+        super().__init__(hidden, eps=eps, dtype=dtype, device=device)
+        for p in self.parameters():
+            place(p, partial=partial)
+
+    def load_dense(self, dense: nn.LayerNorm):
+        with torch.no_grad():
+            self.weight.copy_(dense.weight)
+            self.bias.copy_(dense.bias)
+
+    def dense_state(self, grad=False):
+        pick = values(grad)
+        return {"weight": pick(self.weight).clone(), "bias": pick(self.bias).clone()}
+
+
 def _present(grid, axes):
     return tuple(a for a in axes if a in grid.axes and grid.axes[a] > 1)
 
 
-def global_token_mean(local_sum: torch.Tensor, local_count: int, grid, axes=("dp", "sp")) -> torch.Tensor:
+def global_token_mean(local_sum: torch.Tensor, local_count: int, grid, axes=DATA_AXES) -> torch.Tensor:
     """This rank's share of the mean over every token of the global batch."""
     axes = _present(grid, axes)
-    total = torch.tensor([float(local_count)], dtype=torch.float64)
+    total = torch.tensor([float(local_count)], dtype=torch.float64, device=grid.device)
     if axes:
         grid.all_reduce(total, axis=axes)
     return local_sum / total.item()
-
-
-def reduce_gradients(module: nn.Module, grid, axes=("dp", "sp")) -> None:
-    """Sum the gradients of replicated parameters over `axes` (see global_token_mean)."""
-    axes = _present(grid, axes)
-    if not axes:
-        return
-    for p in module.parameters():
-        if p.grad is not None:
-            grid.all_reduce(p.grad, axis=axes)
 
 
 def sequence_parallel(grid) -> bool:

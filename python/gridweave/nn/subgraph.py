@@ -9,26 +9,24 @@ from ..autograd import subgraph as sgops
 from ..errors import GridError
 from ..layout import Layout
 from .dense import DenseSelfAttention, head_group_order, values
-from .sequence import ReplicatedLinear, attend, reduce_gradients, sequence_parallel
+from ..sharding import place
+from .sequence import ReplicatedLinear, attend
 
-SUBGRAPH_MODES = ("dsp", "csub")
 
 
 def subgraph_layout(mode, sp=False, causal=False):
     """(batch, seq, hidden) of the common layers: D&SP splits the batch over (dp, sg); cSub
-    over dp on sub-grid 0, the other sub-grids holding nothing; the sequence over sp."""
-    seq = ("sp",) if sp else ()
-    zig = 1 if sp and causal else None
-    if mode == "dsp":
-        return Layout(("dp", "sg"), seq, (), zigzag=zig)
-    return Layout(("dp",), seq, (), zigzag=zig, only=("sg", 0))
+    over dp on sub-grid 0, the other sub-grids holding nothing; the sequence over sp
+    (zigzag when causal). `mode`: gw.SubGraph / gw.CSub or "dsp" / "csub"."""
+    from .. import modes
 
-
-def _common_shape(x, grid):
-    """cSub: the common shard's shape, known on sub-grid 0, sent to the other sub-grids."""
-    s = torch.tensor(list(x.shape), dtype=torch.int64)
-    grid.broadcast(s, axis="sg", src=0)
-    return tuple(int(v) for v in s)
+    cls = type(mode) if isinstance(mode, modes.Mode) else {c.name: c for c in modes.known()}.get(mode)
+    if cls is None or not issubclass(cls, modes.SubGraph):
+        raise GridError(f"sub-graph mode must be gw.SubGraph, gw.CSub, 'dsp' or 'csub', got {mode!r}")
+    base = cls(1).base_layout(None)
+    if not sp:
+        return base
+    return Layout(base.dims[0], ("sp",), (), zigzag=1 if causal else None, only=base.only)
 
 
 class SubGraphAttention(nn.Module):
@@ -40,57 +38,56 @@ class SubGraphAttention(nn.Module):
     the paper's choice on NCCL, which had no fast all-to-all)."""
 
     def __init__(self, hidden, heads, grid, mode="dsp", projection="branch", method="all_to_all", causal=True,
-                 bias=True, dtype=None):
+                 bias=True, dtype=None, device=None):
         super().__init__()
-        if mode not in SUBGRAPH_MODES:
-            raise GridError(f"sub-graph mode must be one of {SUBGRAPH_MODES}, got {mode!r}")
-        if projection not in ("branch", "common"):
-            raise GridError(f"projection must be 'branch' or 'common', got {projection!r}")
+        from ..modes import SubGraph, resolve
+
         if "sg" not in grid.axes:
             raise GridError("sub-graph parallelism needs gw.init(tp=gw.SubGraph(g))")
+        mode = resolve(mode, grid)
+        if not isinstance(mode, SubGraph):
+            raise GridError(f"sub-graph attention needs gw.SubGraph or gw.CSub, got {mode!r}")
+        if projection not in ("branch", "common"):
+            raise GridError(f"projection must be 'branch' or 'common', got {projection!r}")
         g = grid.axes["sg"]
         if heads % g or hidden % g:
             raise GridError(f"{heads} heads / hidden {hidden} do not split over {g} sub-grids")
         sgops._method(method)
         self.grid, self.mode, self.projection, self.method = grid, mode, projection, method
         self.hidden, self.heads, self.causal, self.g = hidden, heads, causal, g
-        kw = dict(dtype=dtype)
+        kw = dict(dtype=dtype, device=device or grid.device)
+        common = mode.common_partial()
         if projection == "branch":
             self.qkv = ReplicatedLinear(hidden, 3 * hidden // g, bias, **kw)      # branch k's heads
             self.proj = ReplicatedLinear(hidden // g, hidden, False, **kw)       # branch k's columns
-            self.proj_bias = nn.Parameter(torch.zeros(hidden, **kw)) if bias else None  # common
+            place(self.qkv.weight, Layout(("sg",)))
+            if bias:
+                place(self.qkv.bias, Layout(("sg",)))
+            place(self.proj.weight, Layout((), ("sg",)))
+            self.proj_bias = place(nn.Parameter(torch.zeros(hidden, **kw)), partial=common) if bias else None
         else:
-            self.qkv = ReplicatedLinear(hidden, 3 * hidden, bias, **kw)
-            self.proj = ReplicatedLinear(hidden, hidden, bias, **kw)
+            self.qkv = ReplicatedLinear(hidden, 3 * hidden, bias, partial=common, **kw)
+            self.proj = ReplicatedLinear(hidden, hidden, bias, partial=common, **kw)
             self.proj_bias = None
 
     @property
     def input_layout(self):
-        return subgraph_layout(self.mode, sequence_parallel(self.grid), self.causal)
+        return self.mode.layout(self.grid, self.causal)
 
     output_layout = input_layout
 
-    def branch_parameters(self):
-        return [self.qkv.weight] + ([self.qkv.bias] if self.qkv.bias is not None else []) + [self.proj.weight] \
-            if self.projection == "branch" else []
-
-    def common_parameters(self):
-        branch = {id(p) for p in self.branch_parameters()}
-        return [p for p in self.parameters() if id(p) not in branch]
-
     def forward(self, x):
-        shape = _common_shape(x, self.grid) if self.mode == "csub" else None
+        mode, grid = self.mode, self.grid
+        shape = mode.common_shape(x, grid)
         if self.projection == "branch":
-            xb = sgops.split(x, self.grid, self.mode, shape)
-            y = self.proj(attend(self.qkv(xb), self.heads // self.g, self.causal, self.grid))
-            out = sgops.branch_sum(y, self.grid, self.mode)
+            xb = mode.split(x, grid, shape)
+            y = self.proj(attend(self.qkv(xb), self.heads // self.g, self.causal, grid))
+            out = mode.branch_sum(y, grid)
             return out + self.proj_bias if self.proj_bias is not None else out
         qkv = self.qkv(x)
         qshape = tuple(shape[:-1]) + (3 * self.hidden,) if shape is not None else None
-        branch = sgops.slice_(qkv, self.grid, self.mode, self.method, qshape)
-        o = sgops.concat(attend(branch, self.heads // self.g, self.causal, self.grid), self.grid, self.mode,
-                         self.method)
-        return self.proj(o)
+        branch = mode.slice_(qkv, grid, self.method, qshape)
+        return self.proj(mode.concat(attend(branch, self.heads // self.g, self.causal, grid), grid, self.method))
 
     @classmethod
     def from_dense(cls, dense: DenseSelfAttention, grid, mode="dsp", **kw):
@@ -100,7 +97,7 @@ class SubGraphAttention(nn.Module):
         return m
 
     def load_dense(self, qkv: nn.Linear, proj: nn.Linear):
-        order = head_group_order(self.hidden, self.g)
+        order = head_group_order(self.hidden, self.g, qkv.weight.device)
         if self.projection == "common":
             self.qkv.load_dense(qkv, order)
             self.proj.load_dense(proj)
@@ -118,7 +115,7 @@ class SubGraphAttention(nn.Module):
 
     def dense_state(self, grad=False):
         pick = values(grad)
-        inv = torch.argsort(head_group_order(self.hidden, self.g))
+        inv = torch.argsort(head_group_order(self.hidden, self.g, self.qkv.weight.device))
         if self.projection == "common":
             out = {f"qkv.{k}": v for k, v in self.qkv.dense_state(grad).items()}
             out.update({f"proj.{k}": v for k, v in self.proj.dense_state(grad).items()})
@@ -135,18 +132,7 @@ class SubGraphAttention(nn.Module):
 
     def to_dense(self):
         d = DenseSelfAttention(self.hidden, self.heads, "qkv.bias" in self.dense_state(), self.causal,
-                               dtype=self.qkv.weight.dtype)
+                               dtype=self.qkv.weight.dtype, device=self.qkv.weight.device)
         with torch.no_grad():
             d.load_state_dict(self.dense_state())
         return d
-
-    def reduce_gradients(self):
-        """Common parameters over every rank (dp, sg); branch parameters within the sub-grid (dp)."""
-        reduce_gradients_of(self.common_parameters(), self.grid, ("dp", "sg"))
-        reduce_gradients_of(self.branch_parameters(), self.grid, ("dp",))
-
-
-def reduce_gradients_of(params, grid, axes):
-    holder = nn.Module()
-    holder.params = nn.ParameterList(params)
-    reduce_gradients(holder, grid, axes)

@@ -9,6 +9,7 @@ from torch import nn
 from ..autograd.comm import copy_to_parallel, gather_from_parallel, reduce_from_parallel, scatter_to_parallel
 from ..errors import GridError
 from ..layout import Layout, gather, scatter
+from ..sharding import place
 from .dense import ParallelLinearBase, linear_tensors, values
 
 REPLICATED = Layout()
@@ -23,13 +24,15 @@ def _split(n: int, parts: int, what: str) -> int:
 class ColumnParallelLinear(ParallelLinearBase):
     """Y = X W^T + b with W split by output rows: f (identity fwd, all-reduce bwd) on the input."""
 
-    def __init__(self, in_features, out_features, grid, bias=True, gather_output=False, axis="tp", dtype=None):
+    def __init__(self, in_features, out_features, grid, bias=True, gather_output=False, axis="tp", dtype=None,
+                 device=None):
         super().__init__()
         self.grid, self.axis, self.gather_output = grid, axis, gather_output
         self.in_features, self.out_features = in_features, out_features
         n = _split(out_features, grid.size(axis), "out_features")
-        self.weight = nn.Parameter(torch.empty(n, in_features, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(n, dtype=dtype)) if bias else None
+        kw = dict(dtype=dtype, device=device or grid.device)
+        self.weight = place(nn.Parameter(torch.empty(n, in_features, **kw)), Layout((axis,)))
+        self.bias = place(nn.Parameter(torch.zeros(n, **kw)), Layout((axis,))) if bias else None
         nn.init.normal_(self.weight, std=in_features ** -0.5)
 
     @property
@@ -43,7 +46,6 @@ class ColumnParallelLinear(ParallelLinearBase):
     def forward(self, x):
         y = F.linear(copy_to_parallel(x, self.grid, self.axis), self.weight, self.bias)
         return gather_from_parallel(y, self.grid, self.axis, -1) if self.gather_output else y
-
 
     def load_dense(self, dense, order=None):
         w, b = linear_tensors(dense, order)
@@ -60,17 +62,19 @@ class ColumnParallelLinear(ParallelLinearBase):
         return out
 
 
-
 class RowParallelLinear(ParallelLinearBase):
     """Y = X W^T + b with W split by input columns: g (all-reduce fwd, identity bwd) on the output."""
 
-    def __init__(self, in_features, out_features, grid, bias=True, input_is_parallel=True, axis="tp", dtype=None):
+    def __init__(self, in_features, out_features, grid, bias=True, input_is_parallel=True, axis="tp", dtype=None,
+                 device=None):
         super().__init__()
         self.grid, self.axis, self.input_is_parallel = grid, axis, input_is_parallel
         self.in_features, self.out_features = in_features, out_features
         n = _split(in_features, grid.size(axis), "in_features")
-        self.weight = nn.Parameter(torch.empty(out_features, n, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+        kw = dict(dtype=dtype, device=device or grid.device)
+        self.weight = place(nn.Parameter(torch.empty(out_features, n, **kw)), Layout((), (axis,)))
+        # the bias is added after the all-reduce: identical on every tp rank
+        self.bias = place(nn.Parameter(torch.zeros(out_features, **kw))) if bias else None
         nn.init.normal_(self.weight, std=in_features ** -0.5)
 
     @property
@@ -86,7 +90,6 @@ class RowParallelLinear(ParallelLinearBase):
             x = scatter_to_parallel(x, self.grid, self.axis, -1)
         y = reduce_from_parallel(F.linear(x, self.weight), self.grid, self.axis)
         return y + self.bias if self.bias is not None else y
-
 
     def load_dense(self, dense, order=None):
         w = dense.weight.detach()
@@ -105,18 +108,18 @@ class RowParallelLinear(ParallelLinearBase):
         return out
 
 
-
 class VocabParallelEmbedding(nn.Module):
     """Embedding rows split over the vocabulary; out-of-range ids give zeros locally and
     one all-reduce (g) assembles the lookup."""
 
-    def __init__(self, num_embeddings, embedding_dim, grid, axis="tp", dtype=None):
+    def __init__(self, num_embeddings, embedding_dim, grid, axis="tp", dtype=None, device=None):
         super().__init__()
         self.grid, self.axis = grid, axis
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         n = _split(num_embeddings, grid.size(axis), "num_embeddings")
         self.start = grid.index(axis) * n
-        self.weight = nn.Parameter(torch.empty(n, embedding_dim, dtype=dtype))
+        self.weight = place(nn.Parameter(torch.empty(n, embedding_dim, dtype=dtype, device=device or grid.device)),
+                            Layout((axis,)))
         nn.init.normal_(self.weight)
 
     input_layout = REPLICATED
@@ -141,7 +144,7 @@ class VocabParallelEmbedding(nn.Module):
         return {"weight": gather(w, Layout((self.axis,)), self.grid)}
 
     def to_dense(self):
-        e = nn.Embedding(self.num_embeddings, self.embedding_dim, dtype=self.weight.dtype)
+        e = nn.Embedding(self.num_embeddings, self.embedding_dim, dtype=self.weight.dtype, device=self.weight.device)
         with torch.no_grad():
             e.weight.copy_(self.dense_state()["weight"])
         return e

@@ -10,6 +10,7 @@ from ..autograd.summa import summa_matmul, summa_vector
 from ..errors import GridError
 from .dense import ParallelLinearBase, dense_layernorm, linear_tensors, values
 from ..layout import Layout, gather, scatter
+from ..sharding import place
 
 ACTIVATION = Layout(("r",), (), ("c",))
 WEIGHT = Layout(("r",), ("c",))  # B = W^T, (in, out)
@@ -34,7 +35,7 @@ class Linear2D(ParallelLinearBase):
     input_layout = ACTIVATION
     output_layout = ACTIVATION
 
-    def __init__(self, in_features, out_features, grid, bias=True, dtype=None):
+    def __init__(self, in_features, out_features, grid, bias=True, dtype=None, device=None):
         super().__init__()
         q = grid.axes["r"]
         if grid.axes.get("c") != q:
@@ -42,8 +43,9 @@ class Linear2D(ParallelLinearBase):
         _check(in_features, q, "in_features")
         _check(out_features, q * q, "out_features")
         self.grid, self.in_features, self.out_features = grid, in_features, out_features
-        self.weight = nn.Parameter(torch.empty(in_features // q, out_features // q, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(out_features // (q * q), dtype=dtype)) if bias else None
+        kw = dict(dtype=dtype, device=device or grid.device)
+        self.weight = place(nn.Parameter(torch.empty(in_features // q, out_features // q, **kw)), WEIGHT)
+        self.bias = place(nn.Parameter(torch.zeros(out_features // (q * q), **kw)), VECTOR) if bias else None
         nn.init.normal_(self.weight, std=in_features ** -0.5)
 
     def forward(self, x):
@@ -53,7 +55,6 @@ class Linear2D(ParallelLinearBase):
         if self.bias is not None:
             y = y + summa_vector(self.bias, self.grid)
         return y.reshape(b, s, -1)
-
 
     def load_dense(self, dense, order=None):
         w, b = linear_tensors(dense, order)
@@ -70,20 +71,20 @@ class Linear2D(ParallelLinearBase):
         return out
 
 
-
 class LayerNorm2D(nn.Module):
     """LayerNorm over a hidden dim split over "c": statistics all-reduced in c."""
 
     input_layout = ACTIVATION
     output_layout = ACTIVATION
 
-    def __init__(self, hidden, grid, eps=1e-5, dtype=None):
+    def __init__(self, hidden, grid, eps=1e-5, dtype=None, device=None):
         super().__init__()
         q = grid.axes["r"]
         _check(hidden, q * q, "hidden")
         self.grid, self.hidden, self.eps = grid, hidden, eps
-        self.weight = nn.Parameter(torch.ones(hidden // (q * q), dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(hidden // (q * q), dtype=dtype))
+        kw = dict(dtype=dtype, device=device or grid.device)
+        self.weight = place(nn.Parameter(torch.ones(hidden // (q * q), **kw)), VECTOR)
+        self.bias = place(nn.Parameter(torch.zeros(hidden // (q * q), **kw)), VECTOR)
 
     def forward(self, x):
         mean = all_reduce_replicated(x.sum(-1, keepdim=True), self.grid, "c") / self.hidden
@@ -92,8 +93,8 @@ class LayerNorm2D(nn.Module):
         return d * torch.rsqrt(var + self.eps) * summa_vector(self.weight, self.grid) + summa_vector(self.bias, self.grid)
 
     @classmethod
-    def from_dense(cls, dense: nn.LayerNorm, grid):
-        m = cls(dense.normalized_shape[0], grid, eps=dense.eps, dtype=dense.weight.dtype)
+    def from_dense(cls, dense: nn.LayerNorm, grid, **kw):
+        m = cls(dense.normalized_shape[0], grid, eps=dense.eps, dtype=dense.weight.dtype, **kw)
         m.load_dense(dense)
         return m
 

@@ -10,8 +10,10 @@ from .. import _C
 from ..autograd.comm import all_reduce_replicated
 from ..autograd.cube import AB, cube_matmul, cube_vector, is_diagonal
 from ..errors import GridError
-from .dense import ParallelLinearBase, dense_layernorm, linear_tensors, values
 from ..layout import Layout, assemble, gather, scatter
+from ..modes.cube import activation_layout, matrix_layout
+from ..sharding import place
+from .dense import ParallelLinearBase, dense_layernorm, linear_tensors, values
 
 CUBE = ("x", "y", "z")
 
@@ -28,30 +30,26 @@ def _check(n, parts, what):
         raise GridError(f"{what} = {n} does not split over {parts} ranks of the 3-D cube")
 
 
-def activation_layout(a, c):
-    return Layout(("x", a), (), (c,))
-
-
-def _matrix_layout(form, operand, a, c):
-    return Layout(*[tuple(d) for d in _C.cube_layout(form, operand, a, c)])
-
-
 class Linear3D(ParallelLinearBase):
     """Y = X W^T + b. W^T is B_lji [c | (a, x)] (Algorithm 1); b is stored on the
     diagonal ranks (Fig. 5) and applied with Algorithm 7."""
 
-    def __init__(self, in_features, out_features, grid, bias=True, a="y", c="z", overlap=False, dtype=None):
+    def __init__(self, in_features, out_features, grid, bias=True, a="y", c="z", overlap=False, dtype=None,
+                 device=None):
         super().__init__()
         p = _p(grid)
         _check(in_features, p, "in_features")
         _check(out_features, p * p, "out_features")
         self.grid, self.a, self.c, self.overlap = grid, a, c, overlap
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(in_features // p, out_features // (p * p), dtype=dtype))
+        kw = dict(dtype=dtype, device=device or grid.device)
+        self.weight = place(nn.Parameter(torch.empty(in_features // p, out_features // (p * p), **kw)),
+                            self.weight_layout)
         nn.init.normal_(self.weight, std=in_features ** -0.5)
         self.diagonal = is_diagonal(grid, a, c)
         n_bias = out_features // (p * p)
-        self.bias = nn.Parameter(torch.zeros(n_bias if self.diagonal else 0, dtype=dtype)) if bias else None
+        self.bias = place(nn.Parameter(torch.zeros(n_bias if self.diagonal else 0, **kw)), self.bias_layout,
+                          diagonal=(a, c)) if bias else None
         self._prefetched = None
 
     @property
@@ -64,7 +62,7 @@ class Linear3D(ParallelLinearBase):
 
     @property
     def weight_layout(self):
-        return _matrix_layout(AB, 1, self.a, self.c)
+        return matrix_layout(AB, 1, self.a, self.c)
 
     @property
     def bias_layout(self):
@@ -87,7 +85,6 @@ class Linear3D(ParallelLinearBase):
             y = y + cube_vector(self.bias, self.grid, self.a, self.c, self.out_features // (p * p))
         return y.reshape(b, s, -1)
 
-
     def load_dense(self, dense, order=None):
         w, b = linear_tensors(dense, order)
         with torch.no_grad():
@@ -104,25 +101,25 @@ class Linear3D(ParallelLinearBase):
         return out
 
 
-
 def _assemble_diagonal(local, n, layout, grid, diagonal):
     if local is None:
-        local = torch.zeros(0)
+        local = torch.zeros(0, device=grid.device)
     return assemble(local, (n,), layout, grid, owner=diagonal, over=CUBE)
 
 
 class LayerNorm3D(nn.Module):
     """LayerNorm over a hidden dim split over c; gamma and beta on the diagonal (Alg. 7-8)."""
 
-    def __init__(self, hidden, grid, a="y", c="z", eps=1e-5, dtype=None):
+    def __init__(self, hidden, grid, a="y", c="z", eps=1e-5, dtype=None, device=None):
         super().__init__()
         p = _p(grid)
         _check(hidden, p * p, "hidden")
         self.grid, self.hidden, self.eps, self.a, self.c = grid, hidden, eps, a, c
         self.diagonal = is_diagonal(grid, c, a)
         n = hidden // (p * p) if self.diagonal else 0
-        self.weight = nn.Parameter(torch.ones(n, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(n, dtype=dtype))
+        kw = dict(dtype=dtype, device=device or grid.device)
+        self.weight = place(nn.Parameter(torch.ones(n, **kw)), self.vector_layout, diagonal=(c, a))
+        self.bias = place(nn.Parameter(torch.zeros(n, **kw)), self.vector_layout, diagonal=(c, a))
 
     @property
     def input_layout(self):

@@ -1,11 +1,9 @@
-"""A transformer layer in each tensor-parallel mode, checked against DenseTransformerLayer.
+"""A transformer layer in every tensor-parallel mode, checked against DenseTransformerLayer.
 
-mode "1d": Megatron (seed 003): LayerNorm replicated, qkv / fc1 column-parallel, proj /
-           fc2 row-parallel: four all-reduces per layer (two g forward, two f backward).
-mode "2d": SUMMA Linear2D / LayerNorm2D on a q x q grid, heads split over "c".
-mode "3d": Linear3D / LayerNorm3D on the cube (seed 000 Fig. 6); the first linear of each
-           block swaps the directions (a, c) and the second swaps them back, so the layer's
-           input and output layouts match.
+The mode object (gridweave/modes/) makes each piece: gw.Row (Megatron 1-D: column- then
+row-parallel, four all-reduces per layer), gw.Square (SUMMA), gw.Cube (seed 000 Fig. 6:
+the first linear of a block swaps the directions, the second swaps them back), gw.SubGraph
+and gw.CSub (SUPER's branches), gw.Sequence (replicated weights, ring attention).
 """
 from __future__ import annotations
 
@@ -14,116 +12,67 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import GridError
-from ..layout import Layout
-from .dense import DenseMLP, DenseSelfAttention, DenseTransformerLayer, head_group_order, values
-from .tensor1d import ColumnParallelLinear, RowParallelLinear
-from .tensor2d import ACTIVATION as ACT2D
-from .tensor2d import LayerNorm2D, Linear2D
-from .tensor3d import LayerNorm3D, Linear3D, activation_layout
-from ..autograd.ring import ring_attention, ring_self_attention
-from .sequence import ReplicatedLinear, attend, reduce_gradients, sequence_parallel
-from .subgraph import SubGraphAttention, subgraph_layout
-
-MODES = ("1d", "2d", "3d", "sp", "dsp", "csub")
-
-
-def _linears(mode, grid, bias, overlap, a, c, dtype):
-    """Constructors for the first (in -> wide) and second (wide -> in) linear of a block."""
-    kw = dict(dtype=dtype)
-    if mode == "1d":
-        return (lambda i, o: ColumnParallelLinear(i, o, grid, bias, **kw),
-                lambda i, o: RowParallelLinear(i, o, grid, bias, **kw))
-    if mode == "2d":
-        return (lambda i, o: Linear2D(i, o, grid, bias, **kw),) * 2
-    if mode in ("sp", "dsp", "csub"):  # weights replicated: sequence, sub-graph common layers
-        return (lambda i, o: ReplicatedLinear(i, o, bias, **kw),) * 2
-    # 3-D: the first linear takes (a, c) to (c, a); the second swaps them back (§3.2)
-    return (lambda i, o: Linear3D(i, o, grid, bias, a, c, overlap, **kw),
-            lambda i, o: Linear3D(i, o, grid, bias, c, a, overlap, **kw))
-
-
-def _activation(mode, a, c, zigzag=False, sp=False):
-    """Layout of a block's (batch, seq, hidden) input and output in each mode; `sp`: the
-    sequence is also split over the "sp" axis (zigzag for causal ring attention)."""
-    if mode == "sp":
-        return Layout(("dp",), ("sp",), (), zigzag=1 if zigzag else None)
-    if mode in ("dsp", "csub"):
-        return subgraph_layout(mode, sp, zigzag)
-    base = {"1d": Layout(), "2d": ACT2D, "3d": activation_layout(a, c)}[mode]
-    if not sp:
-        return base
-    dims = list(base.dims) + [()] * (3 - len(base.dims))
-    dims[1] = ("sp",)
-    return Layout(*dims, zigzag=1 if zigzag else None)
-
-
-def _groups(mode, grid):
-    if mode not in MODES:
-        raise GridError(f"mode must be one of {MODES}, got {mode!r}")
-    return {"1d": lambda: grid.size("tp"), "2d": lambda: grid.axes["c"], "3d": lambda: grid.axes["x"],
-            "sp": lambda: 1, "dsp": lambda: 1, "csub": lambda: 1}[mode]()
+from ..modes import resolve
+from .dense import DenseMLP, DenseSelfAttention, DenseTransformerLayer, head_group_order
+from .sequence import attend, sequence_parallel
 
 
 class SelfAttention(nn.Module):
     """qkv -> attention on this rank's heads -> proj. Heads are split over the tensor-
     parallel groups (1-D: tp; 2-D: c; 3-D: the a direction of the qkv output)."""
 
-    def __init__(self, hidden, heads, grid, mode="3d", bias=True, causal=True, overlap=False, a="y", c="z",
-                 dtype=None, attention="ring"):
+    def __init__(self, hidden, heads, grid, mode=None, bias=True, causal=True, overlap=False, dtype=None,
+                 attention="ring", device=None):
         super().__init__()
         if attention not in ("ring", "rsa"):
             raise GridError(f"attention must be 'ring' (blockwise) or 'rsa' (seed 004's), got {attention!r}")
         self.attention = attention
-        self.groups = _groups(mode, grid)
+        self.mode = resolve(mode, grid)
+        self.groups = self.mode.head_groups_count()
         if heads % self.groups:
             raise GridError(f"{heads} heads do not split over {self.groups} tensor-parallel groups")
-        self.grid, self.mode, self.a, self.c, self.bias = grid, mode, a, c, bias
+        self.grid, self.bias = grid, bias
         self.hidden, self.heads, self.causal = hidden, heads, causal
-        first, second = _linears(mode, grid, bias, overlap, a, c, dtype)
+        first, second = self.mode.linear_pair(grid, bias, dtype, device or grid.device, overlap)
         self.qkv, self.proj = first(hidden, 3 * hidden), second(hidden, hidden)
 
     @property
     def input_layout(self):
-        return _activation(self.mode, self.a, self.c, self.zigzag, sequence_parallel(self.grid))
+        return self.mode.layout(self.grid, self.zigzag)
 
     output_layout = input_layout
 
     @property
     def zigzag(self):
-        return (self.mode == "sp" or sequence_parallel(self.grid)) and self.attention == "ring" and self.causal
+        """Causal ring attention balances the load by the zigzag sequence order (RSA does not)."""
+        return self.attention == "ring" and self.causal
 
     def forward(self, x):
-        if self.mode != "sp":
-            return self.proj(attend(self.qkv(x), self.heads // self.groups, self.causal, self.grid, self.attention))
-        b, s, _ = x.shape
-        q, k, v = (t.reshape(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(self.hidden, -1))
-        if self.attention == "rsa":
-            o = ring_self_attention(q, k, v, self.grid, "sp", self.causal)
-        else:
-            o = ring_attention(q, k, v, self.grid, "sp", self.causal, self.zigzag)
-        return self.proj(o.transpose(1, 2).reshape(b, s, self.hidden))
+        return self.proj(attend(self.qkv(x), self.heads // self.groups, self.causal, self.grid, self.attention))
 
     @classmethod
-    def from_dense(cls, dense: DenseSelfAttention, grid, mode="3d", **kw):
+    def from_dense(cls, dense: DenseSelfAttention, grid, mode=None, **kw):
+        kw.setdefault("dtype", dense.qkv.weight.dtype)
         m = cls(dense.qkv.in_features, dense.heads, grid, mode, bias=dense.qkv.bias is not None, causal=dense.causal,
-                dtype=dense.qkv.weight.dtype, **kw)
+                **kw)
         m.load_dense(dense.qkv, dense.proj)
         return m
 
     def to_dense(self):
-        d = DenseSelfAttention(self.hidden, self.heads, self.bias, self.causal, dtype=self.qkv.weight.dtype)
+        w = self.qkv.weight
+        d = DenseSelfAttention(self.hidden, self.heads, self.bias, self.causal, dtype=w.dtype, device=w.device)
         with torch.no_grad():
             d.load_state_dict(self.dense_state())
         return d
 
     def load_dense(self, qkv: nn.Linear, proj: nn.Linear):
-        self.qkv.load_dense(qkv, head_group_order(self.hidden, self.groups))
+        self.qkv.load_dense(qkv, head_group_order(self.hidden, self.groups, qkv.weight.device))
         self.proj.load_dense(proj)
 
     def dense_state(self, grad=False):
         out = {f"qkv.{k}": v for k, v in self.qkv.dense_state(grad).items()}
         out.update({f"proj.{k}": v for k, v in self.proj.dense_state(grad).items()})
-        inv = torch.argsort(head_group_order(self.hidden, self.groups))
+        inv = torch.argsort(head_group_order(self.hidden, self.groups, out["qkv.weight"].device))
         for k in ("qkv.weight", "qkv.bias"):
             if k in out:
                 out[k] = out[k][inv]
@@ -133,8 +82,10 @@ class SelfAttention(nn.Module):
 class RingSelfAttention(SelfAttention):
     """Seed 004's Ring Self-Attention block: qkv and proj replicated, RSA over "sp"."""
 
-    def __init__(self, hidden, heads, grid, causal=False, bias=True, dtype=None):
-        super().__init__(hidden, heads, grid, "sp", bias, causal, dtype=dtype, attention="rsa")
+    def __init__(self, hidden, heads, grid, causal=False, bias=True, dtype=None, device=None):
+        from ..modes import Sequence
+
+        super().__init__(hidden, heads, grid, Sequence(), bias, causal, dtype=dtype, attention="rsa", device=device)
 
     @classmethod
     def from_dense(cls, dense: DenseSelfAttention, grid):
@@ -147,8 +98,10 @@ class RingSelfAttention(SelfAttention):
 class RingAttention(SelfAttention):
     """Blockwise ring attention block (online softmax; zigzag sequence layout when causal)."""
 
-    def __init__(self, hidden, heads, grid, causal=True, bias=True, dtype=None):
-        super().__init__(hidden, heads, grid, "sp", bias, causal, dtype=dtype, attention="ring")
+    def __init__(self, hidden, heads, grid, causal=True, bias=True, dtype=None, device=None):
+        from ..modes import Sequence
+
+        super().__init__(hidden, heads, grid, Sequence(), bias, causal, dtype=dtype, attention="ring", device=device)
 
     from_dense = RingSelfAttention.__dict__["from_dense"]
 
@@ -156,18 +109,18 @@ class RingAttention(SelfAttention):
 class MLP(nn.Module):
     """fc1 -> GeLU -> fc2 (1-D: column then row parallel; 3-D: directions swap and back)."""
 
-    def __init__(self, hidden, ffn_hidden, grid, mode="3d", bias=True, overlap=False, a="y", c="z", dtype=None):
+    def __init__(self, hidden, ffn_hidden, grid, mode=None, bias=True, overlap=False, dtype=None, device=None):
         super().__init__()
-        _groups(mode, grid)
-        self.grid, self.mode, self.a, self.c, self.bias = grid, mode, a, c, bias
+        self.mode = resolve(mode, grid)
+        self.grid, self.bias = grid, bias
         self.hidden, self.ffn_hidden = hidden, ffn_hidden
-        first, second = _linears(mode, grid, bias, overlap, a, c, dtype)
+        first, second = self.mode.linear_pair(grid, bias, dtype, device or grid.device, overlap)
         self.fc1, self.fc2 = first(hidden, ffn_hidden), second(ffn_hidden, hidden)
 
     @property
     def input_layout(self):
         # token-wise: any sequence order works; the contiguous one is reported
-        return _activation(self.mode, self.a, self.c, False, sequence_parallel(self.grid))
+        return self.mode.layout(self.grid, False)
 
     output_layout = input_layout
 
@@ -175,14 +128,15 @@ class MLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
     @classmethod
-    def from_dense(cls, dense: DenseMLP, grid, mode="3d", **kw):
-        m = cls(dense.fc1.in_features, dense.fc1.out_features, grid, mode, bias=dense.fc1.bias is not None,
-                dtype=dense.fc1.weight.dtype, **kw)
+    def from_dense(cls, dense: DenseMLP, grid, mode=None, **kw):
+        kw.setdefault("dtype", dense.fc1.weight.dtype)
+        m = cls(dense.fc1.in_features, dense.fc1.out_features, grid, mode, bias=dense.fc1.bias is not None, **kw)
         m.load_dense(dense.fc1, dense.fc2)
         return m
 
     def to_dense(self):
-        d = DenseMLP(self.hidden, self.ffn_hidden, self.bias, dtype=self.fc1.weight.dtype)
+        w = self.fc1.weight
+        d = DenseMLP(self.hidden, self.ffn_hidden, self.bias, dtype=w.dtype, device=w.device)
         with torch.no_grad():
             d.load_state_dict(self.dense_state())
         return d
@@ -198,25 +152,22 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, hidden, heads, grid, mode="3d", ffn_hidden=None, bias=True, causal=True, overlap=False,
-                 a="y", c="z", dtype=None, attention="ring", projection="branch", method="all_to_all"):
+    """Pre-LN layer x + attn(ln1 x), then + mlp(ln2 x), each piece made by the mode object
+    (`mode`: gw.Row(n) etc., a layer-mode name, or None for the grid's own tensor mode).
+    attention_options go to the mode's attention (sub-graph: projection, method)."""
+
+    def __init__(self, hidden, heads, grid, mode=None, ffn_hidden=None, bias=True, causal=True, overlap=False,
+                 dtype=None, attention="ring", device=None, **attention_options):
         super().__init__()
-        _groups(mode, grid)
+        self.mode = resolve(mode, grid)
         ffn_hidden = ffn_hidden or 4 * hidden
-        self.grid, self.mode, self.hidden, self.heads, self.causal = grid, mode, hidden, heads, causal
-        self.ffn_hidden, self.overlap, self.a, self.c, self.bias = ffn_hidden, overlap, a, c, bias
-        kw = dict(dtype=dtype)
-        if mode in ("1d", "sp", "dsp", "csub"):
-            self.ln1, self.ln2 = nn.LayerNorm(hidden, **kw), nn.LayerNorm(hidden, **kw)
-        elif mode == "2d":
-            self.ln1, self.ln2 = LayerNorm2D(hidden, grid, **kw), LayerNorm2D(hidden, grid, **kw)
-        else:
-            self.ln1, self.ln2 = LayerNorm3D(hidden, grid, a, c, **kw), LayerNorm3D(hidden, grid, a, c, **kw)
-        if mode in ("dsp", "csub"):
-            self.attn = SubGraphAttention(hidden, heads, grid, mode, projection, method, causal, bias, dtype)
-        else:
-            self.attn = SelfAttention(hidden, heads, grid, mode, bias, causal, overlap, a, c, dtype, attention)
-        self.mlp = MLP(hidden, ffn_hidden, grid, mode, bias, overlap, a, c, dtype)
+        device = device or grid.device
+        self.grid, self.hidden, self.heads, self.causal = grid, hidden, heads, causal
+        self.ffn_hidden, self.overlap, self.bias = ffn_hidden, overlap, bias
+        self.ln1, self.ln2 = (self.mode.norm(hidden, grid, dtype, device) for _ in range(2))
+        self.attn = self.mode.attention(hidden, heads, grid, causal, bias, dtype, device, overlap, attention,
+                                        **attention_options)
+        self.mlp = MLP(hidden, ffn_hidden, grid, self.mode, bias, overlap, dtype, device)
 
     @property
     def input_layout(self):
@@ -228,63 +179,45 @@ class TransformerLayer(nn.Module):
         return (self.attn.qkv, self.attn.proj, self.mlp.fc1, self.mlp.fc2)
 
     def prefetch(self):
-        """3-D: start the weight all-gathers (in x) of this layer's four linears, async; call
-        it on the next layer while this one computes, or let overlap=True do it per layer."""
-        if self.mode == "3d":
-            for lin in self.linears():
+        """Start the weight gathers of this layer's linears that can run ahead (3-D: the
+        all-gathers in x), async; call it on the next layer while this one computes, or let
+        overlap=True do it per layer."""
+        for lin in self.linears():
+            if hasattr(lin, "prefetch"):
                 lin.prefetch()
 
     def forward(self, x):
-        if self.mode == "3d" and self.overlap:
+        if self.overlap:
             self.prefetch()
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
     @classmethod
-    def from_dense(cls, dense: DenseTransformerLayer, grid, mode="3d", **kw):
+    def from_dense(cls, dense: DenseTransformerLayer, grid, mode=None, **kw):
         hidden = dense.ln1.normalized_shape[0]
+        kw.setdefault("dtype", dense.qkv.weight.dtype)
         m = cls(hidden, dense.heads, grid, mode, ffn_hidden=dense.fc1.out_features, bias=dense.qkv.bias is not None,
-                causal=dense.causal, dtype=dense.qkv.weight.dtype, **kw)
+                causal=dense.causal, **kw)
         m.load_dense(dense)
         return m
 
     def load_dense(self, dense):
         self.attn.load_dense(dense.qkv, dense.proj)
         self.mlp.load_dense(dense.fc1, dense.fc2)
-        for name in ("ln1", "ln2"):
-            mine, theirs = getattr(self, name), getattr(dense, name)
-            if self.mode in ("1d", "sp", "dsp", "csub"):
-                mine.load_state_dict(theirs.state_dict())
-            else:
-                mine.load_dense(theirs)
+        self.ln1.load_dense(dense.ln1)
+        self.ln2.load_dense(dense.ln2)
 
     def dense_state(self, grad=False):
         """Full tensors under DenseTransformerLayer's names (grad=True: their gradients)."""
         out = {**self.attn.dense_state(grad), **self.mlp.dense_state(grad)}
         for name in ("ln1", "ln2"):
-            ln = getattr(self, name)
-            if self.mode in ("1d", "sp", "dsp", "csub"):
-                state = {k: values(grad)(p).clone() for k, p in ln.named_parameters()}
-            else:
-                state = ln.dense_state(grad)
-            out.update({f"{name}.{k}": v for k, v in state.items()})
+            out.update({f"{name}.{k}": v for k, v in getattr(self, name).dense_state(grad).items()})
         return out
 
-    def reduce_gradients(self):
-        """Sub-graph modes: common parameters summed over (dp, sg), branch ones over dp.
-        Sequence parallel: everything over (dp, sp). Use with gw.nn.global_token_mean."""
-        if self.mode in ("dsp", "csub"):
-            from .subgraph import reduce_gradients_of
-
-            branch = {id(p) for p in self.attn.branch_parameters()}
-            reduce_gradients_of([p for p in self.parameters() if id(p) not in branch], self.grid, ("dp", "sg"))
-            reduce_gradients_of(self.attn.branch_parameters(), self.grid, ("dp",))
-        elif self.mode == "sp":
-            reduce_gradients(self, self.grid, ("dp", "sp"))
-
     def to_dense(self):
+        w = self.attn.qkv.weight
         d = DenseTransformerLayer(self.hidden, self.heads, self.ffn_hidden, bias=self.bias, causal=self.causal,
-                                  dtype=self.attn.qkv.weight.dtype)
+                                  dtype=w.dtype, device=w.device)
         with torch.no_grad():
             d.load_state_dict(self.dense_state())
         return d

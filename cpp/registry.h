@@ -1,0 +1,43 @@
+// What is built outside the core registers itself here: transports (cuda/ registers
+// NCCL), device memory (cuda/ registers CUDA), kernels (cuda/ registers the lse merge).
+// The core asks the registry, so no file in cpp/ includes a header from cuda/.
+#pragma once
+#include <cstddef>
+#include <functional>
+#include <memory>
+
+#include "communicator.h"
+#include "dtype.h"
+#include "store.h"
+
+namespace gridweave {
+
+enum class Backend : int { Gloo = 0, Nccl = 1 };
+
+using TransportFactory =
+    std::function<std::shared_ptr<Communicator>(CommInfo info, std::shared_ptr<Store> store, int device_index)>;
+
+// Raw memory of one device kind, and synchronous copies to, from and within it.
+struct DeviceAllocator {
+  std::function<void*(std::size_t bytes)> allocate;  // zero-filled
+  std::function<void(void* ptr)> release;
+  std::function<void(void* dst, const void* src, std::size_t bytes)> copy;
+};
+
+// out <- out * e^(lse - m) + blk * e^(blk_lse - m), lse <- m (see cuda/lse_merge.h).
+using LseMergeKernel = std::function<void(void* out, void* lse, const void* blk_out, const void* blk_lse,
+                                          long long rows, long long dim, DType dtype, void* stream)>;
+
+// Registration happens while a library loads (static initialisers); lookups after.
+void register_transport(Backend backend, TransportFactory factory);
+void register_allocator(Device device, DeviceAllocator allocator);
+void register_lse_merge(LseMergeKernel kernel);
+
+bool transport_available(Backend backend);
+std::shared_ptr<Communicator> make_communicator(Backend backend, CommInfo info, std::shared_ptr<Store> store,
+                                                int device_index);
+const DeviceAllocator* allocator_for(Device device);  // nullptr when none is registered
+const LseMergeKernel* lse_merge_kernel();              // nullptr when none is registered
+const char* backend_name(Backend backend);
+
+}  // namespace gridweave

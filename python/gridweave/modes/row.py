@@ -1,0 +1,48 @@
+"""1-D tensor parallelism (seed 003, Megatron-LM) as a mode: axis "tp"; column-parallel
+then row-parallel linears (f / g), layer norms replicated, heads split over "tp"."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import Mode, positive, register
+
+
+@register
+@dataclass(frozen=True)
+class Row(Mode):
+    """1-D tensor parallelism (Megatron-LM): one axis "tp" of n ranks."""
+    n: int
+    name = "1d"
+    keyword = "row"
+
+    def __post_init__(self):
+        positive("Row", self.n)
+
+    @property
+    def size(self):
+        return self.n
+
+    def axes(self):
+        return [("tp", self.n)]
+
+    @classmethod
+    def from_grid(cls, grid):
+        return cls(grid.axes.get("tp", 1))
+
+    def head_groups_count(self):
+        return self.n
+
+    def accepts(self, heads, hidden):
+        return heads % self.n == 0 and hidden % self.n == 0
+
+    def linear_pair(self, grid, bias, dtype, device, overlap=False):
+        from ..nn.tensor1d import ColumnParallelLinear, RowParallelLinear
+
+        kw = dict(dtype=dtype, device=device)
+        return (lambda i, o: ColumnParallelLinear(i, o, grid, bias, **kw),
+                lambda i, o: RowParallelLinear(i, o, grid, bias, **kw))
+
+    def activation_bytes(self, hidden, seq, heads, tokens, sp):
+        # Megatron 1-D replicates the 10 s b h of layer norms, dropouts and residuals
+        t = self.n
+        return tokens * hidden * (10 + 24 / t + 5 * heads * seq / (hidden * t)) / sp

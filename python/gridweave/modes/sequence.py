@@ -1,0 +1,35 @@
+"""Sequence parallelism alone (seed 004) as a mode: no tensor axes; every weight on every
+rank, the batch over "dp" and the sequence over "sp" (ring attention)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..layout import Layout
+from .base import Mode, register
+
+
+@register
+@dataclass(frozen=True)
+class Sequence(Mode):
+    """No tensor parallelism: replicated weights, data x sequence parallel activations."""
+    name = "sp"
+    keyword = "none"
+    size_arg = False
+
+    def spec(self):
+        return "none"
+
+    @classmethod
+    def from_grid(cls, grid):
+        return cls()
+
+    def base_layout(self, grid):
+        return Layout(("dp",), (), ())
+
+    def linear_pair(self, grid, bias, dtype, device, overlap=False):
+        from ..nn.sequence import ReplicatedLinear
+
+        return (lambda i, o: ReplicatedLinear(i, o, bias, dtype=dtype, device=device),) * 2
+
+    def __repr__(self):
+        return "gw.Sequence()"

@@ -1,0 +1,52 @@
+"""2-D SUMMA (the Optimus baseline of seed 000) as a mode: a q x q grid of axes "r", "c";
+activations split by batch over "r" and hidden over "c", heads over "c"."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..layout import Layout
+from .base import Mode, positive, register
+
+
+@register
+@dataclass(frozen=True)
+class Square(Mode):
+    """2-D SUMMA: a q x q grid, axes "r" (rows) and "c" (columns)."""
+    q: int
+    name = "2d"
+    keyword = "square"
+
+    def __post_init__(self):
+        positive("Square", self.q)
+
+    @property
+    def size(self):
+        return self.q
+
+    def axes(self):
+        return [("r", self.q), ("c", self.q)]
+
+    @classmethod
+    def from_grid(cls, grid):
+        return cls(grid.axes.get("r", 1))
+
+    def head_groups_count(self):
+        return self.q
+
+    def base_layout(self, grid):
+        from ..nn.tensor2d import ACTIVATION
+
+        return ACTIVATION
+
+    def linear_pair(self, grid, bias, dtype, device, overlap=False):
+        from ..nn.tensor2d import Linear2D
+
+        return (lambda i, o: Linear2D(i, o, grid, bias, dtype=dtype, device=device),) * 2
+
+    def norm(self, hidden, grid, dtype, device, eps=1e-5):
+        from ..nn.tensor2d import LayerNorm2D
+
+        return LayerNorm2D(hidden, grid, eps=eps, dtype=dtype, device=device)
+
+    def boundary_fraction(self):
+        return 1.0 / self.ranks()

@@ -1,0 +1,132 @@
+"""SUPER's sub-graph parallelism (seed 002) as modes: g sub-grids joined by axis "sg";
+attention heads are the branches, one head group per sub-grid.
+
+SubGraph (D&SP): the common layers are data-parallel over every rank (batch over
+(dp, sg)); split / sum are all-gather / reduce-scatter along sg. CSub (D&SP-cSub): the
+common layers run on sub-grid 0 only; split / sum / slice / concat are broadcast / reduce /
+scatter / gather."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..layout import Layout
+from .base import Mode, positive, register
+
+
+@register
+@dataclass(frozen=True)
+class SubGraph(Mode):
+    """SUPER D&SP: g sub-grids; axis "sg" joins the i-th rank of each."""
+    g: int
+    name = "dsp"
+    keyword = "subgraph"
+    outer = True
+
+    def __post_init__(self):
+        positive(type(self).__name__, self.g)
+
+    @property
+    def size(self):
+        return self.g
+
+    def axes(self):
+        return [("sg", self.g)]
+
+    @classmethod
+    def from_grid(cls, grid):
+        return cls(grid.axes.get("sg", 1))
+
+    def accepts(self, heads, hidden):
+        return heads % self.g == 0 and hidden % self.g == 0
+
+    def base_layout(self, grid):
+        return Layout(("dp", "sg"), (), ())
+
+    def linear_pair(self, grid, bias, dtype, device, overlap=False):
+        from ..nn.sequence import ReplicatedLinear
+
+        # the common layers: weights on every rank, gradients summed over (dp, sg, sp)
+        partial = self.common_partial()
+        return (lambda i, o: ReplicatedLinear(i, o, bias, dtype=dtype, device=device, partial=partial),) * 2
+
+    def norm(self, hidden, grid, dtype, device, eps=1e-5):
+        from ..nn.sequence import ReplicatedLayerNorm
+
+        return ReplicatedLayerNorm(hidden, eps=eps, dtype=dtype, device=device, partial=self.common_partial())
+
+    def common_partial(self) -> tuple:
+        """The common layers see every sub-grid's samples (D&SP) or zeros off sub-grid 0 (cSub):
+        their gradients are partial sums over sg as well as over the data axes."""
+        return ("dp", "sg", "sp")
+
+    def attention(self, hidden, heads, grid, causal, bias, dtype, device, overlap=False, attention="ring",
+                  projection="branch", method="all_to_all"):
+        from ..nn.subgraph import SubGraphAttention
+
+        return SubGraphAttention(hidden, heads, grid, self, projection, method, causal, bias, dtype, device=device)
+
+    # split / sum / slice / concat between the common grid and the branches (seed 002 §IV)
+    def split(self, x, grid, shape=None):
+        from ..autograd import subgraph as ops
+
+        return ops.dsp_split(x, grid)
+
+    def branch_sum(self, y, grid):
+        from ..autograd import subgraph as ops
+
+        return ops.dsp_sum(y, grid)
+
+    def slice_(self, x, grid, method, shape=None):
+        from ..autograd import subgraph as ops
+
+        return ops.dsp_slice(x, grid, method)
+
+    def concat(self, y, grid, method):
+        from ..autograd import subgraph as ops
+
+        return ops.dsp_concat(y, grid, method)
+
+    def common_shape(self, x, grid):
+        """The common shard's shape; cSub's other sub-grids learn it from sub-grid 0."""
+        return None
+
+    def activation_bytes(self, hidden, seq, heads, tokens, sp):
+        return tokens * hidden * (34 + 5 * heads * seq / hidden) / self.g / sp
+
+
+@register
+@dataclass(frozen=True)
+class CSub(SubGraph):
+    """SUPER D&SP-cSub: the common layers on sub-grid 0, the branches on all g sub-grids."""
+    name = "csub"
+    keyword = "csub"
+
+    def base_layout(self, grid):
+        return Layout(("dp",), (), (), only=("sg", 0))
+
+    def split(self, x, grid, shape=None):
+        from ..autograd import subgraph as ops
+
+        return ops.csub_split(x, grid, shape)
+
+    def branch_sum(self, y, grid):
+        from ..autograd import subgraph as ops
+
+        return ops.csub_sum(y, grid)
+
+    def slice_(self, x, grid, method, shape=None):
+        from ..autograd import subgraph as ops
+
+        return ops.csub_slice(x, grid, shape)
+
+    def concat(self, y, grid, method):
+        from ..autograd import subgraph as ops
+
+        return ops.csub_concat(y, grid)
+
+    def common_shape(self, x, grid):
+        import torch
+
+        s = torch.tensor(list(x.shape), dtype=torch.int64, device=grid.device)
+        grid.broadcast(s, axis="sg", src=0)
+        return tuple(int(v) for v in s.tolist())
