@@ -27,21 +27,22 @@ def _rate(fn, window: float) -> float:
     return calls / elapsed
 
 
-def gemm_rate(n: int = 256, window: float = 1.0) -> float:
+def gemm_rate(n: int = 256, window: float = 1.0, device="cpu") -> float:
     """FLOP/s of an n x n float32 matmul on this process's threads."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     return 2 * n ** 3 * _rate(lambda: a @ b, window)
 
 
-def vector_bandwidth(numel: int = 1 << 18, window: float = 1.0) -> float:
+def vector_bandwidth(numel: int = 1 << 18, window: float = 1.0, device="cpu") -> float:
     """Bytes/s of an element-wise add (two reads, one write) on tensors of `numel` floats."""
-    a, b, c = torch.randn(numel), torch.randn(numel), torch.empty(numel)
+    a, b, c = (torch.randn(numel, device=device), torch.randn(numel, device=device),
+               torch.empty(numel, device=device))
     return 3 * 4 * numel * _rate(lambda: torch.add(a, b, out=c), window)
 
 
-def launch_overhead(window: float = 1.0) -> float:
+def launch_overhead(window: float = 1.0, device="cpu") -> float:
     """Seconds of one tiny autograd-recorded op: what each kernel costs beyond its work."""
-    x = torch.ones(4, requires_grad=True)
+    x = torch.ones(4, requires_grad=True, device=device)
     return 1 / _rate(lambda: x * 2.0, window)
 
 
@@ -51,7 +52,7 @@ def ring_all_gather(grid, sizes=(1 << 13, 1 << 16, 1 << 18, 1 << 20, 1 << 22), r
     out = {}
     g = grid.world_size
     for nbytes in sizes:
-        part = torch.zeros(max(1, nbytes // 4 // g))
+        part = torch.zeros(max(1, nbytes // 4 // g), device=grid.device)
         grid.all_gather(part, "dp")
         ts = []
         for _ in range(reps):
@@ -81,8 +82,8 @@ def measure(grid) -> dict:
     local = []
     for probe in (gemm_rate, vector_bandwidth, launch_overhead):
         grid.barrier()
-        local.append(probe())
-    local = torch.tensor(local, dtype=torch.float64)
+        local.append(probe(device=grid.device))
+    local = torch.tensor(local, dtype=torch.float64, device=grid.device)
     every = grid.all_gather(local.unsqueeze(0), "dp", dim=0) if grid.world_size > 1 else local.unsqueeze(0)
     gemm, vector, launch = (statistics.median(every[:, k].tolist()) for k in range(3))
     return {"name": "local", "about": f"measured by gridweave bench --calibrate with {grid.world_size} ranks at once",

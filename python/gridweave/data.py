@@ -28,9 +28,10 @@ def load_corpus(path: str | None = None) -> torch.Tensor:
 
 def batch(corpus: torch.Tensor, step: int, seed: int, batch_size: int, seq: int):
     """The step's (inputs, targets): batch_size windows of seq+1 bytes, the same on every
-    rank and in every grid for a given (seed, step), so runs are comparable."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    starts = torch.randint(0, len(corpus) - seq - 1, (batch_size,), generator=g)
+    rank and in every grid for a given (seed, step), so runs are comparable. On the host
+    (the corpus is host memory); the job moves them to its device."""
+    g = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, len(corpus) - seq - 1, (batch_size,), generator=g, device="cpu")
     windows = torch.stack([corpus[s:s + seq + 1] for s in starts.tolist()]).long()
     return windows[:, :-1], windows[:, 1:]
 

@@ -169,7 +169,7 @@ def run(cfg: TrainConfig, on_step: Callable[[int, "gw.Grid"], None] | None = Non
         if any(manifest["config"][k] != mine[k] for k in CONFIG_KEYS if k != "steps"):
             raise GridError(f"checkpoint config {manifest['config']} differs from this run's {mine}")
         stage.load_dense_state(tensors["param"])  # resharded for this grid by each module
-        state = {i: {"step": torch.tensor(float(opt_step))} for i in range(len(opt.params))}
+        state = {i: {"step": torch.tensor(float(opt_step), device="cpu")} for i in range(len(opt.params))}
         for kind in opt.STATE_KEYS:
             local = stage.local_from_dense(tensors[kind])
             for i, p in enumerate(opt.params):

@@ -6,6 +6,30 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from rankpool import RankPool  # noqa: E402
 
+# --default-device=meta poisons torch's default device in this process and in every rank
+# process before any test runs: a tensor made without an explicit device (in the library
+# or in a test) then fails loudly on CPU, long before a GPU would see it.
+POISON_ENV = "GRIDWEAVE_TEST_DEFAULT_DEVICE"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--default-device", default=None,
+                     help="set torch's default device (e.g. meta) in the test and rank processes")
+
+
+def pytest_configure(config):
+    device = config.getoption("--default-device")
+    if device:
+        os.environ[POISON_ENV] = device  # inherited by the rank pool and subprocesses
+        # processes the tests start (the main job's ranks) poison themselves at start-up
+        poison = os.path.join(os.path.dirname(__file__), "poison")
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [poison, os.environ.get("PYTHONPATH")]))
+    device = os.environ.get(POISON_ENV)
+    if device:
+        import torch
+
+        torch.set_default_device(device)
+
 
 @pytest.fixture(scope="session")
 def pool():

@@ -38,6 +38,8 @@ def _worker(conn, host: str, port: int) -> None:
     from torch.distributed import TCPStore
 
     torch.set_num_threads(1)
+    if os.environ.get("GRIDWEAVE_TEST_DEFAULT_DEVICE"):  # conftest's --default-device
+        torch.set_default_device(os.environ["GRIDWEAVE_TEST_DEFAULT_DEVICE"])
     import gridweave as gw
 
     store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))

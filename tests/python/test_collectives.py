@@ -40,7 +40,7 @@ def _all_ops(ctx, dtype_name: str):
     checks["reduce"] = np.array_equal(as_np(t), ref)
 
     full = rank_input(99, (n, 4), dtype, salt=2)
-    part = torch.empty(1, 4, dtype=dtype)
+    part = torch.empty(1, 4, dtype=dtype, device="cpu")
     grid.scatter(part, full if r == src else None, axis="dp", src=src)
     checks["scatter"] = np.array_equal(as_np(part), as_np(full)[r:r + 1])
     g = grid.gather(mine, axis="dp", dst=0)
@@ -78,12 +78,12 @@ def _recv_any(ctx):
         got = {}
         pending = list(range(1, n))
         while pending:
-            buf = torch.empty(3, dtype=torch.float64)
+            buf = torch.empty(3, dtype=torch.float64, device="cpu")
             s = grid.recv_any(buf, pending, tag=7)
             got[s] = buf.tolist()
             pending.remove(s)
         return got
-    grid.send(torch.full((3,), float(r), dtype=torch.float64), 0, tag=7)
+    grid.send(torch.full((3,), float(r), dtype=torch.float64, device="cpu"), 0, tag=7)
     return None
 
 

@@ -55,13 +55,13 @@ def _bad_shapes(ctx):
     grid = ctx.init(dp=2, tp=gw.Row(4))
     errors = []
     for call in (
-        lambda: grid.reduce_scatter(torch.ones(6, 2), axis="tp"),       # 6 rows do not split over 4
-        lambda: grid.all_to_all(torch.ones(3), axis=("dp", "tp")),
-        lambda: grid.all_reduce(torch.ones(4, 4).t(), axis="tp"),       # in place needs contiguous
-        lambda: grid.all_gather(torch.ones(2), axis="q"),
-        lambda: grid.all_reduce(torch.ones(2, dtype=torch.complex64), axis="tp"),
-        lambda: grid.broadcast(torch.ones(2), axis="tp", src=9),
-        lambda: grid.all_reduce(torch.ones(2), axis="tp", op="avg"),
+        lambda: grid.reduce_scatter(torch.ones(6, 2, device="cpu"), axis="tp"),       # 6 rows do not split over 4
+        lambda: grid.all_to_all(torch.ones(3, device="cpu"), axis=("dp", "tp")),
+        lambda: grid.all_reduce(torch.ones(4, 4, device="cpu").t(), axis="tp"),       # in place needs contiguous
+        lambda: grid.all_gather(torch.ones(2, device="cpu"), axis="q"),
+        lambda: grid.all_reduce(torch.ones(2, dtype=torch.complex64, device="cpu"), axis="tp"),
+        lambda: grid.broadcast(torch.ones(2, device="cpu"), axis="tp", src=9),
+        lambda: grid.all_reduce(torch.ones(2, device="cpu"), axis="tp", op="avg"),
     ):
         try:
             call()
@@ -69,7 +69,7 @@ def _bad_shapes(ctx):
         except gw.GridError as e:
             errors.append(str(e))
     # Nothing was half-sent: the grid still works, in step on every rank.
-    ok = grid.all_reduce(torch.ones(3), axis="tp").tolist() == [4.0] * 3
+    ok = grid.all_reduce(torch.ones(3, device="cpu"), axis="tp").tolist() == [4.0] * 3
     return errors, ok
 
 
@@ -86,7 +86,7 @@ def test_bad_shapes_raise_before_any_communication(pool):
 def _skip(ctx, connected):
     grid = ctx.init(dp=4, timeout=2.0)
     grid.barrier()
-    t = torch.ones(8)
+    t = torch.ones(8, device="cpu")
     if connected:  # the axis communicator exists; the skip hits the collective itself
         grid.all_reduce(t, axis="dp")
     if ctx.rank == 3:
@@ -122,7 +122,7 @@ def _die(ctx):
     start = time.monotonic()
     try:
         for _ in range(3):
-            grid.all_reduce(torch.ones(1024), axis="dp")
+            grid.all_reduce(torch.ones(1024, device="cpu"), axis="dp")
     except gw.CommError as e:
         return type(e).__name__, str(e), time.monotonic() - start
     return "no error", "", 0.0
@@ -140,7 +140,7 @@ def test_a_rank_that_dies_gives_a_comm_error_on_survivors(pool):
 
 def _after_failure(ctx):
     grid = ctx.init(dp=2)
-    return grid.all_reduce(torch.ones(2), axis="dp").tolist()
+    return grid.all_reduce(torch.ones(2, device="cpu"), axis="dp").tolist()
 
 
 def test_pool_recovers_after_a_death(pool):
@@ -151,7 +151,7 @@ class _FakeDeviceArray:
     """Looks like a cupy array on a GPU (no GPU needed to build one)."""
 
     def __init__(self, n):
-        self._buf = torch.zeros(n)
+        self._buf = torch.zeros(n, device="cpu")
         self.__cuda_array_interface__ = {"shape": (n,), "typestr": "<f4", "data": (self._buf.data_ptr(), False),
                                          "version": 3, "strides": None, "stream": 0}
 
@@ -174,7 +174,7 @@ def _shutdown_cancels(ctx):
     grid.barrier()
     if ctx.rank == 1:
         return None
-    work = grid.recv_any(torch.empty(3), [1], async_op=True)  # rank 1 never sends
+    work = grid.recv_any(torch.empty(3, device="cpu"), [1], async_op=True)  # rank 1 never sends
     start = time.monotonic()
     gw.shutdown()
     try:

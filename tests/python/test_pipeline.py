@@ -11,7 +11,7 @@ V, H, HEADS, LAYERS, SEQ, BATCH, STEPS = 32, 16, 2, 4, 8, 8, 20
 
 def _data():
     g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, V, (BATCH, SEQ + 1), generator=g)
+    ids = torch.randint(0, V, (BATCH, SEQ + 1), generator=g, device="cpu")
     return ids[:, :-1], ids[:, 1:]
 
 
@@ -19,7 +19,7 @@ def _reference():
     import gridweave as gw
 
     torch.manual_seed(0)
-    model = gw.models.GPT(V, H, HEADS, LAYERS, SEQ)
+    model = gw.models.GPT(V, H, HEADS, LAYERS, SEQ, device="cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     x, y = _data()
     losses = []
@@ -38,7 +38,7 @@ def _pipeline(ctx, stages, schedule, slow_stage=-1, ac=1, die_stage=-1):
     dp = ctx.world_size // stages
     grid = ctx.init(dp=dp, pp=stages, timeout=20.0)
     torch.manual_seed(0)
-    model = gw.models.GPT(V, H, HEADS, LAYERS, SEQ)
+    model = gw.models.GPT(V, H, HEADS, LAYERS, SEQ, device="cpu")
     s = grid.coords["pp"]
     layers = model.stage_layers(s, stages)
 
@@ -121,8 +121,8 @@ def test_offload_adam_equals_adamw_step_by_step():
     import gridweave as gw
 
     torch.manual_seed(1)
-    a = gw.models.GPT(V, H, HEADS, 2, SEQ)
-    b = gw.models.GPT(V, H, HEADS, 2, SEQ)
+    a = gw.models.GPT(V, H, HEADS, 2, SEQ, device="cpu")
+    b = gw.models.GPT(V, H, HEADS, 2, SEQ, device="cpu")
     b.load_state_dict(a.state_dict())
     ref = torch.optim.AdamW(a.parameters(), lr=3e-3, weight_decay=0.1)
     mine = gw.optim.OffloadAdam(b.parameters(), lr=3e-3, weight_decay=0.1, bsize=101, coarsening=3)
@@ -139,7 +139,7 @@ def test_offload_adam_equals_adamw_step_by_step():
 def test_offload_memory_accounting():
     import gridweave as gw
 
-    model = gw.models.GPT(V, H, HEADS, 2, SEQ, dtype=torch.float16)
+    model = gw.models.GPT(V, H, HEADS, 2, SEQ, dtype=torch.float16, device="cpu")
     phi = sum(p.numel() for p in model.parameters())
     opt = gw.optim.OffloadAdam(model.parameters(), bsize=128)
     acc = opt.device_bytes()

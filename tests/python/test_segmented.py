@@ -52,7 +52,7 @@ def _counters(ctx):
 
     grid = ctx.init(dp=2, tp=gw.Square(2), ranks_per_node=4)  # 4 ranks per emulated node
     n = 3 * 4 * 8  # float64 elements
-    t = torch.ones(n, dtype=torch.float64)
+    t = torch.ones(n, dtype=torch.float64, device="cpu")
     grid.reset_stats()
     grid.all_gather(t, axis="c")
     grid.reduce_scatter(t, axis=("dp", "r"))
@@ -115,9 +115,9 @@ def test_traffic_model_from_a_live_grid(pool):
 
 def _overlap(ctx):
     grid = ctx.init(dp=ctx.world_size)
-    t = torch.full((1 << 20,), float(ctx.rank + 1))
+    t = torch.full((1 << 20,), float(ctx.rank + 1), device="cpu")
     work = grid.all_reduce(t, axis="dp", async_op=True)
-    a = torch.randn(128, 128)
+    a = torch.randn(128, 128, device="cpu")
     steps = 0
     # Compute until the op completes on its own: proof that it progresses in the
     # background, without the caller waiting on it.

@@ -55,7 +55,7 @@ def test_checkpoint_exports_a_dense_state_dict(single):
 
     _, out = single
     state = export_dense(out)
-    model = gw.models.GPT(256, 32, 4, 4, 32)
+    model = gw.models.GPT(256, 32, 4, 4, 32, device="cpu")
     model.load_state_dict(state)
     assert torch.equal(model.head.out.weight, state["head.out.weight"])
 

@@ -4,7 +4,7 @@ import torch
 
 def full(shape, seed, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    return torch.randn(shape, generator=g, dtype=torch.float64, device="cpu").to(dtype)
 
 
 def rel(a, b) -> float:
