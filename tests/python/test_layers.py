@@ -38,7 +38,14 @@ def _layer(ctx, mode, dtype_name, overlap, bias):
         errs[name] = rel(grads[name], p.grad)
     state = layer.to_dense().state_dict()
     errs["to_dense"] = max(rel(state[k], v) for k, v in dense.state_dict().items())
-    return errs, stats
+    # the planner's schedule, recorded on meta tensors, is the collectives this run issued
+    from collections import Counter
+
+    from gridweave.modes.schedule import collectives_at
+
+    planned = Counter(c.axis for c in collectives_at(layer.mode, H, HEADS, S, 1, B))
+    ran = {axis: c["ops"] for axis, c in stats.items()}
+    return errs, stats, dict(planned), ran
 
 
 CASES = [("1d", 2), ("1d", 4), ("1d", 8), ("2d", 4), ("3d", 8)]
@@ -48,20 +55,21 @@ CASES = [("1d", 2), ("1d", 4), ("1d", 8), ("2d", 4), ("3d", 8)]
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_transformer_layer_matches_dense(pool, mode, n, dtype):
     limit = 1e-10 if dtype == "float64" else 1e-5
-    for errs, _ in pool.run(_layer, n, mode, dtype, False, True):
+    for errs, _, planned, ran in pool.run(_layer, n, mode, dtype, False, True):
         assert max(errs.values()) < limit, {k: v for k, v in errs.items() if v >= limit}
+        assert planned == ran, (planned, ran)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 def test_3d_layer_overlap_and_bias(pool, overlap, bias):
-    for errs, _ in pool.run(_layer, 8, "3d", "float64", overlap, bias):
+    for errs, _, _, _ in pool.run(_layer, 8, "3d", "float64", overlap, bias):
         assert max(errs.values()) < 1e-10, errs
 
 
 def test_1d_layer_moves_exactly_four_all_reduces(pool):
     n = 4
-    for errs, stats in pool.run(_layer, n, "1d", "float64", False, True):
+    for errs, stats, _, _ in pool.run(_layer, n, "1d", "float64", False, True):
         assert list(stats) == ["tp"]
         tp = stats["tp"]
         assert tp["ops"] == 4  # g after attention and MLP forward, f before them backward

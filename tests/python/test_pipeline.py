@@ -32,7 +32,7 @@ def _reference():
     return losses
 
 
-def _pipeline(ctx, stages, schedule, slow_stage=-1, ac=1, die_stage=-1):
+def _pipeline(ctx, stages, schedule, slow_stage=-1, ac=1, die_stage=-1, receive="auto"):
     import gridweave as gw
 
     dp = ctx.world_size // stages
@@ -69,13 +69,13 @@ def _pipeline(ctx, stages, schedule, slow_stage=-1, ac=1, die_stage=-1):
             os._exit(3)
         opt.zero_grad()
         loss, stats = gw.pipeline.pipeline_step(stage, grid, micro_x, micro_y, model.loss, (1, SEQ, H),
-                                                schedule=schedule, pipeline_limit=2)
+                                                schedule=schedule, pipeline_limit=2, receive=receive)
         opt.step()
         if loss is not None:
             t = loss.reshape(1).clone()
             grid.all_reduce(t, axis="dp")
             losses.append(t.item() / dp)
-    return losses, n_transformer
+    return losses, s == stages - 1
 
 
 @pytest.fixture(scope="module")
@@ -83,29 +83,55 @@ def reference():
     return _reference()
 
 
-@pytest.mark.parametrize("stages,n", [(2, 4), (4, 8)])
-@pytest.mark.parametrize("schedule", ["message_driven", "1f1b"])
-def test_gpt_trains_with_one_process_losses(pool, reference, stages, n, schedule):
-    res = pool.run(_pipeline, n, stages, schedule)
-    last = [losses for losses, _ in res if losses]
-    assert len(last) == n // stages  # the last stage of each data-parallel row
+def _check(res, reference, stages, n):
+    """Exactly the last stage's ranks (one per data-parallel row) report losses, and theirs
+    are the one-process losses."""
+    last = [losses for losses, is_last in res if is_last]
+    assert len(last) == n // stages
+    assert all(not losses for losses, is_last in res if not is_last)
     for losses in last:
+        assert len(losses) == len(reference)
         assert max(abs(a - b) / abs(b) for a, b in zip(losses, reference)) < 1e-5, (losses, reference)
+
+
+# receive: "any" (receive-from-any, Gloo's) and "per_peer" (one receive per neighbour: the
+# strategy NCCL needs) both run here on Gloo, through the same engine code.
+@pytest.mark.parametrize("stages,n", [(2, 4), (4, 8)])
+@pytest.mark.parametrize("schedule,receive", [("message_driven", "any"), ("message_driven", "per_peer"),
+                                              ("1f1b", "auto")])
+def test_gpt_trains_with_one_process_losses(pool, reference, stages, n, schedule, receive):
+    _check(pool.run(_pipeline, n, stages, schedule, receive=receive), reference, stages, n)
     assert reference[-1] < reference[0]
 
 
-def test_a_slow_stage_changes_timing_not_results(pool, reference):
-    res = pool.run(_pipeline, 4, 2, "message_driven", 0)
-    for losses, _ in res:
-        if losses:
-            assert max(abs(a - b) / abs(b) for a, b in zip(losses, reference)) < 1e-5
+@pytest.mark.parametrize("receive", ["any", "per_peer"])
+def test_a_slow_stage_changes_timing_not_results(pool, reference, receive):
+    _check(pool.run(_pipeline, 4, 2, "message_driven", 0, receive=receive), reference, 2, 4)
 
 
 def test_activation_checkpointing_keeps_results(pool, reference):
-    res = pool.run(_pipeline, 4, 2, "message_driven", -1, 2)
-    for losses, _ in res:
-        if losses:
-            assert max(abs(a - b) / abs(b) for a, b in zip(losses, reference)) < 1e-5
+    _check(pool.run(_pipeline, 4, 2, "message_driven", -1, 2), reference, 2, 4)
+
+
+def _receive_any_capability(ctx):
+    import gridweave as gw
+
+    grid = ctx.init(pp=2)
+    caps = grid.capabilities("pp")
+    errs = []
+    for kw in ({"schedule": "sideways"}, {"receive": "sometimes"}):
+        try:
+            gw.pipeline.pipeline_step(torch.nn.Identity(), grid, [torch.zeros(1, device="cpu")],
+                                      [torch.zeros(1, device="cpu")], lambda o, t: o.sum(), (1,), **kw)
+        except gw.GridError as e:
+            errs.append(str(e))
+    return caps, errs
+
+
+def test_transport_capabilities_and_bad_strategies(pool):
+    for caps, errs in pool.run(_receive_any_capability, 2):
+        assert caps == {"recv_any": True}  # Gloo receives from any peer
+        assert "schedule must be one of" in errs[0] and "receive must be one of" in errs[1]
 
 
 def test_a_pipeline_peer_that_dies_gives_a_clear_error(pool):
@@ -136,14 +162,42 @@ def test_offload_adam_equals_adamw_step_by_step():
             torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
 
 
+def _storages(obj, seen=None):
+    """Every tensor storage reachable from `obj`'s attributes: (data_ptr, bytes, device)."""
+    out = {} if seen is None else seen
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else \
+        vars(obj).values() if hasattr(obj, "__dict__") and not isinstance(obj, torch.Tensor) else [obj]
+    for v in items:
+        if isinstance(v, torch.Tensor):
+            st = v.untyped_storage()
+            out[st.data_ptr()] = (st.nbytes(), v.device.type, v.dtype)
+        elif isinstance(v, (dict, list, tuple)):
+            _storages(v, out)
+    return out
+
+
 def test_offload_memory_accounting():
+    """Seed 001 §V: with a half-precision model, the device holds 4 phi (weights and gradients)
+    plus 16 bsize (the bucket buffers), the host 12 phi (fp32 master and two states); the
+    optimizer's own accounting agrees with what its tensors really take."""
     import gridweave as gw
 
     model = gw.models.GPT(V, H, HEADS, 2, SEQ, dtype=torch.float16, device="cpu")
     phi = sum(p.numel() for p in model.parameters())
     opt = gw.optim.OffloadAdam(model.parameters(), bsize=128)
+    x, y = _data()
+    model.loss(model(x).float(), y).backward()
+    held = _storages(opt)  # everything the optimizer keeps (it holds the parameters too)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    grads = _storages([p.grad for p in model.parameters()])
+    fp32 = sum(b for ptr, (b, _, dt) in held.items() if ptr not in params and dt == torch.float32)
+    model_bytes = sum(held[ptr][0] for ptr in params) + sum(b for b, _, _ in grads.values())
+    assert model_bytes == 4 * phi                        # fp16 weights + fp16 gradients
+    assert fp32 == 12 * phi + 16 * 128                   # host master + 2 states, device buckets
+    buckets = sum(t.untyped_storage().nbytes() for t in opt._buf.values())
+    assert buckets == 16 * 128
     acc = opt.device_bytes()
-    assert acc["total"] == 4 * phi + 16 * 128  # seed 001 §V: 4 phi + 16 bsize
+    assert acc["total"] == model_bytes + buckets
     assert acc["without_offload"] == 20 * phi
 
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ARGS = ["--steps", "4", "--hidden", "32", "--layers", "4", "--heads", "4", "--seq", "32", "--batch", "8",
         "--quiet"]
@@ -25,16 +26,53 @@ def _close(a, b, tol=1e-4):
     return max(abs(x - y) / abs(y) for x, y in zip(a, b)) < tol
 
 
+def plain_torch(steps=4, max_grad_norm=None):
+    """The reference the library shares no code with: the dense GPT (same initialisation),
+    torch.optim.AdamW, the same batches, torch's own clipping; (losses, gradient norms)."""
+    import torch.nn.functional as F
+
+    import gridweave as gw
+
+    corpus = gw.data.load_corpus(None)
+    torch.manual_seed(0)
+    model = gw.models.GPT(256, 32, 4, 4, 32, device="cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    losses, norms = [], []
+    for step in range(steps):
+        x, y = gw.data.batch(corpus, step, 0, 8, 32)
+        opt.zero_grad()
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        if max_grad_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)))
+        opt.step()
+        losses.append(loss.item())
+    return losses, norms
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return plain_torch()[0]
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     return _train(tmp_path_factory.mktemp("one"), "one", "--nproc", "1")
 
 
-def test_grid_run_equals_one_process(single, tmp_path):
+def test_one_process_equals_plain_torch(single, plain):
+    one, _ = single
+    assert one[-1] < one[0]
+    assert _close(one, plain), (one, plain)
+
+
+def test_grid_run_equals_one_process(single, plain, tmp_path):
     one, _ = single
     grid, out = _train(tmp_path, "grid", "--nproc", "4", "--dp", "2", "--pp", "2", port=29583)
     assert one[-1] < one[0]
     assert _close(grid, one), (grid, one)
+    assert _close(grid, plain), (grid, plain)
     assert (out / "loss.png").stat().st_size > 0
     manifest = json.loads((out / "checkpoint" / "manifest.json").read_text())
     assert manifest["step"] == 4 and manifest["grid"]["pp"] == 2
@@ -67,10 +105,20 @@ def test_checkpoint_exports_a_dense_state_dict(single):
     (["--tp", "square:2", "--pp", "2"], 29597),                    # SUMMA x pipeline
     (["--tp", "csub:2", "--sp", "2", "--pp", "2"], 29599),         # cSub x ring attention x pipeline
 ])
-def test_composed_grids_train_with_one_process_losses(single, tmp_path, spec, port):
+def test_composed_grids_train_with_one_process_losses(single, plain, tmp_path, spec, port):
     one, _ = single
     losses, _ = _train(tmp_path, "run", "--nproc", "8", *spec, port=port)
     assert _close(losses, one), (spec, losses, one)
+    assert _close(losses, plain), (spec, losses, plain)
+
+
+@pytest.mark.parametrize("spec,port", [(["--tp", "cube:2"], 29601), (["--tp", "row:2", "--sp", "2", "--pp", "2"], 29603)])
+def test_gradient_clipping_matches_torch(tmp_path, spec, port):
+    """--max-grad-norm: the global norm over the grid (each element once) clips as torch does."""
+    ref, norms = plain_torch(max_grad_norm=0.2)
+    assert norms[0] > 0.2  # the clipping is engaged
+    losses, _ = _train(tmp_path, "clip", "--nproc", "8", "--max-grad-norm", "0.2", *spec, port=port)
+    assert _close(losses, ref), (losses, ref)
 
 
 def test_checkpoint_reshards_cube_to_row_to_one_process(single, tmp_path):
