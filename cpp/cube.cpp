@@ -43,6 +43,11 @@ MatrixLayout cube_layout(CubeForm form, int operand, const std::string& a, const
   return {};
 }
 
+MatrixLayout cube_vector_layout(const std::string& col) {
+  GW_CHECK(col == "y" || col == "z", "a 3-D vector's columns are split over y or z, got '" << col << "'");
+  return {{col, "x"}};
+}
+
 CubePlan cube_plan(CubeForm form, const std::string& a, const std::string& c) {
   check_dirs(a, c);
   CubePlan p;

@@ -23,6 +23,11 @@ using MatrixLayout = std::vector<std::vector<std::string>>;
 //   AtB: A     [(x,a) | c]   B     [(x,c) | a]   C     [c | (a,x)]
 MatrixLayout cube_layout(CubeForm form, int operand, const std::string& a, const std::string& c);
 
+// Algorithms 7-8: a vector (a bias, layer-norm gamma and beta) added to columns split over
+// `col` is stored once, on the diagonal ranks (whose `col` and row coordinates agree, Fig. 5),
+// split over (col, x). Returns that one-dimensional layout.
+MatrixLayout cube_vector_layout(const std::string& col);
+
 // Element range [begin, end) of this rank's block along one dimension of length n split
 // by axes of the given sizes, where this rank's coordinates on them are `coords`
 // (row-major, the first axis outermost). The block index math of every layout.

@@ -260,6 +260,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("lhs", &CubeGrad::lhs)
       .def_readonly("rhs", &CubeGrad::rhs);
   m.def("cube_layout", &cube_layout, py::arg("form"), py::arg("operand"), py::arg("a"), py::arg("c"));
+  m.def("cube_vector_layout", &cube_vector_layout, py::arg("col"));
   m.def("block_range", [](long long n, const std::vector<int>& sizes, const std::vector<int>& coords) {
     Range r = block_range(n, sizes, coords);
     return std::make_pair(r.begin, r.end);

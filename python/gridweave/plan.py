@@ -244,11 +244,13 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
 
 def tensor_modes(n: int, model: Model) -> list:
     """Every tensor mode of at most n ranks that the model's sizes split over, asked of each
-    registered mode class (cSub is left out: with the same GEMMs and collectives as D&SP, its
-    common layers idle every sub-grid but one, so it never wins)."""
-    out = [Sequence()]
+    registered mode class that takes part in planning (Mode.planned)."""
+    out = []
     for cls in known():
-        if not cls.size_arg or cls.name == "csub":
+        if not cls.planned:
+            continue
+        if not cls.size_arg:
+            out.append(cls())
             continue
         for size in range(2, n + 1):
             m = cls(size)

@@ -51,6 +51,13 @@ TEST(Cube, BlocksAreThePapersBlocks) {
   EXPECT_THROW(block_range(10, {4}, {0}), Error);  // 10 does not split over 4
 }
 
+TEST(Cube, VectorsLiveOnTheDiagonalSplitByColumnThenX) {
+  // Fig. 5: a bias over columns split by c is stored on the diagonal, split over (c, x)
+  EXPECT_EQ(cube_vector_layout("z"), (MatrixLayout{{"z", "x"}}));
+  EXPECT_EQ(cube_vector_layout("y"), (MatrixLayout{{"y", "x"}}));
+  EXPECT_THROW(cube_vector_layout("x"), Error);
+}
+
 TEST(Cube, Algorithm1CollectivesAndDirectionSwap) {
   CubePlan p = cube_plan(CubeForm::AB, "y", "z");
   EXPECT_EQ(p.gather_lhs.axis, "y");  // 1: all-gather A_il in y

@@ -87,11 +87,12 @@ class _CubeVector(torch.autograd.Function):
         ctx.root = grid.coords[col_axis]
         buf = b_local.detach().clone() if ctx.diag else torch.empty(n_local, dtype=b_local.dtype, device=b_local.device)
         grid.broadcast(buf, axis=row_axis, src=ctx.root)
-        return grid.all_gather(buf, axis="x")
+        ctx.inner = _C.cube_vector_layout(col_axis)[0][1]  # the diagonal block's split (x)
+        return grid.all_gather(buf, axis=ctx.inner)
 
     @staticmethod
     def backward(ctx, g):
-        part = ctx.grid.reduce_scatter(g.contiguous(), axis="x")
+        part = ctx.grid.reduce_scatter(g.contiguous(), axis=ctx.inner)
         ctx.grid.reduce(part, axis=ctx.row, dst=ctx.root)
         return (part if ctx.diag else g.new_empty(0)), None, None, None, None
 

@@ -39,6 +39,7 @@ class Mode:
     outer = False   # its axes come before dp/pp/sp in naive order (SUPER numbers sub-grids contiguously)
     size = 1        # the constructor's argument (N, q, p or g; 1 for Sequence)
     size_arg = True  # the constructor takes that size
+    planned = True   # gw.plan considers it
 
     # ---- the grid ----------------------------------------------------------------------
     def axes(self) -> list:

@@ -18,6 +18,11 @@ def matrix_layout(form, operand, a, c) -> Layout:
     return Layout(*[tuple(d) for d in _C.cube_layout(form, operand, a, c)])
 
 
+def vector_layout(col) -> Layout:
+    """Algorithms 7-8: the diagonal storage of a vector over columns split by `col` (the engine's)."""
+    return Layout(*[tuple(d) for d in _C.cube_vector_layout(col)])
+
+
 def activation_layout(a, c) -> Layout:
     """(batch, seq, hidden) of an activation in directions (a, c): the rows of Algorithm 1's
     A [(x, a) | c] are (batch, seq) flattened, so the batch takes the row split."""

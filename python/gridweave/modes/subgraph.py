@@ -100,6 +100,9 @@ class CSub(SubGraph):
     """SUPER D&SP-cSub: the common layers on sub-grid 0, the branches on all g sub-grids."""
     name = "csub"
     keyword = "csub"
+    # Not planned: its layer's sizes are only known on sub-grid 0 (a broadcast the meta
+    # recording cannot read), and with D&SP's GEMMs and more serial work it never wins.
+    planned = False
 
     def base_layout(self, grid):
         return Layout(("dp",), (), (), only=("sg", 0))

@@ -11,7 +11,7 @@ from ..autograd.comm import all_reduce_replicated
 from ..autograd.cube import AB, cube_matmul, cube_vector, is_diagonal
 from ..errors import GridError
 from ..layout import Layout, assemble, gather, scatter
-from ..modes.cube import activation_layout, matrix_layout
+from ..modes.cube import activation_layout, matrix_layout, vector_layout
 from ..sharding import place
 from .dense import ParallelLinearBase, dense_layernorm, linear_tensors, values
 
@@ -66,7 +66,7 @@ class Linear3D(ParallelLinearBase):
 
     @property
     def bias_layout(self):
-        return Layout((self.a, "x"))
+        return vector_layout(self.a)
 
     def prefetch(self):
         """Start the all-gather of the weight in x now, for the next forward (async)."""
@@ -129,7 +129,7 @@ class LayerNorm3D(nn.Module):
 
     @property
     def vector_layout(self):
-        return Layout((self.c, "x"))
+        return vector_layout(self.c)
 
     def forward(self, x):
         p = self.grid.axes["x"]
