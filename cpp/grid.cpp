@@ -29,8 +29,13 @@ std::string Grid::label(const std::vector<std::string>& axes) {
   return s;
 }
 
-std::shared_ptr<Communicator> Grid::comm(const std::vector<std::string>& axes) {
-  const std::string key = label(axes);
+std::shared_ptr<Communicator> Grid::comm(const std::vector<std::string>& axes) { return line(axes, false); }
+
+std::shared_ptr<Communicator> Grid::control(const std::vector<std::string>& axes) { return line(axes, true); }
+
+std::shared_ptr<Communicator> Grid::line(const std::vector<std::string>& axes, bool control) {
+  // a control channel is a host (Gloo) communicator over the same line, whatever the backend
+  const std::string key = label(axes) + (control ? ":control" : "");
   std::lock_guard<std::mutex> lock(mu_);
   auto it = comms_.find(key);
   if (it != comms_.end()) return it->second;
@@ -53,8 +58,12 @@ std::shared_ptr<Communicator> Grid::comm(const std::vector<std::string>& axes) {
   auto line_store = make_prefix_store("comm/" + key + "/" + std::to_string(line_id), store_);
 
   std::shared_ptr<Communicator> c;
-  if (options_.backend == Backend::Gloo) c = std::make_shared<GlooCommunicator>(std::move(info), line_store, gloo_device_);
-  else c = make_communicator(options_.backend, std::move(info), line_store, options_.device_index);
+  if (options_.backend == Backend::Gloo || control) {
+    if (!gloo_device_) gloo_device_ = make_gloo_device(options_.hostname);
+    c = std::make_shared<GlooCommunicator>(std::move(info), line_store, gloo_device_);
+  } else {
+    c = make_communicator(options_.backend, std::move(info), line_store, options_.device_index);
+  }
   comms_[key] = c;
   return c;
 }

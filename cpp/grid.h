@@ -44,6 +44,9 @@ class Grid {
   // Communicator of this rank's line along `axes` (a tuple; {} means the world,
   // indexed by global rank). Every member must ask for it the first time.
   std::shared_ptr<Communicator> comm(const std::vector<std::string>& axes);
+  // A host communicator (Gloo) over the same line, whatever the backend: a control channel
+  // for what the data transport cannot do (receive-from-any of small headers).
+  std::shared_ptr<Communicator> control(const std::vector<std::string>& axes);
   static std::string label(const std::vector<std::string>& axes);
 
   std::map<std::string, AxisCounters> stats() const { return counters_->snapshot(); }
@@ -51,6 +54,7 @@ class Grid {
   void shutdown();
 
  private:
+  std::shared_ptr<Communicator> line(const std::vector<std::string>& axes, bool control);
   GridOptions options_;
   Placement placement_;
   std::shared_ptr<Store> store_;

@@ -13,7 +13,8 @@ namespace gridweave {
 
 namespace {
 
-constexpr int kTag = 7001;  // every pipeline message shares one slot; the header says what it is
+constexpr int kTag = 7001;         // every pipeline message shares one slot; the header says what it is
+constexpr int kControlTag = 7002;  // announcements of those messages on the control channel
 enum : std::int64_t { kActivation = 1, kGradient = 2 };
 
 using Clock = std::chrono::steady_clock;
@@ -63,13 +64,20 @@ class Timer {
   Clock::time_point t0_;
 };
 
-// Outgoing messages stay alive until their send completes.
+// Outgoing messages stay alive until their send completes. With a control channel, each
+// message is first announced there (its 16-byte header, host memory), then sent on pp.
 class Outbox {
  public:
-  Outbox(Communicator& pp, std::size_t payload) : pp_(pp), payload_(payload) {}
+  Outbox(Communicator& pp, std::size_t payload, Communicator* control = nullptr)
+      : pp_(pp), payload_(payload), control_(control) {}
   void send(int peer, std::int64_t kind, int mb, const void* data) {
     auto m = std::make_shared<StageMessage>(payload_, pp_.device());
     m->set(kind, mb, data, payload_);
+    if (control_ != nullptr) {
+      auto h = std::make_shared<StageMessage>(0, Device::CPU);
+      h->set(kind, mb, nullptr, 0);
+      pending_.push_back({h, control_->send(h->view(), peer, kControlTag)});
+    }
     pending_.push_back({m, pp_.send(m->view(), peer, kTag)});
     reap(false);
   }
@@ -83,17 +91,144 @@ class Outbox {
  private:
   Communicator& pp_;
   std::size_t payload_;
+  Communicator* control_;
   std::deque<std::pair<std::shared_ptr<StageMessage>, std::shared_ptr<Work>>> pending_;
+};
+
+// Where a stage's next message comes from (Algorithm 2 processes whichever arrives first).
+// Every receive stays posted while the message before it is computed on (double buffers).
+class Receiver {
+ public:
+  virtual ~Receiver() = default;
+  // Blocks (up to the timeout) for the next message from either neighbour.
+  virtual StageMessage& next() = 0;
+};
+
+// One receive-from-any over both neighbours (Gloo; AxoNN's MPI_ANY_SOURCE).
+class AnyReceiver : public Receiver {
+ public:
+  AnyReceiver(Communicator& pp, std::size_t payload, std::vector<int> peers, int expected)
+      : pp_(pp), peers_(std::move(peers)), left_(expected) {
+    for (int k = 0; k < 2; ++k) bufs_.emplace_back(payload, pp.device());
+    post();
+  }
+  StageMessage& next() override {
+    posted_->wait(pp_.info().timeout);
+    StageMessage& msg = bufs_[cur_];
+    cur_ ^= 1;
+    if (--left_ > 0) post();
+    return msg;
+  }
+
+ private:
+  void post() { posted_ = pp_.recv_any(bufs_[cur_].view(), peers_, kTag); }
+  Communicator& pp_;
+  std::vector<int> peers_;
+  int left_;
+  std::vector<StageMessage> bufs_;
+  std::shared_ptr<Work> posted_;
+  int cur_ = 0;
+};
+
+// One receive posted per neighbour, polled; whichever completes first is taken and re-posted.
+class PerPeerReceiver : public Receiver {
+ public:
+  PerPeerReceiver(Communicator& pp, std::size_t payload, std::vector<int> peers, int per_peer, int stage)
+      : pp_(pp), peers_(std::move(peers)), left_(peers_.size(), per_peer), cur_(peers_.size(), 0),
+        posted_(peers_.size()), stage_(stage) {
+    for (std::size_t k = 0; k < 2 * peers_.size(); ++k) bufs_.emplace_back(payload, pp.device());
+    for (std::size_t k = 0; k < peers_.size(); ++k)
+      if (left_[k] > 0) post(k);
+  }
+  StageMessage& next() override {
+    const auto deadline = Clock::now() + pp_.info().timeout;
+    std::size_t k = 0;
+    for (bool done = false; !done;) {
+      for (k = 0; k < posted_.size(); ++k)
+        if (left_[k] > 0 && posted_[k]->test()) {
+          done = true;
+          break;
+        }
+      if (!done) {
+        if (Clock::now() > deadline)
+          throw Error(ErrorKind::Timeout, "gridweave: pipeline stage " + std::to_string(stage_) +
+                                              " waited past its timeout for a neighbour's message");
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
+    posted_[k]->wait(pp_.info().timeout);  // rethrows a transport error
+    StageMessage& msg = bufs_[2 * k + cur_[k]];
+    cur_[k] ^= 1;
+    if (--left_[k] > 0) post(k);
+    return msg;
+  }
+
+ private:
+  void post(std::size_t k) { posted_[k] = pp_.recv(bufs_[2 * k + cur_[k]].view(), peers_[k], kTag); }
+  Communicator& pp_;
+  std::vector<int> peers_;
+  std::vector<int> left_, cur_;
+  std::vector<std::shared_ptr<Work>> posted_;
+  std::vector<StageMessage> bufs_;
+  int stage_;
+};
+
+// The transport's messages are announced on a host control channel that can receive from
+// any peer: a receive-from-any on headers says which neighbour sends next, and the data
+// receive is posted for exactly that message. No data receive is ever posted ahead of its
+// send, so none can hold up a send queued behind it (NCCL has no receive-from-any).
+class AnnouncedReceiver : public Receiver {
+ public:
+  AnnouncedReceiver(Communicator& pp, Communicator& control, std::size_t payload, std::vector<int> peers,
+                    int expected)
+      : pp_(pp), control_(control), peers_(std::move(peers)), left_(expected) {
+    for (int k = 0; k < 2; ++k) headers_.emplace_back(0, Device::CPU);
+    for (int k = 0; k < 2; ++k) bufs_.emplace_back(payload, pp.device());
+    post();
+  }
+  StageMessage& next() override {
+    announced_->wait(control_.info().timeout);
+    const int from = announced_->source();
+    const auto [kind, mb] = headers_[cur_].header();
+    StageMessage& msg = bufs_[cur_];
+    cur_ ^= 1;
+    if (--left_ > 0) post();  // the next announcement is awaited while this message is used
+    pp_.recv(msg.view(), from, kTag)->wait(pp_.info().timeout);
+    const auto got = msg.header();
+    GW_CHECK(got.first == kind && got.second == mb, "pipeline: neighbour " << from << " announced kind " << kind
+                                                        << " of microbatch " << mb << " but sent kind " << got.first
+                                                        << " of microbatch " << got.second);
+    return msg;
+  }
+
+ private:
+  void post() { announced_ = control_.recv_any(headers_[cur_].view(), peers_, kControlTag); }
+  Communicator& pp_;
+  Communicator& control_;
+  std::vector<int> peers_;
+  int left_;
+  std::vector<StageMessage> headers_, bufs_;
+  std::shared_ptr<Work> announced_;
+  int cur_ = 0;
 };
 
 }  // namespace
 
 PipelineStats run_message_driven(Communicator& pp, const PipelineConfig& cfg, const StageForward& forward,
-                                 const StageBackward& backward) {
+                                 const StageBackward& backward, Communicator* control) {
   check(cfg, pp);
+  ReceiveStrategy how = cfg.receive;
+  if (how == ReceiveStrategy::Auto)
+    how = pp.can_recv_any() ? ReceiveStrategy::Any
+                            : (control != nullptr ? ReceiveStrategy::Announced : ReceiveStrategy::PerPeer);
+  GW_CHECK(how != ReceiveStrategy::Any || pp.can_recv_any(),
+           "the " << pp.backend() << " transport cannot receive from any peer; use the announced or per-peer strategy");
+  GW_CHECK(how != ReceiveStrategy::Announced || (control != nullptr && control->can_recv_any() &&
+                                                  control->size() == pp.size() && control->rank() == pp.rank()),
+           "the announced strategy needs a control channel over the same ranks that can receive from any peer");
   PipelineStats st;
   const int s = cfg.stage, last = cfg.stages - 1;
-  Outbox out(pp, cfg.payload_bytes);
+  Outbox out(pp, cfg.payload_bytes, how == ReceiveStrategy::Announced ? control : nullptr);
   int next_mb = 0;
   auto inject = [&]() {  // stage 0: start the forward of the next microbatch
     const int mb = next_mb++;
@@ -119,53 +254,22 @@ PipelineStats run_message_driven(Communicator& pp, const PipelineConfig& cfg, co
   std::vector<int> peers;
   if (s > 0) peers.push_back(s - 1);
   if (s < last) peers.push_back(s + 1);
-  // Gloo: one receive-from-any on both neighbours, double-buffered. Transports without
-  // receive-from-any (NCCL): one receive posted per neighbour (each on its own stream
-  // there), polled by events; whichever completes first is processed and re-posted.
-  GW_CHECK(cfg.receive != ReceiveStrategy::Any || pp.can_recv_any(),
-           "the " << pp.backend() << " transport cannot receive from any peer; use the per-peer strategy");
-  const bool any = cfg.receive == ReceiveStrategy::Any || (cfg.receive == ReceiveStrategy::Auto && pp.can_recv_any());
-  std::vector<StageMessage> bufs;
-  for (std::size_t k = 0; k < (any ? 2 : 2 * peers.size()); ++k) bufs.emplace_back(cfg.payload_bytes, pp.device());
-  std::vector<std::shared_ptr<Work>> posted(any ? 1 : peers.size());
-  std::vector<int> cur(posted.size(), 0);
-  auto post = [&](std::size_t k) {
-    StageMessage& b = bufs[2 * (any ? 0 : k) + cur[k]];
-    posted[k] = any ? pp.recv_any(b.view(), peers, kTag) : pp.recv(b.view(), peers[k], kTag);
-  };
-  // Messages still to come per receive slot (a neighbour sends m of them).
-  std::vector<int> left(posted.size(), any ? expected : cfg.microbatches);
-  for (std::size_t k = 0; k < posted.size() && expected > 0; ++k) post(k);
+  std::unique_ptr<Receiver> in;
+  if (expected > 0) {
+    if (how == ReceiveStrategy::Any) in = std::make_unique<AnyReceiver>(pp, cfg.payload_bytes, peers, expected);
+    else if (how == ReceiveStrategy::Announced)
+      in = std::make_unique<AnnouncedReceiver>(pp, *control, cfg.payload_bytes, peers, expected);
+    else in = std::make_unique<PerPeerReceiver>(pp, cfg.payload_bytes, peers, cfg.microbatches, s);
+  }
   while (expected > 0) {
-    std::size_t k = 0;
+    StageMessage* got;
     {
       Timer t(st.wait_s);
-      if (any) {
-        posted[0]->wait(pp.info().timeout);
-      } else {
-        const auto deadline = Clock::now() + pp.info().timeout;
-        for (bool done = false; !done;) {
-          for (k = 0; k < posted.size(); ++k)
-            if (left[k] > 0 && posted[k]->test()) {
-              done = true;
-              break;
-            }
-          if (!done) {
-            if (Clock::now() > deadline)
-              throw Error(ErrorKind::Timeout, "gridweave: pipeline stage " + std::to_string(s) +
-                                                  " waited past its timeout for a neighbour's message");
-            std::this_thread::sleep_for(std::chrono::microseconds(50));
-          }
-        }
-        posted[k]->wait(pp.info().timeout);  // rethrows a transport error
-      }
+      got = &in->next();
     }
-    StageMessage& msg = bufs[2 * (any ? 0 : k) + cur[k]];
+    StageMessage& msg = *got;
     --expected;
-    --left[k];
     ++st.messages;
-    cur[k] ^= 1;  // keep a receive posted while this message is computed on
-    if (left[k] > 0) post(k);
     const auto [kind, mb] = msg.header();
     if (kind == kActivation) {  // from s-1: forward
       const void* y;

@@ -23,9 +23,12 @@ using StageBackward = std::function<const void*(int microbatch, const void* grad
 enum class PipelineSchedule : int { MessageDriven = 0, OneFOneB = 1 };
 
 // How a stage waits for its neighbours' messages: one receive-from-any over both (needs
-// Communicator::can_recv_any), or one receive posted per neighbour, polled. Auto picks
-// receive-from-any where the transport can.
-enum class ReceiveStrategy : int { Auto = 0, Any = 1, PerPeer = 2 };
+// Communicator::can_recv_any); one receive posted per neighbour, polled; or Announced: each
+// message is announced on a host control channel that can receive from any peer, and the
+// data receive is posted for exactly that message (what NCCL needs: it has no
+// receive-from-any, and no receive is then ever posted ahead of its send). Auto picks
+// receive-from-any where the transport can, else Announced when a control channel is given.
+enum class ReceiveStrategy : int { Auto = 0, Any = 1, PerPeer = 2, Announced = 3 };
 
 struct PipelineConfig {
   int stage = 0;
@@ -47,7 +50,7 @@ struct PipelineStats {
 // first is processed; stage 0 keeps pipeline_limit microbatches in flight, injecting one
 // each time a backward completes; the last stage turns each forward into a backward.
 PipelineStats run_message_driven(Communicator& pp, const PipelineConfig& cfg, const StageForward& forward,
-                                 const StageBackward& backward);
+                                 const StageBackward& backward, Communicator* control = nullptr);
 
 // Megatron's synchronous 1F1B with flush: warm-up forwards, one-forward-one-backward,
 // cool-down backwards, each message to a known peer.

@@ -127,7 +127,8 @@ PYBIND11_MODULE(_C, m) {
   py::enum_<ReceiveStrategy>(m, "ReceiveStrategy")
       .value("Auto", ReceiveStrategy::Auto)
       .value("Any", ReceiveStrategy::Any)
-      .value("PerPeer", ReceiveStrategy::PerPeer);
+      .value("PerPeer", ReceiveStrategy::PerPeer)
+      .value("Announced", ReceiveStrategy::Announced);
 
   // What extensions registered while the module loaded (cuda/register.cu when built).
   m.attr("nccl_available") = transport_available(Backend::Nccl);
@@ -169,6 +170,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("axis", [](const C& c) { return c.info().axis; })
       .def_property_readonly("backend", &C::backend)
       .def_property_readonly("can_recv_any", &C::can_recv_any)
+      .def_property_readonly("device", &C::device)  // the memory its buffers must be in
       .def("all_gather", [](C& c, V i, V o, bool a) { py::gil_scoped_release g; return c.all_gather(i, o, a); },
            py::arg("input"), py::arg("output"), py::arg("async_op") = true)
       .def("reduce_scatter", [](C& c, V i, V o, ReduceOp r, bool a) { py::gil_scoped_release g; return c.reduce_scatter(i, o, r, a); },
@@ -230,7 +232,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("run_pipeline", [](std::shared_ptr<Communicator> pp, PipelineSchedule schedule, int stage, int stages,
                            int microbatches, int pipeline_limit, std::size_t payload_bytes,
                            std::function<std::uintptr_t(int, std::uintptr_t)> fwd,
-                           std::function<std::uintptr_t(int, std::uintptr_t)> bwd, ReceiveStrategy receive) {
+                           std::function<std::uintptr_t(int, std::uintptr_t)> bwd, ReceiveStrategy receive,
+                           std::shared_ptr<Communicator> control) {
     PipelineConfig cfg{stage, stages, microbatches, pipeline_limit, payload_bytes, receive};
     StageForward f = [&fwd](int mb, const void* x) {
       return reinterpret_cast<const void*>(fwd(mb, reinterpret_cast<std::uintptr_t>(x)));
@@ -240,10 +243,10 @@ PYBIND11_MODULE(_C, m) {
     };
     py::gil_scoped_release nogil;  // callbacks take the GIL back while they run
     return schedule == PipelineSchedule::OneFOneB ? run_one_f_one_b(*pp, cfg, f, b)
-                                                  : run_message_driven(*pp, cfg, f, b);
+                                                  : run_message_driven(*pp, cfg, f, b, control.get());
   }, py::arg("pp"), py::arg("schedule"), py::arg("stage"), py::arg("stages"), py::arg("microbatches"),
      py::arg("pipeline_limit"), py::arg("payload_bytes"), py::arg("forward"), py::arg("backward"),
-     py::arg("receive") = ReceiveStrategy::Auto);
+     py::arg("receive") = ReceiveStrategy::Auto, py::arg("control") = nullptr);
 
   // 3-D choreography (seed 000 §3.1): layouts, plans and gradient mappings.
   py::class_<CubeStep>(m, "CubeStep").def_readonly("axis", &CubeStep::axis).def_readonly("dim", &CubeStep::dim);
@@ -294,6 +297,10 @@ PYBIND11_MODULE(_C, m) {
       .def("comm", [](Grid& g, const std::vector<std::string>& axes) {
         py::gil_scoped_release nogil;
         return g.comm(axes);
+      })
+      .def("control", [](Grid& g, const std::vector<std::string>& axes) {
+        py::gil_scoped_release nogil;
+        return g.control(axes);
       })
       .def("stats", [](const Grid& g) {
         py::dict out;

@@ -78,11 +78,13 @@ std::string NcclCommunicator::async_error() {
   return ncclGetErrorString(state);
 }
 
-cudaStream_t NcclCommunicator::peer_stream(int peer) {
-  if (peer_streams_.empty()) peer_streams_.assign(size(), nullptr);
-  if (!peer_streams_[peer]) check_cuda(cudaStreamCreateWithFlags(&peer_streams_[peer], cudaStreamNonBlocking),
-                                       "cudaStreamCreate");
-  return peer_streams_[peer];
+cudaStream_t NcclCommunicator::peer_stream(int peer, bool send) {
+  // Sends and receives of one peer on separate streams: a receive never waits behind a send
+  // to the same peer, nor a send behind a receive (each side's send needs the other's receive).
+  if (peer_streams_.empty()) peer_streams_.assign(2 * size(), nullptr);
+  cudaStream_t& st = peer_streams_[2 * peer + (send ? 1 : 0)];
+  if (!st) check_cuda(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
+  return st;
 }
 
 std::shared_ptr<Work> NcclCommunicator::finish(OpKind op, cudaStream_t caller, int peer, cudaStream_t on) {
@@ -158,7 +160,7 @@ std::shared_ptr<Work> NcclCommunicator::run_p2p(OpKind op, const BufferView& buf
                                              "poll them (the message-driven pipeline does)");
   cudaStream_t caller = static_cast<cudaStream_t>(buf.stream);
   check_cuda(cudaSetDevice(device_index_), "cudaSetDevice");
-  cudaStream_t on = peer_stream(peers[0]);
+  cudaStream_t on = peer_stream(peers[0], op == OpKind::Send);
   order_after(on, caller);
   const std::string what = describe(op, peers[0]);
   if (op == OpKind::Send) check_nccl(ncclSend(buf.ptr, buf.count, nccl_type(buf.dtype), peers[0], comm_, on), what);

@@ -26,11 +26,12 @@ class NcclCommunicator : public Communicator {
  private:
   std::shared_ptr<Work> finish(OpKind op, cudaStream_t caller, int peer = -1, cudaStream_t on = nullptr);
   std::string async_error();
-  cudaStream_t peer_stream(int peer);
+  cudaStream_t peer_stream(int peer, bool send);
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
-  std::vector<cudaStream_t> peer_streams_;  // p2p: one stream per peer, so a receive posted
-                                            // from one neighbour never blocks the other's
+  std::vector<cudaStream_t> peer_streams_;  // p2p: a receive stream and a send stream per peer,
+                                            // so no p2p op ever queues behind another peer's
+                                            // or behind the opposite direction's
   int device_index_ = 0;
   void* scratch_ = nullptr;  // one int for the barrier
 };

@@ -29,6 +29,11 @@ def _train_parser(sub):
     p.add_argument("--schedule", default="message_driven", choices=["message_driven", "1f1b"])
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--max-grad-norm", type=float, default=None, help="clip the global gradient norm")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="compute dtype; fp16 with dynamic loss scaling; fp32 master weights always")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: cuda when every rank can have a GPU; cuda with fewer GPUs than ranks shares them "
+                        "through Gloo")
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--quiet", action="store_true")
     return p

@@ -68,6 +68,35 @@ class Work:
         return self._native.source
 
 
+class _StagedWork(Work):
+    """An op run on host copies of CUDA tensors: wait() also copies the results back."""
+
+    def __init__(self, inner, back):
+        super().__init__(None, inner._timeout, None)
+        self._inner, self._back = inner, back
+
+    def test(self) -> bool:
+        return self._inner.test()
+
+    def wait(self, timeout: float | None = None):
+        if not self._done:
+            self._result = self._back(self._inner.wait(timeout))
+            self._done = True
+        return self._result
+
+    @property
+    def source(self) -> int:
+        return self._inner.source
+
+
+def _to_host(t):
+    if t is None:
+        return None
+    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+    host.copy_(t.detach())  # ordered after the producer on the current stream, then synchronised
+    return host
+
+
 class Grid:
     """Named axes over the world's ranks. Use gw.init() to make one."""
 
@@ -79,6 +108,8 @@ class Grid:
         # every tensor the library makes for this grid is made here
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", device_index) if device_index >= 0 else torch.device("cpu"))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.timeout = float(timeout)
         self.placement_policy = placement
         self._store = store  # the Python side of the native Store must stay alive
@@ -142,15 +173,50 @@ class Grid:
             label = ",".join(names) or "world"
             raise type(e)(f"{op} on axis '{label}': {e}") from e
 
+    def control(self, axis: AxisArg, op: str = "op"):
+        """A host (Gloo) communicator over this rank's line along `axis`, whatever the backend:
+        the control channel for what the data transport cannot do (e.g. receive-from-any)."""
+        names = self._axis_tuple(axis)
+        try:
+            return self._native.control(names)
+        except CommError as e:
+            raise type(e)(f"{op} on axis '{','.join(names) or 'world'}' (control): {e}") from e
+
     # ---- collectives ----------------------------------------------------------------
     def _run(self, native, async_op, keep, finish=None):
         work = Work(native, self.timeout, keep, finish)
+        return work if async_op else work.wait()
+
+    @staticmethod
+    def _staged(c, *tensors) -> bool:
+        """CUDA tensors on a transport whose buffers must be host memory (Gloo): the op runs
+        on pinned host copies and the results are copied back (several ranks can then share
+        one GPU, which NCCL refuses)."""
+        return c.device == _C.Device.CPU and any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors)
+
+    def _via_host(self, op, t, *args, into=None, async_op=False, **kw):
+        """Run `op` on a host copy of t; into: the device tensor the result is copied into
+        (in-place ops), else the result is moved to t's device."""
+        device = t.device
+        res = getattr(self, op)(_to_host(t), *args, async_op=True, **kw)
+
+        def back(r):
+            if into is not None:
+                return into.copy_(r)
+            return r.to(device) if isinstance(r, torch.Tensor) else r
+
+        work = _StagedWork(res, back)
         return work if async_op else work.wait()
 
     def all_gather(self, t, axis: AxisArg, dim: int = 0, async_op: bool = False, out=None):
         """Concatenate every member's `t` along `dim`, in index order along `axis`.
         `out` (dim 0 only) receives the result in place of a new tensor."""
         c = self.comm(axis, "all_gather")
+        if self._staged(c, t, out):
+            if out is not None:
+                r = self._via_host("all_gather", t, axis, dim=dim, async_op=async_op)
+                return _StagedWork(r, lambda v: out.copy_(v)) if async_op else out.copy_(r)
+            return self._via_host("all_gather", t, axis, dim=dim, async_op=async_op)
         g = c.size
         dim = _dim(t, dim)
         src = _contig(t)
@@ -171,6 +237,11 @@ class Grid:
         """Reduce `t` over the members and keep chunk `index(axis)` of `dim`.
         `out` (dim 0 only) receives the result in place of a new tensor."""
         c = self.comm(axis, "reduce_scatter")
+        if self._staged(c, t, out):
+            if out is not None:
+                r = self._via_host("reduce_scatter", t, axis, op=op, dim=dim, async_op=async_op)
+                return _StagedWork(r, lambda v: out.copy_(v)) if async_op else out.copy_(r)
+            return self._via_host("reduce_scatter", t, axis, op=op, dim=dim, async_op=async_op)
         g = c.size
         dim = _dim(t, dim)
         if t.shape[dim] % g:
@@ -194,23 +265,33 @@ class Grid:
     def all_reduce(self, t, axis: AxisArg, op: str = "sum", async_op: bool = False):
         """In place: every member's `t` becomes the reduction over the members."""
         c = self.comm(axis, "all_reduce")
+        if self._staged(c, t):
+            return self._via_host("all_reduce", t, axis, op=op, into=t, async_op=async_op)
         code = reduce_code(op)
         return self._run(c.all_reduce(view(t, "all_reduce buffer"), code, async_op), async_op, (t,), lambda: t)
 
     def broadcast(self, t, axis: AxisArg, src: int = 0, async_op: bool = False):
         """In place: `t` of member `src` (index along axis) is copied to every member."""
         c = self.comm(axis, "broadcast")
+        if self._staged(c, t):
+            return self._via_host("broadcast", t, axis, src=src, into=t, async_op=async_op)
         return self._run(c.broadcast(view(t, "broadcast buffer"), int(src), async_op), async_op, (t,), lambda: t)
 
     def reduce(self, t, axis: AxisArg, dst: int = 0, op: str = "sum", async_op: bool = False):
         """In place on member `dst`: the reduction over the members; other members' t is unchanged."""
         c = self.comm(axis, "reduce")
+        if self._staged(c, t):
+            return self._via_host("reduce", t, axis, dst=dst, op=op, into=t, async_op=async_op)
         code = reduce_code(op)
         return self._run(c.reduce(view(t, "reduce buffer"), code, int(dst), async_op), async_op, (t,), lambda: t)
 
     def scatter(self, out, full=None, axis: AxisArg = None, src: int = 0, async_op: bool = False):
         """Member `src` cuts `full` into size(axis) chunks along dim 0; member k receives chunk k in `out`."""
         c = self.comm(axis, "scatter")
+        if self._staged(c, out, full):
+            work = self.scatter(_to_host(out), _to_host(full), axis, src, async_op=True)
+            staged = _StagedWork(work, lambda r: out.copy_(r))
+            return staged if async_op else staged.wait()
         if c.rank == src:
             if full is None:
                 raise GridError("scatter: the source member must pass `full`")
@@ -223,6 +304,8 @@ class Grid:
     def gather(self, t, axis: AxisArg = None, dst: int = 0, async_op: bool = False):
         """Member `dst` gets every member's `t` concatenated along dim 0; others get None."""
         c = self.comm(axis, "gather")
+        if self._staged(c, t):
+            return self._via_host("gather", t, axis, dst=dst, async_op=async_op)
         src = _contig(t)
         out = empty_like_shape(t, (c.size * t.shape[0],) + tuple(t.shape[1:])) if c.rank == dst else src
         res = (lambda: out) if c.rank == dst else (lambda: None)
@@ -231,6 +314,8 @@ class Grid:
     def all_to_all(self, t, axis: AxisArg, async_op: bool = False):
         """Chunk k of `t` (along dim 0) goes to member k; chunk j of the result came from member j."""
         c = self.comm(axis, "all_to_all")
+        if self._staged(c, t):
+            return self._via_host("all_to_all", t, axis, async_op=async_op)
         if t.shape[0] % c.size:
             raise GridError(f"all_to_all on axis {axis!r}: dim 0 of size {t.shape[0]} does not split into "
                             f"{c.size} chunks")
@@ -241,17 +326,26 @@ class Grid:
     def send(self, t, dst: int, axis: AxisArg = None, tag: int = 0, async_op: bool = False):
         """Send to `dst` (an index along `axis`; a global rank when axis is None)."""
         c = self.comm(axis, "send")
+        if self._staged(c, t):
+            return self._via_host("send", t, dst, axis, tag=tag, async_op=async_op)
         src = _contig(t)
         return self._run(c.send(view(src, "send buffer"), int(dst), int(tag)), async_op, (src,), lambda: None)
 
     def recv(self, t, src: int, axis: AxisArg = None, tag: int = 0, async_op: bool = False):
         """Receive into `t` from `src` (index along `axis`; a global rank when axis is None)."""
         c = self.comm(axis, "recv")
+        if self._staged(c, t):
+            return self._via_host("recv", t, src, axis, tag=tag, into=t, async_op=async_op)
         return self._run(c.recv(view(t, "recv buffer"), int(src), int(tag)), async_op, (t,), lambda: t)
 
     def recv_any(self, t, srcs: Iterable[int], axis: AxisArg = None, tag: int = 0, async_op: bool = False):
         """Receive into `t` from whichever of `srcs` sends first; returns the sender (or a Work)."""
         c = self.comm(axis, "recv_any")
+        if self._staged(c, t):
+            host = _to_host(t)
+            staged = _StagedWork(self.recv_any(host, srcs, axis, tag, async_op=True),
+                                 lambda source: (t.copy_(host), source)[1])
+            return staged if async_op else staged.wait()
         native = c.recv_any(view(t, "recv buffer"), [int(s) for s in srcs], int(tag))
         work = Work(native, self.timeout, (t,), lambda: native.source)
         return work if async_op else work.wait()
@@ -349,9 +443,11 @@ class _Session:
 
 def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", placement: str = "topology",
          ranks_per_node: int | None = None, timeout: float = 300.0, *, rank: int | None = None,
-         world_size: int | None = None, store=None, prefix: str | None = None) -> Grid:
+         world_size: int | None = None, store=None, prefix: str | None = None, device=None) -> Grid:
     """Build the grid. Rendezvous uses torchrun's variables (RANK, WORLD_SIZE,
     LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) unless rank/world_size/store are given.
+    device: where the grid computes (default: cuda:LOCAL_RANK with NCCL, cpu with Gloo; a CUDA
+    device with Gloo shares GPUs between ranks, staging messages through host memory).
     Every check here is local, so bad input raises GridError on every rank before any
     communication starts."""
     axes = grid_axes(dp, pp, sp, tp)
@@ -375,10 +471,9 @@ def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", 
     rpn = ranks_per_node if ranks_per_node is not None else (local or world_size)
     if not isinstance(rpn, int) or rpn < 1:
         raise GridError(f"ranks_per_node must be a positive integer, got {rpn!r}")
-    backend = _resolve_backend(backend)
-    device_index = -1
-    if backend == "nccl":
-        device_index = (_env_int("LOCAL_RANK") or 0) % torch.cuda.device_count()
+    backend = _resolve_backend(backend, local or world_size, device)
+    device = _resolve_device(device, backend, local or world_size)
+    device_index = device.index if device.type == "cuda" and backend == "nccl" else -1
 
     if store is None:
         store = _default_store(rank, world_size, timeout)
@@ -391,18 +486,22 @@ def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", 
     hostname = os.environ.get("GRIDWEAVE_HOSTNAME") or (
         "127.0.0.1" if (local or world_size) >= world_size else socket.gethostname())
     grid = Grid(axes, rank=rank, backend=backend, placement=placement, ranks_per_node=rpn, timeout=timeout,
-                store=native_store, hostname=hostname, device_index=device_index, tp=tp)
+                store=native_store, hostname=hostname, device_index=device_index, tp=tp, device=device)
     grid._torch_store = keep
     _Session.current = grid
     return grid
 
 
-def _resolve_backend(backend: str) -> str:
+def _resolve_backend(backend: str, local_ranks: int, device=None) -> str:
+    """auto: NCCL when it is built and every rank on this node can have its own GPU (and no
+    CPU device was asked for), else Gloo."""
     if backend not in ("auto", "gloo", "nccl"):
         raise GridError(f"unknown backend {backend!r}; use 'auto', 'gloo' or 'nccl'")
     has_gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0
     if backend == "auto":
-        return "nccl" if (has_gpu and _C.nccl_available) else "gloo"
+        cpu = device is not None and torch.device(device).type == "cpu"
+        enough = has_gpu and torch.cuda.device_count() >= local_ranks
+        return "nccl" if (enough and _C.nccl_available and not cpu) else "gloo"
     if backend == "nccl":
         if not _C.nccl_available:
             raise GridError("backend 'nccl' requested but gridweave was built without the NCCL transport "
@@ -410,6 +509,40 @@ def _resolve_backend(backend: str) -> str:
         if not has_gpu:
             raise GridError("backend 'nccl' requested but this process sees no CUDA GPU; use backend='gloo'")
     return backend
+
+
+def _resolve_device(device, backend: str, local_ranks: int) -> torch.device:
+    """The grid's device, checked: NCCL computes on one GPU per rank; Gloo on the CPU, or on a
+    GPU shared by several ranks."""
+    local_rank = _env_int("LOCAL_RANK") or 0
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device is None:
+        if backend == "nccl":
+            if gpus < local_ranks:
+                raise GridError(f"backend 'nccl' needs one GPU per rank: {local_ranks} ranks on this node but "
+                                f"{gpus} GPUs visible (NCCL refuses two ranks on one GPU); use backend='gloo' "
+                                "with device='cuda' to share them")
+            return torch.device("cuda", local_rank)
+        return torch.device("cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise GridError(f"device {device!r} is not a torch device: {e}") from None
+    if device.type == "cpu":
+        if backend == "nccl":
+            raise GridError("backend 'nccl' computes on GPUs; use device='cuda' or backend='gloo'")
+        return device
+    if device.type != "cuda":
+        raise GridError(f"device must be cpu or cuda, got {device}")
+    if gpus == 0:
+        raise GridError(f"device {device} requested but this process sees no CUDA GPU; use device='cpu'")
+    index = device.index if device.index is not None else local_rank % gpus
+    if index >= gpus:
+        raise GridError(f"device cuda:{index} requested but only {gpus} GPUs are visible")
+    if backend == "nccl" and gpus < local_ranks:
+        raise GridError(f"backend 'nccl' needs one GPU per rank: {local_ranks} ranks on this node but {gpus} GPUs "
+                        "visible; use backend='gloo' to share them")
+    return torch.device("cuda", index)
 
 
 def _default_store(rank: int, world_size: int, timeout: float):

@@ -89,13 +89,16 @@ class OffloadAdam:
         g = self.grid
         return 1.0 / g.axes["dp"] if self.average_dp and g is not None and g.axes.get("dp", 1) > 1 else 1.0
 
-    def step(self):
-        self.step_count += 1
+    def step(self, scaler=None) -> bool:
+        """Sum, (check, clip,) update. scaler: a gw.precision.LossScaler whose scale the loss
+        was multiplied by: the gradients are unscaled in fp32 inside the update, and if any
+        rank holds an inf or NaN after the sum, every rank skips the step and the scale
+        backs off. Returns whether the step was taken."""
         grads = self._flat_grads()
         scale = self._dp_scale()
         if scale != 1.0:
-            grads.mul_(scale)  # pre-divided: the sum over dp is then the mean
-        chunks = [c for c in self._chunks]
+            grads.mul_(scale)  # pre-divided: the sum over dp is then the mean, and fp16 cannot overflow there
+        chunks = self._chunks
         work = {}
 
         def launch(i):
@@ -104,31 +107,46 @@ class OffloadAdam:
                 work[i] = self.grid.all_reduce(grads[lo:hi], axis=axes, async_op=True)
 
         coef = 1.0
-        if self.max_grad_norm is not None:  # the norm needs every sum first
+        whole = scaler is not None or self.max_grad_norm is not None
+        if whole:  # the inf check and the norm need every sum first
             for i in range(len(chunks)):
                 launch(i)
             for w in work.values():
                 w.wait()
             work.clear()
-            coef = self._clip_coefficient(grads)
+            if scaler is not None:
+                found = torch.tensor([0.0 if bool(torch.isfinite(grads).all()) else 1.0], dtype=torch.float64,
+                                     device=self.grid.device if self.grid is not None else grads.device)
+                if self.grid is not None:
+                    self.grid.all_reduce(found, axis=None, op="max")  # one decision on every rank
+                used = scaler.scale_value  # the loss was scaled by this; update() may grow it
+                if not scaler.update(bool(found.item() > 0), self.step_count + 1):
+                    return False
+                coef = 1.0 / used
+            if self.max_grad_norm is not None:
+                coef *= self._clip_coefficient(grads, coef)
         else:
             launch(0)
+        self.step_count += 1
         for i, (lo, hi, _) in enumerate(chunks):
-            if self.max_grad_norm is None:
+            if not whole:
                 launch(i + 1)  # the next chunk travels while this one is optimized
             if i in work:
                 work.pop(i).wait()
             for b in range(lo, hi, self.bsize):
                 self._bucket(grads, b, min(b + self.bsize, hi), coef)
         self._write_back()
+        return True
 
-    def _clip_coefficient(self, grads) -> float:
+    def _clip_coefficient(self, grads, unscale: float = 1.0) -> float:
+        """max_norm / (norm + 1e-6), at most 1, of the unscaled summed gradient (torch's rule)."""
         pieces = [(grads[self._offset[i]:self._offset[i] + p.numel()], placement_of(p))
                   for i, p in enumerate(self.params)]
         if self.grid is None:
             total = float(torch.linalg.vector_norm(grads.double()))
         else:
             total = float(grad_norm_of(pieces, self.grid))
+        total *= unscale
         self.last_grad_norm = total
         return min(1.0, self.max_grad_norm / (total + 1e-6))
 

@@ -67,19 +67,22 @@ class _DeviceBytes:
                                          "version": 3, "strides": None}
 
 
-def _tensor_at(addr: int, shape, dtype, device) -> torch.Tensor:
-    """A copy of the message bytes the engine received at `addr` (on `device`)."""
+def _tensor_at(addr: int, shape, dtype, device, host_messages: bool) -> torch.Tensor:
+    """A copy on `device` of the message bytes the engine received at `addr` (host memory
+    when the transport's messages live there, else memory on the device)."""
+    if host_messages:
+        t = torch.empty(shape, dtype=dtype, device="cpu")
+        ctypes.memmove(t.data_ptr(), addr, t.numel() * t.element_size())
+        return t.to(device)
     t = torch.empty(shape, dtype=dtype, device=device)
     nbytes = t.numel() * t.element_size()
-    if device.type == "cuda":
-        t.view(-1).view(torch.uint8).copy_(torch.as_tensor(_DeviceBytes(addr, nbytes), device=device))
-    else:
-        ctypes.memmove(t.data_ptr(), addr, nbytes)
+    t.view(-1).view(torch.uint8).copy_(torch.as_tensor(_DeviceBytes(addr, nbytes), device=device))
     return t
 
 
 SCHEDULES = {"message_driven": _C.PipelineSchedule.MessageDriven, "1f1b": _C.PipelineSchedule.OneFOneB}
-RECEIVE = {"auto": _C.ReceiveStrategy.Auto, "any": _C.ReceiveStrategy.Any, "per_peer": _C.ReceiveStrategy.PerPeer}
+RECEIVE = {"auto": _C.ReceiveStrategy.Auto, "any": _C.ReceiveStrategy.Any, "per_peer": _C.ReceiveStrategy.PerPeer,
+           "announced": _C.ReceiveStrategy.Announced}
 
 
 def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_shape, dtype=torch.float32,
@@ -89,9 +92,11 @@ def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_s
     inputs: the microbatches (used on stage 0); targets: theirs (used on the last stage);
     loss_fn(output, target) -> scalar mean loss of one microbatch; activation_shape: the
     shape of what crosses a stage boundary. schedule: "message_driven" (AxoNN) or "1f1b";
-    receive: "auto" (receive-from-any where the transport can), "any" or "per_peer" (one
-    receive per neighbour: what NCCL needs). Returns (loss, stats): the mean microbatch
-    loss on the last stage (None elsewhere) and the engine's PipelineStats.
+    receive: "auto" (receive-from-any where the transport can, else "announced"), "any",
+    "per_peer" (one receive per neighbour, polled) or "announced" (each message announced on a
+    host control channel, the data receive posted for exactly it: what NCCL needs). Returns
+    (loss, stats): the mean microbatch loss on the last stage (None elsewhere) and the
+    engine's PipelineStats.
     """
     if schedule not in SCHEDULES:
         raise GridError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
@@ -99,7 +104,9 @@ def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_s
         raise GridError(f"receive must be one of {sorted(RECEIVE)}, got {receive!r}")
     pp = grid.comm(axis, "pipeline")
     if receive == "any" and not pp.can_recv_any:
-        raise GridError(f"receive='any': the {pp.backend} transport cannot receive from any peer; use 'per_peer'")
+        raise GridError(f"receive='any': the {pp.backend} transport cannot receive from any peer; use 'announced'")
+    announced = receive == "announced" or (receive == "auto" and not pp.can_recv_any)
+    control = grid.control(axis, "pipeline") if announced and schedule == "message_driven" else None
     s, n_stages = pp.rank, pp.size
     m = len(inputs) if s == 0 else len(targets) if s == n_stages - 1 else None
     counts = torch.tensor([float(m if m is not None else -1)], dtype=torch.float64, device=grid.device)
@@ -109,11 +116,13 @@ def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_s
         raise GridError("pipeline_step needs at least one microbatch")
     elem = dtype.itemsize
     device = grid.device
+    # Gloo's messages are host memory: CUDA activations are staged through host copies
+    host_messages = pp.device == _C.Device.CPU
     payload = math.prod(activation_shape) * elem
     ctx, keep, losses = {}, {}, []
 
     def forward(mb, addr):
-        x = inputs[mb] if s == 0 else _tensor_at(addr, activation_shape, dtype, device).requires_grad_()
+        x = inputs[mb] if s == 0 else _tensor_at(addr, activation_shape, dtype, device, host_messages).requires_grad_()
         y = stage(x)
         if s == n_stages - 1:
             loss = loss_fn(y, targets[mb]) / m
@@ -125,6 +134,8 @@ def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_s
                             f"{tuple(activation_shape)} {dtype}")
         y = y.contiguous()
         ctx[mb] = (x, y)
+        if host_messages and y.is_cuda:
+            keep[("y", mb)] = y = y.to("cpu")  # alive until the engine has copied it
         return y.data_ptr()
 
     def backward(mb, addr):
@@ -132,14 +143,16 @@ def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_s
         if s == n_stages - 1:
             y.backward()
         else:
-            y.backward(_tensor_at(addr, activation_shape, dtype, device))
+            y.backward(_tensor_at(addr, activation_shape, dtype, device, host_messages))
         if s == 0:
             return 0
         g = x.grad.contiguous()
+        if host_messages and g.is_cuda:
+            g = g.to("cpu")
         keep[mb] = g  # alive until the engine has copied it into its message
         return g.data_ptr()
 
     stats = _C.run_pipeline(pp, SCHEDULES[schedule], s, n_stages, m, pipeline_limit, payload, forward, backward,
-                            RECEIVE[receive])
+                            RECEIVE[receive], control)
     loss = torch.stack(losses).sum() if losses else None
     return loss, stats

@@ -24,6 +24,7 @@ import gridweave as gw
 
 from .errors import GridError
 from .modes import Mode, parse
+from .precision import LossScaler, Precision
 
 CONFIG_KEYS = ("vocab", "hidden", "heads", "layers", "seq", "batch", "microbatches", "lr", "seed", "steps")
 
@@ -50,14 +51,20 @@ class TrainConfig:
     out: str = "runs/latest"
     resume: str | None = None
     schedule: str = "message_driven"
+    precision: str = "fp32"
+    device: str = "auto"
     checkpoint_every: int = 0
     max_grad_norm: float | None = None
     timeout: float = 120.0
     quiet: bool = False
     mode: Mode = field(init=False, repr=False)
+    compute: Precision = field(init=False, repr=False)
 
     def __post_init__(self):
         self.mode = self.tp if isinstance(self.tp, Mode) else parse(self.tp or "none")
+        self.compute = Precision.parse(self.precision)
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise GridError(f"device must be auto, cpu or cuda, got {self.device!r}")
         for name in ("hidden", "heads", "layers", "seq", "batch", "microbatches", "steps", "vocab", "sp"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -135,8 +142,17 @@ def load_checkpoint(path: Path):
     return manifest, tensors, step
 
 
-def run(cfg: TrainConfig, on_step: Callable[[int, "gw.Grid"], None] | None = None) -> dict:
-    """Train as `cfg` says; on_step(step, grid), if given, is called at the start of each step
+@dataclass
+class StepState:
+    """What a per-step hook sees: the grid, this rank's stage, its optimizer and loss scaler."""
+    grid: "gw.Grid"
+    stage: torch.nn.Module
+    optimizer: "gw.optim.OffloadAdam"
+    scaler: LossScaler | None
+
+
+def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = None) -> dict:
+    """Train as `cfg` says; on_step(step, state), if given, is called at the start of each step
     (progress hooks, profilers; the tests' fault injection)."""
     if not isinstance(cfg, TrainConfig):
         raise GridError(f"train.run takes a gw.train.TrainConfig, got {type(cfg).__name__}")
@@ -150,18 +166,29 @@ def run(cfg: TrainConfig, on_step: Callable[[int, "gw.Grid"], None] | None = Non
     rest = world // (tp_size * sp)
     pp = cfg.pp or (2 if rest % 2 == 0 and cfg.layers % 2 == 0 and rest > 1 else 1)
     dp = cfg.dp or rest // pp
-    grid = gw.init(dp=dp, pp=pp, tp=mode, sp=sp, timeout=cfg.timeout)
+    # auto: gw.init picks NCCL on one GPU per rank when it can, else Gloo on the CPU; cuda with
+    # fewer GPUs than ranks shares them through Gloo. Every check is before the rendezvous.
+    device = None if cfg.device == "auto" else cfg.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise GridError("--device cuda was asked for but this process sees no CUDA GPU "
+                        "(torch.cuda.is_available() is False); use --device cpu")
+    if device == "cuda":
+        cfg.compute.check_device(torch.device("cuda", torch.cuda.current_device()))
+    grid = gw.init(dp=dp, pp=pp, tp=mode, sp=sp, timeout=cfg.timeout, device=device)
     if cfg.layers % pp:
         raise GridError(f"{cfg.layers} layers do not split over {pp} pipeline stages")
     if cfg.batch % (dp * cfg.microbatches):
         raise GridError(f"batch {cfg.batch} does not split into {dp} dp shards of {cfg.microbatches} microbatches")
     corpus = gw.data.load_corpus(cfg.data)
     torch.manual_seed(cfg.seed)
+    # initialised in fp32 (the same weights whatever the precision), then cast
     model = gw.models.GPT(cfg.vocab, cfg.hidden, cfg.heads, cfg.layers, cfg.seq, device=grid.device)
+    model = model.to(cfg.compute.dtype)
     s = grid.coords["pp"]
     stage = gw.models.GPTStage(model, grid, mode, s, pp)
     opt = gw.optim.OffloadAdam(stage.parameters(), lr=cfg.lr, weight_decay=0.01, bsize=1 << 14, coarsening=4,
                                grid=grid, max_grad_norm=cfg.max_grad_norm)
+    scaler = LossScaler() if cfg.compute.loss_scaling else None
     start, losses = 0, []
     if cfg.resume:
         manifest, tensors, opt_step = load_checkpoint(Path(cfg.resume))
@@ -189,16 +216,23 @@ def run(cfg: TrainConfig, on_step: Callable[[int, "gw.Grid"], None] | None = Non
     tokens_per_s = []
     for step in range(start, cfg.steps):
         if on_step is not None:
-            on_step(step, grid)
+            on_step(step, StepState(grid, stage, opt, scaler))
         t0 = time.perf_counter()
         x, y = gw.data.batch(corpus, step, cfg.seed, cfg.batch, cfg.seq)
         lo = grid.coords["dp"] * shard
         xs = [x[lo + i * mb:lo + (i + 1) * mb].to(grid.device) for i in range(cfg.microbatches)]
         ys = [y[lo + i * mb:lo + (i + 1) * mb].to(grid.device) for i in range(cfg.microbatches)]
         opt.zero_grad()
-        loss, _ = gw.pipeline.pipeline_step(stage, grid, xs, ys, model.loss, stage.activation_shape(mb, cfg.seq),
-                                            schedule=cfg.schedule, pipeline_limit=max(pp, 2))
-        opt.step()  # sums each gradient over its partial axes (dp averaged), then updates
+        loss_scale = scaler.scale_value if scaler is not None else 1.0
+
+        def loss_fn(logits, targets):  # in fp32 whatever the model computes in; fp16 scaled up
+            return model.loss(logits.float(), targets) * loss_scale
+
+        loss, _ = gw.pipeline.pipeline_step(stage, grid, xs, ys, loss_fn, stage.activation_shape(mb, cfg.seq),
+                                            dtype=cfg.compute.dtype, schedule=cfg.schedule,
+                                            pipeline_limit=max(pp, 2))
+        loss = loss / loss_scale if loss is not None else None
+        opt.step(scaler)  # sums each gradient over its partial axes (dp averaged), then updates
         # the last stage's loss, identical over its tp/sp group: count one rank of each group
         mine = loss is not None and all(c == 0 for a, c in grid.coords.items() if a not in ("pp", "dp"))
         total = torch.tensor([loss.item() if mine else 0.0], dtype=torch.float64, device=grid.device)

@@ -262,10 +262,10 @@ TEST(Ring, BlocksVisitEveryRankInOrder) {
 
 // A 3-stage pipeline whose "compute" adds the stage index: stage 0 must get back, for
 // every microbatch, the gradient the last stage made from that microbatch's activation.
-void pipeline_case(bool message_driven) {
-  EXPECT_EQ(run_ranks(3, [message_driven](GlooCommunicator& c) {
+void pipeline_case(bool message_driven, ReceiveStrategy receive = ReceiveStrategy::Auto) {
+  EXPECT_EQ(run_ranks(3, [message_driven, receive](GlooCommunicator& c) {
     const int s = c.rank(), m = 5;
-    PipelineConfig cfg{s, 3, m, 2, 4 * sizeof(double)};
+    PipelineConfig cfg{s, 3, m, 2, 4 * sizeof(double), receive};
     std::map<int, std::vector<double>> outs, grads;
     std::vector<double> seen(m, -1);
     StageForward fwd = [&](int mb, const void* in) -> const void* {
@@ -283,7 +283,8 @@ void pipeline_case(bool message_driven) {
       grads[mb] = d;
       return grads[mb].data();
     };
-    PipelineStats st = message_driven ? run_message_driven(c, cfg, fwd, bwd) : run_one_f_one_b(c, cfg, fwd, bwd);
+    // the announced strategy's control channel: here the same Gloo line (its own tag)
+    PipelineStats st = message_driven ? run_message_driven(c, cfg, fwd, bwd, &c) : run_one_f_one_b(c, cfg, fwd, bwd);
     EXPECT_EQ(st.forwards, m);
     EXPECT_EQ(st.backwards, m);
     if (s == 0)
@@ -292,4 +293,6 @@ void pipeline_case(bool message_driven) {
 }
 
 TEST(Pipeline, MessageDrivenRunsEveryMicrobatchBothWays) { pipeline_case(true); }
+TEST(Pipeline, PerPeerReceivesRunEveryMicrobatchBothWays) { pipeline_case(true, ReceiveStrategy::PerPeer); }
+TEST(Pipeline, AnnouncedReceivesRunEveryMicrobatchBothWays) { pipeline_case(true, ReceiveStrategy::Announced); }
 TEST(Pipeline, OneFOneBRunsEveryMicrobatchBothWays) { pipeline_case(false); }

@@ -11,8 +11,8 @@ from gridweave.cli import parse_train
 def main() -> None:
     rank, step = (int(v) for v in sys.argv[1].split(":"))
 
-    def on_step(s, grid):
-        if grid.rank == rank and s == step:
+    def on_step(s, state):
+        if state.grid.rank == rank and s == step:
             os._exit(9)
 
     train.run(parse_train(sys.argv[2:]), on_step=on_step)

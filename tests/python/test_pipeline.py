@@ -94,17 +94,18 @@ def _check(res, reference, stages, n):
         assert max(abs(a - b) / abs(b) for a, b in zip(losses, reference)) < 1e-5, (losses, reference)
 
 
-# receive: "any" (receive-from-any, Gloo's) and "per_peer" (one receive per neighbour: the
-# strategy NCCL needs) both run here on Gloo, through the same engine code.
+# receive: "any" (receive-from-any, Gloo's), "per_peer" (one receive per neighbour) and
+# "announced" (a host control channel says which neighbour sends next: what NCCL uses) all
+# run here on Gloo, through the same engine code.
 @pytest.mark.parametrize("stages,n", [(2, 4), (4, 8)])
 @pytest.mark.parametrize("schedule,receive", [("message_driven", "any"), ("message_driven", "per_peer"),
-                                              ("1f1b", "auto")])
+                                              ("message_driven", "announced"), ("1f1b", "auto")])
 def test_gpt_trains_with_one_process_losses(pool, reference, stages, n, schedule, receive):
     _check(pool.run(_pipeline, n, stages, schedule, receive=receive), reference, stages, n)
     assert reference[-1] < reference[0]
 
 
-@pytest.mark.parametrize("receive", ["any", "per_peer"])
+@pytest.mark.parametrize("receive", ["any", "per_peer", "announced"])
 def test_a_slow_stage_changes_timing_not_results(pool, reference, receive):
     _check(pool.run(_pipeline, 4, 2, "message_driven", 0, receive=receive), reference, 2, 4)
 
@@ -209,3 +210,37 @@ def test_optimal_ac():
     assert gw.pipeline.optimal_ac(6, 4) == 2
     with pytest.raises(gw.GridError):
         gw.pipeline.PipelineStage([torch.nn.Identity()] * 3, ac=2)
+
+
+def test_offload_adam_state_dict_round_trip():
+    """torch's optimizer protocol: a fresh OffloadAdam loaded from another's state_dict takes
+    the same next steps; a state of the wrong shape is refused before anything is written."""
+    import gridweave as gw
+
+    torch.manual_seed(2)
+    a = gw.models.GPT(V, H, HEADS, 2, SEQ, device="cpu")
+    b = gw.models.GPT(V, H, HEADS, 2, SEQ, device="cpu")
+    opt_a = gw.optim.OffloadAdam(a.parameters(), lr=3e-3, bsize=61)
+    x, y = _data()
+    for _ in range(3):
+        opt_a.zero_grad()
+        a.loss(a(x), y).backward()
+        opt_a.step()
+    b.load_state_dict(a.state_dict())
+    opt_b = gw.optim.OffloadAdam(b.parameters(), lr=1.0, bsize=61)
+    sd = opt_a.state_dict()
+    assert sd["param_groups"][0]["params"] == list(range(len(list(a.parameters()))))
+    opt_b.load_state_dict(sd)
+    assert opt_b.step_count == 3 and opt_b.lr == 3e-3
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        opt.zero_grad()
+        model.loss(model(x), y).backward()
+        opt.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    bad = opt_a.state_dict()
+    bad["state"][0] = {**bad["state"][0], "exp_avg": torch.zeros(3, device="cpu")}
+    before = opt_b.exp_avg.clone()
+    with pytest.raises(gw.GridError, match="exp_avg of parameter 0"):
+        opt_b.load_state_dict(bad)
+    assert torch.equal(opt_b.exp_avg, before)

@@ -5,10 +5,10 @@ rank's (L/N x L) score rows, softmax, Ring-AV. Backward: ring V and ring K again
 two all-reduces of the full-length dK, dV partials: 2(N-1)BZ(L/N)A values forward and
 6(N-1)BZ(L/N)A backward per rank, as the paper counts.
 
-RingAttention: blockwise with online softmax (log-sum-exp merge), never more than an
-(L/N x L/N) block of scores; causal load balancing by zigzag (rank i holds chunks i and
-2N-1-i); backward passes K and V around the ring with their dK, dV accumulators, which
-one last step brings home.
+RingAttention: blockwise with online softmax (log-sum-exp merge); each block runs on torch's
+fused attention kernels, so no block of scores is ever materialised; causal load balancing
+by zigzag (rank i holds chunks i and 2N-1-i); backward passes K and V around the ring with
+their dK, dV accumulators, which one last step brings home.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ class Ring:
     (grid.ring(axis) makes one)."""
 
     def __init__(self, grid, axis):
-        self.grid = grid
+        self.grid, self.axis = grid, axis
         self.native = _C.Ring(grid.comm(axis, "ring"))
         self.size, self.rank = self.native.size, self.native.rank
 
@@ -36,18 +36,23 @@ class Ring:
         send = [t.contiguous() for t in tensors]
         if self.size == 1:  # a ring of one passes to itself
             return _Exchange(self.native.exchange([], [], step), send, send, self.grid.timeout)
+        device = send[0].device
+        # a transport that takes host memory only (Gloo) carries CUDA blocks through host copies
+        staged = self.grid.comm(self.axis, "ring").device == _C.Device.CPU and device.type == "cuda"
+        if staged:
+            send = [t.to("cpu") for t in send]
         recv = [torch.empty_like(t) for t in send]
         work = self.native.exchange([view(t) for t in send], [view(t) for t in recv], step)
-        return _Exchange(work, send, recv, self.grid.timeout)
+        return _Exchange(work, send, recv, self.grid.timeout, device if staged else None)
 
 
 class _Exchange:
-    def __init__(self, work, send, recv, timeout):
-        self.work, self.send, self.recv, self.timeout = work, send, recv, timeout
+    def __init__(self, work, send, recv, timeout, device=None):
+        self.work, self.send, self.recv, self.timeout, self.device = work, send, recv, timeout, device
 
     def wait(self):
         self.work.wait(self.timeout)
-        return self.recv
+        return self.recv if self.device is None else [t.to(self.device) for t in self.recv]
 
 
 def chunk_starts(length_local: int, n: int, rank: int, zigzag: bool) -> list:
@@ -170,60 +175,91 @@ def lse_merge_(out, lse, blk_out, blk_lse):
     lse.copy_(merged)
 
 
-def _blocks(Lq, n, q_rank, k_rank, zigzag, causal, device):
-    """(q slice, k slice, mask) of every block of scores with a visible pair: mask None when
-    all are visible, else the boolean mask of the hidden pairs. Decided on positions as
-    Python ints, so nothing waits on the device."""
+def _blocks(Lq, n, q_rank, k_rank, zigzag, causal):
+    """(q slice, k slice, diagonal) of every block of scores with a visible pair. The local
+    sequence is made of chunks of one partition of the positions, so two chunks overlap only
+    when they are the same one: such a block is causal exactly as torch's is_causal (top-left
+    aligned); every other visible block is wholly visible. Decided on positions as Python
+    ints, so nothing waits on the device."""
     out = []
     for qs, q0 in chunk_starts(Lq, n, q_rank, zigzag):
         q1 = q0 + qs.stop - qs.start - 1
         for ks, k0 in chunk_starts(Lq, n, k_rank, zigzag):
-            k1 = k0 + ks.stop - ks.start - 1
             if causal and k0 > q1:
                 continue  # nothing visible
-            mask = None
-            if causal and k1 > q0:
-                kpos = torch.arange(k0, k1 + 1, device=device)
-                qpos = torch.arange(q0, q1 + 1, device=device)
-                mask = kpos[None, :] > qpos[:, None]
-            out.append((qs, ks, mask))
+            out.append((qs, ks, causal and k0 == q0))
     return out
 
 
-def _block_forward(q, k, v, mask, scale):
-    s = q @ k.transpose(-1, -2) * scale
-    if mask is not None:
-        s = s.masked_fill(mask, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1))
-    if mask is not None:
-        p = torch.nan_to_num(p, nan=0.0)
-    return p @ v, lse
+# Local blocks on torch's fused attention kernels, which return the log-sum-exp and never
+# materialise a block of scores: CPU flash attention on the host, memory-efficient attention
+# on CUDA (it takes every dtype the ring carries). Their backward takes the final output and
+# log-sum-exp of the query rows, so one block's dQ, dK, dV are exact parts of the whole.
+
+
+class FusedBlocks:
+    """The local block kernels of ring attention: torch's fused attention (the default).
+    Another implementation with the same two methods can be passed to ring_attention (the
+    benchmarks compare it with materialised scores)."""
+
+    @staticmethod
+    def forward(q, k, v, diagonal, scale):
+        return _block_forward(q, k, v, diagonal, scale)
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, diagonal, scale):
+        return _block_backward(dout, q, k, v, out, lse, diagonal, scale)
+
+
+def _block_forward(q, k, v, diagonal, scale):
+    """(out, lse) of one block."""
+    if q.is_cuda:
+        o, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, diagonal, scale=scale)
+        return o, lse[..., :q.shape[-2]]  # the kernel pads lse's rows to a multiple of 32
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, diagonal, scale=scale)
+
+
+def _kernel_lse_dtype(t):
+    return torch.float64 if t.dtype == torch.float64 and not t.is_cuda else torch.float32
+
+
+def _block_backward(dout, q, k, v, out, lse, diagonal, scale):
+    """dQ, dK, dV of one block, given the rows' final output and log-sum-exp."""
+    lse = lse.to(_kernel_lse_dtype(q)).contiguous()
+    if q.is_cuda:
+        empty = torch.empty(0, device=q.device, dtype=torch.int64)
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, None, out, lse, empty, empty, 0.0, [True, True, True, False], diagonal, scale=scale)
+        return dq, dk, dv
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, diagonal, scale=scale)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, grid, axis, causal, zigzag):
+    def forward(ctx, q, k, v, grid, axis, causal, zigzag, blocks):
         ring = grid.ring(axis)
         n, r = ring.size, ring.rank
         B, Z, Lq, A = q.shape
         scale = A ** -0.5
-        # The log-sum-exp is kept in float64 whatever the inputs: backward recomputes
-        # P = exp(S - lse), so lse's rounding would reach every gradient. (B*Z*L/N values.)
+        # The running log-sum-exp is merged in float64 whatever the inputs (B*Z*L/N values;
+        # the CUDA merge kernel takes it so): the merge's rounding stays below the output's.
         lse_dtype = torch.float64
         out = torch.zeros_like(q)
         lse = torch.full((B, Z, Lq), float("-inf"), dtype=lse_dtype, device=q.device)
         kc, vc = k, v
         for s in range(n):
             ex = ring.pass_on([kc, vc], s) if s < n - 1 else None  # overlaps the block compute
-            for qs, ks, mask in _blocks(Lq, n, r, ring.source_at(s), zigzag, causal, q.device):
-                o, l = _block_forward(q[..., qs, :], kc[..., ks, :], vc[..., ks, :], mask, scale)
+            for qs, ks, diagonal in _blocks(Lq, n, r, ring.source_at(s), zigzag, causal):
+                o, l = blocks.forward(q[..., qs, :].contiguous(), kc[..., ks, :].contiguous(),
+                                      vc[..., ks, :].contiguous(), diagonal, scale)
                 o_view, l_view = out[..., qs, :], lse[..., qs]
                 lse_merge_(o_view, l_view, o, l.to(lse_dtype))
             if ex is not None:
                 kc, vc = ex.wait()
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.grid, ctx.axis, ctx.causal, ctx.zigzag = grid, axis, causal, zigzag
+        ctx.grid, ctx.axis, ctx.causal, ctx.zigzag, ctx.blocks = grid, axis, causal, zigzag, blocks
         return out
 
     @staticmethod
@@ -234,7 +270,6 @@ class _RingAttention(torch.autograd.Function):
         Lq, A = q.shape[2], q.shape[3]
         scale = A ** -0.5
         dout = dout.contiguous()
-        delta = (dout.double() * out.double()).sum(-1)  # rowsum(dO * O), in float64 like lse
         dq = torch.zeros_like(q)
         kc, vc = k, v
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
@@ -242,26 +277,23 @@ class _RingAttention(torch.autograd.Function):
             # K and V leave for the next rank at once; their dK, dV accumulators follow
             # once this rank has added its share.
             ex = ring.pass_on([kc, vc], 2 * s) if s < n - 1 else None
-            for qs, ks, mask in _blocks(Lq, n, r, ring.source_at(s), ctx.zigzag, ctx.causal, q.device):
-                qb, kb, vb, dob = q[..., qs, :], kc[..., ks, :], vc[..., ks, :], dout[..., qs, :]
-                sc = qb @ kb.transpose(-1, -2) * scale
-                p = torch.exp(sc.double() - lse[..., qs].unsqueeze(-1)).to(sc.dtype)
-                if mask is not None:
-                    p = p.masked_fill(mask, 0.0)
-                dv[..., ks, :] += p.transpose(-1, -2) @ dob
-                ds = (p * ((dob @ vb.transpose(-1, -2)).double() - delta[..., qs].unsqueeze(-1)) * scale).to(q.dtype)
-                dq[..., qs, :] += ds @ kb
-                dk[..., ks, :] += ds.transpose(-1, -2) @ qb
+            for qs, ks, diagonal in _blocks(Lq, n, r, ring.source_at(s), ctx.zigzag, ctx.causal):
+                dqb, dkb, dvb = ctx.blocks.backward(dout[..., qs, :].contiguous(), q[..., qs, :].contiguous(),
+                                                kc[..., ks, :].contiguous(), vc[..., ks, :].contiguous(),
+                                                out[..., qs, :].contiguous(), lse[..., qs], diagonal, scale)
+                dq[..., qs, :] += dqb
+                dk[..., ks, :] += dkb
+                dv[..., ks, :] += dvb
             back = ring.pass_on([dk, dv], 2 * s + 1)  # the last of these brings them home
             if ex is not None:
                 kc, vc = ex.wait()
             dk, dv = back.wait()
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
-def ring_attention(q, k, v, grid, axis="sp", causal=False, zigzag=None):
+def ring_attention(q, k, v, grid, axis="sp", causal=False, zigzag=None, blocks=FusedBlocks):
     """Blockwise ring attention on (batch, heads, L/N, head_dim) shards. zigzag (default:
     when causal) expects the local sequence to be chunks rank and 2N-1-rank."""
     zigzag = causal if zigzag is None else zigzag
     check_sequence(q.shape[2], zigzag)
-    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), grid, axis, causal, zigzag)
+    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), grid, axis, causal, zigzag, blocks)

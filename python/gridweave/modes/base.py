@@ -37,9 +37,19 @@ class Mode:
     name = ""       # the layer mode ("1d", "2d", "3d", "sp", "dsp", "csub")
     keyword = ""    # the command line's --tp keyword (none, row, square, cube, subgraph, csub)
     outer = False   # its axes come before dp/pp/sp in naive order (SUPER numbers sub-grids contiguously)
-    size = 1        # the constructor's argument (N, q, p or g; 1 for Sequence)
-    size_arg = True  # the constructor takes that size
+    size_arg = True  # the constructor takes a size: the dataclass field named size_field
+    size_field = ""  # the paper's name of that size (n, q, p, g)
+    size_axis = ""   # the grid axis whose length is that size (from_grid reads it)
     planned = True   # gw.plan considers it
+
+    def __post_init__(self):
+        if self.size_arg:
+            positive(type(self).__name__, self.size)
+
+    @property
+    def size(self) -> int:
+        """The constructor's argument (N, q, p or g; 1 for Sequence)."""
+        return getattr(self, self.size_field) if self.size_arg else 1
 
     # ---- the grid ----------------------------------------------------------------------
     def axes(self) -> list:
@@ -56,7 +66,7 @@ class Mode:
     @classmethod
     def from_grid(cls, grid):
         """This mode over the axes `grid` has (the layers' mode="1d" etc.)."""
-        raise NotImplementedError
+        return cls(grid.axes.get(cls.size_axis, 1)) if cls.size_arg else cls()
 
     def check_grid(self, grid) -> None:
         for a, s in self.axes():

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from .. import _C
 from ..layout import Layout
-from .base import Mode, positive, register
+from .base import Mode, register
 
 # The directions (a, c) of a layer's input: Algorithm 1's a = "y", c = "z".
 INPUT_DIRECTIONS = ("y", "z")
@@ -47,20 +47,10 @@ class Cube(Mode):
     p: int
     name = "3d"
     keyword = "cube"
-
-    def __post_init__(self):
-        positive("Cube", self.p)
-
-    @property
-    def size(self):
-        return self.p
+    size_field, size_axis = "p", "x"
 
     def axes(self):
         return [("z", self.p), ("y", self.p), ("x", self.p)]
-
-    @classmethod
-    def from_grid(cls, grid):
-        return cls(grid.axes.get("x", 1))
 
     def head_groups_count(self):
         return self.p

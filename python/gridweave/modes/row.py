@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import Mode, positive, register
+from .base import Mode, register
 
 
 @register
@@ -14,20 +14,10 @@ class Row(Mode):
     n: int
     name = "1d"
     keyword = "row"
-
-    def __post_init__(self):
-        positive("Row", self.n)
-
-    @property
-    def size(self):
-        return self.n
+    size_field, size_axis = "n", "tp"
 
     def axes(self):
         return [("tp", self.n)]
-
-    @classmethod
-    def from_grid(cls, grid):
-        return cls(grid.axes.get("tp", 1))
 
     def head_groups_count(self):
         return self.n

@@ -19,10 +19,6 @@ class Sequence(Mode):
     def spec(self):
         return "none"
 
-    @classmethod
-    def from_grid(cls, grid):
-        return cls()
-
     def base_layout(self, grid):
         return Layout(("dp",), (), ())
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..layout import Layout
-from .base import Mode, positive, register
+from .base import Mode, register
 
 
 @register
@@ -15,20 +15,10 @@ class Square(Mode):
     q: int
     name = "2d"
     keyword = "square"
-
-    def __post_init__(self):
-        positive("Square", self.q)
-
-    @property
-    def size(self):
-        return self.q
+    size_field, size_axis = "q", "r"
 
     def axes(self):
         return [("r", self.q), ("c", self.q)]
-
-    @classmethod
-    def from_grid(cls, grid):
-        return cls(grid.axes.get("r", 1))
 
     def head_groups_count(self):
         return self.q

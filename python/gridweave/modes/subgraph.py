@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..layout import Layout
-from .base import Mode, positive, register
+from .base import Mode, register
 
 
 @register
@@ -20,21 +20,11 @@ class SubGraph(Mode):
     g: int
     name = "dsp"
     keyword = "subgraph"
+    size_field, size_axis = "g", "sg"
     outer = True
-
-    def __post_init__(self):
-        positive(type(self).__name__, self.g)
-
-    @property
-    def size(self):
-        return self.g
 
     def axes(self):
         return [("sg", self.g)]
-
-    @classmethod
-    def from_grid(cls, grid):
-        return cls(grid.axes.get("sg", 1))
 
     def accepts(self, heads, hidden):
         return heads % self.g == 0 and hidden % self.g == 0

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The GPU tier: run where a CUDA GPU is visible (each test skips with its reason elsewhere).
+# NCCL at world size 1, 2-4 ranks sharing the GPU through Gloo, stream ordering, the CUDA
+# kernels, bf16 training on the GPU, OffloadAdam's measured device memory; then the main
+# job's model in gridweave and in plain torch on the GPU (tokens/s, MFU). Results go to
+# benchmarks/results/gpu/ named after the device.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/results/gpu}
+mkdir -p "$OUT"
+DEV=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '_') if torch.cuda.is_available() else 'none')")
+python3 -m pytest -q -m gpu tests/python -rs --junitxml="$OUT/test_gpu_${DEV}.xml" 2>&1 | tee "$OUT/test_gpu_${DEV}.txt"
+if [ "$DEV" != "none" ]; then
+  python3 benchmarks/bench_gpu_throughput.py --out "$OUT" || echo "throughput benchmark failed"
+fi
