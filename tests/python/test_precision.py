@@ -66,8 +66,9 @@ def test_an_overflow_on_one_rank_skips_that_step_everywhere(pool):
 
 ARGS = ["--steps", "20", "--hidden", "32", "--layers", "4", "--heads", "4", "--seq", "32", "--batch", "8",
         "--quiet"]
-# bf16 keeps 8 mantissa bits, fp16 11: the losses of 20 steps stay within these of fp32's
-TOLERANCE = {"bf16": 0.03, "fp16": 0.01}
+# bf16 keeps 8 mantissa bits, fp16 11: over 20 steps the losses stay within these of fp32's
+# (measured here: at most 5.5e-4 for bf16 and 4.9e-5 for fp16 on these three grids)
+TOLERANCE = {"bf16": 2e-3, "fp16": 4e-4}
 
 
 def _train(tmp, name, *extra, port):
@@ -95,3 +96,20 @@ def test_half_precision_tracks_fp32(fp32, tmp_path, precision, spec, port):
     assert fp32[-1] < fp32[0] - 0.3 and losses[-1] < losses[0] - 0.3   # both learn
     worst = max(abs(a - b) / b for a, b in zip(losses, fp32))
     assert worst < TOLERANCE[precision], (precision, spec, worst, losses, fp32)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the errors of a machine without a GPU")
+def test_asking_for_a_gpu_where_none_is_visible_is_one_clear_error(tmp_path):
+    import gridweave as gw
+
+    for kw in ({"device": "cuda"}, {"backend": "nccl"}, {"device": "cuda:1"}):
+        with pytest.raises(gw.GridError, match="no CUDA GPU|without the NCCL transport"):
+            gw.init(**kw)
+    with pytest.raises(gw.GridError, match="computes on GPUs|no CUDA GPU|without the NCCL"):
+        gw.init(backend="nccl", device="cpu")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    r = subprocess.run([sys.executable, "-m", "gridweave.cli", "train", *ARGS, "--nproc", "1", "--device", "cuda",
+                        "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode != 0 and "--device cuda was asked for but this process sees no CUDA GPU" in r.stderr
+    assert not (tmp_path / "x").exists()  # nothing written

@@ -1,0 +1,104 @@
+"""One GPU: tokens/s and model-FLOPs utilisation of the main job's GPT at a size that fills
+the GPU, through gridweave (GPTStage, the pipeline engine, OffloadAdam, bf16) and as plain
+torch (the same bf16 model and micro-batches, torch.optim.AdamW), side by side in one run.
+GPU only (scripts/test_gpu.sh runs it).
+
+    python benchmarks/bench_gpu_throughput.py [--out benchmarks/results/gpu]
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from launch import bench_parser, results_dir, save
+
+# bf16 dense peak FLOP/s (spec sheets) for the MFU denominator
+PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+CFG = dict(vocab=256, hidden=2048, heads=16, layers=16, seq=2048, batch=8, microbatches=2)
+STEPS = 6
+
+
+def _peak(name: str) -> float:
+    return next((v for k, v in PEAK.items() if k in name), float("nan"))
+
+
+def _flops_per_token(cfg) -> float:
+    """Seed 001 eq. (3) without recomputation: 72 l h^2 (1 + s/6h + V/16lh) per token (fwd + bwd)."""
+    h, s, l, v = cfg["hidden"], cfg["seq"], cfg["layers"], cfg["vocab"]
+    return 72 * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+
+
+def _batches(cfg, device):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=g, device="cpu").to(device)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def plain_torch(cfg, device) -> float:
+    import gridweave as gw
+
+    torch.manual_seed(0)
+    model = gw.models.GPT(cfg["vocab"], cfg["hidden"], cfg["heads"], cfg["layers"], cfg["seq"],
+                          device=device).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x, y = _batches(cfg, device)
+    mb = cfg["batch"] // cfg["microbatches"]
+    times = []
+    for _ in range(STEPS):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        for i in range(cfg["microbatches"]):
+            out = model(x[i * mb:(i + 1) * mb])
+            (model.loss(out.float(), y[i * mb:(i + 1) * mb]) / cfg["microbatches"]).backward()
+        opt.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return cfg["batch"] * cfg["seq"] / min(times[1:])
+
+
+def gridweave_job(cfg, device) -> float:
+    import gridweave as gw
+
+    grid = gw.init(device=device)
+    torch.manual_seed(0)
+    model = gw.models.GPT(cfg["vocab"], cfg["hidden"], cfg["heads"], cfg["layers"], cfg["seq"],
+                          device=grid.device).to(torch.bfloat16)
+    stage = gw.models.GPTStage(model, grid, None, 0, 1)
+    opt = gw.optim.OffloadAdam(stage.parameters(), lr=1e-4, bsize=1 << 24, grid=grid)
+    x, y = _batches(cfg, grid.device)
+    mb = cfg["batch"] // cfg["microbatches"]
+    xs = [x[i * mb:(i + 1) * mb] for i in range(cfg["microbatches"])]
+    ys = [y[i * mb:(i + 1) * mb] for i in range(cfg["microbatches"])]
+    times = []
+    for _ in range(STEPS):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        gw.pipeline.pipeline_step(stage, grid, xs, ys, lambda o, t: model.loss(o.float(), t),
+                                  stage.activation_shape(mb, cfg["seq"]), dtype=torch.bfloat16)
+        opt.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    gw.shutdown()
+    return cfg["batch"] * cfg["seq"] / min(times[1:])
+
+
+def main() -> None:
+    args = bench_parser(__file__).parse_args()
+    device = torch.device("cuda", 0)
+    name = torch.cuda.get_device_name(device)
+    flops = _flops_per_token(CFG)
+    rows = {}
+    for label, fn in (("plain_torch", plain_torch), ("gridweave", gridweave_job)):
+        tok_s = fn(CFG, device)
+        rows[label] = {"tokens_per_s": tok_s, "mfu": tok_s * flops / _peak(name),
+                       "max_memory_bytes": torch.cuda.max_memory_allocated(device)}
+        torch.cuda.reset_peak_memory_stats(device)
+        print(label, rows[label])
+    save(results_dir(args), f"throughput_{name.replace(' ', '_')}", {"device": name, "config": CFG, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
