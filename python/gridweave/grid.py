@@ -68,25 +68,10 @@ class Work:
         return self._native.source
 
 
-class _StagedWork(Work):
-    """An op run on host copies of CUDA tensors: wait() also copies the results back."""
-
-    def __init__(self, inner, back):
-        super().__init__(None, inner._timeout, None)
-        self._inner, self._back = inner, back
-
-    def test(self) -> bool:
-        return self._inner.test()
-
-    def wait(self, timeout: float | None = None):
-        if not self._done:
-            self._result = self._back(self._inner.wait(timeout))
-            self._done = True
-        return self._result
-
-    @property
-    def source(self) -> int:
-        return self._inner.source
+def _then(work: Work, back) -> Work:
+    """A Work that waits for `work` (a Work is itself a native-like handle: wait, test,
+    source) and returns back(its result): results of ops run on host copies go home."""
+    return Work(work, work._timeout, None, lambda: back(work.wait()))
 
 
 def _to_host(t):
@@ -205,7 +190,7 @@ class Grid:
                 return into.copy_(r)
             return r.to(device) if isinstance(r, torch.Tensor) else r
 
-        work = _StagedWork(res, back)
+        work = _then(res, back)
         return work if async_op else work.wait()
 
     def all_gather(self, t, axis: AxisArg, dim: int = 0, async_op: bool = False, out=None):
@@ -215,7 +200,7 @@ class Grid:
         if self._staged(c, t, out):
             if out is not None:
                 r = self._via_host("all_gather", t, axis, dim=dim, async_op=async_op)
-                return _StagedWork(r, lambda v: out.copy_(v)) if async_op else out.copy_(r)
+                return _then(r, lambda v: out.copy_(v)) if async_op else out.copy_(r)
             return self._via_host("all_gather", t, axis, dim=dim, async_op=async_op)
         g = c.size
         dim = _dim(t, dim)
@@ -240,7 +225,7 @@ class Grid:
         if self._staged(c, t, out):
             if out is not None:
                 r = self._via_host("reduce_scatter", t, axis, op=op, dim=dim, async_op=async_op)
-                return _StagedWork(r, lambda v: out.copy_(v)) if async_op else out.copy_(r)
+                return _then(r, lambda v: out.copy_(v)) if async_op else out.copy_(r)
             return self._via_host("reduce_scatter", t, axis, op=op, dim=dim, async_op=async_op)
         g = c.size
         dim = _dim(t, dim)
@@ -290,7 +275,7 @@ class Grid:
         c = self.comm(axis, "scatter")
         if self._staged(c, out, full):
             work = self.scatter(_to_host(out), _to_host(full), axis, src, async_op=True)
-            staged = _StagedWork(work, lambda r: out.copy_(r))
+            staged = _then(work, lambda r: out.copy_(r))
             return staged if async_op else staged.wait()
         if c.rank == src:
             if full is None:
@@ -343,8 +328,8 @@ class Grid:
         c = self.comm(axis, "recv_any")
         if self._staged(c, t):
             host = _to_host(t)
-            staged = _StagedWork(self.recv_any(host, srcs, axis, tag, async_op=True),
-                                 lambda source: (t.copy_(host), source)[1])
+            staged = _then(self.recv_any(host, srcs, axis, tag, async_op=True),
+                           lambda source: (t.copy_(host), source)[1])
             return staged if async_op else staged.wait()
         native = c.recv_any(view(t, "recv buffer"), [int(s) for s in srcs], int(tag))
         work = Work(native, self.timeout, (t,), lambda: native.source)
