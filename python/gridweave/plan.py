@@ -261,12 +261,19 @@ def tensor_modes(n: int, model: Model) -> list:
     return out
 
 
+# Sequence-parallel degrees are considered while each rank keeps at least this many tokens:
+# below it the ring's per-step latency dwarfs its blocks (Megatron-LM's context parallelism
+# and seed 004 use thousands per rank), and every ring step costs the recording a step too.
+MIN_TOKENS_PER_SP_RANK = 64
+
+
 def enumerate_grids(n: int, model: Model, placements=("topology", "naive")):
     """Every grid of n ranks the model's sizes allow."""
     out = []
     for mode in tensor_modes(n, model):
         rest = n // mode.ranks()
-        for sp in (d for d in range(1, rest + 1) if rest % d == 0 and model.seq % (2 * d) == 0):
+        for sp in (d for d in range(1, rest + 1) if rest % d == 0 and model.seq % (2 * d) == 0
+                   and (d == 1 or model.seq // d >= MIN_TOKENS_PER_SP_RANK)):
             for pp in (d for d in range(1, rest // sp + 1) if (rest // sp) % d == 0 and model.layers % d == 0):
                 dp = rest // (sp * pp)
                 if model.batch % dp:
