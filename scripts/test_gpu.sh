@@ -11,5 +11,11 @@ mkdir -p "$OUT"
 DEV=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '_') if torch.cuda.is_available() else 'none')")
 python3 -m pytest -q -m gpu tests/python -rs --junitxml="$OUT/test_gpu_${DEV}.xml" 2>&1 | tee "$OUT/test_gpu_${DEV}.txt"
 if [ "$DEV" != "none" ]; then
+  # the layer, ring, pipeline and sharding tests again, every rank on the GPU (shared through Gloo)
+  GRIDWEAVE_TEST_DEVICE=cuda python3 -m pytest -q tests/python/test_layers.py tests/python/test_tensor1d2d.py \
+    tests/python/test_tensor3d.py tests/python/test_sequence.py tests/python/test_subgraph.py \
+    tests/python/test_pipeline.py tests/python/test_sharding.py -rs 2>&1 | tee "$OUT/test_cuda_suite_${DEV}.txt"
+fi
+if [ "$DEV" != "none" ]; then
   python3 benchmarks/bench_gpu_throughput.py --out "$OUT" || echo "throughput benchmark failed"
 fi

@@ -4,6 +4,7 @@ workers; they rendezvous through one TCPStore under a fresh key prefix."""
 from __future__ import annotations
 
 import itertools
+import os
 import multiprocessing as mp
 import traceback
 from dataclasses import dataclass
@@ -27,6 +28,10 @@ class RankContext:
         import gridweave as gw
 
         kw.setdefault("timeout", 30.0)
+        device = os.environ.get("GRIDWEAVE_TEST_DEVICE", "cpu")
+        if device != "cpu":  # the GPU tier: every rank on the GPU, shared through Gloo
+            kw.setdefault("device", device)
+            kw.setdefault("backend", "gloo")
         return gw.init(rank=self.rank, world_size=self.world_size, store=self._store, prefix=self.prefix, **kw)
 
 

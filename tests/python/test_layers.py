@@ -3,7 +3,7 @@ input gradient and every parameter gradient; Megatron's four all-reduces."""
 import pytest
 import torch
 
-from tp_refs import full, rel
+from tp_refs import DEVICE, full, rel
 
 H, HEADS, B, S = 32, 8, 4, 5
 
@@ -16,7 +16,7 @@ def _layer(ctx, mode, dtype_name, overlap, bias):
     tp = {"1d": gw.Row(n), "2d": gw.Square(2), "3d": gw.Cube(2)}[mode]
     grid = ctx.init(tp=tp)
     torch.manual_seed(0)
-    dense = gw.nn.DenseTransformerLayer(H, HEADS, bias=bias, dtype=dtype, device="cpu")
+    dense = gw.nn.DenseTransformerLayer(H, HEADS, bias=bias, dtype=dtype, device=DEVICE)
     with torch.no_grad():
         for p in dense.parameters():
             p.add_(0.1 * torch.randn_like(p))
@@ -84,8 +84,8 @@ def _blocks(ctx, mode):
     grid = ctx.init(tp={"1d": gw.Row(n), "2d": gw.Square(2), "3d": gw.Cube(2)}[mode])
     torch.manual_seed(1)
     errs = {}
-    for name, dense in (("attn", gw.nn.DenseSelfAttention(H, HEADS, dtype=torch.float64, device="cpu")),
-                        ("mlp", gw.nn.DenseMLP(H, 2 * H, dtype=torch.float64, device="cpu"))):
+    for name, dense in (("attn", gw.nn.DenseSelfAttention(H, HEADS, dtype=torch.float64, device=DEVICE)),
+                        ("mlp", gw.nn.DenseMLP(H, 2 * H, dtype=torch.float64, device=DEVICE))):
         cls = gw.nn.SelfAttention if name == "attn" else gw.nn.MLP
         block = cls.from_dense(dense, grid, mode=mode)
         assert block.input_layout == block.output_layout

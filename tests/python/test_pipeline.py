@@ -6,12 +6,14 @@ import time
 import pytest
 import torch
 
+from tp_refs import DEVICE
+
 V, H, HEADS, LAYERS, SEQ, BATCH, STEPS = 32, 16, 2, 4, 8, 8, 20
 
 
 def _data():
     g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, V, (BATCH, SEQ + 1), generator=g, device="cpu")
+    ids = torch.randint(0, V, (BATCH, SEQ + 1), generator=g, device="cpu").to(DEVICE)
     return ids[:, :-1], ids[:, 1:]
 
 
@@ -19,7 +21,7 @@ def _reference():
     import gridweave as gw
 
     torch.manual_seed(0)
-    model = gw.models.GPT(V, H, HEADS, LAYERS, SEQ, device="cpu")
+    model = gw.models.GPT(V, H, HEADS, LAYERS, SEQ, device=DEVICE)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     x, y = _data()
     losses = []
@@ -38,7 +40,7 @@ def _pipeline(ctx, stages, schedule, slow_stage=-1, ac=1, die_stage=-1, receive=
     dp = ctx.world_size // stages
     grid = ctx.init(dp=dp, pp=stages, timeout=20.0)
     torch.manual_seed(0)
-    model = gw.models.GPT(V, H, HEADS, LAYERS, SEQ, device="cpu")
+    model = gw.models.GPT(V, H, HEADS, LAYERS, SEQ, device=DEVICE)
     s = grid.coords["pp"]
     layers = model.stage_layers(s, stages)
 
@@ -122,8 +124,8 @@ def _receive_any_capability(ctx):
     errs = []
     for kw in ({"schedule": "sideways"}, {"receive": "sometimes"}):
         try:
-            gw.pipeline.pipeline_step(torch.nn.Identity(), grid, [torch.zeros(1, device="cpu")],
-                                      [torch.zeros(1, device="cpu")], lambda o, t: o.sum(), (1,), **kw)
+            gw.pipeline.pipeline_step(torch.nn.Identity(), grid, [torch.zeros(1, device=DEVICE)],
+                                      [torch.zeros(1, device=DEVICE)], lambda o, t: o.sum(), (1,), **kw)
         except gw.GridError as e:
             errs.append(str(e))
     return caps, errs
@@ -148,8 +150,8 @@ def test_offload_adam_equals_adamw_step_by_step():
     import gridweave as gw
 
     torch.manual_seed(1)
-    a = gw.models.GPT(V, H, HEADS, 2, SEQ, device="cpu")
-    b = gw.models.GPT(V, H, HEADS, 2, SEQ, device="cpu")
+    a = gw.models.GPT(V, H, HEADS, 2, SEQ, device=DEVICE)
+    b = gw.models.GPT(V, H, HEADS, 2, SEQ, device=DEVICE)
     b.load_state_dict(a.state_dict())
     ref = torch.optim.AdamW(a.parameters(), lr=3e-3, weight_decay=0.1)
     mine = gw.optim.OffloadAdam(b.parameters(), lr=3e-3, weight_decay=0.1, bsize=101, coarsening=3)
@@ -183,7 +185,7 @@ def test_offload_memory_accounting():
     optimizer's own accounting agrees with what its tensors really take."""
     import gridweave as gw
 
-    model = gw.models.GPT(V, H, HEADS, 2, SEQ, dtype=torch.float16, device="cpu")
+    model = gw.models.GPT(V, H, HEADS, 2, SEQ, dtype=torch.float16, device=DEVICE)
     phi = sum(p.numel() for p in model.parameters())
     opt = gw.optim.OffloadAdam(model.parameters(), bsize=128)
     x, y = _data()
@@ -218,8 +220,8 @@ def test_offload_adam_state_dict_round_trip():
     import gridweave as gw
 
     torch.manual_seed(2)
-    a = gw.models.GPT(V, H, HEADS, 2, SEQ, device="cpu")
-    b = gw.models.GPT(V, H, HEADS, 2, SEQ, device="cpu")
+    a = gw.models.GPT(V, H, HEADS, 2, SEQ, device=DEVICE)
+    b = gw.models.GPT(V, H, HEADS, 2, SEQ, device=DEVICE)
     opt_a = gw.optim.OffloadAdam(a.parameters(), lr=3e-3, bsize=61)
     x, y = _data()
     for _ in range(3):
@@ -239,7 +241,7 @@ def test_offload_adam_state_dict_round_trip():
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
     bad = opt_a.state_dict()
-    bad["state"][0] = {**bad["state"][0], "exp_avg": torch.zeros(3, device="cpu")}
+    bad["state"][0] = {**bad["state"][0], "exp_avg": torch.zeros(3, device=DEVICE)}
     before = opt_b.exp_avg.clone()
     with pytest.raises(gw.GridError, match="exp_avg of parameter 0"):
         opt_b.load_state_dict(bad)

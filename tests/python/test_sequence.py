@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from refs import grid_errors
-from tp_refs import full, rel
+from tp_refs import DEVICE, full, rel
 
 B, Z, A = 2, 2, 4
 
@@ -96,9 +96,9 @@ def _indivisible(ctx):
     from gridweave.autograd.ring import ring_attention
 
     grid = ctx.init(sp=ctx.world_size)
-    return grid_errors((lambda: gw.scatter(torch.zeros(B, Z, 6, A, device="cpu"), _layout(False), grid),
-                               lambda: gw.scatter(torch.zeros(B, Z, 12, A, device="cpu"), _layout(True), grid),
-                               lambda: ring_attention(*(torch.zeros(B, Z, 3, A, device="cpu") for _ in range(3)), grid, causal=True)))
+    return grid_errors((lambda: gw.scatter(torch.zeros(B, Z, 6, A, device=DEVICE), _layout(False), grid),
+                               lambda: gw.scatter(torch.zeros(B, Z, 12, A, device=DEVICE), _layout(True), grid),
+                               lambda: ring_attention(*(torch.zeros(B, Z, 3, A, device=DEVICE) for _ in range(3)), grid, causal=True)))
 
 
 def test_sequence_lengths_that_do_not_split_fail_clearly(pool):
@@ -114,7 +114,7 @@ def _sp_layer(ctx, dp, attention, causal):
     grid = ctx.init(dp=dp, sp=sp)
     torch.manual_seed(0)
     H, heads, Bt, L = 16, 4, 4, 16
-    dense = gw.nn.DenseTransformerLayer(H, heads, causal=causal, dtype=torch.float64, device="cpu")
+    dense = gw.nn.DenseTransformerLayer(H, heads, causal=causal, dtype=torch.float64, device=DEVICE)
     layer = gw.nn.TransformerLayer.from_dense(dense, grid, mode="sp", attention=attention)
     x = full((Bt, L, H), 21).requires_grad_()
     y = dense(x)
@@ -149,7 +149,7 @@ def _blocks(ctx):
     torch.manual_seed(2)
     out = {}
     for cls, causal in ((gw.nn.RingSelfAttention, False), (gw.nn.RingAttention, True)):
-        dense = gw.nn.DenseSelfAttention(16, 4, causal=causal, dtype=torch.float64, device="cpu")
+        dense = gw.nn.DenseSelfAttention(16, 4, causal=causal, dtype=torch.float64, device=DEVICE)
         block = cls.from_dense(dense, grid)
         x = full((2, 16, 16), 22)
         out[cls.__name__] = rel(gw.gather(block(gw.scatter(x, block.input_layout, grid)), block.output_layout, grid),

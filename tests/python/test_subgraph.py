@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from refs import grid_errors
-from tp_refs import full, rel
+from tp_refs import DEVICE, full, rel
 
 H, HEADS, B, S = 16, 4, 8, 4
 
@@ -14,7 +14,7 @@ def _attention(ctx, g, mode, projection, method):
 
     grid = ctx.init(dp=ctx.world_size // g, tp=gw.SubGraph(g))
     torch.manual_seed(0)
-    dense = gw.nn.DenseSelfAttention(H, HEADS, dtype=torch.float64, device="cpu")
+    dense = gw.nn.DenseSelfAttention(H, HEADS, dtype=torch.float64, device=DEVICE)
     attn = gw.nn.SubGraphAttention.from_dense(dense, grid, mode=mode, projection=projection, method=method)
     x = full((B, S, H), 1).requires_grad_()
     y = dense(x)
@@ -47,7 +47,7 @@ def _train(ctx, kind, g, steps=10):
     import gridweave as gw
 
     torch.manual_seed(0)
-    dense = gw.nn.DenseTransformerLayer(H, HEADS, dtype=torch.float64, device="cpu")
+    dense = gw.nn.DenseTransformerLayer(H, HEADS, dtype=torch.float64, device=DEVICE)
     x_full = full((B, S, H), 3)
     if kind == "dense":
         layer, grid = dense, None
@@ -92,7 +92,7 @@ def _a2a_counts(ctx, g, placement, rpn):
     import gridweave as gw
 
     grid = ctx.init(dp=ctx.world_size // g, tp=gw.SubGraph(g), placement=placement, ranks_per_node=rpn)
-    x = torch.zeros(4 * g, 8, dtype=torch.float64, device="cpu")  # this rank's common shard
+    x = torch.zeros(4 * g, 8, dtype=torch.float64, device=DEVICE)  # this rank's common shard
     grid.reset_stats()
     from gridweave.autograd.subgraph import slice_
 
@@ -127,7 +127,7 @@ def _bad(ctx):
 
     grid = ctx.init(dp=2, tp=gw.SubGraph(2))
     return grid_errors((lambda: gw.nn.SubGraphAttention(16, 3, grid),
-                               lambda: gw.scatter(torch.zeros(6, 2, 16, device="cpu"), gw.nn.subgraph.subgraph_layout("dsp"), grid)))
+                               lambda: gw.scatter(torch.zeros(6, 2, 16, device=DEVICE), gw.nn.subgraph.subgraph_layout("dsp"), grid)))
 
 
 def test_heads_or_batch_that_g_does_not_divide_fail_clearly(pool):

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from refs import grid_errors
-from tp_refs import full, rel
+from tp_refs import DEVICE, full, rel
 
 
 def _one_d(ctx, dtype_name):
@@ -14,8 +14,8 @@ def _one_d(ctx, dtype_name):
     grid = ctx.init(tp=gw.Row(n))
     torch.manual_seed(0)  # every rank builds the same dense modules
     errs = {}
-    col_d = torch.nn.Linear(12, 8 * n // 2 * 2, dtype=dtype, device="cpu")
-    row_d = torch.nn.Linear(col_d.out_features, 6, dtype=dtype, device="cpu")
+    col_d = torch.nn.Linear(12, 8 * n // 2 * 2, dtype=dtype, device=DEVICE)
+    row_d = torch.nn.Linear(col_d.out_features, 6, dtype=dtype, device=DEVICE)
     col = gw.nn.ColumnParallelLinear.from_dense(col_d, grid)
     row = gw.nn.RowParallelLinear.from_dense(row_d, grid)
     x = full((2, 4, 12), 1, dtype).requires_grad_()
@@ -37,9 +37,9 @@ def _one_d(ctx, dtype_name):
     row2 = gw.nn.RowParallelLinear.from_dense(row_d, grid, input_is_parallel=False)
     errs["gathered"] = rel(row2(col2(x.detach())), row_d(col_d(x.detach())))
 
-    emb_d = torch.nn.Embedding(4 * n, 7, dtype=dtype, device="cpu")
+    emb_d = torch.nn.Embedding(4 * n, 7, dtype=dtype, device=DEVICE)
     emb = gw.nn.VocabParallelEmbedding.from_dense(emb_d, grid)
-    ids = torch.randint(0, 4 * n, (2, 4), generator=torch.Generator().manual_seed(3), device="cpu")
+    ids = torch.randint(0, 4 * n, (2, 4), generator=torch.Generator().manual_seed(3), device="cpu").to(DEVICE)
     e = emb_d(ids)
     de = full(e.shape, 4, dtype)
     e.backward(de)
@@ -83,9 +83,9 @@ def _two_d(ctx, dtype_name):
     torch.manual_seed(0)
     errs = {}
     for bias in (True, False):
-        dense = torch.nn.Linear(6, 12, bias=bias, dtype=dtype, device="cpu")
+        dense = torch.nn.Linear(6, 12, bias=bias, dtype=dtype, device=DEVICE)
         lin = gw.nn.Linear2D.from_dense(dense, grid)
-        ln_d = torch.nn.LayerNorm(12, dtype=dtype, device="cpu")
+        ln_d = torch.nn.LayerNorm(12, dtype=dtype, device=DEVICE)
         with torch.no_grad():
             ln_d.weight.copy_(full((12,), 7, dtype))
             ln_d.bias.copy_(full((12,), 8, dtype))
@@ -126,7 +126,7 @@ def _bad_shapes(ctx, mode):
                lambda: gw.nn.TransformerLayer(16, 6, grid, mode="1d")],
         "2d": [lambda: gw.nn.Linear2D(8, 6, grid), lambda: gw.nn.Linear2D(5, 8, grid),
                lambda: gw.nn.LayerNorm2D(6, grid), lambda: gw.nn.TransformerLayer(16, 3, grid, mode="2d"),
-               lambda: gw.scatter(torch.zeros(3, 2, 8, device="cpu"), gw.Layout(("r",), (), ("c",)), grid)],
+               lambda: gw.scatter(torch.zeros(3, 2, 8, device=DEVICE), gw.Layout(("r",), (), ("c",)), grid)],
     }[mode]
     return grid_errors(makers)
 

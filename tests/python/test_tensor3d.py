@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from refs import grid_errors
-from tp_refs import full, rel
+from tp_refs import DEVICE, full, rel
 
 FORMS = ("AB", "ABt", "AtB")
 
@@ -50,7 +50,7 @@ def _linear(ctx, bias, overlap, dtype_name, in_f, out_f):
     dtype = getattr(torch, dtype_name)
     grid = ctx.init(tp=gw.Cube(2))
     torch.manual_seed(0)
-    dense = torch.nn.Linear(in_f, out_f, bias=bias, dtype=dtype, device="cpu")
+    dense = torch.nn.Linear(in_f, out_f, bias=bias, dtype=dtype, device=DEVICE)
     lin = gw.nn.Linear3D.from_dense(dense, grid, overlap=overlap)
     x = full((4, 3, in_f), 5, dtype).requires_grad_()
     y = dense(x)
@@ -86,7 +86,7 @@ def _layernorm(ctx):
     import gridweave as gw
 
     grid = ctx.init(tp=gw.Cube(2))
-    dense = torch.nn.LayerNorm(16, dtype=torch.float64, device="cpu")
+    dense = torch.nn.LayerNorm(16, dtype=torch.float64, device=DEVICE)
     with torch.no_grad():
         dense.weight.copy_(full((16,), 7))
         dense.bias.copy_(full((16,), 8))
@@ -122,7 +122,7 @@ def _bytes(ctx, M_rows, N, K):
 
     grid = ctx.init(tp=gw.Cube(2))
     lin = gw.nn.Linear3D(N, K, grid, bias=False, dtype=torch.float64)
-    x = torch.randn(M_rows // 4, 1, N // 2, dtype=torch.float64, requires_grad=True, device="cpu")
+    x = torch.randn(M_rows // 4, 1, N // 2, dtype=torch.float64, requires_grad=True, device=DEVICE)
     grid.reset_stats()
     y = lin(x)
     fwd = grid.stats()
