@@ -132,6 +132,17 @@ PYBIND11_MODULE(_C, m) {
 
   // What extensions registered while the module loaded (cuda/register.cu when built).
   m.attr("nccl_available") = transport_available(Backend::Nccl);
+  m.attr("mpi_available") = transport_available(Backend::Mpi);
+  // The MPI world (mpi/ registers it): initialises MPI unless someone already has.
+  m.def("mpi_world", []() {
+    const WorldRuntime* rt = mpi_runtime();
+    GW_CHECK(rt != nullptr, "backend 'mpi' requested but gridweave was built without MPI (install an MPI, e.g. "
+                            "apt-get install libopenmpi-dev, and rebuild)");
+    return rt->rank_and_size();
+  });
+  m.def("mpi_finalize", []() {
+    if (const WorldRuntime* rt = mpi_runtime()) rt->finalize();
+  });
   m.attr("cuda_kernels") = lse_merge_kernel() != nullptr;
   // The ring-attention merge kernel (cuda/lse_merge.cu) on device pointers.
   m.def("lse_merge", [](std::uintptr_t out, std::uintptr_t lse, std::uintptr_t blk, std::uintptr_t blk_lse,
@@ -277,13 +288,14 @@ PYBIND11_MODULE(_C, m) {
                        int device_index, std::shared_ptr<Store> store) {
              GW_CHECK(policy == "naive" || policy == "topology",
                       "placement must be 'naive' or 'topology', got '" << policy << "'");
-             GW_CHECK(backend == "gloo" || backend == "nccl", "unknown backend '" << backend << "' (gloo | nccl | auto)");
+             GW_CHECK(backend == "gloo" || backend == "nccl" || backend == "mpi",
+                      "unknown backend '" << backend << "' (gloo | nccl | mpi | auto)");
              GridOptions o;
              o.axes = to_axes(axes);
              o.policy = policy == "naive" ? PlacementPolicy::Naive : PlacementPolicy::Topology;
              o.ranks_per_node = rpn;
              o.rank = rank;
-             o.backend = backend == "gloo" ? Backend::Gloo : Backend::Nccl;
+             o.backend = backend == "gloo" ? Backend::Gloo : backend == "mpi" ? Backend::Mpi : Backend::Nccl;
              o.timeout = to_ms(timeout_s);
              o.hostname = hostname;
              o.device_index = device_index;

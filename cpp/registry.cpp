@@ -13,6 +13,8 @@ struct Registry {
   std::map<Backend, TransportFactory> transports;
   std::map<Device, DeviceAllocator> allocators;
   LseMergeKernel lse_merge;
+  WorldRuntime mpi;
+  bool has_mpi = false;
 };
 
 Registry& registry() {
@@ -21,7 +23,25 @@ Registry& registry() {
 }
 }  // namespace
 
-const char* backend_name(Backend backend) { return backend == Backend::Gloo ? "gloo" : "nccl"; }
+const char* backend_name(Backend backend) {
+  switch (backend) {
+    case Backend::Gloo: return "gloo";
+    case Backend::Nccl: return "nccl";
+    case Backend::Mpi: return "mpi";
+  }
+  return "?";
+}
+
+void register_mpi_runtime(WorldRuntime runtime) {
+  std::lock_guard<std::mutex> lock(registry().mu);
+  registry().mpi = std::move(runtime);
+  registry().has_mpi = true;
+}
+
+const WorldRuntime* mpi_runtime() {
+  std::lock_guard<std::mutex> lock(registry().mu);
+  return registry().has_mpi ? &registry().mpi : nullptr;
+}
 
 void register_transport(Backend backend, TransportFactory factory) {
   std::lock_guard<std::mutex> lock(registry().mu);
@@ -52,7 +72,9 @@ std::shared_ptr<Communicator> make_communicator(Backend backend, CommInfo info, 
     GW_CHECK(it != registry().transports.end(),
              "backend '" << backend_name(backend) << "' requested but gridweave was built without that transport"
                          << (backend == Backend::Nccl ? " (rebuild with nvcc and NCCL present, GRIDWEAVE_CUDA=ON)"
-                                                      : ""));
+                             : backend == Backend::Mpi ? " (install an MPI, e.g. apt-get install libopenmpi-dev, "
+                                                         "and rebuild)"
+                                                       : ""));
     f = it->second;
   }
   return f(std::move(info), std::move(store), device_index);

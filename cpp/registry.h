@@ -12,7 +12,7 @@
 
 namespace gridweave {
 
-enum class Backend : int { Gloo = 0, Nccl = 1 };
+enum class Backend : int { Gloo = 0, Nccl = 1, Mpi = 2 };
 
 using TransportFactory =
     std::function<std::shared_ptr<Communicator>(CommInfo info, std::shared_ptr<Store> store, int device_index)>;
@@ -28,10 +28,18 @@ struct DeviceAllocator {
 using LseMergeKernel = std::function<void(void* out, void* lse, const void* blk_out, const void* blk_lse,
                                           long long rows, long long dim, DType dtype, void* stream)>;
 
+// A launcher-provided world (MPI): who this process is, and the clean-up at exit.
+struct WorldRuntime {
+  std::function<std::pair<int, int>()> rank_and_size;  // initialises the runtime if nobody has
+  std::function<void()> finalize;                      // only what it initialised
+};
+
 // Registration happens while a library loads (static initialisers); lookups after.
 void register_transport(Backend backend, TransportFactory factory);
 void register_allocator(Device device, DeviceAllocator allocator);
 void register_lse_merge(LseMergeKernel kernel);
+void register_mpi_runtime(WorldRuntime runtime);
+const WorldRuntime* mpi_runtime();  // nullptr when built without MPI
 
 bool transport_available(Backend backend);
 std::shared_ptr<Communicator> make_communicator(Backend backend, CommInfo info, std::shared_ptr<Store> store,

@@ -437,6 +437,15 @@ def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", 
     communication starts."""
     axes = grid_axes(dp, pp, sp, tp)
     n = math.prod(s for _, s in axes)
+    if backend == "mpi":  # mpirun / srun: who we are comes from MPI itself, no TCP store
+        if not _C.mpi_available:
+            raise GridError("backend 'mpi' requested but gridweave was built without MPI (install an MPI, e.g. "
+                            "apt-get install libopenmpi-dev, and rebuild)")
+        if not any(k in os.environ for k in _MPI_LAUNCHED):
+            raise GridError("backend 'mpi' needs its ranks started by an MPI launcher: run under mpirun or srun "
+                            f"(none of {', '.join(_MPI_LAUNCHED)} is set)")
+        rank, world_size = _C.mpi_world()
+        store = store if store is not None else _mpi_store()
     rank = _env_int("RANK") if rank is None else rank
     world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
     if world_size is None:
@@ -452,7 +461,8 @@ def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", 
         raise GridError(f"placement must be 'naive' or 'topology', got {placement!r}")
     if not (isinstance(timeout, (int, float)) and timeout > 0):
         raise GridError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    local = _env_int("LOCAL_WORLD_SIZE")
+    local = _env_int("LOCAL_WORLD_SIZE") or _env_int("OMPI_COMM_WORLD_LOCAL_SIZE") or _env_int("MPI_LOCALNRANKS") \
+        or _env_int("SLURM_NTASKS_PER_NODE")
     rpn = ranks_per_node if ranks_per_node is not None else (local or world_size)
     if not isinstance(rpn, int) or rpn < 1:
         raise GridError(f"ranks_per_node must be a positive integer, got {rpn!r}")
@@ -477,11 +487,26 @@ def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", 
     return grid
 
 
+# What mpirun (OpenMPI, MPICH/Hydra, PMIx) and srun put in a rank's environment.
+_MPI_LAUNCHED = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_PROCID")
+
+
+def _mpi_store():
+    from torch.distributed import HashStore
+
+    return HashStore()  # MPI connects its own lines; the store is never read
+
+
 def _resolve_backend(backend: str, local_ranks: int, device=None) -> str:
     """auto: NCCL when it is built and every rank on this node can have its own GPU (and no
     CPU device was asked for), else Gloo."""
-    if backend not in ("auto", "gloo", "nccl"):
-        raise GridError(f"unknown backend {backend!r}; use 'auto', 'gloo' or 'nccl'")
+    if backend not in ("auto", "gloo", "nccl", "mpi"):
+        raise GridError(f"unknown backend {backend!r}; use 'auto', 'gloo', 'nccl' or 'mpi'")
+    if backend == "mpi":
+        if device is not None and torch.device(device).type != "cpu":
+            raise GridError("backend 'mpi' carries host memory here; use device='cpu' (or backend='gloo' to "
+                            "share a GPU)")
+        return backend
     has_gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0
     if backend == "auto":
         cpu = device is not None and torch.device(device).type == "cpu"
@@ -559,5 +584,7 @@ def shutdown() -> None:
 
 
 # Join the engine's threads before the interpreter tears down, also when a script
-# forgets gw.shutdown().
+# forgets gw.shutdown(); then finalise MPI if gridweave initialised it (atexit runs these
+# in reverse order).
+atexit.register(_C.mpi_finalize)
 atexit.register(shutdown)

@@ -20,7 +20,8 @@ def _init_error(ctx, kwargs):
     (dict(dp=3), "needs 3 ranks but the world has 8"),
     (dict(dp=2, tp=gw.Cube(2)), "needs 16 ranks but the world has 8"),
     (dict(tp=gw.Row(3), dp=2), "needs 6 ranks"),
-    (dict(dp=8, backend="mpi"), "unknown backend 'mpi'"),
+    (dict(dp=8, backend="tcp"), "unknown backend 'tcp'"),
+    (dict(dp=8, backend="mpi"), "backend 'mpi'"),  # outside mpirun (or built without MPI)
     (dict(dp=8, backend="nccl"), "nccl"),
     (dict(dp=8, placement="random"), "placement must be"),
     (dict(dp=8, timeout=-1), "timeout must be"),

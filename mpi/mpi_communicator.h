@@ -1,0 +1,44 @@
+// The MPI transport (CPU clusters, and shared memory on one host): a communicator per grid
+// line made with MPI_Comm_create_group (collective over the line's members only, so lines
+// connect lazily like the other transports), every op a non-blocking MPI call whose
+// request is tested against the deadline (no MPI call may block forever), receive-from-any
+// by MPI_ANY_SOURCE (AxoNN's), fp16 / bf16 reductions by user-defined MPI ops.
+#pragma once
+#include <mpi.h>
+
+#include <mutex>
+#include <vector>
+
+#include "communicator.h"
+
+namespace gridweave {
+
+// MPI_Init_thread unless someone (mpi4py, a host application) already initialised MPI;
+// needs MPI_THREAD_SERIALIZED or better (gridweave serialises its MPI calls). Returns the
+// world's (rank, size). Safe to call again.
+std::pair<int, int> mpi_world();
+// MPI_Finalize if gridweave initialised MPI (and nobody finalised it).
+void mpi_finalize();
+
+class MpiCommunicator : public Communicator {
+ public:
+  // Collective over info.members (world ranks): each line of an axis at once.
+  explicit MpiCommunicator(CommInfo info);
+  ~MpiCommunicator() override;
+  Device device() const override { return Device::CPU; }
+  const char* backend() const override { return "mpi"; }
+  bool can_recv_any() const override { return true; }
+  void close() override;
+
+ protected:
+  std::shared_ptr<Work> run_collective(OpKind op, const BufferView& in, const BufferView& out, ReduceOp rop,
+                                       int root, bool async_op) override;
+  std::shared_ptr<Work> run_p2p(OpKind op, const BufferView& buf, const std::vector<int>& peers, int tag) override;
+
+ private:
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  std::mutex pending_mu_;
+  std::vector<std::weak_ptr<Work>> pending_;  // posted receives, cancelled by close()
+};
+
+}  // namespace gridweave
