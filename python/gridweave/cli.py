@@ -9,7 +9,11 @@ import sys
 
 def _train_parser(sub):
     p = sub.add_parser("train", help="train a GPT on byte-level English text over CPU ranks")
-    p.add_argument("--nproc", type=int, default=8, help="ranks to spawn (0: use torchrun's ranks)")
+    p.add_argument("--nproc", type=int, default=8, help="ranks to spawn (0: use the launcher's ranks)")
+    p.add_argument("--launcher", default="torchrun", choices=["torchrun", "mpirun"],
+                   help="how --nproc ranks are spawned: torchrun (Gloo/NCCL) or mpirun (the MPI transport)")
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl", "mpi"],
+                   help="the transport (mpirun implies mpi)")
     p.add_argument("--dp", type=int, default=0)
     p.add_argument("--pp", type=int, default=0)
     p.add_argument("--tp", default="none", help="none | row:N | square:Q | cube:P | subgraph:G")
@@ -46,9 +50,9 @@ def _without_nproc(argv):
     for a in argv:
         if skip:
             skip = False
-        elif a == "--nproc":
+        elif a in ("--nproc", "--launcher"):
             skip = True
-        elif not a.startswith("--nproc="):
+        elif not a.startswith(("--nproc=", "--launcher=")):
             out.append(a)
     return out
 
@@ -126,17 +130,35 @@ def main(argv=None) -> int:
         if args.nproc > 0 and "RANK" not in os.environ and not os.environ.get("GRIDWEAVE_SPAWNED"):
             if args.nproc == 1:
                 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-            else:  # spawn the ranks through torchrun, each running this command with --nproc 0
+            else:  # spawn the ranks, each running this command with --nproc 0
                 argv = _without_nproc(list(sys.argv[1:] if argv is None else argv))
-                cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
-                       "--master-port", os.environ.get("GRIDWEAVE_PORT", "29561"), "-m", "gridweave.cli", *argv]
                 env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                        "GRIDWEAVE_SPAWNED": "1"}
+                if args.launcher == "mpirun":
+                    return subprocess.call(_mpirun(args.nproc) + [sys.executable, "-m", "gridweave.cli", *argv,
+                                                                  "--nproc", "0", "--backend", "mpi"], env=env)
+                cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
+                       "--master-port", os.environ.get("GRIDWEAVE_PORT", "29561"), "-m", "gridweave.cli", *argv]
                 return subprocess.call(cmd, env=env)
         from . import train
 
         train.run(train_config(args))
     return 0
+
+
+def _mpirun(n: int) -> list:
+    """mpirun -np n, with what OpenMPI needs as root and with more ranks than cores."""
+    import shutil
+
+    exe = shutil.which("mpirun")
+    if exe is None:
+        from .errors import GridError
+
+        raise GridError("--launcher mpirun: no mpirun on PATH (apt-get install openmpi-bin libopenmpi-dev)")
+    version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
+    openmpi = "Open MPI" in version  # OpenMPI refuses root and more ranks than cores without these
+    flags = ((["--allow-run-as-root"] if os.geteuid() == 0 else []) + ["--oversubscribe"]) if openmpi else []
+    return [exe, *flags, "-np", str(n)]
 
 
 def train_config(args):

@@ -491,6 +491,14 @@ def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", 
 _MPI_LAUNCHED = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_PROCID")
 
 
+def launched_world_size(backend: str = "auto") -> int:
+    """How many ranks the launcher started: MPI's world under mpirun/srun for backend "mpi",
+    else torchrun's WORLD_SIZE (1 when there is none)."""
+    if backend == "mpi" and _C.mpi_available and any(k in os.environ for k in _MPI_LAUNCHED):
+        return _C.mpi_world()[1]
+    return _env_int("WORLD_SIZE") or 1
+
+
 def _mpi_store():
     from torch.distributed import HashStore
 

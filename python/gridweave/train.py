@@ -53,6 +53,7 @@ class TrainConfig:
     schedule: str = "message_driven"
     precision: str = "fp32"
     device: str = "auto"
+    backend: str = "auto"
     checkpoint_every: int = 0
     max_grad_norm: float | None = None
     timeout: float = 120.0
@@ -65,6 +66,8 @@ class TrainConfig:
         self.compute = Precision.parse(self.precision)
         if self.device not in ("auto", "cpu", "cuda"):
             raise GridError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.backend not in ("auto", "gloo", "nccl", "mpi"):
+            raise GridError(f"backend must be auto, gloo, nccl or mpi, got {self.backend!r}")
         for name in ("hidden", "heads", "layers", "seq", "batch", "microbatches", "steps", "vocab", "sp"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -157,7 +160,7 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
     if not isinstance(cfg, TrainConfig):
         raise GridError(f"train.run takes a gw.train.TrainConfig, got {type(cfg).__name__}")
     mode = cfg.mode
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = gw.grid.launched_world_size(cfg.backend)
     tp_size = mode.ranks()
     sp = cfg.sp
     if world % (tp_size * sp):
@@ -174,7 +177,7 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
                         "(torch.cuda.is_available() is False); use --device cpu")
     if device == "cuda":
         cfg.compute.check_device(torch.device("cuda", torch.cuda.current_device()))
-    grid = gw.init(dp=dp, pp=pp, tp=mode, sp=sp, timeout=cfg.timeout, device=device)
+    grid = gw.init(dp=dp, pp=pp, tp=mode, sp=sp, timeout=cfg.timeout, device=device, backend=cfg.backend)
     if cfg.layers % pp:
         raise GridError(f"{cfg.layers} layers do not split over {pp} pipeline stages")
     if cfg.batch % (dp * cfg.microbatches):
@@ -255,6 +258,7 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
                        device=grid.device)
     per_rank = grid.all_gather(mem.reshape(1, 2), axis=None)
     metrics = {"loss": losses, "tokens_per_s": tokens_per_s, "config": cfg.model_config(), "grid": dict(grid.axes),
+               "backend": grid.backend, "device": str(grid.device), "precision": cfg.compute.name,
                "param_bytes_per_rank": [int(v) for v in per_rank[:, 0]],
                "max_rss_bytes_per_rank": [int(v) for v in per_rank[:, 1]]}
     if grid.rank == 0:

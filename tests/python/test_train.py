@@ -112,6 +112,24 @@ def test_composed_grids_train_with_one_process_losses(single, plain, tmp_path, s
     assert _close(losses, plain), (spec, losses, plain)
 
 
+def _mpi():
+    import shutil
+
+    import gridweave as gw
+
+    return gw._C.mpi_available and shutil.which("mpirun") is not None
+
+
+@pytest.mark.skipif(not _mpi(), reason="needs gridweave built with MPI and mpirun")
+def test_the_main_job_under_mpirun_gives_one_process_losses(single, tmp_path):
+    """--launcher mpirun: the ranks are MPI's, the transport is MPI (no torchrun, no TCP store)."""
+    one, _ = single
+    losses, out = _train(tmp_path, "mpi", "--nproc", "4", "--launcher", "mpirun", "--dp", "2", "--pp", "2")
+    assert _close(losses, one), (losses, one)
+    assert json.loads((out / "checkpoint" / "manifest.json").read_text())["grid"]["pp"] == 2
+    assert json.loads((out / "metrics.json").read_text())["backend"] == "mpi"
+
+
 @pytest.mark.parametrize("spec,port", [(["--tp", "cube:2"], 29601), (["--tp", "row:2", "--sp", "2", "--pp", "2"], 29603)])
 def test_gradient_clipping_matches_torch(tmp_path, spec, port):
     """--max-grad-norm: the global norm over the grid (each element once) clips as torch does."""
