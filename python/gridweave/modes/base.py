@@ -16,6 +16,13 @@ from ..layout import Layout
 _REGISTRY: dict = {}  # written once per class at import, by @register; read-only after
 
 
+class AxesView:
+    """Just the axis sizes of a grid: what a mode's layouts read (for callers without a grid)."""
+
+    def __init__(self, axes: dict):
+        self.axes = dict(axes)
+
+
 def register(cls):
     """Make a Mode subclass known by its layer name (e.g. "3d") and --tp keyword (e.g. "cube")."""
     for key in (cls.name, cls.keyword):

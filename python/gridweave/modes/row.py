@@ -22,9 +22,6 @@ class Row(Mode):
     def head_groups_count(self):
         return self.n
 
-    def accepts(self, heads, hidden):
-        return heads % self.n == 0 and hidden % self.n == 0
-
     def linear_pair(self, grid, bias, dtype, device, overlap=False):
         from ..nn.tensor1d import ColumnParallelLinear, RowParallelLinear
 

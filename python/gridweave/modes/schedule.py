@@ -160,16 +160,11 @@ def record_layer(mode, hidden, heads, seq, sp, batch, dtype=torch.bfloat16, caus
 
 def batch_unit(mode, sp) -> int:
     """The smallest batch the mode's activation layout splits (its batch-dim axes)."""
-    from .base import grid_axes
+    from .base import AxesView, grid_axes
 
     axes = dict(grid_axes(1, 1, sp, mode))
-    dims = mode.layout(_Axes(axes)).dims
+    dims = mode.layout(AxesView(axes)).dims
     return math.prod(axes.get(a, 1) for a in (dims[0] if dims else ()))
-
-
-class _Axes:
-    def __init__(self, axes):
-        self.axes = axes
 
 
 @lru_cache(maxsize=512)

@@ -23,10 +23,7 @@ def subgraph_layout(mode, sp=False, causal=False):
     cls = type(mode) if isinstance(mode, modes.Mode) else {c.name: c for c in modes.known()}.get(mode)
     if cls is None or not issubclass(cls, modes.SubGraph):
         raise GridError(f"sub-graph mode must be gw.SubGraph, gw.CSub, 'dsp' or 'csub', got {mode!r}")
-    base = cls(1).base_layout(None)
-    if not sp:
-        return base
-    return Layout(base.dims[0], ("sp",), (), zigzag=1 if causal else None, only=base.only)
+    return cls(1).layout(modes.AxesView({"sp": 2 if sp else 1}), causal)  # the mode's own sp rule
 
 
 class SubGraphAttention(nn.Module):
