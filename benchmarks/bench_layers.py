@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from launch import bench_parser, results_dir, run_ranks, save, saved_bytes, start_worker
+from launch import bench_parser, results_dir, run_ranks, save, saved_bytes, start_worker, stem
 
 TIMING = dict(hidden=256, heads=8, ffn=1024, batch=8, seq=64)
 SCALING = dict(hidden=72, heads=24, ffn=288, batch=36, seq=4)
@@ -122,8 +122,8 @@ def worker(part: str, out_path: str, rounds: int) -> None:
     dist.destroy_process_group()
 
 
-def run(part: str, n: int, out: Path, rounds: int) -> dict:
-    return run_ranks(__file__, n, 29541, out, f"{part}_{n}", part, "--rounds", str(rounds))
+def run(part: str, n: int, out: Path, rounds: int, transport: str) -> dict:
+    return run_ranks(__file__, n, 29541, out, f"{part}_{n}", part, "--rounds", str(rounds), transport=transport)
 
 
 def plot(data: dict, png: Path) -> None:
@@ -176,9 +176,9 @@ def main() -> None:
         worker(args.worker, args.out, args.rounds)
         return
     out = results_dir(args)
-    data = {"timing": [run("timing", n, out, args.rounds) for n in (8, 4)],
-            "scaling": [run("scaling", n, out, 1) for n in (2, 4, 8, 9, 27)]}
-    save(out, "layers", data, plot)
+    data = {"timing": [run("timing", n, out, args.rounds, args.transport) for n in (8, 4)],
+            "scaling": [run("scaling", n, out, 1, args.transport) for n in (2, 4, 8, 9, 27)]}
+    save(out, stem("layers", args.transport), data, plot)
     for r in data["timing"]:
         print(f"-- timing, {r['ranks']} ranks, {r['config']}")
         for k, v in r["results"].items():

@@ -19,7 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
-from launch import bench_parser, results_dir, run_ranks, save, start_worker
+from launch import bench_parser, results_dir, run_ranks, save, start_worker, stem
 
 F_MS, B_MS = 1.0, 2.0
 
@@ -123,8 +123,8 @@ def worker(part, out_path):
     dist.destroy_process_group()
 
 
-def run(part, n, out):
-    return run_ranks(__file__, n, 29559, out, part, part)
+def run(part, n, out, transport):
+    return run_ranks(__file__, n, 29559, out, part, part, transport=transport)
 
 
 def plot(data, png):
@@ -163,8 +163,10 @@ def main():
         worker(args.worker, args.out)
         return
     out = results_dir(args)
-    data = {"imbalance": run("imbalance", 4, out), "bubble": run("bubble", 4, out), "overlap": run("overlap", 8, out)}
-    save(out, "pipeline", data, plot)
+    t = args.transport
+    data = {"imbalance": run("imbalance", 4, out, t), "bubble": run("bubble", 4, out, t),
+            "overlap": run("overlap", 8, out, t)}
+    save(out, stem("pipeline", t), data, plot)
     for part in ("imbalance", "bubble"):
         for k, v in data[part]["runs"].items():
             print(f"{part:9s} {k:22s} step {v['step_s'] * 1e3:7.1f} ms idle {v['idle_fraction']:.3f} "

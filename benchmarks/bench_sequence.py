@@ -16,7 +16,7 @@ import statistics
 import time
 from pathlib import Path
 
-from launch import bench_parser, results_dir, run_ranks, saved_bytes, start_worker
+from launch import bench_parser, results_dir, run_ranks, saved_bytes, start_worker, stem
 
 MEM = dict(B=1, Z=8, A=32, L=2048)
 LAYER = dict(hidden=256, heads=8, batch=1)
@@ -141,8 +141,8 @@ def worker(part, out_path):
     dist.destroy_process_group()
 
 
-def run(part, n, out):
-    return run_ranks(__file__, n, 29547, out, f"{part}_{n}", part)
+def run(part, n, out, transport):
+    return run_ranks(__file__, n, 29547, out, f"{part}_{n}", part, transport=transport)
 
 
 def plot(data, png):
@@ -188,14 +188,15 @@ def main():
         worker(args.worker, args.out)
         return
     out = results_dir(args)
-    path = out / "sequence.json"
+    name = stem("sequence", args.transport)
+    path = out / f"{name}.json"
     data = json.loads(path.read_text()) if path.exists() else {}
     ranks = {"memory": (1, 2, 4, 8), "longest": (4, 8), "overlap": (4, 8)}
     for part in args.parts.split(","):
-        data[part] = [run(part, n, out) for n in ranks[part]]
+        data[part] = [run(part, n, out, args.transport) for n in ranks[part]]
     path.write_text(json.dumps(data, indent=1))
     if all(k in data for k in ranks):  # the figure needs every part
-        plot(data, out / "sequence.png")
+        plot(data, out / f"{name}.png")
     for r in data.get("memory", []):
         print(f"memory N={r['ranks']}: RSA {r['rsa']} B, blockwise {r['ring']} B")
     for r in data.get("longest", []):

@@ -1,6 +1,7 @@
 """The main job in every composed mode on 8 CPU ranks vs one process.
 
-    python benchmarks/bench_train.py     # writes results/train.json and .png
+    python benchmarks/bench_train.py                    # torchrun + Gloo: results/train.json and .png
+    python benchmarks/bench_train.py --transport mpi    # mpirun + MPI: results/train_mpi.json and .png
 
 speed: tokens/s (median over steps after the first) and per-rank memory (parameters held,
   peak resident set) of `gridweave train` per mode, same model and data.
@@ -32,37 +33,43 @@ MODES = {
 }
 
 
-def train(args, out, port):
+def train(args, out, port, launcher):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GRIDWEAVE_PORT": str(port)}
-    subprocess.run([sys.executable, "-m", "gridweave.cli", "train", "--quiet", "--out", str(out), *args], check=True,
-                   env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-m", "gridweave.cli", "train", "--quiet", "--out", str(out), "--launcher",
+                    launcher, *args], check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   stdin=subprocess.DEVNULL)
     return json.loads((Path(out) / "metrics.json").read_text())
 
 
 def main():
-    out = Path(__file__).parent / "results"
-    out.mkdir(parents=True, exist_ok=True)
+    from launch import bench_parser, results_dir, stem
+
+    args = bench_parser(__file__).parse_args()
+    out = results_dir(args)
+    name = stem("train", args.transport)
+    launcher = "mpirun" if args.transport == "mpi" else "torchrun"
     tmp = Path(tempfile.mkdtemp(prefix="gw-bench-train-"))
     speed = {}
-    for i, (name, args) in enumerate(MODES.items()):
-        m = train([*args, *MODEL, "--steps", "12"], tmp / f"s{i}", 29701 + 2 * i)
-        speed[name] = {"tokens_per_s": statistics.median(m["tokens_per_s"][1:]),
+    for i, (mode, flags) in enumerate(MODES.items()):
+        m = train([*flags, *MODEL, "--steps", "12"], tmp / f"s{i}", 29701 + 2 * i, launcher)
+        speed[mode] = {"tokens_per_s": statistics.median(m["tokens_per_s"][1:]),
                        "param_bytes_max": max(m["param_bytes_per_rank"]),
                        "max_rss_bytes_mean": statistics.mean(m["max_rss_bytes_per_rank"]),
                        "grid": m["grid"]}
-        print(f"{name:24s} {speed[name]['tokens_per_s']:9.0f} tok/s  params/rank {speed[name]['param_bytes_max']:>9d} B"
-              f"  rss/rank {speed[name]['max_rss_bytes_mean'] / 2 ** 20:.0f} MiB", flush=True)
-    ref = train(["--nproc", "1", *SMALL, "--steps", "50"], tmp / "ref", 29801)["loss"]
+        print(f"{mode:24s} {speed[mode]['tokens_per_s']:9.0f} tok/s  params/rank {speed[mode]['param_bytes_max']:>9d} B"
+              f"  rss/rank {speed[mode]['max_rss_bytes_mean'] / 2 ** 20:.0f} MiB", flush=True)
+    ref = train(["--nproc", "1", *SMALL, "--steps", "50"], tmp / "ref", 29801, launcher)["loss"]
     equality = {}
-    for i, (name, args) in enumerate({"cube:2": ["--tp", "cube:2"],
+    for i, (mode, flags) in enumerate({"cube:2": ["--tp", "cube:2"],
                                        "row:2 x sp2 x pp2": ["--tp", "row:2", "--sp", "2", "--pp", "2"],
                                        "subgraph:2 x dp2 x pp2": ["--tp", "subgraph:2", "--dp", "2", "--pp", "2"]}
                                       .items()):
-        loss = train(["--nproc", "8", *args, *SMALL, "--steps", "50"], tmp / f"e{i}", 29811 + 2 * i)["loss"]
-        equality[name] = max(abs(a - b) / abs(b) for a, b in zip(loss, ref))
-        print(f"50 steps {name}: max relative loss difference vs one process {equality[name]:.2e}", flush=True)
-    data = {"model": MODEL, "speed": speed, "equality_50_steps": equality, "reference_losses": ref}
-    (out / "train.json").write_text(json.dumps(data, indent=1))
+        loss = train(["--nproc", "8", *flags, *SMALL, "--steps", "50"], tmp / f"e{i}", 29811 + 2 * i, launcher)["loss"]
+        equality[mode] = max(abs(a - b) / abs(b) for a, b in zip(loss, ref))
+        print(f"50 steps {mode}: max relative loss difference vs one process {equality[mode]:.2e}", flush=True)
+    data = {"model": MODEL, "launcher": launcher, "speed": speed, "equality_50_steps": equality,
+            "reference_losses": ref}
+    (out / f"{name}.json").write_text(json.dumps(data, indent=1))
 
     import matplotlib
 
@@ -72,7 +79,7 @@ def main():
     fig, axes = plt.subplots(1, 2, figsize=(15, 4.5))
     names = list(speed)
     axes[0].bar(names, [speed[k]["tokens_per_s"] for k in names])
-    axes[0].set(title="gridweave train, tokens/s (8 CPU ranks unless noted)", ylabel="tokens/s")
+    axes[0].set(title=f"gridweave train, tokens/s (8 CPU ranks unless noted, {launcher})", ylabel="tokens/s")
     axes[1].bar([x - 0.2 for x in range(len(names))], [speed[k]["max_rss_bytes_mean"] / 2 ** 20 for k in names],
                 0.4, label="peak RSS per rank (MiB)")
     axes[1].bar([x + 0.2 for x in range(len(names))], [speed[k]["param_bytes_max"] / 2 ** 10 for k in names], 0.4,
@@ -83,7 +90,7 @@ def main():
     for ax in axes:
         ax.tick_params(axis="x", rotation=30, labelsize=8)
     fig.tight_layout()
-    fig.savefig(out / "train.png", dpi=110)
+    fig.savefig(out / f"{name}.png", dpi=110)
 
 
 if __name__ == "__main__":

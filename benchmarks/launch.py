@@ -19,7 +19,14 @@ def bench_parser(script: str, parts=None) -> argparse.ArgumentParser:
     else:
         ap.add_argument("--worker", action="store_true")
     ap.add_argument("--out", default=str(Path(script).parent / "results"))
+    ap.add_argument("--transport", default="gloo", choices=["gloo", "mpi"],
+                    help="the CPU transport: gloo (ranks from torchrun) or mpi (ranks from mpirun)")
     return ap
+
+
+def stem(name: str, transport: str) -> str:
+    """Results of the MPI runs sit beside the Gloo ones: NAME.json and NAME_mpi.json."""
+    return name if transport == "gloo" else f"{name}_{transport}"
 
 
 def results_dir(args) -> Path:
@@ -35,24 +42,33 @@ def save(out: Path, stem: str, data, plot=None) -> None:
         plot(data, out / f"{stem}.png")
 
 
-def run_ranks(script: str, n: int, port: int, out: Path, tag: str, *worker_args: str) -> dict:
-    """`python -m torch.distributed.run --nproc-per-node=n script --worker ARGS --out FILE`."""
+def run_ranks(script: str, n: int, port: int, out: Path, tag: str, *worker_args: str, transport: str = "gloo") -> dict:
+    """n ranks of `script --worker ARGS --out FILE`, started by torchrun (gloo) or mpirun (mpi)."""
+    import gridweave as gw
+
     path = Path(out) / f".{Path(script).stem}_{tag}.json"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", f"--master-port={port}",
-                    script, "--worker", *worker_args, "--out", str(path)], check=True,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
+    launcher = "mpirun" if transport == "mpi" else "torchrun"
+    subprocess.run(gw.launch.command(launcher, n, port) + [script, "--worker", *worker_args, "--out", str(path)],
+                   check=True, env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+                                    "MASTER_PORT": str(port)},
+                   stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
     data = json.loads(path.read_text())
     path.unlink()
     return data
 
 
 def start_worker():
-    """In a torchrun worker: one thread, torch's gloo process group (its store is shared
-    with gridweave). Returns (world size, rank, store)."""
+    """In a rank: one thread, torch's gloo process group for the benchmark's own timing
+    collectives (its store is shared with gridweave). Under mpirun the ranks come from MPI
+    and gw.init's backend "auto" is MPI. Returns (world size, rank, store)."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if "OMPI_COMM_WORLD_RANK" in os.environ:  # mpirun: tell torch who is who
+        os.environ.setdefault("RANK", os.environ["OMPI_COMM_WORLD_RANK"])
+        os.environ.setdefault("WORLD_SIZE", os.environ["OMPI_COMM_WORLD_SIZE"])
+        os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ["OMPI_COMM_WORLD_LOCAL_SIZE"])
     dist.init_process_group("gloo")
     return dist.get_world_size(), dist.get_rank(), dist.distributed_c10d._get_default_store()
 

@@ -21,6 +21,7 @@ struct CommInfo {
   std::vector<int> member_nodes;   // node of each member (placement's ranks_per_node)
   std::chrono::milliseconds timeout{300000};
   std::shared_ptr<TrafficCounters> counters;  // may be null
+  std::string session;             // names this line of this grid alike on all its members
 };
 
 class Communicator {
@@ -38,6 +39,13 @@ class Communicator {
   // Capability: recv_any completes from whichever peer sends first (Gloo: yes; NCCL has no
   // receive-from-any, so its recv_any can only post one receive per peer).
   virtual bool can_recv_any() const = 0;
+  // Capability: when a member dies, the survivors' ops fail with CommError (Gloo, NCCL) rather
+  // than the launcher ending every rank (MPI).
+  virtual bool survives_peer_failure() const { return true; }
+  // Capability: device buffers are read and written in the order of the current CUDA stream
+  // (NCCL); otherwise a transport handed CUDA memory (a CUDA-aware MPI) reads it at once, so
+  // the caller synchronises the stream first.
+  virtual bool stream_ordered() const { return false; }
 
   // Every op returns a Work; wait on it. With async_op=false a transport may run the
   // op on the calling thread when nothing is queued before it (saves two thread

@@ -55,10 +55,14 @@ std::shared_ptr<Communicator> Grid::line(const std::vector<std::string>& axes, b
     line_id = placement_.line_id(rank(), axes);
   }
   for (int m : info.members) info.member_nodes.push_back(placement_.node_of(m));
-  auto line_store = make_prefix_store("comm/" + key + "/" + std::to_string(line_id), store_);
+  const std::string line_name = "comm/" + key + "/" + std::to_string(line_id);
+  info.session = options_.session + "/" + line_name;
+  auto line_store = make_prefix_store(line_name, store_);
 
   std::shared_ptr<Communicator> c;
-  if (options_.backend == Backend::Gloo || control) {
+  // A control channel is a host communicator: the backend's own where it carries host memory
+  // (Gloo, MPI: no second rendezvous), else Gloo.
+  if (options_.backend == Backend::Gloo || (control && options_.backend != Backend::Mpi)) {
     if (!gloo_device_) gloo_device_ = make_gloo_device(options_.hostname);
     c = std::make_shared<GlooCommunicator>(std::move(info), line_store, gloo_device_);
   } else {

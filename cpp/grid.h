@@ -28,6 +28,7 @@ struct GridOptions {
   std::chrono::milliseconds timeout{300000};
   std::string hostname = "127.0.0.1";  // address peers use to reach this rank (Gloo)
   int device_index = -1;               // CUDA device (NCCL)
+  std::string session;                 // names this grid alike on all its ranks (the rendezvous prefix)
 };
 
 class Grid {
@@ -44,8 +45,9 @@ class Grid {
   // Communicator of this rank's line along `axes` (a tuple; {} means the world,
   // indexed by global rank). Every member must ask for it the first time.
   std::shared_ptr<Communicator> comm(const std::vector<std::string>& axes);
-  // A host communicator (Gloo) over the same line, whatever the backend: a control channel
-  // for what the data transport cannot do (receive-from-any of small headers).
+  // A host communicator over the same line, whatever the backend (its own where it carries
+  // host memory, else Gloo): a control channel for what the data transport cannot do
+  // (receive-from-any of small headers).
   std::shared_ptr<Communicator> control(const std::vector<std::string>& axes);
   static std::string label(const std::vector<std::string>& axes);
 

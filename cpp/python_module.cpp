@@ -181,6 +181,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("axis", [](const C& c) { return c.info().axis; })
       .def_property_readonly("backend", &C::backend)
       .def_property_readonly("can_recv_any", &C::can_recv_any)
+      .def_property_readonly("survives_peer_failure", &C::survives_peer_failure)
+      .def_property_readonly("stream_ordered", &C::stream_ordered)
       .def_property_readonly("device", &C::device)  // the memory its buffers must be in
       .def("all_gather", [](C& c, V i, V o, bool a) { py::gil_scoped_release g; return c.all_gather(i, o, a); },
            py::arg("input"), py::arg("output"), py::arg("async_op") = true)
@@ -285,7 +287,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Grid, std::shared_ptr<Grid>>(m, "Grid")
       .def(py::init([](const std::vector<std::pair<std::string, int>>& axes, const std::string& policy, int rpn,
                        int rank, const std::string& backend, double timeout_s, const std::string& hostname,
-                       int device_index, std::shared_ptr<Store> store) {
+                       int device_index, std::shared_ptr<Store> store, const std::string& session) {
              GW_CHECK(policy == "naive" || policy == "topology",
                       "placement must be 'naive' or 'topology', got '" << policy << "'");
              GW_CHECK(backend == "gloo" || backend == "nccl" || backend == "mpi",
@@ -299,9 +301,11 @@ PYBIND11_MODULE(_C, m) {
              o.timeout = to_ms(timeout_s);
              o.hostname = hostname;
              o.device_index = device_index;
+             o.session = session;
              return std::make_shared<Grid>(o, store);
            }), py::arg("axes"), py::arg("policy"), py::arg("ranks_per_node"), py::arg("rank"), py::arg("backend"),
-           py::arg("timeout_s"), py::arg("hostname"), py::arg("device_index"), py::arg("store"))
+           py::arg("timeout_s"), py::arg("hostname"), py::arg("device_index"), py::arg("store"),
+           py::arg("session") = "")
       .def_property_readonly("rank", &Grid::rank)
       .def_property_readonly("world_size", &Grid::world_size)
       .def_property_readonly("coords", &Grid::coords)

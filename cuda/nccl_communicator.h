@@ -17,6 +17,7 @@ class NcclCommunicator : public Communicator {
   Device device() const override { return Device::CUDA; }
   const char* backend() const override { return "nccl"; }
   bool can_recv_any() const override { return false; }
+  bool stream_ordered() const override { return true; }
 
  protected:
   std::shared_ptr<Work> run_collective(OpKind op, const BufferView& in, const BufferView& out, ReduceOp rop,

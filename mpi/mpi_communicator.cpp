@@ -3,12 +3,18 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cstdint>
 #include <cstring>
+#include <memory>
 #include <functional>
 #include <mutex>
 #include <thread>
 
 #include "error.h"
+
+#if __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>  // OpenMPI's extensions: MPIX_CUDA_AWARE_SUPPORT
+#endif
 
 namespace gridweave {
 
@@ -116,13 +122,18 @@ class MpiWork : public Work {
     return true;
   }
   void wait(std::chrono::milliseconds timeout) override {
-    const auto deadline = Clock::now() + timeout;
+    const auto start = Clock::now();
+    const auto deadline = start + timeout;
     while (!test()) {
-      if (Clock::now() > deadline)
+      const auto now = Clock::now();
+      if (now > deadline)
         throw Error(ErrorKind::Timeout, "gridweave: " + what_ + " timed out after " +
                                             std::to_string(timeout.count() / 1000.0) +
                                             " s: a peer is slow, skipped this op or died");
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
+      // Poll as MPI's own blocking calls do (yielding the core, which matters with more ranks
+      // than cores); after 10 ms of waiting, sleep between polls instead.
+      if (now - start < std::chrono::milliseconds(10)) std::this_thread::yield();
+      else std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
     if (!error_.empty()) throw Error(ErrorKind::Comm, error_);
   }
@@ -174,18 +185,100 @@ void mpi_finalize() {
   if (ready && !done && initialised_here()) MPI_Finalize();
 }
 
-MpiCommunicator::MpiCommunicator(CommInfo info) : Communicator(std::move(info)) {
+bool mpi_cuda_aware() {
+#if defined(MPIX_CUDA_AWARE_SUPPORT) && MPIX_CUDA_AWARE_SUPPORT
+  return MPIX_Query_cuda_support() == 1;  // compiled in, and enabled at run time
+#else
+  return false;
+#endif
+}
+
+MpiCommunicator::MpiCommunicator(CommInfo info, int device_index)
+    : Communicator(std::move(info)), device_(device_index >= 0 && mpi_cuda_aware() ? Device::CUDA : Device::CPU) {
   mpi_world();
+  const std::uint64_t token = std::hash<std::string>{}(info_.session.empty() ? info_.axis : info_.session);
+  // Tags 16384..32767 of MPI_COMM_WORLD (MPI guarantees tag_ub >= 32767), one per line.
+  const int tag = 16384 + static_cast<int>(token % 16384);
+  try {
+    handshake(token, tag);
+  } catch (const Error& e) {
+    throw Error(e.kind(), "gridweave: connecting axis '" + info_.axis + "' (rank " +
+                              std::to_string(info_.members[info_.rank]) + ", peers " + join_ranks(info_.members) +
+                              ") failed within " + std::to_string(info_.timeout.count() / 1000.0) +
+                              " s; a peer skipped this op or died: " + e.what());
+  }
   std::lock_guard<std::recursive_mutex> lock(mpi_mutex());
   MPI_Group world_group, line;
   check_mpi(MPI_Comm_group(MPI_COMM_WORLD, &world_group), "MPI_Comm_group");
   check_mpi(MPI_Group_incl(world_group, size(), info_.members.data(), &line), "MPI_Group_incl");
-  // Only the line's members call this (lines connect lazily); the tag keeps concurrent
-  // creations of different axes apart.
-  const int tag = static_cast<int>(std::hash<std::string>{}(info_.axis) % 30000);
+  // Only the line's members call this (lines connect lazily), all of them now (handshake).
   check_mpi(MPI_Comm_create_group(MPI_COMM_WORLD, line, tag, &comm_), "MPI_Comm_create_group on " + info_.axis);
   MPI_Group_free(&line);
   MPI_Group_free(&world_group);
+}
+
+// MPI_Comm_create_group blocks, with no timeout, until every member calls it. So the members
+// first meet through non-blocking messages to the line's first member, tested against the
+// deadline: one that never comes is a CommTimeout, not a hang. The token names this line of
+// this grid (info.session); one left by a failed attempt of another grid is read and dropped
+// (a failed attempt of the same name can stand in for its sender once: name grids apart).
+void MpiCommunicator::handshake(std::uint64_t token, int tag) {
+  if (size() == 1) return;
+  const auto deadline = Clock::now() + info_.timeout;
+  // Buffers of messages still in flight at a timeout must outlive this call.
+  static std::mutex orphans_mu;
+  static std::vector<std::unique_ptr<std::uint64_t>> orphans;
+  auto await = [&](MPI_Request& r, std::unique_ptr<std::uint64_t>& buf, bool is_recv, int peer) {
+    for (;;) {
+      {
+        std::lock_guard<std::recursive_mutex> lock(mpi_mutex());
+        int flag = 0;
+        check_mpi(MPI_Test(&r, &flag, MPI_STATUS_IGNORE), "handshake on " + info_.axis);
+        if (flag) return;
+        if (Clock::now() > deadline) {
+          if (is_recv) {  // a cancelled receive completes locally
+            MPI_Cancel(&r);
+            MPI_Wait(&r, MPI_STATUS_IGNORE);
+          } else {
+            std::lock_guard<std::mutex> keep(orphans_mu);
+            orphans.push_back(std::move(buf));
+          }
+          throw Error(ErrorKind::Timeout, "member " + std::to_string(peer) + " never came");
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  };
+  // Receive from `peer` until its token is this line's.
+  auto receive = [&](int peer) {
+    for (;;) {
+      auto got = std::make_unique<std::uint64_t>(0);
+      MPI_Request r;
+      {
+        std::lock_guard<std::recursive_mutex> lock(mpi_mutex());
+        check_mpi(MPI_Irecv(got.get(), 1, MPI_UINT64_T, peer, tag, MPI_COMM_WORLD, &r), "handshake");
+      }
+      await(r, got, true, peer);
+      if (*got == token) return;
+    }
+  };
+  auto send = [&](int peer) {
+    auto buf = std::make_unique<std::uint64_t>(token);
+    MPI_Request r;
+    {
+      std::lock_guard<std::recursive_mutex> lock(mpi_mutex());
+      check_mpi(MPI_Isend(buf.get(), 1, MPI_UINT64_T, peer, tag, MPI_COMM_WORLD, &r), "handshake");
+    }
+    await(r, buf, false, peer);
+  };
+  const int leader = info_.members[0];
+  if (rank() == 0) {
+    for (int k = 1; k < size(); ++k) receive(info_.members[k]);
+    for (int k = 1; k < size(); ++k) send(info_.members[k]);
+  } else {
+    send(leader);
+    receive(leader);
+  }
 }
 
 MpiCommunicator::~MpiCommunicator() {

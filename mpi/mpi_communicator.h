@@ -6,6 +6,7 @@
 #pragma once
 #include <mpi.h>
 
+#include <cstdint>
 #include <mutex>
 #include <vector>
 
@@ -23,11 +24,15 @@ void mpi_finalize();
 class MpiCommunicator : public Communicator {
  public:
   // Collective over info.members (world ranks): each line of an axis at once.
-  explicit MpiCommunicator(CommInfo info);
+  // device_index >= 0: the grid computes on that GPU; a CUDA-aware MPI then reads its buffers
+  // directly, any other MPI carries host memory (the Python layer stages CUDA tensors).
+  MpiCommunicator(CommInfo info, int device_index);
   ~MpiCommunicator() override;
-  Device device() const override { return Device::CPU; }
+  Device device() const override { return device_; }
   const char* backend() const override { return "mpi"; }
   bool can_recv_any() const override { return true; }
+  // MPI's default error handler ends the job: mpirun stops every rank when one dies.
+  bool survives_peer_failure() const override { return false; }
   void close() override;
 
  protected:
@@ -36,7 +41,9 @@ class MpiCommunicator : public Communicator {
   std::shared_ptr<Work> run_p2p(OpKind op, const BufferView& buf, const std::vector<int>& peers, int tag) override;
 
  private:
+  void handshake(std::uint64_t token, int tag);
   MPI_Comm comm_ = MPI_COMM_NULL;
+  Device device_ = Device::CPU;
   std::mutex pending_mu_;
   std::vector<std::weak_ptr<Work>> pending_;  // posted receives, cancelled by close()
 };

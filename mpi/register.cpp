@@ -7,8 +7,8 @@ namespace gridweave {
 namespace {
 
 const bool registered = [] {
-  register_transport(Backend::Mpi, [](CommInfo info, std::shared_ptr<Store>, int) {
-    return std::static_pointer_cast<Communicator>(std::make_shared<MpiCommunicator>(std::move(info)));
+  register_transport(Backend::Mpi, [](CommInfo info, std::shared_ptr<Store>, int device_index) {
+    return std::static_pointer_cast<Communicator>(std::make_shared<MpiCommunicator>(std::move(info), device_index));
   });
   register_mpi_runtime({&mpi_world, &mpi_finalize});
   return true;

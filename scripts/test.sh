@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The tests: ctest (math, schedules, the Gloo transport on 2-8 forked processes)
-# and pytest (every op through the Python API on a pool of rank processes), twice: the
-# second time with torch's default device poisoned to "meta", so any tensor made without
-# an explicit device (library or test) fails loudly.
+# The tests: ctest (math, schedules, the Gloo transport on 2-8 forked processes, the MPI
+# transport under mpirun) and pytest (every op through the Python API on a pool of rank
+# processes), twice: on the Gloo transport, then on the MPI transport (the pool and the main
+# jobs under mpirun) with torch's default device poisoned to "meta", so any tensor made
+# without an explicit device (library or test) fails loudly. Without MPI the second run
+# stays on Gloo.
 # GRIDWEAVE_CUDA=ON makes a missing nvcc/NCCL an error instead of a skipped build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,5 +12,9 @@ cmake -S . -B build/ctest -G Ninja -DCMAKE_BUILD_TYPE=Release -DGRIDWEAVE_CUDA="
   -DGRIDWEAVE_BUILD_TESTS=ON -DGRIDWEAVE_BUILD_BENCHMARKS=ON >/dev/null
 cmake --build build/ctest -j2
 ctest --test-dir build/ctest --output-on-failure -j2
-python3 -m pytest -q tests/python
-python3 -m pytest -q tests/python --default-device=meta
+python3 -m pytest -q tests/python --transport=gloo
+if python3 -c "import sys, gridweave.launch as l; sys.exit(0 if l.mpi_installed() else 1)"; then
+  python3 -m pytest -q tests/python --transport=mpi --default-device=meta
+else
+  python3 -m pytest -q tests/python --transport=gloo --default-device=meta
+fi

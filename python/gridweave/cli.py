@@ -10,8 +10,9 @@ import sys
 def _train_parser(sub):
     p = sub.add_parser("train", help="train a GPT on byte-level English text over CPU ranks")
     p.add_argument("--nproc", type=int, default=8, help="ranks to spawn (0: use the launcher's ranks)")
-    p.add_argument("--launcher", default="torchrun", choices=["torchrun", "mpirun"],
-                   help="how --nproc ranks are spawned: torchrun (Gloo/NCCL) or mpirun (the MPI transport)")
+    p.add_argument("--launcher", default="auto", choices=["auto", "torchrun", "mpirun"],
+                   help="how --nproc ranks are spawned: torchrun (Gloo/NCCL) or mpirun (the MPI transport); "
+                        "auto: mpirun on a CPU machine where gridweave has MPI, else torchrun")
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl", "mpi"],
                    help="the transport (mpirun implies mpi)")
     p.add_argument("--dp", type=int, default=0)
@@ -134,31 +135,18 @@ def main(argv=None) -> int:
                 argv = _without_nproc(list(sys.argv[1:] if argv is None else argv))
                 env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                        "GRIDWEAVE_SPAWNED": "1"}
-                if args.launcher == "mpirun":
-                    return subprocess.call(_mpirun(args.nproc) + [sys.executable, "-m", "gridweave.cli", *argv,
-                                                                  "--nproc", "0", "--backend", "mpi"], env=env)
-                cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
-                       "--master-port", os.environ.get("GRIDWEAVE_PORT", "29561"), "-m", "gridweave.cli", *argv]
-                return subprocess.call(cmd, env=env)
+                from . import launch
+
+                launcher = args.launcher if args.launcher != "auto" else launch.default_launcher(args.device, args.backend)
+                port = int(os.environ.get("GRIDWEAVE_PORT", "29561"))
+                extra = ["--nproc", "0", "--backend", "mpi"] if launcher == "mpirun" else []
+                # no stdin: mpirun forwards it, and stops in a background job that reads it
+                return subprocess.call(launch.command(launcher, args.nproc, port) +
+                                       ["-m", "gridweave.cli", *argv, *extra], env=env, stdin=subprocess.DEVNULL)
         from . import train
 
         train.run(train_config(args))
     return 0
-
-
-def _mpirun(n: int) -> list:
-    """mpirun -np n, with what OpenMPI needs as root and with more ranks than cores."""
-    import shutil
-
-    exe = shutil.which("mpirun")
-    if exe is None:
-        from .errors import GridError
-
-        raise GridError("--launcher mpirun: no mpirun on PATH (apt-get install openmpi-bin libopenmpi-dev)")
-    version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
-    openmpi = "Open MPI" in version  # OpenMPI refuses root and more ranks than cores without these
-    flags = ((["--allow-run-as-root"] if os.geteuid() == 0 else []) + ["--oversubscribe"]) if openmpi else []
-    return [exe, *flags, "-np", str(n)]
 
 
 def train_config(args):

@@ -86,7 +86,7 @@ class Grid:
     """Named axes over the world's ranks. Use gw.init() to make one."""
 
     def __init__(self, axes, *, rank, backend, placement, ranks_per_node, timeout, store, hostname,
-                 device_index=-1, tp=None, device=None):
+                 device_index=-1, tp=None, device=None, session=""):
         self.axes = dict(axes)
         self.backend = backend
         self.tp = tp if tp is not None else Sequence()  # the tensor-parallel mode object
@@ -99,7 +99,7 @@ class Grid:
         self.placement_policy = placement
         self._store = store  # the Python side of the native Store must stay alive
         self._native = _C.Grid(list(axes), placement, int(ranks_per_node), int(rank), backend, self.timeout,
-                               hostname, int(device_index), store)
+                               hostname, int(device_index), store, session)
         self.placement = self._native.placement
         self._names = [a for a, _ in axes]
 
@@ -159,8 +159,9 @@ class Grid:
             raise type(e)(f"{op} on axis '{label}': {e}") from e
 
     def control(self, axis: AxisArg, op: str = "op"):
-        """A host (Gloo) communicator over this rank's line along `axis`, whatever the backend:
-        the control channel for what the data transport cannot do (e.g. receive-from-any)."""
+        """A host communicator over this rank's line along `axis` (the backend's own if it
+        carries host memory, else Gloo): the control channel for what the data transport
+        cannot do (e.g. receive-from-any)."""
         names = self._axis_tuple(axis)
         try:
             return self._native.control(names)
@@ -174,10 +175,16 @@ class Grid:
 
     @staticmethod
     def _staged(c, *tensors) -> bool:
-        """CUDA tensors on a transport whose buffers must be host memory (Gloo): the op runs
-        on pinned host copies and the results are copied back (several ranks can then share
-        one GPU, which NCCL refuses)."""
-        return c.device == _C.Device.CPU and any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors)
+        """CUDA tensors on a transport whose buffers must be host memory (Gloo, an MPI that
+        is not CUDA-aware): the op runs on pinned host copies and the results are copied back
+        (several ranks can then share one GPU, which NCCL refuses). On a transport that reads
+        CUDA memory outside stream order (a CUDA-aware MPI) the stream is synchronised first."""
+        cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors)
+        if cuda and c.device == _C.Device.CPU:
+            return True
+        if cuda and not c.stream_ordered:
+            torch.cuda.current_stream().synchronize()
+        return False
 
     def _via_host(self, op, t, *args, into=None, async_op=False, **kw):
         """Run `op` on a host copy of t; into: the device tensor the result is copied into
@@ -344,7 +351,7 @@ class Grid:
     def capabilities(self, axis: AxisArg = None) -> dict:
         """What the transport of `axis` can do (code branches on these, never on a backend name)."""
         c = self.comm(axis, "capabilities")
-        return {"recv_any": c.can_recv_any}
+        return {"recv_any": c.can_recv_any, "survives_peer_failure": c.survives_peer_failure}
 
     def barrier(self, axis: AxisArg = None):
         self._run(self.comm(axis, "barrier").barrier(False), False, ())
@@ -437,6 +444,9 @@ def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", 
     communication starts."""
     axes = grid_axes(dp, pp, sp, tp)
     n = math.prod(s for _, s in axes)
+    local = _env_int("LOCAL_WORLD_SIZE") or _env_int("OMPI_COMM_WORLD_LOCAL_SIZE") or _env_int("MPI_LOCALNRANKS") \
+        or _env_int("SLURM_NTASKS_PER_NODE")
+    backend = _resolve_backend(backend, local or world_size or _env_int("WORLD_SIZE") or 1, device)
     if backend == "mpi":  # mpirun / srun: who we are comes from MPI itself, no TCP store
         if not _C.mpi_available:
             raise GridError("backend 'mpi' requested but gridweave was built without MPI (install an MPI, e.g. "
@@ -444,7 +454,18 @@ def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", 
         if not any(k in os.environ for k in _MPI_LAUNCHED):
             raise GridError("backend 'mpi' needs its ranks started by an MPI launcher: run under mpirun or srun "
                             f"(none of {', '.join(_MPI_LAUNCHED)} is set)")
-        rank, world_size = _C.mpi_world()
+        mpi_rank, mpi_size = _C.mpi_world()
+        # The grid is MPI's world, or its first world_size ranks (the others do not call init,
+        # but have initialised MPI: gw.launch.mpi_world()).
+        world_size = mpi_size if world_size is None else world_size
+        if not (isinstance(world_size, int) and 1 <= world_size <= mpi_size):
+            raise GridError(f"world_size {world_size!r} does not fit MPI's world of {mpi_size} ranks")
+        if rank is not None and rank != mpi_rank:
+            raise GridError(f"rank {rank} is not this process's MPI rank {mpi_rank}; under MPI leave rank= out")
+        if mpi_rank >= world_size:
+            raise GridError(f"MPI rank {mpi_rank} is outside the grid's world of the first {world_size} ranks; "
+                            "only those call gw.init")
+        rank = mpi_rank
         store = store if store is not None else _mpi_store()
     rank = _env_int("RANK") if rank is None else rank
     world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
@@ -461,18 +482,19 @@ def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", 
         raise GridError(f"placement must be 'naive' or 'topology', got {placement!r}")
     if not (isinstance(timeout, (int, float)) and timeout > 0):
         raise GridError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    local = _env_int("LOCAL_WORLD_SIZE") or _env_int("OMPI_COMM_WORLD_LOCAL_SIZE") or _env_int("MPI_LOCALNRANKS") \
-        or _env_int("SLURM_NTASKS_PER_NODE")
     rpn = ranks_per_node if ranks_per_node is not None else (local or world_size)
     if not isinstance(rpn, int) or rpn < 1:
         raise GridError(f"ranks_per_node must be a positive integer, got {rpn!r}")
-    backend = _resolve_backend(backend, local or world_size, device)
     device = _resolve_device(device, backend, local or world_size)
-    device_index = device.index if device.type == "cuda" and backend == "nccl" else -1
+    # the GPU a transport reads directly (NCCL; a CUDA-aware MPI), else none: staged via the host
+    device_index = device.index if device.type == "cuda" and backend in ("nccl", "mpi") else -1
 
     if store is None:
         store = _default_store(rank, world_size, timeout)
     _Session.generation += 1
+    # A given prefix names this grid alike on all its ranks (the session MPI's line handshake
+    # checks); the default counts this process's grids, which ranks of a sub-world may not share.
+    session = prefix if prefix is not None else ""
     prefix = prefix if prefix is not None else f"gridweave/{_Session.generation}"
     # The Python half of a Store subclass must outlive the native grid that calls it.
     adapter = store if isinstance(store, _C.Store) else _TorchStore(store)
@@ -481,7 +503,8 @@ def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", 
     hostname = os.environ.get("GRIDWEAVE_HOSTNAME") or (
         "127.0.0.1" if (local or world_size) >= world_size else socket.gethostname())
     grid = Grid(axes, rank=rank, backend=backend, placement=placement, ranks_per_node=rpn, timeout=timeout,
-                store=native_store, hostname=hostname, device_index=device_index, tp=tp, device=device)
+                store=native_store, hostname=hostname, device_index=device_index, tp=tp, device=device,
+                session=session)
     grid._torch_store = keep
     _Session.current = grid
     return grid
@@ -507,19 +530,19 @@ def _mpi_store():
 
 def _resolve_backend(backend: str, local_ranks: int, device=None) -> str:
     """auto: NCCL when it is built and every rank on this node can have its own GPU (and no
-    CPU device was asked for), else Gloo."""
+    CPU device was asked for); else MPI when an MPI launcher started the ranks and gridweave
+    has MPI (shared memory on a host); else Gloo."""
     if backend not in ("auto", "gloo", "nccl", "mpi"):
         raise GridError(f"unknown backend {backend!r}; use 'auto', 'gloo', 'nccl' or 'mpi'")
     if backend == "mpi":
-        if device is not None and torch.device(device).type != "cpu":
-            raise GridError("backend 'mpi' carries host memory here; use device='cpu' (or backend='gloo' to "
-                            "share a GPU)")
         return backend
     has_gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0
     if backend == "auto":
         cpu = device is not None and torch.device(device).type == "cpu"
         enough = has_gpu and torch.cuda.device_count() >= local_ranks
-        return "nccl" if (enough and _C.nccl_available and not cpu) else "gloo"
+        if enough and _C.nccl_available and not cpu:
+            return "nccl"
+        return "mpi" if (_C.mpi_available and any(k in os.environ for k in _MPI_LAUNCHED)) else "gloo"
     if backend == "nccl":
         if not _C.nccl_available:
             raise GridError("backend 'nccl' requested but gridweave was built without the NCCL transport "

@@ -33,7 +33,7 @@ std::shared_ptr<MpiCommunicator> line(std::vector<int> members, const std::strin
   info.member_nodes.assign(members.size(), 0);
   info.timeout = timeout;
   info.counters = std::make_shared<TrafficCounters>();
-  return std::make_shared<MpiCommunicator>(info);
+  return std::make_shared<MpiCommunicator>(info, -1);
 }
 
 // Values exact in every dtype: small integers, so sums over 4 ranks stay exact in fp16/bf16.
@@ -217,6 +217,29 @@ TEST(Mpi, ASkippedCollectiveTimesOutAndNothingHangs) {
     MPI_Barrier(MPI_COMM_WORLD);  // they "skipped" it until rank 0 gave up waiting
     c->all_reduce(b.view(), ReduceOp::Sum)->wait(milliseconds(20000));
   }
+}
+
+TEST(Mpi, AMemberThatNeverConnectsIsATimeoutNotAHang) {
+  // MPI_Comm_create_group would block forever: the handshake before it times out instead.
+  const int r = world_rank();
+  if (r != 3) {
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      line({0, 1, 2, 3}, "tp", milliseconds(500));
+      ADD_FAILURE() << "no timeout";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::Timeout);
+      EXPECT_NE(std::string(e.what()).find("connecting axis 'tp'"), std::string::npos) << e.what();
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, milliseconds(5000));
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  // The same line again, every member this time: what the failed attempt left is dropped.
+  auto c = line({0, 1, 2, 3}, "tp");
+  Buf b(3, DType::Float64);
+  for (std::size_t i = 0; i < 3; ++i) static_cast<double*>(b.view().ptr)[i] = r;
+  c->all_reduce(b.view(), ReduceOp::Sum)->wait(milliseconds(20000));
+  EXPECT_EQ(static_cast<double*>(b.view().ptr)[2], 6.0);
 }
 
 TEST(Mpi, CloseCancelsAPendingReceive) {

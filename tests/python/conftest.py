@@ -4,7 +4,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from rankpool import RankPool  # noqa: E402
+from rankpool import TRANSPORT_ENV, TRANSPORTS, RankPool  # noqa: E402
 
 # --default-device=meta poisons torch's default device in this process and in every rank
 # process before any test runs: a tensor made without an explicit device (in the library
@@ -15,9 +15,12 @@ POISON_ENV = "GRIDWEAVE_TEST_DEFAULT_DEVICE"
 def pytest_addoption(parser):
     parser.addoption("--default-device", default=None,
                      help="set torch's default device (e.g. meta) in the test and rank processes")
+    parser.addoption("--transport", default="gloo", choices=TRANSPORTS,
+                     help="the CPU transport of the rank pool and of the main jobs the tests launch")
 
 
 def pytest_configure(config):
+    os.environ[TRANSPORT_ENV] = config.getoption("--transport")  # read by the rank processes too
     device = config.getoption("--default-device")
     if device:
         os.environ[POISON_ENV] = device  # inherited by the rank pool and subprocesses
@@ -33,6 +36,7 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def pool():
-    p = RankPool(8)
+    p = RankPool(8, transport=os.environ[TRANSPORT_ENV])
     yield p
     p.close()
+

@@ -1,14 +1,26 @@
 """A pool of rank processes kept alive across tests (importing torch costs seconds per
 process on a 2-core machine). Each test ships a module-level function to the first n
-workers; they rendezvous through one TCPStore under a fresh key prefix."""
+workers; they rendezvous through one TCPStore under a fresh key prefix.
+
+The pool is parameterised by transport (pytest --transport): "gloo" spawns its workers with
+multiprocessing, each one replaced alone when it dies; "mpi" starts them with one mpirun
+job (MPI's world of 8; a test's grid is its first n ranks; no store: MPI connects the
+lines), which MPI ends as a whole when one rank dies, so the whole job is started again."""
 from __future__ import annotations
 
 import itertools
-import os
 import multiprocessing as mp
+import os
+import secrets
+import subprocess
+import sys
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.connection import Client, Listener
+
+TRANSPORT_ENV = "GRIDWEAVE_TEST_TRANSPORT"
+TRANSPORTS = ("gloo", "mpi")
 
 
 @dataclass
@@ -32,12 +44,13 @@ class RankContext:
         if device != "cpu":  # the GPU tier: every rank on the GPU, shared through Gloo
             kw.setdefault("device", device)
             kw.setdefault("backend", "gloo")
+        if os.environ.get(TRANSPORT_ENV) == "mpi":
+            kw.setdefault("backend", "mpi")
         return gw.init(rank=self.rank, world_size=self.world_size, store=self._store, prefix=self.prefix, **kw)
 
 
-def _worker(conn, host: str, port: int) -> None:
-    import os
-
+def _serve(conn, host: str, port: int) -> None:
+    """A worker's life: run the tasks `conn` brings until it closes."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     from torch.distributed import TCPStore
@@ -47,11 +60,13 @@ def _worker(conn, host: str, port: int) -> None:
         torch.set_default_device(os.environ["GRIDWEAVE_TEST_DEFAULT_DEVICE"])
     import gridweave as gw
 
-    store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
+    # MPI connects its ranks itself: no store (a grid then makes its own, never read)
+    mpi = os.environ.get(TRANSPORT_ENV) == "mpi"
+    store = None if mpi else TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
     while True:
         try:
             task = conn.recv()
-        except EOFError:
+        except (EOFError, OSError):
             return
         if task is None:
             return
@@ -68,23 +83,57 @@ def _worker(conn, host: str, port: int) -> None:
                 pass
 
 
+def _worker(conn, host: str, port: int) -> None:
+    _serve(conn, host, port)
+
+
+def _mpi_worker() -> None:
+    """A rank of the pool's mpirun job: call the pool back, say which rank, then serve."""
+    host, port, address = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("PMI_RANK") or os.environ["PMIX_RANK"])
+    import gridweave as gw
+
+    gw.launch.mpi_world()  # MPI_Init is collective over the whole job: every rank, first
+    addr_host, addr_port = address.rsplit(":", 1)
+    conn = Client((addr_host, int(addr_port)), authkey=bytes.fromhex(os.environ["GRIDWEAVE_POOL_KEY"]))
+    conn.send(rank)
+    _serve(conn, host, port)
+
+
+def launcher_args() -> list:
+    """How the tests' main jobs (gridweave train --nproc N) spawn their ranks on this run's
+    transport."""
+    return ["--launcher", "mpirun" if os.environ.get(TRANSPORT_ENV) == "mpi" else "torchrun"]
+
+
 class RemoteError(AssertionError):
     pass
 
 
 class RankPool:
-    def __init__(self, size: int = 8):
+    def __init__(self, size: int = 8, transport: str = "gloo"):
         from torch.distributed import TCPStore
 
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.size = size
+        self.transport = transport
         self._ctx = mp.get_context("spawn")
         self.host = "127.0.0.1"
         self._store = TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
                                timeout=timedelta(seconds=60))
         self.port = self._store.port
         self._ids = itertools.count()
-        self._workers = [self._spawn() for _ in range(size)]
+        self._caps = None
+        self._job = None  # the mpirun process (transport "mpi")
+        if transport == "mpi":
+            self._key = secrets.token_bytes(16)
+            self._listener = Listener((self.host, 0), backlog=size, authkey=self._key)  # all connect at once
+            self._conns = self._start_job()
+        else:
+            self._workers = [self._spawn() for _ in range(size)]
 
+    # ---- gloo: one multiprocessing worker per rank ------------------------------------
     def _spawn(self):
         parent, child = self._ctx.Pipe()
         p = self._ctx.Process(target=_worker, args=(child, self.host, self.port), daemon=True)
@@ -92,13 +141,62 @@ class RankPool:
         child.close()
         return p, parent
 
-    def _respawn(self, i: int) -> None:
-        p, conn = self._workers[i]
+    # ---- mpi: one mpirun job of `size` ranks ------------------------------------------
+    def _start_job(self):
+        import gridweave as gw
+
+        here = os.path.dirname(os.path.abspath(__file__))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "GRIDWEAVE_POOL_KEY": self._key.hex(),
+               "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
+        for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
+            env.pop(k, None)
+        addr = "%s:%d" % self._listener.address
+        self._job = subprocess.Popen(gw.launch.mpirun_command(self.size) + [
+            sys.executable, "-c", "import rankpool; rankpool._mpi_worker()", self.host, str(self.port), addr],
+            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)  # mpirun forwards stdin: none here
+        conns = [None] * self.size
+        for _ in range(self.size):
+            c = self._listener.accept()
+            conns[c.recv()] = c
+        return conns
+
+    def _stop_job(self):
+        for c in self._conns:
+            try:
+                c.close()
+            except OSError:
+                pass
+        if self._job is not None:
+            self._job.kill()
+            self._job.wait(30)
+
+    # ---- both -------------------------------------------------------------------------
+    def _conn(self, r: int):
+        return self._conns[r] if self.transport == "mpi" else self._workers[r][1]
+
+    def _alive(self, r: int) -> bool:
+        if self.transport == "mpi":
+            return self._job.poll() is None
+        return self._workers[r][0].is_alive()
+
+    def _replace(self, r: int) -> None:
+        """After rank r died or hung: a new worker for it (gloo), a new job (mpi)."""
+        if self.transport == "mpi":
+            self._stop_job()
+            self._conns = self._start_job()
+            return
+        p, conn = self._workers[r]
         if p.is_alive():
             p.kill()
         p.join(5)
         conn.close()
-        self._workers[i] = self._spawn()
+        self._workers[r] = self._spawn()
+
+    def capabilities(self) -> dict:
+        """What this pool's transport can do (grid.capabilities of a 2-rank world)."""
+        if self._caps is None:
+            self._caps = self.run(_capabilities, 2)[0]
+        return self._caps
 
     def run(self, fn, n: int, *args, timeout: float = 120.0, raw: bool = False, **kwargs):
         """Run fn(ctx, *args, **kwargs) on ranks 0..n-1; return their results in rank order.
@@ -106,21 +204,24 @@ class RankPool:
         assert 1 <= n <= self.size
         prefix = f"test{next(self._ids)}"
         for r in range(n):
-            if not self._workers[r][0].is_alive():
-                self._respawn(r)
-            self._workers[r][1].send((fn, RankContext(r, n, self.host, self.port, prefix), args, kwargs))
-        results = []
+            if not self._alive(r):
+                self._replace(r)
         for r in range(n):
-            p, conn = self._workers[r]
+            self._conn(r).send((fn, RankContext(r, n, self.host, self.port, prefix), args, kwargs))
+        results, lost = [], []
+        for r in range(n):
+            conn = self._conn(r)
             try:
                 if conn.poll(timeout):
                     results.append(conn.recv())
                 else:
                     results.append(("died", f"rank {r}: no answer in {timeout} s"))
-                    self._respawn(r)
+                    lost.append(r)
             except (EOFError, ConnectionError, OSError):
                 results.append(("died", f"rank {r}: process exited"))
-                self._respawn(r)
+                lost.append(r)
+        for r in lost[:1] if self.transport == "mpi" else lost:
+            self._replace(r)
         if raw:
             return results
         errors = [v for s, v in results if s != "ok"]
@@ -129,12 +230,24 @@ class RankPool:
         return [v for _, v in results]
 
     def close(self):
-        for p, conn in self._workers:
+        conns = self._conns if self.transport == "mpi" else [c for _, c in self._workers]
+        for conn in conns:
             try:
                 conn.send(None)
             except OSError:
                 pass
+        if self.transport == "mpi":
+            try:
+                self._job.wait(30)
+            except subprocess.TimeoutExpired:
+                self._job.kill()
+            self._listener.close()
+            return
         for p, _ in self._workers:
             p.join(5)
             if p.is_alive():
                 p.kill()
+
+
+def _capabilities(ctx):
+    return ctx.init(dp=ctx.world_size).capabilities()

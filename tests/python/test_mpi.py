@@ -20,8 +20,8 @@ SCRIPT = textwrap.dedent('''
     import gridweave as gw
     from tp_refs import full, rel
 
-    grid = gw.init(dp=2, tp=gw.Row(2), backend="mpi", timeout=30.0)
-    out = {"rank": grid.rank, "world": grid.world_size}
+    grid = gw.init(dp=2, tp=gw.Row(2), timeout=30.0)  # auto: MPI, since mpirun started the ranks
+    out = {"rank": grid.rank, "world": grid.world_size, "backend": grid.backend}
     t = torch.full((4,), float(grid.rank), device="cpu")
     out["tp_sum"] = grid.all_reduce(t.clone(), axis="tp")[0].item()
     out["dp_gather"] = grid.all_gather(t[:1], axis="dp").tolist()
@@ -39,6 +39,13 @@ SCRIPT = textwrap.dedent('''
                      rel(gw.gather(xl.grad, layer.input_layout, grid), x.grad))
     out["recv_any"] = grid.capabilities("tp")["recv_any"]
     gw.shutdown()
+    # a grid of the first two ranks of MPI's world; the others are refused, before any message
+    try:
+        sub = gw.init(dp=2, world_size=2, backend="mpi", timeout=30.0)
+        out["sub"] = sub.all_reduce(torch.ones(2, device="cpu"), axis="dp").tolist()
+        gw.shutdown()
+    except gw.GridError as e:
+        out["sub"] = str(e)
     grid = gw.init(pp=4, backend="mpi", timeout=30.0)  # the message-driven pipeline on MPI
     stage = torch.nn.Linear(3, 3, dtype=torch.float64, device="cpu")
     with torch.no_grad():
@@ -68,7 +75,10 @@ def test_gridweave_on_mpi_under_mpirun(tmp_path):
     for d in res:
         assert d["tp_sum"] == sum(d["tp_ranks"])           # the rank's own tp line
         assert d["dp_gather"] == [float(k) for k in d["dp_ranks"]]
-        assert d["err"] < 1e-10 and d["recv_any"]
+        assert d["err"] < 1e-10 and d["recv_any"] and d["backend"] == "mpi"
+    assert [d["sub"] for d in res[:2]] == [[2.0, 2.0]] * 2
+    for d in res[2:]:
+        assert "outside the grid's world of the first 2 ranks" in d["sub"], d["sub"]
     # 4 stages of y = 2x, loss = sum: the last stage sees 16 * (1 + 2 + 3) * 3 over 3 microbatches
     last = [d for d in res if d["pipeline_loss"] is not None]
     assert len(last) == 1 and last[0]["pipeline_loss"] == pytest.approx(16 * 6 * 3 / 3)

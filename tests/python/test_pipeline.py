@@ -133,7 +133,7 @@ def _receive_any_capability(ctx):
 
 def test_transport_capabilities_and_bad_strategies(pool):
     for caps, errs in pool.run(_receive_any_capability, 2):
-        assert caps == {"recv_any": True}  # Gloo receives from any peer
+        assert caps["recv_any"] is True  # Gloo and MPI receive from any peer
         assert "schedule must be one of" in errs[0] and "receive must be one of" in errs[1]
 
 
@@ -141,6 +141,9 @@ def test_a_pipeline_peer_that_dies_gives_a_clear_error(pool):
     res = pool.run(_pipeline, 4, 2, "message_driven", -1, 1, 1, raw=True, timeout=90)
     died = [r for r in res if r[0] == "died"]
     errors = [r[1] for r in res if r[0] == "err"]
+    if not pool.capabilities()["survives_peer_failure"]:  # MPI: mpirun ends the whole job
+        assert len(died) == len(res), res
+        return
     assert died and errors
     for e in errors:
         assert "CommError" in e or "CommTimeout" in e, e

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from rankpool import TRANSPORT_ENV, launcher_args
 
 ARGS = ["--steps", "4", "--hidden", "32", "--layers", "4", "--heads", "4", "--seq", "32", "--batch", "8",
         "--quiet"]
@@ -16,8 +17,9 @@ def _train(tmp, name, *extra, port=29581):
     out = tmp / name
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GRIDWEAVE_PORT": str(port)}
     env.pop("RANK", None)
-    r = subprocess.run([sys.executable, "-m", "gridweave.cli", "train", *ARGS, "--out", str(out), *extra],
-                       capture_output=True, text=True, timeout=240, env=env)
+    r = subprocess.run([sys.executable, "-m", "gridweave.cli", "train", *ARGS, "--out", str(out),
+                        *launcher_args(), *extra], capture_output=True, text=True, timeout=240, env=env,
+                       stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return json.loads((out / "metrics.json").read_text())["loss"], out
 
@@ -165,22 +167,32 @@ def test_unsupported_combinations_are_clear_errors(tmp_path, spec, needle):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GRIDWEAVE_PORT": "29621"}
     env.pop("RANK", None)
     r = subprocess.run([sys.executable, "-m", "gridweave.cli", "train", *ARGS, "--nproc", "8", *spec,
-                        "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=180, env=env)
+                        *launcher_args(), "--out", str(tmp_path / "x")], capture_output=True, text=True,
+                       timeout=180, env=env, stdin=subprocess.DEVNULL)
     assert r.returncode != 0 and needle in r.stderr + r.stdout, (r.stdout[-1500:], r.stderr[-3000:])
 
 
 def _launch(tmp, name, world, port, fault=None, extra=()):
-    """Ranks started by hand (no torchrun agent), so each one's own error is seen."""
+    """Ranks started by hand (no torchrun agent), so each one's own error is seen; on MPI one
+    mpirun job (a rank's death ends it). Returns (exit code, stderr) per rank (MPI: one)."""
+    entry = [os.path.join(os.path.dirname(__file__), "faulty_train.py"), fault] if fault else \
+        ["-m", "gridweave.cli", "train"]
+    args = [*entry, *ARGS, "--nproc", "0", "--steps", "6", "--checkpoint-every", "2", "--timeout", "20",
+            "--out", str(tmp / name), *extra]
+    if os.environ.get(TRANSPORT_ENV) == "mpi":
+        import gridweave as gw
+
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+        p = subprocess.run(gw.launch.mpirun_command(world) + [sys.executable, *args, "--backend", "mpi"],
+                           capture_output=True, text=True, timeout=150, stdin=subprocess.DEVNULL,
+                           env={**env, "OMP_NUM_THREADS": "1"})
+        return [(p.returncode, p.stderr)]
     procs = []
     for r in range(world):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(r), "WORLD_SIZE": str(world),
                "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        entry = [os.path.join(os.path.dirname(__file__), "faulty_train.py"), fault] if fault else \
-            ["-m", "gridweave.cli", "train"]
-        procs.append(subprocess.Popen([sys.executable, *entry, *ARGS, "--nproc", "0",
-                                       "--steps", "6", "--checkpoint-every", "2", "--timeout", "20",
-                                       "--out", str(tmp / name), *extra],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        procs.append(subprocess.Popen([sys.executable, *args, "--backend", "gloo"], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, env=env))
     return [(p.wait(timeout=150), p.stderr.read()) for p in procs]
 
 
@@ -192,9 +204,12 @@ def test_a_killed_rank_stops_every_rank_and_a_restart_reproduces(tmp_path):
     t0 = time.monotonic()
     hurt = _launch(tmp_path, "hurt", 4, 29643, fault="3:5", extra=("--dp", "2", "--pp", "2"))
     assert time.monotonic() - t0 < 140
-    assert hurt[3][0] == 9  # the killed rank
-    for rc, err in hurt[:3]:
-        assert rc != 0 and ("CommError" in err or "CommTimeout" in err), err[-1500:]
+    if len(hurt) == 1:  # MPI: mpirun ends the whole job, reporting the rank that died
+        assert hurt[0][0] != 0 and "exit" in hurt[0][1].lower(), hurt[0][1][-1500:]
+    else:
+        assert hurt[3][0] == 9  # the killed rank
+        for rc, err in hurt[:3]:
+            assert rc != 0 and ("CommError" in err or "CommTimeout" in err), err[-1500:]
     manifest = json.loads((tmp_path / "hurt" / "checkpoint" / "manifest.json").read_text())
     assert manifest["step"] == 4  # the last complete checkpoint before the fault
     again = _launch(tmp_path, "again", 4, 29645, extra=("--dp", "2", "--pp", "2", "--resume",
