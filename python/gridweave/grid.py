@@ -555,7 +555,8 @@ def _resolve_backend(backend: str, local_ranks: int, device=None) -> str:
 def _resolve_device(device, backend: str, local_ranks: int) -> torch.device:
     """The grid's device, checked: NCCL computes on one GPU per rank; Gloo on the CPU, or on a
     GPU shared by several ranks."""
-    local_rank = _env_int("LOCAL_RANK") or 0
+    local_rank = (_env_int("LOCAL_RANK") or _env_int("OMPI_COMM_WORLD_LOCAL_RANK") or _env_int("MPI_LOCALRANKID")
+                  or _env_int("SLURM_LOCALID") or 0)  # torchrun, OpenMPI, MPICH, srun
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device is None:
         if backend == "nccl":

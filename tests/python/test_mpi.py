@@ -83,3 +83,31 @@ def test_gridweave_on_mpi_under_mpirun(tmp_path):
     last = [d for d in res if d["pipeline_loss"] is not None]
     assert len(last) == 1 and last[0]["pipeline_loss"] == pytest.approx(16 * 6 * 3 / 3)
     assert all(d["forwards"] == 3 for d in res)
+
+
+LOW_THREAD_LEVEL = textwrap.dedent('''
+    import mpi4py
+    mpi4py.rc.thread_level = "single"  # a host application that initialised MPI without threads
+    from mpi4py import MPI
+    import gridweave as gw
+    try:
+        gw.init(dp=MPI.COMM_WORLD.size, backend="mpi", timeout=30.0)
+        print("no error")
+    except gw.GridError as e:
+        print("GridError:", e)
+''')
+
+
+def test_an_mpi_without_enough_thread_support_is_a_clear_error(tmp_path):
+    """Someone else initialised MPI at MPI_THREAD_SINGLE: gridweave's async ops need
+    SERIALIZED or better, so gw.init refuses with what is missing, before any message."""
+    pytest.importorskip("mpi4py")
+    script = tmp_path / "low.py"
+    script.write_text(LOW_THREAD_LEVEL)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    r = subprocess.run(gw.launch.mpirun_command(2) + [sys.executable, str(script)], capture_output=True,
+                       text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(("GridError", "no error"))]
+    assert len(lines) == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    for ln in lines:
+        assert ln.startswith("GridError") and "MPI_THREAD_SERIALIZED" in ln, ln
