@@ -34,16 +34,17 @@ def reduce_code(op: str):
 def view(t, what: str = "tensor") -> "_C.BufferView":
     """A BufferView of a contiguous torch tensor, numpy array or cupy array."""
     if isinstance(t, torch.Tensor):
-        if t.dtype not in _TORCH:
+        dtype = _TORCH.get(t.dtype)
+        if dtype is None:
             raise GridError(f"{what}: dtype {t.dtype} is not supported (float32/64, float16, bfloat16, int32/64)")
         if not t.is_contiguous():
             raise GridError(f"{what}: tensor must be contiguous (call .contiguous())")
+        if t.is_cpu:  # first: the hot path of every CPU op
+            return _C.BufferView(t.data_ptr(), t.numel(), dtype, CPU)
         if t.is_cuda:
             stream = torch.cuda.current_stream(t.device).cuda_stream
-            return _C.BufferView(t.data_ptr(), t.numel(), _TORCH[t.dtype], CUDA, t.device.index, stream)
-        if t.device.type != "cpu":
-            raise GridError(f"{what}: device {t.device} is not supported")
-        return _C.BufferView(t.data_ptr(), t.numel(), _TORCH[t.dtype], CPU)
+            return _C.BufferView(t.data_ptr(), t.numel(), dtype, CUDA, t.device.index, stream)
+        raise GridError(f"{what}: device {t.device} is not supported")
     if isinstance(t, np.ndarray):
         if t.dtype not in _NUMPY:
             raise GridError(f"{what}: numpy dtype {t.dtype} is not supported")

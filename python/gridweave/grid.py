@@ -102,6 +102,7 @@ class Grid:
                                hostname, int(device_index), store, session)
         self.placement = self._native.placement
         self._names = [a for a, _ in axes]
+        self._comms = {}  # axis argument -> native communicator: one lookup per op, not a native call
 
     # ---- geometry -------------------------------------------------------------------
     @property
@@ -151,12 +152,19 @@ class Grid:
     def comm(self, axis: AxisArg = None, op: str = "op"):
         """This rank's native communicator along `axis` (None: the world, by global rank).
         The first call on an axis connects its members: all of them must make it."""
+        try:
+            return self._comms[axis]
+        except (KeyError, TypeError):  # not made yet, or an unhashable axis list
+            pass
         names = self._axis_tuple(axis)
         try:
-            return self._native.comm(names)
+            c = self._native.comm(names)
         except CommError as e:
             label = ",".join(names) or "world"
             raise type(e)(f"{op} on axis '{label}': {e}") from e
+        if isinstance(axis, (str, tuple)) or axis is None:
+            self._comms[axis] = c
+        return c
 
     def control(self, axis: AxisArg, op: str = "op"):
         """A host communicator over this rank's line along `axis` (the backend's own if it
@@ -179,10 +187,14 @@ class Grid:
         is not CUDA-aware): the op runs on pinned host copies and the results are copied back
         (several ranks can then share one GPU, which NCCL refuses). On a transport that reads
         CUDA memory outside stream order (a CUDA-aware MPI) the stream is synchronised first."""
-        cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors)
-        if cuda and c.device == _C.Device.CPU:
+        for t in tensors:  # a loop, not any(genexpr): this runs on every op
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                break
+        else:
+            return False
+        if c.device == _C.Device.CPU:
             return True
-        if cuda and not c.stream_ordered:
+        if not c.stream_ordered:
             torch.cuda.current_stream().synchronize()
         return False
 
@@ -371,6 +383,7 @@ class Grid:
         return self.placement.traffic(self._axis_tuple(axis), op, int(nbytes))
 
     def shutdown(self) -> None:
+        self._comms.clear()
         self._native.shutdown()
 
     def __repr__(self):
