@@ -64,11 +64,14 @@ def start_worker():
     import torch
     import torch.distributed as dist
 
+    import gridweave as gw
+
     torch.set_num_threads(1)
-    if "OMPI_COMM_WORLD_RANK" in os.environ:  # mpirun: tell torch who is who
-        os.environ.setdefault("RANK", os.environ["OMPI_COMM_WORLD_RANK"])
-        os.environ.setdefault("WORLD_SIZE", os.environ["OMPI_COMM_WORLD_SIZE"])
-        os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ["OMPI_COMM_WORLD_LOCAL_SIZE"])
+    if gw.launch.mpi_launched():  # mpirun: tell torch who is who, as MPI says
+        rank, size = gw.launch.mpi_world()
+        os.environ.setdefault("RANK", str(rank))
+        os.environ.setdefault("WORLD_SIZE", str(size))
+        os.environ.setdefault("LOCAL_WORLD_SIZE", str(gw.launch.local_world_size() or size))
     dist.init_process_group("gloo")
     return dist.get_world_size(), dist.get_rank(), dist.distributed_c10d._get_default_store()
 

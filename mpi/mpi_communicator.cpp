@@ -225,58 +225,40 @@ MpiCommunicator::MpiCommunicator(CommInfo info, int device_index)
 void MpiCommunicator::handshake(std::uint64_t token, int tag) {
   if (size() == 1) return;
   const auto deadline = Clock::now() + info_.timeout;
-  // Buffers of messages still in flight at a timeout must outlive this call.
+  // A message still in flight at a timeout (and its buffer) must outlive this call.
   static std::mutex orphans_mu;
-  static std::vector<std::unique_ptr<std::uint64_t>> orphans;
-  auto await = [&](MPI_Request& r, std::unique_ptr<std::uint64_t>& buf, bool is_recv, int peer) {
-    for (;;) {
-      {
-        std::lock_guard<std::recursive_mutex> lock(mpi_mutex());
-        int flag = 0;
-        check_mpi(MPI_Test(&r, &flag, MPI_STATUS_IGNORE), "handshake on " + info_.axis);
-        if (flag) return;
-        if (Clock::now() > deadline) {
-          if (is_recv) {  // a cancelled receive completes locally
-            MPI_Cancel(&r);
-            MPI_Wait(&r, MPI_STATUS_IGNORE);
-          } else {
-            std::lock_guard<std::mutex> keep(orphans_mu);
-            orphans.push_back(std::move(buf));
-          }
-          throw Error(ErrorKind::Timeout, "member " + std::to_string(peer) + " never came");
-        }
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
-  };
-  // Receive from `peer` until its token is this line's.
-  auto receive = [&](int peer) {
-    for (;;) {
-      auto got = std::make_unique<std::uint64_t>(0);
-      MPI_Request r;
-      {
-        std::lock_guard<std::recursive_mutex> lock(mpi_mutex());
-        check_mpi(MPI_Irecv(got.get(), 1, MPI_UINT64_T, peer, tag, MPI_COMM_WORLD, &r), "handshake");
-      }
-      await(r, got, true, peer);
-      if (*got == token) return;
-    }
-  };
-  auto send = [&](int peer) {
+  static std::vector<std::pair<std::shared_ptr<MpiWork>, std::unique_ptr<std::uint64_t>>> orphans;
+  // One token to or from `peer`, waited for like every op (MpiWork::wait) until the deadline.
+  auto exchange = [&](bool receive, int peer) {
     auto buf = std::make_unique<std::uint64_t>(token);
-    MPI_Request r;
+    auto work = std::make_shared<MpiWork>("handshake on " + info_.axis, nullptr);
     {
       std::lock_guard<std::recursive_mutex> lock(mpi_mutex());
-      check_mpi(MPI_Isend(buf.get(), 1, MPI_UINT64_T, peer, tag, MPI_COMM_WORLD, &r), "handshake");
+      if (receive) check_mpi(MPI_Irecv(buf.get(), 1, MPI_UINT64_T, peer, tag, MPI_COMM_WORLD, work->request()), "handshake");
+      else check_mpi(MPI_Isend(buf.get(), 1, MPI_UINT64_T, peer, tag, MPI_COMM_WORLD, work->request()), "handshake");
     }
-    await(r, buf, false, peer);
+    try {
+      work->wait(std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()),
+                          std::chrono::milliseconds(0)));
+    } catch (const Error& e) {
+      if (e.kind() != ErrorKind::Timeout) throw;
+      if (receive) work->cancel();  // a cancelled receive matches nothing later
+      std::lock_guard<std::mutex> keep(orphans_mu);
+      orphans.emplace_back(work, std::move(buf));
+      throw Error(ErrorKind::Timeout, "member " + std::to_string(peer) + " never came");
+    }
+    return *buf;
+  };
+  auto receive = [&](int peer) {
+    while (exchange(true, peer) != token) {  // a stale token: read and dropped
+    }
   };
   const int leader = info_.members[0];
   if (rank() == 0) {
     for (int k = 1; k < size(); ++k) receive(info_.members[k]);
-    for (int k = 1; k < size(); ++k) send(info_.members[k]);
+    for (int k = 1; k < size(); ++k) exchange(false, info_.members[k]);
   } else {
-    send(leader);
+    exchange(false, leader);
     receive(leader);
   }
 }

@@ -139,7 +139,7 @@ def main(argv=None) -> int:
 
                 launcher = args.launcher if args.launcher != "auto" else launch.default_launcher(args.device, args.backend)
                 port = int(os.environ.get("GRIDWEAVE_PORT", "29561"))
-                extra = ["--nproc", "0", "--backend", "mpi"] if launcher == "mpirun" else []
+                extra = ["--backend", "mpi"] if launcher == "mpirun" else []  # GRIDWEAVE_SPAWNED stops a respawn
                 # no stdin: mpirun forwards it, and stops in a background job that reads it
                 return subprocess.call(launch.command(launcher, args.nproc, port) +
                                        ["-m", "gridweave.cli", *argv, *extra], env=env, stdin=subprocess.DEVNULL)

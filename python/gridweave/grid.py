@@ -14,7 +14,8 @@ from typing import Iterable
 
 import torch
 
-from . import _C
+from . import _C, launch
+from .launch import _env_int
 from ._buffers import empty_like_shape, reduce_code, view
 from .errors import CommError, GridError
 from .modes import Sequence, grid_axes
@@ -434,11 +435,6 @@ def _merge_leading(out, dim: int):
     return moved.reshape(merged)
 
 
-def _env_int(name: str):
-    v = os.environ.get(name)
-    return int(v) if v not in (None, "") else None
-
-
 class _Session:
     """The grid of this process made by gw.init; gw.shutdown ends it."""
 
@@ -457,17 +453,10 @@ def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", 
     communication starts."""
     axes = grid_axes(dp, pp, sp, tp)
     n = math.prod(s for _, s in axes)
-    local = _env_int("LOCAL_WORLD_SIZE") or _env_int("OMPI_COMM_WORLD_LOCAL_SIZE") or _env_int("MPI_LOCALNRANKS") \
-        or _env_int("SLURM_NTASKS_PER_NODE")
+    local = launch.local_world_size()
     backend = _resolve_backend(backend, local or world_size or _env_int("WORLD_SIZE") or 1, device)
     if backend == "mpi":  # mpirun / srun: who we are comes from MPI itself, no TCP store
-        if not _C.mpi_available:
-            raise GridError("backend 'mpi' requested but gridweave was built without MPI (install an MPI, e.g. "
-                            "apt-get install libopenmpi-dev, and rebuild)")
-        if not any(k in os.environ for k in _MPI_LAUNCHED):
-            raise GridError("backend 'mpi' needs its ranks started by an MPI launcher: run under mpirun or srun "
-                            f"(none of {', '.join(_MPI_LAUNCHED)} is set)")
-        mpi_rank, mpi_size = _C.mpi_world()
+        mpi_rank, mpi_size = launch.mpi_world()
         # The grid is MPI's world, or its first world_size ranks (the others do not call init,
         # but have initialised MPI: gw.launch.mpi_world()).
         world_size = mpi_size if world_size is None else world_size
@@ -523,18 +512,6 @@ def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", 
     return grid
 
 
-# What mpirun (OpenMPI, MPICH/Hydra, PMIx) and srun put in a rank's environment.
-_MPI_LAUNCHED = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_PROCID")
-
-
-def launched_world_size(backend: str = "auto") -> int:
-    """How many ranks the launcher started: MPI's world under mpirun/srun for backend "mpi",
-    else torchrun's WORLD_SIZE (1 when there is none)."""
-    if backend == "mpi" and _C.mpi_available and any(k in os.environ for k in _MPI_LAUNCHED):
-        return _C.mpi_world()[1]
-    return _env_int("WORLD_SIZE") or 1
-
-
 def _mpi_store():
     from torch.distributed import HashStore
 
@@ -555,7 +532,7 @@ def _resolve_backend(backend: str, local_ranks: int, device=None) -> str:
         enough = has_gpu and torch.cuda.device_count() >= local_ranks
         if enough and _C.nccl_available and not cpu:
             return "nccl"
-        return "mpi" if (_C.mpi_available and any(k in os.environ for k in _MPI_LAUNCHED)) else "gloo"
+        return "mpi" if (_C.mpi_available and launch.mpi_launched()) else "gloo"
     if backend == "nccl":
         if not _C.nccl_available:
             raise GridError("backend 'nccl' requested but gridweave was built without the NCCL transport "
@@ -568,8 +545,7 @@ def _resolve_backend(backend: str, local_ranks: int, device=None) -> str:
 def _resolve_device(device, backend: str, local_ranks: int) -> torch.device:
     """The grid's device, checked: NCCL computes on one GPU per rank; Gloo on the CPU, or on a
     GPU shared by several ranks."""
-    local_rank = (_env_int("LOCAL_RANK") or _env_int("OMPI_COMM_WORLD_LOCAL_RANK") or _env_int("MPI_LOCALRANKID")
-                  or _env_int("SLURM_LOCALID") or 0)  # torchrun, OpenMPI, MPICH, srun
+    local_rank = launch.local_rank()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device is None:
         if backend == "nccl":

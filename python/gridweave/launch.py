@@ -11,6 +11,13 @@ from . import _C
 from .errors import GridError
 
 LAUNCHERS = ("torchrun", "mpirun")
+# What mpirun (OpenMPI, MPICH/Hydra, PMIx) and srun put in a rank's environment.
+_MPI_LAUNCHED = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_PROCID")
+
+
+def _env_int(name: str):
+    v = os.environ.get(name)
+    return int(v) if v not in (None, "") else None
 
 
 def mpi_installed() -> bool:
@@ -18,15 +25,44 @@ def mpi_installed() -> bool:
     return bool(_C.mpi_available) and shutil.which("mpirun") is not None
 
 
+def mpi_launched() -> bool:
+    """An MPI launcher (mpirun, srun) started this process."""
+    return any(k in os.environ for k in _MPI_LAUNCHED)
+
+
+def local_world_size():
+    """Ranks on this node, as torchrun, OpenMPI, MPICH or srun say (None: no launcher says)."""
+    return _env_int("LOCAL_WORLD_SIZE") or _env_int("OMPI_COMM_WORLD_LOCAL_SIZE") or _env_int("MPI_LOCALNRANKS") \
+        or _env_int("SLURM_NTASKS_PER_NODE")
+
+
+def local_rank() -> int:
+    """This rank's index on its node, as torchrun, OpenMPI, MPICH or srun say (0 by default)."""
+    return (_env_int("LOCAL_RANK") or _env_int("OMPI_COMM_WORLD_LOCAL_RANK") or _env_int("MPI_LOCALRANKID")
+            or _env_int("SLURM_LOCALID") or 0)
+
+
 def mpi_world() -> tuple:
     """Under mpirun / srun: initialise MPI (unless someone did: mpi4py, a host application) and
     return (this rank, world size). MPI_Init is collective over every rank of the job, so a
     program whose grid is only the first ranks calls this on all of them first; gridweave
-    finalises at exit what it initialised."""
+    finalises at exit what it initialised. Checked before MPI is touched: gridweave has MPI,
+    and a launcher started this process."""
     if not _C.mpi_available:
-        raise GridError("gridweave was built without MPI (install an MPI, e.g. apt-get install libopenmpi-dev, "
-                        "and rebuild)")
+        raise GridError("backend 'mpi' requested but gridweave was built without MPI (install an MPI, e.g. "
+                        "apt-get install libopenmpi-dev, and rebuild)")
+    if not mpi_launched():
+        raise GridError("backend 'mpi' needs its ranks started by an MPI launcher: run under mpirun or srun "
+                        f"(none of {', '.join(_MPI_LAUNCHED)} is set)")
     return tuple(_C.mpi_world())
+
+
+def launched_world_size(backend: str = "auto") -> int:
+    """How many ranks the launcher started: MPI's world under mpirun/srun for backend "mpi",
+    else torchrun's WORLD_SIZE (1 when there is none)."""
+    if backend == "mpi" and _C.mpi_available and mpi_launched():
+        return mpi_world()[1]
+    return _env_int("WORLD_SIZE") or 1
 
 
 def default_launcher(device: str = "auto", backend: str = "auto") -> str:

@@ -160,7 +160,7 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
     if not isinstance(cfg, TrainConfig):
         raise GridError(f"train.run takes a gw.train.TrainConfig, got {type(cfg).__name__}")
     mode = cfg.mode
-    world = gw.grid.launched_world_size(cfg.backend)
+    world = gw.launch.launched_world_size(cfg.backend)
     tp_size = mode.ranks()
     sp = cfg.sp
     if world % (tp_size * sp):

@@ -90,14 +90,31 @@ def _worker(conn, host: str, port: int) -> None:
 def _mpi_worker() -> None:
     """A rank of the pool's mpirun job: call the pool back, say which rank, then serve."""
     host, port, address = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ.get("PMI_RANK") or os.environ["PMIX_RANK"])
     import gridweave as gw
 
-    gw.launch.mpi_world()  # MPI_Init is collective over the whole job: every rank, first
+    rank, _ = gw.launch.mpi_world()  # MPI_Init is collective over the whole job: every rank, first
     addr_host, addr_port = address.rsplit(":", 1)
     conn = Client((addr_host, int(addr_port)), authkey=bytes.fromhex(os.environ["GRIDWEAVE_POOL_KEY"]))
     conn.send(rank)
     _serve(conn, host, port)
+
+
+# What torchrun puts in a rank's environment: a job under mpirun must not inherit it.
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
+
+
+def mpirun_env(**extra) -> dict:
+    """This environment for ranks started by mpirun: without torchrun's variables, one thread."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+def mpirun(n: int, argv: list, timeout: float, **extra_env):
+    """`python ARGV` on n ranks under mpirun (no stdin: mpirun forwards it); output captured."""
+    import gridweave as gw
+
+    return subprocess.run(gw.launch.mpirun_command(n) + [sys.executable, *argv], capture_output=True, text=True,
+                          timeout=timeout, env=mpirun_env(**extra_env), stdin=subprocess.DEVNULL)
 
 
 def launcher_args() -> list:
@@ -146,10 +163,8 @@ class RankPool:
         import gridweave as gw
 
         here = os.path.dirname(os.path.abspath(__file__))
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "GRIDWEAVE_POOL_KEY": self._key.hex(),
-               "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
-        for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
-            env.pop(k, None)
+        env = mpirun_env(GRIDWEAVE_POOL_KEY=self._key.hex(),
+                         PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
         addr = "%s:%d" % self._listener.address
         self._job = subprocess.Popen(gw.launch.mpirun_command(self.size) + [
             sys.executable, "-c", "import rankpool; rankpool._mpi_worker()", self.host, str(self.port), addr],

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from rankpool import mpirun
 from tp_refs import full, rel
 
 GPU = torch.cuda.is_available()
@@ -168,9 +169,7 @@ def test_mpi_with_cuda_tensors_direct_or_staged(tmp_path):
         pytest.skip("built without MPI or no mpirun")
     script = tmp_path / "mpi_cuda.py"
     script.write_text(MPI_ON_CUDA)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    r = subprocess.run(gw.launch.mpirun_command(2) + [sys.executable, str(script)], capture_output=True, text=True,
-                       timeout=300, env=env, stdin=subprocess.DEVNULL)
+    r = mpirun(2, [str(script)], 300)
     results = [ln.split() for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
     assert r.returncode == 0 and len(results) == 2, r.stdout[-2000:] + r.stderr[-3000:]
     assert all(res[2] == "True" for res in results), results

@@ -3,16 +3,14 @@ TCP store), segmented collectives on per-line communicators, a 1-D layer against
 one, the message-driven pipeline on MPI's receive-from-any, and MPI finalised at exit."""
 import json
 import os
-import shutil
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 import gridweave as gw
+from rankpool import mpirun
 
-pytestmark = pytest.mark.skipif(not (gw._C.mpi_available and shutil.which("mpirun")),
+pytestmark = pytest.mark.skipif(not gw.launch.mpi_installed(),
                                 reason="needs gridweave built with MPI and mpirun (apt-get install libopenmpi-dev)")
 
 SCRIPT = textwrap.dedent('''
@@ -63,12 +61,8 @@ SCRIPT = textwrap.dedent('''
 def test_gridweave_on_mpi_under_mpirun(tmp_path):
     script = tmp_path / "on_mpi.py"
     script.write_text(SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RESULTS": str(tmp_path),
-           "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")]))}
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
-        env.pop(k, None)
-    r = subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "4", sys.executable, str(script)],
-                       capture_output=True, text=True, timeout=180, env=env)
+    r = mpirun(4, [str(script)], 180, RESULTS=str(tmp_path),
+               PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(__file__), os.environ.get("PYTHONPATH")])))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     res = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in range(4)]
     assert [d["rank"] for d in res] == [0, 1, 2, 3] and all(d["world"] == 4 for d in res)
@@ -104,9 +98,7 @@ def test_an_mpi_without_enough_thread_support_is_a_clear_error(tmp_path):
     pytest.importorskip("mpi4py")
     script = tmp_path / "low.py"
     script.write_text(LOW_THREAD_LEVEL)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    r = subprocess.run(gw.launch.mpirun_command(2) + [sys.executable, str(script)], capture_output=True,
-                       text=True, timeout=120, env=env, stdin=subprocess.DEVNULL)
+    r = mpirun(2, [str(script)], 120)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith(("GridError", "no error"))]
     assert len(lines) == 2, r.stdout[-2000:] + r.stderr[-2000:]
     for ln in lines:

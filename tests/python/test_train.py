@@ -7,7 +7,9 @@ import sys
 
 import pytest
 import torch
-from rankpool import TRANSPORT_ENV, launcher_args
+from rankpool import TRANSPORT_ENV, launcher_args, mpirun
+
+import gridweave as gw
 
 ARGS = ["--steps", "4", "--hidden", "32", "--layers", "4", "--heads", "4", "--seq", "32", "--batch", "8",
         "--quiet"]
@@ -114,15 +116,7 @@ def test_composed_grids_train_with_one_process_losses(single, plain, tmp_path, s
     assert _close(losses, plain), (spec, losses, plain)
 
 
-def _mpi():
-    import shutil
-
-    import gridweave as gw
-
-    return gw._C.mpi_available and shutil.which("mpirun") is not None
-
-
-@pytest.mark.skipif(not _mpi(), reason="needs gridweave built with MPI and mpirun")
+@pytest.mark.skipif(not gw.launch.mpi_installed(), reason="needs gridweave built with MPI and mpirun")
 def test_the_main_job_under_mpirun_gives_one_process_losses(single, tmp_path):
     """--launcher mpirun: the ranks are MPI's, the transport is MPI (no torchrun, no TCP store)."""
     one, _ = single
@@ -180,12 +174,7 @@ def _launch(tmp, name, world, port, fault=None, extra=()):
     args = [*entry, *ARGS, "--nproc", "0", "--steps", "6", "--checkpoint-every", "2", "--timeout", "20",
             "--out", str(tmp / name), *extra]
     if os.environ.get(TRANSPORT_ENV) == "mpi":
-        import gridweave as gw
-
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-        p = subprocess.run(gw.launch.mpirun_command(world) + [sys.executable, *args, "--backend", "mpi"],
-                           capture_output=True, text=True, timeout=150, stdin=subprocess.DEVNULL,
-                           env={**env, "OMP_NUM_THREADS": "1"})
+        p = mpirun(world, [*args, "--backend", "mpi"], 150)
         return [(p.returncode, p.stderr)]
     procs = []
     for r in range(world):
