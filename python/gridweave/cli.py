@@ -8,40 +8,100 @@ import sys
 
 
 def _train_parser(sub):
-    p = sub.add_parser("train", help="train a GPT on byte-level English text over CPU ranks")
+    from .train import TrainConfig
+
+    d = TrainConfig.__dataclass_fields__  # defaults: one place (TrainConfig)
+
+    def arg(name, **kw):
+        p.add_argument("--" + name.replace("_", "-"), default=d[name].default, **kw)
+
+    p = sub.add_parser("train", help="train a Llama-style model (or the GPT) on a tokenized text corpus over ranks")
     p.add_argument("--nproc", type=int, default=8, help="ranks to spawn (0: use the launcher's ranks)")
     p.add_argument("--launcher", default="auto", choices=["auto", "torchrun", "mpirun"],
                    help="how --nproc ranks are spawned: torchrun (Gloo/NCCL) or mpirun (the MPI transport); "
                         "auto: mpirun on a CPU machine where gridweave has MPI, else torchrun")
-    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl", "mpi"],
-                   help="the transport (mpirun implies mpi)")
-    p.add_argument("--dp", type=int, default=0)
-    p.add_argument("--pp", type=int, default=0)
-    p.add_argument("--tp", default="none", help="none | row:N | square:Q | cube:P | subgraph:G")
-    p.add_argument("--sp", type=int, default=1)
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", default=None, help="a text file or folder (default: the fortunes corpus)")
-    p.add_argument("--out", default="runs/latest")
-    p.add_argument("--resume", default=None, help="a run folder whose checkpoint/ to continue from")
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--microbatches", type=int, default=2)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--schedule", default="message_driven", choices=["message_driven", "1f1b"])
-    p.add_argument("--checkpoint-every", type=int, default=0)
-    p.add_argument("--max-grad-norm", type=float, default=None, help="clip the global gradient norm")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+    arg("backend", choices=["auto", "gloo", "nccl", "mpi"], help="the transport (mpirun implies mpi)")
+    g = p.add_argument_group("grid")
+    for name in ("dp", "pp", "sp"):
+        g.add_argument(f"--{name}", type=int, default=d[name].default)
+    g.add_argument("--tp", default="none", help="none | row:N | square:Q | cube:P | subgraph:G | csub:G")
+    g.add_argument("--placement", default=d["placement"].default, choices=["topology", "naive"])
+    m = p.add_argument_group("model")
+    m.add_argument("--model", default=d["model"].default, choices=["llama", "gpt"])
+    for name in ("hidden", "heads", "kv_heads", "layers", "ffn_hidden", "seq"):
+        m.add_argument("--" + name.replace("_", "-"), type=int, default=d[name].default)
+    m.add_argument("--rope-theta", type=float, default=d["rope_theta"].default)
+    m.add_argument("--tie", action="store_true", help="tie the embedding and the head (pp 1)")
+    m.add_argument("--attention", default=d["attention"].default, choices=["ring", "rsa"],
+                   help="with --sp: blockwise ring attention (zigzag) or seed 004's RSA")
+    m.add_argument("--overlap", action="store_true", help="3-D: prefetch the next weights' all-gathers")
+    t = p.add_argument_group("data")
+    t.add_argument("--data", default=None, help="a text file or folder (default: the fortunes corpus)")
+    t.add_argument("--tokenizer", default=d["tokenizer"].default, choices=["bpe", "bytes"])
+    t.add_argument("--vocab", type=int, default=d["vocab"].default, help="BPE vocabulary size")
+    o = p.add_argument_group("optimisation")
+    for name, typ in (("steps", int), ("batch", int), ("microbatches", int), ("lr", float), ("min_lr", float),
+                      ("warmup", int), ("weight_decay", float), ("max_grad_norm", float), ("seed", int),
+                      ("val_every", int), ("val_samples", int), ("pipeline_limit", int), ("bsize", int),
+                      ("coarsening", int), ("checkpoint_every", int), ("sample_tokens", int), ("timeout", float)):
+        o.add_argument("--" + name.replace("_", "-"), type=typ, default=d[name].default)
+    o.add_argument("--ac", default="none", help="activation checkpointing: none | auto (seed 001's optimal) | N")
+    o.add_argument("--schedule", default=d["schedule"].default, choices=["message_driven", "1f1b"])
+    o.add_argument("--precision", default=d["precision"].default, choices=["fp32", "bf16", "fp16"],
                    help="compute dtype; fp16 with dynamic loss scaling; fp32 master weights always")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+    o.add_argument("--device", default=d["device"].default, choices=["auto", "cpu", "cuda"],
                    help="auto: cuda when every rank can have a GPU; cuda with fewer GPUs than ranks shares them "
                         "through Gloo")
-    p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--prompt", default="", help="the end-of-run sample's prompt (default: a validation snippet)")
+    p.add_argument("--out", default=d["out"].default)
+    p.add_argument("--resume", default=None, help="a run folder whose checkpoint/ to continue from")
     p.add_argument("--quiet", action="store_true")
     return p
+
+
+def _generate_parser(sub):
+    p = sub.add_parser("generate", help="sample from a trained run (its checkpoint, from any grid)")
+    p.add_argument("--run", required=True, help="the run folder (gridweave train --out)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=40, help="0: the whole vocabulary")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def _generate(args) -> int:
+    from . import data
+    from .generate import sample
+    from .train import load_model
+
+    model, tok, _ = load_model(args.run)
+    ids = data.check_encodable(tok, args.prompt, "the prompt")
+    out = sample(model, ids, args.tokens, args.temperature, args.top_k or None, args.seed, tok.vocab_size)
+    print(tok.decode(out))
+    return 0
+
+
+def _export_parser(sub):
+    p = sub.add_parser("export", help="write a run's model as a Hugging Face folder (config.json + safetensors)")
+    p.add_argument("--run", required=True, help="the run folder (gridweave train --out)")
+    p.add_argument("--out", required=True, help="the folder to write (transformers' from_pretrained loads it)")
+    return p
+
+
+def _export(args) -> int:
+    from pathlib import Path
+
+    from .hf import save_hf
+    from .train import load_model
+
+    model, _, _ = load_model(args.run)
+    save_hf(model, args.out)
+    tok = Path(args.run) / "tokenizer.json"
+    if tok.exists():
+        (Path(args.out) / "tokenizer.json").write_bytes(tok.read_bytes())
+    print(f"wrote {args.out}")
+    return 0
 
 
 def _without_nproc(argv):
@@ -109,11 +169,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="gridweave")
     sub = ap.add_subparsers(dest="command", required=True)
     _train_parser(sub)
+    _generate_parser(sub)
+    _export_parser(sub)
     _plan_parser(sub)
     _bench_parser(sub)
     args = ap.parse_args(argv)
     if args.command == "plan":
         return _plan(args)
+    if args.command == "generate":
+        return _generate(args)
+    if args.command == "export":
+        return _export(args)
     if args.command == "bench":
         if args.nproc > 1 and "RANK" not in os.environ:
             argv = _without_nproc(list(sys.argv[1:] if argv is None else argv))

@@ -1,35 +1,313 @@
-"""Byte-level text data for the main job: a real English corpus installed by the set-up
-command (Debian's `fortunes` package), or any text file or folder given with --data."""
+"""Text data for the main job: a corpus (Debian's `fortunes` by default, or any text file or
+folder given with --data), a tokenizer (byte-level BPE trained on the corpus with the
+`tokenizers` library, or raw bytes), the corpus tokenized once into a memory-mapped token
+file with a train / validation split, and a reader that gives each data-parallel rank only
+its own samples and whose position is saved in checkpoints.
+
+Samples are the non-overlapping windows of seq + 1 tokens of the training split, visited in
+a fresh permutation every epoch (seeded): sample k of the run is fixed by (seed, k), so a
+resumed run whose reader starts at the saved position sees exactly the batches an
+uninterrupted one would, on any grid.
+"""
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .errors import GridError
 
 DEFAULT_CORPUS = "/usr/share/games/fortunes"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENS_FILE = "tokens.bin"
+TOKENS_META = "tokens.json"
+EOT = "<|endoftext|>"
 
 
-def load_corpus(path: str | None = None) -> torch.Tensor:
-    """All text files under `path` (default: the fortunes corpus) as uint8 byte tokens."""
+def corpus_files(path: str | None = None) -> list:
+    """The text files under `path` (default: the fortunes corpus), sorted."""
     root = Path(path or DEFAULT_CORPUS)
     if not root.exists():
         raise GridError(f"no text corpus at {root}: install Debian's 'fortunes' package (scripts/setup.sh "
                         "does) or pass --data PATH to a text file or folder")
     files = [root] if root.is_file() else sorted(
         p for p in root.rglob("*") if p.is_file() and not p.name.endswith((".dat", ".u8")) and not p.is_symlink())
-    data = b"".join(p.read_bytes() for p in files)
-    if len(data) < 1024:
-        raise GridError(f"the corpus at {root} holds only {len(data)} bytes")
+    if not files:
+        raise GridError(f"no files under {root}")
+    return files
+
+
+def read_text(path: str | None = None) -> list:
+    """Each corpus file's text; a file that is not UTF-8 text is an error naming it."""
+    out = []
+    for f in corpus_files(path):
+        raw = f.read_bytes()
+        if b"\x00" in raw:
+            raise GridError(f"{f} is not text (it holds NUL bytes); --data takes text files")
+        try:
+            out.append(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise GridError(f"{f} is not UTF-8 text ({e.reason} at byte {e.start}); the tokenizer reads UTF-8") from None
+    total = sum(len(t) for t in out)
+    if total < 1024:
+        raise GridError(f"the corpus at {path or DEFAULT_CORPUS} holds only {total} characters")
+    return out
+
+
+def load_corpus(path: str | None = None) -> torch.Tensor:
+    """All text files under `path` as uint8 byte tokens (host memory)."""
+    data = "".join(read_text(path)).encode("utf-8")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
 
 
+# ---- tokenizers ------------------------------------------------------------------------
+
+class ByteTokenizer:
+    """Raw UTF-8 bytes: 256 tokens."""
+    kind = "bytes"
+
+    @property
+    def vocab_size(self) -> int:
+        return 256
+
+    def encode(self, text: str) -> list:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+    def save(self, path: Path) -> None:
+        Path(path).write_text(json.dumps({"gridweave_tokenizer": "bytes"}))
+
+
+class BPETokenizer:
+    """Byte-level BPE (GPT-2's scheme) from the `tokenizers` library: any UTF-8 text encodes."""
+    kind = "bpe"
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    @classmethod
+    def train(cls, texts: list, vocab_size: int) -> "BPETokenizer":
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        if vocab_size < 257:
+            raise GridError(f"a BPE vocabulary needs more than the 256 byte tokens, got {vocab_size}")
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(texts, trainer)
+        return cls(tok)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size()
+
+    def encode(self, text: str) -> list:
+        return self.tok.encode(text).ids
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids])
+
+    def save(self, path: Path) -> None:
+        self.tok.save(str(path))
+
+
+def load_tokenizer(path: Path):
+    """The tokenizer saved at `path` (tokenizer.json): byte-level or BPE."""
+    path = Path(path)
+    if not path.exists():
+        raise GridError(f"no tokenizer at {path}")
+    head = json.loads(path.read_text())
+    if head.get("gridweave_tokenizer") == "bytes":
+        return ByteTokenizer()
+    from tokenizers import Tokenizer
+
+    return BPETokenizer(Tokenizer.from_file(str(path)))
+
+
+def check_encodable(tokenizer, text: str, what: str) -> list:
+    """Token ids of `text`; a text the tokenizer cannot represent is an error saying so."""
+    ids = tokenizer.encode(text)
+    if not ids:
+        raise GridError(f"{what} is empty after tokenization")
+    back = tokenizer.decode(ids)
+    if back != text:
+        raise GridError(f"{what} does not round-trip through the {tokenizer.kind} tokenizer "
+                        f"(got {back[:40]!r} for {text[:40]!r})")
+    return ids
+
+
+# ---- the token file --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Tokens:
+    """The corpus as one memory-mapped array of token ids, split at `split` into training
+    (before) and validation (after) tokens."""
+    ids: np.ndarray
+    split: int
+    vocab_size: int
+
+    @property
+    def train(self) -> np.ndarray:
+        return self.ids[:self.split]
+
+    @property
+    def val(self) -> np.ndarray:
+        return self.ids[self.split:]
+
+
+def _fingerprint(files: list, tokenizer_path: Path) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        h.update(f"{f}:{st.st_size}:{st.st_mtime_ns}".encode())
+    h.update(tokenizer_path.read_bytes())
+    return h.hexdigest()
+
+
+def prepare(folder, data: str | None, tokenizer: str = "bpe", vocab_size: int = 1024, val_fraction: float = 0.05,
+            tokenizer_from: str | None = None) -> Path:
+    """Train (or reuse, from `tokenizer_from`) the tokenizer and tokenize the corpus once into
+    `folder`/tokens.bin (written whole, then renamed); returns `folder`. Idempotent: a token
+    file made from the same files and tokenizer is kept."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if not 0 < val_fraction < 0.5:
+        raise GridError(f"val_fraction must be in (0, 0.5), got {val_fraction}")
+    files = corpus_files(data)
+    tok_path = folder / TOKENIZER_FILE
+    if tokenizer_from is not None:
+        src = Path(tokenizer_from)
+        if src.resolve() != tok_path.resolve():
+            tok_path.write_bytes(load_and_bytes(src))
+    elif not tok_path.exists():
+        texts = read_text(data)
+        if tokenizer == "bytes":
+            tok = ByteTokenizer()
+        elif tokenizer == "bpe":
+            tok = BPETokenizer.train(texts, vocab_size)
+        else:
+            raise GridError(f"tokenizer must be 'bpe' or 'bytes', got {tokenizer!r}")
+        _atomic_write(tok_path, lambda p: tok.save(p))
+    meta_path = folder / TOKENS_META
+    fp = _fingerprint(files, tok_path)
+    if meta_path.exists() and (folder / TOKENS_FILE).exists():
+        meta = json.loads(meta_path.read_text())
+        if meta.get("fingerprint") == fp:
+            return folder
+    tok = load_tokenizer(tok_path)
+    texts = read_text(data)
+    ids = []
+    for f, t in zip(files, texts):
+        ids.extend(check_encodable(tok, t, f"corpus file {f}"))
+    dtype = np.uint16 if tok.vocab_size <= 65536 else np.uint32
+    arr = np.asarray(ids, dtype=dtype)
+    split = int(len(arr) * (1 - val_fraction))
+    _atomic_write(folder / TOKENS_FILE, lambda p: arr.tofile(p))
+    meta = {"fingerprint": fp, "count": int(len(arr)), "dtype": np.dtype(dtype).name, "split": split,
+            "vocab_size": tok.vocab_size, "tokenizer": tok.kind, "corpus": str(data or DEFAULT_CORPUS)}
+    _atomic_write(meta_path, lambda p: Path(p).write_text(json.dumps(meta, indent=1)))
+    return folder
+
+
+def load_and_bytes(path: Path) -> bytes:
+    load_tokenizer(path)  # a clear error if it is not one
+    return Path(path).read_bytes()
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def open_tokens(folder) -> Tokens:
+    """The token file of `folder`, memory-mapped (read-only)."""
+    folder = Path(folder)
+    meta_path = folder / TOKENS_META
+    if not meta_path.exists():
+        raise GridError(f"no token file in {folder} (gw.data.prepare makes one)")
+    meta = json.loads(meta_path.read_text())
+    ids = np.memmap(folder / TOKENS_FILE, dtype=np.dtype(meta["dtype"]), mode="r", shape=(meta["count"],))
+    return Tokens(ids, meta["split"], meta["vocab_size"])
+
+
+def unigram_entropy(ids: np.ndarray, vocab_size: int) -> float:
+    """Entropy (nats/token) of the token frequencies of `ids`: the loss of the best model
+    that ignores context, which a trained model must beat."""
+    counts = np.bincount(np.asarray(ids, dtype=np.int64), minlength=vocab_size).astype(np.float64)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+# ---- the reader ----------------------------------------------------------------------
+
+class Reader:
+    """Batches of the training split: global sample k is window perm_e[k mod n] of epoch
+    e = k // n (perm_e seeded by (seed, e)); a step takes `batch` samples, and dp rank r reads
+    only rows [r * batch/dp, (r+1) * batch/dp) of them from the memory map. `position` (the
+    samples consumed) is all a checkpoint needs to resume exactly."""
+
+    def __init__(self, tokens: np.ndarray, seq: int, batch: int, seed: int, dp_rank: int = 0, dp: int = 1,
+                 position: int = 0):
+        self.tokens, self.seq, self.batch, self.seed = tokens, seq, batch, seed
+        self.n = (len(tokens) - 1) // seq  # windows of seq + 1 tokens at stride seq
+        if self.n < batch:
+            raise GridError(f"the training split holds {self.n} windows of {seq + 1} tokens, fewer than a batch "
+                            f"of {batch}: use a larger corpus or a shorter --seq")
+        if batch % dp:
+            raise GridError(f"batch {batch} does not split over {dp} data-parallel ranks")
+        self.dp_rank, self.shard = dp_rank, batch // dp
+        self.position = position
+        self._perm = {}
+
+    def _window(self, k: int) -> int:
+        e = k // self.n
+        if e not in self._perm:
+            g = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + e)
+            self._perm = {e: torch.randperm(self.n, generator=g).numpy()}  # one epoch's at a time
+        return int(self._perm[e][k % self.n])
+
+    def next(self):
+        """This rank's (inputs, targets) of the next step, int64 on the host; advances the
+        position by the global batch."""
+        first = self.position + self.dp_rank * self.shard
+        rows = [self.tokens[w * self.seq:w * self.seq + self.seq + 1]
+                for w in (self._window(first + i) for i in range(self.shard))]
+        self.position += self.batch
+        windows = torch.from_numpy(np.stack(rows).astype(np.int64))
+        return windows[:, :-1], windows[:, 1:]
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "seed": self.seed, "batch": self.batch, "seq": self.seq}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k in ("seed", "batch", "seq"):
+            if state[k] != getattr(self, k):
+                raise GridError(f"the checkpoint's reader has {k} {state[k]}, this run {getattr(self, k)}")
+        self.position = int(state["position"])
+
+
+def validation_windows(tokens: np.ndarray, seq: int, count: int) -> torch.Tensor:
+    """`count` evenly spaced windows of seq + 1 tokens of the validation split (the same for
+    every grid), int64 (count, seq + 1)."""
+    n = (len(tokens) - 1) // seq
+    if n < 1:
+        raise GridError(f"the validation split ({len(tokens)} tokens) is shorter than one window of {seq + 1}")
+    picks = np.linspace(0, n - 1, num=min(count, n)).astype(np.int64)
+    return torch.from_numpy(np.stack([tokens[w * seq:w * seq + seq + 1] for w in picks]).astype(np.int64))
+
+
 def batch(corpus: torch.Tensor, step: int, seed: int, batch_size: int, seq: int):
-    """The step's (inputs, targets): batch_size windows of seq+1 bytes, the same on every
-    rank and in every grid for a given (seed, step), so runs are comparable. On the host
-    (the corpus is host memory); the job moves them to its device."""
+    """Random windows of a byte corpus for (seed, step) (the benchmarks' data)."""
     g = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(0, len(corpus) - seq - 1, (batch_size,), generator=g, device="cpu")
     windows = torch.stack([corpus[s:s + seq + 1] for s in starts.tolist()]).long()
@@ -37,5 +315,8 @@ def batch(corpus: torch.Tensor, step: int, seed: int, batch_size: int, seq: int)
 
 
 def corpus_size(path: str | None = None) -> int:
-    root = Path(path or DEFAULT_CORPUS)
-    return sum(os.path.getsize(p) for p in ([root] if root.is_file() else root.rglob("*")) if Path(p).is_file())
+    return sum(os.path.getsize(p) for p in corpus_files(path))
+
+
+__all__ = ["ByteTokenizer", "BPETokenizer", "Reader", "Tokens", "prepare", "open_tokens", "load_tokenizer",
+           "unigram_entropy", "validation_windows", "load_corpus", "batch", "corpus_size"]

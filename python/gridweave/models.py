@@ -1,48 +1,142 @@
-"""Models built from gridweave's layers."""
+"""Models built from gridweave's layers: the GPT (GPT-2's architecture) and Llama (RMSNorm,
+SwiGLU, rotary positions, grouped-query attention), dense or on a grid; Hugging Face interop
+in gridweave.hf."""
 from __future__ import annotations
+
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .errors import GridError
-from .nn.dense import DenseTransformerLayer
+from .nn.dense import GPT2, LLAMA, Activation, Arch, DenseTransformerLayer, Norm
+from .pipeline import run_layers
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder's sizes and architecture: what a checkpoint and an export record.
+    family: "gpt" (learned positions, LayerNorm, GeLU, biases) or "llama"."""
+    family: str = "gpt"
+    vocab: int = 256
+    hidden: int = 64
+    heads: int = 4
+    layers: int = 4
+    seq: int = 32
+    ffn_hidden: int | None = None
+    kv_heads: int | None = None
+    rope_theta: float = 10000.0
+    eps: float | None = None
+    tie: bool = False
+    activation: str | None = None  # gpt: "gelu" (exact) or "gelu_tanh" (GPT-2's gelu_new)
+
+    def __post_init__(self):
+        if self.family not in ("gpt", "llama"):
+            raise GridError(f"model family must be 'gpt' or 'llama', got {self.family!r}")
+        for name in ("vocab", "hidden", "heads", "layers", "seq"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise GridError(f"model {name} must be a positive integer, got {v!r}")
+        if self.hidden % self.heads:
+            raise GridError(f"hidden {self.hidden} does not split into {self.heads} heads")
+        if (self.hidden // self.heads) % 2 and self.family == "llama":
+            raise GridError(f"rotary positions need an even head size, got {self.hidden // self.heads}")
+        self.arch.kv(self.heads)  # kv_heads divides heads
+
+    @property
+    def arch(self) -> Arch:
+        if self.family == "llama":
+            return Arch(Norm.RMS, Activation.SWIGLU, self.kv_heads, float(self.rope_theta),
+                        LLAMA.eps if self.eps is None else self.eps)
+        return Arch(Norm.LAYER, Activation(self.activation or "gelu"), self.kv_heads, None,
+                    GPT2.eps if self.eps is None else self.eps)
+
+    @property
+    def bias(self) -> bool:
+        return self.family == "gpt"
+
+    @property
+    def ffn(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        if self.family == "llama":  # Llama's 2/3 of 4h, rounded up to a multiple of 8
+            return -(-8 * self.hidden // 3 // 8) * 8
+        return 4 * self.hidden
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise GridError(f"unknown model config fields {sorted(unknown)}")
+        return cls(**d)
 
 
 class Embedding(nn.Module):
-    """Token + learned position embeddings: (batch, seq) ids -> (batch, seq, hidden)."""
+    """Token embeddings, plus learned position embeddings when the arch has no rotary ones:
+    (batch, seq) ids -> (batch, seq, hidden)."""
 
-    def __init__(self, vocab, hidden, seq, dtype=None, device=None):
+    def __init__(self, vocab, hidden, seq, dtype=None, device=None, positions=True):
         super().__init__()
         self.tok = nn.Embedding(vocab, hidden, dtype=dtype, device=device)
-        self.pos = nn.Embedding(seq, hidden, dtype=dtype, device=device)
+        self.pos = nn.Embedding(seq, hidden, dtype=dtype, device=device) if positions else None
+
+    @classmethod
+    def of(cls, tok: nn.Module, pos: nn.Module | None) -> "Embedding":
+        """An Embedding of given token (e.g. vocab-parallel) and position modules."""
+        m = cls.__new__(cls)
+        nn.Module.__init__(m)
+        m.tok, m.pos = tok, pos
+        return m
 
     def forward(self, ids):
-        return self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        x = self.tok(ids)
+        if self.pos is None:
+            return x
+        if ids.shape[1] > self.pos.num_embeddings:
+            raise GridError(f"a sequence of {ids.shape[1]} tokens exceeds the model's {self.pos.num_embeddings} positions")
+        return x + self.pos(torch.arange(ids.shape[1], device=ids.device))
 
 
 class Head(nn.Module):
-    """Final LayerNorm and the vocabulary projection."""
+    """Final norm and the vocabulary projection."""
 
-    def __init__(self, vocab, hidden, dtype=None, device=None):
+    def __init__(self, vocab, hidden, dtype=None, device=None, arch: Arch = GPT2):
         super().__init__()
-        self.ln = nn.LayerNorm(hidden, dtype=dtype, device=device)
+        self.ln = arch.dense_norm(hidden, dtype=dtype, device=device)
         self.out = nn.Linear(hidden, vocab, bias=False, dtype=dtype, device=device)
+
+    @classmethod
+    def of(cls, ln: nn.Module, out: nn.Module) -> "Head":
+        m = cls.__new__(cls)
+        nn.Module.__init__(m)
+        m.ln, m.out = ln, out
+        return m
 
     def forward(self, x):
         return self.out(self.ln(x))
 
 
 class GPT(nn.Module):
-    """A GPT: embedding, `layers` pre-LN causal transformer layers, head."""
+    """A decoder: embedding, `layers` pre-norm causal layers, head. GPT-2's architecture by
+    default; gw.models.Llama (or config=ModelConfig(family="llama")) for Llama's."""
 
-    def __init__(self, vocab=256, hidden=64, heads=4, layers=4, seq=32, dtype=None, device=None):
+    def __init__(self, vocab=256, hidden=64, heads=4, layers=4, seq=32, dtype=None, device=None,
+                 config: ModelConfig | None = None):
         super().__init__()
-        self.vocab, self.seq = vocab, seq
-        self.embed = Embedding(vocab, hidden, seq, dtype, device)
-        self.layers = nn.ModuleList(DenseTransformerLayer(hidden, heads, dtype=dtype, device=device)
-                                    for _ in range(layers))
-        self.head = Head(vocab, hidden, dtype, device)
+        cfg = config or ModelConfig("gpt", vocab, hidden, heads, layers, seq)
+        self.config = cfg
+        self.vocab, self.seq = cfg.vocab, cfg.seq
+        arch, kw = cfg.arch, dict(dtype=dtype, device=device)
+        self.embed = Embedding(cfg.vocab, cfg.hidden, cfg.seq, positions=arch.rope_theta is None, **kw)
+        self.layers = nn.ModuleList(DenseTransformerLayer(cfg.hidden, cfg.heads, cfg.ffn, bias=cfg.bias, arch=arch, **kw)
+                                    for _ in range(cfg.layers))
+        self.head = Head(cfg.vocab, cfg.hidden, arch=arch, **kw)
+        if cfg.tie:
+            self.head.out.weight = self.embed.tok.weight
 
     def forward(self, ids):
         x = self.embed(ids)
@@ -67,6 +161,31 @@ class GPT(nn.Module):
         if stage == stages - 1:
             mods = mods + [self.head]
         return mods
+
+
+class Llama(GPT):
+    """A Llama-family decoder: RMSNorm, SwiGLU MLP, rotary positions, grouped-query attention
+    (kv_heads < heads), no biases, optionally tied embeddings."""
+
+    def __init__(self, vocab=256, hidden=64, heads=4, layers=4, seq=32, kv_heads=None, ffn_hidden=None,
+                 rope_theta=10000.0, eps=1e-6, tie=False, dtype=None, device=None):
+        super().__init__(dtype=dtype, device=device,
+                         config=ModelConfig("llama", vocab, hidden, heads, layers, seq, ffn_hidden, kv_heads,
+                                            rope_theta, eps, tie))
+
+
+def build(config: ModelConfig, dtype=None, device=None) -> GPT:
+    """The dense model of a config."""
+    return GPT(dtype=dtype, device=device, config=config)
+
+
+def from_hf(model_or_config, dtype=None):
+    """A gridweave model from a Hugging Face LlamaForCausalLM / GPT2LMHeadModel (same weights)
+    or from its config (fresh weights); anything gridweave does not implement is a GridError
+    naming the config field. Needs transformers (pip install gridweave[hf])."""
+    from .hf import from_hf as impl
+
+    return impl(model_or_config, dtype)
 
 
 # ---- the GPT on a grid: embedding and head replicated, transformer layers in a tp mode ----
@@ -122,34 +241,83 @@ class _FromLayout(torch.autograd.Function):
 
 
 class GPTStage(nn.Module):
-    """One pipeline stage of a GPT on a grid: the embedding (first stage) and the head (last
-    stage) are replicated (computed on the whole data-parallel shard by every tensor and
-    sequence rank, so their gradients are partial over "dp" only); the transformer layers
-    are gw.nn.TransformerLayer in `mode` (a mode object, a layer-mode name, or None for the
-    grid's own). Gradients follow the parameters' placements (gw.reduce_gradients)."""
+    """One pipeline stage of a GPT (or Llama) on a grid. The embedding (first stage) and the
+    head (last stage) are computed on the whole data-parallel shard by every tensor and
+    sequence rank, so their gradients are partial over "dp" only. Where the mode has a
+    vocabulary axis (1-D: Megatron's vocab parallelism, seed 003 §3) the token embedding and
+    the head's projection are split over the vocabulary there and the loss is the fused
+    vocab-parallel cross-entropy (3 values per token cross the network, never the logits);
+    the other modes replicate them (their papers do not split the vocabulary). The
+    transformer layers are gw.nn.TransformerLayer in `mode` (a mode object, a layer-mode
+    name, or None for the grid's own). Gradients follow the parameters' placements."""
 
-    def __init__(self, gpt: GPT, grid, mode, stage: int, stages: int):
+    def __init__(self, gpt: GPT, grid, mode, stage: int, stages: int, ac=1, **layer_options):
+        """ac: activation checkpointing (1: none, "auto": seed 001's optimal ac, or a factor
+        of the stage's layers); layer_options go to each TransformerLayer (overlap, attention)."""
         super().__init__()
         from .modes import resolve
+        from .pipeline import resolve_ac
         from .nn.transformer import TransformerLayer
-        from .sharding import place
+        from .sharding import place, placement_of
 
         n = len(gpt.layers)
         if n % stages:
             raise GridError(f"{n} layers do not split over {stages} pipeline stages")
         k = n // stages
+        if gpt.config.tie and stages > 1:
+            raise GridError("tied embeddings need the embedding and the head on one pipeline stage (pp 1); "
+                            "untie them (tie=False) to pipeline this model")
         self.mode = resolve(mode, grid)
         self.grid, self.stage, self.stages = grid, stage, stages
         self.first = range(stage * k, (stage + 1) * k)
-        self.embed = gpt.embed.to(grid.device) if stage == 0 else None
-        self.head = gpt.head.to(grid.device) if stage == stages - 1 else None
+        axis = self.mode.vocab_axis()
+        self.vocab_axis = axis if axis is not None and grid.axes.get(axis, 1) > 1 else None
+        self.embed = self._embed(gpt.embed) if stage == 0 else None
+        self.head = self._head(gpt.head) if stage == stages - 1 else None
+        if gpt.config.tie and self.vocab_axis is not None:
+            self.head.out.weight = self.embed.tok.weight  # both split over the vocabulary alike
         for mod in (self.embed, self.head):
             for p in (mod.parameters() if mod is not None else ()):
-                place(p, partial=("dp",))
-        self.layers = nn.ModuleList(TransformerLayer.from_dense(gpt.layers[i], grid, mode=self.mode)
+                place(p, placement_of(p).layout, partial=("dp",))
+        self.layers = nn.ModuleList(TransformerLayer.from_dense(gpt.layers[i], grid, mode=self.mode, **layer_options)
                                     for i in self.first)
+        self.ac = resolve_ac(ac, k, n)
         self.layout = _without_dp(self.layers[0].input_layout)
         self.hidden = gpt.head.ln.normalized_shape[0]
+
+    def _embed(self, dense: Embedding) -> Embedding:
+        if self.vocab_axis is None:
+            return dense.to(self.grid.device)
+        from .nn.tensor1d import VocabParallelEmbedding
+
+        tok = VocabParallelEmbedding.from_dense(dense.tok, self.grid, axis=self.vocab_axis, device=self.grid.device)
+        return Embedding.of(tok, dense.pos.to(self.grid.device) if dense.pos is not None else None)
+
+    def _head(self, dense: Head) -> Head:
+        if self.vocab_axis is None:
+            return dense.to(self.grid.device)
+        from .nn.tensor1d import ColumnParallelLinear
+
+        out = ColumnParallelLinear.from_dense(dense.out, self.grid, axis=self.vocab_axis, device=self.grid.device)
+        return Head.of(dense.ln.to(self.grid.device), out)
+
+    def full_logits(self, logits):
+        """The last stage's output as whole logits on every rank (gathered over the vocabulary
+        axis where the head is split; a copy otherwise). For inspection: the loss never needs it."""
+        if self.vocab_axis is None:
+            return logits
+        from .layout import Layout, gather
+
+        return gather(logits, Layout(*([()] * (logits.dim() - 1)), (self.vocab_axis,)), self.grid)
+
+    def loss(self, logits, targets):
+        """Mean cross-entropy over the tokens (the last stage's output; float32 or wider)."""
+        if self.vocab_axis is None:
+            return GPT.loss(logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, targets)
+        from .autograd.vocab import vocab_parallel_cross_entropy
+
+        return vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), self.grid,
+                                            self.vocab_axis).mean()
 
     def activation_shape(self, batch: int, seq: int) -> tuple:
         shape = self.layout.local_shape((batch, seq, self.hidden), self.grid)
@@ -162,8 +330,7 @@ class GPTStage(nn.Module):
             x = self.embed(x)
             self._full = tuple(x.shape)
             x = _ToLayout.apply(x, self.layout, self.grid)
-        for layer in self.layers:
-            x = layer(x)
+        x = run_layers(self.layers, x, self.ac)
         if self.head is not None:
             shape = self._full if self.embed is not None else self._full_shape(x)
             x = self.head(_FromLayout.apply(x, self.layout, self.grid, shape))
@@ -186,31 +353,37 @@ class GPTStage(nn.Module):
 
     def dense_state(self, pick=False) -> dict:
         """This stage's tensors under the dense GPT's names (collective over the tp group)."""
+        from .layout import gather
         from .nn.dense import values
+        from .sharding import placement_of
 
         f = values(pick)
         out = {}
         for name, mod in (("embed", self.embed), ("head", self.head)):
             if mod is not None:
-                out.update({f"{name}.{k}": f(p).clone() for k, p in mod.named_parameters()})
+                out.update({f"{name}.{k}": gather(f(p).contiguous(), placement_of(p).layout, self.grid).clone()
+                            for k, p in mod.named_parameters(remove_duplicate=False)})
         for i, layer in zip(self.first, self.layers):
             out.update({f"layers.{i}.{k}": v for k, v in layer.dense_state(pick).items()})
         return out
 
     def load_dense_state(self, state: dict):
         """Load this stage's tensors from dense ones (a local slicing: no communication)."""
+        from .layout import scatter
         from .nn.dense import DenseTransformerLayer
+        from .sharding import placement_of
 
         with torch.no_grad():
             for name, mod in (("embed", self.embed), ("head", self.head)):
                 if mod is not None:
-                    for k, p in mod.named_parameters():
-                        p.copy_(state[f"{name}.{k}"])
+                    for k, p in mod.named_parameters(remove_duplicate=False):
+                        p.copy_(scatter(state[f"{name}.{k}"].to(p.device, p.dtype), placement_of(p).layout,
+                                        self.grid))
             for i, layer in zip(self.first, self.layers):
                 prefix = f"layers.{i}."
                 w = next(layer.parameters())
                 d = DenseTransformerLayer(layer.hidden, layer.heads, layer.ffn_hidden, bias=layer.bias,
-                                          causal=layer.causal, dtype=w.dtype, device=w.device)
+                                          causal=layer.causal, dtype=w.dtype, device=w.device, arch=layer.arch)
                 d.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
                 layer.load_dense(d)
 

@@ -10,6 +10,11 @@ from .errors import GridError
 from .sharding import grad_norm_of, placement_of
 
 
+def matrices_only(p) -> bool:
+    """Weight decay on matrices (linears, embeddings), not on norms and biases."""
+    return p.dim() >= 2
+
+
 class OffloadAdam:
     """AdamW with fp32 master weights and Adam states in host memory, updated `bsize`
     elements at a time; the model keeps its own (fp16/bf16/fp32) weights and gradients.
@@ -25,7 +30,9 @@ class OffloadAdam:
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, bsize=1 << 20,
-                 grid=None, coarsening=4, average_dp=True, max_grad_norm=None):
+                 grid=None, coarsening=4, average_dp=True, max_grad_norm=None, decay=None):
+        """decay(p) -> bool: whether weight decay applies to p (default: every parameter;
+        gw.optim.matrices_only leaves norms and biases undecayed, as Megatron and nanoGPT)."""
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise GridError("OffloadAdam got no parameters")
@@ -58,21 +65,30 @@ class OffloadAdam:
         for i, p in enumerate(self.params):
             flat[self._offset[i]:self._offset[i] + p.numel()] = p.detach().reshape(-1).to(host, torch.float32)
         self.master = flat.pin_memory() if pin else flat
+        self._decay = None  # a 0/1 mask over the flat buffer, when some parameters are not decayed
+        if decay is not None and not all(decay(p) for p in self.params):
+            self._decay = torch.zeros(self.numel, dtype=torch.float32, device=host)
+            for i, p in enumerate(self.params):
+                if decay(p):
+                    self._decay[self._offset[i]:self._offset[i] + p.numel()] = 1.0
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.step_count = 0
         dev = self.params[0].device
         # Device buffers reused across buckets: weights, two states, descaled gradients.
-        self._buf = {k: torch.empty(self.bsize, dtype=torch.float32, device=dev) for k in ("w", "m", "v", "g")}
+        kinds = ("w", "m", "v", "g") + (("d",) if self._decay is not None else ())
+        self._buf = {k: torch.empty(self.bsize, dtype=torch.float32, device=dev) for k in kinds}
 
     # ---- memory accounting (bytes on the device) ------------------------------------
     def device_bytes(self) -> dict:
         """Parameters + gradients in the model's dtype and the 16*bsize of bucket buffers
-        (4 phi + 16 bsize with half-precision models, seed 001 §V); `without_offload` is the
-        usual 20 phi (half weights and gradients, fp32 master, fp32 gradients, two states)."""
+        (4 phi + 16 bsize with half-precision models, seed 001 §V; 20*bsize when some
+        parameters are not decayed: the decay mask's bucket); `without_offload` is the usual
+        20 phi (half weights and gradients, fp32 master, fp32 gradients, two states)."""
         model = sum(p.numel() * p.element_size() for p in self.params)
-        return {"parameters_and_gradients": 2 * model, "buckets": 16 * self.bsize,
-                "total": 2 * model + 16 * self.bsize, "without_offload": 20 * self.numel}
+        buckets = sum(b.numel() * b.element_size() for b in self._buf.values())
+        return {"parameters_and_gradients": 2 * model, "buckets": buckets,
+                "total": 2 * model + buckets, "without_offload": 20 * self.numel}
 
     def zero_grad(self):
         for p in self.params:
@@ -161,7 +177,12 @@ class OffloadAdam:
             g.mul_(scale)
         b1, b2 = self.betas
         t = self.step_count
-        w.mul_(1 - self.lr * self.weight_decay)  # as torch.optim.AdamW
+        if self._decay is None:
+            w.mul_(1 - self.lr * self.weight_decay)  # as torch.optim.AdamW
+        else:
+            d = self._buf["d"][:n]
+            d.copy_(self._decay[lo:hi])
+            w.sub_(w * d, alpha=self.lr * self.weight_decay)
         m.lerp_(g, 1 - b1)
         v.mul_(b2).addcmul_(g, g, value=1 - b2)
         step_size = self.lr / (1 - b1 ** t)

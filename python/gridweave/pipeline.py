@@ -35,21 +35,30 @@ class PipelineStage(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(layers)
         n = len(self.layers)
-        if ac == "auto":
-            ac = optimal_ac(n, total_layers or n)
-        if not isinstance(ac, int) or ac < 1 or n % ac:
-            raise GridError(f"ac must be a factor of the {n} layers on this stage, got {ac!r}")
-        self.ac = ac
+        self.ac = resolve_ac(ac, n, total_layers or n)
 
     def forward(self, x):
-        if self.ac == 1 or not torch.is_grad_enabled():
-            for layer in self.layers:
-                x = layer(x)
-            return x
-        for i in range(0, len(self.layers), self.ac):
-            group = self.layers[i:i + self.ac]
-            x = checkpoint(lambda t, g=group: _run(g, t), x, use_reentrant=False)
-        return x
+        return run_layers(self.layers, x, self.ac)
+
+
+def resolve_ac(ac, layers_per_stage: int, total_layers: int) -> int:
+    """An activation-checkpointing factor: 1 (none), "auto" (optimal_ac) or a factor of the
+    stage's layers (only every ac-th layer's output is kept)."""
+    if ac == "auto":
+        return optimal_ac(layers_per_stage, total_layers)
+    if not isinstance(ac, int) or isinstance(ac, bool) or ac < 1 or layers_per_stage % ac:
+        raise GridError(f"ac must be 'auto' or a factor of the {layers_per_stage} layers on a stage, got {ac!r}")
+    return ac
+
+
+def run_layers(layers, x, ac: int = 1):
+    """x through `layers`, keeping only every ac-th output for backward (the rest are
+    recomputed: torch.utils.checkpoint)."""
+    if ac == 1 or not torch.is_grad_enabled():
+        return _run(layers, x)
+    for i in range(0, len(layers), ac):
+        x = checkpoint(lambda t, g=layers[i:i + ac]: _run(g, t), x, use_reentrant=False)
+    return x
 
 
 def _run(layers, x):
@@ -156,3 +165,30 @@ def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_s
                             RECEIVE[receive], control)
     loss = torch.stack(losses).sum() if losses else None
     return loss, stats
+
+
+def pipeline_forward(stage: nn.Module, grid, inputs, targets, loss_fn, activation_shape, dtype=torch.float32,
+                     axis="pp"):
+    """Forward only (evaluation), no autograd: each microbatch goes through the stages in
+    turn (receive from the previous stage, run, send to the next). Returns the mean
+    microbatch loss on the last stage (None elsewhere)."""
+    pp = grid.comm(axis, "pipeline")
+    s, n_stages = pp.rank, pp.size
+    m = len(inputs) if s == 0 else len(targets) if s == n_stages - 1 else None
+    counts = torch.tensor([float(m if m is not None else -1)], dtype=torch.float64, device=grid.device)
+    grid.all_reduce(counts, axis=axis, op="max")
+    m = int(counts.item())
+    losses = []
+    with torch.no_grad():
+        for mb in range(m):
+            if s == 0:
+                x = inputs[mb]
+            else:
+                x = torch.empty(activation_shape, dtype=dtype, device=grid.device)
+                grid.recv(x, s - 1, axis)
+            y = stage(x)
+            if s == n_stages - 1:
+                losses.append(loss_fn(y, targets[mb]).detach())
+            else:
+                grid.send(y.to(dtype).contiguous(), s + 1, axis)
+    return torch.stack(losses).mean() if losses else None

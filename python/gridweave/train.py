@@ -1,12 +1,18 @@
-"""The main job: train a GPT on byte-level English text over dp x pp x tp x sp CPU ranks.
+"""The main job: train a Llama-style model (or the GPT) on a tokenized text corpus over
+dp x pp x tp x sp ranks.
 
 Data parallelism over "dp" (OffloadAdam sums each gradient over its placement's partial
-axes, dp pre-divided so the sum is the mean), the message-driven
-pipeline (AxoNN) over "pp", and in every stage the transformer layers in one tensor mode
-(row: Megatron 1-D, square: SUMMA 2-D, cube: 3-D, subgraph/csub: SUPER) with the sequence
-split over "sp" (ring attention). The embedding and head are replicated (gw.models.GPTStage).
-Checkpoints hold dense tensors (parameters and optimizer states) under the dense GPT's
-names, one file per pipeline stage and a manifest written last, so they load into any grid.
+axes, dp pre-divided so the sum is the mean), the message-driven pipeline (AxoNN) over "pp",
+and in every stage the transformer layers in one tensor mode (row: Megatron 1-D with the
+vocab-parallel embedding, head and loss; square: SUMMA 2-D; cube: 3-D; subgraph/csub: SUPER)
+with the sequence split over "sp" (ring attention). The data: a byte-level BPE tokenizer
+trained on the corpus, the corpus tokenized once into a memory-mapped file, a train /
+validation split, each dp rank reading its own samples (gw.data). The loop: warmup + cosine
+learning rate, global-norm clipping, activation checkpointing, validation every K steps,
+tokens/s and model-FLOPs utilisation. Checkpoints hold dense tensors (parameters and
+optimizer states) under the dense model's names in safetensors files, one per pipeline
+stage, and a JSON manifest written last (the reader's position included), so they load
+into any grid and nothing in them is executed.
 """
 from __future__ import annotations
 
@@ -23,30 +29,59 @@ import torch
 import gridweave as gw
 
 from .errors import GridError
+from .models import ModelConfig
 from .modes import Mode, parse
 from .precision import LossScaler, Precision
 
-CONFIG_KEYS = ("vocab", "hidden", "heads", "layers", "seq", "batch", "microbatches", "lr", "seed", "steps")
+# What a resumed run must share with its checkpoint (the model, the data order).
+RESUME_KEYS = ("model", "tokenizer", "seq", "batch", "seed")
+PAD_VOCAB = 64  # the model's vocabulary is the tokenizer's rounded up (Megatron's divisible-by)
+
+# Nominal dense peak FLOP/s per GPU and compute dtype (vendor data sheets), for MFU.
+GPU_PEAK = {"H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+            "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+            "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}}
 
 
 @dataclass
 class TrainConfig:
     """Everything the main job takes (the command line fills one: gridweave train --help).
-    dp / pp of 0: chosen from the world size (pp 2 when it divides, the rest dp)."""
+    dp / pp of 0: chosen from the world size (pp 2 when it divides, the rest dp);
+    kv_heads / ffn_hidden of 0: the family's default (Llama: heads / 2 kv heads when even,
+    SwiGLU width 8h/3 rounded to 8; GPT: heads, 4h)."""
+    model: str = "llama"
     hidden: int = 64
     heads: int = 4
+    kv_heads: int = 0
     layers: int = 4
+    ffn_hidden: int = 0
+    tie: bool = False
+    rope_theta: float = 10000.0
     seq: int = 64
+    tokenizer: str = "bpe"
+    vocab: int = 1024
     batch: int = 16
     microbatches: int = 2
     lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup: int = 10
+    weight_decay: float = 0.1
+    max_grad_norm: float | None = 1.0
     seed: int = 0
-    steps: int = 50
-    vocab: int = 256
+    steps: int = 200
+    val_every: int = 50
+    val_samples: int = 32
     dp: int = 0
     pp: int = 0
     tp: Mode | str | None = None
     sp: int = 1
+    ac: str | int = 1
+    pipeline_limit: int = 0
+    bsize: int = 1 << 14
+    coarsening: int = 4
+    placement: str = "topology"
+    overlap: bool = False
+    attention: str = "ring"
     data: str | None = None
     out: str = "runs/latest"
     resume: str | None = None
@@ -55,7 +90,8 @@ class TrainConfig:
     device: str = "auto"
     backend: str = "auto"
     checkpoint_every: int = 0
-    max_grad_norm: float | None = None
+    sample_tokens: int = 48
+    prompt: str = ""
     timeout: float = 120.0
     quiet: bool = False
     mode: Mode = field(init=False, repr=False)
@@ -64,27 +100,63 @@ class TrainConfig:
     def __post_init__(self):
         self.mode = self.tp if isinstance(self.tp, Mode) else parse(self.tp or "none")
         self.compute = Precision.parse(self.precision)
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise GridError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if self.backend not in ("auto", "gloo", "nccl", "mpi"):
-            raise GridError(f"backend must be auto, gloo, nccl or mpi, got {self.backend!r}")
-        for name in ("hidden", "heads", "layers", "seq", "batch", "microbatches", "steps", "vocab", "sp"):
+        choices = {"model": ("llama", "gpt"), "tokenizer": ("bpe", "bytes"), "device": ("auto", "cpu", "cuda"),
+                   "backend": ("auto", "gloo", "nccl", "mpi"), "placement": ("topology", "naive"),
+                   "attention": ("ring", "rsa")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise GridError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        for name in ("hidden", "heads", "layers", "seq", "batch", "microbatches", "steps", "vocab", "sp", "bsize",
+                     "coarsening", "val_samples"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise GridError(f"{name} must be a positive integer, got {v!r}")
-        for name in ("dp", "pp", "checkpoint_every"):
+        for name in ("dp", "pp", "checkpoint_every", "kv_heads", "ffn_hidden", "warmup", "val_every",
+                     "pipeline_limit", "sample_tokens"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 0:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise GridError(f"{name} must be a non-negative integer, got {v!r}")
-        if not self.lr > 0 or not self.timeout > 0:
-            raise GridError(f"lr and timeout must be positive, got {self.lr!r} and {self.timeout!r}")
+        for name in ("lr", "timeout"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise GridError(f"{name} must be a finite positive number, got {v!r}")
+        if not (math.isfinite(self.min_lr) and 0 <= self.min_lr <= self.lr):
+            raise GridError(f"min_lr must be in [0, lr={self.lr}], got {self.min_lr!r}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise GridError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
+        if self.max_grad_norm == 0:
+            self.max_grad_norm = None  # 0: no clipping
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise GridError(f"max_grad_norm must be positive, got {self.max_grad_norm!r}")
+            raise GridError(f"max_grad_norm must be positive (0: no clipping), got {self.max_grad_norm!r}")
+        if isinstance(self.ac, str) and self.ac.isdigit():
+            self.ac = int(self.ac)
+        if self.ac == "none":
+            self.ac = 1
+        if not (self.ac == "auto" or (isinstance(self.ac, int) and not isinstance(self.ac, bool) and self.ac >= 1)):
+            raise GridError(f"ac must be 'none', 'auto' or a positive integer, got {self.ac!r}")
         if self.schedule not in gw.pipeline.SCHEDULES:
             raise GridError(f"schedule must be one of {sorted(gw.pipeline.SCHEDULES)}, got {self.schedule!r}")
+        if self.tokenizer == "bytes":
+            self.vocab = 256
+        self.model_config(self.vocab)  # the model's own checks (heads vs hidden, kv heads)
 
-    def model_config(self) -> dict:
-        return {k: getattr(self, k) for k in CONFIG_KEYS}
+    def model_config(self, vocab: int) -> ModelConfig:
+        """The model of this run for a tokenizer of `vocab` tokens (padded to PAD_VOCAB)."""
+        kv = self.kv_heads or (self.heads // 2 if self.model == "llama" and self.heads % 2 == 0 else self.heads)
+        return ModelConfig(self.model, -(-vocab // PAD_VOCAB) * PAD_VOCAB, self.hidden, self.heads, self.layers,
+                           self.seq, self.ffn_hidden or None, kv, self.rope_theta, None, self.tie)
+
+    def lr_at(self, step: int) -> float:
+        """Linear warmup to lr over `warmup` steps, then cosine decay to min_lr at the last step."""
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        span = max(1, self.steps - self.warmup)
+        t = min(1.0, (step - self.warmup) / span)
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * t))
+
+    def run_config(self, model: ModelConfig) -> dict:
+        return {"model": model.to_dict(), "tokenizer": self.tokenizer, "seq": self.seq, "batch": self.batch,
+                "seed": self.seed, "steps": self.steps, "lr": self.lr}
 
 
 def _atomic_save(obj, path: Path, writer):
@@ -97,52 +169,81 @@ def _json_writer(obj, path):
     Path(path).write_text(json.dumps(obj, indent=1))
 
 
+def _safetensors_writer(tensors, path):
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(path))
+
+
 def _state_views(opt):
     """OffloadAdam's state per parameter (its state_dict): {kind: {id(p): tensor}}."""
     state = opt.state_dict()["state"]
     return {kind: {id(p): state[i][kind] for i, p in enumerate(opt.params)} for kind in opt.STATE_KEYS}
 
 
-def save_checkpoint(out: Path, step, cfg, grid, stage, opt, losses):
+def save_checkpoint(out: Path, step, cfg, grid, stage, opt, losses, reader=None, model_cfg=None, val=None):
     """Every rank of a stage helps assemble its dense tensors (collectives over tp/sp); the
-    stage's first rank writes them (temporary name, then rename); rank 0 writes the manifest
-    last, after a barrier, so a manifest always points at complete files."""
+    stage's first rank writes them as safetensors (temporary name, then rename); rank 0
+    writes the manifest last, after a barrier, so a manifest always points at complete files."""
     ck = out / "checkpoint"
     if grid.rank == 0:
         ck.mkdir(parents=True, exist_ok=True)
     grid.barrier()
     s = grid.coords["pp"]
     views = _state_views(opt)
-    tensors = {"param": stage.dense_state(False)}
+    flat = {f"param/{k}": v for k, v in stage.dense_state(False).items()}
     for kind, v in views.items():
-        tensors[kind] = stage.dense_state(lambda p, v=v: v[id(p)])
+        flat.update({f"{kind}/{k}": t for k, t in stage.dense_state(lambda p, v=v: v[id(p)]).items()})
     writer = all(c == 0 for a, c in grid.coords.items() if a != "pp")
     if writer:
-        _atomic_save({"stage": s, "tensors": tensors, "optimizer_step": opt.step_count}, ck / f"stage{s}.pt",
-                     torch.save)
+        _atomic_save(flat, ck / f"stage{s}.safetensors", _safetensors_writer)
     grid.barrier()
     if grid.rank == 0:
-        manifest = {"step": step, "config": cfg.model_config(), "grid": dict(grid.axes),
-                    "files": [f"stage{k}.pt" for k in range(grid.axes["pp"])], "losses": losses,
-                    "layout": "dense tensors under the dense GPT's names (gw.models.GPT), for parameters "
-                              "and OffloadAdam's master weights and states; one file per pipeline stage"}
+        manifest = {"step": step, "optimizer_step": opt.step_count, "config": cfg.run_config(model_cfg),
+                    "grid": dict(grid.axes), "files": [f"stage{k}.safetensors" for k in range(grid.axes["pp"])],
+                    "losses": losses, "val": val or [], "reader": reader.state_dict() if reader else None,
+                    "layout": "dense tensors under the dense model's names (gw.models.GPT / Llama), 'param/NAME' "
+                              "and OffloadAdam's 'master/NAME', 'exp_avg/NAME', 'exp_avg_sq/NAME'; one "
+                              "safetensors file per pipeline stage"}
         _atomic_save(manifest, ck / "manifest.json", _json_writer)
     grid.barrier()
 
 
 def load_checkpoint(path: Path):
+    """(manifest, {kind: {name: tensor}}, optimizer step) of a run folder's checkpoint;
+    safetensors only: nothing in a checkpoint is executed."""
+    from safetensors.torch import load_file
+
     ck = Path(path) / "checkpoint"
     manifest_path = ck / "manifest.json"
     if not manifest_path.exists():
         raise GridError(f"no checkpoint manifest at {manifest_path}")
     manifest = json.loads(manifest_path.read_text())
-    tensors, step = {}, 0
+    tensors = {}
     for f in manifest["files"]:
-        blob = torch.load(ck / f, weights_only=False)
-        for kind, d in blob["tensors"].items():
-            tensors.setdefault(kind, {}).update(d)
-        step = blob["optimizer_step"]
-    return manifest, tensors, step
+        if not (ck / f).exists():
+            raise GridError(f"checkpoint file {ck / f} named by the manifest is missing")
+        for key, t in load_file(str(ck / f)).items():
+            kind, _, name = key.partition("/")
+            tensors.setdefault(kind, {})[name] = t
+    return manifest, tensors, manifest["optimizer_step"]
+
+
+def load_model(run_dir, dtype=torch.float32, device="cpu"):
+    """(dense model, tokenizer, manifest) of a run folder: the checkpoint of any grid."""
+    run_dir = Path(run_dir)
+    manifest, tensors, _ = load_checkpoint(run_dir)
+    cfg = ModelConfig.from_dict(manifest["config"]["model"])
+    model = gw.models.build(cfg, dtype=dtype, device=device)
+    state = {k: v for k, v in tensors["param"].items()}
+    if cfg.tie:
+        state.pop("head.out.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (cfg.tie and k == "head.out.weight")]
+    if missing or unexpected:
+        raise GridError(f"checkpoint {run_dir} does not match its model config: missing {missing}, "
+                        f"unexpected {unexpected}")
+    return model.to(dtype), gw.data.load_tokenizer(run_dir / gw.data.TOKENIZER_FILE), manifest
 
 
 @dataclass
@@ -152,6 +253,52 @@ class StepState:
     stage: torch.nn.Module
     optimizer: "gw.optim.OffloadAdam"
     scaler: LossScaler | None
+
+
+def model_flops_per_token(m: ModelConfig) -> float:
+    """Training FLOPs per token (forward + backward, no recomputation): 6 x the parameters
+    of the matrices plus the attention scores and values, 12 x layers x hidden x seq (PaLM's
+    MFU convention, Chowdhery et al. 2022, App. B)."""
+    d = m.hidden // m.heads
+    kv = (m.kv_heads or m.heads) * d
+    per_layer = m.hidden * (m.hidden + 2 * kv) + m.hidden * m.hidden + m.hidden * m.ffn * (3 if m.family == "llama" else 2)
+    return 6 * (m.layers * per_layer + m.vocab * m.hidden) + 12 * m.layers * m.hidden * m.seq
+
+
+def peak_flops(grid, precision: str) -> tuple:
+    """(this rank's peak FLOP/s, how it was found): a GPU's nominal dense peak, or on CPU a
+    GEMM measured now on every rank at once (so ranks that share cores share the peak)."""
+    if grid.device.type == "cuda":
+        name = torch.cuda.get_device_name(grid.device)
+        for key, peaks in GPU_PEAK.items():
+            if key in name:
+                return peaks[precision], f"nominal {key} {precision}"
+    from .calibrate import gemm_rate
+
+    grid.barrier()
+    rate = gemm_rate(256, 0.3, grid.device)
+    return rate, "measured GEMM (float32, 256^3, all ranks at once)"
+
+
+def evaluate(stage, grid, windows: torch.Tensor, cfg: TrainConfig, mb: int) -> float:
+    """Mean validation loss over `windows` (the same on every grid): each dp rank takes its
+    share in microbatches of `mb`, the pipeline runs forward only."""
+    dp = grid.axes["dp"]
+    per_rank = len(windows) // dp // mb * mb
+    if per_rank < 1:
+        raise GridError(f"{len(windows)} validation windows do not give each of {dp} dp ranks a microbatch of {mb}")
+    mine = windows[grid.coords["dp"] * per_rank:(grid.coords["dp"] + 1) * per_rank]
+    xs = [mine[i:i + mb, :-1].to(grid.device) for i in range(0, len(mine), mb)]
+    ys = [mine[i:i + mb, 1:].to(grid.device) for i in range(0, len(mine), mb)]
+    stage.eval()
+    loss = gw.pipeline.pipeline_forward(stage, grid, xs, ys, stage.loss, stage.activation_shape(mb, cfg.seq),
+                                        dtype=cfg.compute.dtype)
+    stage.train()
+    mine_counts = loss is not None and all(c == 0 for a, c in grid.coords.items() if a not in ("pp", "dp"))
+    total = torch.tensor([loss.item() * len(mine) if mine_counts else 0.0, len(mine) if mine_counts else 0.0],
+                         dtype=torch.float64, device=grid.device)
+    grid.all_reduce(total, axis=None)
+    return float(total[0] / total[1])
 
 
 def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = None) -> dict:
@@ -167,8 +314,14 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
         raise GridError(f"--tp {mode.spec()} ({tp_size} ranks) x --sp {sp} does not divide the world of {world} "
                         "ranks")
     rest = world // (tp_size * sp)
-    pp = cfg.pp or (2 if rest % 2 == 0 and cfg.layers % 2 == 0 and rest > 1 else 1)
+    # the axes not given: pp from dp when dp is given, else 2 where it divides; dp the rest
+    pp = cfg.pp or (rest // cfg.dp if cfg.dp and rest % cfg.dp == 0 else
+                    2 if rest % 2 == 0 and cfg.layers % 2 == 0 and rest > 1 else 1)
     dp = cfg.dp or rest // pp
+    if cfg.layers % pp:
+        raise GridError(f"{cfg.layers} layers do not split over {pp} pipeline stages")
+    if cfg.batch % (dp * cfg.microbatches):
+        raise GridError(f"batch {cfg.batch} does not split into {dp} dp shards of {cfg.microbatches} microbatches")
     # auto: gw.init picks NCCL on one GPU per rank when it can, else Gloo on the CPU; cuda with
     # fewer GPUs than ranks shares them through Gloo. Every check is before the rendezvous.
     device = None if cfg.device == "auto" else cfg.device
@@ -177,27 +330,35 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
                         "(torch.cuda.is_available() is False); use --device cpu")
     if device == "cuda":
         cfg.compute.check_device(torch.device("cuda", torch.cuda.current_device()))
-    grid = gw.init(dp=dp, pp=pp, tp=mode, sp=sp, timeout=cfg.timeout, device=device, backend=cfg.backend)
-    if cfg.layers % pp:
-        raise GridError(f"{cfg.layers} layers do not split over {pp} pipeline stages")
-    if cfg.batch % (dp * cfg.microbatches):
-        raise GridError(f"batch {cfg.batch} does not split into {dp} dp shards of {cfg.microbatches} microbatches")
-    corpus = gw.data.load_corpus(cfg.data)
+    grid = gw.init(dp=dp, pp=pp, tp=mode, sp=sp, timeout=cfg.timeout, device=device, backend=cfg.backend,
+                   placement=cfg.placement)
+    out = Path(cfg.out)
+    # the tokenizer and token file: made once by rank 0 (from the resumed run's tokenizer)
+    if grid.rank == 0:
+        tok_from = str(Path(cfg.resume) / gw.data.TOKENIZER_FILE) if cfg.resume else None
+        gw.data.prepare(out, cfg.data, cfg.tokenizer, cfg.vocab, tokenizer_from=tok_from)
+    grid.barrier()
+    tokens = gw.data.open_tokens(out)
+    tokenizer = gw.data.load_tokenizer(out / gw.data.TOKENIZER_FILE)
+    model_cfg = cfg.model_config(tokens.vocab_size)
     torch.manual_seed(cfg.seed)
     # initialised in fp32 (the same weights whatever the precision), then cast
-    model = gw.models.GPT(cfg.vocab, cfg.hidden, cfg.heads, cfg.layers, cfg.seq, device=grid.device)
-    model = model.to(cfg.compute.dtype)
+    model = gw.models.build(model_cfg, device=grid.device).to(cfg.compute.dtype)
     s = grid.coords["pp"]
-    stage = gw.models.GPTStage(model, grid, mode, s, pp)
-    opt = gw.optim.OffloadAdam(stage.parameters(), lr=cfg.lr, weight_decay=0.01, bsize=1 << 14, coarsening=4,
-                               grid=grid, max_grad_norm=cfg.max_grad_norm)
+    stage = gw.models.GPTStage(model, grid, mode, s, pp, ac=cfg.ac, overlap=cfg.overlap, attention=cfg.attention)
+    opt = gw.optim.OffloadAdam(stage.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, bsize=cfg.bsize,
+                               coarsening=cfg.coarsening, grid=grid, max_grad_norm=cfg.max_grad_norm,
+                               decay=gw.optim.matrices_only)
     scaler = LossScaler() if cfg.compute.loss_scaling else None
-    start, losses = 0, []
+    reader = gw.data.Reader(tokens.train, cfg.seq, cfg.batch, cfg.seed, grid.coords["dp"], dp)
+    start, losses, val = 0, [], []
     if cfg.resume:
         manifest, tensors, opt_step = load_checkpoint(Path(cfg.resume))
-        mine = cfg.model_config()
-        if any(manifest["config"][k] != mine[k] for k in CONFIG_KEYS if k != "steps"):
-            raise GridError(f"checkpoint config {manifest['config']} differs from this run's {mine}")
+        mine = cfg.run_config(model_cfg)
+        differ = [k for k in RESUME_KEYS if manifest["config"].get(k) != mine[k]]
+        if differ:
+            raise GridError(f"checkpoint {cfg.resume} differs from this run in {differ}: "
+                            f"{ {k: manifest['config'].get(k) for k in differ} } vs { {k: mine[k] for k in differ} }")
         stage.load_dense_state(tensors["param"])  # resharded for this grid by each module
         state = {i: {"step": torch.tensor(float(opt_step), device="cpu")} for i in range(len(opt.params))}
         for kind in opt.STATE_KEYS:
@@ -205,51 +366,65 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
             for i, p in enumerate(opt.params):
                 state[i][kind] = local[id(p)]
         opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
-        start, losses = manifest["step"], list(manifest["losses"])
-    out = Path(cfg.out)
-    if grid.rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
+        opt.weight_decay = cfg.weight_decay
+        start, losses, val = manifest["step"], list(manifest["losses"]), list(manifest.get("val", []))
+        if manifest.get("reader"):
+            reader.load_state_dict(manifest["reader"])
     shard = cfg.batch // dp
     mb = shard // cfg.microbatches
+    val_windows = gw.data.validation_windows(tokens.val, cfg.seq, cfg.val_samples)
+    flops_token = model_flops_per_token(model_cfg)
+    peak, peak_source = peak_flops(grid, cfg.compute.name)
+    peak_total = torch.tensor([peak], dtype=torch.float64, device=grid.device)
+    grid.all_reduce(peak_total, axis=None)
     bar = None
     if grid.rank == 0 and not cfg.quiet:
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step")
-    tokens_per_s = []
+    tokens_per_s, mfu, lrs, grad_norms = [], [], [], []
     for step in range(start, cfg.steps):
         if on_step is not None:
             on_step(step, StepState(grid, stage, opt, scaler))
         t0 = time.perf_counter()
-        x, y = gw.data.batch(corpus, step, cfg.seed, cfg.batch, cfg.seq)
-        lo = grid.coords["dp"] * shard
-        xs = [x[lo + i * mb:lo + (i + 1) * mb].to(grid.device) for i in range(cfg.microbatches)]
-        ys = [y[lo + i * mb:lo + (i + 1) * mb].to(grid.device) for i in range(cfg.microbatches)]
+        opt.lr = cfg.lr_at(step)
+        x, y = reader.next()
+        xs = [x[i * mb:(i + 1) * mb].to(grid.device) for i in range(cfg.microbatches)]
+        ys = [y[i * mb:(i + 1) * mb].to(grid.device) for i in range(cfg.microbatches)]
         opt.zero_grad()
         loss_scale = scaler.scale_value if scaler is not None else 1.0
 
-        def loss_fn(logits, targets):  # in fp32 whatever the model computes in; fp16 scaled up
-            return model.loss(logits.float(), targets) * loss_scale
+        def loss_fn(logits, targets):  # in fp32 or wider whatever the model computes in; fp16 scaled up
+            return stage.loss(logits, targets) * loss_scale
 
         loss, _ = gw.pipeline.pipeline_step(stage, grid, xs, ys, loss_fn, stage.activation_shape(mb, cfg.seq),
                                             dtype=cfg.compute.dtype, schedule=cfg.schedule,
-                                            pipeline_limit=max(pp, 2))
+                                            pipeline_limit=cfg.pipeline_limit or max(pp, 2))
         loss = loss / loss_scale if loss is not None else None
-        opt.step(scaler)  # sums each gradient over its partial axes (dp averaged), then updates
+        opt.step(scaler)  # sums each gradient over its partial axes (dp averaged), clips, updates
         # the last stage's loss, identical over its tp/sp group: count one rank of each group
         mine = loss is not None and all(c == 0 for a, c in grid.coords.items() if a not in ("pp", "dp"))
         total = torch.tensor([loss.item() if mine else 0.0], dtype=torch.float64, device=grid.device)
         grid.all_reduce(total, axis=None)
         losses.append(total.item() / dp)
-        tokens_per_s.append(cfg.batch * cfg.seq / (time.perf_counter() - t0))
+        dt = time.perf_counter() - t0
+        tokens_per_s.append(cfg.batch * cfg.seq / dt)
+        mfu.append(tokens_per_s[-1] * flops_token / float(peak_total.item()))
+        lrs.append(opt.lr)
+        grad_norms.append(getattr(opt, "last_grad_norm", None))
+        if cfg.val_every and ((step + 1) % cfg.val_every == 0 or step + 1 == cfg.steps):
+            val.append([step + 1, evaluate(stage, grid, val_windows, cfg, mb)])
         if bar is not None:
-            bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens_per_s[-1]:.0f}")
+            post = dict(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_s[-1]:.0f}", mfu=f"{100 * mfu[-1]:.1f}%")
+            if val:
+                post["val"] = f"{val[-1][1]:.3f}"
+            bar.set_postfix(**post)
             bar.update(1)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            save_checkpoint(out, step + 1, cfg, grid, stage, opt, losses)
+            save_checkpoint(out, step + 1, cfg, grid, stage, opt, losses, reader, model_cfg, val)
     if bar is not None:
         bar.close()
-    save_checkpoint(out, cfg.steps, cfg, grid, stage, opt, losses)
+    save_checkpoint(out, cfg.steps, cfg, grid, stage, opt, losses, reader, model_cfg, val)
     import resource
 
     # per-rank memory: parameters held and the peak resident set of the process
@@ -257,27 +432,48 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
                         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0], dtype=torch.float64,
                        device=grid.device)
     per_rank = grid.all_gather(mem.reshape(1, 2), axis=None)
-    metrics = {"loss": losses, "tokens_per_s": tokens_per_s, "config": cfg.model_config(), "grid": dict(grid.axes),
+    entropy = gw.data.unigram_entropy(tokens.val, tokens.vocab_size)
+    metrics = {"loss": losses, "val_loss": val, "unigram_entropy_val": entropy, "lr": lrs, "grad_norm": grad_norms,
+               "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_flops_total": float(peak_total.item()),
+               "peak_flops_source": peak_source, "model_flops_per_token": flops_token,
+               "config": cfg.run_config(model_cfg), "grid": dict(grid.axes),
                "backend": grid.backend, "device": str(grid.device), "precision": cfg.compute.name,
                "param_bytes_per_rank": [int(v) for v in per_rank[:, 0]],
                "max_rss_bytes_per_rank": [int(v) for v in per_rank[:, 1]]}
-    if grid.rank == 0:
-        _atomic_save(metrics, out / "metrics.json", _json_writer)
-        _plot(losses, out / "loss.png")
     gw.shutdown()
+    if grid.rank == 0:
+        if cfg.sample_tokens:
+            from .generate import sample
+
+            dense, tok, _ = load_model(out)
+            prompt = cfg.prompt or tokenizer.decode(val_windows[0, :8].tolist())
+            ids = gw.data.check_encodable(tok, prompt, "the prompt")
+            n = min(cfg.sample_tokens, model_cfg.seq - len(ids))
+            metrics["sample"] = {"prompt": prompt,
+                                 "text": tok.decode(sample(dense, ids, n, 0.8, 40, cfg.seed, tok.vocab_size))}
+        _atomic_save(metrics, out / "metrics.json", _json_writer)
+        _plot(metrics, out / "loss.png")
+        if not cfg.quiet:
+            print(f"validation loss {val[-1][1]:.3f} nats/token vs unigram entropy {entropy:.3f} "
+                  f"({tokenizer.kind}, {tokens.vocab_size} tokens)" if val else "")
+            if "sample" in metrics:
+                print(f"sample: {metrics['sample']['text']!r}")
     return metrics
 
 
-def _plot(losses, png):
+def _plot(metrics, png):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    losses, val = metrics["loss"], metrics["val_loss"]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(range(1, len(losses) + 1), losses)
-    ax.axhline(math.log(256), color="gray", ls=":", lw=1, label="uniform over bytes")
-    ax.set(xlabel="step", ylabel="cross-entropy (nats/byte)", title="gridweave train")
+    ax.plot(range(1, len(losses) + 1), losses, label="training")
+    if val:
+        ax.plot([v[0] for v in val], [v[1] for v in val], "o-", label="validation")
+    ax.axhline(metrics["unigram_entropy_val"], color="gray", ls=":", lw=1, label="unigram entropy (validation)")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title="gridweave train")
     ax.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=100)

@@ -135,7 +135,7 @@ def test_bf16_training_on_a_shared_gpu_tracks_fp32(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GRIDWEAVE_PORT": "29731"}
     env.pop("RANK", None)
     args = ["--steps", "10", "--hidden", "32", "--layers", "4", "--heads", "4", "--seq", "32", "--batch", "8",
-            "--quiet"]
+            "--tokenizer", "bytes", "--warmup", "2", "--val-every", "0", "--sample-tokens", "0", "--quiet"]
     out = {}
     for name, extra in (("fp32", ["--nproc", "1", "--device", "cpu"]),
                         ("bf16", ["--nproc", "2", "--pp", "2", "--device", "cuda", "--precision", "bf16"])):

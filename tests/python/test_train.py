@@ -1,6 +1,8 @@
-"""The main job (`gridweave train`): same losses on 1 process and on a dp x pp grid; a
-checkpoint written on one grid continues on another with the uninterrupted losses."""
+"""The main job (`gridweave train`): same losses on 1 process, on every grid and in plain
+torch; a checkpoint written on one grid continues on another with the uninterrupted losses
+(the data reader's position included); validation, learning-rate schedule, MFU, sampling."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -11,7 +13,10 @@ from rankpool import TRANSPORT_ENV, launcher_args, mpirun
 
 import gridweave as gw
 
+# The tests' job: a small Llama (GQA: 2 kv heads), byte tokens (fast to prepare), 4 steps
+# through warmup and cosine decay, clipped at 1.0 (the defaults).
 ARGS = ["--steps", "4", "--hidden", "32", "--layers", "4", "--heads", "4", "--seq", "32", "--batch", "8",
+        "--tokenizer", "bytes", "--warmup", "2", "--val-every", "2", "--val-samples", "8", "--sample-tokens", "8",
         "--quiet"]
 
 
@@ -27,23 +32,37 @@ def _train(tmp, name, *extra, port=29581):
 
 
 def _close(a, b, tol=1e-4):
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b)) < tol
+    return len(a) == len(b) and max(abs(x - y) / abs(y) for x, y in zip(a, b)) < tol
 
 
-def plain_torch(steps=4, max_grad_norm=None):
-    """The reference the library shares no code with: the dense GPT (same initialisation),
-    torch.optim.AdamW, the same batches, torch's own clipping; (losses, gradient norms)."""
+def plain_torch(tmp, steps=4, max_grad_norm=1.0, family="llama", tokenizer="bytes", seq=32):
+    """The reference the library shares no training code with: the dense model (same
+    initialisation), torch.optim.AdamW (no decay on norms and biases), torch's LambdaLR with
+    the warmup + cosine written out here, torch's own clipping, the batches of the same reader;
+    (losses, gradient norms)."""
     import torch.nn.functional as F
 
-    import gridweave as gw
-
-    corpus = gw.data.load_corpus(None)
+    gw.data.prepare(tmp, None, tokenizer, 1024)
+    tokens = gw.data.open_tokens(tmp)
+    cfg = gw.train.TrainConfig(model=family, hidden=32, layers=4, heads=4, seq=seq, batch=8, tokenizer=tokenizer)
     torch.manual_seed(0)
-    model = gw.models.GPT(256, 32, 4, 4, 32, device="cpu")
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    model = gw.models.build(cfg.model_config(tokens.vocab_size), device="cpu")
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=3e-3)
+    warm, lo = 2, 3e-4
+
+    def factor(s):  # linear warmup over 2 steps, cosine to 3e-4 at the last step
+        if s < warm:
+            return (s + 1) / warm
+        t = (s - warm) / (steps - warm)
+        return (lo + 0.5 * (3e-3 - lo) * (1 + math.cos(math.pi * t))) / 3e-3
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    reader = gw.data.Reader(tokens.train, seq, 8, 0)
     losses, norms = [], []
-    for step in range(steps):
-        x, y = gw.data.batch(corpus, step, 0, 8, 32)
+    for _ in range(steps):
+        x, y = reader.next()
         opt.zero_grad()
         logits = model(x)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
@@ -51,13 +70,14 @@ def plain_torch(steps=4, max_grad_norm=None):
         if max_grad_norm is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)))
         opt.step()
+        sched.step()
         losses.append(loss.item())
     return losses, norms
 
 
 @pytest.fixture(scope="module")
-def plain():
-    return plain_torch()[0]
+def plain(tmp_path_factory):
+    return plain_torch(tmp_path_factory.mktemp("plain"))[0]
 
 
 @pytest.fixture(scope="module")
@@ -97,9 +117,10 @@ def test_checkpoint_exports_a_dense_state_dict(single):
 
     _, out = single
     state = export_dense(out)
-    model = gw.models.GPT(256, 32, 4, 4, 32, device="cpu")
-    model.load_state_dict(state)
-    assert torch.equal(model.head.out.weight, state["head.out.weight"])
+    model, tok, _ = gw.train.load_model(out)
+    assert model.config.family == "llama" and model.config.kv_heads == 2 and tok.vocab_size == 256
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
 
 
 @pytest.mark.parametrize("spec,port", [
@@ -129,7 +150,7 @@ def test_the_main_job_under_mpirun_gives_one_process_losses(single, tmp_path):
 @pytest.mark.parametrize("spec,port", [(["--tp", "cube:2"], 29601), (["--tp", "row:2", "--sp", "2", "--pp", "2"], 29603)])
 def test_gradient_clipping_matches_torch(tmp_path, spec, port):
     """--max-grad-norm: the global norm over the grid (each element once) clips as torch does."""
-    ref, norms = plain_torch(max_grad_norm=0.2)
+    ref, norms = plain_torch(tmp_path / "ref", max_grad_norm=0.2)
     assert norms[0] > 0.2  # the clipping is engaged
     losses, _ = _train(tmp_path, "clip", "--nproc", "8", "--max-grad-norm", "0.2", *spec, port=port)
     assert _close(losses, ref), (losses, ref)
@@ -142,7 +163,8 @@ def test_checkpoint_reshards_cube_to_row_to_one_process(single, tmp_path):
 
     one, _ = single
     _, a = _train(tmp_path, "a", "--nproc", "8", "--tp", "cube:2", "--steps", "2", port=29611)
-    _, b = _train(tmp_path, "b", "--nproc", "4", "--tp", "row:4", "--steps", "3", "--resume", str(a), port=29613)
+    _, b = _train(tmp_path, "b", "--nproc", "4", "--tp", "row:2", "--dp", "2", "--steps", "3", "--resume", str(a),
+                  port=29613)
     losses, c = _train(tmp_path, "c", "--nproc", "1", "--resume", str(b))
     assert _close(losses, one), (losses, one)  # 2 steps on a cube, 1 on a row, 1 on one process
     # the model moved between grids exactly: b's checkpoint re-saved by one process is equal
@@ -155,7 +177,7 @@ def test_checkpoint_reshards_cube_to_row_to_one_process(single, tmp_path):
     (["--tp", "cube:3"], "(27 ranks) x --sp 1 does not divide the world of 8"),
     (["--tp", "row:3"], "does not divide the world of 8"),
     (["--tp", "ring:2"], "--tp must be"),
-    (["--tp", "row:8"], "heads do not split"),
+    (["--tp", "row:8"], "do not split over 8 tensor-parallel groups"),
 ])
 def test_unsupported_combinations_are_clear_errors(tmp_path, spec, needle):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GRIDWEAVE_PORT": "29621"}

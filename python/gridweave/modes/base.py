@@ -109,18 +109,26 @@ class Mode:
         (wide -> in) linear; the second's output layout is the first's input layout."""
         raise NotImplementedError
 
-    def norm(self, hidden, grid, dtype, device, eps=1e-5):
-        from ..nn.sequence import ReplicatedLayerNorm
+    def norm(self, hidden, grid, dtype, device, eps=1e-5, norm=None):
+        """The block's LayerNorm or RMSNorm (norm: a gw.nn.Norm; None: LayerNorm)."""
+        from ..nn.dense import Norm
+        from ..nn.sequence import replicated_norm
 
-        return ReplicatedLayerNorm(hidden, eps=eps, dtype=dtype, device=device)
+        return replicated_norm(norm or Norm.LAYER, hidden, eps, dtype, device)
 
-    def attention(self, hidden, heads, grid, causal, bias, dtype, device, overlap=False, attention="ring", **options):
+    def attention(self, hidden, heads, grid, causal, bias, dtype, device, overlap=False, attention="ring",
+                  arch=None, **options):
         from ..nn.transformer import SelfAttention
 
         if options:
             raise GridError(f"{type(self).__name__} takes no attention options {sorted(options)}")
         return SelfAttention(hidden, heads, grid, self, bias, causal, overlap, dtype=dtype, attention=attention,
-                             device=device)
+                             device=device, arch=arch)
+
+    def vocab_axis(self) -> str | None:
+        """The axis that splits the vocabulary of the embedding and head (Megatron's vocab
+        parallelism), or None: they are replicated over the tensor ranks."""
+        return None
 
     # ---- the planner ------------------------------------------------------------------
     def activation_bytes(self, hidden, seq, heads, tokens, sp) -> float:

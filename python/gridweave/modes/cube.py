@@ -70,11 +70,12 @@ class Cube(Mode):
         return (lambda i, o: Linear3D(i, o, grid, bias, a, c, overlap, **kw),
                 lambda i, o: Linear3D(i, o, grid, bias, a2, c2, overlap, **kw))
 
-    def norm(self, hidden, grid, dtype, device, eps=1e-5):
+    def norm(self, hidden, grid, dtype, device, eps=1e-5, norm=None):
+        from ..nn.dense import Norm
         from ..nn.tensor3d import LayerNorm3D
 
         a, c = INPUT_DIRECTIONS
-        return LayerNorm3D(hidden, grid, a, c, eps=eps, dtype=dtype, device=device)
+        return LayerNorm3D(hidden, grid, a, c, eps=eps, dtype=dtype, device=device, norm=norm or Norm.LAYER)
 
     def boundary_fraction(self):
         return 1.0 / self.ranks()

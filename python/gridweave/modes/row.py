@@ -22,6 +22,9 @@ class Row(Mode):
     def head_groups_count(self):
         return self.n
 
+    def vocab_axis(self):
+        return "tp"  # seed 003 §3: embedding rows and the head's columns split over tp
+
     def linear_pair(self, grid, bias, dtype, device, overlap=False):
         from ..nn.tensor1d import ColumnParallelLinear, RowParallelLinear
 

@@ -33,10 +33,11 @@ class Square(Mode):
 
         return (lambda i, o: Linear2D(i, o, grid, bias, dtype=dtype, device=device),) * 2
 
-    def norm(self, hidden, grid, dtype, device, eps=1e-5):
+    def norm(self, hidden, grid, dtype, device, eps=1e-5, norm=None):
+        from ..nn.dense import Norm
         from ..nn.tensor2d import LayerNorm2D
 
-        return LayerNorm2D(hidden, grid, eps=eps, dtype=dtype, device=device)
+        return LayerNorm2D(hidden, grid, eps=eps, dtype=dtype, device=device, norm=norm or Norm.LAYER)
 
     def boundary_fraction(self):
         return 1.0 / self.ranks()

@@ -39,10 +39,11 @@ class SubGraph(Mode):
         partial = self.common_partial()
         return (lambda i, o: ReplicatedLinear(i, o, bias, dtype=dtype, device=device, partial=partial),) * 2
 
-    def norm(self, hidden, grid, dtype, device, eps=1e-5):
-        from ..nn.sequence import ReplicatedLayerNorm
+    def norm(self, hidden, grid, dtype, device, eps=1e-5, norm=None):
+        from ..nn.dense import Norm
+        from ..nn.sequence import replicated_norm
 
-        return ReplicatedLayerNorm(hidden, eps=eps, dtype=dtype, device=device, partial=self.common_partial())
+        return replicated_norm(norm or Norm.LAYER, hidden, eps, dtype, device, partial=self.common_partial())
 
     def common_partial(self) -> tuple:
         """The common layers see every sub-grid's samples (D&SP) or zeros off sub-grid 0 (cSub):
@@ -50,10 +51,11 @@ class SubGraph(Mode):
         return ("dp", "sg", "sp")
 
     def attention(self, hidden, heads, grid, causal, bias, dtype, device, overlap=False, attention="ring",
-                  projection="branch", method="all_to_all"):
+                  arch=None, projection="branch", method="all_to_all"):
         from ..nn.subgraph import SubGraphAttention
 
-        return SubGraphAttention(hidden, heads, grid, self, projection, method, causal, bias, dtype, device=device)
+        return SubGraphAttention(hidden, heads, grid, self, projection, method, causal, bias, dtype, device=device,
+                                 arch=arch)
 
     # split / sum / slice / concat between the common grid and the branches (seed 002 §IV)
     def split(self, x, grid, shape=None):

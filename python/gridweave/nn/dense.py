@@ -1,72 +1,199 @@
-"""Dense single-process references, and helpers shared by the parallel modules."""
+"""Dense single-process references, and helpers shared by the parallel modules.
+
+A block's architecture (Arch) is apart from how it is parallelised: GPT-2 (LayerNorm, GeLU,
+learned positions) or Llama (RMSNorm, SwiGLU, rotary positions, grouped-query attention).
+Every parallel module reads the same Arch and the same packed-row conventions defined here:
+qkv rows are [q (heads x d) | k (kv_heads x d) | v (kv_heads x d)], a SwiGLU fc1's rows are
+[gate | up]; group_order() regroups them so that tensor-parallel column blocks are whole.
+"""
 from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def attention(qkv: torch.Tensor, heads: int, causal: bool) -> torch.Tensor:
-    """Multi-head attention on [q | k | v] packed along the last dim: (b, s, 3h) -> (b, s, h)."""
-    b, s, three_h = qkv.shape
-    h = three_h // 3
-    q, k, v = (t.reshape(b, s, heads, h // heads).transpose(1, 2) for t in qkv.split(h, dim=-1))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    return out.transpose(1, 2).reshape(b, s, h)
+from ..errors import GridError
 
 
-def head_group_order(hidden: int, groups: int, device="cpu") -> torch.Tensor:
-    """Row order of a packed [q | k | v] projection that makes `groups` equal column
-    blocks, block t = [q_t | k_t | v_t] (the heads of group t), so heads split cleanly."""
-    w = hidden // groups
-    idx = [part * hidden + t * w + k for t in range(groups) for part in range(3) for k in range(w)]
+class Norm(enum.Enum):
+    LAYER = "layernorm"  # GPT-2: (x - mean) / std * weight + bias
+    RMS = "rmsnorm"      # Llama: x / rms * weight
+
+
+class Activation(enum.Enum):
+    GELU = "gelu"              # exact erf GeLU
+    GELU_TANH = "gelu_tanh"    # GPT-2's "gelu_new"
+    SWIGLU = "swiglu"          # Llama: silu(gate) * up, fc1 packs [gate | up]
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What one decoder block computes. kv_heads None: as many as query heads (MHA);
+    rope_theta None: no rotary positions (the model adds learned ones)."""
+    norm: Norm = Norm.LAYER
+    activation: Activation = Activation.GELU
+    kv_heads: int | None = None
+    rope_theta: float | None = None
+    eps: float = 1e-5
+
+    def __post_init__(self):
+        if not isinstance(self.norm, Norm) or not isinstance(self.activation, Activation):
+            raise GridError(f"Arch needs a gw.nn.Norm and a gw.nn.Activation, got {self.norm!r}, {self.activation!r}")
+        if self.kv_heads is not None and (not isinstance(self.kv_heads, int) or self.kv_heads < 1):
+            raise GridError(f"kv_heads must be a positive integer, got {self.kv_heads!r}")
+        if self.rope_theta is not None and not self.rope_theta > 0:
+            raise GridError(f"rope_theta must be positive, got {self.rope_theta!r}")
+
+    def kv(self, heads: int) -> int:
+        """Key/value heads of a block with `heads` query heads (checked to divide them)."""
+        kv = heads if self.kv_heads is None else self.kv_heads
+        if heads % kv:
+            raise GridError(f"{heads} query heads do not split into groups of {kv} key/value heads")
+        return kv
+
+    def qkv_widths(self, hidden: int, heads: int) -> list:
+        """Row counts of the packed [q | k | v] projection."""
+        if hidden % heads:
+            raise GridError(f"hidden {hidden} does not split into {heads} heads")
+        kvd = self.kv(heads) * (hidden // heads)
+        return [hidden, kvd, kvd]
+
+    def fc1_widths(self, ffn_hidden: int) -> list:
+        """Row counts of the packed first MLP linear ([gate | up] for SwiGLU)."""
+        return [ffn_hidden, ffn_hidden] if self.activation is Activation.SWIGLU else [ffn_hidden]
+
+    def act(self, h: torch.Tensor) -> torch.Tensor:
+        """The MLP's nonlinearity on a (local block of the) fc1 output."""
+        if self.activation is Activation.SWIGLU:
+            gate, up = h.chunk(2, dim=-1)  # a local block is [gate_t | up_t] (group_order)
+            return F.silu(gate) * up
+        return F.gelu(h, approximate="tanh" if self.activation is Activation.GELU_TANH else "none")
+
+    def dense_norm(self, hidden: int, dtype=None, device=None) -> nn.Module:
+        if self.norm is Norm.RMS:
+            return nn.RMSNorm(hidden, eps=self.eps, dtype=dtype, device=device)
+        return nn.LayerNorm(hidden, eps=self.eps, dtype=dtype, device=device)
+
+
+GPT2 = Arch()
+LLAMA = Arch(Norm.RMS, Activation.SWIGLU, rope_theta=10000.0, eps=1e-6)
+
+
+def group_order(widths, groups: int, device="cpu") -> torch.Tensor:
+    """Row order of a projection packing parts of `widths` rows that makes `groups` equal
+    blocks, block t = [part_0's t-th slice | part_1's t-th slice | ...] (e.g. a head group's
+    [q_t | k_t | v_t]), so a column split over `groups` ranks keeps each group whole."""
+    for w in widths:
+        if w % groups:
+            raise GridError(f"a packed projection of parts {list(widths)} does not split into {groups} groups")
+    starts = [sum(widths[:i]) for i in range(len(widths))]
+    idx = [s + t * (w // groups) + k for t in range(groups) for s, w in zip(starts, widths) for k in range(w // groups)]
     return torch.tensor(idx, dtype=torch.int64, device=device)
+
+
+def head_group_order(hidden: int, groups: int, device="cpu", kv_hidden: int | None = None) -> torch.Tensor:
+    """group_order of a packed [q | k | v] with q of `hidden` rows and k, v of `kv_hidden`."""
+    kv = hidden if kv_hidden is None else kv_hidden
+    return group_order([hidden, kv, kv], groups, device)
+
+
+def rotary(positions: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple:
+    """cos, sin (len(positions), head_dim) of rotary embeddings, computed in float32 as
+    Hugging Face's Llama does (so a model exported there computes the same), then cast."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
+    freqs = positions.float()[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on (batch, heads, seq, d) with the rotate-half convention (Su et al.; HF Llama)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def split_heads(qkv: torch.Tensor, heads: int, kv_heads: int, arch: Arch, positions=None) -> tuple:
+    """Packed local [q | k | v] (b, s, (heads + 2 kv_heads) d) -> q, k, v of (b, heads, s, d),
+    rotated at `positions` (the tokens' global positions) when the arch has rotary embeddings.
+    k and v are repeated to the query heads (grouped-query attention)."""
+    b, s, width = qkv.shape
+    d = width // (heads + 2 * kv_heads)
+    q, k, v = (t.reshape(b, s, n, d).transpose(1, 2)
+               for t, n in zip(qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1), (heads, kv_heads, kv_heads)))
+    if arch.rope_theta is not None:
+        pos = torch.arange(s, device=qkv.device) if positions is None else positions
+        cos, sin = rotary(pos, d, arch.rope_theta, qkv.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    if kv_heads != heads:
+        k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+    return q, k, v
+
+
+def attention(qkv: torch.Tensor, heads: int, causal: bool, kv_heads: int | None = None, arch: Arch = GPT2,
+              positions=None) -> torch.Tensor:
+    """Multi-head attention on a packed [q | k | v] (b, s, width) -> (b, s, heads x d)."""
+    q, k, v = split_heads(qkv, heads, heads if kv_heads is None else kv_heads, arch, positions)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    b, s = qkv.shape[:2]
+    return out.transpose(1, 2).reshape(b, s, -1)
 
 
 class DenseSelfAttention(nn.Module):
     """proj(attention(qkv(x))): the dense reference of SelfAttention."""
 
-    def __init__(self, hidden: int, heads: int, bias: bool = True, causal: bool = True, dtype=None, device=None):
+    def __init__(self, hidden: int, heads: int, bias: bool = True, causal: bool = True, dtype=None, device=None,
+                 arch: Arch = GPT2):
         super().__init__()
-        self.heads, self.causal = heads, causal
-        self.qkv = nn.Linear(hidden, 3 * hidden, bias=bias, dtype=dtype, device=device)
+        self.heads, self.causal, self.arch = heads, causal, arch
+        self.kv_heads = arch.kv(heads)
+        self.qkv = nn.Linear(hidden, sum(arch.qkv_widths(hidden, heads)), bias=bias, dtype=dtype, device=device)
         self.proj = nn.Linear(hidden, hidden, bias=bias, dtype=dtype, device=device)
 
     def forward(self, x):
-        return self.proj(attention(self.qkv(x), self.heads, self.causal))
+        return self.proj(attention(self.qkv(x), self.heads, self.causal, self.kv_heads, self.arch))
 
 
 class DenseMLP(nn.Module):
-    """fc2(gelu(fc1(x))): the dense reference of MLP."""
+    """fc2(act(fc1(x))): the dense reference of MLP (fc1 packs [gate | up] for SwiGLU)."""
 
-    def __init__(self, hidden: int, ffn_hidden: int, bias: bool = True, dtype=None, device=None):
+    def __init__(self, hidden: int, ffn_hidden: int, bias: bool = True, dtype=None, device=None, arch: Arch = GPT2):
         super().__init__()
-        self.fc1 = nn.Linear(hidden, ffn_hidden, bias=bias, dtype=dtype, device=device)
+        self.arch = arch
+        self.fc1 = nn.Linear(hidden, sum(arch.fc1_widths(ffn_hidden)), bias=bias, dtype=dtype, device=device)
         self.fc2 = nn.Linear(ffn_hidden, hidden, bias=bias, dtype=dtype, device=device)
 
     def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x)))
+        return self.fc2(self.arch.act(self.fc1(x)))
 
 
 class DenseTransformerLayer(nn.Module):
-    """Pre-LayerNorm GPT layer: x + proj(attn(qkv(ln1 x))), then x + fc2(gelu(fc1(ln2 x)))."""
+    """Pre-norm decoder layer: x + proj(attn(qkv(ln1 x))), then x + fc2(act(fc1(ln2 x))).
+    GPT-2 by default; arch=gw.nn.LLAMA (with bias=False) is a Llama layer."""
 
     def __init__(self, hidden: int, heads: int, ffn_hidden: int | None = None, bias: bool = True,
-                 causal: bool = True, dtype=None, device=None):
+                 causal: bool = True, dtype=None, device=None, arch: Arch = GPT2):
         super().__init__()
         ffn_hidden = ffn_hidden or 4 * hidden
         kw = dict(dtype=dtype, device=device)
-        self.heads, self.causal = heads, causal
-        self.ln1 = nn.LayerNorm(hidden, **kw)
-        self.qkv = nn.Linear(hidden, 3 * hidden, bias=bias, **kw)
+        self.heads, self.causal, self.arch = heads, causal, arch
+        self.kv_heads = arch.kv(heads)
+        self.ln1 = arch.dense_norm(hidden, **kw)
+        self.qkv = nn.Linear(hidden, sum(arch.qkv_widths(hidden, heads)), bias=bias, **kw)
         self.proj = nn.Linear(hidden, hidden, bias=bias, **kw)
-        self.ln2 = nn.LayerNorm(hidden, **kw)
-        self.fc1 = nn.Linear(hidden, ffn_hidden, bias=bias, **kw)
+        self.ln2 = arch.dense_norm(hidden, **kw)
+        self.fc1 = nn.Linear(hidden, sum(arch.fc1_widths(ffn_hidden)), bias=bias, **kw)
         self.fc2 = nn.Linear(ffn_hidden, hidden, bias=bias, **kw)
 
+    @property
+    def ffn_hidden(self) -> int:
+        return self.fc2.in_features
+
     def forward(self, x):
-        x = x + self.proj(attention(self.qkv(self.ln1(x)), self.heads, self.causal))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        x = x + self.proj(attention(self.qkv(self.ln1(x)), self.heads, self.causal, self.kv_heads, self.arch))
+        return x + self.fc2(self.arch.act(self.fc1(self.ln2(x))))
 
 
 def dense_linear(state: dict, in_features: int, out_features: int) -> nn.Linear:
@@ -80,12 +207,36 @@ def dense_linear(state: dict, in_features: int, out_features: int) -> nn.Linear:
     return lin
 
 
-def dense_layernorm(state: dict, hidden: int, eps: float) -> nn.LayerNorm:
-    ln = nn.LayerNorm(hidden, eps=eps, dtype=state["weight"].dtype, device=state["weight"].device)
+def dense_layernorm(state: dict, hidden: int, eps: float) -> nn.Module:
+    """A torch LayerNorm (state has a bias) or RMSNorm (it has none) holding full tensors."""
+    w = state["weight"]
+    kw = dict(eps=eps, dtype=w.dtype, device=w.device)
+    ln = nn.LayerNorm(hidden, **kw) if "bias" in state else nn.RMSNorm(hidden, **kw)
     with torch.no_grad():
-        ln.weight.copy_(state["weight"])
-        ln.bias.copy_(state["bias"])
+        ln.weight.copy_(w)
+        if "bias" in state:
+            ln.bias.copy_(state["bias"])
     return ln
+
+
+def norm_kind(dense: nn.Module) -> Norm:
+    """The Norm of a torch LayerNorm / RMSNorm."""
+    if isinstance(dense, nn.RMSNorm):
+        return Norm.RMS
+    if isinstance(dense, nn.LayerNorm):
+        return Norm.LAYER
+    raise GridError(f"expected a torch LayerNorm or RMSNorm, got {type(dense).__name__}")
+
+
+def normalize(x: torch.Tensor, norm: Norm, eps: float, hidden: int, total) -> torch.Tensor:
+    """x normalised over a hidden dim of `hidden` elements, of which x holds a slice:
+    `total` sums a partial statistic over the ranks splitting it. Statistics in float32 or
+    wider (half-precision inputs are upcast); the result has x's dtype."""
+    xs = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    if norm is Norm.LAYER:
+        xs = xs - total(xs.sum(-1, keepdim=True)) / hidden
+    var = total((xs * xs).sum(-1, keepdim=True)) / hidden
+    return (xs * torch.rsqrt(var + eps)).to(x.dtype)
 
 
 def values(grad):

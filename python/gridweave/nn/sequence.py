@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..sharding import DATA_AXES, place
-from .dense import linear_tensors, values
+from .dense import GPT2, Arch, Norm, linear_tensors, values
 
 
 class ReplicatedLinear(nn.Linear):
@@ -40,7 +40,20 @@ class ReplicatedLinear(nn.Linear):
         return out
 
 
-class ReplicatedLayerNorm(nn.LayerNorm):
+class _ReplicatedNorm:
+    """load_dense / dense_state of a torch norm every rank of the tensor group holds."""
+
+    def load_dense(self, dense: nn.Module):
+        with torch.no_grad():
+            for name, t in self.named_parameters():
+                t.copy_(getattr(dense, name))
+
+    def dense_state(self, grad=False):
+        pick = values(grad)
+        return {name: pick(t).clone() for name, t in self.named_parameters()}
+
+
+class ReplicatedLayerNorm(_ReplicatedNorm, nn.LayerNorm):
     """A torch LayerNorm every rank of the tensor group holds (1-D, sequence, sub-graph)."""
 
     def __init__(self, hidden, eps=1e-5, dtype=None, device=None, partial=DATA_AXES):
@@ -48,14 +61,19 @@ class ReplicatedLayerNorm(nn.LayerNorm):
         for p in self.parameters():
             place(p, partial=partial)
 
-    def load_dense(self, dense: nn.LayerNorm):
-        with torch.no_grad():
-            self.weight.copy_(dense.weight)
-            self.bias.copy_(dense.bias)
 
-    def dense_state(self, grad=False):
-        pick = values(grad)
-        return {"weight": pick(self.weight).clone(), "bias": pick(self.bias).clone()}
+class ReplicatedRMSNorm(_ReplicatedNorm, nn.RMSNorm):
+    """A torch RMSNorm every rank of the tensor group holds (1-D, sequence, sub-graph)."""
+
+    def __init__(self, hidden, eps=1e-6, dtype=None, device=None, partial=DATA_AXES):
+        super().__init__(hidden, eps=eps, dtype=dtype, device=device)
+        for p in self.parameters():
+            place(p, partial=partial)
+
+
+def replicated_norm(norm: Norm, hidden, eps, dtype=None, device=None, partial=DATA_AXES):
+    cls = ReplicatedRMSNorm if norm is Norm.RMS else ReplicatedLayerNorm
+    return cls(hidden, eps=eps, dtype=dtype, device=device, partial=partial)
 
 
 def _present(grid, axes):
@@ -75,19 +93,22 @@ def sequence_parallel(grid) -> bool:
     return grid.axes.get("sp", 1) > 1
 
 
-def attend(qkv, heads, causal, grid, algorithm="ring"):
-    """Attention of the local heads of a packed [q | k | v]: on this rank alone, or over the
-    "sp" ring when the grid splits the sequence (blockwise, zigzag when causal; or RSA)."""
-    from ..autograd.ring import ring_attention, ring_self_attention
-    from .dense import attention
+def attend(qkv, heads, causal, grid, algorithm="ring", kv_heads=None, arch: Arch = GPT2):
+    """Attention of the local heads of a packed [q | k | v] (heads query and kv_heads key/value
+    heads): on this rank alone, or over the "sp" ring when the grid splits the sequence
+    (blockwise, zigzag when causal; or RSA). Rotary positions are the tokens' global ones."""
+    from ..autograd.ring import positions, ring_attention, ring_self_attention
+    from .dense import attention, split_heads
 
+    kv_heads = heads if kv_heads is None else kv_heads
     if not sequence_parallel(grid):
-        return attention(qkv, heads, causal)
-    b, s, three_h = qkv.shape
-    h = three_h // 3
-    q, k, v = (t.reshape(b, s, heads, h // heads).transpose(1, 2) for t in qkv.split(h, dim=-1))
+        return attention(qkv, heads, causal, kv_heads, arch)
+    zigzag = algorithm != "rsa" and causal
+    pos = positions(qkv.shape[1], grid.axes["sp"], grid.index("sp"), zigzag, qkv.device)
+    q, k, v = split_heads(qkv, heads, kv_heads, arch, pos)
     if algorithm == "rsa":
         o = ring_self_attention(q, k, v, grid, "sp", causal)
     else:
-        o = ring_attention(q, k, v, grid, "sp", causal, causal)
-    return o.transpose(1, 2).reshape(b, s, h)
+        o = ring_attention(q, k, v, grid, "sp", causal, zigzag)
+    b, s = qkv.shape[:2]
+    return o.transpose(1, 2).reshape(b, s, -1)

@@ -8,7 +8,7 @@ from torch import nn
 from ..autograd import subgraph as sgops
 from ..errors import GridError
 from ..layout import Layout
-from .dense import DenseSelfAttention, head_group_order, values
+from .dense import GPT2, DenseSelfAttention, group_order, values
 from ..sharding import place
 from .sequence import ReplicatedLinear, attend
 
@@ -35,7 +35,7 @@ class SubGraphAttention(nn.Module):
     the paper's choice on NCCL, which had no fast all-to-all)."""
 
     def __init__(self, hidden, heads, grid, mode="dsp", projection="branch", method="all_to_all", causal=True,
-                 bias=True, dtype=None, device=None):
+                 bias=True, dtype=None, device=None, arch=None):
         super().__init__()
         from ..modes import SubGraph, resolve
 
@@ -47,15 +47,20 @@ class SubGraphAttention(nn.Module):
         if projection not in ("branch", "common"):
             raise GridError(f"projection must be 'branch' or 'common', got {projection!r}")
         g = grid.axes["sg"]
-        if heads % g or hidden % g:
-            raise GridError(f"{heads} heads / hidden {hidden} do not split over {g} sub-grids")
+        self.arch = arch = arch or GPT2
+        self.kv_heads = arch.kv(heads)
+        if heads % g or hidden % g or self.kv_heads % g:
+            raise GridError(f"{heads} heads ({self.kv_heads} key/value heads) / hidden {hidden} do not split over "
+                            f"{g} sub-grids (key/value heads are not replicated)")
+        self.widths = arch.qkv_widths(hidden, heads)
+        width = sum(self.widths)
         sgops._method(method)
         self.grid, self.mode, self.projection, self.method = grid, mode, projection, method
         self.hidden, self.heads, self.causal, self.g = hidden, heads, causal, g
         kw = dict(dtype=dtype, device=device or grid.device)
         common = mode.common_partial()
         if projection == "branch":
-            self.qkv = ReplicatedLinear(hidden, 3 * hidden // g, bias, **kw)      # branch k's heads
+            self.qkv = ReplicatedLinear(hidden, width // g, bias, **kw)           # branch k's heads
             self.proj = ReplicatedLinear(hidden // g, hidden, False, **kw)       # branch k's columns
             place(self.qkv.weight, Layout(("sg",)))
             if bias:
@@ -63,7 +68,7 @@ class SubGraphAttention(nn.Module):
             place(self.proj.weight, Layout((), ("sg",)))
             self.proj_bias = place(nn.Parameter(torch.zeros(hidden, **kw)), partial=common) if bias else None
         else:
-            self.qkv = ReplicatedLinear(hidden, 3 * hidden, bias, partial=common, **kw)
+            self.qkv = ReplicatedLinear(hidden, width, bias, partial=common, **kw)
             self.proj = ReplicatedLinear(hidden, hidden, bias, partial=common, **kw)
             self.proj_bias = None
 
@@ -78,28 +83,33 @@ class SubGraphAttention(nn.Module):
         shape = mode.common_shape(x, grid)
         if self.projection == "branch":
             xb = mode.split(x, grid, shape)
-            y = self.proj(attend(self.qkv(xb), self.heads // self.g, self.causal, grid))
+            y = self.proj(self._attend(self.qkv(xb)))
             out = mode.branch_sum(y, grid)
             return out + self.proj_bias if self.proj_bias is not None else out
         qkv = self.qkv(x)
-        qshape = tuple(shape[:-1]) + (3 * self.hidden,) if shape is not None else None
+        qshape = tuple(shape[:-1]) + (sum(self.widths),) if shape is not None else None
         branch = mode.slice_(qkv, grid, self.method, qshape)
-        return self.proj(mode.concat(attend(branch, self.heads // self.g, self.causal, grid), grid, self.method))
+        return self.proj(mode.concat(self._attend(branch), grid, self.method))
+
+    def _attend(self, qkv):
+        """Attention of this branch's head group (its query and key/value heads)."""
+        return attend(qkv, self.heads // self.g, self.causal, self.grid, kv_heads=self.kv_heads // self.g,
+                      arch=self.arch)
 
     @classmethod
     def from_dense(cls, dense: DenseSelfAttention, grid, mode="dsp", **kw):
         m = cls(dense.qkv.in_features, dense.heads, grid, mode, causal=dense.causal, bias=dense.qkv.bias is not None,
-                dtype=dense.qkv.weight.dtype, **kw)
+                dtype=dense.qkv.weight.dtype, arch=dense.arch, **kw)
         m.load_dense(dense.qkv, dense.proj)
         return m
 
     def load_dense(self, qkv: nn.Linear, proj: nn.Linear):
-        order = head_group_order(self.hidden, self.g, qkv.weight.device)
+        order = group_order(self.widths, self.g, qkv.weight.device)
         if self.projection == "common":
             self.qkv.load_dense(qkv, order)
             self.proj.load_dense(proj)
             return
-        k, w = self.grid.index("sg"), 3 * self.hidden // self.g
+        k, w = self.grid.index("sg"), sum(self.widths) // self.g
         rows = order[k * w:(k + 1) * w]
         cols = slice(k * self.hidden // self.g, (k + 1) * self.hidden // self.g)
         with torch.no_grad():
@@ -112,7 +122,7 @@ class SubGraphAttention(nn.Module):
 
     def dense_state(self, grad=False):
         pick = values(grad)
-        inv = torch.argsort(head_group_order(self.hidden, self.g, self.qkv.weight.device))
+        inv = torch.argsort(group_order(self.widths, self.g, self.qkv.weight.device))
         if self.projection == "common":
             out = {f"qkv.{k}": v for k, v in self.qkv.dense_state(grad).items()}
             out.update({f"proj.{k}": v for k, v in self.proj.dense_state(grad).items()})
@@ -129,7 +139,7 @@ class SubGraphAttention(nn.Module):
 
     def to_dense(self):
         d = DenseSelfAttention(self.hidden, self.heads, "qkv.bias" in self.dense_state(), self.causal,
-                               dtype=self.qkv.weight.dtype, device=self.qkv.weight.device)
+                               dtype=self.qkv.weight.dtype, device=self.qkv.weight.device, arch=self.arch)
         with torch.no_grad():
             d.load_state_dict(self.dense_state())
         return d

@@ -8,7 +8,7 @@ from torch import nn
 from ..autograd.comm import all_reduce_replicated
 from ..autograd.summa import summa_matmul, summa_vector
 from ..errors import GridError
-from .dense import ParallelLinearBase, dense_layernorm, linear_tensors, values
+from .dense import Norm, ParallelLinearBase, dense_layernorm, linear_tensors, norm_kind, normalize, values
 from ..layout import Layout, gather, scatter
 from ..sharding import place
 
@@ -72,41 +72,40 @@ class Linear2D(ParallelLinearBase):
 
 
 class LayerNorm2D(nn.Module):
-    """LayerNorm over a hidden dim split over "c": statistics all-reduced in c."""
+    """LayerNorm (or RMSNorm: norm=Norm.RMS) over a hidden dim split over "c": statistics
+    all-reduced in c."""
 
     input_layout = ACTIVATION
     output_layout = ACTIVATION
 
-    def __init__(self, hidden, grid, eps=1e-5, dtype=None, device=None):
+    def __init__(self, hidden, grid, eps=1e-5, dtype=None, device=None, norm=Norm.LAYER):
         super().__init__()
         q = grid.axes["r"]
         _check(hidden, q * q, "hidden")
-        self.grid, self.hidden, self.eps = grid, hidden, eps
+        self.grid, self.hidden, self.eps, self.norm = grid, hidden, eps, norm
         kw = dict(dtype=dtype, device=device or grid.device)
         self.weight = place(nn.Parameter(torch.ones(hidden // (q * q), **kw)), VECTOR)
-        self.bias = place(nn.Parameter(torch.zeros(hidden // (q * q), **kw)), VECTOR)
+        self.bias = place(nn.Parameter(torch.zeros(hidden // (q * q), **kw)), VECTOR) if norm is Norm.LAYER else None
 
     def forward(self, x):
-        mean = all_reduce_replicated(x.sum(-1, keepdim=True), self.grid, "c") / self.hidden
-        d = x - mean
-        var = all_reduce_replicated((d * d).sum(-1, keepdim=True), self.grid, "c") / self.hidden
-        return d * torch.rsqrt(var + self.eps) * summa_vector(self.weight, self.grid) + summa_vector(self.bias, self.grid)
+        y = normalize(x, self.norm, self.eps, self.hidden, lambda t: all_reduce_replicated(t, self.grid, "c"))
+        y = y * summa_vector(self.weight, self.grid)
+        return y + summa_vector(self.bias, self.grid) if self.bias is not None else y
 
     @classmethod
-    def from_dense(cls, dense: nn.LayerNorm, grid, **kw):
-        m = cls(dense.normalized_shape[0], grid, eps=dense.eps, dtype=dense.weight.dtype, **kw)
+    def from_dense(cls, dense: nn.Module, grid, **kw):
+        m = cls(dense.normalized_shape[0], grid, eps=dense.eps, dtype=dense.weight.dtype, norm=norm_kind(dense), **kw)
         m.load_dense(dense)
         return m
 
     def load_dense(self, dense):
         with torch.no_grad():
-            self.weight.copy_(scatter(dense.weight.detach(), VECTOR, self.grid))
-            self.bias.copy_(scatter(dense.bias.detach(), VECTOR, self.grid))
+            for name, t in self.named_parameters():
+                t.copy_(scatter(getattr(dense, name).detach(), VECTOR, self.grid))
 
     def dense_state(self, grad=False):
         pick = values(grad)
-        return {"weight": gather(pick(self.weight), VECTOR, self.grid),
-                "bias": gather(pick(self.bias), VECTOR, self.grid)}
+        return {name: gather(pick(t), VECTOR, self.grid) for name, t in self.named_parameters()}
 
     def to_dense(self):
         return dense_layernorm(self.dense_state(), self.hidden, self.eps)

@@ -13,7 +13,7 @@ from ..errors import GridError
 from ..layout import Layout, assemble, gather, scatter
 from ..modes.cube import activation_layout, matrix_layout, vector_layout
 from ..sharding import place
-from .dense import ParallelLinearBase, dense_layernorm, linear_tensors, values
+from .dense import Norm, ParallelLinearBase, dense_layernorm, linear_tensors, norm_kind, normalize, values
 
 CUBE = ("x", "y", "z")
 
@@ -108,18 +108,20 @@ def _assemble_diagonal(local, n, layout, grid, diagonal):
 
 
 class LayerNorm3D(nn.Module):
-    """LayerNorm over a hidden dim split over c; gamma and beta on the diagonal (Alg. 7-8)."""
+    """LayerNorm (or RMSNorm: norm=Norm.RMS) over a hidden dim split over c; gamma and beta
+    on the diagonal (Alg. 7-8)."""
 
-    def __init__(self, hidden, grid, a="y", c="z", eps=1e-5, dtype=None, device=None):
+    def __init__(self, hidden, grid, a="y", c="z", eps=1e-5, dtype=None, device=None, norm=Norm.LAYER):
         super().__init__()
         p = _p(grid)
         _check(hidden, p * p, "hidden")
-        self.grid, self.hidden, self.eps, self.a, self.c = grid, hidden, eps, a, c
+        self.grid, self.hidden, self.eps, self.a, self.c, self.norm = grid, hidden, eps, a, c, norm
         self.diagonal = is_diagonal(grid, c, a)
         n = hidden // (p * p) if self.diagonal else 0
         kw = dict(dtype=dtype, device=device or grid.device)
         self.weight = place(nn.Parameter(torch.ones(n, **kw)), self.vector_layout, diagonal=(c, a))
-        self.bias = place(nn.Parameter(torch.zeros(n, **kw)), self.vector_layout, diagonal=(c, a))
+        self.bias = place(nn.Parameter(torch.zeros(n, **kw)), self.vector_layout, diagonal=(c, a)) \
+            if norm is Norm.LAYER else None
 
     @property
     def input_layout(self):
@@ -134,29 +136,26 @@ class LayerNorm3D(nn.Module):
     def forward(self, x):
         p = self.grid.axes["x"]
         n = self.hidden // (p * p)
-        mean = all_reduce_replicated(x.sum(-1, keepdim=True), self.grid, self.c) / self.hidden
-        d = x - mean
-        var = all_reduce_replicated((d * d).sum(-1, keepdim=True), self.grid, self.c) / self.hidden
-        gamma = cube_vector(self.weight, self.grid, self.c, self.a, n)
-        beta = cube_vector(self.bias, self.grid, self.c, self.a, n)
-        return d * torch.rsqrt(var + self.eps) * gamma + beta
+        y = normalize(x, self.norm, self.eps, self.hidden, lambda t: all_reduce_replicated(t, self.grid, self.c))
+        y = y * cube_vector(self.weight, self.grid, self.c, self.a, n)
+        return y + cube_vector(self.bias, self.grid, self.c, self.a, n) if self.bias is not None else y
 
     @classmethod
-    def from_dense(cls, dense: nn.LayerNorm, grid, **kw):
-        m = cls(dense.normalized_shape[0], grid, eps=dense.eps, dtype=dense.weight.dtype, **kw)
+    def from_dense(cls, dense: nn.Module, grid, **kw):
+        m = cls(dense.normalized_shape[0], grid, eps=dense.eps, dtype=dense.weight.dtype, norm=norm_kind(dense), **kw)
         m.load_dense(dense)
         return m
 
     def load_dense(self, dense):
         if self.diagonal:
             with torch.no_grad():
-                self.weight.copy_(scatter(dense.weight.detach(), self.vector_layout, self.grid))
-                self.bias.copy_(scatter(dense.bias.detach(), self.vector_layout, self.grid))
+                for name, t in self.named_parameters():
+                    t.copy_(scatter(getattr(dense, name).detach(), self.vector_layout, self.grid))
 
     def dense_state(self, grad=False):
         pick = values(grad)
         return {name: _assemble_diagonal(pick(t), self.hidden, self.vector_layout, self.grid, self.diagonal)
-                for name, t in (("weight", self.weight), ("bias", self.bias))}
+                for name, t in self.named_parameters()}
 
     def to_dense(self):
         return dense_layernorm(self.dense_state(), self.hidden, self.eps)

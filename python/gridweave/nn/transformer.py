@@ -8,33 +8,41 @@ and gw.CSub (SUPER's branches), gw.Sequence (replicated weights, ring attention)
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import GridError
 from ..modes import resolve
-from .dense import DenseMLP, DenseSelfAttention, DenseTransformerLayer, head_group_order
+from .dense import GPT2, Arch, DenseMLP, DenseSelfAttention, DenseTransformerLayer, group_order
 from .sequence import attend, sequence_parallel
 
 
 class SelfAttention(nn.Module):
     """qkv -> attention on this rank's heads -> proj. Heads are split over the tensor-
-    parallel groups (1-D: tp; 2-D: c; 3-D: the a direction of the qkv output)."""
+    parallel groups (1-D: tp; 2-D: c; 3-D: the a direction of the qkv output); with
+    grouped-query attention each group holds kv_heads / groups key/value heads (Megatron-
+    Core's rule: the groups must divide kv_heads; kv heads are not replicated)."""
 
     def __init__(self, hidden, heads, grid, mode=None, bias=True, causal=True, overlap=False, dtype=None,
-                 attention="ring", device=None):
+                 attention="ring", device=None, arch: Arch | None = None):
         super().__init__()
         if attention not in ("ring", "rsa"):
             raise GridError(f"attention must be 'ring' (blockwise) or 'rsa' (seed 004's), got {attention!r}")
         self.attention = attention
         self.mode = resolve(mode, grid)
         self.groups = self.mode.head_groups_count()
-        if heads % self.groups:
-            raise GridError(f"{heads} heads do not split over {self.groups} tensor-parallel groups")
+        self.arch = arch = arch or GPT2
+        self.kv_heads = arch.kv(heads)
+        if heads % self.groups or self.kv_heads % self.groups:
+            if self.kv_heads == heads:
+                raise GridError(f"{heads} heads do not split over {self.groups} tensor-parallel groups ({self.mode!r})")
+            raise GridError(f"{heads} heads ({self.kv_heads} key/value heads) do not split over {self.groups} "
+                            f"tensor-parallel groups ({self.mode!r}); gridweave does not replicate key/value heads: "
+                            f"choose a tensor size that divides {self.kv_heads}")
         self.grid, self.bias = grid, bias
         self.hidden, self.heads, self.causal = hidden, heads, causal
+        self.widths = arch.qkv_widths(hidden, heads)
         first, second = self.mode.linear_pair(grid, bias, dtype, device or grid.device, overlap)
-        self.qkv, self.proj = first(hidden, 3 * hidden), second(hidden, hidden)
+        self.qkv, self.proj = first(hidden, sum(self.widths)), second(hidden, hidden)
 
     @property
     def input_layout(self):
@@ -48,31 +56,33 @@ class SelfAttention(nn.Module):
         return self.attention == "ring" and self.causal
 
     def forward(self, x):
-        return self.proj(attend(self.qkv(x), self.heads // self.groups, self.causal, self.grid, self.attention))
+        return self.proj(attend(self.qkv(x), self.heads // self.groups, self.causal, self.grid, self.attention,
+                                self.kv_heads // self.groups, self.arch))
 
     @classmethod
     def from_dense(cls, dense: DenseSelfAttention, grid, mode=None, **kw):
         kw.setdefault("dtype", dense.qkv.weight.dtype)
         m = cls(dense.qkv.in_features, dense.heads, grid, mode, bias=dense.qkv.bias is not None, causal=dense.causal,
-                **kw)
+                arch=dense.arch, **kw)
         m.load_dense(dense.qkv, dense.proj)
         return m
 
     def to_dense(self):
         w = self.qkv.weight
-        d = DenseSelfAttention(self.hidden, self.heads, self.bias, self.causal, dtype=w.dtype, device=w.device)
+        d = DenseSelfAttention(self.hidden, self.heads, self.bias, self.causal, dtype=w.dtype, device=w.device,
+                               arch=self.arch)
         with torch.no_grad():
             d.load_state_dict(self.dense_state())
         return d
 
     def load_dense(self, qkv: nn.Linear, proj: nn.Linear):
-        self.qkv.load_dense(qkv, head_group_order(self.hidden, self.groups, qkv.weight.device))
+        self.qkv.load_dense(qkv, group_order(self.widths, self.groups, qkv.weight.device))
         self.proj.load_dense(proj)
 
     def dense_state(self, grad=False):
         out = {f"qkv.{k}": v for k, v in self.qkv.dense_state(grad).items()}
         out.update({f"proj.{k}": v for k, v in self.proj.dense_state(grad).items()})
-        inv = torch.argsort(head_group_order(self.hidden, self.groups, out["qkv.weight"].device))
+        inv = torch.argsort(group_order(self.widths, self.groups, out["qkv.weight"].device))
         for k in ("qkv.weight", "qkv.bias"):
             if k in out:
                 out[k] = out[k][inv]
@@ -89,6 +99,9 @@ class RingSelfAttention(SelfAttention):
 
     @classmethod
     def from_dense(cls, dense: DenseSelfAttention, grid):
+        if dense.arch.rope_theta is not None or dense.kv_heads != dense.heads:
+            raise GridError(f"{cls.__name__} is seed 004's block (MHA, no rotary); use "
+                            f"SelfAttention(..., mode=gw.Sequence(), arch=...) for this one")
         m = cls(dense.qkv.in_features, dense.heads, grid, dense.causal, dense.qkv.bias is not None,
                 dense.qkv.weight.dtype)
         m.load_dense(dense.qkv, dense.proj)
@@ -107,15 +120,21 @@ class RingAttention(SelfAttention):
 
 
 class MLP(nn.Module):
-    """fc1 -> GeLU -> fc2 (1-D: column then row parallel; 3-D: directions swap and back)."""
+    """fc1 -> activation -> fc2 (1-D: column then row parallel; 3-D: directions swap and
+    back). SwiGLU's packed [gate | up] is regrouped so each column block holds matching
+    gate and up columns (the first linear's columns split like the heads)."""
 
-    def __init__(self, hidden, ffn_hidden, grid, mode=None, bias=True, overlap=False, dtype=None, device=None):
+    def __init__(self, hidden, ffn_hidden, grid, mode=None, bias=True, overlap=False, dtype=None, device=None,
+                 arch: Arch | None = None):
         super().__init__()
         self.mode = resolve(mode, grid)
+        self.arch = arch or GPT2
         self.grid, self.bias = grid, bias
         self.hidden, self.ffn_hidden = hidden, ffn_hidden
+        self.widths = self.arch.fc1_widths(ffn_hidden)
+        self.groups = self.mode.head_groups_count()
         first, second = self.mode.linear_pair(grid, bias, dtype, device or grid.device, overlap)
-        self.fc1, self.fc2 = first(hidden, ffn_hidden), second(ffn_hidden, hidden)
+        self.fc1, self.fc2 = first(hidden, sum(self.widths)), second(ffn_hidden, hidden)
 
     @property
     def input_layout(self):
@@ -125,28 +144,36 @@ class MLP(nn.Module):
     output_layout = input_layout
 
     def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x)))
+        return self.fc2(self.arch.act(self.fc1(x)))
 
     @classmethod
     def from_dense(cls, dense: DenseMLP, grid, mode=None, **kw):
         kw.setdefault("dtype", dense.fc1.weight.dtype)
-        m = cls(dense.fc1.in_features, dense.fc1.out_features, grid, mode, bias=dense.fc1.bias is not None, **kw)
+        m = cls(dense.fc1.in_features, dense.fc2.in_features, grid, mode, bias=dense.fc1.bias is not None,
+                arch=dense.arch, **kw)
         m.load_dense(dense.fc1, dense.fc2)
         return m
 
+    def _order(self, device):
+        return group_order(self.widths, self.groups, device) if len(self.widths) > 1 else None
+
     def to_dense(self):
         w = self.fc1.weight
-        d = DenseMLP(self.hidden, self.ffn_hidden, self.bias, dtype=w.dtype, device=w.device)
+        d = DenseMLP(self.hidden, self.ffn_hidden, self.bias, dtype=w.dtype, device=w.device, arch=self.arch)
         with torch.no_grad():
             d.load_state_dict(self.dense_state())
         return d
 
     def load_dense(self, fc1: nn.Linear, fc2: nn.Linear):
-        self.fc1.load_dense(fc1)
+        self.fc1.load_dense(fc1, self._order(fc1.weight.device))
         self.fc2.load_dense(fc2)
 
     def dense_state(self, grad=False):
         out = {f"fc1.{k}": v for k, v in self.fc1.dense_state(grad).items()}
+        order = self._order(out["fc1.weight"].device)
+        if order is not None:
+            inv = torch.argsort(order)
+            out = {k: v[inv] for k, v in out.items()}
         out.update({f"fc2.{k}": v for k, v in self.fc2.dense_state(grad).items()})
         return out
 
@@ -157,17 +184,18 @@ class TransformerLayer(nn.Module):
     attention_options go to the mode's attention (sub-graph: projection, method)."""
 
     def __init__(self, hidden, heads, grid, mode=None, ffn_hidden=None, bias=True, causal=True, overlap=False,
-                 dtype=None, attention="ring", device=None, **attention_options):
+                 dtype=None, attention="ring", device=None, arch: Arch | None = None, **attention_options):
         super().__init__()
         self.mode = resolve(mode, grid)
+        self.arch = arch = arch or GPT2
         ffn_hidden = ffn_hidden or 4 * hidden
         device = device or grid.device
         self.grid, self.hidden, self.heads, self.causal = grid, hidden, heads, causal
         self.ffn_hidden, self.overlap, self.bias = ffn_hidden, overlap, bias
-        self.ln1, self.ln2 = (self.mode.norm(hidden, grid, dtype, device) for _ in range(2))
+        self.ln1, self.ln2 = (self.mode.norm(hidden, grid, dtype, device, arch.eps, arch.norm) for _ in range(2))
         self.attn = self.mode.attention(hidden, heads, grid, causal, bias, dtype, device, overlap, attention,
-                                        **attention_options)
-        self.mlp = MLP(hidden, ffn_hidden, grid, self.mode, bias, overlap, dtype, device)
+                                        arch=arch, **attention_options)
+        self.mlp = MLP(hidden, ffn_hidden, grid, self.mode, bias, overlap, dtype, device, arch)
 
     @property
     def input_layout(self):
@@ -196,8 +224,8 @@ class TransformerLayer(nn.Module):
     def from_dense(cls, dense: DenseTransformerLayer, grid, mode=None, **kw):
         hidden = dense.ln1.normalized_shape[0]
         kw.setdefault("dtype", dense.qkv.weight.dtype)
-        m = cls(hidden, dense.heads, grid, mode, ffn_hidden=dense.fc1.out_features, bias=dense.qkv.bias is not None,
-                causal=dense.causal, **kw)
+        m = cls(hidden, dense.heads, grid, mode, ffn_hidden=dense.ffn_hidden, bias=dense.qkv.bias is not None,
+                causal=dense.causal, arch=dense.arch, **kw)
         m.load_dense(dense)
         return m
 
@@ -217,7 +245,7 @@ class TransformerLayer(nn.Module):
     def to_dense(self):
         w = self.attn.qkv.weight
         d = DenseTransformerLayer(self.hidden, self.heads, self.ffn_hidden, bias=self.bias, causal=self.causal,
-                                  dtype=w.dtype, device=w.device)
+                                  dtype=w.dtype, device=w.device, arch=self.arch)
         with torch.no_grad():
             d.load_state_dict(self.dense_state())
         return d

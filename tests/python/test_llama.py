@@ -1,0 +1,119 @@
+"""A Llama layer (RMSNorm, SwiGLU, rotary positions, grouped-query attention) in every tensor
+mode and with sequence parallelism, against the dense layer: output, input gradient and
+every parameter gradient (float64, 1e-10); kv-heads the tensor groups do not split."""
+import pytest
+import torch
+
+from tp_refs import DEVICE, full, rel
+
+H, HEADS, B, S, FFN = 32, 8, 4, 8, 48
+
+
+def _modes(gw, n):
+    return {"1d": lambda: dict(tp=gw.Row(n)), "1d+sp": lambda: dict(tp=gw.Row(n // 2), sp=2),
+            "2d": lambda: dict(tp=gw.Square(2), dp=n // 4), "3d": lambda: dict(tp=gw.Cube(2)),
+            "dsp": lambda: dict(tp=gw.SubGraph(2), dp=n // 2), "csub": lambda: dict(tp=gw.CSub(2), dp=n // 2),
+            "sp": lambda: dict(sp=n), "dsp+sp": lambda: dict(tp=gw.SubGraph(2), sp=n // 2)}
+
+
+def _llama_layer(ctx, mode, kv_heads, attention, causal=True):
+    import gridweave as gw
+
+    grid = ctx.init(**_modes(gw, ctx.world_size)[mode]())
+    torch.manual_seed(0)
+    arch = gw.nn.Arch(gw.nn.Norm.RMS, gw.nn.Activation.SWIGLU, kv_heads=kv_heads, rope_theta=500.0, eps=1e-6)
+    dense = gw.nn.DenseTransformerLayer(H, HEADS, FFN, bias=False, causal=causal, dtype=torch.float64, device=DEVICE,
+                                        arch=arch)
+    with torch.no_grad():
+        for p in dense.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    layer = gw.nn.TransformerLayer.from_dense(dense, grid, attention=attention)
+    x = full((B, S, H), 31).requires_grad_()
+    y = dense(x)
+    dy = full(y.shape, 32)
+    y.backward(dy)
+    lay = layer.input_layout
+    xl = gw.scatter(x.detach(), lay, grid).requires_grad_()
+    yl = layer(xl)
+    yl.backward(gw.scatter(dy, lay, grid))
+    gw.reduce_gradients(layer, grid)  # each gradient summed over its placement's partial axes
+    errs = {"y": rel(gw.gather(yl.detach(), lay, grid, shape=y.shape), y),
+            "dx": rel(gw.gather(xl.grad, lay, grid, shape=x.shape), x.grad)}
+    grads = layer.dense_state(grad=True)
+    for name, p in dense.named_parameters():
+        errs[name] = rel(grads[name], p.grad)
+    state = layer.to_dense().state_dict()
+    errs["to_dense"] = max(rel(state[k], v) for k, v in dense.state_dict().items())
+    return errs
+
+
+@pytest.mark.parametrize("mode,n,kv", [("1d", 2, 2), ("1d", 4, 4), ("1d+sp", 4, 2), ("2d", 4, 2), ("3d", 8, 2),
+                                       ("dsp", 4, 2), ("csub", 4, 2), ("sp", 4, 1), ("dsp+sp", 4, 2)])
+def test_llama_layer_matches_dense(pool, mode, n, kv):
+    for errs in pool.run(_llama_layer, n, mode, kv, "ring"):
+        assert max(errs.values()) < 1e-10, {k: v for k, v in errs.items() if v >= 1e-10}
+
+
+@pytest.mark.parametrize("attention,causal", [("rsa", True), ("ring", False)])
+def test_llama_rotary_positions_under_rsa_and_contiguous_ring(pool, attention, causal):
+    for errs in pool.run(_llama_layer, 4, "sp", 2, attention, causal):
+        assert max(errs.values()) < 1e-10, errs
+
+
+def _kv_split(ctx):
+    import gridweave as gw
+
+    grid = ctx.init(tp=gw.Row(ctx.world_size))
+    arch = gw.nn.Arch(gw.nn.Norm.RMS, gw.nn.Activation.SWIGLU, kv_heads=2, rope_theta=1e4)
+    try:
+        gw.nn.TransformerLayer(H, HEADS, grid, bias=False, arch=arch)
+    except gw.GridError as e:
+        return str(e)
+    return None
+
+
+def test_kv_heads_the_tensor_groups_do_not_split_are_a_clear_error(pool):
+    for msg in pool.run(_kv_split, 4):
+        assert msg and "2 key/value heads" in msg and "not replicate" in msg, msg
+
+
+def test_dense_llama_layer_is_rope_gqa_rmsnorm_swiglu():
+    """The dense layer against the formulas written out by hand (numpy-free torch, float64)."""
+    import math
+
+    import gridweave as gw
+
+    torch.manual_seed(3)
+    arch = gw.nn.Arch(gw.nn.Norm.RMS, gw.nn.Activation.SWIGLU, kv_heads=2, rope_theta=100.0, eps=1e-6)
+    d = gw.nn.DenseTransformerLayer(16, 4, 24, bias=False, dtype=torch.float64, arch=arch)
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    hd = 4
+
+    def rms(t, w):
+        return t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+    def rope(t):  # t: (b, s, n, hd); rotate pairs (i, i + hd/2) by pos * theta^(-2i/hd)
+        out = t.clone()
+        for pos in range(t.shape[1]):
+            for i in range(hd // 2):
+                a = pos * 100.0 ** (-2 * i / hd)
+                c, s_ = math.cos(a), math.sin(a)
+                x1, x2 = t[:, pos, :, i], t[:, pos, :, i + hd // 2]
+                out[:, pos, :, i], out[:, pos, :, i + hd // 2] = x1 * c - x2 * s_, x2 * c + x1 * s_
+        return out
+
+    h = rms(x, d.ln1.weight)
+    qkv = h @ d.qkv.weight.T
+    q, k, v = qkv.split([16, 8, 8], -1)
+    q, k, v = q.reshape(2, 5, 4, hd), k.reshape(2, 5, 2, hd), v.reshape(2, 5, 2, hd)
+    q, k = rope(q), rope(k)
+    att = torch.zeros(2, 5, 4, hd, dtype=torch.float64)
+    for head in range(4):
+        kv = head // 2  # query heads 0,1 share kv head 0
+        sc = torch.einsum("bsd,btd->bst", q[:, :, head], k[:, :, kv]) / math.sqrt(hd)
+        sc = sc.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+        att[:, :, head] = torch.einsum("bst,btd->bsd", sc.softmax(-1), v[:, :, kv])
+    x1 = x + att.reshape(2, 5, 16) @ d.proj.weight.T
+    g, u = (rms(x1, d.ln2.weight) @ d.fc1.weight.T).split([24, 24], -1)
+    y = x1 + (torch.nn.functional.silu(g) * u) @ d.fc2.weight.T
+    assert rel(d(x), y) < 1e-7  # the rotary angles are float32, as Hugging Face computes them
