@@ -76,7 +76,7 @@ def gridweave_job(cfg, device) -> float:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         opt.zero_grad()
-        gw.pipeline.pipeline_step(stage, grid, xs, ys, lambda o, t: model.loss(o.float(), t),
+        gw.pipeline.pipeline_step(stage, grid, xs, ys, stage.loss,
                                   stage.activation_shape(mb, cfg["seq"]), dtype=torch.bfloat16)
         opt.step()
         torch.cuda.synchronize()

@@ -194,7 +194,16 @@ def main(argv=None) -> int:
                   f"{preset['intra_bandwidth_Bps'] / 1e9:.2f} GB/s, GEMM {preset['gemm_flops'] / 1e9:.1f} GFLOP/s")
         return 0
     if args.command == "train":
-        if args.nproc > 0 and "RANK" not in os.environ and not os.environ.get("GRIDWEAVE_SPAWNED"):
+        from .errors import GridError
+
+        launcher_side = args.nproc > 0 and "RANK" not in os.environ and not os.environ.get("GRIDWEAVE_SPAWNED")
+        if launcher_side:  # the whole configuration, once, before any rank starts
+            try:
+                train_config(args).grid_shape(args.nproc)
+            except GridError as e:
+                print(f"gridweave train: {e}", file=sys.stderr)
+                return 2
+        if launcher_side:
             if args.nproc == 1:
                 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
             else:  # spawn the ranks, each running this command with --nproc 0

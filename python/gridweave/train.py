@@ -50,17 +50,17 @@ class TrainConfig:
     kv_heads / ffn_hidden of 0: the family's default (Llama: heads / 2 kv heads when even,
     SwiGLU width 8h/3 rounded to 8; GPT: heads, 4h)."""
     model: str = "llama"
-    hidden: int = 64
-    heads: int = 4
+    hidden: int = 128
+    heads: int = 8
     kv_heads: int = 0
     layers: int = 4
     ffn_hidden: int = 0
     tie: bool = False
     rope_theta: float = 10000.0
-    seq: int = 64
+    seq: int = 128
     tokenizer: str = "bpe"
     vocab: int = 1024
-    batch: int = 16
+    batch: int = 32
     microbatches: int = 2
     lr: float = 3e-3
     min_lr: float = 3e-4
@@ -68,7 +68,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     max_grad_norm: float | None = 1.0
     seed: int = 0
-    steps: int = 200
+    steps: int = 300
     val_every: int = 50
     val_samples: int = 32
     dp: int = 0
@@ -141,10 +141,52 @@ class TrainConfig:
         self.model_config(self.vocab)  # the model's own checks (heads vs hidden, kv heads)
 
     def model_config(self, vocab: int) -> ModelConfig:
-        """The model of this run for a tokenizer of `vocab` tokens (padded to PAD_VOCAB)."""
+        """The model of this run for a tokenizer of `vocab` tokens, padded to a multiple of
+        PAD_VOCAB and of the vocabulary axis (so the vocab-parallel head always splits)."""
         kv = self.kv_heads or (self.heads // 2 if self.model == "llama" and self.heads % 2 == 0 else self.heads)
-        return ModelConfig(self.model, -(-vocab // PAD_VOCAB) * PAD_VOCAB, self.hidden, self.heads, self.layers,
+        pad = math.lcm(PAD_VOCAB, self.mode.size if self.mode.vocab_axis() else 1)
+        return ModelConfig(self.model, -(-vocab // pad) * pad, self.hidden, self.heads, self.layers,
                            self.seq, self.ffn_hidden or None, kv, self.rope_theta, None, self.tie)
+
+    def grid_shape(self, world: int) -> dict:
+        """The grid's axes on `world` ranks: the ones not given derived from the ones given (pp
+        from dp when dp is given, else 2 where it divides; dp the rest), and every check of the
+        model and batch against them. The command line calls it before spawning any rank,
+        run() again on every rank: one rule, one message."""
+        mode, sp = self.mode, self.sp
+        tp_size = mode.ranks()
+        if world % (tp_size * sp):
+            raise GridError(f"--tp {mode.spec()} ({tp_size} ranks) x --sp {sp} does not divide the world of {world} "
+                            "ranks")
+        rest = world // (tp_size * sp)
+        if self.dp and self.pp and self.dp * self.pp != rest:
+            raise GridError(f"--dp {self.dp} x --pp {self.pp} x --tp {mode.spec()} x --sp {sp} needs "
+                            f"{self.dp * self.pp * tp_size * sp} ranks, the world has {world}")
+        for name in ("dp", "pp"):
+            v = getattr(self, name)
+            if v and rest % v:
+                raise GridError(f"--{name} {v} does not divide the {rest} ranks left by --tp {mode.spec()} x --sp {sp} "
+                                f"(world {world})")
+        pp = self.pp or (rest // self.dp if self.dp else
+                         2 if rest % 2 == 0 and self.layers % 2 == 0 and rest > 1 else 1)
+        dp = self.dp or rest // pp
+        if self.layers % pp:
+            raise GridError(f"{self.layers} layers do not split over {pp} pipeline stages")
+        if self.batch % (dp * self.microbatches):
+            raise GridError(f"batch {self.batch} does not split into {dp} dp shards of {self.microbatches} "
+                            "microbatches")
+        if self.tie and pp > 1:
+            raise GridError("--tie needs the embedding and the head on one pipeline stage (pp 1)")
+        model = self.model_config(256)
+        groups = mode.head_groups_count()
+        if not mode.accepts(self.heads, self.hidden) or model.kv_heads % groups:
+            raise GridError(f"{self.heads} heads ({model.kv_heads} key/value heads) and hidden {self.hidden} do not "
+                            f"split over --tp {mode.spec()} ({groups} head groups)")
+        chunks = 2 * sp if self.attention == "ring" and sp > 1 else sp
+        if self.seq % chunks:
+            raise GridError(f"--seq {self.seq} does not split into the {chunks} chunks --sp {sp} needs")
+        gw.pipeline.resolve_ac(self.ac, self.layers // pp, self.layers)
+        return {"dp": dp, "pp": pp, "sp": sp}
 
     def lr_at(self, step: int) -> float:
         """Linear warmup to lr over `warmup` steps, then cosine decay to min_lr at the last step."""
@@ -307,21 +349,8 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
     if not isinstance(cfg, TrainConfig):
         raise GridError(f"train.run takes a gw.train.TrainConfig, got {type(cfg).__name__}")
     mode = cfg.mode
-    world = gw.launch.launched_world_size(cfg.backend)
-    tp_size = mode.ranks()
-    sp = cfg.sp
-    if world % (tp_size * sp):
-        raise GridError(f"--tp {mode.spec()} ({tp_size} ranks) x --sp {sp} does not divide the world of {world} "
-                        "ranks")
-    rest = world // (tp_size * sp)
-    # the axes not given: pp from dp when dp is given, else 2 where it divides; dp the rest
-    pp = cfg.pp or (rest // cfg.dp if cfg.dp and rest % cfg.dp == 0 else
-                    2 if rest % 2 == 0 and cfg.layers % 2 == 0 and rest > 1 else 1)
-    dp = cfg.dp or rest // pp
-    if cfg.layers % pp:
-        raise GridError(f"{cfg.layers} layers do not split over {pp} pipeline stages")
-    if cfg.batch % (dp * cfg.microbatches):
-        raise GridError(f"batch {cfg.batch} does not split into {dp} dp shards of {cfg.microbatches} microbatches")
+    shape = cfg.grid_shape(gw.launch.launched_world_size(cfg.backend))
+    dp, pp, sp = shape["dp"], shape["pp"], shape["sp"]
     # auto: gw.init picks NCCL on one GPU per rank when it can, else Gloo on the CPU; cuda with
     # fewer GPUs than ranks shares them through Gloo. Every check is before the rendezvous.
     device = None if cfg.device == "auto" else cfg.device

@@ -6,7 +6,8 @@ import torch
 
 from tp_refs import DEVICE, full, rel
 
-H, HEADS, B, S, FFN = 32, 8, 4, 8, 48
+# two shapes: 8 heads over 4 kv heads; 6 heads in groups of 3 over 2 kv heads, a sequence of 12
+SHAPES = {"a": (32, 8, 4, 8, 48), "b": (24, 6, 4, 12, 40)}  # (hidden, heads, batch, seq, ffn)
 
 
 def _modes(gw, n):
@@ -16,9 +17,10 @@ def _modes(gw, n):
             "sp": lambda: dict(sp=n), "dsp+sp": lambda: dict(tp=gw.SubGraph(2), sp=n // 2)}
 
 
-def _llama_layer(ctx, mode, kv_heads, attention, causal=True):
+def _llama_layer(ctx, mode, kv_heads, attention, causal=True, shape="a"):
     import gridweave as gw
 
+    H, HEADS, B, S, FFN = SHAPES[shape]
     grid = ctx.init(**_modes(gw, ctx.world_size)[mode]())
     torch.manual_seed(0)
     arch = gw.nn.Arch(gw.nn.Norm.RMS, gw.nn.Activation.SWIGLU, kv_heads=kv_heads, rope_theta=500.0, eps=1e-6)
@@ -54,6 +56,12 @@ def test_llama_layer_matches_dense(pool, mode, n, kv):
         assert max(errs.values()) < 1e-10, {k: v for k, v in errs.items() if v >= 1e-10}
 
 
+@pytest.mark.parametrize("mode,n", [("1d", 2), ("2d", 4), ("3d", 8), ("csub", 4), ("1d+sp", 4)])
+def test_llama_layer_matches_dense_second_shape(pool, mode, n):
+    for errs in pool.run(_llama_layer, n, mode, 2, "ring", True, "b"):
+        assert max(errs.values()) < 1e-10, {k: v for k, v in errs.items() if v >= 1e-10}
+
+
 @pytest.mark.parametrize("attention,causal", [("rsa", True), ("ring", False)])
 def test_llama_rotary_positions_under_rsa_and_contiguous_ring(pool, attention, causal):
     for errs in pool.run(_llama_layer, 4, "sp", 2, attention, causal):
@@ -66,7 +74,7 @@ def _kv_split(ctx):
     grid = ctx.init(tp=gw.Row(ctx.world_size))
     arch = gw.nn.Arch(gw.nn.Norm.RMS, gw.nn.Activation.SWIGLU, kv_heads=2, rope_theta=1e4)
     try:
-        gw.nn.TransformerLayer(H, HEADS, grid, bias=False, arch=arch)
+        gw.nn.TransformerLayer(32, 8, grid, bias=False, arch=arch)
     except gw.GridError as e:
         return str(e)
     return None

@@ -165,7 +165,8 @@ def bpe_run(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
     r = subprocess.run([sys.executable, "-m", "gridweave.cli", "train", "--nproc", "1", "--steps", "120",
-                        "--vocab", "512", "--val-every", "40", "--quiet", "--out", str(out)],
+                        "--vocab", "512", "--val-every", "40", "--hidden", "64", "--heads", "4", "--seq", "64",
+                        "--batch", "16", "--quiet", "--out", str(out)],
                        capture_output=True, text=True, timeout=240, env=env, stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr[-3000:]
     return out

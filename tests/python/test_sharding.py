@@ -47,7 +47,7 @@ def _grid_run(ctx, spec, dp, pp, sp, max_norm_fraction):
     xs = [x[lo + i * mb:lo + (i + 1) * mb] for i in range(m)]
     ys = [y[lo + i * mb:lo + (i + 1) * mb] for i in range(m)]
     # each rank's loss is its share of the global mean: the gradient is then a plain sum
-    gw.pipeline.pipeline_step(stage, grid, xs, ys, lambda o, t: model.loss(o, t) / dp,
+    gw.pipeline.pipeline_step(stage, grid, xs, ys, lambda o, t: stage.loss(o, t) / dp,
                               stage.activation_shape(mb, SEQ), dtype=torch.float64)
     gw.reduce_gradients(stage, grid)
     norm = gw.clip_grad_norm_(stage.parameters(), max_norm, grid)

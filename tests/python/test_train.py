@@ -177,7 +177,10 @@ def test_checkpoint_reshards_cube_to_row_to_one_process(single, tmp_path):
     (["--tp", "cube:3"], "(27 ranks) x --sp 1 does not divide the world of 8"),
     (["--tp", "row:3"], "does not divide the world of 8"),
     (["--tp", "ring:2"], "--tp must be"),
-    (["--tp", "row:8"], "do not split over 8 tensor-parallel groups"),
+    (["--tp", "row:8"], "do not split over --tp row:8"),
+    (["--tp", "subgraph:4", "--dp", "4"], "--dp 4 does not divide the 2 ranks"),
+    (["--batch", "6"], "batch 6 does not split into 4 dp shards"),
+    (["--sp", "8", "--seq", "24"], "--seq 24 does not split into the 16 chunks"),
 ])
 def test_unsupported_combinations_are_clear_errors(tmp_path, spec, needle):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GRIDWEAVE_PORT": "29621"}
@@ -186,6 +189,7 @@ def test_unsupported_combinations_are_clear_errors(tmp_path, spec, needle):
                         *launcher_args(), "--out", str(tmp_path / "x")], capture_output=True, text=True,
                        timeout=180, env=env, stdin=subprocess.DEVNULL)
     assert r.returncode != 0 and needle in r.stderr + r.stdout, (r.stdout[-1500:], r.stderr[-3000:])
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr[-3000:]  # one message
 
 
 def _launch(tmp, name, world, port, fault=None, extra=()):
@@ -229,3 +233,21 @@ def test_a_killed_rank_stops_every_rank_and_a_restart_reproduces(tmp_path):
     a = json.loads((tmp_path / "clean" / "metrics.json").read_text())["loss"]
     b = json.loads((tmp_path / "again" / "metrics.json").read_text())["loss"]
     assert _close(b, a), (b, a)
+
+
+@pytest.mark.parametrize("spec,port", [(["--nproc", "1", "--ac", "2"], 29625),
+                                       (["--nproc", "4", "--dp", "2", "--pp", "2", "--ac", "auto"], 29627)])
+def test_activation_checkpointing_keeps_the_losses(single, tmp_path, spec, port):
+    """--ac N recomputes all but every N-th layer's output in backward: the same gradients."""
+    one, _ = single
+    losses, _ = _train(tmp_path, "ac", *spec, port=port)
+    assert _close(losses, one, 1e-5), (losses, one)
+
+
+def test_axes_not_given_are_derived_from_the_given_ones():
+    shape = gw.train.TrainConfig(tp="subgraph:4", dp=2).grid_shape  # once silently pp 2, then "needs 16 ranks"
+    assert shape(8) == {"dp": 2, "pp": 1, "sp": 1}
+    assert gw.train.TrainConfig(pp=4, layers=4).grid_shape(8) == {"dp": 2, "pp": 4, "sp": 1}
+    assert gw.train.TrainConfig(tp="row:2", sp=2).grid_shape(8) == {"dp": 1, "pp": 2, "sp": 2}
+    with pytest.raises(gw.GridError, match="needs 16 ranks, the world has 8"):
+        gw.train.TrainConfig(dp=4, pp=2, tp="row:2").grid_shape(8)
