@@ -273,7 +273,7 @@ class Reader:
         e = k // self.n
         if e not in self._perm:
             g = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + e)
-            self._perm = {e: torch.randperm(self.n, generator=g).numpy()}  # one epoch's at a time
+            self._perm = {e: torch.randperm(self.n, generator=g, device="cpu").numpy()}  # one epoch at a time
         return int(self._perm[e][k % self.n])
 
     def next(self):

@@ -158,7 +158,8 @@ def to_hf(model: GPT):
     cfg = model.config
     ours = {k: v.detach() for k, v in model.state_dict().items()}
     w = ours["embed.tok.weight"]
-    hf = (tf.LlamaForCausalLM if cfg.family == "llama" else tf.GPT2LMHeadModel)(hf_config(cfg)).to(w.device, w.dtype)
+    with torch.device(w.device):  # built where the weights are, whatever torch's default device
+        hf = (tf.LlamaForCausalLM if cfg.family == "llama" else tf.GPT2LMHeadModel)(hf_config(cfg)).to(w.dtype)
     missing, unexpected = hf.load_state_dict(_hf_state(ours, cfg), strict=False)
     missing = [k for k in missing if not (cfg.tie and k == "lm_head.weight")]
     if missing or unexpected:

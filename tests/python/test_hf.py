@@ -9,6 +9,7 @@ tf = pytest.importorskip("transformers")  # CI installs it (scripts/setup.sh); t
 
 from tp_refs import rel
 
+CPU = torch.device("cpu")
 V, S = 64, 16  # the vocabulary splits over the 1-D grids' tp (no padding of HF vocabularies)
 
 
@@ -17,14 +18,16 @@ def _llama(kv=2, tie=False, **kw):
     c = tf.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=kv, max_position_embeddings=S, tie_word_embeddings=tie,
                        rope_parameters={"rope_type": "default", "rope_theta": 500.0}, **kw)
-    return tf.LlamaForCausalLM(c).double().eval()
+    with CPU:  # transformers builds on torch's default device (poisoned to meta in the MPI run)
+        return tf.LlamaForCausalLM(c).double().eval()
 
 
 def _gpt2(tie=True):
     torch.manual_seed(0)
     c = tf.GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=S, tie_word_embeddings=tie,
                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    return tf.GPT2LMHeadModel(c).double().eval()
+    with CPU:
+        return tf.GPT2LMHeadModel(c).double().eval()
 
 
 # transformers computes Llama's RMSNorm and rotary angles in float32 whatever the dtype
@@ -33,7 +36,7 @@ LLAMA_TOL, GPT2_TOL = 1e-6, 1e-10
 
 
 def _compare(hf, ours, tol):
-    ids = torch.randint(0, V, (3, S), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, V, (3, S), generator=torch.Generator().manual_seed(1), device=CPU)
     out = hf(ids, labels=ids)
     logits = ours(ids)
     loss = ours.loss(logits[:, :-1], ids[:, 1:])  # HF shifts the labels inside
@@ -78,15 +81,16 @@ def test_export_folder_loads_in_from_pretrained(tmp_path, family):
     from gridweave.hf import save_hf
 
     torch.manual_seed(4)
-    ours = (gw.models.Llama(V, 32, 4, 2, S, kv_heads=2, ffn_hidden=40) if family == "llama"
-            else gw.models.GPT(V, 32, 4, 2, S)).double()
+    ours = (gw.models.Llama(V, 32, 4, 2, S, kv_heads=2, ffn_hidden=40, device=CPU) if family == "llama"
+            else gw.models.GPT(V, 32, 4, 2, S, device=CPU)).double()
     with torch.no_grad():
         for p in ours.parameters():
             p.add_(0.05 * torch.randn_like(p))
     save_hf(ours, tmp_path)
     assert (tmp_path / "config.json").exists() and (tmp_path / "model.safetensors").exists()
-    hf = tf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
-    ids = torch.randint(0, V, (2, S), generator=torch.Generator().manual_seed(5))
+    with CPU:
+        hf = tf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
+    ids = torch.randint(0, V, (2, S), generator=torch.Generator().manual_seed(5), device=CPU)
     tol = LLAMA_TOL if family == "llama" else GPT2_TOL
     assert rel(ours(ids), hf(ids).logits) < tol
     back = gw.models.from_hf(hf)
@@ -137,7 +141,7 @@ def _hf_on_grid(ctx, tp_spec, sp):
     dense = gw.models.from_hf(hf)
     grid = ctx.init(tp=gw.models.parse_tp(tp_spec), sp=sp)
     stage = gw.models.GPTStage(dense, grid, None, 0, 1)
-    ids = torch.randint(0, V, (4, S), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, V, (4, S), generator=torch.Generator().manual_seed(1), device=CPU)
     return rel(stage.full_logits(stage(ids)), hf(ids).logits)
 
 

@@ -93,8 +93,8 @@ def test_dense_llama_layer_is_rope_gqa_rmsnorm_swiglu():
 
     torch.manual_seed(3)
     arch = gw.nn.Arch(gw.nn.Norm.RMS, gw.nn.Activation.SWIGLU, kv_heads=2, rope_theta=100.0, eps=1e-6)
-    d = gw.nn.DenseTransformerLayer(16, 4, 24, bias=False, dtype=torch.float64, arch=arch)
-    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    d = gw.nn.DenseTransformerLayer(16, 4, 24, bias=False, dtype=torch.float64, arch=arch, device="cpu")
+    x = torch.randn(2, 5, 16, dtype=torch.float64, device="cpu")
     hd = 4
 
     def rms(t, w):
@@ -115,11 +115,11 @@ def test_dense_llama_layer_is_rope_gqa_rmsnorm_swiglu():
     q, k, v = qkv.split([16, 8, 8], -1)
     q, k, v = q.reshape(2, 5, 4, hd), k.reshape(2, 5, 2, hd), v.reshape(2, 5, 2, hd)
     q, k = rope(q), rope(k)
-    att = torch.zeros(2, 5, 4, hd, dtype=torch.float64)
+    att = torch.zeros(2, 5, 4, hd, dtype=torch.float64, device="cpu")
     for head in range(4):
         kv = head // 2  # query heads 0,1 share kv head 0
         sc = torch.einsum("bsd,btd->bst", q[:, :, head], k[:, :, kv]) / math.sqrt(hd)
-        sc = sc.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+        sc = sc.masked_fill(torch.ones(5, 5, dtype=torch.bool, device="cpu").triu(1), float("-inf"))
         att[:, :, head] = torch.einsum("bst,btd->bsd", sc.softmax(-1), v[:, :, kv])
     x1 = x + att.reshape(2, 5, 16) @ d.proj.weight.T
     g, u = (rms(x1, d.ln2.weight) @ d.fc1.weight.T).split([24, 24], -1)

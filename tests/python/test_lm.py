@@ -22,8 +22,8 @@ def _vocab_parallel(ctx, tie):
     torch.manual_seed(0)
     dense = gw.models.Llama(64, 32, 4, 2, 16, kv_heads=min(n, 4), ffn_hidden=40, tie=tie, dtype=torch.float64, device=DEVICE)
     stage = gw.models.GPTStage(dense, grid, None, 0, 1)
-    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    tgt = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1), device="cpu").to(DEVICE)
+    tgt = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(2), device="cpu").to(DEVICE)
     ref = dense.loss(dense(ids), tgt)
     ref.backward()
     logits = stage(ids)
@@ -103,9 +103,9 @@ def test_kv_cache_logits_equal_the_full_forward():
     from gridweave.generate import KVCache, forward_cached
 
     torch.manual_seed(0)
-    for model in (gw.models.Llama(50, 32, 4, 2, 24, kv_heads=2, ffn_hidden=40, dtype=torch.float64),
-                  gw.models.GPT(50, 32, 4, 2, 24, dtype=torch.float64)):
-        ids = torch.randint(0, 50, (2, 20))
+    for model in (gw.models.Llama(50, 32, 4, 2, 24, kv_heads=2, ffn_hidden=40, dtype=torch.float64, device="cpu"),
+                  gw.models.GPT(50, 32, 4, 2, 24, dtype=torch.float64, device="cpu")):
+        ids = torch.randint(0, 50, (2, 20), device="cpu")
         full = model(ids)
         cache = KVCache(2)
         parts = [forward_cached(model, ids[:, :7], cache), forward_cached(model, ids[:, 7:8], cache),
@@ -121,10 +121,12 @@ def test_greedy_sampling_equals_transformers_generate():
     c = tf.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                        bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    hf = tf.LlamaForCausalLM(c).double().eval()
+    with torch.device("cpu"):  # transformers builds on torch's default device
+        hf = tf.LlamaForCausalLM(c).double().eval()
     ours = gw.models.from_hf(hf)
     prompt = [3, 14, 15, 9, 2, 6]
-    want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, min_new_tokens=16)[0].tolist()
+    with torch.device("cpu"):
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, min_new_tokens=16)[0].tolist()
     assert sample(ours, prompt, 16, temperature=0.0) == want
 
 
@@ -132,7 +134,7 @@ def test_sampling_options_and_bad_prompts():
     from gridweave.generate import sample
 
     torch.manual_seed(0)
-    m = gw.models.Llama(40, 16, 2, 1, 12, dtype=torch.float64)
+    m = gw.models.Llama(40, 16, 2, 1, 12, dtype=torch.float64, device="cpu")
     a = sample(m, [1, 2], 8, temperature=1.0, top_k=1, seed=1)
     assert a == sample(m, [1, 2], 8, temperature=0.0)  # top-1 sampling is greedy
     assert sample(m, [1, 2], 8, 0.9, 5, seed=2) == sample(m, [1, 2], 8, 0.9, 5, seed=2)
@@ -193,7 +195,8 @@ def test_exported_run_gives_the_same_validation_loss_in_transformers(bpe_run, tm
     r = subprocess.run([sys.executable, "-m", "gridweave.cli", "export", "--run", str(bpe_run), "--out",
                         str(tmp_path / "hf")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    hf = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.device("cpu"):
+        hf = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     tokens = gw.data.open_tokens(bpe_run)
     windows = gw.data.validation_windows(tokens.val, 64, 32)
     with torch.no_grad():
