@@ -5,7 +5,7 @@ from .grid import Grid, Work, current, init, shutdown
 from .modes import CSub, Cube, Mode, Row, Sequence, Square, SubGraph
 from .layout import Layout, gather, scatter
 from .sharding import ParamPlacement, clip_grad_norm_, placement_of, reduce_gradients
-from . import autograd, data, launch, models, modes, nn, optim, pipeline, precision, train  # noqa: E402  (they need the grid module above)
+from . import autograd, checkpoint, data, launch, models, modes, nn, optim, pipeline, precision, train  # noqa: E402  (they need the grid module above)
 
 __all__ = ["init", "shutdown", "current", "Grid", "Work", "Mode", "Row", "Square", "Cube", "SubGraph", "CSub",
            "Sequence", "ParamPlacement", "placement_of", "reduce_gradients", "clip_grad_norm_", "GridError",

@@ -52,6 +52,8 @@ def _train_parser(sub):
     o.add_argument("--device", default=d["device"].default, choices=["auto", "cpu", "cuda"],
                    help="auto: cuda when every rank can have a GPU; cuda with fewer GPUs than ranks shares them "
                         "through Gloo")
+    o.add_argument("--sync-save", dest="async_save", action="store_false",
+                   help="write periodic checkpoints before the next step (default: in the background)")
     p.add_argument("--prompt", default="", help="the end-of-run sample's prompt (default: a validation snippet)")
     p.add_argument("--out", default=d["out"].default)
     p.add_argument("--resume", default=None, help="a run folder whose checkpoint/ to continue from")

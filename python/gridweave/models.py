@@ -3,6 +3,7 @@ SwiGLU, rotary positions, grouped-query attention), dense or on a grid; Hugging 
 in gridweave.hf."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -284,6 +285,8 @@ class GPTStage(nn.Module):
         self.ac = resolve_ac(ac, k, n)
         self.layout = _without_dp(self.layers[0].input_layout)
         self.hidden = gpt.head.ln.normalized_shape[0]
+        axis = self.mode.boundary_axis()
+        self.boundary_axis = axis if axis is not None and grid.axes.get(axis, 1) > 1 and stages > 1 else None
 
     def _embed(self, dense: Embedding) -> Embedding:
         if self.vocab_axis is None:
@@ -320,17 +323,26 @@ class GPTStage(nn.Module):
                                             self.vocab_axis).mean()
 
     def activation_shape(self, batch: int, seq: int) -> tuple:
+        """What crosses a stage boundary on this rank (1/t of the hidden dim with scatter/gather)."""
         shape = self.layout.local_shape((batch, seq, self.hidden), self.grid)
+        if self.boundary_axis is not None:
+            shape = tuple(shape[:-1]) + (shape[-1] // self.grid.axes[self.boundary_axis],)
         if self.layout.only is not None and self.grid.coords[self.layout.only[0]] != self.layout.only[1]:
             shape = (0,) + tuple(shape[1:])
         return tuple(shape)
 
     def forward(self, x):
+        from .autograd.comm import gather_from_parallel, scatter_to_parallel
+
         if self.embed is not None:
             x = self.embed(x)
             self._full = tuple(x.shape)
             x = _ToLayout.apply(x, self.layout, self.grid)
+        elif self.boundary_axis is not None:  # 1/t from each tensor rank of the previous stage
+            x = gather_from_parallel(x, self.grid, self.boundary_axis, -1)
         x = run_layers(self.layers, x, self.ac)
+        if self.head is None and self.boundary_axis is not None:  # send only this rank's 1/t
+            return scatter_to_parallel(x, self.grid, self.boundary_axis, -1)
         if self.head is not None:
             shape = self._full if self.embed is not None else self._full_shape(x)
             x = self.head(_FromLayout.apply(x, self.layout, self.grid, shape))
@@ -365,6 +377,25 @@ class GPTStage(nn.Module):
                             for k, p in mod.named_parameters(remove_duplicate=False)})
         for i, layer in zip(self.first, self.layers):
             out.update({f"layers.{i}.{k}": v for k, v in layer.dense_state(pick).items()})
+        return out
+
+    def sharded_items(self) -> list:
+        """(dense name, this rank's parameter, dense shape) of every parameter of this stage:
+        what a sharded checkpoint saves and loads (gw.checkpoint), in placement terms."""
+        from .sharding import placement_of
+
+        def dense_shape(p):
+            pl = placement_of(p)
+            stored = [n * math.prod(self.grid.axes[a] for a in (pl.layout.dims[d] if d < len(pl.layout.dims) else ()))
+                      for d, n in enumerate(p.shape)]
+            return tuple(reversed(stored)) if pl.transposed else tuple(stored)
+
+        out = []
+        for name, mod in (("embed", self.embed), ("head", self.head)):
+            if mod is not None:
+                out += [(f"{name}.{k}", p, dense_shape(p)) for k, p in mod.named_parameters(remove_duplicate=False)]
+        for i, layer in zip(self.first, self.layers):
+            out += [(f"layers.{i}.{k}", p, dense_shape(p)) for k, p in layer.dense_named_parameters()]
         return out
 
     def load_dense_state(self, state: dict):

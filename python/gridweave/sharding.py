@@ -13,7 +13,7 @@ placements. Nothing else decides which axes a gradient is summed over.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -32,6 +32,11 @@ class ParamPlacement:
     layout: Layout = field(default_factory=Layout)
     partial: tuple = DATA_AXES
     diagonal: tuple | None = None
+    # How the stored full tensor relates to the dense model's tensor: the dense rows taken
+    # in group_order(*order) (packed qkv / gate-up regrouped by head group), then transposed
+    # (2-D and 3-D linears store W^T). Sharded checkpoints read these to reshard.
+    transposed: bool = False
+    order: tuple | None = None
 
     def __post_init__(self):
         both = set(self.layout.axes()) & set(self.partial)
@@ -58,11 +63,20 @@ class ParamPlacement:
 REPLICATED = ParamPlacement()
 
 
-def place(param: torch.nn.Parameter, layout: Layout | None = None, partial=DATA_AXES, diagonal=None):
+def place(param: torch.nn.Parameter, layout: Layout | None = None, partial=DATA_AXES, diagonal=None,
+          transposed=False, order=None):
     """Attach a placement to `param` (returned, for chaining)."""
     param.placement = ParamPlacement(layout if layout is not None else Layout(), tuple(partial),
-                                     tuple(diagonal) if diagonal else None)
+                                     tuple(diagonal) if diagonal else None, bool(transposed),
+                                     (tuple(order[0]), int(order[1])) if order else None)
     return param
+
+
+def set_row_order(param, widths, groups: int):
+    """Record that `param` stores the dense rows in group_order(widths, groups) (nothing for
+    one group: the order is the identity)."""
+    if param is not None and groups > 1:
+        param.placement = replace(placement_of(param), order=(tuple(widths), int(groups)))
 
 
 def placement_of(param) -> ParamPlacement:

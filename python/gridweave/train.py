@@ -90,6 +90,7 @@ class TrainConfig:
     device: str = "auto"
     backend: str = "auto"
     checkpoint_every: int = 0
+    async_save: bool = True  # periodic checkpoints written while the next step trains
     sample_tokens: int = 48
     prompt: str = ""
     timeout: float = 120.0
@@ -211,73 +212,43 @@ def _json_writer(obj, path):
     Path(path).write_text(json.dumps(obj, indent=1))
 
 
-def _safetensors_writer(tensors, path):
-    from safetensors.torch import save_file
-
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(path))
-
-
 def _state_views(opt):
     """OffloadAdam's state per parameter (its state_dict): {kind: {id(p): tensor}}."""
     state = opt.state_dict()["state"]
     return {kind: {id(p): state[i][kind] for i, p in enumerate(opt.params)} for kind in opt.STATE_KEYS}
 
 
-def save_checkpoint(out: Path, step, cfg, grid, stage, opt, losses, reader=None, model_cfg=None, val=None):
-    """Every rank of a stage helps assemble its dense tensors (collectives over tp/sp); the
-    stage's first rank writes them as safetensors (temporary name, then rename); rank 0
-    writes the manifest last, after a barrier, so a manifest always points at complete files."""
-    ck = out / "checkpoint"
-    if grid.rank == 0:
-        ck.mkdir(parents=True, exist_ok=True)
-    grid.barrier()
-    s = grid.coords["pp"]
+def save_checkpoint(out: Path, step, cfg, grid, stage, opt, losses, reader=None, model_cfg=None, val=None,
+                    wait=True):
+    """A sharded checkpoint (gw.checkpoint): every rank writes the shards of the parameters
+    and optimizer states it counts, no gathers; rank 0 writes the index last. wait=False:
+    written in the background; returns the PendingSave to finish() (every rank) later."""
     views = _state_views(opt)
-    flat = {f"param/{k}": v for k, v in stage.dense_state(False).items()}
-    for kind, v in views.items():
-        flat.update({f"{kind}/{k}": t for k, t in stage.dense_state(lambda p, v=v: v[id(p)]).items()})
-    writer = all(c == 0 for a, c in grid.coords.items() if a != "pp")
-    if writer:
-        _atomic_save(flat, ck / f"stage{s}.safetensors", _safetensors_writer)
-    grid.barrier()
-    if grid.rank == 0:
-        manifest = {"step": step, "optimizer_step": opt.step_count, "config": cfg.run_config(model_cfg),
-                    "grid": dict(grid.axes), "files": [f"stage{k}.safetensors" for k in range(grid.axes["pp"])],
-                    "losses": losses, "val": val or [], "reader": reader.state_dict() if reader else None,
-                    "layout": "dense tensors under the dense model's names (gw.models.GPT / Llama), 'param/NAME' "
-                              "and OffloadAdam's 'master/NAME', 'exp_avg/NAME', 'exp_avg_sq/NAME'; one "
-                              "safetensors file per pipeline stage"}
-        _atomic_save(manifest, ck / "manifest.json", _json_writer)
-    grid.barrier()
+
+    def tensors_of(p):
+        return {"param": p, **{kind: v[id(p)] for kind, v in views.items()}}
+
+    extra = {"optimizer_step": opt.step_count, "config": cfg.run_config(model_cfg), "losses": losses,
+             "val": val or [], "reader": reader.state_dict() if reader else None,
+             "layout": "KIND/NAME: the dense model's names (gw.models.GPT / Llama); KIND param or OffloadAdam's "
+                       "master, exp_avg, exp_avg_sq; each chunk a block of the stored tensor (transposed and "
+                       "row order as recorded)"}
+    return gw.checkpoint.save(out / "checkpoint", step, stage.sharded_items(), grid, tensors_of, extra, wait=wait)
 
 
 def load_checkpoint(path: Path):
-    """(manifest, {kind: {name: tensor}}, optimizer step) of a run folder's checkpoint;
-    safetensors only: nothing in a checkpoint is executed."""
-    from safetensors.torch import load_file
-
-    ck = Path(path) / "checkpoint"
-    manifest_path = ck / "manifest.json"
-    if not manifest_path.exists():
-        raise GridError(f"no checkpoint manifest at {manifest_path}")
-    manifest = json.loads(manifest_path.read_text())
-    tensors = {}
-    for f in manifest["files"]:
-        if not (ck / f).exists():
-            raise GridError(f"checkpoint file {ck / f} named by the manifest is missing")
-        for key, t in load_file(str(ck / f)).items():
-            kind, _, name = key.partition("/")
-            tensors.setdefault(kind, {})[name] = t
-    return manifest, tensors, manifest["optimizer_step"]
+    """The run state of a run folder's newest complete checkpoint (its index), checked."""
+    return gw.checkpoint.open_index(Path(path) / "checkpoint")[1]
 
 
 def load_model(run_dir, dtype=torch.float32, device="cpu"):
-    """(dense model, tokenizer, manifest) of a run folder: the checkpoint of any grid."""
+    """(dense model, tokenizer, index) of a run folder: the checkpoint of any grid, read in
+    one process tensor by tensor."""
     run_dir = Path(run_dir)
-    manifest, tensors, _ = load_checkpoint(run_dir)
-    cfg = ModelConfig.from_dict(manifest["config"]["model"])
+    index = load_checkpoint(run_dir)
+    cfg = ModelConfig.from_dict(index["config"]["model"])
     model = gw.models.build(cfg, dtype=dtype, device=device)
-    state = {k: v for k, v in tensors["param"].items()}
+    state = gw.checkpoint.export_dense(run_dir / "checkpoint")
     if cfg.tie:
         state.pop("head.out.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -285,7 +256,7 @@ def load_model(run_dir, dtype=torch.float32, device="cpu"):
     if missing or unexpected:
         raise GridError(f"checkpoint {run_dir} does not match its model config: missing {missing}, "
                         f"unexpected {unexpected}")
-    return model.to(dtype), gw.data.load_tokenizer(run_dir / gw.data.TOKENIZER_FILE), manifest
+    return model.to(dtype), gw.data.load_tokenizer(run_dir / gw.data.TOKENIZER_FILE), index
 
 
 @dataclass
@@ -382,18 +353,20 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
     reader = gw.data.Reader(tokens.train, cfg.seq, cfg.batch, cfg.seed, grid.coords["dp"], dp)
     start, losses, val = 0, [], []
     if cfg.resume:
-        manifest, tensors, opt_step = load_checkpoint(Path(cfg.resume))
+        manifest = load_checkpoint(Path(cfg.resume))
         mine = cfg.run_config(model_cfg)
         differ = [k for k in RESUME_KEYS if manifest["config"].get(k) != mine[k]]
         if differ:
             raise GridError(f"checkpoint {cfg.resume} differs from this run in {differ}: "
                             f"{ {k: manifest['config'].get(k) for k in differ} } vs { {k: mine[k] for k in differ} }")
-        stage.load_dense_state(tensors["param"])  # resharded for this grid by each module
-        state = {i: {"step": torch.tensor(float(opt_step), device="cpu")} for i in range(len(opt.params))}
-        for kind in opt.STATE_KEYS:
-            local = stage.local_from_dense(tensors[kind])
-            for i, p in enumerate(opt.params):
-                state[i][kind] = local[id(p)]
+        _, local = gw.checkpoint.load(Path(cfg.resume) / "checkpoint", stage.sharded_items(), grid,
+                                      ("param",) + opt.STATE_KEYS)
+        with torch.no_grad():
+            for p in stage.parameters():
+                p.copy_(local["param"][id(p)])
+        opt_step = manifest["optimizer_step"]
+        state = {i: {"step": torch.tensor(float(opt_step), device="cpu"),
+                     **{kind: local[kind][id(p)] for kind in opt.STATE_KEYS}} for i, p in enumerate(opt.params)}
         opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
         opt.weight_decay = cfg.weight_decay
         start, losses, val = manifest["step"], list(manifest["losses"]), list(manifest.get("val", []))
@@ -412,7 +385,11 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
 
         bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step")
     tokens_per_s, mfu, lrs, grad_norms = [], [], [], []
+    pending = None  # an async checkpoint: committed at the next step's start, by every rank
     for step in range(start, cfg.steps):
+        if pending is not None:
+            pending.finish()
+            pending = None
         if on_step is not None:
             on_step(step, StepState(grid, stage, opt, scaler))
         t0 = time.perf_counter()
@@ -449,10 +426,14 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
                 post["val"] = f"{val[-1][1]:.3f}"
             bar.set_postfix(**post)
             bar.update(1)
-        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
-            save_checkpoint(out, step + 1, cfg, grid, stage, opt, losses, reader, model_cfg, val)
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+            saved = save_checkpoint(out, step + 1, cfg, grid, stage, opt, losses, reader, model_cfg, val,
+                                    wait=not cfg.async_save)
+            pending = saved if cfg.async_save else None
     if bar is not None:
         bar.close()
+    if pending is not None:
+        pending.finish()
     save_checkpoint(out, cfg.steps, cfg, grid, stage, opt, losses, reader, model_cfg, val)
     import resource
 
@@ -510,6 +491,6 @@ def _plot(metrics, png):
 
 
 def export_dense(path) -> dict:
-    """The whole model of a checkpoint as a dense torch state_dict (gw.models.GPT names)."""
-    _, tensors, _ = load_checkpoint(Path(path))
-    return dict(tensors["param"])
+    """The whole model of a checkpoint as a dense torch state_dict (gw.models.GPT names), in one
+    process, shard by shard."""
+    return gw.checkpoint.export_dense(Path(path) / "checkpoint")

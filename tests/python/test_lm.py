@@ -204,3 +204,32 @@ def test_exported_run_gives_the_same_validation_loss_in_transformers(bpe_run, tm
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1))
     m = json.loads((bpe_run / "metrics.json").read_text())
     assert abs(loss.item() - m["val_loss"][-1][1]) < 1e-4, (loss.item(), m["val_loss"][-1])
+
+
+def _scatter_gather(ctx):
+    grid = ctx.init(tp=gw.Row(2), pp=2)
+    torch.manual_seed(0)
+    dense = gw.models.Llama(64, 32, 4, 2, 16, kv_heads=2, ffn_hidden=40, dtype=torch.float64, device=DEVICE)
+    stage = gw.models.GPTStage(dense, grid, None, grid.coords["pp"], 2)
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1), device="cpu").to(DEVICE)
+    tgt = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(2), device="cpu").to(DEVICE)
+    dense.loss(dense(ids), tgt).backward()
+    xs, ys = [ids[:2], ids[2:]], [tgt[:2], tgt[2:]]
+    grid.reset_stats()
+    gw.pipeline.pipeline_step(stage, grid, xs, ys, stage.loss, stage.activation_shape(2, 16), dtype=torch.float64)
+    pp = grid.stats()["pp"]
+    gw.reduce_gradients(stage, grid)
+    ref = dict(dense.named_parameters())
+    errs = {k: rel(g, ref[k].grad) for k, g in stage.dense_state(True).items()}
+    return errs, pp["sent_intra"]["bytes"] + pp["sent_inter"]["bytes"], tuple(stage.activation_shape(2, 16))
+
+
+def test_stage_boundaries_send_one_tensor_rank_share(pool):
+    """Megatron's scatter/gather (seed 003 Fig. 10): in 1-D mode the boundary activation is the
+    same on both tensor ranks, so each sends half and the next stage all-gathers: per rank
+    and microbatch b x s x h / t values forward (stage 0) or backward (stage 1)."""
+    for errs, sent, shape in pool.run(_scatter_gather, 4):
+        assert max(errs.values()) < 1e-10, {k: v for k, v in errs.items() if v >= 1e-10}
+        assert shape == (2, 16, 16)
+        payload = 2 * (2 * 16 * 32 // 2) * 8  # 2 microbatches of b x s x h / t float64
+        assert payload <= sent < payload + 64, sent  # + the schedule's few scalars (the microbatch count)

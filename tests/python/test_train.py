@@ -98,8 +98,8 @@ def test_grid_run_equals_one_process(single, plain, tmp_path):
     assert _close(grid, one), (grid, one)
     assert _close(grid, plain), (grid, plain)
     assert (out / "loss.png").stat().st_size > 0
-    manifest = json.loads((out / "checkpoint" / "manifest.json").read_text())
-    assert manifest["step"] == 4 and manifest["grid"]["pp"] == 2
+    index = gw.train.load_checkpoint(out)
+    assert index["step"] == 4 and index["grid"]["pp"] == 2
 
 
 def test_checkpoint_moves_between_grids(single, tmp_path):
@@ -143,7 +143,7 @@ def test_the_main_job_under_mpirun_gives_one_process_losses(single, tmp_path):
     one, _ = single
     losses, out = _train(tmp_path, "mpi", "--nproc", "4", "--launcher", "mpirun", "--dp", "2", "--pp", "2")
     assert _close(losses, one), (losses, one)
-    assert json.loads((out / "checkpoint" / "manifest.json").read_text())["grid"]["pp"] == 2
+    assert gw.train.load_checkpoint(out)["grid"]["pp"] == 2
     assert json.loads((out / "metrics.json").read_text())["backend"] == "mpi"
 
 
@@ -225,8 +225,7 @@ def test_a_killed_rank_stops_every_rank_and_a_restart_reproduces(tmp_path):
         assert hurt[3][0] == 9  # the killed rank
         for rc, err in hurt[:3]:
             assert rc != 0 and ("CommError" in err or "CommTimeout" in err), err[-1500:]
-    manifest = json.loads((tmp_path / "hurt" / "checkpoint" / "manifest.json").read_text())
-    assert manifest["step"] == 4  # the last complete checkpoint before the fault
+    assert gw.train.load_checkpoint(tmp_path / "hurt")["step"] == 4  # the last complete checkpoint before the fault
     again = _launch(tmp_path, "again", 4, 29645, extra=("--dp", "2", "--pp", "2", "--resume",
                                                          str(tmp_path / "hurt")))
     assert all(rc == 0 for rc, _ in again), [e[-800:] for _, e in again]
@@ -251,3 +250,22 @@ def test_axes_not_given_are_derived_from_the_given_ones():
     assert gw.train.TrainConfig(tp="row:2", sp=2).grid_shape(8) == {"dp": 1, "pp": 2, "sp": 2}
     with pytest.raises(gw.GridError, match="needs 16 ranks, the world has 8"):
         gw.train.TrainConfig(dp=4, pp=2, tp="row:2").grid_shape(8)
+
+
+# Issue 16: every axis at once. 4-D grids on 16 CPU ranks and tensor x dp grids on 8 train like
+# one process (the README's conformance table lists what each test covers).
+@pytest.mark.parametrize("spec,n,port", [
+    (["--dp", "2", "--pp", "2", "--tp", "row:2", "--sp", "2"], 16, 29651),                    # seed 004's 4-D
+    (["--tp", "cube:2", "--dp", "2", "--microbatches", "1"], 16, 29653),                     # 3-D x dp
+    (["--tp", "square:2", "--pp", "2", "--sp", "2"], 16, 29655),                             # 2-D x pp x sp
+    (["--tp", "subgraph:2", "--dp", "2", "--pp", "2", "--sp", "2"], 16, 29657),              # D&SP x dp x pp x sp
+    (["--tp", "csub:2", "--dp", "2", "--sp", "2", "--pp", "2"], 16, 29659),                  # cSub x dp x sp x pp
+    (["--tp", "cube:2", "--sp", "2"], 16, 29661),                                            # 3-D x sp
+    (["--tp", "row:2", "--dp", "2", "--pp", "2"], 8, 29663),                                 # 1-D x dp x pp
+    (["--tp", "square:2", "--dp", "2"], 8, 29665),                                           # 2-D x dp
+])
+def test_every_axis_at_once_trains_like_one_process(single, tmp_path, spec, n, port):
+    one, _ = single
+    losses, out = _train(tmp_path, "grid", "--nproc", str(n), *spec, port=port)
+    assert _close(losses, one), (spec, losses, one)
+    assert gw.train.load_checkpoint(out)["world_size"] == n

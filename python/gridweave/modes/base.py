@@ -136,6 +136,12 @@ class Mode:
         tokens of a replica (Korthikanti et al.: s b h (34 + 5 a s / h))."""
         return tokens * hidden * (34 + 5 * heads * seq / hidden) / self.ranks() / sp
 
+    def boundary_axis(self) -> str | None:
+        """An axis over which a stage-boundary activation is replicated: each of its ranks then
+        sends 1/size of it and the next stage all-gathers (Megatron's scatter/gather, seed
+        003 §4 / Fig. 10); None: the activation is already split."""
+        return None
+
     def boundary_fraction(self) -> float:
         """Share of a replica's (tokens x hidden) activation one rank sends at a stage boundary."""
         return 1.0

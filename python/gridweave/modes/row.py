@@ -22,6 +22,12 @@ class Row(Mode):
     def head_groups_count(self):
         return self.n
 
+    def boundary_axis(self):
+        return "tp"
+
+    def boundary_fraction(self):
+        return 1.0 / self.n  # scatter/gather between stages
+
     def vocab_axis(self):
         return "tp"  # seed 003 §3: embedding rows and the head's columns split over tp
 

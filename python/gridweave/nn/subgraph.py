@@ -9,7 +9,7 @@ from ..autograd import subgraph as sgops
 from ..errors import GridError
 from ..layout import Layout
 from .dense import GPT2, DenseSelfAttention, group_order, values
-from ..sharding import place
+from ..sharding import place, set_row_order
 from .sequence import ReplicatedLinear, attend
 
 
@@ -71,6 +71,8 @@ class SubGraphAttention(nn.Module):
             self.qkv = ReplicatedLinear(hidden, width, bias, partial=common, **kw)
             self.proj = ReplicatedLinear(hidden, hidden, bias, partial=common, **kw)
             self.proj_bias = None
+        set_row_order(self.qkv.weight, self.widths, g)  # the head groups' [q_k | k_k | v_k] blocks
+        set_row_order(self.qkv.bias, self.widths, g)
 
     @property
     def input_layout(self):

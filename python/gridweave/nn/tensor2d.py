@@ -44,7 +44,8 @@ class Linear2D(ParallelLinearBase):
         _check(out_features, q * q, "out_features")
         self.grid, self.in_features, self.out_features = grid, in_features, out_features
         kw = dict(dtype=dtype, device=device or grid.device)
-        self.weight = place(nn.Parameter(torch.empty(in_features // q, out_features // q, **kw)), WEIGHT)
+        self.weight = place(nn.Parameter(torch.empty(in_features // q, out_features // q, **kw)), WEIGHT,
+                            transposed=True)  # W^T, SUMMA's B
         self.bias = place(nn.Parameter(torch.zeros(out_features // (q * q), **kw)), VECTOR) if bias else None
         nn.init.normal_(self.weight, std=in_features ** -0.5)
 

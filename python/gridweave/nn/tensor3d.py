@@ -44,7 +44,7 @@ class Linear3D(ParallelLinearBase):
         self.in_features, self.out_features = in_features, out_features
         kw = dict(dtype=dtype, device=device or grid.device)
         self.weight = place(nn.Parameter(torch.empty(in_features // p, out_features // (p * p), **kw)),
-                            self.weight_layout)
+                            self.weight_layout, transposed=True)  # W^T, as Algorithm 1's B
         nn.init.normal_(self.weight, std=in_features ** -0.5)
         self.diagonal = is_diagonal(grid, a, c)
         n_bias = out_features // (p * p)

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..errors import GridError
 from ..modes import resolve
+from ..sharding import set_row_order
 from .dense import GPT2, Arch, DenseMLP, DenseSelfAttention, DenseTransformerLayer, group_order
 from .sequence import attend, sequence_parallel
 
@@ -43,6 +44,8 @@ class SelfAttention(nn.Module):
         self.widths = arch.qkv_widths(hidden, heads)
         first, second = self.mode.linear_pair(grid, bias, dtype, device or grid.device, overlap)
         self.qkv, self.proj = first(hidden, sum(self.widths)), second(hidden, hidden)
+        set_row_order(self.qkv.weight, self.widths, self.groups)
+        set_row_order(self.qkv.bias, self.widths, self.groups)
 
     @property
     def input_layout(self):
@@ -135,6 +138,9 @@ class MLP(nn.Module):
         self.groups = self.mode.head_groups_count()
         first, second = self.mode.linear_pair(grid, bias, dtype, device or grid.device, overlap)
         self.fc1, self.fc2 = first(hidden, sum(self.widths)), second(ffn_hidden, hidden)
+        if len(self.widths) > 1:
+            set_row_order(self.fc1.weight, self.widths, self.groups)
+            set_row_order(self.fc1.bias, self.widths, self.groups)
 
     @property
     def input_layout(self):
@@ -234,6 +240,20 @@ class TransformerLayer(nn.Module):
         self.mlp.load_dense(dense.fc1, dense.fc2)
         self.ln1.load_dense(dense.ln1)
         self.ln2.load_dense(dense.ln2)
+
+    # this layer's parameter names -> DenseTransformerLayer's (sub-graph branches keep the
+    # projection's bias apart as proj_bias)
+    DENSE_NAMES = {"attn.qkv.": "qkv.", "attn.proj.": "proj.", "attn.proj_bias": "proj.bias", "mlp.fc1.": "fc1.",
+                   "mlp.fc2.": "fc2."}
+
+    def dense_named_parameters(self):
+        """(DenseTransformerLayer's name, this rank's parameter) pairs."""
+        for name, p in self.named_parameters():
+            for ours, theirs in self.DENSE_NAMES.items():
+                if name.startswith(ours):
+                    name = theirs + name[len(ours):]
+                    break
+            yield name, p
 
     def dense_state(self, grad=False):
         """Full tensors under DenseTransformerLayer's names (grad=True: their gradients)."""

@@ -1,0 +1,304 @@
+"""Sharded checkpoints: every rank writes its own shards, an index says where every slice
+of every tensor lives, and any grid reads back just the slices it needs.
+
+A step is a folder `step-NNNNNNNN/` holding `rank-R.safetensors` (this rank's shards: the
+parameters it counts, placement.counted_here, under "KIND/NAME" for KIND in param and the
+optimizer's master / exp_avg / exp_avg_sq), `rank-R.json` (those shards' metadata and the
+file's sha256) and `index.json`, written last by rank 0 after checking every rank's file:
+for each tensor its dense shape and dtype and its chunks (file, key, the block of the stored
+full tensor it holds, and how that stored tensor relates to the dense one: transposed, rows
+in group_order). `latest` names the newest complete step (replaced atomically), so a save
+killed at any moment leaves the previous step loadable and never a mix of two. Nothing in a
+checkpoint is executed: safetensors and JSON only.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import GridError
+from .layout import local_slices
+from .sharding import placement_of
+
+INDEX = "index.json"
+LATEST = "latest"
+KEEP = 2  # complete steps kept (the newest and the one before)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _stored_shape(dense_shape, pl) -> tuple:
+    return tuple(reversed(dense_shape)) if pl.transposed else tuple(dense_shape)
+
+
+def chunk_of(name: str, dense_shape, p, grid) -> dict:
+    """The metadata of this rank's shard of parameter `p` (dense name `name`)."""
+    pl = placement_of(p)
+    stored = _stored_shape(dense_shape, pl)
+    sl = local_slices(stored, pl.layout, grid)
+    block = [[s.start, s.stop] for s in sl]
+    if [e - b for b, e in block] != list(p.shape):
+        raise GridError(f"internal: {name}'s shard {tuple(p.shape)} is not its layout's block {block}")
+    return {"block": block, "transposed": pl.transposed, "order": list(map(list, [pl.order[0], [pl.order[1]]]))
+            if pl.order else None}
+
+
+def _order(meta) -> tuple | None:
+    o = meta.get("order")
+    return (tuple(o[0]), o[1][0]) if o else None
+
+
+def _dense_index(meta: dict, dense_len: list) -> list:
+    """Per dense dim, the dense indices of a chunk's (or a needed block's) elements, in the
+    chunk's own order along that dim."""
+    from .nn.dense import group_order
+
+    per_stored = [np.arange(b, e) for b, e in meta["block"]]
+    dense = list(reversed(per_stored)) if meta["transposed"] else per_stored
+    order = _order(meta)
+    if order is not None:
+        perm = group_order(list(order[0]), order[1], "cpu").numpy()
+        dense[0] = perm[dense[0]]
+    return dense
+
+
+class PendingSave:
+    """A save whose shards are being written in the background (save(..., wait=False)):
+    the tensors were copied at save time, so training may go on and change them. finish()
+    (collective: every rank, at the same point of the program) waits for this rank's file,
+    then rank 0 checks every rank's file and writes the index: the step becomes the latest
+    only then, with the same guarantees as a blocking save."""
+
+    def __init__(self, folder: Path, step_dir: Path, grid, extra: dict, thread):
+        self.folder, self.step_dir, self.grid, self.extra, self._thread = folder, step_dir, grid, extra, thread
+        self.error = None
+        self.done = False
+
+    def finish(self) -> Path:
+        if self.done:
+            return self.step_dir
+        if self._thread is not None:
+            self._thread.join()
+        if self.error is not None:
+            raise GridError(f"writing checkpoint shard in {self.step_dir} failed: {self.error}") from self.error
+        _commit(self.folder, self.step_dir, self.grid, self.extra)
+        self.done = True
+        return self.step_dir
+
+
+def save(folder, step: int, items: list, grid, tensors_of, extra: dict, wait: bool = True):
+    """Write step `step` of a sharded checkpoint under `folder` (collective: every rank).
+    items: [(dense name, parameter, dense shape)] of this rank; tensors_of(p) -> {kind:
+    tensor shaped like p} (the parameter and its optimizer states); extra: JSON-able run
+    state (config, reader position, losses) that rank 0 puts in the index. wait=False: the
+    shards are copied now and written by a background thread; returns a PendingSave whose
+    finish() every rank calls later (e.g. at the next step). Returns the step folder otherwise."""
+    import threading
+
+    folder = Path(folder)
+    grid.barrier()  # every rank sees the same folders while it picks the name
+    step_dir = folder / f"step-{step:08d}"
+    k = 0
+    while step_dir.exists():  # never overwrite a step (it may be the latest); a new folder instead
+        k += 1
+        step_dir = folder / f"step-{step:08d}.{k}"
+    grid.barrier()
+    if grid.rank == 0:
+        step_dir.mkdir(parents=True)
+    grid.barrier()
+    shards, meta = {}, {}
+    for name, p, dense_shape in items:
+        if p.numel() == 0 or not placement_of(p).counted_here(grid):
+            continue
+        chunk = chunk_of(name, dense_shape, p, grid)
+        for kind, t in tensors_of(p).items():
+            key = f"{kind}/{name}"
+            # a host copy (the snapshot: training may change t while the file is written)
+            shards[key] = t.detach().to("cpu", copy=True).contiguous()
+            meta[key] = {**chunk, "name": name, "kind": kind, "dense_shape": list(dense_shape),
+                         "dtype": str(t.dtype).replace("torch.", "")}
+    pending = PendingSave(folder, step_dir, grid, {"step": step, **extra}, None)
+
+    def write():
+        try:
+            _write_rank(step_dir, grid.rank, shards, meta)
+        except Exception as e:  # reported by finish(), on the caller's thread
+            pending.error = e
+
+    if wait:
+        write()
+        return pending.finish()
+    pending._thread = threading.Thread(target=write, name=f"gridweave-save-{step}", daemon=True)
+    pending._thread.start()
+    return pending
+
+
+def _write_rank(step_dir: Path, rank: int, shards: dict, meta: dict) -> None:
+    from safetensors.torch import save_file
+
+    fname = f"rank-{rank}.safetensors"
+    tmp = step_dir / (fname + ".tmp")
+    save_file(shards, str(tmp))
+    os.replace(tmp, step_dir / fname)
+    _atomic_write_text(step_dir / f"rank-{rank}.json",
+                       json.dumps({"file": fname, "sha256": _sha256(step_dir / fname), "chunks": meta}))
+
+
+def _commit(folder: Path, step_dir: Path, grid, extra: dict) -> None:
+    """Every rank's file is written: rank 0 checks them, writes the index, then points
+    `latest` at the step and prunes old steps."""
+    grid.barrier()
+    if grid.rank == 0:
+        index = {"world_size": grid.world_size, "grid": dict(grid.axes), "files": {}, "tensors": {}, **extra}
+        for r in range(grid.world_size):
+            rec = json.loads((step_dir / f"rank-{r}.json").read_text())
+            if _sha256(step_dir / rec["file"]) != rec["sha256"]:
+                raise GridError(f"checkpoint shard {step_dir / rec['file']} changed while saving")
+            index["files"][rec["file"]] = rec["sha256"]
+            for key, m in rec["chunks"].items():
+                t = index["tensors"].setdefault(f"{m['kind']}/{m['name']}", {"dense_shape": m["dense_shape"],
+                                                                                "dtype": m["dtype"], "chunks": []})
+                t["chunks"].append({"file": rec["file"], "key": key, "block": m["block"],
+                                    "transposed": m["transposed"], "order": m["order"]})
+        _atomic_write_text(step_dir / INDEX, json.dumps(index))
+        _atomic_write_text(folder / LATEST, step_dir.name)  # the step is complete: point at it
+        # keep the newest KEEP complete steps; older ones and unfinished ones (no index) go
+        others = [d for d in folder.glob("step-*") if d.is_dir() and d != step_dir]
+        complete = sorted((d for d in others if (d / INDEX).exists()), key=lambda d: d.stat().st_mtime_ns)
+        for old in [d for d in others if not (d / INDEX).exists()] + complete[:max(0, len(complete) - (KEEP - 1))]:
+            shutil.rmtree(old, ignore_errors=True)
+    grid.barrier()
+
+
+def open_index(folder) -> tuple:
+    """(step folder, index) of the newest complete step, every file named by the index present
+    and matching its checksum: one clear error naming the file otherwise, before anything is read."""
+    folder = Path(folder)
+    latest = folder / LATEST
+    if not latest.exists():
+        raise GridError(f"no checkpoint in {folder} (no '{LATEST}' file)")
+    step_dir = folder / latest.read_text().strip()
+    index_path = step_dir / INDEX
+    if not index_path.exists():
+        raise GridError(f"checkpoint {step_dir} has no {INDEX}: the save did not complete")
+    try:
+        index = json.loads(index_path.read_text())
+    except json.JSONDecodeError as e:
+        raise GridError(f"checkpoint index {index_path} is not valid JSON: {e}") from None
+    for fname, digest in index.get("files", {}).items():
+        f = step_dir / fname
+        if not f.exists():
+            raise GridError(f"checkpoint file {f} named by {index_path} is missing")
+        if _sha256(f) != digest:
+            raise GridError(f"checkpoint file {f} does not match its checksum in {index_path} "
+                            "(truncated or altered)")
+    return step_dir, index
+
+
+def _fill(local: torch.Tensor, need: dict, entry: dict, step_dir: Path, handles: dict, name: str) -> int:
+    """Copy into `local` (the stored block `need` of this rank) every element the chunks of
+    `entry` hold; returns how many were filled. Reads only the chunks' needed boxes."""
+    from safetensors import safe_open
+
+    dense_len = entry["dense_shape"]
+    want = _dense_index(need, dense_len)
+    target = local.t() if need["transposed"] else local  # dense orientation, a view
+    filled = 0
+    for c in entry["chunks"]:
+        have = _dense_index(c, dense_len)
+        sel, src = [], []
+        for d in range(len(dense_len)):
+            lookup = np.full(dense_len[d], -1, dtype=np.int64)
+            lookup[have[d]] = np.arange(len(have[d]))
+            pos = lookup[want[d]]
+            ok = np.nonzero(pos >= 0)[0]
+            sel.append(ok)
+            src.append(pos[ok])
+        if any(len(s) == 0 for s in sel):
+            continue
+        if c["file"] not in handles:
+            handles[c["file"]] = safe_open(str(step_dir / c["file"]), framework="pt", device="cpu")
+        sl = handles[c["file"]].get_slice(c["key"])
+        # the bounding box of the needed elements, in the chunk's stored coordinates
+        lo = [int(s.min()) for s in src]
+        hi = [int(s.max()) + 1 for s in src]
+        box_stored = list(zip(reversed(lo), reversed(hi))) if c["transposed"] else list(zip(lo, hi))
+        piece = sl[tuple(slice(a, b) for a, b in box_stored)]
+        piece = piece.t() if c["transposed"] else piece
+        idx = [torch.as_tensor(s - a, dtype=torch.int64) for s, a in zip(src, lo)]
+        dst = [torch.as_tensor(s, dtype=torch.int64) for s in sel]
+        with torch.no_grad():
+            if len(dense_len) == 1:
+                target[dst[0]] = piece[idx[0]].to(target.dtype)
+            else:
+                target[dst[0][:, None], dst[1][None, :]] = piece[idx[0][:, None], idx[1][None, :]].to(target.dtype)
+        filled += int(np.prod([len(s) for s in sel]))
+    return filled
+
+
+def load(folder, items: list, grid, kinds) -> tuple:
+    """(index, {kind: {id(p): tensor}}) for this rank's parameters: each read from the slices
+    of the chunks that hold it (any saving grid). items as for save(); kinds: the KINDs to read."""
+    step_dir, index = open_index(folder)
+    out = {k: {} for k in kinds}
+    handles = {}
+    for name, p, dense_shape in items:
+        pl = placement_of(p)
+        if p.numel() == 0:
+            for k in kinds:
+                out[k][id(p)] = torch.empty_like(p, device="cpu", dtype=torch.float32 if k != "param" else p.dtype)
+            continue
+        need = chunk_of(name, dense_shape, p, grid)
+        for kind in kinds:
+            entry = index["tensors"].get(f"{kind}/{name}")
+            if entry is None:
+                raise GridError(f"checkpoint {step_dir} holds no {kind} of {name}")
+            if list(entry["dense_shape"]) != list(dense_shape):
+                raise GridError(f"checkpoint {step_dir}: {name} is {entry['dense_shape']}, this model's "
+                                f"{list(dense_shape)}")
+            dtype = getattr(torch, entry["dtype"])
+            local = torch.empty(tuple(p.shape), dtype=dtype, device="cpu")
+            got = _fill(local, need, entry, step_dir, handles, name)
+            if got != local.numel():
+                raise GridError(f"checkpoint {step_dir}: the chunks of {kind}/{name} cover {got} of the "
+                                f"{local.numel()} elements this rank needs")
+            out[kind][id(p)] = local
+        del pl
+    return index, out
+
+
+def export_dense(folder, kind: str = "param") -> dict:
+    """Every tensor of one KIND as a dense tensor, in one process, tensor by tensor."""
+    step_dir, index = open_index(folder)
+    handles = {}
+    out = {}
+    prefix = kind + "/"
+    for key, entry in index["tensors"].items():
+        if not key.startswith(prefix):
+            continue
+        shape = entry["dense_shape"]
+        full = torch.empty(shape, dtype=getattr(torch, entry["dtype"]), device="cpu")
+        need = {"block": [[0, n] for n in shape], "transposed": False, "order": None}
+        got = _fill(full, need, entry, step_dir, handles, key)
+        if got != full.numel():
+            raise GridError(f"checkpoint {step_dir}: the chunks of {key} cover {got} of {full.numel()} elements")
+        out[key[len(prefix):]] = full
+    return out
