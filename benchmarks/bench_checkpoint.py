@@ -3,12 +3,13 @@ on another, against the rank's shard size.
 
     python benchmarks/bench_checkpoint.py      # writes results/checkpoint.json and .png
 
-A Llama (hidden 512, 8 layers, vocabulary 8192: 34M parameters, 4 tensors each with
-OffloadAdam's fp32 master weights and Adam states, 0.5 GiB in all) is saved from
-dp2 x pp2 x row:2 and loaded into cube:2 and into row:4 x pp2, 8 ranks each. Memory: the
-peak resident set during the save or load above the resident set just before it, sampled
-every millisecond by a thread reading /proc/self/statm; "shard" is what the rank writes
-(save) or holds once loaded (load). Times are the slowest rank's.
+A Llama (hidden 512, 8 layers, vocabulary 8192, fp32, with OffloadAdam's fp32 master weights
+and Adam states: 4 tensors per parameter) is saved from dp2 x pp2 x row:2 and loaded into
+cube:2 and into row:4 x pp2, 8 ranks each. Memory: the peak resident memory during the save or
+load above the level just before it, sampled every millisecond by a thread reading
+/proc/self/status, anonymous (the process's allocations) and file-backed (pages of the
+memory-mapped shard files safetensors reads); "shard" is what the rank writes (save) or holds
+once loaded (load). Times are the slowest rank's.
 """
 from __future__ import annotations
 
@@ -26,30 +27,37 @@ GRIDS = {"dp2 x pp2 x row:2": dict(dp=2, pp=2, tp="row:2"), "cube:2": dict(tp="c
 
 
 class PeakRSS:
-    """The peak resident set (bytes) above the one at start, sampled every millisecond."""
+    """Peak resident memory above the level at start, sampled every millisecond from
+    /proc/self/status: anonymous (the process's own allocations) and file-backed (the pages of
+    memory-mapped checkpoint files that safetensors reads, which the kernel can drop)."""
 
     def __init__(self):
-        self.page = os.sysconf("SC_PAGE_SIZE")
         self.base = self._rss()
-        self.peak = self.base
+        self.peak = dict(self.base)
         self._stop = False
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
 
-    def _rss(self):
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * self.page
+    @staticmethod
+    def _rss():
+        out = {}
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("RssAnon:", "RssFile:")):
+                    k, v = line.split(":")
+                    out[k] = int(v.split()[0]) * 1024
+        return out
 
     def _run(self):
         while not self._stop:
-            self.peak = max(self.peak, self._rss())
+            now = self._rss()
+            self.peak = {k: max(self.peak[k], now[k]) for k in now}
             time.sleep(0.001)
 
-    def stop(self) -> int:
+    def stop(self) -> tuple:
         self._stop = True
         self._t.join()
-        self.peak = max(self.peak, self._rss())
-        return self.peak - self.base
+        return self.peak["RssAnon"] - self.base["RssAnon"], self.peak["RssFile"] - self.base["RssFile"]
 
 
 def _stage(grid_kw):
@@ -99,8 +107,8 @@ def worker(part: str, folder: str, out: str) -> None:
         _, local = gw.checkpoint.load(folder, items, grid, kinds)
         dt = time.perf_counter() - t0
         del local
-    extra = mem.stop()
-    row = torch.tensor([[float(shard), float(extra), dt]], dtype=torch.float64)
+    anon, filed = mem.stop()
+    row = torch.tensor([[float(shard), float(anon), float(filed), dt]], dtype=torch.float64)
     rows = [torch.zeros_like(row) for _ in range(n)]
     dist.all_gather(rows, row)
     if rank == 0:
@@ -120,10 +128,10 @@ def plot(data, png):
         for r, row in enumerate(case["per_rank"]):
             labels.append(f"{case['what']}\nr{r}" if r == 0 else f"r{r}")
             shard.append(row["shard_bytes"] / 2 ** 20)
-            extra.append(row["peak_extra_rss_bytes"] / 2 ** 20)
+            extra.append(row["peak_extra_anon_bytes"] / 2 ** 20)
     x = range(len(labels))
     ax.bar([i - 0.2 for i in x], shard, 0.4, label="shard (MiB)")
-    ax.bar([i + 0.2 for i in x], extra, 0.4, label="peak RSS above start (MiB)")
+    ax.bar([i + 0.2 for i in x], extra, 0.4, label="peak anonymous memory above start (MiB)")
     ax.set_xticks(list(x), labels, fontsize=6)
     ax.set(title="sharded checkpoint: per-rank memory during save / load", ylabel="MiB")
     ax.legend()
@@ -148,11 +156,14 @@ def main():
         os.environ["GW_BENCH_MODE"] = "save" if what.startswith("save") else "load"
         rows = run_ranks(__file__, 8, port, out, part.replace(" ", "").replace(":", ""), part, "--folder",
                          str(folder))
-        per_rank = [{"shard_bytes": int(r[0]), "peak_extra_rss_bytes": int(r[1]), "seconds": r[2]} for r in rows]
-        cases.append({"what": what, "per_rank": per_rank, "seconds": max(r[2] for r in rows),
-                      "max_extra_over_shard": max(r[1] / r[0] for r in rows if r[0])})
-        print(f"{what:24s} {cases[-1]['seconds']:.2f} s  peak RSS above start / shard: "
-              f"max {cases[-1]['max_extra_over_shard']:.2f}", flush=True)
+        per_rank = [{"shard_bytes": int(r[0]), "peak_extra_anon_bytes": int(r[1]), "peak_extra_file_bytes": int(r[2]),
+                     "seconds": r[3]} for r in rows]
+        cases.append({"what": what, "per_rank": per_rank, "seconds": max(r[3] for r in rows),
+                      "max_anon_over_shard": max(r[1] / r[0] for r in rows if r[0]),
+                      "max_file_over_shard": max(r[2] / r[0] for r in rows if r[0])})
+        print(f"{what:24s} {cases[-1]['seconds']:.2f} s  peak above start / shard: anonymous max "
+              f"{cases[-1]['max_anon_over_shard']:.2f}, mapped file pages max {cases[-1]['max_file_over_shard']:.2f}",
+              flush=True)
     total = sum(f.stat().st_size for f in folder.rglob("*.safetensors"))
     save(out, "checkpoint", {"model": MODEL, "bytes_on_disk": total, "cases": cases}, plot)
 

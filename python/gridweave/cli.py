@@ -87,7 +87,10 @@ def _generate(args) -> int:
 def _export_parser(sub):
     p = sub.add_parser("export", help="write a run's model as a Hugging Face folder (config.json + safetensors)")
     p.add_argument("--run", required=True, help="the run folder (gridweave train --out)")
-    p.add_argument("--out", required=True, help="the folder to write (transformers' from_pretrained loads it)")
+    p.add_argument("--out", required=True, help="the folder to write")
+    p.add_argument("--format", default="hf", choices=["hf", "dense"],
+                   help="hf: config.json + model.safetensors that transformers' from_pretrained loads; dense: "
+                        "gridweave's dense model (model.safetensors under gw.models names + model_config.json)")
     return p
 
 
@@ -97,8 +100,21 @@ def _export(args) -> int:
     from .hf import save_hf
     from .train import load_model
 
-    model, _, _ = load_model(args.run)
-    save_hf(model, args.out)
+    model, _, _ = load_model(args.run)  # one process, shard by shard: any grid's checkpoint
+    if args.format == "hf":
+        save_hf(model, args.out)
+    else:
+        import json
+
+        from safetensors.torch import save_file
+
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie:
+            state.pop("head.out.weight", None)  # the same tensor as embed.tok.weight
+        save_file(state, str(out / "model.safetensors"))
+        (out / "model_config.json").write_text(json.dumps(model.config.to_dict(), indent=1))
     tok = Path(args.run) / "tokenizer.json"
     if tok.exists():
         (Path(args.out) / "tokenizer.json").write_bytes(tok.read_bytes())

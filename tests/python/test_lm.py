@@ -233,3 +233,16 @@ def test_stage_boundaries_send_one_tensor_rank_share(pool):
         assert shape == (2, 16, 16)
         payload = 2 * (2 * 16 * 32 // 2) * 8  # 2 microbatches of b x s x h / t float64
         assert payload <= sent < payload + 64, sent  # + the schedule's few scalars (the microbatch count)
+
+
+def test_export_dense_writes_the_model_in_one_process(bpe_run, tmp_path):
+    from safetensors.torch import load_file
+
+    r = subprocess.run([sys.executable, "-m", "gridweave.cli", "export", "--run", str(bpe_run), "--out",
+                        str(tmp_path / "dense"), "--format", "dense"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    cfg = gw.models.ModelConfig.from_dict(json.loads((tmp_path / "dense" / "model_config.json").read_text()))
+    model = gw.models.build(cfg, device="cpu")
+    model.load_state_dict(load_file(str(tmp_path / "dense" / "model.safetensors")))
+    ref, _, _ = gw.train.load_model(bpe_run)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))

@@ -263,6 +263,8 @@ def test_axes_not_given_are_derived_from_the_given_ones():
     (["--tp", "cube:2", "--sp", "2"], 16, 29661),                                            # 3-D x sp
     (["--tp", "row:2", "--dp", "2", "--pp", "2"], 8, 29663),                                 # 1-D x dp x pp
     (["--tp", "square:2", "--dp", "2"], 8, 29665),                                           # 2-D x dp
+    (["--tp", "cube:2", "--pp", "2"], 16, 29667),                                            # 3-D x pp
+    (["--dp", "2", "--pp", "2", "--sp", "2"], 8, 29669),                                     # sequence x dp x pp
 ])
 def test_every_axis_at_once_trains_like_one_process(single, tmp_path, spec, n, port):
     one, _ = single
