@@ -5,7 +5,9 @@
 imbalance: 4 stages whose per-microbatch forward/backward times vary (seeded, 0.5x-2x),
   message-driven (Algorithm 2) vs 1F1B with flush; step time.
 bubble: balanced stages, measured idle fraction of a step vs (p-1)/m and (p-1)/(m+p-1)
-  for m = 4, 8, 16 microbatches.
+  for m = 4, 8, 16 microbatches; and Megatron's interleaved schedule (seed 003 Fig. 4) with
+  v = 2 model chunks per stage (each half the stage's work): bubble (p-1)/(v m), idle
+  fraction (p-1)/(v m + p - 1).
 Stage compute is emulated by sleeping (1 ms forward, 2 ms backward per microbatch) so the
 schedules, not 2 shared cores, decide the timing.
 overlap: OffloadAdam.step on 8 data-parallel ranks (all-reduce in chunks of k x bsize
@@ -24,19 +26,19 @@ from launch import bench_parser, results_dir, run_ranks, save, start_worker, ste
 F_MS, B_MS = 1.0, 2.0
 
 
-def _sleeper(stage, jitter):
+def _sleeper(stage, jitter, scale=1.0):
     import torch
 
     class Work(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, mb):
             ctx.mb = mb
-            time.sleep(F_MS / 1e3 * jitter(stage, mb, 0))
+            time.sleep(scale * F_MS / 1e3 * jitter(stage, mb, 0))
             return x.clone()
 
         @staticmethod
         def backward(ctx, g):
-            time.sleep(B_MS / 1e3 * jitter(stage, ctx.mb, 1))
+            time.sleep(scale * B_MS / 1e3 * jitter(stage, ctx.mb, 1))
             return g.clone(), None
 
     class Stage(torch.nn.Module):
@@ -75,11 +77,14 @@ def worker(part, out_path):
         shape = (1, 4)
         runs = {}
         configs = [(m, sched) for m in ((8,) if part == "imbalance" else (4, 8, 16))
-                   for sched in ("message_driven", "1f1b")]
+                   for sched in (("message_driven", "1f1b") if part == "imbalance" else
+                                 ("message_driven", "1f1b", "interleaved"))]
+        v = 2  # model chunks per stage of the interleaved schedule
         for m, sched in configs:
             times, idle = [], []
             for rep in range(5):
-                stage = _sleeper(s, jitter_fn(rep))
+                stage = [_sleeper(s, jitter_fn(rep), 1.0 / v) for _ in range(v)] if sched == "interleaved" \
+                    else _sleeper(s, jitter_fn(rep))
                 xs = [torch.ones(shape) for _ in range(m)]
                 ys = [torch.ones(shape) for _ in range(m)]
                 dist.barrier()
@@ -92,9 +97,10 @@ def worker(part, out_path):
                 dist.all_gather(all_t, t)
                 times.append(max(float(a[0]) for a in all_t))
                 idle.append(statistics.mean(1 - float(a[1]) / max(float(a[0]) for a in all_t) for a in all_t))
+            vm = v * m if sched == "interleaved" else m  # the interleaved bubble is (p-1)/(v m)
             runs[f"{sched}/m={m}"] = {"schedule": sched, "microbatches": m, "step_s": statistics.median(times),
-                                      "idle_fraction": statistics.median(idle),
-                                      "model_(p-1)/m": (n - 1) / m, "model_(p-1)/(m+p-1)": (n - 1) / (m + n - 1)}
+                                      "idle_fraction": statistics.median(idle), "chunks": v if vm != m else 1,
+                                      "model_(p-1)/m": (n - 1) / vm, "model_(p-1)/(m+p-1)": (n - 1) / (vm + n - 1)}
         result["runs"] = runs
     else:  # overlap of the chunked all-reduce with the optimizer
         grid = gw.init(dp=n, store=store, prefix="pp-overlap")
@@ -138,12 +144,13 @@ def plot(data, png):
     axes[0].bar(list(r), [v["step_s"] * 1e3 for v in r.values()])
     axes[0].set(title="4 stages, 8 microbatches, jittered stage times", ylabel="step ms")
     b = data["bubble"]["runs"]
-    for sched, mk in (("message_driven", "o-"), ("1f1b", "s-")):
+    for sched, mk in (("message_driven", "o-"), ("1f1b", "s-"), ("interleaved", "^-")):
         pts = sorted((v["microbatches"], v["idle_fraction"]) for v in b.values() if v["schedule"] == sched)
         axes[1].plot([m for m, _ in pts], [f for _, f in pts], mk, label=f"measured {sched}")
     ms = sorted({v["microbatches"] for v in b.values()})
     p = data["bubble"]["ranks"]
     axes[1].plot(ms, [(p - 1) / (m + p - 1) for m in ms], "k--", lw=1, label="(p-1)/(m+p-1)")
+    axes[1].plot(ms, [(p - 1) / (2 * m + p - 1) for m in ms], "g--", lw=1, label="interleaved v=2: (p-1)/(vm+p-1)")
     axes[1].plot(ms, [(p - 1) / m for m in ms], "k:", lw=1, label="(p-1)/m")
     axes[1].set(title=f"idle fraction, p={p} balanced stages", xlabel="microbatches m", ylabel="fraction")
     axes[1].legend()

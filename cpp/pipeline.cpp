@@ -70,7 +70,8 @@ class Outbox {
  public:
   Outbox(Communicator& pp, std::size_t payload, Communicator* control = nullptr)
       : pp_(pp), payload_(payload), control_(control) {}
-  void send(int peer, std::int64_t kind, int mb, const void* data) {
+  void send(int peer, std::int64_t kind, int mb, const void* data) { send_tagged(peer, kind, mb, data, kTag); }
+  void send_tagged(int peer, std::int64_t kind, int mb, const void* data, int tag) {
     auto m = std::make_shared<StageMessage>(payload_, pp_.device());
     m->set(kind, mb, data, payload_);
     if (control_ != nullptr) {
@@ -78,7 +79,7 @@ class Outbox {
       h->set(kind, mb, nullptr, 0);
       pending_.push_back({h, control_->send(h->view(), peer, kControlTag)});
     }
-    pending_.push_back({m, pp_.send(m->view(), peer, kTag)});
+    pending_.push_back({m, pp_.send(m->view(), peer, tag)});
     reap(false);
   }
   void reap(bool all) {
@@ -357,6 +358,76 @@ PipelineStats run_one_f_one_b(Communicator& pp, const PipelineConfig& cfg, const
     do_backward(b);
   }
   for (; b < m; ++b) do_backward(b);  // cool-down (the flush)
+  out.reap(true);
+  return st;
+}
+
+PipelineStats run_interleaved(Communicator& pp, const PipelineConfig& cfg, int chunks, const ChunkForward& forward,
+                              const ChunkBackward& backward) {
+  check(cfg, pp);
+  const int p = cfg.stages, s = cfg.stage, m = cfg.microbatches, v = chunks;
+  GW_CHECK(v >= 1, "interleaved pipeline: chunks must be >= 1, got " << v);
+  GW_CHECK(p >= 2, "interleaved pipeline: needs at least 2 stages, got " << p);
+  GW_CHECK(m % p == 0, "interleaved pipeline: " << m << " microbatches are not a multiple of the " << p << " stages");
+  PipelineStats st;
+  const int prev = (s + p - 1) % p, next = (s + 1) % p;
+  const int total = m * v;
+  // Megatron's order of the k-th forward (backward: chunks in reverse) of a stage
+  auto mb_of = [&](int k) { return (k / (p * v)) * p + k % p; };
+  auto chunk_f = [&](int k) { return (k / p) % v; };
+  auto chunk_b = [&](int k) { return v - 1 - (k / p) % v; };
+  const bool first_virtual = s == 0, last_virtual = s == p - 1;
+  Outbox out(pp, cfg.payload_bytes);
+  StageMessage in(cfg.payload_bytes, pp.device());
+  auto receive = [&](int peer, std::int64_t kind, int mb, int c) -> const void* {
+    {
+      Timer t(st.wait_s);
+      pp.recv(in.view(), peer, kTag + static_cast<int>(kind))->wait(pp.info().timeout);
+    }
+    ++st.messages;
+    const auto [got_kind, got] = in.header();
+    GW_CHECK(got_kind == kind && got == mb * v + c,
+             "interleaved stage " << s << " expected " << (kind == kActivation ? "activation" : "gradient")
+                                  << " of microbatch " << mb << " chunk " << c << ", got kind " << got_kind
+                                  << " of microbatch " << got / v << " chunk " << got % v);
+    return in.payload();
+  };
+  auto send = [&](int peer, std::int64_t kind, int mb, int c, const void* data) {
+    out.send_tagged(peer, kind, mb * v + c, data, kTag + static_cast<int>(kind));
+  };
+  auto do_forward = [&](int k) {
+    const int mb = mb_of(k), c = chunk_f(k);
+    const bool head = first_virtual && c == 0, tail = last_virtual && c == v - 1;
+    // the input of chunk c: from the previous stage's chunk c, or (stage 0) the last stage's chunk c - 1
+    const void* x = head ? nullptr : receive(prev, kActivation, mb, c);
+    const void* y;
+    {
+      Timer t(st.compute_s);
+      y = forward(mb, c, x);
+    }
+    ++st.forwards;
+    if (!tail) send(next, kActivation, mb, last_virtual ? c + 1 : c, y);
+  };
+  auto do_backward = [&](int k) {
+    const int mb = mb_of(k), c = chunk_b(k);
+    const bool head = first_virtual && c == 0, tail = last_virtual && c == v - 1;
+    const void* g = tail ? nullptr : receive(next, kGradient, mb, c);
+    const void* dx;
+    {
+      Timer t(st.compute_s);
+      dx = backward(mb, c, g);
+    }
+    ++st.backwards;
+    if (!head) send(prev, kGradient, mb, first_virtual ? c - 1 : c, dx);
+  };
+  const int warmup = std::min((p - s - 1) * 2 + (v - 1) * p, total);
+  int f = 0, b = 0;
+  for (; f < warmup; ++f) do_forward(f);
+  for (; f < total; ++f, ++b) {  // steady state
+    do_forward(f);
+    do_backward(b);
+  }
+  for (; b < total; ++b) do_backward(b);  // cool-down
   out.reap(true);
   return st;
 }

@@ -19,8 +19,11 @@ namespace gridweave {
 
 using StageForward = std::function<const void*(int microbatch, const void* input)>;
 using StageBackward = std::function<const void*(int microbatch, const void* grad)>;
+// The interleaved schedule's callbacks also name the model chunk (0..chunks-1) of this stage.
+using ChunkForward = std::function<const void*(int microbatch, int chunk, const void* input)>;
+using ChunkBackward = std::function<const void*(int microbatch, int chunk, const void* grad)>;
 
-enum class PipelineSchedule : int { MessageDriven = 0, OneFOneB = 1 };
+enum class PipelineSchedule : int { MessageDriven = 0, OneFOneB = 1, Interleaved = 2 };
 
 // How a stage waits for its neighbours' messages: one receive-from-any over both (needs
 // Communicator::can_recv_any); one receive posted per neighbour, polled; or Announced: each
@@ -56,5 +59,14 @@ PipelineStats run_message_driven(Communicator& pp, const PipelineConfig& cfg, co
 // cool-down backwards, each message to a known peer.
 PipelineStats run_one_f_one_b(Communicator& pp, const PipelineConfig& cfg, const StageForward& forward,
                               const StageBackward& backward);
+
+// Megatron's interleaved 1F1B (seed 003 §2.2, Fig. 4): each stage holds `chunks` model chunks;
+// a microbatch visits the virtual stages c * stages + s (c = 0..chunks-1), the last stage's
+// chunk c feeding stage 0's chunk c + 1. Warm-up forwards, one-forward-one-backward, cool-down
+// backwards, in Megatron's order; the bubble shrinks to (p - 1) / (chunks m). Needs m a
+// multiple of the stages. Activations and gradients travel on separate tags, so with two
+// stages (each the other's both neighbours) neither overtakes the other.
+PipelineStats run_interleaved(Communicator& pp, const PipelineConfig& cfg, int chunks, const ChunkForward& forward,
+                              const ChunkBackward& backward);
 
 }  // namespace gridweave

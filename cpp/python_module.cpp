@@ -123,7 +123,8 @@ PYBIND11_MODULE(_C, m) {
   py::enum_<CubeForm>(m, "CubeForm").value("AB", CubeForm::AB).value("ABt", CubeForm::ABt).value("AtB", CubeForm::AtB);
   py::enum_<PipelineSchedule>(m, "PipelineSchedule")
       .value("MessageDriven", PipelineSchedule::MessageDriven)
-      .value("OneFOneB", PipelineSchedule::OneFOneB);
+      .value("OneFOneB", PipelineSchedule::OneFOneB)
+      .value("Interleaved", PipelineSchedule::Interleaved);
   py::enum_<ReceiveStrategy>(m, "ReceiveStrategy")
       .value("Auto", ReceiveStrategy::Auto)
       .value("Any", ReceiveStrategy::Any)
@@ -260,6 +261,21 @@ PYBIND11_MODULE(_C, m) {
   }, py::arg("pp"), py::arg("schedule"), py::arg("stage"), py::arg("stages"), py::arg("microbatches"),
      py::arg("pipeline_limit"), py::arg("payload_bytes"), py::arg("forward"), py::arg("backward"),
      py::arg("receive") = ReceiveStrategy::Auto, py::arg("control") = nullptr);
+
+  m.def("run_interleaved", [](std::shared_ptr<Communicator> pp, int stage, int stages, int chunks, int microbatches,
+                              std::size_t payload_bytes, std::function<std::uintptr_t(int, int, std::uintptr_t)> fwd,
+                              std::function<std::uintptr_t(int, int, std::uintptr_t)> bwd) {
+    PipelineConfig cfg{stage, stages, microbatches, 1, payload_bytes, ReceiveStrategy::PerPeer};
+    ChunkForward f = [&fwd](int mb, int c, const void* x) {
+      return reinterpret_cast<const void*>(fwd(mb, c, reinterpret_cast<std::uintptr_t>(x)));
+    };
+    ChunkBackward b = [&bwd](int mb, int c, const void* g) {
+      return reinterpret_cast<const void*>(bwd(mb, c, reinterpret_cast<std::uintptr_t>(g)));
+    };
+    py::gil_scoped_release nogil;
+    return run_interleaved(*pp, cfg, chunks, f, b);
+  }, py::arg("pp"), py::arg("stage"), py::arg("stages"), py::arg("chunks"), py::arg("microbatches"),
+     py::arg("payload_bytes"), py::arg("forward"), py::arg("backward"));
 
   // 3-D choreography (seed 000 §3.1): layouts, plans and gradient mappings.
   py::class_<CubeStep>(m, "CubeStep").def_readonly("axis", &CubeStep::axis).def_readonly("dim", &CubeStep::dim);

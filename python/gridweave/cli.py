@@ -46,7 +46,9 @@ def _train_parser(sub):
                       ("coarsening", int), ("checkpoint_every", int), ("sample_tokens", int), ("timeout", float)):
         o.add_argument("--" + name.replace("_", "-"), type=typ, default=d[name].default)
     o.add_argument("--ac", default="none", help="activation checkpointing: none | auto (seed 001's optimal) | N")
-    o.add_argument("--schedule", default=d["schedule"].default, choices=["message_driven", "1f1b"])
+    o.add_argument("--schedule", default=d["schedule"].default, choices=["message_driven", "1f1b", "interleaved"])
+    o.add_argument("--chunks", type=int, default=d["chunks"].default,
+                   help="model chunks per pipeline stage (--schedule interleaved: Megatron's virtual stages)")
     o.add_argument("--precision", default=d["precision"].default, choices=["fp32", "bf16", "fp16"],
                    help="compute dtype; fp16 with dynamic loss scaling; fp32 master weights always")
     o.add_argument("--device", default=d["device"].default, choices=["auto", "cpu", "cuda"],

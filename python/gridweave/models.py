@@ -428,3 +428,39 @@ class GPTStage(nn.Module):
             for p, v in zip(self.parameters(), saved):
                 p.copy_(v)
         return out
+
+
+class ModelChunks(nn.Module):
+    """This rank's v model chunks for the interleaved schedule (seed 003 Fig. 4): chunk c is
+    virtual stage c * stages + stage of v * stages (a GPTStage each), so every rank holds v
+    thinner slices of the model and the pipeline bubble shrinks v-fold. gw.pipeline
+    .pipeline_step runs them with schedule "interleaved"."""
+
+    def __init__(self, gpt: GPT, grid, mode, stage: int, stages: int, chunks: int, **stage_options):
+        super().__init__()
+        if not isinstance(chunks, int) or chunks < 1:
+            raise GridError(f"chunks must be a positive integer, got {chunks!r}")
+        if len(gpt.layers) % (chunks * stages):
+            raise GridError(f"{len(gpt.layers)} layers do not split into {chunks} chunks on each of {stages} "
+                            "pipeline stages")
+        self.chunks = nn.ModuleList(GPTStage(gpt, grid, mode, c * stages + stage, chunks * stages, **stage_options)
+                                    for c in range(chunks))
+
+    def loss(self, logits, targets):
+        return self.chunks[-1].loss(logits, targets)
+
+    def activation_shape(self, batch: int, seq: int) -> tuple:
+        return self.chunks[0].activation_shape(batch, seq)
+
+    def sharded_items(self) -> list:
+        return [item for c in self.chunks for item in c.sharded_items()]
+
+    def dense_state(self, pick=False) -> dict:
+        return {k: v for c in self.chunks for k, v in c.dense_state(pick).items()}
+
+    def load_dense_state(self, state: dict):
+        for c in self.chunks:
+            c.load_dense_state(state)
+
+    def forward(self, x):
+        raise GridError("model chunks run through gw.pipeline.pipeline_step(..., schedule='interleaved')")

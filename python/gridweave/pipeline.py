@@ -89,7 +89,8 @@ def _tensor_at(addr: int, shape, dtype, device, host_messages: bool) -> torch.Te
     return t
 
 
-SCHEDULES = {"message_driven": _C.PipelineSchedule.MessageDriven, "1f1b": _C.PipelineSchedule.OneFOneB}
+SCHEDULES = {"message_driven": _C.PipelineSchedule.MessageDriven, "1f1b": _C.PipelineSchedule.OneFOneB,
+             "interleaved": _C.PipelineSchedule.Interleaved}
 RECEIVE = {"auto": _C.ReceiveStrategy.Auto, "any": _C.ReceiveStrategy.Any, "per_peer": _C.ReceiveStrategy.PerPeer,
            "announced": _C.ReceiveStrategy.Announced}
 
@@ -109,6 +110,10 @@ def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_s
     """
     if schedule not in SCHEDULES:
         raise GridError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+    chunks = getattr(stage, "chunks", None)  # gw.models.ModelChunks
+    if schedule == "interleaved" or chunks is not None or isinstance(stage, (list, tuple)):
+        return _interleaved_step(chunks if chunks is not None else stage, grid, inputs, targets, loss_fn,
+                                 activation_shape, dtype, axis)
     if receive not in RECEIVE:
         raise GridError(f"receive must be one of {sorted(RECEIVE)}, got {receive!r}")
     pp = grid.comm(axis, "pipeline")
@@ -179,16 +184,79 @@ def pipeline_forward(stage: nn.Module, grid, inputs, targets, loss_fn, activatio
     grid.all_reduce(counts, axis=axis, op="max")
     m = int(counts.item())
     losses = []
+    chunks = list(getattr(stage, "chunks", None) or [stage])  # the interleaved schedule's model chunks
+    v = len(chunks)
     with torch.no_grad():
         for mb in range(m):
-            if s == 0:
-                x = inputs[mb]
-            else:
-                x = torch.empty(activation_shape, dtype=dtype, device=grid.device)
-                grid.recv(x, s - 1, axis)
-            y = stage(x)
-            if s == n_stages - 1:
-                losses.append(loss_fn(y, targets[mb]).detach())
-            else:
-                grid.send(y.to(dtype).contiguous(), s + 1, axis)
+            for c, chunk in enumerate(chunks):  # virtual stage c * n_stages + s, one after another
+                if s == 0 and c == 0:
+                    x = inputs[mb]
+                else:
+                    x = torch.empty(activation_shape, dtype=dtype, device=grid.device)
+                    grid.recv(x, (s - 1) % n_stages, axis)
+                y = chunk(x)
+                if s == n_stages - 1 and c == v - 1:
+                    losses.append(loss_fn(y, targets[mb]).detach())
+                else:
+                    grid.send(y.to(dtype).contiguous(), (s + 1) % n_stages, axis)
     return torch.stack(losses).mean() if losses else None
+
+
+def _interleaved_step(chunks, grid, inputs, targets, loss_fn, activation_shape, dtype, axis):
+    """Megatron's interleaved schedule (seed 003 Fig. 4): `chunks` is this rank's list of v
+    model chunks, chunk c being virtual stage c * p + stage (gw.models.GPTStage(model, grid,
+    mode, c * p + s, v * p)); inputs are used by stage 0's chunk 0, targets by the last stage's
+    last chunk. Returns (mean microbatch loss on that rank, else None; PipelineStats)."""
+    chunks = list(chunks) if isinstance(chunks, (list, tuple, nn.ModuleList)) else [chunks]
+    pp = grid.comm(axis, "pipeline")
+    s, n_stages, v = pp.rank, pp.size, len(chunks)
+    if n_stages < 2:
+        raise GridError("the interleaved schedule needs at least 2 pipeline stages")
+    first, last = s == 0, s == n_stages - 1
+    m = len(inputs) if first else len(targets) if last else None
+    counts = torch.tensor([float(m if m is not None else -1)], dtype=torch.float64, device=grid.device)
+    grid.all_reduce(counts, axis=axis, op="max")
+    m = int(counts.item())
+    if m < 1 or m % n_stages:
+        raise GridError(f"the interleaved schedule needs a positive multiple of the {n_stages} stages as microbatches, "
+                        f"got {m}")
+    device = grid.device
+    host_messages = pp.device == _C.Device.CPU
+    payload = math.prod(activation_shape) * dtype.itemsize
+    ctx, keep, losses = {}, {}, []
+
+    def forward(mb, c, addr):
+        head = first and c == 0
+        x = inputs[mb] if head else _tensor_at(addr, activation_shape, dtype, device, host_messages).requires_grad_()
+        y = chunks[c](x)
+        if last and c == v - 1:
+            loss = loss_fn(y, targets[mb]) / m
+            losses.append(loss.detach())
+            ctx[(mb, c)] = (x, loss)
+            return 0
+        if tuple(y.shape) != tuple(activation_shape) or y.dtype != dtype:
+            raise GridError(f"chunk {c} of stage {s} produced {tuple(y.shape)} {y.dtype}, the pipeline carries "
+                            f"{tuple(activation_shape)} {dtype}")
+        y = y.contiguous()
+        ctx[(mb, c)] = (x, y)
+        if host_messages and y.is_cuda:
+            keep[("y", mb, c)] = y = y.to("cpu")
+        return y.data_ptr()
+
+    def backward(mb, c, addr):
+        x, y = ctx.pop((mb, c))
+        if last and c == v - 1:
+            y.backward()
+        else:
+            y.backward(_tensor_at(addr, activation_shape, dtype, device, host_messages))
+        if first and c == 0:
+            return 0
+        g = x.grad.contiguous()
+        if host_messages and g.is_cuda:
+            g = g.to("cpu")
+        keep[(mb, c)] = g
+        return g.data_ptr()
+
+    stats = _C.run_interleaved(pp, s, n_stages, v, m, payload, forward, backward)
+    loss = torch.stack(losses).sum() if losses else None
+    return loss, stats

@@ -86,6 +86,7 @@ class TrainConfig:
     out: str = "runs/latest"
     resume: str | None = None
     schedule: str = "message_driven"
+    chunks: int = 1  # model chunks per pipeline stage (the interleaved schedule)
     precision: str = "fp32"
     device: str = "auto"
     backend: str = "auto"
@@ -108,7 +109,7 @@ class TrainConfig:
             if getattr(self, name) not in allowed:
                 raise GridError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         for name in ("hidden", "heads", "layers", "seq", "batch", "microbatches", "steps", "vocab", "sp", "bsize",
-                     "coarsening", "val_samples"):
+                     "coarsening", "val_samples", "chunks"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise GridError(f"{name} must be a positive integer, got {v!r}")
@@ -137,6 +138,8 @@ class TrainConfig:
             raise GridError(f"ac must be 'none', 'auto' or a positive integer, got {self.ac!r}")
         if self.schedule not in gw.pipeline.SCHEDULES:
             raise GridError(f"schedule must be one of {sorted(gw.pipeline.SCHEDULES)}, got {self.schedule!r}")
+        if self.chunks > 1 and self.schedule != "interleaved":
+            raise GridError(f"--chunks {self.chunks} needs --schedule interleaved")
         if self.tokenizer == "bytes":
             self.vocab = 256
         self.model_config(self.vocab)  # the model's own checks (heads vs hidden, kv heads)
@@ -171,8 +174,11 @@ class TrainConfig:
         pp = self.pp or (rest // self.dp if self.dp else
                          2 if rest % 2 == 0 and self.layers % 2 == 0 and rest > 1 else 1)
         dp = self.dp or rest // pp
-        if self.layers % pp:
-            raise GridError(f"{self.layers} layers do not split over {pp} pipeline stages")
+        if self.layers % (pp * self.chunks):
+            raise GridError(f"{self.layers} layers do not split over {pp} pipeline stages x {self.chunks} chunks")
+        if self.schedule == "interleaved" and (pp < 2 or self.microbatches % pp):
+            raise GridError(f"--schedule interleaved needs pp >= 2 and microbatches a multiple of pp, got pp {pp}, "
+                            f"--microbatches {self.microbatches}")
         if self.batch % (dp * self.microbatches):
             raise GridError(f"batch {self.batch} does not split into {dp} dp shards of {self.microbatches} "
                             "microbatches")
@@ -186,7 +192,7 @@ class TrainConfig:
         chunks = 2 * sp if self.attention == "ring" and sp > 1 else sp
         if self.seq % chunks:
             raise GridError(f"--seq {self.seq} does not split into the {chunks} chunks --sp {sp} needs")
-        gw.pipeline.resolve_ac(self.ac, self.layers // pp, self.layers)
+        gw.pipeline.resolve_ac(self.ac, self.layers // (pp * self.chunks), self.layers)
         return {"dp": dp, "pp": pp, "sp": sp}
 
     def lr_at(self, step: int) -> float:
@@ -345,7 +351,9 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
     # initialised in fp32 (the same weights whatever the precision), then cast
     model = gw.models.build(model_cfg, device=grid.device).to(cfg.compute.dtype)
     s = grid.coords["pp"]
-    stage = gw.models.GPTStage(model, grid, mode, s, pp, ac=cfg.ac, overlap=cfg.overlap, attention=cfg.attention)
+    options = dict(ac=cfg.ac, overlap=cfg.overlap, attention=cfg.attention)
+    stage = gw.models.ModelChunks(model, grid, mode, s, pp, cfg.chunks, **options) if cfg.schedule == "interleaved" \
+        else gw.models.GPTStage(model, grid, mode, s, pp, **options)
     opt = gw.optim.OffloadAdam(stage.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, bsize=cfg.bsize,
                                coarsening=cfg.coarsening, grid=grid, max_grad_norm=cfg.max_grad_norm,
                                decay=gw.optim.matrices_only)

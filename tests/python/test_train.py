@@ -265,6 +265,8 @@ def test_axes_not_given_are_derived_from_the_given_ones():
     (["--tp", "square:2", "--dp", "2"], 8, 29665),                                           # 2-D x dp
     (["--tp", "cube:2", "--pp", "2"], 16, 29667),                                            # 3-D x pp
     (["--dp", "2", "--pp", "2", "--sp", "2"], 8, 29669),                                     # sequence x dp x pp
+    (["--dp", "2", "--pp", "2", "--schedule", "interleaved", "--chunks", "2"], 4, 29671),     # seed 003's interleaving
+    (["--tp", "row:2", "--dp", "2", "--pp", "2", "--schedule", "interleaved", "--chunks", "2"], 8, 29673),
 ])
 def test_every_axis_at_once_trains_like_one_process(single, tmp_path, spec, n, port):
     one, _ = single
