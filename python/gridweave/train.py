@@ -225,7 +225,7 @@ def _state_views(opt):
 
 
 def save_checkpoint(out: Path, step, cfg, grid, stage, opt, losses, reader=None, model_cfg=None, val=None,
-                    wait=True):
+                    wait=True, scaler=None):
     """A sharded checkpoint (gw.checkpoint): every rank writes the shards of the parameters
     and optimizer states it counts, no gathers; rank 0 writes the index last. wait=False:
     written in the background; returns the PendingSave to finish() (every rank) later."""
@@ -236,6 +236,7 @@ def save_checkpoint(out: Path, step, cfg, grid, stage, opt, losses, reader=None,
 
     extra = {"optimizer_step": opt.step_count, "config": cfg.run_config(model_cfg), "losses": losses,
              "val": val or [], "reader": reader.state_dict() if reader else None,
+             "loss_scaler": scaler.state_dict() if scaler is not None else None,
              "layout": "KIND/NAME: the dense model's names (gw.models.GPT / Llama); KIND param or OffloadAdam's "
                        "master, exp_avg, exp_avg_sq; each chunk a block of the stored tensor (transposed and "
                        "row order as recorded)"}
@@ -380,6 +381,8 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
         start, losses, val = manifest["step"], list(manifest["losses"]), list(manifest.get("val", []))
         if manifest.get("reader"):
             reader.load_state_dict(manifest["reader"])
+        if scaler is not None and manifest.get("loss_scaler"):
+            scaler.load_state_dict(manifest["loss_scaler"])
     shard = cfg.batch // dp
     mb = shard // cfg.microbatches
     val_windows = gw.data.validation_windows(tokens.val, cfg.seq, cfg.val_samples)
@@ -436,13 +439,13 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
             bar.update(1)
         if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
             saved = save_checkpoint(out, step + 1, cfg, grid, stage, opt, losses, reader, model_cfg, val,
-                                    wait=not cfg.async_save)
+                                    wait=not cfg.async_save, scaler=scaler)
             pending = saved if cfg.async_save else None
     if bar is not None:
         bar.close()
     if pending is not None:
         pending.finish()
-    save_checkpoint(out, cfg.steps, cfg, grid, stage, opt, losses, reader, model_cfg, val)
+    save_checkpoint(out, cfg.steps, cfg, grid, stage, opt, losses, reader, model_cfg, val, scaler=scaler)
     import resource
 
     # per-rank memory: parameters held and the peak resident set of the process

@@ -273,3 +273,12 @@ def test_every_axis_at_once_trains_like_one_process(single, tmp_path, spec, n, p
     losses, out = _train(tmp_path, "grid", "--nproc", str(n), *spec, port=port)
     assert _close(losses, one), (spec, losses, one)
     assert gw.train.load_checkpoint(out)["world_size"] == n
+
+
+def test_a_resumed_fp16_run_keeps_the_loss_scale(tmp_path):
+    """The loss scaler's state is in the checkpoint: resuming gives the uninterrupted run."""
+    full, _ = _train(tmp_path, "full", "--nproc", "1", "--precision", "fp16")
+    _, half = _train(tmp_path, "half", "--nproc", "1", "--precision", "fp16", "--steps", "2")
+    assert gw.train.load_checkpoint(half)["loss_scaler"]["scale"] > 1
+    later, _ = _train(tmp_path, "later", "--nproc", "1", "--precision", "fp16", "--resume", str(half))
+    assert _close(later, full, 1e-6), (later, full)
