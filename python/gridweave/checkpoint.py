@@ -241,10 +241,11 @@ def _fill(local: torch.Tensor, need: dict, entry: dict, step_dir: Path, handles:
         lo = [int(s.min()) for s in src]
         hi = [int(s.max()) + 1 for s in src]
         box_stored = list(zip(reversed(lo), reversed(hi))) if c["transposed"] else list(zip(lo, hi))
-        piece = sl[tuple(slice(a, b) for a, b in box_stored)]
+        with torch.device("cpu"):  # safetensors makes the piece on torch's default device otherwise
+            piece = sl[tuple(slice(a, b) for a, b in box_stored)]
         piece = piece.t() if c["transposed"] else piece
-        idx = [torch.as_tensor(s - a, dtype=torch.int64) for s, a in zip(src, lo)]
-        dst = [torch.as_tensor(s, dtype=torch.int64) for s in sel]
+        idx = [torch.as_tensor(s - a, dtype=torch.int64, device=piece.device) for s, a in zip(src, lo)]
+        dst = [torch.as_tensor(s, dtype=torch.int64, device=target.device) for s in sel]
         with torch.no_grad():
             if len(dense_len) == 1:
                 target[dst[0]] = piece[idx[0]].to(target.dtype)
