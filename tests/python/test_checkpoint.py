@@ -45,7 +45,8 @@ def _save(ctx, spec, folder, step, from_folder=None):
             for p in stage.parameters():
                 p.copy_(local["param"][id(p)])
     gw.checkpoint.save(folder, step, stage.sharded_items(), grid, lambda p: {"param": p}, {"config": spec})
-    return stage.dense_state(False)
+    dense = _dense().state_dict()  # compared here: tensors do not travel back from an MPI pool's ranks
+    return {k: bool(torch.equal(v, dense[k])) for k, v in stage.dense_state(False).items()}
 
 
 @pytest.mark.parametrize("a,b,c", [("row:2 x pp2", "cube:2", "one"), ("square:2 x dp2", "subgraph:2 x sp2", "dp4 x pp2"),
@@ -57,9 +58,8 @@ def test_a_round_trip_through_three_grids_is_bit_identical(pool, tmp_path, a, b,
     prev = None
     for i, (g, size) in enumerate(zip(grids, sizes)):
         folder = tmp_path / f"ck{i}"
-        for state in pool.run(_save, size, g, folder, i + 1, prev):
-            for k, v in state.items():  # every rank's view of its stage equals the original
-                assert torch.equal(v, dense[k]), (g, k)
+        for same in pool.run(_save, size, g, folder, i + 1, prev):
+            assert all(same.values()), (g, [k for k, v in same.items() if not v])  # every rank's stage
         back = gw.checkpoint.export_dense(folder)
         assert back.keys() == dense.keys()
         assert all(torch.equal(back[k], dense[k]) for k in dense), g
