@@ -34,7 +34,7 @@ def _dtensor_layer(dense, heads, n):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     import gridweave as gw
-    from gridweave.nn.dense import head_group_order
+    from gridweave.nn.dense import group_order
 
     class Local(torch.nn.Module):
         def __init__(self, d):
@@ -48,7 +48,7 @@ def _dtensor_layer(dense, heads, n):
     import copy
 
     d = copy.deepcopy(dense)
-    order = head_group_order(d.qkv.in_features, n)
+    order = group_order(d.arch.qkv_widths(d.qkv.in_features, heads), n)
     with torch.no_grad():  # heads grouped per rank, as gridweave does, so local attention is exact
         d.qkv.weight.copy_(d.qkv.weight[order])
         d.qkv.bias.copy_(d.qkv.bias[order])

@@ -39,10 +39,17 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def atomic_write(path: Path, write) -> None:
+    """write(tmp) a temporary file beside `path`, then rename it: readers see the whole file
+    or none of it."""
+    path = Path(path)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text)
+    write(tmp)
     os.replace(tmp, path)
+
+
+def _write_text(path: Path, text: str) -> None:
+    atomic_write(path, lambda t: t.write_text(text))
 
 
 def _stored_shape(dense_shape, pl) -> tuple:
@@ -57,13 +64,7 @@ def chunk_of(name: str, dense_shape, p, grid) -> dict:
     block = [[s.start, s.stop] for s in sl]
     if [e - b for b, e in block] != list(p.shape):
         raise GridError(f"internal: {name}'s shard {tuple(p.shape)} is not its layout's block {block}")
-    return {"block": block, "transposed": pl.transposed, "order": list(map(list, [pl.order[0], [pl.order[1]]]))
-            if pl.order else None}
-
-
-def _order(meta) -> tuple | None:
-    o = meta.get("order")
-    return (tuple(o[0]), o[1][0]) if o else None
+    return {"block": block, "transposed": pl.transposed, "order": [list(pl.order[0]), pl.order[1]] if pl.order else None}
 
 
 def _dense_index(meta: dict, dense_len: list) -> list:
@@ -73,9 +74,9 @@ def _dense_index(meta: dict, dense_len: list) -> list:
 
     per_stored = [np.arange(b, e) for b, e in meta["block"]]
     dense = list(reversed(per_stored)) if meta["transposed"] else per_stored
-    order = _order(meta)
-    if order is not None:
-        perm = group_order(list(order[0]), order[1], "cpu").numpy()
+    order = meta.get("order")  # [widths, groups] of group_order
+    if order:
+        perm = group_order(order[0], order[1], "cpu").numpy()
         dense[0] = perm[dense[0]]
     return dense
 
@@ -155,10 +156,8 @@ def _write_rank(step_dir: Path, rank: int, shards: dict, meta: dict) -> None:
     from safetensors.torch import save_file
 
     fname = f"rank-{rank}.safetensors"
-    tmp = step_dir / (fname + ".tmp")
-    save_file(shards, str(tmp))
-    os.replace(tmp, step_dir / fname)
-    _atomic_write_text(step_dir / f"rank-{rank}.json",
+    atomic_write(step_dir / fname, lambda t: save_file(shards, str(t)))
+    _write_text(step_dir / f"rank-{rank}.json",
                        json.dumps({"file": fname, "sha256": _sha256(step_dir / fname), "chunks": meta}))
 
 
@@ -178,8 +177,8 @@ def _commit(folder: Path, step_dir: Path, grid, extra: dict) -> None:
                                                                                 "dtype": m["dtype"], "chunks": []})
                 t["chunks"].append({"file": rec["file"], "key": key, "block": m["block"],
                                     "transposed": m["transposed"], "order": m["order"]})
-        _atomic_write_text(step_dir / INDEX, json.dumps(index))
-        _atomic_write_text(folder / LATEST, step_dir.name)  # the step is complete: point at it
+        _write_text(step_dir / INDEX, json.dumps(index))
+        _write_text(folder / LATEST, step_dir.name)  # the step is complete: point at it
         # keep the newest KEEP complete steps; older ones and unfinished ones (no index) go
         others = [d for d in folder.glob("step-*") if d.is_dir() and d != step_dir]
         complete = sorted((d for d in others if (d / INDEX).exists()), key=lambda d: d.stat().st_mtime_ns)
@@ -213,7 +212,7 @@ def open_index(folder) -> tuple:
     return step_dir, index
 
 
-def _fill(local: torch.Tensor, need: dict, entry: dict, step_dir: Path, handles: dict, name: str) -> int:
+def _fill(local: torch.Tensor, need: dict, entry: dict, step_dir: Path, handles: dict) -> int:
     """Copy into `local` (the stored block `need` of this rank) every element the chunks of
     `entry` hold; returns how many were filled. Reads only the chunks' needed boxes."""
     from safetensors import safe_open
@@ -262,7 +261,6 @@ def load(folder, items: list, grid, kinds) -> tuple:
     out = {k: {} for k in kinds}
     handles = {}
     for name, p, dense_shape in items:
-        pl = placement_of(p)
         if p.numel() == 0:
             for k in kinds:
                 out[k][id(p)] = torch.empty_like(p, device="cpu", dtype=torch.float32 if k != "param" else p.dtype)
@@ -277,12 +275,11 @@ def load(folder, items: list, grid, kinds) -> tuple:
                                 f"{list(dense_shape)}")
             dtype = getattr(torch, entry["dtype"])
             local = torch.empty(tuple(p.shape), dtype=dtype, device="cpu")
-            got = _fill(local, need, entry, step_dir, handles, name)
+            got = _fill(local, need, entry, step_dir, handles)
             if got != local.numel():
                 raise GridError(f"checkpoint {step_dir}: the chunks of {kind}/{name} cover {got} of the "
                                 f"{local.numel()} elements this rank needs")
             out[kind][id(p)] = local
-        del pl
     return index, out
 
 
@@ -298,7 +295,7 @@ def export_dense(folder, kind: str = "param") -> dict:
         shape = entry["dense_shape"]
         full = torch.empty(shape, dtype=getattr(torch, entry["dtype"]), device="cpu")
         need = {"block": [[0, n] for n in shape], "transposed": False, "order": None}
-        got = _fill(full, need, entry, step_dir, handles, key)
+        got = _fill(full, need, entry, step_dir, handles)
         if got != full.numel():
             raise GridError(f"checkpoint {step_dir}: the chunks of {key} cover {got} of {full.numel()} elements")
         out[key[len(prefix):]] = full

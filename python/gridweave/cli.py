@@ -8,9 +8,10 @@ import sys
 
 
 def _train_parser(sub):
-    from .train import TrainConfig
+    from .pipeline import SCHEDULES
+    from .train import CHOICES, TrainConfig
 
-    d = TrainConfig.__dataclass_fields__  # defaults: one place (TrainConfig)
+    d = TrainConfig.__dataclass_fields__  # defaults and choices: one place (gw.train)
 
     def arg(name, **kw):
         p.add_argument("--" + name.replace("_", "-"), default=d[name].default, **kw)
@@ -20,24 +21,24 @@ def _train_parser(sub):
     p.add_argument("--launcher", default="auto", choices=["auto", "torchrun", "mpirun"],
                    help="how --nproc ranks are spawned: torchrun (Gloo/NCCL) or mpirun (the MPI transport); "
                         "auto: mpirun on a CPU machine where gridweave has MPI, else torchrun")
-    arg("backend", choices=["auto", "gloo", "nccl", "mpi"], help="the transport (mpirun implies mpi)")
+    arg("backend", choices=CHOICES["backend"], help="the transport (mpirun implies mpi)")
     g = p.add_argument_group("grid")
     for name in ("dp", "pp", "sp"):
         g.add_argument(f"--{name}", type=int, default=d[name].default)
     g.add_argument("--tp", default="none", help="none | row:N | square:Q | cube:P | subgraph:G | csub:G")
-    g.add_argument("--placement", default=d["placement"].default, choices=["topology", "naive"])
+    g.add_argument("--placement", default=d["placement"].default, choices=CHOICES["placement"])
     m = p.add_argument_group("model")
-    m.add_argument("--model", default=d["model"].default, choices=["llama", "gpt"])
+    m.add_argument("--model", default=d["model"].default, choices=CHOICES["model"])
     for name in ("hidden", "heads", "kv_heads", "layers", "ffn_hidden", "seq"):
         m.add_argument("--" + name.replace("_", "-"), type=int, default=d[name].default)
     m.add_argument("--rope-theta", type=float, default=d["rope_theta"].default)
     m.add_argument("--tie", action="store_true", help="tie the embedding and the head (pp 1)")
-    m.add_argument("--attention", default=d["attention"].default, choices=["ring", "rsa"],
+    m.add_argument("--attention", default=d["attention"].default, choices=CHOICES["attention"],
                    help="with --sp: blockwise ring attention (zigzag) or seed 004's RSA")
     m.add_argument("--overlap", action="store_true", help="3-D: prefetch the next weights' all-gathers")
     t = p.add_argument_group("data")
     t.add_argument("--data", default=None, help="a text file or folder (default: the fortunes corpus)")
-    t.add_argument("--tokenizer", default=d["tokenizer"].default, choices=["bpe", "bytes"])
+    t.add_argument("--tokenizer", default=d["tokenizer"].default, choices=CHOICES["tokenizer"])
     t.add_argument("--vocab", type=int, default=d["vocab"].default, help="BPE vocabulary size")
     o = p.add_argument_group("optimisation")
     for name, typ in (("steps", int), ("batch", int), ("microbatches", int), ("lr", float), ("min_lr", float),
@@ -46,12 +47,12 @@ def _train_parser(sub):
                       ("coarsening", int), ("checkpoint_every", int), ("sample_tokens", int), ("timeout", float)):
         o.add_argument("--" + name.replace("_", "-"), type=typ, default=d[name].default)
     o.add_argument("--ac", default="none", help="activation checkpointing: none | auto (seed 001's optimal) | N")
-    o.add_argument("--schedule", default=d["schedule"].default, choices=["message_driven", "1f1b", "interleaved"])
+    o.add_argument("--schedule", default=d["schedule"].default, choices=sorted(SCHEDULES))
     o.add_argument("--chunks", type=int, default=d["chunks"].default,
                    help="model chunks per pipeline stage (--schedule interleaved: Megatron's virtual stages)")
     o.add_argument("--precision", default=d["precision"].default, choices=["fp32", "bf16", "fp16"],
                    help="compute dtype; fp16 with dynamic loss scaling; fp32 master weights always")
-    o.add_argument("--device", default=d["device"].default, choices=["auto", "cpu", "cuda"],
+    o.add_argument("--device", default=d["device"].default, choices=CHOICES["device"],
                    help="auto: cuda when every rank can have a GPU; cuda with fewer GPUs than ranks shares them "
                         "through Gloo")
     o.add_argument("--sync-save", dest="async_save", action="store_false",

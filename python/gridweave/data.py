@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .checkpoint import atomic_write
 from .errors import GridError
 
 DEFAULT_CORPUS = "/usr/share/games/fortunes"
@@ -184,10 +185,12 @@ def prepare(folder, data: str | None, tokenizer: str = "bpe", vocab_size: int = 
         raise GridError(f"val_fraction must be in (0, 0.5), got {val_fraction}")
     files = corpus_files(data)
     tok_path = folder / TOKENIZER_FILE
+    texts = None  # read once, when needed
     if tokenizer_from is not None:
         src = Path(tokenizer_from)
+        load_tokenizer(src)  # a clear error if it is not one
         if src.resolve() != tok_path.resolve():
-            tok_path.write_bytes(load_and_bytes(src))
+            atomic_write(tok_path, lambda t: t.write_bytes(src.read_bytes()))
     elif not tok_path.exists():
         texts = read_text(data)
         if tokenizer == "bytes":
@@ -196,7 +199,7 @@ def prepare(folder, data: str | None, tokenizer: str = "bpe", vocab_size: int = 
             tok = BPETokenizer.train(texts, vocab_size)
         else:
             raise GridError(f"tokenizer must be 'bpe' or 'bytes', got {tokenizer!r}")
-        _atomic_write(tok_path, lambda p: tok.save(p))
+        atomic_write(tok_path, lambda p: tok.save(p))
     meta_path = folder / TOKENS_META
     fp = _fingerprint(files, tok_path)
     if meta_path.exists() and (folder / TOKENS_FILE).exists():
@@ -204,29 +207,18 @@ def prepare(folder, data: str | None, tokenizer: str = "bpe", vocab_size: int = 
         if meta.get("fingerprint") == fp:
             return folder
     tok = load_tokenizer(tok_path)
-    texts = read_text(data)
+    texts = texts if texts is not None else read_text(data)
     ids = []
     for f, t in zip(files, texts):
         ids.extend(check_encodable(tok, t, f"corpus file {f}"))
     dtype = np.uint16 if tok.vocab_size <= 65536 else np.uint32
     arr = np.asarray(ids, dtype=dtype)
     split = int(len(arr) * (1 - val_fraction))
-    _atomic_write(folder / TOKENS_FILE, lambda p: arr.tofile(p))
+    atomic_write(folder / TOKENS_FILE, lambda p: arr.tofile(p))
     meta = {"fingerprint": fp, "count": int(len(arr)), "dtype": np.dtype(dtype).name, "split": split,
             "vocab_size": tok.vocab_size, "tokenizer": tok.kind, "corpus": str(data or DEFAULT_CORPUS)}
-    _atomic_write(meta_path, lambda p: Path(p).write_text(json.dumps(meta, indent=1)))
+    atomic_write(meta_path, lambda p: Path(p).write_text(json.dumps(meta, indent=1)))
     return folder
-
-
-def load_and_bytes(path: Path) -> bytes:
-    load_tokenizer(path)  # a clear error if it is not one
-    return Path(path).read_bytes()
-
-
-def _atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
 
 
 def open_tokens(folder) -> Tokens:

@@ -83,33 +83,56 @@ def config_from_hf(c) -> ModelConfig:
     raise GridError(f"Hugging Face model_type {kind!r}: gridweave reads 'llama' and 'gpt2'")
 
 
-def _llama_state(sd: dict, cfg: ModelConfig) -> dict:
-    out = {"embed.tok.weight": sd["model.embed_tokens.weight"], "head.ln.weight": sd["model.norm.weight"],
-           "head.out.weight": sd.get("lm_head.weight", sd["model.embed_tokens.weight"])}
+# One name table per family, read both ways: our name -> transformers' name(s). A layer
+# tensor with several HF names is their concatenation along rows (q|k|v, gate|up).
+_TOP = {"llama": {"embed.tok.weight": "model.embed_tokens.weight", "head.ln.weight": "model.norm.weight",
+                  "head.out.weight": "lm_head.weight"},
+        "gpt": {"embed.tok.weight": "transformer.wte.weight", "embed.pos.weight": "transformer.wpe.weight",
+                "head.ln.weight": "transformer.ln_f.weight", "head.ln.bias": "transformer.ln_f.bias",
+                "head.out.weight": "lm_head.weight"}}
+_GPT2_LAYER = {"ln_1": "ln1", "attn.c_attn": "qkv", "attn.c_proj": "proj", "ln_2": "ln2", "mlp.c_fc": "fc1",
+               "mlp.c_proj": "fc2"}
+_LAYER = {"llama": {"ln1.weight": ["input_layernorm.weight"], "ln2.weight": ["post_attention_layernorm.weight"],
+                    "qkv.weight": ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
+                    "proj.weight": ["self_attn.o_proj.weight"],
+                    "fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+                    "fc2.weight": ["mlp.down_proj.weight"]},
+          "gpt": {f"{ours}.{k}": [f"{theirs}.{k}"] for theirs, ours in _GPT2_LAYER.items() for k in ("weight", "bias")}}
+_LAYER_PREFIX = {"llama": "model.layers.{}.", "gpt": "transformer.h.{}."}
+
+
+def _conv1d(cfg: ModelConfig, ours: str) -> bool:
+    """GPT-2's Conv1D stores a linear's weight as (in, out): transposed from ours."""
+    return cfg.family == "gpt" and ours.endswith(".weight") and not ours.startswith("ln")
+
+
+def _row_widths(cfg: ModelConfig, ours: str) -> list:
+    """Rows of each HF tensor that one of ours concatenates."""
+    return cfg.arch.qkv_widths(cfg.hidden, cfg.heads) if ours.startswith("qkv") else cfg.arch.fc1_widths(cfg.ffn)
+
+
+def _our_state(sd: dict, cfg: ModelConfig) -> dict:
+    """Our dense state from a transformers state_dict (a tied HF head is the embedding)."""
+    top, prefix = _TOP[cfg.family], _LAYER_PREFIX[cfg.family]
+    out = {ours: sd[theirs] for ours, theirs in top.items() if theirs in sd}
+    out.setdefault("head.out.weight", out["embed.tok.weight"])
     for i in range(cfg.layers):
-        h, o = f"model.layers.{i}.", f"layers.{i}."
-        out[o + "ln1.weight"] = sd[h + "input_layernorm.weight"]
-        out[o + "ln2.weight"] = sd[h + "post_attention_layernorm.weight"]
-        out[o + "qkv.weight"] = torch.cat([sd[h + f"self_attn.{x}_proj.weight"] for x in "qkv"])
-        out[o + "proj.weight"] = sd[h + "self_attn.o_proj.weight"]
-        out[o + "fc1.weight"] = torch.cat([sd[h + "mlp.gate_proj.weight"], sd[h + "mlp.up_proj.weight"]])
-        out[o + "fc2.weight"] = sd[h + "mlp.down_proj.weight"]
+        for ours, theirs in _LAYER[cfg.family].items():
+            w = torch.cat([sd[prefix.format(i) + t] for t in theirs])
+            out[f"layers.{i}.{ours}"] = w.t() if _conv1d(cfg, ours) else w
     return out
 
 
-_GPT2_LAYER = {"ln_1": "ln1", "attn.c_attn": "qkv", "attn.c_proj": "proj", "ln_2": "ln2", "mlp.c_fc": "fc1",
-               "mlp.c_proj": "fc2"}
-
-
-def _gpt2_state(sd: dict, cfg: ModelConfig) -> dict:
-    out = {"embed.tok.weight": sd["transformer.wte.weight"], "embed.pos.weight": sd["transformer.wpe.weight"],
-           "head.ln.weight": sd["transformer.ln_f.weight"], "head.ln.bias": sd["transformer.ln_f.bias"],
-           "head.out.weight": sd.get("lm_head.weight", sd["transformer.wte.weight"])}
+def _hf_state(ours: dict, cfg) -> dict:
+    """HF state from ours: HF tensors that ours concatenates (q|k|v, gate|up) are split back."""
+    top, prefix = _TOP[cfg.family], _LAYER_PREFIX[cfg.family]
+    out = {theirs: ours[o] for o, theirs in top.items() if not (cfg.tie and o == "head.out.weight")}
     for i in range(cfg.layers):
-        for theirs, ours in _GPT2_LAYER.items():
-            w = sd[f"transformer.h.{i}.{theirs}.weight"]
-            out[f"layers.{i}.{ours}.weight"] = w if ours.startswith("ln") else w.t()  # Conv1D stores (in, out)
-            out[f"layers.{i}.{ours}.bias"] = sd[f"transformer.h.{i}.{theirs}.bias"]
+        for o, theirs in _LAYER[cfg.family].items():
+            w = ours[f"layers.{i}.{o}"]
+            w = w.t().contiguous() if _conv1d(cfg, o) else w
+            parts = w.split(_row_widths(cfg, o)) if len(theirs) > 1 else [w]
+            out.update({prefix.format(i) + t: part for t, part in zip(theirs, parts)})
     return out
 
 
@@ -121,7 +144,7 @@ def from_hf(model_or_config, dtype=None) -> GPT:
         sd = {k: v.detach() for k, v in hf.state_dict().items()}
         w = next(iter(sd.values()))
         model = build(cfg, dtype=dtype or w.dtype, device=w.device)
-        state = (_llama_state if cfg.family == "llama" else _gpt2_state)(sd, cfg)
+        state = _our_state(sd, cfg)
         if cfg.tie:
             state.pop("head.out.weight")
         missing, unexpected = model.load_state_dict(state, strict=False)
@@ -165,40 +188,6 @@ def to_hf(model: GPT):
     if missing or unexpected:
         raise GridError(f"internal: Hugging Face names not covered: missing {missing}, unexpected {unexpected}")
     return hf.eval()
-
-
-def _hf_state(ours: dict, cfg) -> dict:
-    """HF state from ours: HF tensors that ours concatenates (q|k|v, gate|up) are split back."""
-    out = {}
-    if cfg.family == "llama":
-        out["model.embed_tokens.weight"] = ours["embed.tok.weight"]
-        out["model.norm.weight"] = ours["head.ln.weight"]
-        if not cfg.tie:
-            out["lm_head.weight"] = ours["head.out.weight"]
-        d = cfg.hidden // cfg.heads
-        kv = (cfg.kv_heads or cfg.heads) * d
-        for i in range(cfg.layers):
-            h, o = f"model.layers.{i}.", f"layers.{i}."
-            out[h + "input_layernorm.weight"] = ours[o + "ln1.weight"]
-            out[h + "post_attention_layernorm.weight"] = ours[o + "ln2.weight"]
-            q, k, v = ours[o + "qkv.weight"].split([cfg.hidden, kv, kv])
-            out[h + "self_attn.q_proj.weight"], out[h + "self_attn.k_proj.weight"] = q, k
-            out[h + "self_attn.v_proj.weight"] = v
-            out[h + "self_attn.o_proj.weight"] = ours[o + "proj.weight"]
-            g, u = ours[o + "fc1.weight"].split([cfg.ffn, cfg.ffn])
-            out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = g, u
-            out[h + "mlp.down_proj.weight"] = ours[o + "fc2.weight"]
-        return out
-    out = {"transformer.wte.weight": ours["embed.tok.weight"], "transformer.wpe.weight": ours["embed.pos.weight"],
-           "transformer.ln_f.weight": ours["head.ln.weight"], "transformer.ln_f.bias": ours["head.ln.bias"]}
-    if not cfg.tie:
-        out["lm_head.weight"] = ours["head.out.weight"]
-    for i in range(cfg.layers):
-        for theirs_name, our in _GPT2_LAYER.items():
-            w = ours[f"layers.{i}.{our}.weight"]
-            out[f"transformer.h.{i}.{theirs_name}.weight"] = w if our.startswith("ln") else w.t().contiguous()
-            out[f"transformer.h.{i}.{theirs_name}.bias"] = ours[f"layers.{i}.{our}.bias"]
-    return out
 
 
 def save_hf(model: GPT, folder) -> None:

@@ -48,6 +48,11 @@ class Layout:
             out[d] //= k
         return tuple(out)
 
+    def global_shape(self, local_shape, grid) -> tuple:
+        """The full shape whose shard on a rank is `local_shape` (the inverse of local_shape)."""
+        return tuple(n * (math.prod(grid.axes[a] for a in self.dims[d]) if d < len(self.dims) else 1)
+                     for d, n in enumerate(local_shape))
+
     def __repr__(self):
         return "Layout(" + ", ".join("(" + ",".join(d) + ")" for d in self.dims) + ")"
 

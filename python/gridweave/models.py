@@ -3,13 +3,13 @@ SwiGLU, rotary positions, grouped-query attention), dense or on a grid; Hugging 
 in gridweave.hf."""
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .autograd.comm import gather_from_parallel, scatter_to_parallel
 from .errors import GridError
 from .nn.dense import GPT2, LLAMA, Activation, Arch, DenseTransformerLayer, Norm
 from .pipeline import run_layers
@@ -332,8 +332,6 @@ class GPTStage(nn.Module):
         return tuple(shape)
 
     def forward(self, x):
-        from .autograd.comm import gather_from_parallel, scatter_to_parallel
-
         if self.embed is not None:
             x = self.embed(x)
             self._full = tuple(x.shape)
@@ -350,13 +348,7 @@ class GPTStage(nn.Module):
 
     def _full_shape(self, x):
         """Full dp-shard shape from a local shard (the last stage did not see the embedding)."""
-        sizes = []
-        for d in range(3):
-            axes = self.layout.dims[d] if d < len(self.layout.dims) else ()
-            k = 1
-            for a in axes:
-                k *= self.grid.axes[a]
-            sizes.append(x.shape[d] * k)
+        sizes = list(self.layout.global_shape(x.shape[:3], self.grid))
         if self.layout.only is not None:  # cSub: sub-grid 0 knows the batch; tell the others
             t = torch.tensor(sizes, dtype=torch.int64, device=self.grid.device)
             self.grid.broadcast(t, axis=self.layout.only[0], src=self.layout.only[1])
@@ -386,9 +378,8 @@ class GPTStage(nn.Module):
 
         def dense_shape(p):
             pl = placement_of(p)
-            stored = [n * math.prod(self.grid.axes[a] for a in (pl.layout.dims[d] if d < len(pl.layout.dims) else ()))
-                      for d, n in enumerate(p.shape)]
-            return tuple(reversed(stored)) if pl.transposed else tuple(stored)
+            stored = pl.layout.global_shape(p.shape, self.grid)
+            return tuple(reversed(stored)) if pl.transposed else stored
 
         out = []
         for name, mod in (("embed", self.embed), ("head", self.head)):

@@ -95,81 +95,125 @@ RECEIVE = {"auto": _C.ReceiveStrategy.Auto, "any": _C.ReceiveStrategy.Any, "per_
            "announced": _C.ReceiveStrategy.Announced}
 
 
+def _chunks(stage) -> list:
+    """This rank's model chunks: a gw.models.ModelChunks' or a list's (the interleaved
+    schedule), else the one stage."""
+    owned = getattr(stage, "chunks", None)
+    if owned is None and isinstance(stage, (list, tuple, nn.ModuleList)):
+        owned = stage
+    return list(owned) if owned is not None else [stage]
+
+
+def _microbatches(grid, pp, axis, inputs, targets) -> int:
+    """The microbatch count, which only the first (inputs) and last (targets) stages know:
+    every stage learns it from them."""
+    s, n_stages = pp.rank, pp.size
+    m = len(inputs) if s == 0 else len(targets) if s == n_stages - 1 else None
+    counts = torch.tensor([float(m if m is not None else -1)], dtype=torch.float64, device=grid.device)
+    grid.all_reduce(counts, axis=axis, op="max")
+    return int(counts.item())
+
+
+class _StageCallbacks:
+    """The engine's forward(mb, chunk, addr) and backward(mb, chunk, addr) over this rank's
+    model chunks (one for the plain schedules): chunk c of stage s is virtual stage
+    c * stages + s; inputs feed stage 0's chunk 0, targets the last stage's last chunk. Each
+    microbatch loss is divided by m, so gradients are the shard's mean."""
+
+    def __init__(self, chunks, pp, inputs, targets, loss_fn, m, activation_shape, dtype, device):
+        self.chunks, self.inputs, self.targets, self.loss_fn, self.m = chunks, inputs, targets, loss_fn, m
+        self.shape, self.dtype, self.device = tuple(activation_shape), dtype, device
+        self.s = pp.rank
+        self.first, self.last = pp.rank == 0, pp.rank == pp.size - 1
+        # Gloo's messages are host memory: CUDA activations are staged through host copies
+        self.host_messages = pp.device == _C.Device.CPU
+        self.payload = math.prod(activation_shape) * dtype.itemsize
+        self.ctx, self.keep, self.losses = {}, {}, []
+
+    def _head(self, c):
+        return self.first and c == 0
+
+    def _tail(self, c):
+        return self.last and c == len(self.chunks) - 1
+
+    def forward(self, mb, c, addr):
+        x = self.inputs[mb] if self._head(c) else \
+            _tensor_at(addr, self.shape, self.dtype, self.device, self.host_messages).requires_grad_()
+        y = self.chunks[c](x)
+        if self._tail(c):
+            loss = self.loss_fn(y, self.targets[mb]) / self.m
+            self.losses.append(loss.detach())
+            self.ctx[(mb, c)] = (x, loss)
+            return 0
+        if tuple(y.shape) != self.shape or y.dtype != self.dtype:
+            where = f"chunk {c} of stage {self.s}" if len(self.chunks) > 1 else f"stage {self.s}"
+            raise GridError(f"{where} produced {tuple(y.shape)} {y.dtype}, the pipeline carries {self.shape} "
+                            f"{self.dtype}")
+        y = y.contiguous()
+        self.ctx[(mb, c)] = (x, y)
+        if self.host_messages and y.is_cuda:
+            self.keep[("y", mb, c)] = y = y.to("cpu")  # alive until the engine has copied it
+        return y.data_ptr()
+
+    def backward(self, mb, c, addr):
+        x, y = self.ctx.pop((mb, c))
+        if self._tail(c):
+            y.backward()
+        else:
+            y.backward(_tensor_at(addr, self.shape, self.dtype, self.device, self.host_messages))
+        if self._head(c):
+            return 0
+        g = x.grad.contiguous()
+        if self.host_messages and g.is_cuda:
+            g = g.to("cpu")
+        self.keep[(mb, c)] = g  # alive until the engine has copied it into its message
+        return g.data_ptr()
+
+    def loss(self):
+        return torch.stack(self.losses).sum() if self.losses else None
+
+
 def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_shape, dtype=torch.float32,
                   schedule="message_driven", pipeline_limit=2, axis="pp", receive="auto"):
     """Forward and backward of every microbatch of this rank's batch shard.
 
     inputs: the microbatches (used on stage 0); targets: theirs (used on the last stage);
     loss_fn(output, target) -> scalar mean loss of one microbatch; activation_shape: the
-    shape of what crosses a stage boundary. schedule: "message_driven" (AxoNN) or "1f1b";
-    receive: "auto" (receive-from-any where the transport can, else "announced"), "any",
-    "per_peer" (one receive per neighbour, polled) or "announced" (each message announced on a
-    host control channel, the data receive posted for exactly it: what NCCL needs). Returns
-    (loss, stats): the mean microbatch loss on the last stage (None elsewhere) and the
-    engine's PipelineStats.
+    shape of what crosses a stage boundary. schedule: "message_driven" (AxoNN), "1f1b" or
+    "interleaved" (Megatron's, seed 003 Fig. 4: `stage` is this rank's model chunks, a
+    gw.models.ModelChunks or a list, chunk c being virtual stage c * p + s); receive: "auto"
+    (receive-from-any where the transport can, else "announced"), "any", "per_peer" (one
+    receive per neighbour, polled) or "announced" (each message announced on a host control
+    channel, the data receive posted for exactly it: what NCCL needs). Returns (loss, stats):
+    the mean microbatch loss on the last stage (None elsewhere) and the engine's PipelineStats.
     """
     if schedule not in SCHEDULES:
         raise GridError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
-    chunks = getattr(stage, "chunks", None)  # gw.models.ModelChunks
-    if schedule == "interleaved" or chunks is not None or isinstance(stage, (list, tuple)):
-        return _interleaved_step(chunks if chunks is not None else stage, grid, inputs, targets, loss_fn,
-                                 activation_shape, dtype, axis)
+    chunks = _chunks(stage)
+    interleaved = schedule == "interleaved" or len(chunks) > 1 or isinstance(stage, (list, tuple))
     if receive not in RECEIVE:
         raise GridError(f"receive must be one of {sorted(RECEIVE)}, got {receive!r}")
     pp = grid.comm(axis, "pipeline")
+    if interleaved and pp.size < 2:
+        raise GridError("the interleaved schedule needs at least 2 pipeline stages")
+    m = _microbatches(grid, pp, axis, inputs, targets)
+    if m < 1:
+        raise GridError("pipeline_step needs at least one microbatch")
+    if interleaved and m % pp.size:
+        raise GridError(f"the interleaved schedule needs a positive multiple of the {pp.size} stages as "
+                        f"microbatches, got {m}")
+    cb = _StageCallbacks(chunks, pp, inputs, targets, loss_fn, m, activation_shape, dtype, grid.device)
+    if interleaved:
+        stats = _C.run_interleaved(pp, pp.rank, pp.size, len(chunks), m, cb.payload, cb.forward, cb.backward)
+        return cb.loss(), stats
     if receive == "any" and not pp.can_recv_any:
         raise GridError(f"receive='any': the {pp.backend} transport cannot receive from any peer; use 'announced'")
     announced = receive == "announced" or (receive == "auto" and not pp.can_recv_any)
     control = grid.control(axis, "pipeline") if announced and schedule == "message_driven" else None
-    s, n_stages = pp.rank, pp.size
-    m = len(inputs) if s == 0 else len(targets) if s == n_stages - 1 else None
-    counts = torch.tensor([float(m if m is not None else -1)], dtype=torch.float64, device=grid.device)
-    grid.all_reduce(counts, axis=axis, op="max")  # every stage learns the microbatch count
-    m = int(counts.item())
-    if m < 1:
-        raise GridError("pipeline_step needs at least one microbatch")
-    elem = dtype.itemsize
-    device = grid.device
-    # Gloo's messages are host memory: CUDA activations are staged through host copies
-    host_messages = pp.device == _C.Device.CPU
-    payload = math.prod(activation_shape) * elem
-    ctx, keep, losses = {}, {}, []
-
-    def forward(mb, addr):
-        x = inputs[mb] if s == 0 else _tensor_at(addr, activation_shape, dtype, device, host_messages).requires_grad_()
-        y = stage(x)
-        if s == n_stages - 1:
-            loss = loss_fn(y, targets[mb]) / m
-            losses.append(loss.detach())
-            ctx[mb] = (x, loss)
-            return 0
-        if tuple(y.shape) != tuple(activation_shape) or y.dtype != dtype:
-            raise GridError(f"stage {s} produced {tuple(y.shape)} {y.dtype}, the pipeline carries "
-                            f"{tuple(activation_shape)} {dtype}")
-        y = y.contiguous()
-        ctx[mb] = (x, y)
-        if host_messages and y.is_cuda:
-            keep[("y", mb)] = y = y.to("cpu")  # alive until the engine has copied it
-        return y.data_ptr()
-
-    def backward(mb, addr):
-        x, y = ctx.pop(mb)
-        if s == n_stages - 1:
-            y.backward()
-        else:
-            y.backward(_tensor_at(addr, activation_shape, dtype, device, host_messages))
-        if s == 0:
-            return 0
-        g = x.grad.contiguous()
-        if host_messages and g.is_cuda:
-            g = g.to("cpu")
-        keep[mb] = g  # alive until the engine has copied it into its message
-        return g.data_ptr()
-
-    stats = _C.run_pipeline(pp, SCHEDULES[schedule], s, n_stages, m, pipeline_limit, payload, forward, backward,
+    stats = _C.run_pipeline(pp, SCHEDULES[schedule], pp.rank, pp.size, m, pipeline_limit, cb.payload,
+                            lambda mb, addr: cb.forward(mb, 0, addr), lambda mb, addr: cb.backward(mb, 0, addr),
                             RECEIVE[receive], control)
-    loss = torch.stack(losses).sum() if losses else None
-    return loss, stats
+    return cb.loss(), stats
 
 
 def pipeline_forward(stage: nn.Module, grid, inputs, targets, loss_fn, activation_shape, dtype=torch.float32,
@@ -179,12 +223,9 @@ def pipeline_forward(stage: nn.Module, grid, inputs, targets, loss_fn, activatio
     microbatch loss on the last stage (None elsewhere)."""
     pp = grid.comm(axis, "pipeline")
     s, n_stages = pp.rank, pp.size
-    m = len(inputs) if s == 0 else len(targets) if s == n_stages - 1 else None
-    counts = torch.tensor([float(m if m is not None else -1)], dtype=torch.float64, device=grid.device)
-    grid.all_reduce(counts, axis=axis, op="max")
-    m = int(counts.item())
+    m = _microbatches(grid, pp, axis, inputs, targets)
     losses = []
-    chunks = list(getattr(stage, "chunks", None) or [stage])  # the interleaved schedule's model chunks
+    chunks = _chunks(stage)
     v = len(chunks)
     with torch.no_grad():
         for mb in range(m):
@@ -200,63 +241,3 @@ def pipeline_forward(stage: nn.Module, grid, inputs, targets, loss_fn, activatio
                 else:
                     grid.send(y.to(dtype).contiguous(), (s + 1) % n_stages, axis)
     return torch.stack(losses).mean() if losses else None
-
-
-def _interleaved_step(chunks, grid, inputs, targets, loss_fn, activation_shape, dtype, axis):
-    """Megatron's interleaved schedule (seed 003 Fig. 4): `chunks` is this rank's list of v
-    model chunks, chunk c being virtual stage c * p + stage (gw.models.GPTStage(model, grid,
-    mode, c * p + s, v * p)); inputs are used by stage 0's chunk 0, targets by the last stage's
-    last chunk. Returns (mean microbatch loss on that rank, else None; PipelineStats)."""
-    chunks = list(chunks) if isinstance(chunks, (list, tuple, nn.ModuleList)) else [chunks]
-    pp = grid.comm(axis, "pipeline")
-    s, n_stages, v = pp.rank, pp.size, len(chunks)
-    if n_stages < 2:
-        raise GridError("the interleaved schedule needs at least 2 pipeline stages")
-    first, last = s == 0, s == n_stages - 1
-    m = len(inputs) if first else len(targets) if last else None
-    counts = torch.tensor([float(m if m is not None else -1)], dtype=torch.float64, device=grid.device)
-    grid.all_reduce(counts, axis=axis, op="max")
-    m = int(counts.item())
-    if m < 1 or m % n_stages:
-        raise GridError(f"the interleaved schedule needs a positive multiple of the {n_stages} stages as microbatches, "
-                        f"got {m}")
-    device = grid.device
-    host_messages = pp.device == _C.Device.CPU
-    payload = math.prod(activation_shape) * dtype.itemsize
-    ctx, keep, losses = {}, {}, []
-
-    def forward(mb, c, addr):
-        head = first and c == 0
-        x = inputs[mb] if head else _tensor_at(addr, activation_shape, dtype, device, host_messages).requires_grad_()
-        y = chunks[c](x)
-        if last and c == v - 1:
-            loss = loss_fn(y, targets[mb]) / m
-            losses.append(loss.detach())
-            ctx[(mb, c)] = (x, loss)
-            return 0
-        if tuple(y.shape) != tuple(activation_shape) or y.dtype != dtype:
-            raise GridError(f"chunk {c} of stage {s} produced {tuple(y.shape)} {y.dtype}, the pipeline carries "
-                            f"{tuple(activation_shape)} {dtype}")
-        y = y.contiguous()
-        ctx[(mb, c)] = (x, y)
-        if host_messages and y.is_cuda:
-            keep[("y", mb, c)] = y = y.to("cpu")
-        return y.data_ptr()
-
-    def backward(mb, c, addr):
-        x, y = ctx.pop((mb, c))
-        if last and c == v - 1:
-            y.backward()
-        else:
-            y.backward(_tensor_at(addr, activation_shape, dtype, device, host_messages))
-        if first and c == 0:
-            return 0
-        g = x.grad.contiguous()
-        if host_messages and g.is_cuda:
-            g = g.to("cpu")
-        keep[(mb, c)] = g
-        return g.data_ptr()
-
-    stats = _C.run_interleaved(pp, s, n_stages, v, m, payload, forward, backward)
-    loss = torch.stack(losses).sum() if losses else None
-    return loss, stats

@@ -9,16 +9,14 @@ with the sequence split over "sp" (ring attention). The data: a byte-level BPE t
 trained on the corpus, the corpus tokenized once into a memory-mapped file, a train /
 validation split, each dp rank reading its own samples (gw.data). The loop: warmup + cosine
 learning rate, global-norm clipping, activation checkpointing, validation every K steps,
-tokens/s and model-FLOPs utilisation. Checkpoints hold dense tensors (parameters and
-optimizer states) under the dense model's names in safetensors files, one per pipeline
-stage, and a JSON manifest written last (the reader's position included), so they load
-into any grid and nothing in them is executed.
+tokens/s and model-FLOPs utilisation. Checkpoints are sharded (gw.checkpoint): each rank
+writes its own shards, the index (with the reader's position) is written last, any grid
+loads them, and nothing in them is executed.
 """
 from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +39,11 @@ PAD_VOCAB = 64  # the model's vocabulary is the tokenizer's rounded up (Megatron
 GPU_PEAK = {"H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
             "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
             "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}}
+
+
+# The string options of TrainConfig and their values (the command line offers these).
+CHOICES = {"model": ("llama", "gpt"), "tokenizer": ("bpe", "bytes"), "device": ("auto", "cpu", "cuda"),
+           "backend": ("auto", "gloo", "nccl", "mpi"), "placement": ("topology", "naive"), "attention": ("ring", "rsa")}
 
 
 @dataclass
@@ -102,10 +105,7 @@ class TrainConfig:
     def __post_init__(self):
         self.mode = self.tp if isinstance(self.tp, Mode) else parse(self.tp or "none")
         self.compute = Precision.parse(self.precision)
-        choices = {"model": ("llama", "gpt"), "tokenizer": ("bpe", "bytes"), "device": ("auto", "cpu", "cuda"),
-                   "backend": ("auto", "gloo", "nccl", "mpi"), "placement": ("topology", "naive"),
-                   "attention": ("ring", "rsa")}
-        for name, allowed in choices.items():
+        for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise GridError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         for name in ("hidden", "heads", "layers", "seq", "batch", "microbatches", "steps", "vocab", "sp", "bsize",
@@ -206,16 +206,6 @@ class TrainConfig:
     def run_config(self, model: ModelConfig) -> dict:
         return {"model": model.to_dict(), "tokenizer": self.tokenizer, "seq": self.seq, "batch": self.batch,
                 "seed": self.seed, "steps": self.steps, "lr": self.lr}
-
-
-def _atomic_save(obj, path: Path, writer):
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    writer(obj, tmp)
-    os.replace(tmp, path)  # readers see the whole file or none of it
-
-
-def _json_writer(obj, path):
-    Path(path).write_text(json.dumps(obj, indent=1))
 
 
 def _state_views(opt):
@@ -472,7 +462,7 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
             n = min(cfg.sample_tokens, model_cfg.seq - len(ids))
             metrics["sample"] = {"prompt": prompt,
                                  "text": tok.decode(sample(dense, ids, n, 0.8, 40, cfg.seed, tok.vocab_size))}
-        _atomic_save(metrics, out / "metrics.json", _json_writer)
+        gw.checkpoint.atomic_write(out / "metrics.json", lambda t: t.write_text(json.dumps(metrics, indent=1)))
         _plot(metrics, out / "loss.png")
         if not cfg.quiet:
             print(f"validation loss {val[-1][1]:.3f} nats/token vs unigram entropy {entropy:.3f} "

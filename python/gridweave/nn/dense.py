@@ -94,12 +94,6 @@ def group_order(widths, groups: int, device="cpu") -> torch.Tensor:
     return torch.tensor(idx, dtype=torch.int64, device=device)
 
 
-def head_group_order(hidden: int, groups: int, device="cpu", kv_hidden: int | None = None) -> torch.Tensor:
-    """group_order of a packed [q | k | v] with q of `hidden` rows and k, v of `kv_hidden`."""
-    kv = hidden if kv_hidden is None else kv_hidden
-    return group_order([hidden, kv, kv], groups, device)
-
-
 def rotary(positions: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple:
     """cos, sin (len(positions), head_dim) of rotary embeddings, computed in float32 as
     Hugging Face's Llama does (so a model exported there computes the same), then cast."""

@@ -104,7 +104,8 @@ def attend(qkv, heads, causal, grid, algorithm="ring", kv_heads=None, arch: Arch
     if not sequence_parallel(grid):
         return attention(qkv, heads, causal, kv_heads, arch)
     zigzag = algorithm != "rsa" and causal
-    pos = positions(qkv.shape[1], grid.axes["sp"], grid.index("sp"), zigzag, qkv.device)
+    pos = positions(qkv.shape[1], grid.axes["sp"], grid.index("sp"), zigzag, qkv.device) \
+        if arch.rope_theta is not None else None  # only rotary embeddings need the global positions
     q, k, v = split_heads(qkv, heads, kv_heads, arch, pos)
     if algorithm == "rsa":
         o = ring_self_attention(q, k, v, grid, "sp", causal)
