@@ -147,7 +147,7 @@ def test_bf16_training_on_a_shared_gpu_tracks_fp32(tmp_path):
 
 
 MPI_ON_CUDA = """
-import torch, gridweave as gw
+import os, torch, gridweave as gw
 grid = gw.init(dp=2, backend="mpi", device="cuda", timeout=60.0)
 comm = grid.comm("dp")
 x = torch.ones(1 << 20, device=grid.device)
@@ -156,7 +156,9 @@ for _ in range(20):  # a queue of kernels before the op: the op must see their r
 y = grid.all_reduce(x, axis="dp")
 g = grid.all_gather(torch.full((3,), float(grid.rank), device=grid.device), axis="dp")
 ok = torch.equal(y, torch.full_like(y, 2.0)) and g.tolist() == [0.0] * 3 + [1.0] * 3 and y.is_cuda and g.is_cuda
-print("RESULT", grid.rank, ok, "direct" if comm.device == gw._C.Device.CUDA else "staged")
+# a file per rank: mpirun may interleave the ranks' stdout on one line
+with open(os.path.join(os.environ["RESULTS"], f"rank{grid.rank}.txt"), "w") as f:
+    f.write(f"RESULT {grid.rank} {ok} {'direct' if comm.device == gw._C.Device.CUDA else 'staged'}")
 """
 
 
@@ -169,7 +171,8 @@ def test_mpi_with_cuda_tensors_direct_or_staged(tmp_path):
         pytest.skip("built without MPI or no mpirun")
     script = tmp_path / "mpi_cuda.py"
     script.write_text(MPI_ON_CUDA)
-    r = mpirun(2, [str(script)], 300)
-    results = [ln.split() for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
-    assert r.returncode == 0 and len(results) == 2, r.stdout[-2000:] + r.stderr[-3000:]
+    r = mpirun(2, [str(script)], 300, RESULTS=str(tmp_path))
+    files = [tmp_path / f"rank{k}.txt" for k in range(2)]
+    assert r.returncode == 0 and all(f.exists() for f in files), r.stdout[-2000:] + r.stderr[-3000:]
+    results = [f.read_text().split() for f in files]
     assert all(res[2] == "True" for res in results), results
