@@ -1,8 +1,10 @@
 #include "communicator.h"
 
 #include <sstream>
+#include <thread>
 
 #include "error.h"
+#include "store.h"
 
 namespace gridweave {
 
@@ -21,6 +23,121 @@ std::string Communicator::describe(OpKind op, int peer) const {
   else os << join_ranks(info_.members);
   os << ")";
   return os.str();
+}
+
+std::uint32_t Fingerprint::hash() const {
+  std::uint32_t h = 2166136261u;  // FNV-1a, 32 bits: Gloo tags are 32 bits wide
+  auto mix = [&h](std::uint64_t v) {
+    for (int b = 0; b < 8; ++b) h = (h ^ static_cast<std::uint8_t>(v >> (8 * b))) * 16777619u;
+  };
+  mix(static_cast<std::uint64_t>(op == OpKind::Recv ? OpKind::Send : op));  // a send matches its receive
+  mix(static_cast<std::uint64_t>(dtype));
+  mix(static_cast<std::uint64_t>(count));
+  mix(static_cast<std::uint64_t>(static_cast<std::int64_t>(root)));
+  mix(seq);
+  return h;
+}
+
+std::string Fingerprint::str() const {
+  std::ostringstream os;
+  const bool p2p = op == OpKind::Send || op == OpKind::Recv;
+  os << op_name(op);
+  if (p2p) os << " (tag " << seq << ")";
+  else os << " #" << seq + 1;  // the n-th collective on this communicator
+  if (op != OpKind::Barrier) os << " of " << count << " x " << dtype_name(dtype);
+  if (root >= 0) os << (p2p ? " with peer " : ", root ") << root;
+  return os.str();
+}
+
+void Fingerprint::to_fields(std::int64_t* f) const {
+  f[0] = static_cast<std::int64_t>(op);
+  f[1] = static_cast<std::int64_t>(dtype);
+  f[2] = count;
+  f[3] = root;
+  f[4] = static_cast<std::int64_t>(seq);
+}
+
+Fingerprint Fingerprint::from_fields(const std::int64_t* f) {
+  return Fingerprint{static_cast<OpKind>(f[0]), static_cast<DType>(f[1]), f[2], static_cast<int>(f[3]),
+                     static_cast<std::uint64_t>(f[4])};
+}
+
+Fingerprint Fingerprint::exchange() const {
+  return Fingerprint{OpKind::AllGather, DType::Int64, static_cast<std::int64_t>(kFields), -1,
+                     seq | (std::uint64_t{1} << 63)};
+}
+
+Fingerprint Communicator::agree(OpKind op, const BufferView& buf, int root) {
+  Fingerprint fp;
+  fp.op = op;
+  fp.dtype = buf.dtype;
+  fp.count = static_cast<std::int64_t>(buf.count);
+  fp.root = root;
+  fp.seq = seq_;
+  if (info_.check == CheckLevel::Detail && size() > 1) {
+    const std::vector<Fingerprint> all = exchange_fingerprints(fp);
+    std::ostringstream os;
+    bool differ = false;
+    for (int k = 0; k < size(); ++k) {
+      differ = differ || all[k] != fp;
+      os << (k ? "; " : "") << "rank " << info_.members[k] << " passed " << all[k].str();
+    }
+    if (differ) {
+      mark_broken();
+      throw Error(ErrorKind::Comm, "gridweave: ranks disagree on " + describe(op) + ": " + os.str());
+    }
+  }
+  ++seq_;
+  return fp;
+}
+
+std::vector<Fingerprint> Communicator::exchange_fingerprints(const Fingerprint& mine) {
+  GW_CHECK(device() == Device::CPU, backend() << " transport: the Detail check needs exchange_fingerprints");
+  std::vector<std::int64_t> in(Fingerprint::kFields), out(Fingerprint::kFields * size());
+  mine.to_fields(in.data());
+  BufferView vin, vout;
+  vin.ptr = in.data();
+  vin.count = in.size();
+  vout.ptr = out.data();
+  vout.count = out.size();
+  vin.dtype = vout.dtype = DType::Int64;
+  run_collective(OpKind::AllGather, vin, vout, ReduceOp::Sum, 0, false, mine.exchange())->wait(info_.timeout);
+  std::vector<Fingerprint> all(size());
+  for (int k = 0; k < size(); ++k) all[k] = Fingerprint::from_fields(out.data() + Fingerprint::kFields * k);
+  return all;
+}
+
+std::string Communicator::compare_notes(Store* store, const Fingerprint& mine) const {
+  if (!store) return "";
+  const std::string key = "gw_notes/" + info_.session + "/";
+  auto encode = [](const Fingerprint& f) { return std::to_string(f.hash()) + "|" + f.str(); };
+  try {
+    const std::string me = encode(mine);
+    store->set(key + std::to_string(rank()), std::vector<char>(me.begin(), me.end()));
+  } catch (const std::exception&) {
+    return "";  // the store is gone too: nothing to compare
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::min(info_.timeout, std::chrono::milliseconds(5000));
+  std::ostringstream os;
+  bool differ = false;
+  for (int k = 0; k < size(); ++k) {
+    os << (k ? "; " : "") << "rank " << info_.members[k];
+    if (k == rank()) {
+      os << " passed " << mine.str();
+      continue;
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    try {
+      std::vector<char> v = store->get(key + std::to_string(k), std::max(left, std::chrono::milliseconds(1)));
+      std::string s(v.begin(), v.end());
+      const auto bar = s.find('|');
+      differ = differ || s.substr(0, bar) != std::to_string(mine.hash());
+      os << " passed " << s.substr(bar + 1);
+    } catch (const std::exception&) {
+      os << " is in no op on this axis (it skipped this one, finished or died)";
+    }
+  }
+  return differ ? "ranks disagree on " + describe(mine.op) + ": " + os.str() : "";
 }
 
 void Communicator::check_usable(OpKind op) const {
@@ -58,8 +175,9 @@ std::shared_ptr<Work> Communicator::all_gather(const BufferView& in, const Buffe
                                                << dtype_name(out.dtype));
   GW_CHECK(out.count == in.count * size(), describe(op) << ": output holds " << out.count << " elements, needs "
                                                         << size() << " x " << in.count);
+  const Fingerprint fp = agree(op, in, -1);
   count(op, in, 0);
-  return run_collective(op, in, out, ReduceOp::Sum, 0, async_op);
+  return run_collective(op, in, out, ReduceOp::Sum, 0, async_op, fp);
 }
 
 std::shared_ptr<Work> Communicator::reduce_scatter(const BufferView& in, const BufferView& out, ReduceOp rop, bool async_op) {
@@ -71,16 +189,18 @@ std::shared_ptr<Work> Communicator::reduce_scatter(const BufferView& in, const B
                                                << dtype_name(out.dtype));
   GW_CHECK(in.count == out.count * size(), describe(op) << ": input holds " << in.count << " elements, must be "
                                                         << size() << " x output (" << out.count << ")");
+  const Fingerprint fp = agree(op, out, -1);
   count(op, in, 0);
-  return run_collective(op, in, out, rop, 0, async_op);
+  return run_collective(op, in, out, rop, 0, async_op, fp);
 }
 
 std::shared_ptr<Work> Communicator::all_reduce(const BufferView& buf, ReduceOp rop, bool async_op) {
   const OpKind op = OpKind::AllReduce;
   check_usable(op);
   check_buffer(buf, "buffer", op);
+  const Fingerprint fp = agree(op, buf, -1);
   count(op, buf, 0);
-  return run_collective(op, buf, buf, rop, 0, async_op);
+  return run_collective(op, buf, buf, rop, 0, async_op, fp);
 }
 
 std::shared_ptr<Work> Communicator::broadcast(const BufferView& buf, int root, bool async_op) {
@@ -88,8 +208,9 @@ std::shared_ptr<Work> Communicator::broadcast(const BufferView& buf, int root, b
   check_usable(op);
   check_buffer(buf, "buffer", op);
   check_root(root, op);
+  const Fingerprint fp = agree(op, buf, root);
   count(op, buf, root);
-  return run_collective(op, buf, buf, ReduceOp::Sum, root, async_op);
+  return run_collective(op, buf, buf, ReduceOp::Sum, root, async_op, fp);
 }
 
 std::shared_ptr<Work> Communicator::reduce(const BufferView& buf, ReduceOp rop, int root, bool async_op) {
@@ -97,8 +218,9 @@ std::shared_ptr<Work> Communicator::reduce(const BufferView& buf, ReduceOp rop, 
   check_usable(op);
   check_buffer(buf, "buffer", op);
   check_root(root, op);
+  const Fingerprint fp = agree(op, buf, root);
   count(op, buf, root);
-  return run_collective(op, buf, buf, rop, root, async_op);
+  return run_collective(op, buf, buf, rop, root, async_op, fp);
 }
 
 std::shared_ptr<Work> Communicator::scatter(const BufferView& in, const BufferView& out, int root, bool async_op) {
@@ -112,8 +234,9 @@ std::shared_ptr<Work> Communicator::scatter(const BufferView& in, const BufferVi
     GW_CHECK(in.count == out.count * size(), describe(op) << ": root input holds " << in.count
                                                           << " elements, needs " << size() << " x " << out.count);
   }
+  const Fingerprint fp = agree(op, out, root);
   count(op, out, root);
-  return run_collective(op, in, out, ReduceOp::Sum, root, async_op);
+  return run_collective(op, in, out, ReduceOp::Sum, root, async_op, fp);
 }
 
 std::shared_ptr<Work> Communicator::gather(const BufferView& in, const BufferView& out, int root, bool async_op) {
@@ -127,8 +250,9 @@ std::shared_ptr<Work> Communicator::gather(const BufferView& in, const BufferVie
     GW_CHECK(out.count == in.count * size(), describe(op) << ": root output holds " << out.count
                                                           << " elements, needs " << size() << " x " << in.count);
   }
+  const Fingerprint fp = agree(op, in, root);
   count(op, in, root);
-  return run_collective(op, in, out, ReduceOp::Sum, root, async_op);
+  return run_collective(op, in, out, ReduceOp::Sum, root, async_op, fp);
 }
 
 std::shared_ptr<Work> Communicator::all_to_all(const BufferView& in, const BufferView& out, bool async_op) {
@@ -140,9 +264,23 @@ std::shared_ptr<Work> Communicator::all_to_all(const BufferView& in, const Buffe
            describe(op) << ": input and output must have the same dtype and count");
   GW_CHECK(in.count % size() == 0, describe(op) << ": " << in.count << " elements do not split into " << size()
                                                 << " equal chunks");
+  const Fingerprint fp = agree(op, in, -1);
   count(op, in, 0);
-  return run_collective(op, in, out, ReduceOp::Sum, 0, async_op);
+  return run_collective(op, in, out, ReduceOp::Sum, 0, async_op, fp);
 }
+
+namespace {
+// A send and its receive agree on the tag, the dtype and the element count; as the Gloo
+// slot, a receive never takes a message of another size (which would abort Gloo's loop).
+Fingerprint p2p_fingerprint(OpKind op, const BufferView& buf, int tag) {
+  Fingerprint fp;
+  fp.op = op;
+  fp.dtype = buf.dtype;
+  fp.count = static_cast<std::int64_t>(buf.count);
+  fp.seq = static_cast<std::uint64_t>(tag);
+  return fp;
+}
+}  // namespace
 
 std::shared_ptr<Work> Communicator::send(const BufferView& buf, int peer, int tag) {
   const OpKind op = OpKind::Send;
@@ -152,7 +290,7 @@ std::shared_ptr<Work> Communicator::send(const BufferView& buf, int peer, int ta
   GW_CHECK(peer != rank(), describe(op, peer) << ": cannot send to itself");
   GW_CHECK(tag >= 0, describe(op, peer) << ": tag must be >= 0");
   count(op, buf, peer);
-  return run_p2p(op, buf, {peer}, tag);
+  return run_p2p(op, buf, {peer}, tag, p2p_fingerprint(op, buf, tag));
 }
 
 std::shared_ptr<Work> Communicator::recv(const BufferView& buf, int peer, int tag) {
@@ -170,14 +308,15 @@ std::shared_ptr<Work> Communicator::recv_any(const BufferView& buf, const std::v
   }
   GW_CHECK(tag >= 0, describe(op) << ": tag must be >= 0");
   // Counted on completion, when the sender is known (see the transports).
-  return run_p2p(op, buf, peers, tag);
+  return run_p2p(op, buf, peers, tag, p2p_fingerprint(op, buf, tag));
 }
 
 std::shared_ptr<Work> Communicator::barrier(bool async_op) {
   check_usable(OpKind::Barrier);
   BufferView none;
   none.device = device();
-  return run_collective(OpKind::Barrier, none, none, ReduceOp::Sum, 0, async_op);
+  const Fingerprint fp = agree(OpKind::Barrier, none, -1);
+  return run_collective(OpKind::Barrier, none, none, ReduceOp::Sum, 0, async_op, fp);
 }
 
 }  // namespace gridweave

@@ -14,6 +14,39 @@
 
 namespace gridweave {
 
+class Store;
+
+// How much every op verifies that all members passed the same thing. Cheap (always on):
+// local checks, and on transports that match messages by tag the op's fingerprint is the
+// tag, so members that disagree never exchange data (they time out, then compare notes
+// over the store). Detail (like TORCH_DISTRIBUTED_DEBUG=DETAIL): every collective first
+// all-gathers the fingerprints, so a disagreement is a CommError on every member at once.
+enum class CheckLevel : int { Cheap = 0, Detail = 1 };
+
+// What one member passed to one op: the same on every member, or they disagree.
+// count is per member (all_gather's input, reduce_scatter's output); p2p ops use seq for
+// the user's tag, since a send and its receive are matched by tag, not by call order.
+struct Fingerprint {
+  OpKind op = OpKind::Barrier;
+  DType dtype = DType::Float32;
+  std::int64_t count = 0;
+  int root = -1;
+  std::uint64_t seq = 0;
+  bool operator==(const Fingerprint& o) const {
+    return op == o.op && dtype == o.dtype && count == o.count && root == o.root && seq == o.seq;
+  }
+  bool operator!=(const Fingerprint& o) const { return !(*this == o); }
+  std::uint32_t hash() const;  // FNV-1a of the fields: the Gloo tag
+  std::string str() const;     // "all_gather #3 of 4 x float32": the third collective here
+  // As kFields int64s, for the Detail level's exchange.
+  static constexpr std::size_t kFields = 5;
+  void to_fields(std::int64_t* f) const;
+  static Fingerprint from_fields(const std::int64_t* f);
+  // The exchange's own fingerprint: an all_gather of kFields int64s at this position, so it
+  // matches whatever each member passed.
+  Fingerprint exchange() const;
+};
+
 struct CommInfo {
   std::string axis;                // label: "y", "x,y", "world"
   std::vector<int> members;        // global ranks; index = rank in this communicator
@@ -22,6 +55,7 @@ struct CommInfo {
   std::chrono::milliseconds timeout{300000};
   std::shared_ptr<TrafficCounters> counters;  // may be null
   std::string session;             // names this line of this grid alike on all its members
+  CheckLevel check = CheckLevel::Cheap;
 };
 
 class Communicator {
@@ -42,6 +76,9 @@ class Communicator {
   // Capability: when a member dies, the survivors' ops fail with CommError (Gloo, NCCL) rather
   // than the launcher ending every rank (MPI).
   virtual bool survives_peer_failure() const { return true; }
+  // Capability: messages are matched by the op's fingerprint (Gloo's tags), so members that
+  // passed different ops never exchange data even at the Cheap check level.
+  virtual bool matches_fingerprints() const { return false; }
   // Capability: device buffers are read and written in the order of the current CUDA stream
   // (NCCL); otherwise a transport handed CUDA memory (a CUDA-aware MPI) reads it at once, so
   // the caller synchronises the stream first.
@@ -69,6 +106,8 @@ class Communicator {
   // Receives from whichever of `peers` sends first; Work::source() tells which.
   std::shared_ptr<Work> recv_any(const BufferView& buf, const std::vector<int>& peers, int tag);
   std::shared_ptr<Work> barrier(bool async_op = true);
+  // Collectives issued on this communicator so far (every member agrees, or an op failed).
+  std::uint64_t issued() const { return seq_; }
 
   // Thrown by every op once the communicator has failed (a peer died or timed out).
   bool broken() const { return broken_; }
@@ -78,14 +117,23 @@ class Communicator {
 
  protected:
   std::string describe(OpKind op, int peer = -1) const;
+  // After a timeout: publish what this member passed under `store` and read what the
+  // others did (for up to a few seconds). Returns "" when no member reported a different
+  // op, else the disagreement, naming what each member passed.
+  std::string compare_notes(Store* store, const Fingerprint& mine) const;
+  // Detail level: all-gathers the fingerprints of every member (a fixed-size message, so
+  // the exchange itself cannot disagree). The default runs an all_gather of int64s on CPU
+  // memory through run_collective; transports on device memory override it.
+  virtual std::vector<Fingerprint> exchange_fingerprints(const Fingerprint& mine);
   void mark_broken() { broken_ = true; }
   void count(OpKind op, const BufferView& buf, int root) const;
 
   // Transport hooks; arguments already checked. `work` is completed by the transport.
+  // `fp` is what this member passed (a transport that matches by tag uses fp.hash()).
   virtual std::shared_ptr<Work> run_collective(OpKind op, const BufferView& in, const BufferView& out,
-                                               ReduceOp rop, int root, bool async_op) = 0;
+                                               ReduceOp rop, int root, bool async_op, const Fingerprint& fp) = 0;
   virtual std::shared_ptr<Work> run_p2p(OpKind op, const BufferView& buf, const std::vector<int>& peers,
-                                        int tag) = 0;
+                                        int tag, const Fingerprint& fp) = 0;
 
   CommInfo info_;
 
@@ -93,7 +141,10 @@ class Communicator {
   void check_buffer(const BufferView& b, const char* what, OpKind op) const;
   void check_root(int root, OpKind op) const;
   void check_usable(OpKind op) const;
+  // The next collective's fingerprint; at the Detail level, verified against every member's.
+  Fingerprint agree(OpKind op, const BufferView& buf, int root);
   bool broken_ = false;
+  std::uint64_t seq_ = 0;
 };
 
 }  // namespace gridweave

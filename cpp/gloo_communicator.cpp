@@ -54,7 +54,7 @@ std::shared_ptr<gloo::transport::Device> make_gloo_device(const std::string& hos
 
 GlooCommunicator::GlooCommunicator(CommInfo info, std::shared_ptr<Store> store,
                                    std::shared_ptr<gloo::transport::Device> device)
-    : Communicator(std::move(info)) {
+    : Communicator(std::move(info)), store_(store) {
   if (size() > 1) {
     auto ctx = std::make_shared<gloo::rendezvous::Context>(rank(), size());
     ctx->setTimeout(info_.timeout);
@@ -91,12 +91,18 @@ void GlooCommunicator::close() {
   pending_.clear();
 }
 
-void GlooCommunicator::rethrow(OpKind op, const std::exception& e, int peer) {
+void GlooCommunicator::rethrow(const Fingerprint& fp, const std::exception& e, int peer) {
   if (const auto* ge = dynamic_cast<const Error*>(&e)) throw *ge;
   mark_broken();
+  const OpKind op = fp.op;
   std::string msg = e.what();
   bool timeout = msg.find("Timed out") != std::string::npos || msg.find("timed out") != std::string::npos ||
                  msg.find("Application timeout") != std::string::npos;
+  // Members that disagree never exchange data (the fingerprint is the tag): they time out.
+  if (timeout) {
+    const std::string notes = compare_notes(store_.get(), fp);
+    if (!notes.empty()) throw Error(ErrorKind::Comm, "gridweave: " + notes);
+  }
   throw Error(timeout ? ErrorKind::Timeout : ErrorKind::Comm,
               "gridweave: " + describe(op, peer) + (timeout ? " timed out after " : " failed (timeout ") +
                   std::to_string(info_.timeout.count() / 1000.0) + " s" + (timeout ? "" : ")") +
@@ -105,11 +111,11 @@ void GlooCommunicator::rethrow(OpKind op, const std::exception& e, int peer) {
 }
 
 std::shared_ptr<Work> GlooCommunicator::run_collective(OpKind op, const BufferView& in, const BufferView& out,
-                                                       ReduceOp rop, int root, bool async_op) {
+                                                       ReduceOp rop, int root, bool async_op,
+                                                       const Fingerprint& fp) {
   auto work = std::make_shared<TaskWork>(describe(op));
-  uint32_t tag = next_tag_++;
   if (!async_op) {
-    int ran = worker_->run_inline([&]() { run_on_worker(op, in, out, rop, root, tag); });
+    int ran = worker_->run_inline([&]() { run_on_worker(op, in, out, rop, root, fp); });
     if (ran) {
       work->complete();
       return work;
@@ -117,21 +123,22 @@ std::shared_ptr<Work> GlooCommunicator::run_collective(OpKind op, const BufferVi
   }
   // Raw `this`: the destructor drains the worker before the communicator goes, and a
   // task must not own the communicator (its last release would join the worker from itself).
-  worker_->submit(work, [this, op, in, out, rop, root, tag]() {
-    run_on_worker(op, in, out, rop, root, tag);
+  worker_->submit(work, [this, op, in, out, rop, root, fp]() {
+    run_on_worker(op, in, out, rop, root, fp);
     return -1;
   });
   return work;
 }
 
 void GlooCommunicator::run_on_worker(OpKind op, const BufferView& in, const BufferView& out, ReduceOp rop, int root,
-                                     uint32_t tag) {
+                                     const Fingerprint& fp) {
   if (!context_) {  // one member: every op is a local copy
     if (op != OpKind::Barrier && in.ptr != out.ptr && out.ptr && in.ptr)
       std::memcpy(out.ptr, in.ptr, std::min(in.nbytes(), out.nbytes()));
     return;
   }
   const auto timeout = info_.timeout;
+  const uint32_t tag = fp.hash();  // members that passed different ops never match a message
   auto reduce_fn = [dtype = in.dtype, rop](void* o, const void* a, const void* b, size_t n) {
     reduce_into(o, a, b, n, dtype, rop);
   };
@@ -240,7 +247,7 @@ void GlooCommunicator::run_on_worker(OpKind op, const BufferView& in, const Buff
         GW_CHECK(false, describe(op) << " is not a collective");
     }
   } catch (const std::exception& e) {
-    rethrow(op, e);
+    rethrow(fp, e);
   }
 }
 
@@ -274,10 +281,12 @@ void GlooCommunicator::ring_reduce_scatter(const BufferView& in, const BufferVie
 }
 
 std::shared_ptr<Work> GlooCommunicator::run_p2p(OpKind op, const BufferView& buf, const std::vector<int>& peers,
-                                                int tag) {
+                                                int /*tag*/, const Fingerprint& fp) {
   auto work = std::make_shared<TaskWork>(describe(op, peers.size() == 1 ? peers[0] : -1));
   GW_CHECK(context_, describe(op) << ": point-to-point needs at least two members");
-  const uint64_t slot = gloo::Slot::build(kP2PSlotPrefix, static_cast<uint32_t>(tag));
+  // The slot carries tag, dtype and count: a receive never takes a message of another
+  // size (Gloo would abort its loop thread); the two sides time out and compare notes.
+  const uint64_t slot = gloo::Slot::build(kP2PSlotPrefix, fp.hash());
   std::shared_ptr<gloo::transport::UnboundBuffer> ub;
   try {
     ub = context_->createUnboundBuffer(buf.ptr, buf.nbytes());
@@ -285,7 +294,7 @@ std::shared_ptr<Work> GlooCommunicator::run_p2p(OpKind op, const BufferView& buf
     else if (peers.size() == 1) ub->recv(peers[0], slot);
     else ub->recv(peers, slot);
   } catch (const std::exception& e) {
-    rethrow(op, e, peers.size() == 1 ? peers[0] : -1);
+    rethrow(fp, e, peers.size() == 1 ? peers[0] : -1);
   }
   {
     std::lock_guard<std::mutex> lock(pending_mu_);
@@ -296,7 +305,7 @@ std::shared_ptr<Work> GlooCommunicator::run_p2p(OpKind op, const BufferView& buf
   // Posting never blocks; a waiter thread observes completion so test() can poll
   // and several p2p ops can be outstanding at once (the message-driven pipeline).
   auto self = shared_from_this();
-  std::thread([self, work, ub, op, view = buf]() {
+  std::thread([self, work, ub, op, fp, view = buf]() {
     try {
       int peer = -1;
       bool done = op == OpKind::Send ? ub->waitSend(&peer, self->info_.timeout)
@@ -310,7 +319,7 @@ std::shared_ptr<Work> GlooCommunicator::run_p2p(OpKind op, const BufferView& buf
       work->complete(peer);
     } catch (const std::exception& e) {
       try {
-        self->rethrow(op, e);
+        self->rethrow(fp, e);
       } catch (...) {
         work->fail(std::current_exception());
       }

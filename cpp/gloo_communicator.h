@@ -29,20 +29,25 @@ class GlooCommunicator : public Communicator, public std::enable_shared_from_thi
   Device device() const override { return Device::CPU; }
   const char* backend() const override { return "gloo"; }
   bool can_recv_any() const override { return true; }
+  bool matches_fingerprints() const override { return true; }
   void close() override;
 
  protected:
   std::shared_ptr<Work> run_collective(OpKind op, const BufferView& in, const BufferView& out, ReduceOp rop,
-                                       int root, bool async_op) override;
-  std::shared_ptr<Work> run_p2p(OpKind op, const BufferView& buf, const std::vector<int>& peers, int tag) override;
+                                       int root, bool async_op, const Fingerprint& fp) override;
+  std::shared_ptr<Work> run_p2p(OpKind op, const BufferView& buf, const std::vector<int>& peers, int tag,
+                                const Fingerprint& fp) override;
 
  private:
-  void run_on_worker(OpKind op, const BufferView& in, const BufferView& out, ReduceOp rop, int root, uint32_t tag);
+  void run_on_worker(OpKind op, const BufferView& in, const BufferView& out, ReduceOp rop, int root,
+                     const Fingerprint& fp);
   void ring_reduce_scatter(const BufferView& in, const BufferView& out, ReduceOp rop, uint32_t tag);
-  [[noreturn]] void rethrow(OpKind op, const std::exception& e, int peer = -1);
+  // A transport error as a CommError (CommTimeout); after a timeout the members compare
+  // notes over the store, so a disagreement names what each passed.
+  [[noreturn]] void rethrow(const Fingerprint& fp, const std::exception& e, int peer = -1);
 
   std::shared_ptr<gloo::Context> context_;
-  std::uint32_t next_tag_ = 0;  // collectives are issued in the same order on every member
+  std::shared_ptr<Store> store_;  // the rendezvous store, kept to compare notes after a timeout
   std::unique_ptr<Worker> worker_;
   std::mutex pending_mu_;
   std::vector<std::weak_ptr<gloo::transport::UnboundBuffer>> pending_;  // posted p2p buffers

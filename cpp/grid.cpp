@@ -44,6 +44,7 @@ std::shared_ptr<Communicator> Grid::line(const std::vector<std::string>& axes, b
   info.axis = key;
   info.timeout = options_.timeout;
   info.counters = counters_;
+  info.check = options_.check;
   int line_id = 0;
   if (axes.empty()) {
     info.members.resize(world_size());

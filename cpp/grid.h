@@ -29,6 +29,7 @@ struct GridOptions {
   std::string hostname = "127.0.0.1";  // address peers use to reach this rank (Gloo)
   int device_index = -1;               // CUDA device (NCCL)
   std::string session;                 // names this grid alike on all its ranks (the rendezvous prefix)
+  CheckLevel check = CheckLevel::Cheap;  // how every op verifies that the members agree
 };
 
 class Grid {

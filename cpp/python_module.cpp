@@ -118,6 +118,7 @@ PYBIND11_MODULE(_C, m) {
       .value("BFloat16", DType::BFloat16)
       .value("Int32", DType::Int32)
       .value("Int64", DType::Int64);
+  py::enum_<CheckLevel>(m, "CheckLevel").value("Cheap", CheckLevel::Cheap).value("Detail", CheckLevel::Detail);
   py::enum_<Device>(m, "Device").value("CPU", Device::CPU).value("CUDA", Device::CUDA);
   py::enum_<ReduceOp>(m, "ReduceOp").value("Sum", ReduceOp::Sum).value("Max", ReduceOp::Max).value("Min", ReduceOp::Min);
   py::enum_<CubeForm>(m, "CubeForm").value("AB", CubeForm::AB).value("ABt", CubeForm::ABt).value("AtB", CubeForm::AtB);
@@ -183,6 +184,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("backend", &C::backend)
       .def_property_readonly("can_recv_any", &C::can_recv_any)
       .def_property_readonly("survives_peer_failure", &C::survives_peer_failure)
+      .def_property_readonly("matches_fingerprints", &C::matches_fingerprints)
       .def_property_readonly("stream_ordered", &C::stream_ordered)
       .def_property_readonly("device", &C::device)  // the memory its buffers must be in
       .def("all_gather", [](C& c, V i, V o, bool a) { py::gil_scoped_release g; return c.all_gather(i, o, a); },
@@ -204,7 +206,8 @@ PYBIND11_MODULE(_C, m) {
       .def("send", [](C& c, V b, int peer, int tag) { py::gil_scoped_release g; return c.send(b, peer, tag); })
       .def("recv", [](C& c, V b, int peer, int tag) { py::gil_scoped_release g; return c.recv(b, peer, tag); })
       .def("recv_any", [](C& c, V b, const std::vector<int>& peers, int tag) { py::gil_scoped_release g; return c.recv_any(b, peers, tag); })
-      .def("barrier", [](C& c, bool a) { py::gil_scoped_release g; return c.barrier(a); }, py::arg("async_op") = true);
+      .def("barrier", [](C& c, bool a) { py::gil_scoped_release g; return c.barrier(a); }, py::arg("async_op") = true)
+      .def_property_readonly("issued", &C::issued);
 
   py::class_<Placement>(m, "Placement")
       .def(py::init([](const std::vector<std::pair<std::string, int>>& axes, const std::string& policy, int rpn) {
@@ -303,7 +306,8 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Grid, std::shared_ptr<Grid>>(m, "Grid")
       .def(py::init([](const std::vector<std::pair<std::string, int>>& axes, const std::string& policy, int rpn,
                        int rank, const std::string& backend, double timeout_s, const std::string& hostname,
-                       int device_index, std::shared_ptr<Store> store, const std::string& session) {
+                       int device_index, std::shared_ptr<Store> store, const std::string& session,
+                       CheckLevel check) {
              GW_CHECK(policy == "naive" || policy == "topology",
                       "placement must be 'naive' or 'topology', got '" << policy << "'");
              GW_CHECK(backend == "gloo" || backend == "nccl" || backend == "mpi",
@@ -318,10 +322,11 @@ PYBIND11_MODULE(_C, m) {
              o.hostname = hostname;
              o.device_index = device_index;
              o.session = session;
+             o.check = check;
              return std::make_shared<Grid>(o, store);
            }), py::arg("axes"), py::arg("policy"), py::arg("ranks_per_node"), py::arg("rank"), py::arg("backend"),
            py::arg("timeout_s"), py::arg("hostname"), py::arg("device_index"), py::arg("store"),
-           py::arg("session") = "")
+           py::arg("session") = "", py::arg("check") = CheckLevel::Cheap)
       .def_property_readonly("rank", &Grid::rank)
       .def_property_readonly("world_size", &Grid::world_size)
       .def_property_readonly("coords", &Grid::coords)

@@ -98,7 +98,8 @@ std::shared_ptr<Work> NcclCommunicator::finish(OpKind op, cudaStream_t caller, i
 }
 
 std::shared_ptr<Work> NcclCommunicator::run_collective(OpKind op, const BufferView& in, const BufferView& out,
-                                                       ReduceOp rop, int root, bool /*async_op*/) {
+                                                       ReduceOp rop, int root, bool /*async_op*/,
+                                                       const Fingerprint& /*fp*/) {
   cudaStream_t caller = static_cast<cudaStream_t>(op == OpKind::Barrier ? nullptr : (in.ptr ? in.stream : out.stream));
   check_cuda(cudaSetDevice(device_index_), "cudaSetDevice");
   order_after(stream_, caller);
@@ -154,7 +155,7 @@ std::shared_ptr<Work> NcclCommunicator::run_collective(OpKind op, const BufferVi
 }
 
 std::shared_ptr<Work> NcclCommunicator::run_p2p(OpKind op, const BufferView& buf, const std::vector<int>& peers,
-                                                int tag) {
+                                                int tag, const Fingerprint& /*fp*/) {
   (void)tag;  // NCCL matches p2p by order between a pair, not by tag
   GW_CHECK(peers.size() == 1, describe(op) << ": NCCL has no receive-from-any; post one receive per peer and "
                                              "poll them (the message-driven pipeline does)");
@@ -167,6 +168,38 @@ std::shared_ptr<Work> NcclCommunicator::run_p2p(OpKind op, const BufferView& buf
   else check_nccl(ncclRecv(buf.ptr, buf.count, nccl_type(buf.dtype), peers[0], comm_, on), what);
   if (op == OpKind::Recv) count(OpKind::Recv, buf, peers[0]);
   return finish(op, caller, peers[0], on);
+}
+
+}  // namespace gridweave
+
+namespace gridweave {
+
+std::vector<Fingerprint> NcclCommunicator::exchange_fingerprints(const Fingerprint& mine) {
+  constexpr std::size_t kFields = Fingerprint::kFields;
+  std::vector<std::int64_t> host(kFields * (size() + 1));  // [mine | everyone's]
+  mine.to_fields(host.data());
+  check_cuda(cudaSetDevice(device_index_), "cudaSetDevice");
+  void* dev = nullptr;  // a debug-level cost, so allocated per call
+  check_cuda(cudaMalloc(&dev, sizeof(std::int64_t) * host.size()), "cudaMalloc");
+  struct Free {
+    void* p;
+    ~Free() { cudaFree(p); }
+  } free_dev{dev};
+  check_cuda(cudaMemcpy(dev, host.data(), sizeof(std::int64_t) * kFields, cudaMemcpyHostToDevice), "cudaMemcpy");
+  BufferView in, out;
+  in.ptr = dev;
+  in.count = kFields;
+  out.ptr = static_cast<std::int64_t*>(dev) + kFields;
+  out.count = kFields * size();
+  in.dtype = out.dtype = DType::Int64;
+  in.device = out.device = Device::CUDA;
+  in.device_index = out.device_index = device_index_;
+  run_collective(OpKind::AllGather, in, out, ReduceOp::Sum, 0, false, mine.exchange())->wait(info_.timeout);
+  check_cuda(cudaMemcpy(host.data() + kFields, out.ptr, sizeof(std::int64_t) * out.count, cudaMemcpyDeviceToHost),
+             "cudaMemcpy");
+  std::vector<Fingerprint> all(size());
+  for (int k = 0; k < size(); ++k) all[k] = Fingerprint::from_fields(host.data() + kFields * (k + 1));
+  return all;
 }
 
 }  // namespace gridweave

@@ -21,8 +21,11 @@ class NcclCommunicator : public Communicator {
 
  protected:
   std::shared_ptr<Work> run_collective(OpKind op, const BufferView& in, const BufferView& out, ReduceOp rop,
-                                       int root, bool async_op) override;
-  std::shared_ptr<Work> run_p2p(OpKind op, const BufferView& buf, const std::vector<int>& peers, int tag) override;
+                                       int root, bool async_op, const Fingerprint& fp) override;
+  std::shared_ptr<Work> run_p2p(OpKind op, const BufferView& buf, const std::vector<int>& peers, int tag,
+                                const Fingerprint& fp) override;
+  // Detail level: the fingerprints travel through device memory (NCCL reads no host buffers).
+  std::vector<Fingerprint> exchange_fingerprints(const Fingerprint& mine) override;
 
  private:
   std::shared_ptr<Work> finish(OpKind op, cudaStream_t caller, int peer = -1, cudaStream_t on = nullptr);

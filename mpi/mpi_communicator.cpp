@@ -279,7 +279,8 @@ void MpiCommunicator::close() {
 }
 
 std::shared_ptr<Work> MpiCommunicator::run_collective(OpKind op, const BufferView& in, const BufferView& out,
-                                                      ReduceOp rop, int root, bool /*async_op*/) {
+                                                      ReduceOp rop, int root, bool /*async_op*/,
+                                                      const Fingerprint& /*fp*/) {
   auto work = std::make_shared<MpiWork>(describe(op), nullptr);
   const std::string what = describe(op);
   std::lock_guard<std::recursive_mutex> lock(mpi_mutex());
@@ -327,7 +328,7 @@ std::shared_ptr<Work> MpiCommunicator::run_collective(OpKind op, const BufferVie
 }
 
 std::shared_ptr<Work> MpiCommunicator::run_p2p(OpKind op, const BufferView& buf, const std::vector<int>& peers,
-                                               int tag) {
+                                               int tag, const Fingerprint& /*fp*/) {
   const std::string what = describe(op, peers.size() == 1 ? peers[0] : -1);
   std::function<void(const MPI_Status&)> on_done;
   if (op == OpKind::Recv) {

@@ -37,8 +37,9 @@ class MpiCommunicator : public Communicator {
 
  protected:
   std::shared_ptr<Work> run_collective(OpKind op, const BufferView& in, const BufferView& out, ReduceOp rop,
-                                       int root, bool async_op) override;
-  std::shared_ptr<Work> run_p2p(OpKind op, const BufferView& buf, const std::vector<int>& peers, int tag) override;
+                                       int root, bool async_op, const Fingerprint& fp) override;
+  std::shared_ptr<Work> run_p2p(OpKind op, const BufferView& buf, const std::vector<int>& peers, int tag,
+                                const Fingerprint& fp) override;
 
  private:
   void handshake(std::uint64_t token, int tag);

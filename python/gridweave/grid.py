@@ -23,6 +23,18 @@ from .modes import Sequence, grid_axes
 AxisArg = "str | Sequence[str] | None"
 
 
+CheckLevel = _C.CheckLevel
+DEBUG_ENV = "GRIDWEAVE_DEBUG"
+
+
+def check_level() -> CheckLevel:
+    """The check level GRIDWEAVE_DEBUG asks for: DETAIL, or the cheap checks (unset, OFF, INFO)."""
+    value = os.environ.get(DEBUG_ENV, "").strip().upper()
+    if value not in ("", "OFF", "INFO", "DETAIL"):
+        raise GridError(f"{DEBUG_ENV} must be OFF, INFO or DETAIL, got {value!r}")
+    return CheckLevel.Detail if value == "DETAIL" else CheckLevel.Cheap
+
+
 class _TorchStore(_C.Store):
     """Adapter: torch's TCPStore (or any torch.distributed.Store) as the engine's Store."""
 
@@ -87,7 +99,7 @@ class Grid:
     """Named axes over the world's ranks. Use gw.init() to make one."""
 
     def __init__(self, axes, *, rank, backend, placement, ranks_per_node, timeout, store, hostname,
-                 device_index=-1, tp=None, device=None, session=""):
+                 device_index=-1, tp=None, device=None, session="", check=None):
         self.axes = dict(axes)
         self.backend = backend
         self.tp = tp if tp is not None else Sequence()  # the tensor-parallel mode object
@@ -99,8 +111,9 @@ class Grid:
         self.timeout = float(timeout)
         self.placement_policy = placement
         self._store = store  # the Python side of the native Store must stay alive
+        self.check = check if check is not None else CheckLevel.Cheap
         self._native = _C.Grid(list(axes), placement, int(ranks_per_node), int(rank), backend, self.timeout,
-                               hostname, int(device_index), store, session)
+                               hostname, int(device_index), store, session, self.check)
         self.placement = self._native.placement
         self._names = [a for a, _ in axes]
         self._comms = {}  # axis argument -> native communicator: one lookup per op, not a native call
@@ -364,7 +377,8 @@ class Grid:
     def capabilities(self, axis: AxisArg = None) -> dict:
         """What the transport of `axis` can do (code branches on these, never on a backend name)."""
         c = self.comm(axis, "capabilities")
-        return {"recv_any": c.can_recv_any, "survives_peer_failure": c.survives_peer_failure}
+        return {"recv_any": c.can_recv_any, "survives_peer_failure": c.survives_peer_failure,
+                "matches_fingerprints": c.matches_fingerprints}
 
     def barrier(self, axis: AxisArg = None):
         self._run(self.comm(axis, "barrier").barrier(False), False, ())
@@ -444,9 +458,13 @@ class _Session:
 
 def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", placement: str = "topology",
          ranks_per_node: int | None = None, timeout: float = 300.0, *, rank: int | None = None,
-         world_size: int | None = None, store=None, prefix: str | None = None, device=None) -> Grid:
+         world_size: int | None = None, store=None, prefix: str | None = None, device=None,
+         check: "CheckLevel | None" = None) -> Grid:
     """Build the grid. Rendezvous uses torchrun's variables (RANK, WORLD_SIZE,
     LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) unless rank/world_size/store are given.
+    check: how every op verifies that the ranks of its line passed the same op, count,
+    dtype and root (CheckLevel.Cheap, always on; CheckLevel.Detail fingerprints every
+    call); default from GRIDWEAVE_DEBUG=DETAIL, like TORCH_DISTRIBUTED_DEBUG.
     device: where the grid computes (default: cuda:LOCAL_RANK with NCCL, cpu with Gloo; a CUDA
     device with Gloo shares GPUs between ranks, staging messages through host memory).
     Every check here is local, so bad input raises GridError on every rank before any
@@ -484,6 +502,9 @@ def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", 
         raise GridError(f"placement must be 'naive' or 'topology', got {placement!r}")
     if not (isinstance(timeout, (int, float)) and timeout > 0):
         raise GridError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    check = check_level() if check is None else check
+    if not isinstance(check, CheckLevel):
+        raise GridError(f"check must be a gw.CheckLevel, got {check!r}")
     rpn = ranks_per_node if ranks_per_node is not None else (local or world_size)
     if not isinstance(rpn, int) or rpn < 1:
         raise GridError(f"ranks_per_node must be a positive integer, got {rpn!r}")
@@ -506,7 +527,7 @@ def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", 
         "127.0.0.1" if (local or world_size) >= world_size else socket.gethostname())
     grid = Grid(axes, rank=rank, backend=backend, placement=placement, ranks_per_node=rpn, timeout=timeout,
                 store=native_store, hostname=hostname, device_index=device_index, tp=tp, device=device,
-                session=session)
+                session=session, check=check)
     grid._torch_store = keep
     _Session.current = grid
     return grid
