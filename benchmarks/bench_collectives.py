@@ -7,6 +7,12 @@ Part 1: all_gather, reduce_scatter, all_reduce from 4 KiB to 64 MiB; each size r
 the two libraries alternately, `reps` times each, and keeps the median.
 Part 2 (8 ranks): a segmented all-gather on 4 disjoint groups of 2 at once vs the same
 four all-gathers one group after another.
+
+    python benchmarks/bench_collectives.py --checks [--transport mpi]
+
+The cost of each check level (gw.CheckLevel): the same ops on a grid at Detail (every
+call's fingerprint all-gathered first) and one at Cheap, alternately, in the same processes;
+writes results/check_levels[_mpi].json.
 """
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ import statistics
 import time
 from pathlib import Path
 
-from launch import bench_parser, results_dir, run_ranks, save
+from launch import bench_parser, results_dir, run_ranks, save, stem
 
 SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 OPS = ["all_gather", "reduce_scatter", "all_reduce"]
@@ -108,6 +114,70 @@ def worker(out_path: str) -> None:
     dist.destroy_process_group()
 
 
+CHECK_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
+
+
+def checks_worker(out_path: str) -> None:
+    import torch
+
+    import gridweave as gw
+
+    torch.set_num_threads(1)
+    world = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else gw.launch.mpi_world()[1]
+    cheap = gw.init(dp=world, prefix="cheap", check=gw.CheckLevel.Cheap)
+    n, store = cheap.world_size, cheap._torch_store[0]
+    detail = gw.init(dp=n, prefix="detail", check=gw.CheckLevel.Detail, store=store,
+                     rank=cheap.rank, world_size=n)
+    results = []
+    for nbytes in CHECK_SIZES:
+        x = torch.randn(nbytes // 4)
+        chunk = torch.randn(max(1, nbytes // 4 // n))
+        gathered = torch.empty(chunk.numel() * n)
+        for op in ("all_reduce", "all_gather"):
+            def run(grid, op=op):
+                if op == "all_reduce":
+                    grid.all_reduce(x, axis="dp")
+                else:
+                    grid.all_gather(chunk, axis="dp", out=gathered)
+            times = {"cheap": [], "detail": []}
+            samples, inner = _reps(nbytes)
+            for grid in (cheap, detail):
+                run(grid)  # connect
+            for _ in range(samples):
+                for name, grid in (("cheap", cheap), ("detail", detail)):
+                    grid.barrier()
+                    t0 = time.perf_counter()
+                    for _ in range(inner):
+                        run(grid)
+                    times[name].append((time.perf_counter() - t0) / inner)
+            results.append({"op": op, "ranks": n, "nbytes": nbytes, "transport": cheap.backend,
+                            "cheap_s": statistics.median(times["cheap"]),
+                            "detail_s": statistics.median(times["detail"])})
+    if cheap.rank == 0:
+        Path(out_path).write_text(json.dumps(results, indent=1))
+    gw.shutdown()
+
+
+def plot_checks(results: list, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for op in ("all_reduce", "all_gather"):
+        for n in sorted({r["ranks"] for r in results}):
+            rows = [r for r in results if r["op"] == op and r["ranks"] == n]
+            ax.plot([r["nbytes"] for r in rows], [r["detail_s"] / r["cheap_s"] for r in rows], "o-",
+                    label=f"{op}, {n} ranks")
+    ax.axhline(1.0, color="k", lw=0.5)
+    ax.set(xscale="log", title=f"CheckLevel.Detail / Cheap ({results[0]['transport']})", xlabel="bytes",
+           ylabel="time ratio")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def plot(results: list, png: Path) -> None:
     import matplotlib
 
@@ -142,11 +212,21 @@ def plot(results: list, png: Path) -> None:
 def main() -> None:
     ap = bench_parser(__file__)
     ap.add_argument("--ranks", default="2,4,8")
+    ap.add_argument("--checks", action="store_true", help="the cost of each check level (gw.CheckLevel)")
     args = ap.parse_args()
     if args.worker:
-        worker(args.out)
+        (checks_worker if args.checks else worker)(args.out)
         return
     out = results_dir(args)
+    if args.checks:
+        results = []
+        for n in [int(v) for v in args.ranks.split(",")]:
+            results += run_ranks(__file__, n, 29519, out, f"checks{n}", "--checks", transport=args.transport)
+        save(out, stem("check_levels", args.transport), results, plot_checks)
+        for r in results:
+            print(f"{r['op']:11s} n={r['ranks']} {r['nbytes']:>9d} B  detail/cheap {r['detail_s'] / r['cheap_s']:.3f} "
+                  f"({r['detail_s'] * 1e3:.3f} vs {r['cheap_s'] * 1e3:.3f} ms)")
+        return
     results = []
     for n in [int(v) for v in args.ranks.split(",")]:
         results += run_ranks(__file__, n, 29517, out, str(n))
