@@ -1,6 +1,6 @@
 """gridweave: transformers on an N-dimensional grid of processes."""
 from . import _C  # noqa: F401  (the native engine, gw._C)
-from .errors import CommError, CommTimeout, GridError
+from .errors import CommError, CommTimeout, Diverged, GridError
 from .grid import CheckLevel, Grid, Work, current, init, shutdown
 from .modes import CSub, Cube, Mode, Row, Sequence, Square, SubGraph
 from .layout import Layout, gather, scatter
@@ -9,5 +9,5 @@ from . import autograd, checkpoint, data, launch, models, modes, nn, optim, pipe
 
 __all__ = ["init", "shutdown", "current", "CheckLevel", "Grid", "Work", "Mode", "Row", "Square", "Cube", "SubGraph", "CSub",
            "Sequence", "ParamPlacement", "placement_of", "reduce_gradients", "clip_grad_norm_", "GridError",
-           "CommError", "CommTimeout", "Layout", "scatter", "gather", "nn", "autograd", "optim", "pipeline", "models", "data", "modes", "precision", "train"]
+           "CommError", "CommTimeout", "Diverged", "Layout", "scatter", "gather", "nn", "autograd", "optim", "pipeline", "models", "data", "modes", "precision", "train"]
 __version__ = "0.1.0"

@@ -41,11 +41,56 @@ def _sha256(path: Path) -> str:
 
 def atomic_write(path: Path, write) -> None:
     """write(tmp) a temporary file beside `path`, then rename it: readers see the whole file
-    or none of it."""
+    or none of it. A failed write leaves no temporary file and raises WriteError naming the
+    path and the reason (the disk is full, permission denied, a file size limit)."""
     path = Path(path)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
+    tmp = path.with_name(path.name + f"{TMP_MARK}{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # libraries report a full disk as either
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise WriteError(path, e) from e
+
+
+TMP_MARK = ".tmp"
+
+
+class WriteError(OSError):
+    """A file could not be written; the message names the path and why."""
+
+    def __init__(self, path: Path, cause: BaseException):
+        import errno
+
+        code = getattr(cause, "errno", None)
+        try:
+            free = shutil.disk_usage(Path(path).parent).free
+        except OSError:
+            free = None
+        if code == errno.ENOSPC or (free is not None and free < (1 << 20)):
+            why = f"the disk is full ({free or 0} bytes free)"
+        elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+            why = "permission denied (or a read-only file system)"
+        elif code == errno.EFBIG:
+            why = "the file is larger than this process may write (ulimit -f)"
+        else:
+            why = str(cause)
+        super().__init__(code or errno.EIO, f"cannot write {path}: {why}")
+        self.path = Path(path)
+
+
+def remove_stale_temporaries(folder: Path) -> list:
+    """Delete the temporary files an interrupted save left under `folder` (no save may be
+    running); returns what was removed."""
+    gone = []
+    for f in Path(folder).rglob(f"*{TMP_MARK}*"):
+        if f.is_file() and f.name.rsplit(TMP_MARK, 1)[-1].isdigit():
+            f.unlink(missing_ok=True)
+            gone.append(f)
+    return gone
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -98,8 +143,14 @@ class PendingSave:
             return self.step_dir
         if self._thread is not None:
             self._thread.join()
+        # one decision on every rank: a rank whose write failed must not leave the others
+        # waiting for its file (the step is never committed; the previous one stays latest)
+        failed = torch.tensor([0.0 if self.error is None else 1.0], dtype=torch.float64, device=self.grid.device)
+        self.grid.all_reduce(failed, axis=None, op="max")
         if self.error is not None:
-            raise GridError(f"writing checkpoint shard in {self.step_dir} failed: {self.error}") from self.error
+            raise self.error
+        if failed.item() > 0:
+            raise WriteError(self.step_dir, OSError(0, "another rank could not write its shard (its error says why)"))
         _commit(self.folder, self.step_dir, self.grid, self.extra)
         self.done = True
         return self.step_dir
@@ -123,8 +174,18 @@ def save(folder, step: int, items: list, grid, tensors_of, extra: dict, wait: bo
         step_dir = folder / f"step-{step:08d}.{k}"
     grid.barrier()
     if grid.rank == 0:
-        step_dir.mkdir(parents=True)
-    grid.barrier()
+        remove_stale_temporaries(folder)  # an interrupted save's; every earlier save has finished
+        try:
+            step_dir.mkdir(parents=True)
+        except OSError as e:
+            made = e
+        else:
+            made = None
+    failed = torch.tensor([1.0 if grid.rank == 0 and made is not None else 0.0], dtype=torch.float64,
+                          device=grid.device)
+    grid.all_reduce(failed, axis=None, op="max")  # in place of a barrier: every rank learns the outcome
+    if failed.item() > 0:
+        raise WriteError(step_dir, made if grid.rank == 0 else OSError(0, "rank 0 could not make the folder"))
     shards, meta = {}, {}
     for name, p, dense_shape in items:
         if p.numel() == 0 or not placement_of(p).counted_here(grid):

@@ -44,7 +44,8 @@ def _train_parser(sub):
     for name, typ in (("steps", int), ("batch", int), ("microbatches", int), ("lr", float), ("min_lr", float),
                       ("warmup", int), ("weight_decay", float), ("max_grad_norm", float), ("seed", int),
                       ("val_every", int), ("val_samples", int), ("pipeline_limit", int), ("bsize", int),
-                      ("coarsening", int), ("checkpoint_every", int), ("sample_tokens", int), ("timeout", float)):
+                      ("coarsening", int), ("checkpoint_every", int), ("sample_tokens", int), ("timeout", float),
+                      ("max_bad_steps", int)):
         o.add_argument("--" + name.replace("_", "-"), type=typ, default=d[name].default)
     o.add_argument("--ac", default="none", help="activation checkpointing: none | auto (seed 001's optimal) | N")
     o.add_argument("--schedule", default=d["schedule"].default, choices=sorted(SCHEDULES))
@@ -220,28 +221,95 @@ def main(argv=None) -> int:
         launcher_side = args.nproc > 0 and "RANK" not in os.environ and not os.environ.get("GRIDWEAVE_SPAWNED")
         if launcher_side:  # the whole configuration, once, before any rank starts
             try:
-                train_config(args).grid_shape(args.nproc)
-            except GridError as e:
-                print(f"gridweave train: {e}", file=sys.stderr)
+                cfg = train_config(args)
+                cfg.grid_shape(args.nproc)
+                cfg.check_files()
+            except (GridError, OSError) as e:
+                print(f"gridweave train: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
                 return 2
         if launcher_side:
             if args.nproc == 1:
                 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
             else:  # spawn the ranks, each running this command with --nproc 0
                 argv = _without_nproc(list(sys.argv[1:] if argv is None else argv))
-                env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-                       "GRIDWEAVE_SPAWNED": "1"}
-                from . import launch
+                return _spawn(args, argv)
+        return _train_rank(args)
+    return 0
 
-                launcher = args.launcher if args.launcher != "auto" else launch.default_launcher(args.device, args.backend)
-                port = int(os.environ.get("GRIDWEAVE_PORT", "29561"))
-                extra = ["--backend", "mpi"] if launcher == "mpirun" else []  # GRIDWEAVE_SPAWNED stops a respawn
-                # no stdin: mpirun forwards it, and stops in a background job that reads it
-                return subprocess.call(launch.command(launcher, args.nproc, port) +
-                                       ["-m", "gridweave.cli", *argv, *extra], env=env, stdin=subprocess.DEVNULL)
-        from . import train
 
+REPORTED = "gridweave-{}.reported"  # in the temp folder: the first rank to create it reports
+
+
+def _spawn(args, argv) -> int:
+    """Start args.nproc ranks of this command (--nproc 0) and wait for them. Ranks report
+    their own errors (once); the launcher adds nothing but their exit code."""
+    import logging
+    import tempfile
+    import uuid
+
+    from . import launch
+
+    run_id = uuid.uuid4().hex
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "GRIDWEAVE_SPAWNED": "1",
+           "GRIDWEAVE_RUN_ID": run_id}
+    launcher = args.launcher if args.launcher != "auto" else launch.default_launcher(args.device, args.backend)
+    port = int(os.environ.get("GRIDWEAVE_PORT", "29561"))
+    marker = os.path.join(tempfile.gettempdir(), REPORTED.format(run_id))
+    try:
+        if launcher == "mpirun":  # -q: no banner of its own when a rank fails; GRIDWEAVE_SPAWNED stops a respawn
+            cmd = launch.command(launcher, args.nproc, port)
+            # no stdin: mpirun forwards it, and stops in a background job that reads it
+            return subprocess.call([cmd[0], "-q", *cmd[1:], "-m", "gridweave.cli", *argv, "--backend", "mpi"],
+                                   env={**os.environ, **env}, stdin=subprocess.DEVNULL,
+                                   preexec_fn=launch.die_with_parent)
+        # torchrun's agent, in this process: its failure report (a traceback of its own) is not
+        # printed, the ranks have said what went wrong
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        os.environ.update(env)
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=run_id,
+                              rdzv_backend="static", rdzv_endpoint=f"127.0.0.1:{port}", rdzv_configs={"rank": 0},
+                              max_restarts=0, monitor_interval=0.1)
+        try:
+            elastic_launch(config, sys.executable)("-m", "gridweave.cli", *argv)
+        except ChildFailedError as e:
+            codes = [f.exitcode for f in e.failures.values()]
+            return next((c for c in codes if c > 0), 1)
+        return 0
+    finally:
+        if os.path.exists(marker):
+            os.unlink(marker)
+
+
+def _train_rank(args) -> int:
+    """One rank of `gridweave train`: an error ends it with one line on stderr, written by
+    the first rank that meets it (the others' errors are its consequences)."""
+    import tempfile
+
+    from . import launch, train
+    from .errors import CommError, Diverged, GridError
+
+    launch.die_with_parent()  # no orphan keeps training when its launcher dies
+    try:
         train.run(train_config(args))
+    except (GridError, CommError, Diverged, OSError) as e:
+        run_id = os.environ.get("GRIDWEAVE_RUN_ID") or f"ppid{os.getppid()}"
+        try:
+            fd = os.open(os.path.join(tempfile.gettempdir(), REPORTED.format(run_id)),
+                         os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            os.close(fd)
+            first = True
+        except FileExistsError:
+            first = False
+        except OSError:
+            first = True
+        if first:
+            rank = os.environ.get("RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or "0"
+            print(f"gridweave train: rank {rank}: {type(e).__name__}: {getattr(e, 'strerror', None) or e}",
+                  file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

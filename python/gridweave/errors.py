@@ -11,3 +11,8 @@ class CommError(RuntimeError):
 
 class CommTimeout(CommError, TimeoutError):
     """A blocking wait passed its timeout; the message names the op, the axis and the peers."""
+
+
+class Diverged(RuntimeError):
+    """Training diverged: the loss or gradient norm stayed non-finite, or a checkpoint would
+    have held a non-finite tensor (it is never written)."""

@@ -78,6 +78,22 @@ def default_launcher(device: str = "auto", backend: str = "auto") -> str:
     return "mpirun" if (mpi_installed() and not gpus) else "torchrun"
 
 
+def die_with_parent() -> None:
+    """Linux: this process gets SIGTERM when its parent (the launcher) dies, so no rank
+    trains on, or writes, after the job was killed; exits now if the parent is already gone."""
+    import ctypes
+    import signal
+
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_PDEATHSIG = 1
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent or parent == 1:  # it died before the signal was armed
+        os._exit(1)
+
+
 def mpirun_command(n: int) -> list:
     """mpirun -np n, with what OpenMPI needs as root and with more ranks than cores."""
     exe = shutil.which("mpirun")

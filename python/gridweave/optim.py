@@ -109,7 +109,8 @@ class OffloadAdam:
         """Sum, (check, clip,) update. scaler: a gw.precision.LossScaler whose scale the loss
         was multiplied by: the gradients are unscaled in fp32 inside the update, and if any
         rank holds an inf or NaN after the sum, every rank skips the step and the scale
-        backs off. Returns whether the step was taken."""
+        backs off. With max_grad_norm, a non-finite norm (the same on every rank) skips the
+        step too. Returns whether the step was taken."""
         grads = self._flat_grads()
         scale = self._dp_scale()
         if scale != 1.0:
@@ -141,6 +142,8 @@ class OffloadAdam:
                 coef = 1.0 / used
             if self.max_grad_norm is not None:
                 coef *= self._clip_coefficient(grads, coef)
+                if not math.isfinite(self.last_grad_norm):
+                    return False  # the norm is global: every rank skips this step
         else:
             launch(0)
         self.step_count += 1

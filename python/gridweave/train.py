@@ -26,7 +26,7 @@ import torch
 
 import gridweave as gw
 
-from .errors import GridError
+from .errors import Diverged, GridError
 from .models import ModelConfig
 from .modes import Mode, parse
 from .precision import LossScaler, Precision
@@ -70,6 +70,7 @@ class TrainConfig:
     warmup: int = 10
     weight_decay: float = 0.1
     max_grad_norm: float | None = 1.0
+    max_bad_steps: int = 3  # consecutive steps with a non-finite loss or gradient norm before the run stops
     seed: int = 0
     steps: int = 300
     val_every: int = 50
@@ -109,7 +110,7 @@ class TrainConfig:
             if getattr(self, name) not in allowed:
                 raise GridError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         for name in ("hidden", "heads", "layers", "seq", "batch", "microbatches", "steps", "vocab", "sp", "bsize",
-                     "coarsening", "val_samples", "chunks"):
+                     "coarsening", "val_samples", "chunks", "max_bad_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise GridError(f"{name} must be a positive integer, got {v!r}")
@@ -195,6 +196,41 @@ class TrainConfig:
         gw.pipeline.resolve_ac(self.ac, self.layers // (pp * self.chunks), self.layers)
         return {"dp": dp, "pp": pp, "sp": sp}
 
+    def check_files(self) -> None:
+        """The files of this run, checked by the launcher before any rank starts: the corpus
+        exists and is UTF-8 text (the first 64 KiB of each file), --resume holds a checkpoint,
+        and --out is a folder this user can write with room for two checkpoints of the model
+        and the token file. Raises GridError or OSError naming the path."""
+        import codecs
+        import os
+        import shutil
+
+        for f in gw.data.corpus_files(self.data):
+            with open(f, "rb") as fh:
+                head = fh.read(1 << 16)
+            if b"\x00" in head:
+                raise GridError(f"--data: {f} is not text (it holds NUL bytes); --data takes UTF-8 text files")
+            try:
+                codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+            except UnicodeDecodeError as e:
+                raise GridError(f"--data: {f} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+        if self.resume:
+            load_checkpoint(Path(self.resume))  # a clear GridError when there is none
+        out = Path(self.out).absolute()
+        if out.exists() and not out.is_dir():
+            raise GridError(f"--out {out} exists and is not a folder")
+        near = next(p for p in [out, *out.parents] if p.exists())
+        if not os.access(near, os.W_OK | os.X_OK):
+            raise PermissionError(f"--out {out}: {near} is not writable by this user")
+        model = gw.models.build(self.model_config(self.vocab), device="meta")
+        params = sum(p.numel() for p in model.parameters())
+        # a checkpoint: the parameters and OffloadAdam's fp32 master, exp_avg, exp_avg_sq
+        need = 2 * params * (self.compute.dtype.itemsize + 12) + 8 * gw.data.corpus_size(self.data)
+        free = shutil.disk_usage(near).free
+        if free < need:
+            raise OSError(28, f"--out {out}: {free / 2 ** 20:.0f} MiB free on its disk, this run needs about "
+                              f"{need / 2 ** 20:.0f} MiB (two checkpoints of {params} parameters and the token file)")
+
     def lr_at(self, step: int) -> float:
         """Linear warmup to lr over `warmup` steps, then cosine decay to min_lr at the last step."""
         if step < self.warmup:
@@ -224,6 +260,14 @@ def save_checkpoint(out: Path, step, cfg, grid, stage, opt, losses, reader=None,
     def tensors_of(p):
         return {"param": p, **{kind: v[id(p)] for kind, v in views.items()}}
 
+    # never a checkpoint holding a non-finite tensor: one decision on every rank before any write
+    finite = all(bool(torch.isfinite(t).all()) for p in stage.parameters() for t in tensors_of(p).values())
+    flag = torch.tensor([0.0 if finite else 1.0], dtype=torch.float64, device=grid.device)
+    grid.all_reduce(flag, axis=None, op="max")
+    if flag.item() > 0:
+        raise Diverged(f"not writing the checkpoint of step {step} to {out / 'checkpoint'}: "
+                       f"{'this rank' if not finite else 'another rank'} holds non-finite parameters or optimizer "
+                       "state (the previous checkpoint is untouched)")
     extra = {"optimizer_step": opt.step_count, "config": cfg.run_config(model_cfg), "losses": losses,
              "val": val or [], "reader": reader.state_dict() if reader else None,
              "loss_scaler": scaler.state_dict() if scaler is not None else None,
@@ -387,6 +431,7 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
         bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step")
     tokens_per_s, mfu, lrs, grad_norms = [], [], [], []
     pending = None  # an async checkpoint: committed at the next step's start, by every rank
+    bad = 0  # consecutive steps skipped for a non-finite loss or gradient norm
     for step in range(start, cfg.steps):
         if pending is not None:
             pending.finish()
@@ -408,12 +453,28 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
                                             dtype=cfg.compute.dtype, schedule=cfg.schedule,
                                             pipeline_limit=cfg.pipeline_limit or max(pp, 2))
         loss = loss / loss_scale if loss is not None else None
-        opt.step(scaler)  # sums each gradient over its partial axes (dp averaged), clips, updates
-        # the last stage's loss, identical over its tp/sp group: count one rank of each group
+        # the last stage's loss, identical over its tp/sp group: count one rank of each group.
+        # Known on every rank before the update, so a non-finite loss skips it everywhere.
         mine = loss is not None and all(c == 0 for a, c in grid.coords.items() if a not in ("pp", "dp"))
         total = torch.tensor([loss.item() if mine else 0.0], dtype=torch.float64, device=grid.device)
         grid.all_reduce(total, axis=None)
         losses.append(total.item() / dp)
+        # fp16: a skipped step is the loss scaler's business until its scale cannot back off
+        floor = scaler is None or scaler.scale_value <= scaler.min_scale
+        if math.isfinite(losses[-1]):
+            took = opt.step(scaler)  # sums each gradient over its partial axes (dp averaged), clips, updates
+        else:
+            took = False
+            if scaler is not None:
+                scaler.update(True, opt.step_count + 1)
+        bad = bad + 1 if not took and floor else 0
+        if bad >= cfg.max_bad_steps:
+            if pending is not None:
+                pending.finish()  # the last good checkpoint lands; nothing after it is written
+            raise Diverged(f"training diverged: {bad} steps in a row (steps {step + 2 - bad}-{step + 1}) had a "
+                           f"non-finite loss ({losses[-1]}) or gradient norm ({getattr(opt, 'last_grad_norm', None)});"
+                           f" none of them updated the weights and no checkpoint was written after them. Lower --lr "
+                           f"({cfg.lr:g}), or raise --max-bad-steps ({cfg.max_bad_steps}) to ride out spikes")
         dt = time.perf_counter() - t0
         tokens_per_s.append(cfg.batch * cfg.seq / dt)
         mfu.append(tokens_per_s[-1] * flops_token / float(peak_total.item()))
