@@ -295,16 +295,16 @@ def _train_rank(args) -> int:
     try:
         train.run(train_config(args))
     except (GridError, CommError, Diverged, OSError) as e:
-        run_id = os.environ.get("GRIDWEAVE_RUN_ID") or f"ppid{os.getppid()}"
-        try:
-            fd = os.open(os.path.join(tempfile.gettempdir(), REPORTED.format(run_id)),
-                         os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            os.close(fd)
-            first = True
-        except FileExistsError:
-            first = False
-        except OSError:
-            first = True
+        run_id = os.environ.get("GRIDWEAVE_RUN_ID")  # set by our launcher, which removes the marker
+        first = True  # under another launcher nobody coordinates: every rank says its line
+        if run_id:
+            try:
+                os.close(os.open(os.path.join(tempfile.gettempdir(), REPORTED.format(run_id)),
+                                 os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                first = False
+            except OSError:
+                pass
         if first:
             rank = os.environ.get("RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or "0"
             print(f"gridweave train: rank {rank}: {type(e).__name__}: {getattr(e, 'strerror', None) or e}",

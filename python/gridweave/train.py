@@ -220,6 +220,8 @@ class TrainConfig:
         if out.exists() and not out.is_dir():
             raise GridError(f"--out {out} exists and is not a folder")
         near = next(p for p in [out, *out.parents] if p.exists())
+        if not near.is_dir():
+            raise GridError(f"--out {out}: {near} is a file, not a folder")
         if not os.access(near, os.W_OK | os.X_OK):
             raise PermissionError(f"--out {out}: {near} is not writable by this user")
         model = gw.models.build(self.model_config(self.vocab), device="meta")

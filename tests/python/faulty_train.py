@@ -1,19 +1,27 @@
 """The main job with a fault injected by the test harness (the library knows nothing of it):
 `python faulty_train.py RANK:STEP <gridweave train flags>` makes rank RANK die, as a killed
-process would, when it reaches step STEP."""
+process would, when it reaches step STEP; RANK:STEP:nan instead writes a NaN into one of its
+parameters there (a corrupted weight)."""
 import os
 import sys
+
+import torch
 
 from gridweave import train
 from gridweave.cli import parse_train
 
 
 def main() -> None:
-    rank, step = (int(v) for v in sys.argv[1].split(":"))
+    rank, step, *what = sys.argv[1].split(":")
+    rank, step = int(rank), int(step)
 
     def on_step(s, state):
         if state.grid.rank == rank and s == step:
-            os._exit(9)
+            if what == ["nan"]:
+                with torch.no_grad():
+                    next(state.stage.parameters()).view(-1)[0] = float("nan")
+            else:
+                os._exit(9)
 
     train.run(parse_train(sys.argv[2:]), on_step=on_step)
 

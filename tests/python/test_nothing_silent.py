@@ -1,0 +1,225 @@
+"""The main job when things go wrong: bad command lines (one message from the launcher, no
+rank started), divergence (a clear stop, non-zero exit, no non-finite checkpoint), a launcher
+killed (its ranks end), a write that fails (the path and the reason, on every rank; the
+previous checkpoint stays the latest and loads), temporaries of an interrupted save removed.
+Ranks disagreeing inside an op: test_agreement.py; a rank that dies or skips an op:
+test_faults.py and test_train.py."""
+import errno
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from rankpool import TRANSPORT_ENV, launcher_args, mpirun
+
+import gridweave as gw
+from test_train import ARGS
+
+HERE = os.path.dirname(__file__)
+
+
+def _cli(tmp_path, *extra, port=29701, timeout=200):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GRIDWEAVE_PORT": str(port)}
+    env.pop("RANK", None)
+    return subprocess.run([sys.executable, "-m", "gridweave.cli", "train", *ARGS, *launcher_args(), *extra],
+                          capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("spec,needle", [
+    (["--steps", "0"], "steps must be a positive integer, got 0"),
+    (["--steps", "-1"], "steps must be a positive integer, got -1"),
+    (["--hidden", "30", "--heads", "4"], "hidden 30 does not split into 4 heads"),
+    (["--microbatches", "0"], "microbatches must be a positive integer"),
+    (["--lr", "nan"], "lr must be a finite positive number"),
+    (["--lr", "-1"], "lr must be a finite positive number"),
+    (["--batch", "6", "--dp", "4", "--pp", "2"], "batch 6 does not split into 4 dp shards"),
+    (["--data", "BINARY"], "is not text (it holds NUL bytes)"),
+    (["--data", "MISSING"], "no text corpus at"),
+    (["--out", "FILE/run"], "is a file, not a folder"),
+    (["--resume", "MISSING"], "no checkpoint in"),
+])
+def test_a_bad_command_line_is_one_message_before_any_rank_starts(tmp_path, spec, needle):
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(bytes(range(256)) * 64)
+    (tmp_path / "FILE").write_text("not a folder")
+    spec = [str(binary) if v == "BINARY" else str(tmp_path / "missing") if v == "MISSING" else
+            str(tmp_path / v) if v.startswith("FILE") else v for v in spec]
+    out = tmp_path / "out"
+    r = _cli(tmp_path, "--nproc", "8", "--out", str(out), *spec) if "--out" not in spec else \
+        _cli(tmp_path, "--nproc", "8", *spec)
+    assert r.returncode == 2 and needle in r.stderr, (r.returncode, r.stderr[-3000:])
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr[-3000:]
+    assert not out.exists()  # no rank ran: nothing was prepared
+
+
+def test_out_without_room_for_two_checkpoints_is_refused(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from gridweave.cli import parse_train
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(1 << 30, (1 << 30) - 4096, 4096))
+    with pytest.raises(OSError, match=r"4096 bytes|0 MiB free on its disk, this run needs about") as e:
+        parse_train([*ARGS, "--out", str(tmp_path / "run")]).check_files()
+    assert e.value.errno == errno.ENOSPC
+
+
+def test_divergence_stops_the_run_and_writes_no_non_finite_checkpoint(tmp_path):
+    """--lr 1e6: the gradient norm is NaN from the second step; those steps update nothing,
+    --max-bad-steps of them in a row stop the run with one message and a non-zero exit. The
+    checkpoints before it are finite and load."""
+    out = tmp_path / "run"
+    r = _cli(tmp_path, "--nproc", "2", "--out", str(out), "--lr", "1e6", "--steps", "12", "--checkpoint-every", "1",
+             "--sync-save", "--max-bad-steps", "3")
+    assert r.returncode != 0, r.stderr[-3000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Diverged: training diverged: 3 steps in a row" in lines[0], r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    index = gw.train.load_checkpoint(out)
+    assert 1 <= index["step"] < 12
+    state = gw.checkpoint.export_dense(out / "checkpoint")
+    assert all(bool(torch.isfinite(t).all()) for t in state.values())
+    assert all(math.isfinite(v) for v in index["losses"][:index["step"]])
+
+
+def test_a_corrupted_weight_is_never_checkpointed(tmp_path):
+    """Rank 1's first parameter turns NaN at step 3: the loss is NaN from then on (steps skipped,
+    --max-bad-steps high), and the checkpoint of step 4 is refused on every rank; step 3's is
+    the latest and finite."""
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = [os.path.join(HERE, "faulty_train.py"), "1:3:nan", *ARGS, "--nproc", "0", "--steps", "8",
+            "--checkpoint-every", "1", "--sync-save", "--max-bad-steps", "100", "--timeout", "30", "--out", str(out)]
+    if os.environ.get(TRANSPORT_ENV) == "mpi":
+        r = mpirun(2, [*args, "--backend", "mpi"], 200)
+        errs = [r.stderr]
+        codes = [r.returncode]
+    else:
+        procs = [subprocess.Popen([sys.executable, *args, "--backend", "gloo"], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+                                  env={**env, "RANK": str(k), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29703"}) for k in range(2)]
+        codes = [p.wait(timeout=200) for p in procs]
+        errs = [p.stderr.read() for p in procs]
+    assert all(c != 0 for c in codes), errs
+    assert all("not writing the checkpoint of step 4" in e for e in errs), [e[-1500:] for e in errs]
+    assert gw.train.load_checkpoint(out)["step"] == 3
+    assert all(bool(torch.isfinite(t).all()) for t in gw.checkpoint.export_dense(out / "checkpoint").values())
+
+
+def _pids_running(needle: str) -> list:
+    pids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit() and int(d) != os.getpid():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+                with open(f"/proc/{d}/stat") as f:
+                    zombie = f.read().split(")")[-1].split()[0] == "Z"
+            except OSError:
+                continue
+            if needle in cmd and not zombie:
+                pids.append(int(d))
+    return pids
+
+
+def test_ranks_end_when_their_launcher_is_killed(tmp_path):
+    """kill -9 on the launcher's process group (the ranks are in sessions of their own): every
+    rank gets SIGTERM from the kernel (parent-death signal) and nothing writes to --out."""
+    out = tmp_path / "orphans"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GRIDWEAVE_PORT": "29705"}
+    env.pop("RANK", None)
+    p = subprocess.Popen([sys.executable, "-m", "gridweave.cli", "train", *ARGS, *launcher_args(), "--nproc", "2",
+                          "--steps", "100000", "--out", str(out)], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(_pids_running(str(out))) < 3:  # the launcher and 2 ranks
+        time.sleep(0.5)
+    while time.monotonic() < deadline and not (out / "tokens.json").exists():  # the ranks are training
+        time.sleep(0.5)
+    assert (out / "tokens.json").exists()
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _pids_running(str(out)):
+        time.sleep(0.5)
+    assert not _pids_running(str(out))
+
+
+def _failed_write(ctx, folder):
+    """Step 1 saves; at step 2 rank 1's write fails as on a full disk (its temporary file
+    half-written): every rank raises, naming the path; step 1 stays the latest."""
+    from gridweave import checkpoint
+
+    grid = ctx.init(dp=2, timeout=30.0)
+    p = torch.nn.Parameter(torch.arange(6, dtype=torch.float64, device="cpu") + 10 * ctx.rank)
+    items = [(f"w{ctx.rank}", p, (6,))]
+
+    def tensors_of(q):
+        return {"param": q}
+
+    checkpoint.save(folder, 1, items, grid, tensors_of, {"note": "first"})
+    real = checkpoint._write_rank
+
+    def full_disk(step_dir, rank, shards, meta):
+        if rank == 1:
+            def write(tmp):
+                tmp.write_bytes(b"half")
+                raise OSError(errno.ENOSPC, "No space left on device")
+            checkpoint.atomic_write(step_dir / f"rank-{rank}.safetensors", write)
+        return real(step_dir, rank, shards, meta)
+
+    checkpoint._write_rank = full_disk
+    try:
+        checkpoint.save(folder, 2, items, grid, tensors_of, {"note": "second"})
+        return "no error"
+    except OSError as e:
+        return type(e).__name__, str(e)
+    finally:
+        checkpoint._write_rank = real
+        gw.shutdown()
+
+
+def test_a_failed_write_fails_the_save_everywhere_and_keeps_the_previous_step(pool, tmp_path):
+    res = pool.run(_failed_write, 2, str(tmp_path / "ckpt"), timeout=90)
+    assert res[1][0] == "WriteError" and "the disk is full" in res[1][1], res
+    assert "rank-1.safetensors" in res[1][1], res[1]
+    assert res[0][0] == "WriteError" and "another rank could not write its shard" in res[0][1], res[0]
+    step_dir, index = gw.checkpoint.open_index(tmp_path / "ckpt")
+    assert index["note"] == "first" and index["step"] == 1
+    leftovers = [f for f in (tmp_path / "ckpt").rglob("*") if gw.checkpoint.TMP_MARK in f.name]
+    assert leftovers == []
+
+
+def test_atomic_write_names_the_path_and_the_limit(tmp_path):
+    """A write past the process's file size limit (ulimit -f, the stand-in for a full disk
+    here): WriteError naming the file and the limit; no temporary file stays."""
+    script = (
+        "import resource, signal, sys\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
+        "from gridweave.checkpoint import atomic_write, WriteError\n"
+        "try:\n"
+        "    atomic_write(sys.argv[1], lambda t: t.write_bytes(bytes(1 << 16)))\n"
+        "except WriteError as e:\n"
+        "    print(e.strerror)\n")
+    target = tmp_path / "big.bin"
+    r = subprocess.run([sys.executable, "-c", script, str(target)], capture_output=True, text=True, timeout=60)
+    assert f"cannot write {target}" in r.stdout and "ulimit -f" in r.stdout, (r.stdout, r.stderr)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_temporaries_of_an_interrupted_save_are_removed(tmp_path):
+    step = tmp_path / "step-00000002"
+    step.mkdir()
+    (step / "rank-3.safetensors.tmp4242").write_bytes(b"half")
+    (step / "rank-3.json").write_text("{}")
+    gone = gw.checkpoint.remove_stale_temporaries(tmp_path)
+    assert [f.name for f in gone] == ["rank-3.safetensors.tmp4242"]
+    assert [f.name for f in step.iterdir()] == ["rank-3.json"]
