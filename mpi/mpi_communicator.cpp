@@ -213,6 +213,8 @@ MpiCommunicator::MpiCommunicator(CommInfo info, int device_index)
   check_mpi(MPI_Group_incl(world_group, size(), info_.members.data(), &line), "MPI_Group_incl");
   // Only the line's members call this (lines connect lazily), all of them now (handshake).
   check_mpi(MPI_Comm_create_group(MPI_COMM_WORLD, line, tag, &comm_), "MPI_Comm_create_group on " + info_.axis);
+  // A truncated message (members that disagree on a count) is a CommError, not the job's end.
+  check_mpi(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
   MPI_Group_free(&line);
   MPI_Group_free(&world_group);
 }
@@ -338,6 +340,13 @@ std::shared_ptr<Work> MpiCommunicator::run_p2p(OpKind op, const BufferView& buf,
       bool listed = false;
       for (int p : peers) listed = listed || p == st.MPI_SOURCE;
       GW_CHECK(listed, what << ": a message came from member " << st.MPI_SOURCE << ", not one of the peers");
+      int got = 0;  // MPI takes a shorter message into a longer receive without a word
+      MPI_Get_count(&st, mpi_type(view.dtype), &got);
+      if (got != static_cast<int>(view.count))
+        throw Error(ErrorKind::Comm, "gridweave: ranks disagree on " + what + ": member " +
+                                         std::to_string(st.MPI_SOURCE) + " sent " + std::to_string(got) +
+                                         " elements, this receive passed " + std::to_string(view.count) + " x " +
+                                         dtype_name(view.dtype));
       count(OpKind::Recv, view, st.MPI_SOURCE);
     };
   }
