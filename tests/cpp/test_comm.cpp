@@ -29,7 +29,7 @@ BufferView view_of(std::vector<int64_t>& v) { return {v.data(), v.size(), DType:
 
 // Runs body(comm) on n forked ranks; returns the number of ranks that failed.
 int run_ranks(int n, const std::function<void(GlooCommunicator&)>& body, milliseconds timeout = milliseconds(20000),
-              std::shared_ptr<TrafficCounters> counters = nullptr) {
+              std::shared_ptr<TrafficCounters> counters = nullptr, CheckLevel check = CheckLevel::Cheap) {
   static int run = 0;
   auto dir = std::filesystem::temp_directory_path() /
              ("gw_ctest_" + std::to_string(getpid()) + "_" + std::to_string(run++));
@@ -47,6 +47,7 @@ int run_ranks(int n, const std::function<void(GlooCommunicator&)>& body, millise
         info.rank = r;
         info.timeout = timeout;
         info.counters = counters ? counters : std::make_shared<TrafficCounters>();
+        info.check = check;
         auto comm = std::make_shared<GlooCommunicator>(info, make_file_store(dir.string()),
                                                        make_gloo_device("127.0.0.1"));
         body(*comm);
@@ -205,6 +206,50 @@ TEST(CommFaults, SkippedCollectiveTimesOutWithANamedError) {
     EXPECT_TRUE(c.broken());
     EXPECT_THROW(c.all_reduce(view_of(v), ReduceOp::Sum), Error);
   }, milliseconds(1000)), 0);
+}
+
+// Members that pass different counts: at Cheap the fingerprint is the Gloo tag (no data moves;
+// a timeout, then notes compared over the store), at Detail the fingerprints are all-gathered
+// first. Either way a CommError on both ranks naming what each passed.
+void disagreeing_counts(CheckLevel check) {
+  EXPECT_EQ(run_ranks(2, [](GlooCommunicator& c) {
+    c.barrier()->wait(kWait);
+    const std::size_t n = c.rank() == 0 ? 2 : 3;
+    std::vector<double> in(n, 1.0), out(2 * n, 0.0);
+    try {
+      c.all_gather(view_of(in), view_of(out))->wait(milliseconds(10000));
+      ADD_FAILURE() << "expected an error";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_EQ(e.kind(), ErrorKind::Comm) << what;
+      EXPECT_NE(what.find("ranks disagree on all_gather on axis 'world'"), std::string::npos) << what;
+      EXPECT_NE(what.find("rank 0 passed all_gather #2 of 2 x float64"), std::string::npos) << what;
+      EXPECT_NE(what.find("rank 1 passed all_gather #2 of 3 x float64"), std::string::npos) << what;
+    }
+    EXPECT_TRUE(c.broken());
+  }, milliseconds(1500), nullptr, check), 0);
+}
+
+TEST(CommFaults, DisagreeingCountsAreACommErrorAtTheCheapLevel) { disagreeing_counts(CheckLevel::Cheap); }
+TEST(CommFaults, DisagreeingCountsAreACommErrorAtTheDetailLevel) { disagreeing_counts(CheckLevel::Detail); }
+
+TEST(Fingerprint, ASendMatchesItsReceiveAndEveryFieldCounts) {
+  Fingerprint send{OpKind::Send, DType::Float32, 4, 1, 7};
+  Fingerprint recv = send;
+  recv.op = OpKind::Recv;
+  EXPECT_EQ(send.hash(), recv.hash());
+  for (int field = 0; field < 4; ++field) {
+    Fingerprint other = send;
+    if (field == 0) other.dtype = DType::Float64;
+    if (field == 1) other.count = 8;
+    if (field == 2) other.root = 0;
+    if (field == 3) other.seq = 8;
+    EXPECT_NE(other.hash(), send.hash()) << field;
+  }
+  std::int64_t f[Fingerprint::kFields];
+  send.to_fields(f);
+  EXPECT_EQ(Fingerprint::from_fields(f), send);
+  EXPECT_EQ((Fingerprint{OpKind::AllReduce, DType::BFloat16, 6, -1, 0}).str(), "all_reduce #1 of 6 x bfloat16");
 }
 
 TEST(CommFaults, AsyncOpOverlapsWithCompute) {

@@ -223,3 +223,21 @@ def test_temporaries_of_an_interrupted_save_are_removed(tmp_path):
     gone = gw.checkpoint.remove_stale_temporaries(tmp_path)
     assert [f.name for f in gone] == ["rank-3.safetensors.tmp4242"]
     assert [f.name for f in step.iterdir()] == ["rank-3.json"]
+
+
+def test_fp16_leaves_non_finite_steps_to_the_loss_scaler_until_its_floor(tmp_path):
+    """A NaN weight at step 2 under fp16: every step's loss is NaN. The loss scaler skips and
+    backs off (2^16 down to 1: 16 steps), only then do bad steps count; 3 of them stop the run."""
+    import re
+
+    out = tmp_path / "run"
+    args = [os.path.join(HERE, "faulty_train.py"), "0:2:nan", *ARGS, "--nproc", "0", "--steps", "40",
+            "--precision", "fp16", "--timeout", "30", "--out", str(out), "--sample-tokens", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29707"}
+    r = subprocess.run([sys.executable, *args, "--backend", "gloo"], capture_output=True, text=True, timeout=300,
+                       env=env, stdin=subprocess.DEVNULL)
+    assert r.returncode != 0
+    m = re.search(r"3 steps in a row \(steps (\d+)-(\d+)\)", r.stderr)
+    assert m, r.stderr[-2000:]
+    assert (int(m.group(1)), int(m.group(2))) == (19, 21)  # steps 3-18 (1-based) were the scaler's 16 skips
