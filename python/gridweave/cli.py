@@ -145,13 +145,18 @@ def _plan_parser(sub):
     p.add_argument("--gpus", type=int, required=True)
     p.add_argument("--gpus-per-node", type=int, default=None)
     p.add_argument("--cluster", default="a100-ib", help="v100-ib | a100-ib | h100-ib | local | a JSON file")
-    p.add_argument("--hidden", type=int, required=True)
-    p.add_argument("--layers", type=int, required=True)
-    p.add_argument("--heads", type=int, required=True)
-    p.add_argument("--seq", type=int, required=True)
+    p.add_argument("--model", default=None,
+                   help="a Hugging Face config.json (or its folder), a gridweave run folder or model_config.json, "
+                        "or llama | gpt (the main job's model); --hidden etc. override its sizes")
+    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--heads", type=int, default=None)
+    p.add_argument("--seq", type=int, default=None, help="default: the model config's context length")
     p.add_argument("--batch", type=int, required=True)
-    p.add_argument("--vocab", type=int, default=51200)
+    p.add_argument("--vocab", type=int, default=None, help="default: the config's, else 51200")
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--explain", type=int, default=None, metavar="N",
+                   help="why grid N (1-based, as listed) ranks above grid N+1, part by part")
     p.add_argument("--json", action="store_true")
     return p
 
@@ -160,21 +165,42 @@ def _plan(args) -> int:
     import json
 
     from . import plan
+    from .errors import GridError
 
-    cluster = plan.load_cluster(args.cluster, args.gpus_per_node)
-    model = plan.Model(args.hidden, args.layers, args.heads, args.seq, args.batch, args.vocab)
-    rows = plan.plan(args.gpus, model, cluster, args.top)
+    try:
+        cluster = plan.load_cluster(args.cluster, args.gpus_per_node)
+        sizes = dict(hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab)
+        if args.model:
+            model = plan.model_from(args.model, args.batch, args.seq, **sizes)
+        else:
+            missing = [k for k in ("hidden", "layers", "heads", "seq") if getattr(args, k) is None]
+            if missing:
+                raise GridError(f"pass --model, or --{' --'.join(missing)}")
+            model = plan.Model(args.hidden, args.layers, args.heads, args.seq, args.batch, args.vocab or 51200)
+        rows = plan.plan(args.gpus, model, cluster)
+        why = plan.explain(rows, args.explain - 1) if args.explain is not None else None
+    except GridError as e:
+        print(f"gridweave plan: {e}", file=sys.stderr)
+        return 2
+    rows = rows[:args.top] if args.top else rows
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
     print(f"{args.gpus} GPUs, {cluster.gpus_per_node} per node ({cluster.name}); "
-          f"{model.layers} layers, hidden {model.hidden}, seq {model.seq}, batch {model.batch}")
-    print(f"{'dp':>4} {'pp':>3} {'tp':>12} {'sp':>3} {'placement':>9} {'step s':>9} {'mem GiB':>8}  MiB per GPU per step, axis=intra/inter")
-    for r in rows:
-        axes = " ".join(f"{k}={v['intra'] / 2 ** 20:.0f}/{v['inter'] / 2 ** 20:.0f}"
-                        for k, v in r["bytes_per_axis"].items() if v["intra"] or v["inter"])
-        print(f"{r['dp']:>4} {r['pp']:>3} {r['tp']:>12} {r['sp']:>3} {r['placement']:>9} {r['step_time_s']:>9.3f} "
-              f"{r['memory_bytes'] / 2 ** 30:>8.1f}  {axes}")
+          f"{model.layers} layers, hidden {model.hidden}, heads {model.heads}, seq {model.seq}, batch {model.batch}, "
+          f"vocab {model.vocab}")
+    print(f"{'#':>3} {'dp':>4} {'pp':>3} {'tp':>12} {'sp':>3} {'placement':>9} {'step ms':>9} {'compute':>8} "
+          f"{'bubble':>7} {'comm per axis ms':<28} {'mem GiB':>8} {'(param/grad/optim/act)':<24}")
+    for i, r in enumerate(rows):
+        t, mem = r["time_breakdown_s"], r["memory_breakdown_bytes"]
+        comm = " ".join(f"{k}={v * 1e3:.2f}" for k, v in t["communication"].items() if v)
+        parts = "/".join(f"{mem[k] / 2 ** 30:.2f}" for k in ("parameters", "gradients", "optimizer", "activations"))
+        print(f"{i + 1:>3} {r['dp']:>4} {r['pp']:>3} {r['tp']:>12} {r['sp']:>3} {r['placement']:>9} "
+              f"{r['step_time_s'] * 1e3:>9.2f} {(t['compute'] + t['recompute']) * 1e3:>8.2f} {t['bubble'] * 1e3:>7.2f} "
+              f"{comm or '-':<28} {r['memory_bytes'] / 2 ** 30:>8.2f} {parts:<24}{'' if r['fits'] else ' (does not fit)'}")
+    if why:
+        print()
+        print("\n".join(why))
     return 0
 
 

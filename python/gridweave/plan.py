@@ -69,6 +69,87 @@ class Model:
     bytes_per_value: int = 2  # fp16/bf16 activations and gradients
 
 
+# The keys of a model's sizes in Hugging Face configs (Llama-style first, GPT-2's after) and
+# in gridweave's own (ModelConfig.to_dict: a run's index, an export's model_config.json).
+_SIZE_KEYS = {"hidden": ("hidden_size", "n_embd", "hidden"), "layers": ("num_hidden_layers", "n_layer", "layers"),
+              "heads": ("num_attention_heads", "n_head", "heads"), "vocab": ("vocab_size", "vocab"),
+              "seq": ("max_position_embeddings", "n_positions", "seq")}
+
+
+def model_from(source: str, batch: int, seq: int | None = None, **sizes) -> Model:
+    """The planner's Model of a config: a Hugging Face config.json (or the folder holding it),
+    a gridweave model config (a run folder's checkpoint index, an export's model_config.json),
+    or "llama" / "gpt": the main job's model (gw.train.TrainConfig's defaults). seq defaults
+    to the config's context length; `sizes` (hidden, layers, heads, vocab) override it. The
+    planner's layer is the mode's TransformerLayer (4h MLP, as many kv heads as heads)."""
+    if source in ("llama", "gpt"):
+        from .train import TrainConfig
+
+        c = TrainConfig(model=source).model_config(TrainConfig.vocab)
+        found = {"hidden": c.hidden, "layers": c.layers, "heads": c.heads, "vocab": c.vocab, "seq": c.seq}
+    else:
+        p = Path(source)
+        candidates = [p] if p.is_file() else [p / "config.json", p / "model_config.json",
+                                               p / "checkpoint" / "latest"]
+        path = next((c for c in candidates if c.exists()), None)
+        if path is None:
+            raise GridError(f"--model {source}: not 'llama', 'gpt', a config.json or a folder holding one")
+        if path.name == "latest":  # a run folder: its newest checkpoint's index
+            from .checkpoint import open_index
+
+            d = open_index(p / "checkpoint")[1]["config"]["model"]
+        else:
+            try:
+                d = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                raise GridError(f"--model {path}: not a readable JSON config ({e})") from None
+        found = {}
+        for name, keys in _SIZE_KEYS.items():
+            key = next((k for k in keys if isinstance(d.get(k), int)), None)
+            if key is not None:
+                found[name] = d[key]
+    found.update({k: v for k, v in sizes.items() if v})
+    if seq:
+        found["seq"] = seq
+    missing = [k for k in ("hidden", "layers", "heads", "seq") if k not in found]
+    if missing:
+        raise GridError(f"--model {source}: no {', '.join(missing)} in the config; pass --{' --'.join(missing)}")
+    return Model(found["hidden"], found["layers"], found["heads"], found["seq"], batch, found.get("vocab", 51200))
+
+
+def explain(rows: list, n: int) -> list:
+    """Why plan row n (0-based) ranks above row n+1: the parts of their step times and memory
+    that differ, largest first, as lines of text."""
+    if not 0 <= n < len(rows) - 1:
+        raise GridError(f"--explain {n + 1}: choose a grid from 1 to {len(rows) - 1} (it is compared with the next)")
+    a, b = rows[n], rows[n + 1]
+
+    def name(r):
+        return f"dp {r['dp']} x pp {r['pp']} x tp {r['tp']} x sp {r['sp']} ({r['placement']})"
+
+    def parts(r):
+        t = r["time_breakdown_s"]
+        out = {"compute": t["compute"], "recomputation": t["recompute"], "pipeline bubble": t["bubble"]}
+        out.update({f"communication on {k}": v for k, v in t["communication"].items()})
+        return out
+
+    pa, pb = parts(a), parts(b)
+    diffs = sorted(((pb.get(k, 0.0) - pa.get(k, 0.0), k) for k in set(pa) | set(pb)), key=lambda d: -abs(d[0]))
+    lines = [f"#{n + 1} {name(a)}: {a['step_time_s'] * 1e3:.2f} ms per step, {a['memory_bytes'] / 2 ** 30:.2f} GiB",
+             f"#{n + 2} {name(b)}: {b['step_time_s'] * 1e3:.2f} ms per step, {b['memory_bytes'] / 2 ** 30:.2f} GiB"]
+    if a.get("fits", True) != b.get("fits", True):
+        lines.append(f"#{n + 2} does not fit in memory; #{n + 1} does")
+    lines.append(f"#{n + 1} is {(b['step_time_s'] - a['step_time_s']) * 1e3:+.2f} ms faster; by part "
+                 f"(#{n + 2} minus #{n + 1}):")
+    for d, k in diffs:
+        if abs(d) > 1e-12:
+            lines.append(f"  {k:32s} {d * 1e3:+10.3f} ms")
+    ma, mb = a["memory_breakdown_bytes"], b["memory_breakdown_bytes"]
+    lines.append("memory per GPU (#" + f"{n + 2} minus #{n + 1}): " +
+                 ", ".join(f"{k} {(mb[k] - ma[k]) / 2 ** 20:+.1f} MiB" for k in ma))
+    return lines
+
+
 # ---- alpha-beta costs ------------------------------------------------------------------
 
 
@@ -190,16 +271,21 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
     layers_here = L // grid.pp
     tokens = b * s / m  # tokens of one micro-batch of this replica
     per_axis = {}
+    busy = [0.0]  # compute (GEMMs and element-wise work) inside seconds(), for the breakdown
 
     def seconds(ops, repeat):
         """Time of `ops` done `repeat` times; each collective's bytes and time go to its axis."""
         t = 0.0
         for op in ops:
             if op[0] == "gemm":
-                t += op[1] / cluster.gemm_flops + op[2] * cluster.launch_s
+                c = op[1] / cluster.gemm_flops + op[2] * cluster.launch_s
+                busy[0] += c * repeat
+                t += c
             elif op[0] == "vector":
-                t += (op[1] / cluster.vector_bandwidth_Bps if cluster.vector_bandwidth_Bps else 0.0) + \
+                c = (op[1] / cluster.vector_bandwidth_Bps if cluster.vector_bandwidth_Bps else 0.0) + \
                     op[2] * cluster.launch_s
+                busy[0] += c * repeat
+                t += c
             elif op[1] in links:
                 a, bw = links[op[1]][:2]
                 c = cluster.launch_s + collective_time(op[0], sizes[op[1]], op[2], (a, bw), cluster)
@@ -209,9 +295,19 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
                 t += c
         return t * repeat
 
-    stage = seconds(layer_ops(model, grid, tokens), layers_here)  # one micro-batch through a stage
+    ops = layer_ops(model, grid, tokens)
+    stage = seconds(ops, layers_here)  # one micro-batch through a stage
+    if recompute:  # each layer's forward again in backward: a third of its GEMM and element-wise work
+        redo = [(op[0], op[1] / 3, op[2] / 3) for op in ops if op[0] in ("gemm", "vector")]
+        before = busy[0]
+        stage += seconds(redo, layers_here)
+        recompute_s = (busy[0] - before) * m
+    else:
+        recompute_s = 0.0
     if model.vocab:  # the logits on the last stage (seed 001 eq. (3)'s V / 16lh term), over the tensor ranks
-        stage += 72 * tokens * h * model.vocab / 16 / (grid.tp_ranks() * grid.sp) / cluster.gemm_flops
+        head = 72 * tokens * h * model.vocab / 16 / (grid.tp_ranks() * grid.sp) / cluster.gemm_flops
+        busy[0] += head
+        stage += head
     if grid.pp > 1:  # activations forward and gradients backward at each stage boundary
         act = tokens / grid.sp * h * e * grid.tp.boundary_fraction()
         stage += seconds([("send", "pp", act), ("send", "pp", act)], 1)
@@ -219,6 +315,7 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
     pipeline = m * stage * (1 + bubble)  # (m + p - 1) micro-batch slots
     for k in per_axis:  # the per-axis figures so far are for one micro-batch
         per_axis[k] = [v * m for v in per_axis[k]]
+    compute_busy = busy[0] * m - recompute_s
     phi = 12 * L * h * h + model.vocab * h
     # the layer's parameters this rank holds, as its modules place them (recorded)
     layer_local = layer_schedule(grid.tp, h, model.heads, s, grid.sp)[0].parameters
@@ -228,7 +325,10 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
                / cluster.gemm_flops)
 
     # memory per GPU: weights, gradients and Adam (20 phi mixed precision, or AxoNN's 4 phi + 16 bsize)
-    state = (4 * phi_local + 16 * offload_bsize) if offload_bsize else 20 * phi_local
+    # parameters and gradients in half precision, 2 + 2 bytes; fp32 master, exp_avg, exp_avg_sq
+    # and the fp32 gradient, 16 bytes: all here, or AxoNN's bsize-element buckets on the GPU
+    optimizer = 16 * offload_bsize if offload_bsize else 16 * phi_local
+    state = 4 * phi_local + optimizer
     act_layer = grid.tp.activation_bytes(h, s, model.heads, tokens, grid.sp) * e / 2
     in_flight = min(m, grid.pp)
     act = (2 * tokens / grid.sp * h * layers_here + act_layer) * in_flight if recompute else \
@@ -236,6 +336,12 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
     return {**{k: v for k, v in asdict(grid).items() if k != "tp"}, "tp": grid.tp.spec(),
             "step_time_s": step, "compute_s": compute, "bubble": bubble, "microbatches": m,
             "memory_bytes": state + act, "parameters": phi,
+            # where the step time goes (they add up to step_time_s) and the memory (to memory_bytes)
+            "time_breakdown_s": {"compute": compute_busy, "recompute": recompute_s,
+                                 "communication": {k: v[0] for k, v in per_axis.items()},
+                                 "bubble": pipeline - pipeline / (1 + bubble)},
+            "memory_breakdown_bytes": {"parameters": 2 * phi_local, "gradients": 2 * phi_local,
+                                       "optimizer": optimizer, "activations": act},
             "bytes_per_axis": {k: {"intra": v[1] * (1 - links[k][3]), "inter": v[1] * links[k][3]}
                                for k, v in per_axis.items()},
             "seconds_per_axis": {k: v[0] for k, v in per_axis.items()},
@@ -295,12 +401,22 @@ def best_microbatching(model: Model, grid: GridShape, cluster: Cluster, sizes=(1
 
 
 def plan(n: int, model: Model, cluster: Cluster, top: int | None = None, **kw) -> list:
-    """Grids ranked by predicted step time, the ones that fit in memory first."""
+    """Grids ranked by predicted step time, the ones that fit in memory first; of two
+    placements that predict the same, the first."""
     rows = []
     for g in enumerate_grids(n, model):
         try:
             rows.append(best_microbatching(model, g, cluster, **kw))
         except GridError:
             continue
-    rows.sort(key=lambda r: (r["memory_bytes"] > cluster.memory_bytes, r["step_time_s"]))
+    seen, unique = set(), []
+    for r in rows:  # a placement that changes nothing (one node) is listed once
+        key = (r["dp"], r["pp"], r["tp"], r["sp"], r["step_time_s"], r["memory_bytes"])
+        if key not in seen:
+            seen.add(key)
+            unique.append(r)
+    rows = unique
+    for r in rows:
+        r["fits"] = r["memory_bytes"] <= cluster.memory_bytes
+    rows.sort(key=lambda r: (not r["fits"], r["step_time_s"]))
     return rows[:top] if top else rows

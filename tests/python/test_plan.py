@@ -163,3 +163,60 @@ def test_seed000_order_of_modes(table, gpus):
     """Seed 000 Tables 1-2: which mode is fastest per sequence at each GPU count."""
     (o,) = [o for o in _seed000()["orders"] if (o["table"], o["gpus"]) == (table, gpus)]
     assert o["predicted"] == o["measured"]
+
+
+def test_the_breakdowns_add_up_to_the_step_time_and_the_memory():
+    cluster = plan.load_cluster("a100-ib")
+    m = plan.Model(hidden=1024, layers=8, heads=16, seq=256, batch=32)
+    for g in (plan.GridShape(dp=2, pp=4, tp=gw.Row(2)), plan.GridShape(dp=1, pp=1, tp=gw.Cube(2)),
+              plan.GridShape(dp=2, pp=2, sp=2)):
+        for recompute in (False, True):
+            r = plan.predict(m, g, cluster, recompute=recompute)
+            t = r["time_breakdown_s"]
+            total = t["compute"] + t["recompute"] + t["bubble"] + sum(t["communication"].values())
+            assert total == pytest.approx(r["step_time_s"], rel=1e-12)
+            assert sum(r["memory_breakdown_bytes"].values()) == pytest.approx(r["memory_bytes"], rel=1e-12)
+            assert t["communication"] == pytest.approx(r["seconds_per_axis"])
+            assert (t["recompute"] > 0) == recompute
+            # recomputation redoes the forward: a third of the layers' compute (seed 001 eq. 3's 96 vs 72)
+            if recompute:
+                plain = plan.predict(m, g, cluster)["time_breakdown_s"]["compute"]
+                layers_only = plain - 72 * (32 // g.dp) * 256 * 1024 * 51200 / 16 / (g.tp_ranks() * g.sp) \
+                    / cluster.gemm_flops
+                assert t["recompute"] == pytest.approx(layers_only / 3, rel=1e-9)
+            if g.pp > 1:  # (p - 1) / m of the busy pipeline (seed 001)
+                busy = r["step_time_s"] - t["bubble"] - t["communication"].get("dp", 0.0)
+                assert t["bubble"] == pytest.approx(busy * (g.pp - 1) / r["microbatches"], rel=1e-12)
+
+
+def test_plan_reads_a_hugging_face_config_and_explains_its_ranking(tmp_path):
+    """--model takes transformers' config.json (Llama's or GPT-2's keys) or a gridweave config;
+    --explain N says, part by part, why grid N ranks above grid N+1."""
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 512, "num_hidden_layers": 8,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 1024,
+        "intermediate_size": 1376}))
+    m = plan.model_from(str(llama), batch=16)
+    assert (m.hidden, m.layers, m.heads, m.vocab, m.seq, m.batch) == (512, 8, 8, 32000, 1024, 16)
+    gpt2 = tmp_path / "gpt2.json"
+    gpt2.write_text(json.dumps({"n_embd": 256, "n_layer": 4, "n_head": 4, "vocab_size": 50257, "n_positions": 512}))
+    m = plan.model_from(str(gpt2), batch=8, seq=128)
+    assert (m.hidden, m.layers, m.heads, m.vocab, m.seq) == (256, 4, 4, 50257, 128)
+    with pytest.raises(gw.GridError, match="not 'llama', 'gpt'"):
+        plan.model_from(str(tmp_path / "nothing"), batch=8)
+    r = subprocess.run([sys.executable, "-m", "gridweave.cli", "plan", "--gpus", "16", "--gpus-per-node", "8",
+                        "--model", str(llama), "--batch", "16", "--seq", "512", "--explain", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = plan.plan(16, plan.model_from(str(llama), batch=16, seq=512), plan.load_cluster("a100-ib", 8))
+    first, second = rows[0], rows[1]
+    assert f"#1 is {(second['step_time_s'] - first['step_time_s']) * 1e3:+.2f} ms faster" in r.stdout, r.stdout
+    assert "by part (#2 minus #1)" in r.stdout and "memory per GPU" in r.stdout
+    # the largest part that differs is listed first
+    parts = [ln.split()[0] for ln in r.stdout.splitlines() if ln.startswith("  ") and "ms" in ln]
+    assert parts, r.stdout
+    bad = subprocess.run([sys.executable, "-m", "gridweave.cli", "plan", "--gpus", "8", "--batch", "8"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "pass --model, or --hidden --layers --heads --seq" in bad.stderr
