@@ -1,5 +1,6 @@
 #include "communicator.h"
 
+#include <algorithm>
 #include <sstream>
 #include <thread>
 
@@ -107,7 +108,7 @@ std::vector<Fingerprint> Communicator::exchange_fingerprints(const Fingerprint& 
   return all;
 }
 
-std::string Communicator::compare_notes(Store* store, const Fingerprint& mine) const {
+std::string Communicator::compare_notes(Store* store, const Fingerprint& mine, std::chrono::milliseconds window) const {
   if (!store) return "";
   const std::string key = "gw_notes/" + info_.session + "/";
   auto encode = [](const Fingerprint& f) { return std::to_string(f.hash()) + "|" + f.str(); };
@@ -117,7 +118,7 @@ std::string Communicator::compare_notes(Store* store, const Fingerprint& mine) c
   } catch (const std::exception&) {
     return "";  // the store is gone too: nothing to compare
   }
-  const auto deadline = std::chrono::steady_clock::now() + std::min(info_.timeout, std::chrono::milliseconds(5000));
+  const auto deadline = std::chrono::steady_clock::now() + window;
   std::ostringstream os;
   bool differ = false;
   for (int k = 0; k < size(); ++k) {

@@ -117,10 +117,10 @@ class Communicator {
 
  protected:
   std::string describe(OpKind op, int peer = -1) const;
-  // After a timeout: publish what this member passed under `store` and read what the
-  // others did (for up to a few seconds). Returns "" when no member reported a different
-  // op, else the disagreement, naming what each member passed.
-  std::string compare_notes(Store* store, const Fingerprint& mine) const;
+  // After a failed op: publish what this member passed under `store` and read what the
+  // others did, waiting up to `window` for them. Returns "" when no member reported a
+  // different op, else the disagreement, naming what each member passed.
+  std::string compare_notes(Store* store, const Fingerprint& mine, std::chrono::milliseconds window) const;
   // Detail level: all-gathers the fingerprints of every member (a fixed-size message, so
   // the exchange itself cannot disagree). The default runs an all_gather of int64s on CPU
   // memory through run_collective; transports on device memory override it.

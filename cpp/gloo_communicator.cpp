@@ -98,11 +98,14 @@ void GlooCommunicator::rethrow(const Fingerprint& fp, const std::exception& e, i
   std::string msg = e.what();
   bool timeout = msg.find("Timed out") != std::string::npos || msg.find("timed out") != std::string::npos ||
                  msg.find("Application timeout") != std::string::npos;
-  // Members that disagree never exchange data (the fingerprint is the tag): they time out.
-  if (timeout) {
-    const std::string notes = compare_notes(store_.get(), fp);
-    if (!notes.empty()) throw Error(ErrorKind::Comm, "gridweave: " + notes);
-  }
+  // Members that disagree never exchange data (the fingerprint is the tag): they time out,
+  // about together give or take their skew, so wait for the others' notes as long as the
+  // timeout (5 to 30 s). A peer that closed the connection wrote its note before it did.
+  using std::chrono::milliseconds;
+  const milliseconds window = timeout ? std::clamp(info_.timeout, milliseconds(5000), milliseconds(30000))
+                                      : milliseconds(1000);
+  const std::string notes = compare_notes(store_.get(), fp, window);
+  if (!notes.empty()) throw Error(ErrorKind::Comm, "gridweave: " + notes);
   throw Error(timeout ? ErrorKind::Timeout : ErrorKind::Comm,
               "gridweave: " + describe(op, peer) + (timeout ? " timed out after " : " failed (timeout ") +
                   std::to_string(info_.timeout.count() / 1000.0) + " s" + (timeout ? "" : ")") +

@@ -1,7 +1,7 @@
 """The main job with a fault injected by the test harness (the library knows nothing of it):
 `python faulty_train.py RANK:STEP <gridweave train flags>` makes rank RANK die, as a killed
-process would, when it reaches step STEP; RANK:STEP:nan instead writes a NaN into one of its
-parameters there (a corrupted weight)."""
+process would, when it reaches step STEP; RANK:STEP:nan instead fills its first parameter with NaN
+there (a corrupted weight)."""
 import os
 import sys
 
@@ -19,7 +19,7 @@ def main() -> None:
         if state.grid.rank == rank and s == step:
             if what == ["nan"]:
                 with torch.no_grad():
-                    next(state.stage.parameters()).view(-1)[0] = float("nan")
+                    next(state.stage.parameters()).fill_(float("nan"))
             else:
                 os._exit(9)
 

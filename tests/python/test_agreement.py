@@ -66,8 +66,8 @@ def test_ranks_that_disagree_get_a_comm_error_naming_what_each_passed(pool, case
             assert kind == "CommError", (level, kind, msg)  # not a timeout, not a result
             assert "ranks disagree on" in msg and "axis 'dp'" in msg, msg
             assert "rank 0 passed" in msg and "rank 1 passed" in msg, msg
-            # no hang: bounded by the timeout plus the notes' exchange (at most 5 s)
-            assert elapsed < 30, (level, elapsed)
+            # no hang: bounded by the timeout plus the notes' exchange (5 s here)
+            assert elapsed < 40, (level, elapsed)
         first = res[0][1]
         if case == "all_gather count":
             assert "all_gather #2 of 4 x float32" in first and "all_gather #2 of 8 x float32" in first, first
