@@ -283,8 +283,8 @@ void MpiCommunicator::close() {
 std::shared_ptr<Work> MpiCommunicator::run_collective(OpKind op, const BufferView& in, const BufferView& out,
                                                       ReduceOp rop, int root, bool /*async_op*/,
                                                       const Fingerprint& /*fp*/) {
-  auto work = std::make_shared<MpiWork>(describe(op), nullptr);
-  const std::string what = describe(op);
+  const std::string what = describe(op);  // once: it is an ostringstream per call
+  auto work = std::make_shared<MpiWork>(what, nullptr);
   std::lock_guard<std::recursive_mutex> lock(mpi_mutex());
   MPI_Request* r = work->request();
   const MPI_Datatype t = mpi_type(op == OpKind::Scatter ? out.dtype : in.dtype);
