@@ -1,6 +1,7 @@
 #include "communicator.h"
 
 #include <algorithm>
+#include <functional>
 #include <sstream>
 #include <thread>
 
@@ -283,6 +284,106 @@ Fingerprint p2p_fingerprint(OpKind op, const BufferView& buf, int tag) {
 }
 }  // namespace
 
+namespace {
+
+// The ack's tag: apart from every user tag (they are below 2^29 at the Detail level).
+constexpr int kAckTagBit = 1 << 29;
+
+// A p2p op whose other side answers (see Communicator::acknowledged). Sender: waits for the
+// data and the answer, then compares. Receiver: once the data is in (or failed), answers
+// with what it passed.
+class AckedWork : public Work {
+ public:
+  AckedWork(std::string what, std::shared_ptr<Work> data, std::weak_ptr<Communicator> comm, Fingerprint mine,
+            int peer, std::function<std::shared_ptr<Work>(const BufferView&, int)> post,
+            std::chrono::milliseconds timeout)
+      : Work(std::move(what)), data_(std::move(data)), comm_(std::move(comm)), mine_(mine), peer_(peer),
+        post_(std::move(post)), timeout_(timeout), answer_(Fingerprint::kFields) {
+    if (mine_.op == OpKind::Send) ack_ = post_(view(), peer_);  // the answer's receive, posted at once
+  }
+  bool test() override {
+    if (!data_->test()) return false;
+    if (mine_.op == OpKind::Send) return ack_->test();
+    answer();
+    return true;
+  }
+  void wait(std::chrono::milliseconds timeout) override {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    auto left = [&] {
+      return std::max(std::chrono::milliseconds(1), std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                        deadline - std::chrono::steady_clock::now()));
+    };
+    if (mine_.op == OpKind::Recv) {
+      try {
+        data_->wait(timeout);
+      } catch (const Error& e) {
+        if (e.kind() == ErrorKind::Comm) answer();  // a mismatch MPI saw: the sender must learn of it too
+        throw;
+      }
+      answer();
+      return;
+    }
+    data_->wait(left());
+    ack_->wait(left());
+    const Fingerprint theirs = Fingerprint::from_fields(answer_.data());
+    if (theirs.count != mine_.count || theirs.dtype != mine_.dtype)
+      throw Error(ErrorKind::Comm, "gridweave: ranks disagree on " + what_ + ": this rank passed " + mine_.str() +
+                                       "; the receiving rank passed " + theirs.str());
+  }
+  int source() const override { return data_->source(); }
+
+ private:
+  BufferView view() {
+    BufferView v;
+    v.ptr = answer_.data();
+    v.count = answer_.size();
+    v.dtype = DType::Int64;
+    return v;
+  }
+  void answer() {
+    if (answered_) return;
+    answered_ = true;
+    const int to = peer_ >= 0 ? peer_ : data_->source();
+    if (to < 0) return;
+    mine_.to_fields(answer_.data());
+    if (auto c = comm_.lock()) {
+      try {
+        post_(view(), to)->wait(timeout_);
+      } catch (const std::exception&) {
+        // the sender is gone or gave up: this side's own outcome stands
+      }
+    }
+  }
+  std::shared_ptr<Work> data_, ack_;
+  std::weak_ptr<Communicator> comm_;
+  Fingerprint mine_;
+  int peer_;
+  std::function<std::shared_ptr<Work>(const BufferView&, int)> post_;
+  std::chrono::milliseconds timeout_;
+  std::vector<std::int64_t> answer_;
+  bool answered_ = false;
+};
+
+}  // namespace
+
+std::shared_ptr<Work> Communicator::acknowledged(std::shared_ptr<Work> data, const Fingerprint& fp, int peer) {
+  if (info_.check != CheckLevel::Detail || device() != Device::CPU) return data;
+  const int tag = static_cast<int>(fp.seq) | kAckTagBit;
+  std::weak_ptr<Communicator> self = weak_from_this();
+  const OpKind ack_op = fp.op == OpKind::Send ? OpKind::Recv : OpKind::Send;
+  auto post = [self, ack_op, tag](const BufferView& v, int to) -> std::shared_ptr<Work> {
+    auto c = self.lock();
+    if (!c) throw Error(ErrorKind::Comm, "gridweave: the communicator was shut down");
+    Fingerprint f;
+    f.op = ack_op;
+    f.dtype = v.dtype;
+    f.count = static_cast<std::int64_t>(v.count);
+    f.seq = static_cast<std::uint64_t>(tag);
+    return c->run_p2p(ack_op, v, {to}, tag, f);
+  };
+  return std::make_shared<AckedWork>(data->what(), std::move(data), self, fp, peer, post, info_.timeout);
+}
+
 std::shared_ptr<Work> Communicator::send(const BufferView& buf, int peer, int tag) {
   const OpKind op = OpKind::Send;
   check_usable(op);
@@ -290,8 +391,11 @@ std::shared_ptr<Work> Communicator::send(const BufferView& buf, int peer, int ta
   check_root(peer, op);
   GW_CHECK(peer != rank(), describe(op, peer) << ": cannot send to itself");
   GW_CHECK(tag >= 0, describe(op, peer) << ": tag must be >= 0");
+  GW_CHECK(info_.check != CheckLevel::Detail || tag < kAckTagBit,
+           describe(op, peer) << ": tags from 2^29 up carry the Detail check's answers");
   count(op, buf, peer);
-  return run_p2p(op, buf, {peer}, tag, p2p_fingerprint(op, buf, tag));
+  const Fingerprint fp = p2p_fingerprint(op, buf, tag);
+  return acknowledged(run_p2p(op, buf, {peer}, tag, fp), fp, peer);
 }
 
 std::shared_ptr<Work> Communicator::recv(const BufferView& buf, int peer, int tag) {
@@ -308,8 +412,11 @@ std::shared_ptr<Work> Communicator::recv_any(const BufferView& buf, const std::v
     GW_CHECK(p != rank(), describe(op, p) << ": cannot receive from itself");
   }
   GW_CHECK(tag >= 0, describe(op) << ": tag must be >= 0");
+  GW_CHECK(info_.check != CheckLevel::Detail || tag < kAckTagBit,
+           describe(op) << ": tags from 2^29 up carry the Detail check's answers");
   // Counted on completion, when the sender is known (see the transports).
-  return run_p2p(op, buf, peers, tag, p2p_fingerprint(op, buf, tag));
+  const Fingerprint fp = p2p_fingerprint(op, buf, tag);
+  return acknowledged(run_p2p(op, buf, peers, tag, fp), fp, peers.size() == 1 ? peers[0] : -1);
 }
 
 std::shared_ptr<Work> Communicator::barrier(bool async_op) {

@@ -58,7 +58,7 @@ struct CommInfo {
   CheckLevel check = CheckLevel::Cheap;
 };
 
-class Communicator {
+class Communicator : public std::enable_shared_from_this<Communicator> {
  public:
   explicit Communicator(CommInfo info);
   virtual ~Communicator() = default;
@@ -141,6 +141,10 @@ class Communicator {
   void check_buffer(const BufferView& b, const char* what, OpKind op) const;
   void check_root(int root, OpKind op) const;
   void check_usable(OpKind op) const;
+  // Detail level, CPU memory: the receiver of a message answers with what it passed, and a
+  // send completes only on that answer, so both sides of a mismatch fail (MPI lets a short
+  // message into a longer receive, and a sender's eager message never learns of it).
+  std::shared_ptr<Work> acknowledged(std::shared_ptr<Work> data, const Fingerprint& fp, int peer);
   // The next collective's fingerprint; at the Detail level, verified against every member's.
   Fingerprint agree(OpKind op, const BufferView& buf, int root);
   bool broken_ = false;

@@ -307,7 +307,7 @@ std::shared_ptr<Work> GlooCommunicator::run_p2p(OpKind op, const BufferView& buf
   }
   // Posting never blocks; a waiter thread observes completion so test() can poll
   // and several p2p ops can be outstanding at once (the message-driven pipeline).
-  auto self = shared_from_this();
+  auto self = std::static_pointer_cast<GlooCommunicator>(shared_from_this());
   std::thread([self, work, ub, op, fp, view = buf]() {
     try {
       int peer = -1;

@@ -21,7 +21,7 @@ namespace gridweave {
 // address peers connect to ("127.0.0.1" when every rank is on this machine).
 std::shared_ptr<gloo::transport::Device> make_gloo_device(const std::string& hostname);
 
-class GlooCommunicator : public Communicator, public std::enable_shared_from_this<GlooCommunicator> {
+class GlooCommunicator : public Communicator {
  public:
   // Collective over `store` (already prefixed for this group): every member calls it.
   GlooCommunicator(CommInfo info, std::shared_ptr<Store> store, std::shared_ptr<gloo::transport::Device> device);

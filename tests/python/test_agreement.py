@@ -97,23 +97,38 @@ def _p2p_sizes(ctx, level, counts):
 
 @pytest.mark.parametrize("counts", [(4, 8), (8, 4)])
 def test_a_send_and_a_receive_of_different_sizes_are_a_comm_error(pool, counts):
-    """Gloo matches a receive by tag, dtype and count: the receive never takes a message of
-    another size (Gloo would abort its loop thread); both sides end in a CommError naming
-    both. MPI: the receiving side's CommError names both counts (a shorter message is
-    checked with MPI_Get_count, a longer one is MPI's truncation error, returned, not fatal);
-    the sender's message left eagerly."""
-    res = pool.run(_p2p_sizes, 2, gw.CheckLevel.Cheap, counts, timeout=60)
-    if pool.capabilities()["matches_fingerprints"]:
-        for kind, msg in res:
-            assert kind == "CommError" and "ranks disagree on" in msg, (kind, msg)
-        assert f"{counts[0]} x float32" in res[0][1] and f"{counts[1]} x float32" in res[0][1]
-    else:
-        kind, msg = res[1]
-        assert kind == "CommError", res
-        if counts[0] < counts[1]:
-            assert f"sent {counts[0]} elements, this receive passed {counts[1]}" in msg, msg
-        else:
-            assert "recv" in msg and "axis 'dp'" in msg, msg
+    """Cheap: Gloo matches a receive by tag, dtype and count, so the receive never takes a
+    message of another size (Gloo would abort its loop thread): both sides end in a CommError
+    naming both. MPI at Cheap: the receiving side's CommError names both counts (a short
+    message is checked with MPI_Get_count, a long one is MPI's truncation error, returned,
+    not fatal); the sender's eager message left. Detail, every transport: the receiver
+    answers with what it passed, so the sender fails too."""
+    levels = [gw.CheckLevel.Cheap, gw.CheckLevel.Detail]
+    for level in levels:
+        res = pool.run(_p2p_sizes, 2, level, counts, timeout=90)
+        both = level == gw.CheckLevel.Detail or pool.capabilities()["matches_fingerprints"]
+        for kind, msg in (res if both else res[1:]):
+            assert kind == "CommError" and ("ranks disagree on" in msg or "recv" in msg), (level, kind, msg)
+        if both:
+            assert "ranks disagree on" in res[0][1], (level, res)
+            assert f"{counts[0]} x float32" in res[0][1] and f"{counts[1]} x float32" in res[0][1], (level, res)
+        elif counts[0] < counts[1]:
+            assert f"sent {counts[0]} elements, this receive passed {counts[1]}" in res[1][1], res
+
+
+def _p2p_agreeing(ctx):
+    """At Detail a matched send and receive still deliver (the answer rides along)."""
+    grid = ctx.init(dp=2, timeout=30.0, check=gw.CheckLevel.Detail)
+    comm = grid.comm("dp")
+    buf = torch.full((5,), float(ctx.rank + 1), device="cpu")
+    v = gw._buffers.view(buf)
+    for tag in (3, 4):
+        (comm.send(v, 1, tag) if ctx.rank == 0 else comm.recv(v, 0, tag)).wait(30.0)
+    return buf.tolist()
+
+
+def test_matching_point_to_point_at_the_detail_level_delivers(pool):
+    assert pool.run(_p2p_agreeing, 2) == [[1.0] * 5, [1.0] * 5]
 
 
 def _skip_one(ctx, level):
