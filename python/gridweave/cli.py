@@ -282,10 +282,10 @@ def _spawn(args, argv) -> int:
     port = int(os.environ.get("GRIDWEAVE_PORT", "29561"))
     marker = os.path.join(tempfile.gettempdir(), REPORTED.format(run_id))
     try:
-        if launcher == "mpirun":  # -q: no banner of its own when a rank fails; GRIDWEAVE_SPAWNED stops a respawn
-            cmd = launch.command(launcher, args.nproc, port)
+        if launcher == "mpirun":  # quiet: no banner of its own when a rank fails; GRIDWEAVE_SPAWNED stops a respawn
+            cmd = launch.command(launcher, args.nproc, port, quiet=True)
             # no stdin: mpirun forwards it, and stops in a background job that reads it
-            return subprocess.call([cmd[0], "-q", *cmd[1:], "-m", "gridweave.cli", *argv, "--backend", "mpi"],
+            return subprocess.call([*cmd, "-m", "gridweave.cli", *argv, "--backend", "mpi"],
                                    env={**os.environ, **env}, stdin=subprocess.DEVNULL,
                                    preexec_fn=launch.die_with_parent)
         # torchrun's agent, in this process: its failure report (a traceback of its own) is not

@@ -94,14 +94,16 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def mpirun_command(n: int) -> list:
-    """mpirun -np n, with what OpenMPI needs as root and with more ranks than cores."""
+def mpirun_command(n: int, quiet: bool = False) -> list:
+    """mpirun -np n, with what OpenMPI needs as root and with more ranks than cores; quiet:
+    without OpenMPI's own banner when a rank fails (the ranks say what went wrong)."""
     exe = shutil.which("mpirun")
     if exe is None:
         raise GridError("--launcher mpirun: no mpirun on PATH (apt-get install openmpi-bin libopenmpi-dev)")
     version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
     openmpi = "Open MPI" in version  # OpenMPI refuses root and more ranks than cores without these
-    flags = ((["--allow-run-as-root"] if os.geteuid() == 0 else []) + ["--oversubscribe"]) if openmpi else []
+    flags = ((["--allow-run-as-root"] if os.geteuid() == 0 else []) + ["--oversubscribe"] +
+             (["-q"] if quiet else [])) if openmpi else []
     return [exe, *flags, "-np", str(n)]
 
 
@@ -109,8 +111,8 @@ def torchrun_command(n: int, port: int) -> list:
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", f"--master-port={port}"]
 
 
-def command(launcher: str, n: int, port: int) -> list:
+def command(launcher: str, n: int, port: int, quiet: bool = False) -> list:
     """The prefix that starts n ranks of a Python program: append the script and its args."""
     if launcher not in LAUNCHERS:
         raise GridError(f"unknown launcher {launcher!r}; use one of {', '.join(LAUNCHERS)}")
-    return mpirun_command(n) + [sys.executable] if launcher == "mpirun" else torchrun_command(n, port)
+    return mpirun_command(n, quiet) + [sys.executable] if launcher == "mpirun" else torchrun_command(n, port)

@@ -473,10 +473,12 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
         if bad >= cfg.max_bad_steps:
             if pending is not None:
                 pending.finish()  # the last good checkpoint lands; nothing after it is written
+            norm = getattr(opt, "last_grad_norm", None) if math.isfinite(losses[-1]) else None
             raise Diverged(f"training diverged: {bad} steps in a row (steps {step + 2 - bad}-{step + 1}) had a "
-                           f"non-finite loss ({losses[-1]}) or gradient norm ({getattr(opt, 'last_grad_norm', None)});"
-                           f" none of them updated the weights and no checkpoint was written after them. Lower --lr "
-                           f"({cfg.lr:g}), or raise --max-bad-steps ({cfg.max_bad_steps}) to ride out spikes")
+                           f"non-finite loss or gradient norm (the last: loss {losses[-1]:.4g}"
+                           f"{'' if norm is None else f', gradient norm {norm:.4g}'}); none of them updated the "
+                           f"weights and no checkpoint was written after them. Lower --lr ({cfg.lr:g}), or raise "
+                           f"--max-bad-steps ({cfg.max_bad_steps}) to ride out spikes")
         dt = time.perf_counter() - t0
         tokens_per_s.append(cfg.batch * cfg.seq / dt)
         mfu.append(tokens_per_s[-1] * flops_token / float(peak_total.item()))
