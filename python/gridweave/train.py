@@ -477,8 +477,8 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
             raise Diverged(f"training diverged: {bad} steps in a row (steps {step + 2 - bad}-{step + 1}) had a "
                            f"non-finite loss or gradient norm (the last: loss {losses[-1]:.4g}"
                            f"{'' if norm is None else f', gradient norm {norm:.4g}'}); none of them updated the "
-                           f"weights, so every checkpoint holds weights from before them. Lower --lr ({cfg.lr:g}), or raise "
-                           f"--max-bad-steps ({cfg.max_bad_steps}) to ride out spikes")
+                           f"weights, so every checkpoint holds weights from before them. Lower --lr ({cfg.lr:g}), "
+                           f"or raise --max-bad-steps ({cfg.max_bad_steps}) to ride out spikes")
         dt = time.perf_counter() - t0
         tokens_per_s.append(cfg.batch * cfg.seq / dt)
         mfu.append(tokens_per_s[-1] * flops_token / float(peak_total.item()))
