@@ -286,9 +286,6 @@ Fingerprint p2p_fingerprint(OpKind op, const BufferView& buf, int tag) {
 
 namespace {
 
-// The ack's tag: apart from every user tag (they are below 2^29 at the Detail level).
-constexpr int kAckTagBit = 1 << 29;
-
 // A p2p op whose other side answers (see Communicator::acknowledged). Sender: waits for the
 // data and the answer, then compares. Receiver: once the data is in (or failed), answers
 // with what it passed.
@@ -368,7 +365,7 @@ class AckedWork : public Work {
 
 std::shared_ptr<Work> Communicator::acknowledged(std::shared_ptr<Work> data, const Fingerprint& fp, int peer) {
   if (info_.check != CheckLevel::Detail || device() != Device::CPU) return data;
-  const int tag = static_cast<int>(fp.seq) | kAckTagBit;
+  const int tag = static_cast<int>(fp.seq) | kAnswerTagBit;
   std::weak_ptr<Communicator> self = weak_from_this();
   const OpKind ack_op = fp.op == OpKind::Send ? OpKind::Recv : OpKind::Send;
   auto post = [self, ack_op, tag](const BufferView& v, int to) -> std::shared_ptr<Work> {
@@ -391,7 +388,7 @@ std::shared_ptr<Work> Communicator::send(const BufferView& buf, int peer, int ta
   check_root(peer, op);
   GW_CHECK(peer != rank(), describe(op, peer) << ": cannot send to itself");
   GW_CHECK(tag >= 0, describe(op, peer) << ": tag must be >= 0");
-  GW_CHECK(info_.check != CheckLevel::Detail || tag < kAckTagBit,
+  GW_CHECK(info_.check != CheckLevel::Detail || tag < kAnswerTagBit,
            describe(op, peer) << ": tags from 2^29 up carry the Detail check's answers");
   count(op, buf, peer);
   const Fingerprint fp = p2p_fingerprint(op, buf, tag);
@@ -412,7 +409,7 @@ std::shared_ptr<Work> Communicator::recv_any(const BufferView& buf, const std::v
     GW_CHECK(p != rank(), describe(op, p) << ": cannot receive from itself");
   }
   GW_CHECK(tag >= 0, describe(op) << ": tag must be >= 0");
-  GW_CHECK(info_.check != CheckLevel::Detail || tag < kAckTagBit,
+  GW_CHECK(info_.check != CheckLevel::Detail || tag < kAnswerTagBit,
            describe(op) << ": tags from 2^29 up carry the Detail check's answers");
   // Counted on completion, when the sender is known (see the transports).
   const Fingerprint fp = p2p_fingerprint(op, buf, tag);

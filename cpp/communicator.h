@@ -3,6 +3,7 @@
 // counted here from the op's schedule. Transports (Gloo in cpp/, NCCL in cuda/)
 // implement the run_* hooks.
 #pragma once
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -22,6 +23,10 @@ class Store;
 // over the store). Detail (like TORCH_DISTRIBUTED_DEBUG=DETAIL): every collective first
 // all-gathers the fingerprints, so a disagreement is a CommError on every member at once.
 enum class CheckLevel : int { Cheap = 0, Detail = 1 };
+
+// At the Detail level a receive answers its sender on the message's tag with this bit set
+// (user tags stay below it).
+constexpr int kAnswerTagBit = 1 << 29;
 
 // What one member passed to one op: the same on every member, or they disagree.
 // count is per member (all_gather's input, reduce_scatter's output); p2p ops use seq for
@@ -125,7 +130,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // the exchange itself cannot disagree). The default runs an all_gather of int64s on CPU
   // memory through run_collective; transports on device memory override it.
   virtual std::vector<Fingerprint> exchange_fingerprints(const Fingerprint& mine);
-  void mark_broken() { broken_ = true; }
+  // True for the call that broke it (the first failure speaks; later ones are its echoes).
+  bool mark_broken() { return !broken_.exchange(true); }
   void count(OpKind op, const BufferView& buf, int root) const;
 
   // Transport hooks; arguments already checked. `work` is completed by the transport.
@@ -147,7 +153,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::shared_ptr<Work> acknowledged(std::shared_ptr<Work> data, const Fingerprint& fp, int peer);
   // The next collective's fingerprint; at the Detail level, verified against every member's.
   Fingerprint agree(OpKind op, const BufferView& buf, int root);
-  bool broken_ = false;
+  std::atomic<bool> broken_{false};  // set by waiter and worker threads too
   std::uint64_t seq_ = 0;
 };
 

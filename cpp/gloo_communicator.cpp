@@ -93,7 +93,10 @@ void GlooCommunicator::close() {
 
 void GlooCommunicator::rethrow(const Fingerprint& fp, const std::exception& e, int peer) {
   if (const auto* ge = dynamic_cast<const Error*>(&e)) throw *ge;
-  mark_broken();
+  const bool p2p = fp.op == OpKind::Send || fp.op == OpKind::Recv;
+  if (p2p && info_.check == CheckLevel::Detail && (fp.seq & kAnswerTagBit))  // an answer: the message speaks
+    throw Error(ErrorKind::Comm, "gridweave: " + describe(fp.op, peer) + ": the answer was lost: " + e.what());
+  const bool first = mark_broken();
   const OpKind op = fp.op;
   std::string msg = e.what();
   bool timeout = msg.find("Timed out") != std::string::npos || msg.find("timed out") != std::string::npos ||
@@ -104,7 +107,9 @@ void GlooCommunicator::rethrow(const Fingerprint& fp, const std::exception& e, i
   using std::chrono::milliseconds;
   const milliseconds window = timeout ? std::clamp(info_.timeout, milliseconds(5000), milliseconds(30000))
                                       : milliseconds(1000);
-  const std::string notes = compare_notes(store_.get(), fp, window);
+  // Only the failure that broke the communicator publishes a note: a later op's (the Detail
+  // level's answer to a failed receive) must not overwrite what this member passed.
+  const std::string notes = first ? compare_notes(store_.get(), fp, window) : "";
   if (!notes.empty()) throw Error(ErrorKind::Comm, "gridweave: " + notes);
   throw Error(timeout ? ErrorKind::Timeout : ErrorKind::Comm,
               "gridweave: " + describe(op, peer) + (timeout ? " timed out after " : " failed (timeout ") +
