@@ -145,11 +145,10 @@ class PendingSave:
             self._thread.join()
         # one decision on every rank: a rank whose write failed must not leave the others
         # waiting for its file (the step is never committed; the previous one stays latest)
-        failed = torch.tensor([0.0 if self.error is None else 1.0], dtype=torch.float64, device=self.grid.device)
-        self.grid.all_reduce(failed, axis=None, op="max")
+        failed = self.grid.any(self.error is not None)
         if self.error is not None:
             raise self.error
-        if failed.item() > 0:
+        if failed:
             raise WriteError(self.step_dir, OSError(0, "another rank could not write its shard (its error says why)"))
         _commit(self.folder, self.step_dir, self.grid, self.extra)
         self.done = True
@@ -181,10 +180,8 @@ def save(folder, step: int, items: list, grid, tensors_of, extra: dict, wait: bo
             made = e
         else:
             made = None
-    failed = torch.tensor([1.0 if grid.rank == 0 and made is not None else 0.0], dtype=torch.float64,
-                          device=grid.device)
-    grid.all_reduce(failed, axis=None, op="max")  # in place of a barrier: every rank learns the outcome
-    if failed.item() > 0:
+    # in place of a barrier: every rank learns the outcome
+    if grid.any(grid.rank == 0 and made is not None):
         raise WriteError(step_dir, made if grid.rank == 0 else OSError(0, "rank 0 could not make the folder"))
     shards, meta = {}, {}
     for name, p, dense_shape in items:

@@ -380,6 +380,13 @@ class Grid:
         return {"recv_any": c.can_recv_any, "survives_peer_failure": c.survives_peer_failure,
                 "matches_fingerprints": c.matches_fingerprints}
 
+    def any(self, flag: bool, axis: AxisArg = None) -> bool:
+        """Whether `flag` is true on any rank of `axis` (None: the world): one decision, the
+        same on every rank (a failed write, a non-finite tensor)."""
+        t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64, device=self.device)
+        self.all_reduce(t, axis=axis, op="max")
+        return bool(t.item() > 0)
+
     def barrier(self, axis: AxisArg = None):
         self._run(self.comm(axis, "barrier").barrier(False), False, ())
 

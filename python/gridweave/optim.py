@@ -132,12 +132,11 @@ class OffloadAdam:
                 w.wait()
             work.clear()
             if scaler is not None:
-                found = torch.tensor([0.0 if bool(torch.isfinite(grads).all()) else 1.0], dtype=torch.float64,
-                                     device=self.grid.device if self.grid is not None else grads.device)
+                found = not bool(torch.isfinite(grads).all())
                 if self.grid is not None:
-                    self.grid.all_reduce(found, axis=None, op="max")  # one decision on every rank
+                    found = self.grid.any(found)  # one decision on every rank
                 used = scaler.scale_value  # the loss was scaled by this; update() may grow it
-                if not scaler.update(bool(found.item() > 0), self.step_count + 1):
+                if not scaler.update(found, self.step_count + 1):
                     return False
                 coef = 1.0 / used
             if self.max_grad_norm is not None:

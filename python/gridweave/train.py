@@ -264,9 +264,7 @@ def save_checkpoint(out: Path, step, cfg, grid, stage, opt, losses, reader=None,
 
     # never a checkpoint holding a non-finite tensor: one decision on every rank before any write
     finite = all(bool(torch.isfinite(t).all()) for p in stage.parameters() for t in tensors_of(p).values())
-    flag = torch.tensor([0.0 if finite else 1.0], dtype=torch.float64, device=grid.device)
-    grid.all_reduce(flag, axis=None, op="max")
-    if flag.item() > 0:
+    if grid.any(not finite):
         raise Diverged(f"not writing the checkpoint of step {step} to {out / 'checkpoint'}: "
                        f"{'this rank' if not finite else 'another rank'} holds non-finite parameters or optimizer "
                        "state (the previous checkpoint is untouched)")
