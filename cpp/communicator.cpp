@@ -70,12 +70,7 @@ Fingerprint Fingerprint::exchange() const {
 }
 
 Fingerprint Communicator::agree(OpKind op, const BufferView& buf, int root) {
-  Fingerprint fp;
-  fp.op = op;
-  fp.dtype = buf.dtype;
-  fp.count = static_cast<std::int64_t>(buf.count);
-  fp.root = root;
-  fp.seq = seq_;
+  const Fingerprint fp = Fingerprint::of(op, buf, root, seq_);
   if (info_.check == CheckLevel::Detail && size() > 1) {
     const std::vector<Fingerprint> all = exchange_fingerprints(fp);
     std::ostringstream os;
@@ -275,12 +270,7 @@ namespace {
 // A send and its receive agree on the tag, the dtype and the element count; as the Gloo
 // slot, a receive never takes a message of another size (which would abort Gloo's loop).
 Fingerprint p2p_fingerprint(OpKind op, const BufferView& buf, int tag) {
-  Fingerprint fp;
-  fp.op = op;
-  fp.dtype = buf.dtype;
-  fp.count = static_cast<std::int64_t>(buf.count);
-  fp.seq = static_cast<std::uint64_t>(tag);
-  return fp;
+  return Fingerprint::of(op, buf, -1, static_cast<std::uint64_t>(tag));
 }
 }  // namespace
 
@@ -371,12 +361,7 @@ std::shared_ptr<Work> Communicator::acknowledged(std::shared_ptr<Work> data, con
   auto post = [self, ack_op, tag](const BufferView& v, int to) -> std::shared_ptr<Work> {
     auto c = self.lock();
     if (!c) throw Error(ErrorKind::Comm, "gridweave: the communicator was shut down");
-    Fingerprint f;
-    f.op = ack_op;
-    f.dtype = v.dtype;
-    f.count = static_cast<std::int64_t>(v.count);
-    f.seq = static_cast<std::uint64_t>(tag);
-    return c->run_p2p(ack_op, v, {to}, tag, f);
+    return c->run_p2p(ack_op, v, {to}, tag, Fingerprint::of(ack_op, v, -1, static_cast<std::uint64_t>(tag)));
   };
   return std::make_shared<AckedWork>(data->what(), std::move(data), self, fp, peer, post, info_.timeout);
 }

@@ -41,6 +41,9 @@ struct Fingerprint {
     return op == o.op && dtype == o.dtype && count == o.count && root == o.root && seq == o.seq;
   }
   bool operator!=(const Fingerprint& o) const { return !(*this == o); }
+  static Fingerprint of(OpKind op, const BufferView& buf, int root, std::uint64_t seq) {
+    return Fingerprint{op, buf.dtype, static_cast<std::int64_t>(buf.count), root, seq};
+  }
   std::uint32_t hash() const;  // FNV-1a of the fields: the Gloo tag
   std::string str() const;     // "all_gather #3 of 4 x float32": the third collective here
   // As kFields int64s, for the Detail level's exchange.
