@@ -35,7 +35,7 @@ struct StageMessage {
   std::size_t words;
   Device device;
   StageMessage(std::size_t payload_bytes, Device dev)
-      : mem(allocate(dev, 16 + payload_bytes)), words(2 + payload_bytes / 8), device(dev) {}
+      : mem(allocate(dev, kStageHeaderBytes + payload_bytes)), words((kStageHeaderBytes + payload_bytes) / 8), device(dev) {}
   BufferView view() const {
     BufferView v{mem->data(), words, DType::Int64};
     v.device = device;

@@ -17,6 +17,9 @@
 
 namespace gridweave {
 
+// Each pipeline message is [kind, microbatch] (two int64 words) then the payload.
+constexpr std::size_t kStageHeaderBytes = 16;
+
 using StageForward = std::function<const void*(int microbatch, const void* input)>;
 using StageBackward = std::function<const void*(int microbatch, const void* grad)>;
 // The interleaved schedule's callbacks also name the model chunk (0..chunks-1) of this stage.

@@ -3,6 +3,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <tuple>
+
 #include "communicator.h"
 #include "cube.h"
 #include "ring.h"
@@ -14,6 +16,7 @@
 #include "placement.h"
 #include "registry.h"
 #include "store.h"
+#include "traffic.h"
 
 namespace py = pybind11;
 using namespace gridweave;
@@ -156,6 +159,16 @@ PYBIND11_MODULE(_C, m) {
   });
 
   py::class_<Store, PyStore, std::shared_ptr<Store>>(m, "Store").def(py::init<>());
+  // The messages one member sends and receives in an op, as the traffic counters count them
+  // (the planner predicts a step's counters from it: one schedule, cpp/traffic.cpp).
+  m.def("message_schedule", [](const std::string& op, int size, int member, std::uint64_t nbytes, int root,
+                               int elem_size) {
+    std::vector<std::tuple<int, std::uint64_t, bool>> out;
+    for (const Message& msg : schedule(op_from_name(op), size, member, nbytes, root, elem_size))
+      out.emplace_back(msg.peer, msg.bytes, msg.send);
+    return out;
+  }, py::arg("op"), py::arg("size"), py::arg("member"), py::arg("nbytes"), py::arg("root") = 0,
+     py::arg("elem_size") = 1);
   m.def("file_store", &make_file_store, py::arg("path"));
   m.def("prefix_store", &make_prefix_store, py::arg("prefix"), py::arg("store"));
 
@@ -246,6 +259,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("messages", &PipelineStats::messages)
       .def_readonly("compute_s", &PipelineStats::compute_s)
       .def_readonly("wait_s", &PipelineStats::wait_s);
+  m.attr("pipeline_header_bytes") = kStageHeaderBytes;  // what every pipeline message carries before its payload
   m.def("run_pipeline", [](std::shared_ptr<Communicator> pp, PipelineSchedule schedule, int stage, int stages,
                            int microbatches, int pipeline_limit, std::size_t payload_bytes,
                            std::function<std::uintptr_t(int, std::uintptr_t)> fwd,

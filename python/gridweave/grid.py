@@ -387,6 +387,12 @@ class Grid:
         self.all_reduce(t, axis=axis, op="max")
         return bool(t.item() > 0)
 
+    def broadcast_ints(self, values, axis: AxisArg, src: int = 0) -> list:
+        """Member `src`'s list of integers (a shape, a count), on every member of `axis`."""
+        t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=self.device)
+        self.broadcast(t, axis=axis, src=src)
+        return [int(v) for v in t.tolist()]
+
     def barrier(self, axis: AxisArg = None):
         self._run(self.comm(axis, "barrier").barrier(False), False, ())
 

@@ -350,9 +350,7 @@ class GPTStage(nn.Module):
         """Full dp-shard shape from a local shard (the last stage did not see the embedding)."""
         sizes = list(self.layout.global_shape(x.shape[:3], self.grid))
         if self.layout.only is not None:  # cSub: sub-grid 0 knows the batch; tell the others
-            t = torch.tensor(sizes, dtype=torch.int64, device=self.grid.device)
-            self.grid.broadcast(t, axis=self.layout.only[0], src=self.layout.only[1])
-            sizes = [int(v) for v in t.tolist()]
+            sizes = self.grid.broadcast_ints(sizes, self.layout.only[0], self.layout.only[1])
         return tuple(sizes)
 
     def dense_state(self, pick=False) -> dict:

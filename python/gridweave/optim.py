@@ -15,6 +15,26 @@ def matrices_only(p) -> bool:
     return p.dim() >= 2
 
 
+def gradient_chunks(params, grid, bsize: int, coarsening: int) -> tuple:
+    """OffloadAdam's flat layout and its gradient all-reduces (the planner costs the same ones):
+    the parameters grouped by the axes their gradients are summed over (gw.reduce_gradients'
+    rule), so that each chunk's all-reduce has one set of axes. Returns (order, offset of each
+    parameter, chunks (lo, hi, axes)), a chunk being k x bsize elements (seed 001 §V-B)."""
+    axes_of = [placement_of(p).reduce_axes(grid) if grid is not None else () for p in params]
+    groups = list(dict.fromkeys(axes_of))
+    order = sorted(range(len(params)), key=lambda i: groups.index(axes_of[i]))
+    offset, off, chunks = {}, 0, []
+    for axes in groups:
+        lo = off
+        for i in order:
+            if axes_of[i] == axes:
+                offset[i] = off
+                off += params[i].numel()
+        step = coarsening * bsize
+        chunks += [(a, min(a + step, off), axes) for a in range(lo, off, step)]
+    return order, offset, chunks
+
+
 class OffloadAdam:
     """AdamW with fp32 master weights and Adam states in host memory, updated `bsize`
     elements at a time; the model keeps its own (fp16/bf16/fp32) weights and gradients.
@@ -44,21 +64,7 @@ class OffloadAdam:
         self.bsize, self.k, self.grid = int(bsize), int(coarsening), grid
         self.average_dp, self.max_grad_norm = average_dp, max_grad_norm
         self.numel = sum(p.numel() for p in self.params)
-        # The flat buffers hold the parameters grouped by the axes their gradients are
-        # summed over, so that each chunk's all-reduce has one set of axes.
-        axes_of = [placement_of(p).reduce_axes(grid) if grid is not None else () for p in self.params]
-        groups = list(dict.fromkeys(axes_of))
-        self._order = sorted(range(len(self.params)), key=lambda i: groups.index(axes_of[i]))
-        self._offset, off = {}, 0
-        self._chunks = []  # (lo, hi, axes): the all-reduces of step()
-        for axes in groups:
-            lo = off
-            for i in self._order:
-                if axes_of[i] == axes:
-                    self._offset[i] = off
-                    off += self.params[i].numel()
-            step = self.k * self.bsize
-            self._chunks += [(a, min(a + step, off), axes) for a in range(lo, off, step)]
+        self._order, self._offset, self._chunks = gradient_chunks(self.params, grid, self.bsize, self.k)
         host = torch.device("cpu")
         pin = torch.cuda.is_available()
         flat = torch.empty(self.numel, dtype=torch.float32, device=host)

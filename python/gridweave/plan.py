@@ -117,6 +117,26 @@ def model_from(source: str, batch: int, seq: int | None = None, **sizes) -> Mode
     return Model(found["hidden"], found["layers"], found["heads"], found["seq"], batch, found.get("vocab", 51200))
 
 
+def step_counters(schedule, axes: dict, placement, rank: int) -> dict:
+    """The engine's traffic counters (gw.Grid.stats: ops, messages and bytes sent per axis label)
+    that one step of `schedule` (modes.schedule.step_schedule for this rank's stage) leaves on
+    `rank` of a grid of `axes` placed by `placement` (gw.Grid.placement or _C.Placement): each op's
+    messages are the engine's own (_C.message_schedule), so equal counters mean the planner
+    costs the algorithms that ran."""
+    names, sizes = list(axes), dict(axes)
+    out = {}
+    for c, times in schedule.collectives:
+        axes = names if c.axis == "world" else c.axis.split(",")
+        g = math.prod(sizes[a] for a in axes)
+        member = placement.index_in_line(rank, axes)
+        sent = [b for _, b, send in _C.message_schedule(c.op, g, member, int(c.member_bytes), c.root, c.elem) if send]
+        d = out.setdefault(c.axis, {"ops": 0, "sent_messages": 0, "sent_bytes": 0})
+        d["ops"] += times
+        d["sent_messages"] += times * len(sent)
+        d["sent_bytes"] += times * sum(sent)
+    return out
+
+
 def explain(rows: list, n: int) -> list:
     """Why plan row n (0-based) ranks above row n+1: the parts of their step times and memory
     that differ, largest first, as lines of text."""

@@ -355,6 +355,53 @@ def evaluate(stage, grid, windows: torch.Tensor, cfg: TrainConfig, mb: int) -> f
     return float(total[0] / total[1])
 
 
+def build(cfg: TrainConfig, grid, model_cfg: ModelConfig) -> tuple:
+    """This rank's part of the run's model: (dense model, stage, optimizer, loss scaler or None),
+    the model initialised in fp32 from the current seed (the same weights whatever the
+    precision), then cast."""
+    model = gw.models.build(model_cfg, device=grid.device).to(cfg.compute.dtype)
+    s, pp = grid.coords["pp"], grid.axes["pp"]
+    options = dict(ac=cfg.ac, overlap=cfg.overlap, attention=cfg.attention)
+    stage = gw.models.ModelChunks(model, grid, cfg.mode, s, pp, cfg.chunks, **options) \
+        if cfg.schedule == "interleaved" else gw.models.GPTStage(model, grid, cfg.mode, s, pp, **options)
+    opt = gw.optim.OffloadAdam(stage.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, bsize=cfg.bsize,
+                               coarsening=cfg.coarsening, grid=grid, max_grad_norm=cfg.max_grad_norm,
+                               decay=gw.optim.matrices_only)
+    return model, stage, opt, LossScaler() if cfg.compute.loss_scaling else None
+
+
+def train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y) -> tuple:
+    """One step on this rank's (batch, seq) shard of tokens x and targets y: the pipeline's
+    micro-batches forward and backward, the loss known on every rank, then (if it is finite)
+    the optimizer's update. Returns (the step's mean loss, whether the weights were updated).
+    gw.plan.step_counters predicts this step's traffic (modes/schedule.step_schedule)."""
+    m, dp, pp = cfg.microbatches, grid.axes["dp"], grid.axes["pp"]
+    mb = x.shape[0] // m
+    xs = [x[i * mb:(i + 1) * mb].to(grid.device) for i in range(m)]
+    ys = [y[i * mb:(i + 1) * mb].to(grid.device) for i in range(m)]
+    opt.zero_grad()
+    loss_scale = scaler.scale_value if scaler is not None else 1.0
+
+    def loss_fn(logits, targets):  # in fp32 or wider whatever the model computes in; fp16 scaled up
+        return stage.loss(logits, targets) * loss_scale
+
+    loss, _ = gw.pipeline.pipeline_step(stage, grid, xs, ys, loss_fn, stage.activation_shape(mb, cfg.seq),
+                                        dtype=cfg.compute.dtype, schedule=cfg.schedule,
+                                        pipeline_limit=cfg.pipeline_limit or max(pp, 2))
+    loss = loss / loss_scale if loss is not None else None
+    # the last stage's loss, identical over its tp/sp group: count one rank of each group.
+    # Known on every rank before the update, so a non-finite loss skips it everywhere.
+    mine = loss is not None and all(c == 0 for a, c in grid.coords.items() if a not in ("pp", "dp"))
+    total = torch.tensor([loss.item() if mine else 0.0], dtype=torch.float64, device=grid.device)
+    grid.all_reduce(total, axis=None)
+    mean = total.item() / dp
+    if math.isfinite(mean):
+        return mean, opt.step(scaler)  # sums each gradient over its partial axes (dp averaged), clips, updates
+    if scaler is not None:
+        scaler.update(True, opt.step_count + 1)
+    return mean, False
+
+
 def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = None) -> dict:
     """Train as `cfg` says; on_step(step, state), if given, is called at the start of each step
     (progress hooks, profilers; the tests' fault injection)."""
@@ -384,15 +431,7 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
     model_cfg = cfg.model_config(tokens.vocab_size)
     torch.manual_seed(cfg.seed)
     # initialised in fp32 (the same weights whatever the precision), then cast
-    model = gw.models.build(model_cfg, device=grid.device).to(cfg.compute.dtype)
-    s = grid.coords["pp"]
-    options = dict(ac=cfg.ac, overlap=cfg.overlap, attention=cfg.attention)
-    stage = gw.models.ModelChunks(model, grid, mode, s, pp, cfg.chunks, **options) if cfg.schedule == "interleaved" \
-        else gw.models.GPTStage(model, grid, mode, s, pp, **options)
-    opt = gw.optim.OffloadAdam(stage.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, bsize=cfg.bsize,
-                               coarsening=cfg.coarsening, grid=grid, max_grad_norm=cfg.max_grad_norm,
-                               decay=gw.optim.matrices_only)
-    scaler = LossScaler() if cfg.compute.loss_scaling else None
+    model, stage, opt, scaler = build(cfg, grid, model_cfg)
     reader = gw.data.Reader(tokens.train, cfg.seq, cfg.batch, cfg.seed, grid.coords["dp"], dp)
     start, losses, val = 0, [], []
     if cfg.resume:
@@ -441,32 +480,10 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
         t0 = time.perf_counter()
         opt.lr = cfg.lr_at(step)
         x, y = reader.next()
-        xs = [x[i * mb:(i + 1) * mb].to(grid.device) for i in range(cfg.microbatches)]
-        ys = [y[i * mb:(i + 1) * mb].to(grid.device) for i in range(cfg.microbatches)]
-        opt.zero_grad()
-        loss_scale = scaler.scale_value if scaler is not None else 1.0
-
-        def loss_fn(logits, targets):  # in fp32 or wider whatever the model computes in; fp16 scaled up
-            return stage.loss(logits, targets) * loss_scale
-
-        loss, _ = gw.pipeline.pipeline_step(stage, grid, xs, ys, loss_fn, stage.activation_shape(mb, cfg.seq),
-                                            dtype=cfg.compute.dtype, schedule=cfg.schedule,
-                                            pipeline_limit=cfg.pipeline_limit or max(pp, 2))
-        loss = loss / loss_scale if loss is not None else None
-        # the last stage's loss, identical over its tp/sp group: count one rank of each group.
-        # Known on every rank before the update, so a non-finite loss skips it everywhere.
-        mine = loss is not None and all(c == 0 for a, c in grid.coords.items() if a not in ("pp", "dp"))
-        total = torch.tensor([loss.item() if mine else 0.0], dtype=torch.float64, device=grid.device)
-        grid.all_reduce(total, axis=None)
-        losses.append(total.item() / dp)
         # fp16: a skipped step is the loss scaler's business until its scale cannot back off
         floor = scaler is None or scaler.scale_value <= scaler.min_scale
-        if math.isfinite(losses[-1]):
-            took = opt.step(scaler)  # sums each gradient over its partial axes (dp averaged), clips, updates
-        else:
-            took = False
-            if scaler is not None:
-                scaler.update(True, opt.step_count + 1)
+        loss, took = train_step(cfg, grid, stage, opt, scaler, x, y)
+        losses.append(loss)
         bad = bad + 1 if not took and floor else 0
         if bad >= cfg.max_bad_steps:
             if pending is not None:

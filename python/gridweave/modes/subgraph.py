@@ -120,8 +120,4 @@ class CSub(SubGraph):
         return ops.csub_concat(y, grid)
 
     def common_shape(self, x, grid):
-        import torch
-
-        s = torch.tensor(list(x.shape), dtype=torch.int64, device=grid.device)
-        grid.broadcast(s, axis="sg", src=0)
-        return tuple(int(v) for v in s.tolist())
+        return tuple(grid.broadcast_ints(x.shape, "sg", 0))

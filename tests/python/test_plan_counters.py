@@ -1,0 +1,49 @@
+"""Issue 18, one source of truth: the step the planner costs is the step gw.train runs. On
+every mode and composed grids, the engine's traffic counters after a real training step
+(gw.train.train_step: pipeline, loss, optimizer, clipping) equal the planner's prediction
+for that rank, op for op: collective counts, messages and bytes per axis."""
+import pytest
+import torch
+
+# (tp, dp, pp, sp): every tensor mode, and compositions with data, pipeline and sequence axes
+GRIDS = [("none", 2, 2, 1), ("row:4", 1, 2, 1), ("row:2", 2, 2, 1), ("square:2", 2, 1, 1), ("cube:2", 1, 1, 1),
+         ("subgraph:2", 2, 2, 1), ("csub:2", 2, 1, 1), ("none", 2, 1, 4), ("row:2", 1, 2, 2)]
+
+
+def _step(ctx, tp, dp, pp, sp, family, precision):
+    import gridweave as gw
+    from gridweave import plan
+    from gridweave.modes.schedule import step_schedule
+
+    cfg = gw.train.TrainConfig(model=family, hidden=64, heads=8, layers=4, seq=32, batch=8, microbatches=2,
+                               tokenizer="bytes", tp=tp, dp=dp, pp=pp, sp=sp, precision=precision, bsize=512,
+                               coarsening=2)
+    grid = ctx.init(dp=dp, pp=pp, tp=cfg.mode, sp=sp)
+    model_cfg = cfg.model_config(256)
+    torch.manual_seed(0)
+    _, stage, opt, scaler = gw.train.build(cfg, grid, model_cfg)
+    g = torch.Generator().manual_seed(1 + grid.coords["dp"])
+    x = torch.randint(0, 256, (cfg.batch // dp, cfg.seq), generator=g, device="cpu")  # the reader's host batch
+    gw.train.train_step(cfg, grid, stage, opt, scaler, x, x.roll(1, 1))
+    grid.reset_stats()
+    gw.train.train_step(cfg, grid, stage, opt, scaler, x, x.roll(1, 1))
+    ran = {k: {"ops": v["ops"], "sent_messages": v["sent_intra"]["messages"] + v["sent_inter"]["messages"],
+               "sent_bytes": v["sent_intra"]["bytes"] + v["sent_inter"]["bytes"]} for k, v in grid.stats().items()}
+    schedule = step_schedule(model_cfg, cfg.mode, dp, pp, sp, tuple(grid.coords.items()), cfg.microbatches,
+                             cfg.batch // dp // cfg.microbatches, cfg.compute.dtype, cfg.bsize, cfg.coarsening,
+                             cfg.max_grad_norm is not None, scaler is not None)
+    return ran, plan.step_counters(schedule, grid.axes, grid.placement, grid.rank)
+
+
+@pytest.mark.parametrize("tp,dp,pp,sp", GRIDS)
+def test_planned_step_traffic_is_the_engines(pool, tp, dp, pp, sp):
+    import gridweave as gw
+
+    n = dp * pp * sp * gw.modes.parse(tp).ranks()
+    for rank, (ran, planned) in enumerate(pool.run(_step, n, tp, dp, pp, sp, "llama", "fp32", timeout=240)):
+        assert ran == planned, (rank, {k: (ran.get(k), planned.get(k)) for k in set(ran) | set(planned) if ran.get(k) != planned.get(k)})
+
+
+def test_planned_step_traffic_gpt_bf16(pool):
+    for rank, (ran, planned) in enumerate(pool.run(_step, 8, "row:2", 2, 2, 1, "gpt", "bf16", timeout=240)):
+        assert ran == planned, (rank, {k: (ran.get(k), planned.get(k)) for k in set(ran) | set(planned) if ran.get(k) != planned.get(k)})
