@@ -1,30 +1,77 @@
-"""gw.plan against this machine: calibrate, then predict and measure our own 8-rank benchmarks.
+"""gw.plan against this machine: calibrate, then predict and measure a full training step of
+the main job's model on every grid the 8 default ranks allow (issue 18).
 
     python benchmarks/bench_plan.py     # writes results/plan_local.json and .png
 
-One torchrun job of 8 CPU ranks (as bench_collectives and bench_layers run): the ranks first
-calibrate (gridweave.calibrate.measure: alpha, beta, GEMM rate, element-wise bandwidth and
-per-op cost, all ranks at once), then time the world's ring collectives over a range of
-sizes and one transformer layer (bench_layers' sizes) forward + backward under 1-D and 3-D
-tensor parallelism. The parent predicts each measurement from the calibrated preset alone
-(plan.collective_time, plan.predict) and reports predicted / measured.
+One torchrun job of 8 CPU ranks. The ranks first calibrate (gridweave.calibrate.measure: alpha,
+beta, GEMM rate, element-wise bandwidth, per-kernel cost, all ranks at once); then, for each
+grid (every tensor mode, pp, dp, sp and their compositions; one host, so one placement),
+build the main job's model exactly as `gridweave train` does (gw.train.build) and time
+gw.train.train_step: the median over steps of the slowest rank's step, and each rank's peak
+resident memory over its resident memory before the model was built. The parent predicts
+each grid from the calibrated preset alone (plan.predict), and asks the planner for its
+ranking (plan.plan): the error of each prediction, the median and the worst, the measured
+time of the planner's first choice against the fastest grid, and Kendall's tau between
+the two rankings.
 """
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import time
 from pathlib import Path
 
-from bench_layers import TIMING
 from launch import bench_parser, results_dir, run_ranks, save, start_worker
 
-SIZES = [1 << 16, 1 << 18, 1 << 20, 1 << 22]  # bytes of the full buffer
-OPS = ("all_gather", "reduce_scatter", "all_reduce")
-LAYER_GRIDS = {"1d": "row:8", "3d": "cube:2"}
+STEPS, WARMUP = 5, 2
 
 
-def worker(out_path: str, reps: int) -> None:
+def job_config(**grid):
+    """The main job (gw.train.TrainConfig's defaults: Llama, hidden 128, 4 layers, batch 32 of
+    128 tokens, 2 micro-batches, fp32) on one grid."""
+    import gridweave as gw
+
+    return gw.train.TrainConfig(**grid)
+
+
+def planner_model():
+    from gridweave import plan
+
+    return plan.model_from("llama", batch=job_config().batch)
+
+
+def grids() -> list:
+    """Every grid of 8 ranks the main job's model allows, as (dp, pp, tp spec, sp)."""
+    import gridweave as gw
+    from gridweave import plan
+
+    out = []
+    for g in plan.enumerate_grids(8, planner_model(), placements=("topology",)):
+        try:
+            job_config(dp=g.dp, pp=g.pp, tp=g.tp.spec(), sp=g.sp).grid_shape(8)
+        except gw.GridError:
+            continue
+        out.append((g.dp, g.pp, g.tp.spec(), g.sp))
+    return out
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # "5": the peak resident set starts again from now
+        f.write("5")
+
+
+def worker(out_path: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -34,121 +81,142 @@ def worker(out_path: str, reps: int) -> None:
     n, rank, store = start_worker()
     world = gw.init(dp=n, store=store, prefix="plan-world")
     preset = calibrate.measure(world)
-    measured = {}
-    for op in OPS:
-        for nbytes in SIZES:
-            full = torch.ones(nbytes // 4)
-            part = full[: full.numel() // n].clone()
-            fn = {"all_gather": lambda: world.all_gather(part, "dp"),
-                  "reduce_scatter": lambda: world.reduce_scatter(full, "dp"),
-                  "all_reduce": lambda: world.all_reduce(full.clone(), "dp")}[op]
-            fn()
-            ts = []
-            for _ in range(reps):
-                world.barrier()
-                t0 = time.perf_counter()
-                fn()
-                ts.append(time.perf_counter() - t0)
-            measured[f"{op}:{nbytes}"] = statistics.median(ts)
-
-    torch.manual_seed(0)
-    cfg = TIMING
-    dense = gw.nn.DenseTransformerLayer(cfg["hidden"], cfg["heads"], cfg["ffn"])
-    x_full = torch.randn(cfg["batch"], cfg["seq"], cfg["hidden"])
-    layers = {}
-    for mode, tp in (("1d", gw.Row(n)), ("3d", gw.Cube(round(n ** (1 / 3))))):
-        grid = gw.init(tp=tp, store=store, prefix=f"plan-{mode}")
-        layer = gw.nn.TransformerLayer.from_dense(dense, grid, mode=mode)
-        layers[mode] = (layer, gw.scatter(x_full, layer.input_layout, grid), [])
-
-    def step(layer, x):
-        x = x.detach().requires_grad_()
-        layer(x).sum().backward()
-
-    for layer, x, _ in layers.values():
-        step(layer, x)
-    for _ in range(reps):  # alternating rounds, so both modes see the same machine
-        for layer, x, ts in layers.values():
+    rows = []
+    for i, (dp, pp, tp, sp) in enumerate(grids()):
+        cfg = job_config(dp=dp, pp=pp, tp=tp, sp=sp)
+        grid = gw.init(dp=dp, pp=pp, tp=cfg.mode, sp=sp, store=store, prefix=f"plan-{i}")
+        model_cfg = cfg.model_config(cfg.vocab)
+        gc.collect()
+        _reset_peak()
+        base = _rss()
+        torch.manual_seed(cfg.seed)
+        _, stage, opt, scaler = gw.train.build(cfg, grid, model_cfg)
+        g = torch.Generator().manual_seed(grid.coords["dp"])
+        x = torch.randint(0, model_cfg.vocab, (cfg.batch // dp, cfg.seq), generator=g)
+        times = []
+        for step in range(WARMUP + STEPS):
             dist.barrier()
             t0 = time.perf_counter()
-            step(layer, x)
-            ts.append(time.perf_counter() - t0)
-    for mode, (_, _, ts) in layers.items():
-        measured[f"layer:{mode}"] = statistics.median(ts)
+            gw.train.train_step(cfg, grid, stage, opt, scaler, x, x.roll(1, 1))
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+            if step >= WARMUP:
+                times.append(float(t))
+        mem = torch.tensor([float(_peak_rss() - base)], dtype=torch.float64)
+        every = [torch.zeros(1, dtype=torch.float64) for _ in range(n)]
+        dist.all_gather(every, mem)
+        rows.append({"dp": dp, "pp": pp, "tp": tp, "sp": sp, "measured_s": statistics.median(times),
+                     "steps_s": times, "measured_peak_bytes": max(float(v) for v in every),
+                     "peak_bytes_per_rank": [float(v) for v in every]})
+        del stage, opt, scaler
+        grid.shutdown()
     if rank == 0:
-        Path(out_path).write_text(json.dumps({"ranks": n, "preset": preset, "measured": measured,
-                                              "layer_config": cfg}, indent=1))
+        Path(out_path).write_text(json.dumps({"ranks": n, "preset": preset, "rows": rows}, indent=1))
     gw.shutdown()
     dist.destroy_process_group()
 
 
-def predictions(data: dict) -> dict:
-    """Each measurement's prediction from the calibrated preset alone."""
+def predict(data: dict) -> dict:
+    """Each grid's prediction from the calibrated preset alone, and the planner's ranking."""
+    from scipy.stats import kendalltau
+
+    import gridweave as gw
     from gridweave import plan
 
     preset = data["preset"]
     cluster = plan.Cluster(**{k: v for k, v in preset.items() if k in plan.Cluster.__dataclass_fields__})
-    n = data["ranks"]
-    link = (cluster.intra_alpha_s, cluster.intra_bandwidth_Bps)
-    out = {}
-    for key in data["measured"]:
-        kind, arg = key.split(":")
-        if kind == "layer":
-            cfg = data["layer_config"]
-            model = plan.Model(hidden=cfg["hidden"], layers=1, heads=cfg["heads"], seq=cfg["seq"],
-                               batch=cfg["batch"], vocab=0, bytes_per_value=4)
-            tp = gw.modes.parse(LAYER_GRIDS[arg])
-            out[key] = plan.predict(model, plan.GridShape(tp=tp), cluster)["step_time_s"]
-        else:
-            out[key] = cluster.launch_s + plan.collective_time(kind, n, int(arg), link, cluster)
-    return out
+    model = planner_model()
+    cfg = job_config()
+    for r in data["rows"]:
+        shape = plan.GridShape(dp=r["dp"], pp=r["pp"], tp=gw.modes.parse(r["tp"]), sp=r["sp"])
+        p = plan.predict(model, shape, cluster, microbatches=cfg.microbatches, offload_bsize=cfg.bsize,
+                         coarsening=cfg.coarsening)
+        r["predicted_s"] = p["step_time_s"]
+        r["error"] = p["step_time_s"] / r["measured_s"] - 1
+        r["predicted_peak_bytes"] = p["memory_bytes"] + p["host_bytes"]
+        r["memory_error"] = r["predicted_peak_bytes"] / r["measured_peak_bytes"] - 1
+        r["breakdown_s"] = p["time_breakdown_s"]
+    rows = data["rows"]
+    key = lambda r: (r["dp"], r["pp"], r["tp"], r["sp"])  # noqa: E731
+    measured = {key(r): r for r in rows}
+    ranked = [key(r) for r in plan.plan(8, model, cluster, microbatches=cfg.microbatches, offload_bsize=cfg.bsize,
+                                        coarsening=cfg.coarsening) if key(r) in measured]
+    first, fastest = measured[ranked[0]], min(rows, key=lambda r: r["measured_s"])
+    tau = kendalltau([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]).statistic
+    errors = [abs(r["error"]) for r in rows]
+    mem = [abs(r["memory_error"]) for r in rows]
+    data["summary"] = {
+        "grids": len(rows), "median_abs_error": statistics.median(errors), "worst_abs_error": max(errors),
+        "worst_grid": key(max(rows, key=lambda r: abs(r["error"]))),
+        "median_abs_memory_error": statistics.median(mem), "worst_abs_memory_error": max(mem),
+        "planner_first": key(first), "planner_first_measured_s": first["measured_s"],
+        "fastest": key(fastest), "fastest_measured_s": fastest["measured_s"],
+        "first_over_fastest": first["measured_s"] / fastest["measured_s"], "kendall_tau": tau}
+    return data
 
 
-def plot(rows: list, png: Path) -> None:
+def name(r) -> str:
+    parts = [f"dp{r['dp']}"] + ([f"pp{r['pp']}"] if r["pp"] > 1 else []) + \
+        ([r["tp"].replace(":", "")] if r["tp"] != "none" else []) + ([f"sp{r['sp']}"] if r["sp"] > 1 else [])
+    return "·".join(parts)
+
+
+def plot(data: dict, png: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.5, 6))
-    for kind, marker in (("all_gather", "o"), ("reduce_scatter", "s"), ("all_reduce", "^"), ("layer", "*")):
-        pts = [r for r in rows if r["key"].startswith(kind)]
-        ax.scatter([r["measured_s"] * 1e3 for r in pts], [r["predicted_s"] * 1e3 for r in pts], marker=marker,
-                   s=90 if kind == "layer" else 40, label=kind if kind != "layer" else "layer fwd+bwd (1-D, 3-D)")
+    rows, s = data["rows"], data["summary"]
+    fig, (ax, am) = plt.subplots(1, 2, figsize=(13, 6))
     for r in rows:
-        if r["key"].startswith("layer"):
-            ax.annotate(r["key"].split(":")[1], (r["measured_s"] * 1e3, r["predicted_s"] * 1e3), fontsize=8)
-    lo = min(min(r["measured_s"], r["predicted_s"]) for r in rows) * 1e3 / 1.5
-    hi = max(max(r["measured_s"], r["predicted_s"]) for r in rows) * 1e3 * 1.5
-    ax.plot([lo, hi], [lo, hi], "k-", lw=1, label="predicted = measured")
-    ax.fill_between([lo, hi], [lo * 0.75, hi * 0.75], [lo * 1.25, hi * 1.25], color="gray", alpha=0.2, label="±25%")
-    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="measured (ms)",
+        first = (r["dp"], r["pp"], r["tp"], r["sp"]) == tuple(s["planner_first"])
+        ax.scatter(r["measured_s"] * 1e3, r["predicted_s"] * 1e3, marker="*" if first else "o",
+                   s=160 if first else 30, color="C3" if first else "C0")
+        ax.annotate(name(r), (r["measured_s"] * 1e3, r["predicted_s"] * 1e3), fontsize=6)
+    lo = min(min(r["measured_s"], r["predicted_s"]) for r in rows) * 1e3 / 1.3
+    hi = max(max(r["measured_s"], r["predicted_s"]) for r in rows) * 1e3 * 1.3
+    ax.plot([lo, hi], [lo, hi], "k-", lw=1)
+    ax.fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="gray", alpha=0.2,
+                    label="±15%")
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="measured step (ms)",
            ylabel="predicted by gw.plan from the calibrated preset (ms)",
-           title="gw.plan vs our 8-rank CPU benchmarks")
+           title=f"main job, {s['grids']} grids of 8 CPU ranks: median |error| {100 * s['median_abs_error']:.0f}%, "
+                 f"worst {100 * s['worst_abs_error']:.0f}%\nplanner's first (star) {s['first_over_fastest']:.2f}x "
+                 f"the fastest; Kendall tau {s['kendall_tau']:.2f}")
+    ax.title.set_fontsize(9)
     ax.legend(fontsize=8)
+    mm = [(r["measured_peak_bytes"] / 2 ** 20, r["predicted_peak_bytes"] / 2 ** 20) for r in rows]
+    am.scatter([a for a, _ in mm], [b for _, b in mm], s=20)
+    lo, hi = min(min(p) for p in mm) / 1.3, max(max(p) for p in mm) * 1.3
+    am.plot([lo, hi], [lo, hi], "k-", lw=1)
+    am.fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="gray", alpha=0.2)
+    am.set(xscale="log", yscale="log", xlabel="measured peak RSS growth per rank (MiB)",
+           ylabel="predicted peak memory per rank (MiB)",
+           title=f"memory: median |error| {100 * s['median_abs_memory_error']:.0f}%, "
+                 f"worst {100 * s['worst_abs_memory_error']:.0f}%")
+    am.title.set_fontsize(9)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 
 
 def main() -> None:
     ap = bench_parser(__file__)
-    ap.add_argument("--reps", type=int, default=21)
+    ap.add_argument("--from-json", help="re-predict a saved run (no ranks)")
     args = ap.parse_args()
     if args.worker:
-        worker(args.out, args.reps)
+        worker(args.out)
         return
     out = results_dir(args)
-    data = run_ranks(__file__, 8, 29571, out, "8", "--reps", str(args.reps))
-    pred = predictions(data)
-    rows = [{"key": k, "measured_s": v, "predicted_s": pred[k], "ratio": pred[k] / v}
-            for k, v in data["measured"].items()]
-    data["rows"] = rows
-    save(out, "plan_local", data, lambda d, png: plot(d["rows"], png))
-    for r in rows:
-        print(f"{r['key']:24s} measured {r['measured_s'] * 1e3:9.3f} ms  predicted {r['predicted_s'] * 1e3:9.3f} ms"
-              f"  ratio {r['ratio']:.2f}")
-    inside = sum(0.75 <= r["ratio"] <= 1.25 for r in rows)
-    print(f"{inside}/{len(rows)} predictions within 25%")
+    data = json.loads(Path(args.from_json).read_text()) if args.from_json else \
+        run_ranks(__file__, 8, 29571, out, "8")
+    data = predict(data)
+    save(out, "plan_local", data, plot)
+    for r in sorted(data["rows"], key=lambda r: r["measured_s"]):
+        print(f"{name(r):28s} measured {r['measured_s'] * 1e3:8.1f} ms  predicted {r['predicted_s'] * 1e3:8.1f} ms "
+              f"({100 * r['error']:+5.0f}%)  memory {r['measured_peak_bytes'] / 2 ** 20:7.1f} MiB vs "
+              f"{r['predicted_peak_bytes'] / 2 ** 20:7.1f} ({100 * r['memory_error']:+4.0f}%)")
+    print(json.dumps(data["summary"], indent=1))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from pathlib import Path
 from . import _C
 from .errors import GridError
 from .modes import Mode, Sequence, grid_axes, known
-from .modes.schedule import collectives_at, layer_schedule
 
 PRESETS = Path(__file__).parent / "clusters"
 
@@ -65,8 +64,19 @@ class Model:
     heads: int
     seq: int
     batch: int  # global batch (sequences per step)
-    vocab: int = 51200
-    bytes_per_value: int = 2  # fp16/bf16 activations and gradients
+    vocab: int = 51200  # 0: the layer stack alone (no embedding, head, loss or optimizer)
+    bytes_per_value: int = 2  # bf16 (2) or fp32 (4) weights, activations and gradients
+    family: str = "gpt"  # gw.models.ModelConfig's: "gpt" (4h GeLU MLP, LayerNorm) or "llama"
+    kv_heads: int = 0    # 0: the family's default
+    ffn: int = 0         # 0: the family's default
+    tie: bool = False
+
+    def config(self):
+        """The gw.models.ModelConfig the planner records (its layers, embedding, head)."""
+        from .models import ModelConfig
+
+        return ModelConfig(self.family, max(self.vocab, 1), self.hidden, self.heads, self.layers, self.seq,
+                           self.ffn or None, self.kv_heads or None, tie=self.tie)
 
 
 # The keys of a model's sizes in Hugging Face configs (Llama-style first, GPT-2's after) and
@@ -86,7 +96,8 @@ def model_from(source: str, batch: int, seq: int | None = None, **sizes) -> Mode
         from .train import TrainConfig
 
         c = TrainConfig(model=source).model_config(TrainConfig.vocab)
-        found = {"hidden": c.hidden, "layers": c.layers, "heads": c.heads, "vocab": c.vocab, "seq": c.seq}
+        found = {"hidden": c.hidden, "layers": c.layers, "heads": c.heads, "vocab": c.vocab, "seq": c.seq,
+                 "family": c.family, "kv_heads": c.kv_heads or 0, "ffn": c.ffn, "bytes_per_value": 4}
     else:
         p = Path(source)
         candidates = [p] if p.is_file() else [p / "config.json", p / "model_config.json",
@@ -108,13 +119,21 @@ def model_from(source: str, batch: int, seq: int | None = None, **sizes) -> Mode
             key = next((k for k in keys if isinstance(d.get(k), int)), None)
             if key is not None:
                 found[name] = d[key]
+        llama = d.get("model_type") == "llama" or d.get("family") == "llama"
+        found["family"] = "llama" if llama else "gpt"
+        for name, keys in (("kv_heads", ("num_key_value_heads", "kv_heads")),
+                           ("ffn", ("intermediate_size", "n_inner", "ffn_hidden"))):
+            found[name] = next((d[k] for k in keys if isinstance(d.get(k), int)), 0)
+        found["tie"] = bool(d.get("tie_word_embeddings", d.get("tie", False)))
     found.update({k: v for k, v in sizes.items() if v})
     if seq:
         found["seq"] = seq
     missing = [k for k in ("hidden", "layers", "heads", "seq") if k not in found]
     if missing:
         raise GridError(f"--model {source}: no {', '.join(missing)} in the config; pass --{' --'.join(missing)}")
-    return Model(found["hidden"], found["layers"], found["heads"], found["seq"], batch, found.get("vocab", 51200))
+    return Model(found["hidden"], found["layers"], found["heads"], found["seq"], batch, found.get("vocab", 51200),
+                 found.get("bytes_per_value", 2), found.get("family", "gpt"), found.get("kv_heads", 0),
+                 found.get("ffn", 0), found.get("tie", False))
 
 
 def step_counters(schedule, axes: dict, placement, rank: int) -> dict:
@@ -259,109 +278,150 @@ def _links(grid: GridShape, cluster: Cluster):
     return out, placement
 
 
+# Gradient all-reduce bucket (elements) of a fused device optimizer (Megatron's DDP buckets are
+# tens of millions of elements)
+FUSED_BUCKET = 1 << 24
+
+
+def _dtype(model: Model):
+    import torch
+
+    return {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[model.bytes_per_value]
+
+
+def schedule_of(model: Model, grid: GridShape, microbatches: int, stage: int = 0, bsize: int = 1 << 14,
+                coarsening: int = 4, clip: bool = True):
+    """The recorded step (modes/schedule.step_schedule) of `model` on `grid`, on a rank of
+    pipeline stage `stage`; a model of vocab 0 is its layer stack alone (seed 000's and SUPER's
+    measurements: no embedding, head, loss or optimizer)."""
+    from .modes.schedule import step_schedule
+
+    b = model.batch // grid.dp
+    return step_schedule(model.config(), grid.tp, grid.dp, grid.pp, grid.sp, (("pp", stage),), microbatches,
+                         b / microbatches, _dtype(model), bsize, coarsening, clip, False, bool(model.vocab))
+
+
+def work_ops(micro) -> list:
+    """A recorded micro-batch as costed work: ("gemm", flops, calls), ("vector", bytes, kernels)
+    and (collective, axis, bytes) in issue order (receives cost nothing: their time is the send's)."""
+    ops = [("gemm", micro.flops, micro.gemm_calls), ("vector", micro.kernel_bytes, micro.kernels)]
+    return ops + [(c.op, c.axis, c.nbytes) for c in micro.collectives if c.op != "recv"]
+
+
 def layer_ops(model: Model, grid: GridShape, tokens: float) -> list:
     """One transformer layer's work on one rank for `tokens` tokens of its replica, forward and
-    backward: ("gemm", flops, calls), ("vector", bytes, kernels) and (collective, axis, bytes),
-    the collectives and GEMM calls as the mode's layer issues them (modes/schedule.py)."""
-    h, s = model.hidden, model.seq
-    mode = grid.tp
-    flops = 72 * tokens * h * h * (1 + s / (6 * h)) / (mode.ranks() * grid.sp)  # seed 001 eq. (3), one layer
-    # element-wise work: its bytes written forward, read and written backward; ~10 kernels
-    # forward (2 layer norms, softmax, mask, GELU, residuals, biases) and twice that backward
-    act = mode.activation_bytes(h, s, model.heads, tokens, grid.sp) * model.bytes_per_value / 2
-    ops = [("vector", 3 * act, 30)]
-    recorded = collectives_at(mode, h, model.heads, s, grid.sp, tokens / s)
-    ops += [(c.op, c.axis, c.nbytes * model.bytes_per_value / 2) for c in recorded]  # recorded in bf16
-    ops.append(("gemm", flops, layer_schedule(mode, h, model.heads, s, grid.sp)[0].gemm_calls))
-    return ops
+    backward, as the mode's layer runs it (recorded)."""
+    import dataclasses
+
+    one = dataclasses.replace(model, layers=1, vocab=0, batch=tokens / model.seq * grid.dp)
+    return work_ops(schedule_of(one, dataclasses.replace(grid, pp=1), 1).microbatch)
 
 
 def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int | None = None,
-            offload_bsize: int | None = None, recompute: bool = False) -> dict:
-    """Predicted step time (s), memory per GPU (bytes) and bytes per axis for one step."""
-    h, s, L, e = model.hidden, model.seq, model.layers, model.bytes_per_value
+            offload_bsize: int | None = None, recompute: bool | str = False, coarsening: int = 4,
+            clip: bool = True, chunks: int = 1) -> dict:
+    """Predicted step time (s), memory per GPU (bytes) and bytes per axis for one gw.train step:
+    the step recorded from the code that runs it (modes/schedule.step_schedule: every GEMM and
+    its FLOPs, every other kernel and its bytes, every collective and message, the activations
+    kept, the optimizer's own work), costed on `cluster` (alpha-beta links from the engine's
+    placement, GEMM rate, memory bandwidth, a per-kernel and per-collective cost).
+    recompute: False, True (every layer's forward again in backward) or "selective" (the
+    attention core's, Korthikanti et al. 2022); chunks: model chunks per pipeline stage
+    (Megatron's interleaved schedule: the bubble is (p-1)/(v m), v times the messages).
+    offload_bsize: gw.optim.OffloadAdam's bsize (what gw.train runs: states in host memory,
+    updated bsize elements at a time, its kernels and bytes recorded); None: a fused Adam on
+    the device, its states there too (Megatron's: 20 phi with half-precision weights)."""
+    if recompute not in (False, True, "selective"):
+        raise GridError(f"recompute must be False, True or 'selective', got {recompute!r}")
+    if not isinstance(chunks, int) or chunks < 1 or (chunks > 1 and grid.pp < 2):
+        raise GridError(f"chunks must be a positive integer (above 1 only with pp > 1), got {chunks!r}")
+    from .modes.schedule import optimizer_census
+
+    e = model.bytes_per_value
     if model.batch % grid.dp:
         raise GridError(f"batch {model.batch} does not split over dp={grid.dp}")
-    if L % grid.pp:
-        raise GridError(f"{L} layers do not split over pp={grid.pp}")
+    if model.layers % grid.pp:
+        raise GridError(f"{model.layers} layers do not split over pp={grid.pp}")
     b = model.batch // grid.dp  # sequences per data-parallel replica
     m = microbatches or (min(b, 4 * grid.pp) if grid.pp > 1 else 1)
     links, _ = _links(grid, cluster)
     sizes = dict(grid.axes())
-    layers_here = L // grid.pp
-    tokens = b * s / m  # tokens of one micro-batch of this replica
-    per_axis = {}
-    busy = [0.0]  # compute (GEMMs and element-wise work) inside seconds(), for the breakdown
+    launch = cluster.launch_s
+    vector = (lambda n: n / cluster.vector_bandwidth_Bps) if cluster.vector_bandwidth_Bps else (lambda n: 0.0)
 
-    def seconds(ops, repeat):
-        """Time of `ops` done `repeat` times; each collective's bytes and time go to its axis."""
+    def comm(ops, per_axis, repeat):
+        """Seconds of the collectives in `ops` (each issued `repeat` times); per axis too."""
         t = 0.0
         for op in ops:
-            if op[0] == "gemm":
-                c = op[1] / cluster.gemm_flops + op[2] * cluster.launch_s
-                busy[0] += c * repeat
-                t += c
-            elif op[0] == "vector":
-                c = (op[1] / cluster.vector_bandwidth_Bps if cluster.vector_bandwidth_Bps else 0.0) + \
-                    op[2] * cluster.launch_s
-                busy[0] += c * repeat
-                t += c
-            elif op[1] in links:
-                a, bw = links[op[1]][:2]
-                c = cluster.launch_s + collective_time(op[0], sizes[op[1]], op[2], (a, bw), cluster)
-                acc = per_axis.setdefault(op[1], [0.0, 0.0])
-                acc[0] += c * repeat
-                acc[1] += op[2] * repeat
-                t += c
-        return t * repeat
+            if op[0] in ("gemm", "vector") or op[1] not in links:
+                continue
+            c = launch + collective_time(op[0], sizes[op[1]], op[2], links[op[1]][:2], cluster)
+            acc = per_axis.setdefault(op[1], [0.0, 0.0])
+            acc[0] += c * repeat
+            acc[1] += op[2] * repeat
+            t += c
+        return t
 
-    ops = layer_ops(model, grid, tokens)
-    stage = seconds(ops, layers_here)  # one micro-batch through a stage
-    if recompute:  # each layer's forward again in backward: a third of its GEMM and element-wise work
-        redo = [(op[0], op[1] / 3, op[2] / 3) for op in ops if op[0] in ("gemm", "vector")]
-        before = busy[0]
-        stage += seconds(redo, layers_here)
-        recompute_s = (busy[0] - before) * m
+    stages = {}
+    for s in sorted({0, grid.pp - 1}):  # the middle stages do what these do, without embedding or head
+        sched = schedule_of(model, grid, m, s, offload_bsize or FUSED_BUCKET, coarsening, clip)
+        def busy(w):  # GEMMs at the GEMM rate, the other kernels at memory bandwidth, each a launch
+            return w.flops / cluster.gemm_flops + (w.gemm_calls + w.kernels) * launch + vector(w.kernel_bytes)
+
+        mb = sched.microbatch
+        compute = busy(mb)
+        # recomputation: each layer's forward again in backward, a third of its work (seed 001 eq. 3)
+        redo = sched.layers * (busy(sched.layer) / 3 if recompute is True else
+                               sched.layer.attention_flops / cluster.gemm_flops if recompute else 0.0)
+        per_axis = {}
+        ops = work_ops(mb)
+        ops += [op for op in ops if op[0] == "send"] * (chunks - 1)  # each chunk's boundary
+        t = compute + redo + comm(ops, per_axis, m)
+        stages[s] = (t, compute, redo, sched, per_axis)
+    s_star = max(stages, key=lambda k: stages[k][0])
+    t_stage, compute, redo, sched, per_axis = stages[s_star]
+    bubble = bubble_fraction(grid.pp, m) / chunks if grid.pp > 1 else 0.0
+    pipeline = m * t_stage * (1 + bubble)  # (m + p - 1) micro-batch slots
+    step_comm = comm([(c.op, c.axis, c.nbytes) for c in sched.step], per_axis, 1)
+    phi_local = sched.parameters
+    if model.vocab and offload_bsize:  # OffloadAdam's own work (seed 001 §V-B: bsize-element buckets)
+        census = optimizer_census(offload_bsize, coarsening, clip, True)
+        kernels = census["fixed"] + census["per_tensor"] * sched.parameter_tensors + \
+            census["per_bucket"] * -(-phi_local // offload_bsize)
+        optimizer_s = kernels * launch + vector(census["bytes_per_element"] * phi_local)
+    elif model.vocab:  # a fused Adam: weights and gradient read, fp32 master and two states read and written
+        optimizer_s = vector((3 * e + 2 * 12) * phi_local)
     else:
-        recompute_s = 0.0
-    if model.vocab:  # the logits on the last stage (seed 001 eq. (3)'s V / 16lh term), over the tensor ranks
-        head = 72 * tokens * h * model.vocab / 16 / (grid.tp_ranks() * grid.sp) / cluster.gemm_flops
-        busy[0] += head
-        stage += head
-    if grid.pp > 1:  # activations forward and gradients backward at each stage boundary
-        act = tokens / grid.sp * h * e * grid.tp.boundary_fraction()
-        stage += seconds([("send", "pp", act), ("send", "pp", act)], 1)
-    bubble = bubble_fraction(grid.pp, m) if grid.pp > 1 else 0.0
-    pipeline = m * stage * (1 + bubble)  # (m + p - 1) micro-batch slots
-    for k in per_axis:  # the per-axis figures so far are for one micro-batch
-        per_axis[k] = [v * m for v in per_axis[k]]
-    compute_busy = busy[0] * m - recompute_s
-    phi = 12 * L * h * h + model.vocab * h
-    # the layer's parameters this rank holds, as its modules place them (recorded)
-    layer_local = layer_schedule(grid.tp, h, model.heads, s, grid.sp)[0].parameters
-    phi_local = layer_local * L / grid.pp + model.vocab * h
-    step = pipeline + seconds([("all_reduce", "dp", phi_local * e)], 1)
-    compute = (transformer_flops(model, recompute) / (grid.dp * grid.pp * grid.tp_ranks() * grid.sp)
-               / cluster.gemm_flops)
+        optimizer_s = 0.0
+    step = pipeline + step_comm + optimizer_s
+    phi = 12 * model.layers * model.hidden ** 2 + model.vocab * model.hidden
+    compute_paper = (transformer_flops(model, recompute) / (grid.dp * grid.pp * grid.tp_ranks() * grid.sp)
+                     / cluster.gemm_flops)
 
-    # memory per GPU: weights, gradients and Adam (20 phi mixed precision, or AxoNN's 4 phi + 16 bsize)
-    # parameters and gradients in half precision, 2 + 2 bytes; fp32 master, exp_avg, exp_avg_sq
-    # and the fp32 gradient, 16 bytes: all here, or AxoNN's bsize-element buckets on the GPU
+    # memory per rank: the stage's parameters as its modules place them, their gradients and the
+    # flat gradient buffer in the model's dtype; AxoNN's 16 bsize of device buckets (offload) or
+    # the fp32 master, exp_avg and exp_avg_sq here (12 phi, with the fp32 gradient 16: 20 phi with
+    # half precision weights and gradients); the kept activations of the micro-batches in flight
+    # (recorded), at most max(pp, 2) (the message-driven schedule's pipeline_limit)
+    in_flight = min(m, max(grid.pp, 2)) if grid.pp > 1 else 1
+    act = sched.microbatch.saved_bytes * in_flight
+    if recompute is True:  # only each layer's input is kept, and one layer's activations at a time
+        layers_here = model.layers // grid.pp
+        act = (2 * b / m * model.seq / grid.sp * model.hidden * e * layers_here * in_flight
+               + sched.microbatch.saved_bytes / max(layers_here, 1))
     optimizer = 16 * offload_bsize if offload_bsize else 16 * phi_local
-    state = 4 * phi_local + optimizer
-    act_layer = grid.tp.activation_bytes(h, s, model.heads, tokens, grid.sp) * e / 2
-    in_flight = min(m, grid.pp)
-    act = (2 * tokens / grid.sp * h * layers_here + act_layer) * in_flight if recompute else \
-        act_layer * layers_here * in_flight
+    params_b, grads_b = e * phi_local, e * phi_local
     return {**{k: v for k, v in asdict(grid).items() if k != "tp"}, "tp": grid.tp.spec(),
-            "step_time_s": step, "compute_s": compute, "bubble": bubble, "microbatches": m,
-            "memory_bytes": state + act, "parameters": phi,
+            "step_time_s": step, "compute_s": compute_paper, "bubble": bubble, "microbatches": m,
+            "memory_bytes": params_b + grads_b + optimizer + act, "parameters": phi,
+            "host_bytes": 16 * phi_local if offload_bsize else 0,  # the offloaded master and states
+            "critical_stage": s_star, "pipeline_s": pipeline,
             # where the step time goes (they add up to step_time_s) and the memory (to memory_bytes)
-            "time_breakdown_s": {"compute": compute_busy, "recompute": recompute_s,
+            "time_breakdown_s": {"compute": compute * m + optimizer_s, "recompute": redo * m,
                                  "communication": {k: v[0] for k, v in per_axis.items()},
                                  "bubble": pipeline - pipeline / (1 + bubble)},
-            "memory_breakdown_bytes": {"parameters": 2 * phi_local, "gradients": 2 * phi_local,
-                                       "optimizer": optimizer, "activations": act},
+            "memory_breakdown_bytes": {"parameters": params_b, "gradients": grads_b, "optimizer": optimizer,
+                                       "activations": act},
             "bytes_per_axis": {k: {"intra": v[1] * (1 - links[k][3]), "inter": v[1] * links[k][3]}
                                for k, v in per_axis.items()},
             "seconds_per_axis": {k: v[0] for k, v in per_axis.items()},
@@ -382,7 +442,8 @@ def tensor_modes(n: int, model: Model) -> list:
             m = cls(size)
             if m.ranks() > n:
                 break
-            if n % m.ranks() == 0 and m.accepts(model.heads, model.hidden):
+            if n % m.ranks() == 0 and m.accepts(model.heads, model.hidden) and \
+                    model.config().arch.kv(model.heads) % m.head_groups_count() == 0:
                 out.append(m)
     return out
 
@@ -420,13 +481,16 @@ def best_microbatching(model: Model, grid: GridShape, cluster: Cluster, sizes=(1
     return min(fits, key=lambda r: r["step_time_s"]) if fits else min(rows, key=lambda r: r["memory_bytes"])
 
 
-def plan(n: int, model: Model, cluster: Cluster, top: int | None = None, **kw) -> list:
+def plan(n: int, model: Model, cluster: Cluster, top: int | None = None, microbatches: int | None = None,
+         **kw) -> list:
     """Grids ranked by predicted step time, the ones that fit in memory first; of two
-    placements that predict the same, the first."""
+    placements that predict the same, the first. microbatches: the job's count (default: the
+    fastest micro-batch size that fits, per grid)."""
     rows = []
     for g in enumerate_grids(n, model):
         try:
-            rows.append(best_microbatching(model, g, cluster, **kw))
+            rows.append(predict(model, g, cluster, microbatches=microbatches, **kw) if microbatches
+                        else best_microbatching(model, g, cluster, **kw))
         except GridError:
             continue
     seen, unique = set(), []

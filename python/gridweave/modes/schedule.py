@@ -9,6 +9,7 @@ proportion), so two recordings give every micro-batch size exactly.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -17,8 +18,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _C
+from ..errors import GridError
 from ..grid import Work
 
+# the attention core's forward kernels: batched products (the math path) or fused attention
+_ATTENTION = {"bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+              "_scaled_dot_product_flash_attention"}
 _GEMMS = {"mm", "bmm", "addmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
           "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"}
 
@@ -44,6 +49,26 @@ class LayerSchedule:
     collectives: tuple  # of Collective, in issue order, forward then backward
     gemm_calls: int     # GEMM kernels (matrix products and fused attention), forward and backward
     parameters: int     # elements of the layer's parameters this rank holds
+    flops: float = 0.0  # of those GEMM kernels
+    kernels: int = 0    # the other kernels (element-wise, reductions, copies)
+    kernel_bytes: float = 0.0  # that they read and write
+    saved_bytes: float = 0.0   # activations kept for backward
+    attention_flops: float = 0.0  # of the forward attention core (QK^T, softmax-weighted values)
+
+    def minus(self, other: "LayerSchedule") -> "LayerSchedule":
+        """What this recording has beyond `other` (one layer: a two-layer stage minus a one-layer one)."""
+        return LayerSchedule(tuple(_difference(other.collectives, self.collectives)),
+                             self.gemm_calls - other.gemm_calls, self.parameters - other.parameters,
+                             self.flops - other.flops, self.kernels - other.kernels,
+                             self.kernel_bytes - other.kernel_bytes, self.saved_bytes - other.saved_bytes,
+                             self.attention_flops - other.attention_flops)
+
+    def plus(self, other: "LayerSchedule", times: int = 1) -> "LayerSchedule":
+        return LayerSchedule(self.collectives + other.collectives * times, self.gemm_calls + times * other.gemm_calls,
+                             self.parameters + times * other.parameters, self.flops + times * other.flops,
+                             self.kernels + times * other.kernels, self.kernel_bytes + times * other.kernel_bytes,
+                             self.saved_bytes + times * other.saved_bytes,
+                             self.attention_flops + times * other.attention_flops)
 
 
 class _Done(Work):
@@ -66,10 +91,10 @@ class RecordingGrid:
     """Stands in for gw.Grid on one rank (`coords`; default every coordinate 0) of a grid with
     `axes`: every collective returns a meta tensor of the right shape and is recorded."""
 
-    def __init__(self, axes, tp, coords=None):
+    def __init__(self, axes, tp, coords=None, device="meta"):
         self.axes = dict(axes)
         self.tp = tp
-        self.device = torch.device("meta")
+        self.device = torch.device(device)
         self.timeout = 0.0
         self.rank, self.world_size = 0, math.prod(self.axes.values())
         self.coords = {a: (coords or {}).get(a, 0) for a in self.axes}
@@ -153,15 +178,63 @@ class _RecordingRing:
         return _Done([torch.empty_like(t) for t in send])
 
 
-class _CountGemms(TorchDispatchMode):
+def _flops(name, args, out) -> float:
+    """FLOPs of one GEMM-like kernel from its operands' shapes (2 per multiply-add); fused
+    attention: its two products (forward), twice that (backward)."""
+    shapes = [a.shape for a in args if isinstance(a, torch.Tensor)]
+    if name in ("mm", "addmm"):
+        a, b = shapes[-2], shapes[-1]
+        return 2.0 * a[0] * a[1] * b[1]
+    if name in ("bmm", "baddbmm"):
+        a, b = shapes[-2], shapes[-1]
+        return 2.0 * a[0] * a[1] * a[2] * b[2]
+    q, k = shapes[0], shapes[1]  # (batch, heads, s_q, d), (batch, heads_kv, s_k, d)
+    f = 4.0 * math.prod(q[:-1]) * k[-2] * q[-1]
+    return 2 * f if name.endswith("backward") else f
+
+
+class Census(TorchDispatchMode):
+    """What a recorded run costs a rank: GEMM calls and FLOPs, the other kernels (views are
+    not kernels) and the bytes they read and write, and the activations kept for backward."""
+
     def __init__(self):
         super().__init__()
-        self.calls = 0
+        self.calls, self.flops, self.kernels, self.bytes = 0, 0.0, 0, 0.0
+        self.attention_flops = 0.0  # forward attention core (QK^T and the values): selective recomputation's
+        self.forward = True  # the recorder sets it False before backward
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in _GEMMS:
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in _GEMMS or name.removesuffix("_backward") in _GEMMS:
             self.calls += 1
-        return func(*args, **(kwargs or {}))
+            f = _flops(name, args, out)
+            self.flops += f
+            if name in _ATTENTION and self.forward:
+                self.attention_flops += f
+        elif not func.is_view:
+            self.kernels += 1
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            self.bytes += sum(_nbytes(t) for t in list(args) + list(outs) if isinstance(t, torch.Tensor))
+        return out
+
+
+class _Saved:
+    """Bytes of the tensors autograd keeps for backward (each storage once, parameters not)."""
+
+    def __init__(self, params):
+        self.skip = {p.untyped_storage()._cdata for p in params}
+        self.seen, self.bytes = set(), 0
+
+    def pack(self, t):
+        st = t.untyped_storage()
+        if st._cdata not in self.skip and st._cdata not in self.seen:
+            self.seen.add(st._cdata)
+            self.bytes += st.nbytes()
+        return t
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
 
 def record_layer(mode, hidden, heads, seq, sp, batch, dtype=torch.bfloat16, causal=True) -> LayerSchedule:
@@ -173,7 +246,7 @@ def record_layer(mode, hidden, heads, seq, sp, batch, dtype=torch.bfloat16, caus
     layer = TransformerLayer(hidden, heads, grid, mode, dtype=dtype, causal=causal, device=grid.device)
     local = layer.input_layout.local_shape((batch, seq, hidden), grid)
     x = torch.empty(local, dtype=dtype, device=grid.device, requires_grad=True)
-    with _CountGemms() as counter:
+    with Census() as counter:
         y = layer(x)
         y.backward(torch.empty_like(y))
     params = sum(p.numel() for p in layer.parameters())
@@ -210,50 +283,72 @@ def collectives_at(mode, hidden, heads, seq, sp, batch: float) -> list:
 # ---- a whole training step ------------------------------------------------------------------
 
 
-def _scaled(c: Collective, f: float) -> Collective:
-    return Collective(c.op, c.axis, c.nbytes * f, c.member_bytes * f, c.root, c.elem)
-
-
-def record_stage(config, mode, dp, pp, sp, at, batch, per_stage, dtype=torch.bfloat16) -> LayerSchedule:
+def record_stage(config, mode, dp, pp, sp, at, batch, per_stage, dtype=torch.bfloat16, ends=True) -> tuple:
     """Forward and backward of one micro-batch of `batch` sequences through gw.models.GPTStage
     (embedding, loss, vocab-parallel pieces and the stage boundary's scatter / gather included)
     on the rank at coordinates `at` ((axis, index) pairs, the others 0; its stage at["pp"]), the
-    model `config` with `per_stage` layers a stage. Returns (schedule, pipeline payload bytes)."""
-    import dataclasses
-
-    from ..models import GPTStage, build
+    model `config` with `per_stage` layers a stage; ends=False: its layers alone. Returns
+    (schedule, pipeline payload bytes)."""
+    from ..models import GPTStage, _without_dp
+    from ..nn.transformer import TransformerLayer
+    from ..pipeline import run_layers
     from .base import grid_axes
 
-    cfg = dataclasses.replace(config, layers=per_stage * pp, tie=config.tie and pp == 1)
     axes = grid_axes(dp, pp, sp, mode)
     grid = RecordingGrid(axes, mode, _recorded_at(mode, axes, at))
     stage = grid.coords["pp"]
-    model = build(cfg, dtype=dtype, device=grid.device)
-    st = GPTStage(model, grid, mode, stage, pp)
-    shape = st.activation_shape(batch, cfg.seq)
-    with _CountGemms() as counter:
-        if stage == 0:
-            x = torch.empty((batch, cfg.seq), dtype=torch.int64, device=grid.device)
+    dense = _dense(config, pp * per_stage, dtype)
+    if ends:
+        st = GPTStage(dense, grid, mode, stage, pp)
+        shape = st.activation_shape(batch, config.seq)
+    else:  # the layers alone, on the stage's (dp-free) layout
+        st = torch.nn.Module()
+        st.layers = torch.nn.ModuleList(TransformerLayer.from_dense(d, grid, mode=mode) for d in dense.layers[:per_stage])
+        shape = _without_dp(st.layers[0].input_layout).local_shape((batch, config.seq, config.hidden), grid)
+    params = list(st.parameters())
+    saved = _Saved(params)
+    with Census() as census:
+        if not ends:
+            x = torch.empty(shape, dtype=dtype, device=grid.device, requires_grad=True)
+        elif stage == 0:
+            x = torch.empty((batch, config.seq), dtype=torch.int64, device=grid.device)
         else:
             x = torch.empty(shape, dtype=dtype, device=grid.device, requires_grad=True)
-        y = st(x)
-        if stage == pp - 1:
-            st.loss(y, torch.empty((batch, cfg.seq), dtype=torch.int64, device=grid.device)).backward()
+        with saved.hooks():
+            y = st(x) if ends else run_layers(st.layers, x)
+            last = ends and stage == pp - 1
+            if last:
+                y = st.loss(y, torch.empty((batch, config.seq), dtype=torch.int64, device=grid.device))
+        census.forward = False
+        if last:
+            y.backward()
         else:
             y.backward(torch.empty_like(y))
-    params = sum(p.numel() for p in st.parameters())
-    return LayerSchedule(tuple(grid.log), counter.calls, params), math.prod(shape) * dtype.itemsize
+    sched = LayerSchedule(tuple(grid.log), census.calls, sum(p.numel() for p in params), census.flops,
+                          census.kernels, census.bytes, saved.bytes, census.attention_flops)
+    return sched, math.prod(shape) * dtype.itemsize
 
 
 @dataclass(frozen=True)
 class StepSchedule:
-    """One training step (gw.train.run's) on one rank, as the code runs it: every collective
-    and message with how many times it is issued, the GEMM calls, the parameters held, the
-    pipeline's message and the rank's flat gradient buffer."""
-    collectives: tuple   # (Collective, times)
-    gemm_calls: int      # per step
-    parameters: int      # elements this rank holds
-    payload: int         # bytes of one pipeline message (activation or its gradient)
+    """One training step (gw.train's) on one rank, as the code runs it. microbatch: one
+    micro-batch through the stage (its collectives, kernels, FLOPs, kept activations) and its
+    pipeline messages; step: the once-a-step collectives (micro-batch count, loss, optimizer's
+    gradient chunks, clipping norm); parameters: elements this rank holds."""
+    microbatch: LayerSchedule
+    microbatches: int
+    step: tuple          # of Collective
+    parameters: int
+    payload: int         # bytes of one pipeline message's activation (or its gradient)
+    parameter_tensors: int
+    gradient_bytes: int  # bytes of one element of the model's dtype
+    layer: LayerSchedule  # one of the stage's layers (inside microbatch)
+    layers: int           # the stage's layers
+
+    @property
+    def collectives(self) -> tuple:
+        """(Collective, times issued in the step)."""
+        return tuple((c, self.microbatches) for c in self.microbatch.collectives) + tuple((c, 1) for c in self.step)
 
 
 def _difference(a, b) -> list:
@@ -271,31 +366,55 @@ def _difference(a, b) -> list:
 
 
 @lru_cache(maxsize=256)
+def _stage_recordings(config, mode, dp, pp, sp, at, dtype, ends) -> tuple:
+    """record_stage with one and two layers a stage, at the mode's smallest batch b0 and 2 b0."""
+    b0 = batch_unit(mode, sp)
+    return {(k, b): record_stage(config, mode, dp, pp, sp, at, b, k, dtype, ends)
+            for k in (1, 2) for b in (b0, 2 * b0)}, b0
+
+
+def _lerp(a: LayerSchedule, b: LayerSchedule, f: float) -> LayerSchedule:
+    """a + (b - a) f: the schedule at a batch between (or beyond) two recordings'."""
+    if [(c.op, c.axis) for c in a.collectives] != [(c.op, c.axis) for c in b.collectives]:
+        raise GridError("a recording's collectives change with the batch; it cannot be interpolated")
+    cs = tuple(Collective(x.op, x.axis, x.nbytes + (y.nbytes - x.nbytes) * f,
+                          round(x.member_bytes + (y.member_bytes - x.member_bytes) * f), x.root, x.elem)
+               for x, y in zip(a.collectives, b.collectives))
+    return LayerSchedule(cs, a.gemm_calls, a.parameters, a.flops + (b.flops - a.flops) * f, a.kernels,
+                         a.kernel_bytes + (b.kernel_bytes - a.kernel_bytes) * f,
+                         a.saved_bytes + (b.saved_bytes - a.saved_bytes) * f,
+                         a.attention_flops + (b.attention_flops - a.attention_flops) * f)
+
+
+@lru_cache(maxsize=1024)
 def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch.bfloat16, bsize=1 << 14,
-                  coarsening=4, clip=True, loss_scaling=False) -> StepSchedule:
+                  coarsening=4, clip=True, loss_scaling=False, ends=True) -> StepSchedule:
     """The collectives of one gw.train step on the rank at coordinates `at` ((axis, index) pairs,
-    the others 0; its pipeline stage at["pp"]): `microbatches`
-    micro-batches of `batch` sequences through the stage (recorded: gw.models.GPTStage on a
-    RecordingGrid, its layers from one- and two-layer stages), the pipeline's messages and its
-    micro-batch count (gw.pipeline.pipeline_step), the loss's all-reduce (gw.train.run), the
-    optimizer's chunked gradient all-reduces (gw.optim.gradient_chunks) and the clipping norm's
-    all-reduce (gw.sharding.grad_norm_of)."""
+    the others 0; its pipeline stage at["pp"]): `microbatches` micro-batches of `batch`
+    sequences through the stage (recorded: gw.models.GPTStage on a RecordingGrid, its layers
+    from one- and two-layer stages), the pipeline's messages and its micro-batch count
+    (gw.pipeline.pipeline_step), the loss's all-reduce (gw.train.train_step), the optimizer's
+    chunked gradient all-reduces (gw.optim.gradient_chunks) and the clipping norm's all-reduce
+    (gw.sharding.grad_norm_of). ends=False: the stages' layers alone, no step collectives."""
     from ..optim import gradient_chunks
     from ..sharding import grad_norm_of, placement_of
 
-    one, payload = record_stage(config, mode, dp, pp, sp, at, batch, 1, dtype)
-    two, _ = record_stage(config, mode, dp, pp, sp, at, batch, 2, dtype)
+    rec, b0 = _stage_recordings(config, mode, dp, pp, sp, at, dtype, ends)
+    f = (batch - b0) / b0  # every byte and FLOP is affine in the batch: two recordings give any batch
+    one, two = (_lerp(rec[(k, b0)][0], rec[(k, 2 * b0)][0], f) for k in (1, 2))
+    payload = round(rec[(1, b0)][1] + (rec[(1, 2 * b0)][1] - rec[(1, b0)][1]) * f)
+    layer = two.minus(one)
+    stage_work = one.plus(layer, config.layers // pp - 1)
     stage = dict(at).get("pp", 0)
-    layer = _difference(one.collectives, two.collectives)
-    k = config.layers // pp
-    items = [(c, microbatches) for c in one.collectives] + [(c, microbatches * (k - 1)) for c in layer]
-    gemms = microbatches * (one.gemm_calls + (k - 1) * (two.gemm_calls - one.gemm_calls))
-    params = one.parameters + (k - 1) * (two.parameters - one.parameters)
     pipeline = []  # seed 001: each micro-batch's activation forward, its gradient backward
     message = float(payload + _C.pipeline_header_bytes)
     for peer in (stage + 1, stage - 1):
         if 0 <= peer < pp:
             pipeline += [Collective("send", "pp", message, message, peer), Collective("recv", "pp", 0.0, message, peer)]
+    micro = dataclasses.replace(stage_work, collectives=stage_work.collectives + tuple(pipeline))
+    if not ends:
+        return StepSchedule(micro, microbatches, (), stage_work.parameters, payload, 0, dtype.itemsize, layer,
+                            config.layers // pp)
     grid = RecordingGrid(_step_axes(mode, dp, pp, sp), mode, dict(at))
     scalar = torch.empty(1, dtype=torch.float64, device=grid.device)
     grid.all_reduce(scalar, "pp", op="max")  # the micro-batch count every stage learns
@@ -311,8 +430,8 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
             grid.log.append(Collective("all_reduce", grid.label(axes), n, n, 0, size))
     if clip:
         grad_norm_of([(p, placement_of(p)) for p in params_of], grid)
-    items += [(c, 1) for c in grid.log] + [(c, microbatches) for c in pipeline]
-    return StepSchedule(tuple(items), gemms, params, payload)
+    return StepSchedule(micro, microbatches, tuple(grid.log), sum(p.numel() for p in params_of), payload,
+                        len(params_of), size, layer, config.layers // pp)
 
 
 def _recorded_at(mode, axes, at) -> dict:
@@ -335,12 +454,45 @@ def _step_axes(mode, dp, pp, sp):
     return grid_axes(dp, pp, sp, mode)
 
 
+def _dense(config, layers, dtype):
+    """The dense model on meta with `layers` layers, all one module (a stage converts only its own)."""
+    from ..models import build
+
+    model = build(dataclasses.replace(config, layers=1, tie=config.tie and layers == config.layers), dtype=dtype,
+                  device="meta")
+    model.layers = torch.nn.ModuleList([model.layers[0]] * layers)
+    return model
+
+
 def _stage_parameters(config, mode, dp, pp, sp, at, dtype):
     """The stage's parameters (meta) without running it: its modules place them."""
-    import dataclasses
-
-    from ..models import GPTStage, build
+    from ..models import GPTStage
 
     grid = RecordingGrid(_step_axes(mode, dp, pp, sp), mode, dict(at))
-    cfg = dataclasses.replace(config, tie=config.tie and pp == 1)
-    return list(GPTStage(build(cfg, dtype=dtype, device=grid.device), grid, mode, grid.coords["pp"], pp).parameters())
+    return list(GPTStage(_dense(config, config.layers, dtype), grid, mode, grid.coords["pp"], pp).parameters())
+
+
+@lru_cache(maxsize=16)
+def optimizer_census(bsize: int, coarsening: int, clip: bool, decay: bool) -> dict:
+    """gw.optim.OffloadAdam.step's own work, recorded on small CPU tensors: kernels a step, a
+    parameter tensor and a bucket, and the bytes its kernels read and write per element (the
+    flat gradient, the clipping norm, the Adam update through the bucket buffers, the write-back)."""
+    from ..optim import OffloadAdam, matrices_only
+
+    def run(sizes):
+        grid = RecordingGrid(_step_axes(None, 1, 1, 1), None, device="cpu")  # the optimizer reads its norm
+        params = [torch.nn.Parameter(torch.zeros(n, 1, device="cpu")) for n in sizes]
+        opt = OffloadAdam(params, grid=grid, bsize=bsize, coarsening=coarsening, max_grad_norm=1.0 if clip else None,
+                          decay=matrices_only if decay else None)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        with Census() as census:
+            opt.step()
+        return census.kernels + census.calls, census.bytes
+
+    k1, b1 = run([bsize])             # one tensor, one bucket
+    k2, _ = run([bsize, bsize])       # two tensors, two buckets
+    k3, b3 = run([2 * bsize])         # one tensor, two buckets
+    bucket = k3 - k1
+    return {"per_tensor": k2 - k3, "per_bucket": bucket, "fixed": k1 - bucket - (k2 - k3),
+            "bytes_per_element": (b3 - b1) / bsize}
