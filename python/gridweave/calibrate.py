@@ -41,9 +41,24 @@ def vector_bandwidth(numel: int = 1 << 18, window: float = 1.0, device="cpu") ->
 
 
 def launch_overhead(window: float = 1.0, device="cpu") -> float:
-    """Seconds of one tiny autograd-recorded op: what each kernel costs beyond its work."""
-    x = torch.ones(4, requires_grad=True, device=device)
-    return 1 / _rate(lambda: x * 2.0, window)
+    """Seconds each kernel costs beyond its work, in a real layer: a tiny Llama layer of
+    gridweave's (no work to speak of) forward and backward, over its kernels as the planner
+    counts them (modes/schedule.Census). It holds what a kernel alone does not: Python,
+    module and autograd bookkeeping between kernels."""
+    from .models import ModelConfig
+    from .modes.schedule import Census
+    from .nn.dense import DenseTransformerLayer
+
+    cfg = ModelConfig("llama", 64, 16, 2, 1, 8)
+    layer = DenseTransformerLayer(cfg.hidden, cfg.heads, cfg.ffn, bias=cfg.bias, arch=cfg.arch, device=device)
+    x = torch.randn(1, cfg.seq, cfg.hidden, device=device, requires_grad=True)
+
+    def step():
+        layer(x).sum().backward()
+
+    with Census() as census:
+        step()
+    return 1 / _rate(step, window) / (census.calls + census.kernels)
 
 
 def ring_all_gather(grid, sizes=(1 << 13, 1 << 16, 1 << 18, 1 << 20, 1 << 22), reps: int = 21) -> dict:
@@ -73,8 +88,9 @@ def fit_alpha_beta(times: dict) -> tuple:
     return alpha, max(beta, 1e-12)
 
 
-def measure(grid) -> dict:
-    """Every rank of `grid` measures at once; the medians over ranks, as a cluster preset."""
+def measure(grid, fixed: bool = True) -> dict:
+    """Every rank of `grid` measures at once; the medians over ranks, as a cluster preset.
+    fixed: also fit the per-kernel and per-collective costs on small training steps."""
     g = grid.world_size
     times = ring_all_gather(grid) if g > 1 else {8: 1e-5, 1 << 20: 1e-3}
     # per ring step: alpha + (n / g) beta
@@ -86,13 +102,79 @@ def measure(grid) -> dict:
     local = torch.tensor(local, dtype=torch.float64, device=grid.device)
     every = grid.all_gather(local.unsqueeze(0), "dp", dim=0) if grid.world_size > 1 else local.unsqueeze(0)
     gemm, vector, launch = (statistics.median(every[:, k].tolist()) for k in range(3))
-    return {"name": "local", "about": f"measured by gridweave bench --calibrate with {grid.world_size} ranks at once",
+    preset = {"name": "local", "about": f"measured by gridweave bench --calibrate with {grid.world_size} ranks at once",
             "gpus_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", grid.world_size)),
             "intra_alpha_s": alpha, "intra_bandwidth_Bps": 1 / beta,
             "inter_alpha_s": alpha, "inter_bandwidth_Bps": 1 / beta, "nics_per_node": 1,
             "gemm_flops": gemm, "vector_bandwidth_Bps": vector, "launch_s": launch,
-            "memory_bytes": 24 * 2 ** 30, "ranks": grid.world_size,
+            "memory_bytes": 24 * 2 ** 30, "ranks": grid.world_size, "cores_per_node": len(os.sched_getaffinity(0)),
             "measured_all_gather_s": {str(k): v for k, v in times.items()}}
+    if fixed and g > 1:
+        preset["launch_s"], preset["collective_s"] = fixed_costs(grid, preset)
+    return preset
+
+
+# The small steps fixed_costs times: the main job's code (gw.train.train_step) on a model too
+# small for its FLOPs and bytes to matter, on grids with few and with many collectives
+_SMALL = dict(model="llama", hidden=32, heads=4, layers=2, seq=32, batch=8, microbatches=1, tokenizer="bytes")
+_SMALL_GRIDS = ({}, {"tp": "row:2"}, {"sp": 2}, {"tp": "square:2"})
+
+
+def fixed_costs(grid, preset: dict, steps: int = 5) -> tuple:
+    """What each kernel and each collective costs beyond its FLOPs, bytes, alpha and beta, on
+    this machine under this many ranks: small training steps on a few grids (the main job's
+    code, a tiny Llama), each timed (the slowest rank, the median step) and recorded
+    (gw.plan.predict's kernel and collective counts), then a least-squares fit of the time
+    the rates leave unexplained. Where ranks share cores, a collective's thread handoffs
+    wait for a core; that, not alpha, is what makes many small collectives expensive."""
+    import dataclasses
+
+    import numpy as np
+
+    from . import plan
+    from .modes import parse
+    from .train import TrainConfig, build, train_step
+
+    n = grid.world_size
+    base = plan.Cluster(**{k: v for k, v in preset.items() if k in plan.Cluster.__dataclass_fields__})
+    base = dataclasses.replace(base, launch_s=0.0, collective_s=0.0)
+    rows = []
+    for i, extra in enumerate(_SMALL_GRIDS):
+        cfg = TrainConfig(**_SMALL, **extra, pp=1)
+        try:
+            shape = cfg.grid_shape(n)
+        except Exception:  # a grid this world cannot hold
+            continue
+        g = init_like(grid, shape, cfg, f"calibrate-{i}")
+        torch.manual_seed(0)
+        _, stage, opt, scaler = build(cfg, g, cfg.model_config(256))
+        x = torch.randint(0, 256, (cfg.batch // shape["dp"], cfg.seq), generator=torch.Generator().manual_seed(0))
+        times = []
+        for step in range(steps + 2):
+            grid.barrier()
+            t0 = time.perf_counter()
+            train_step(cfg, g, stage, opt, scaler, x, x.roll(1, 1))
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=grid.device)
+            grid.all_reduce(t, "dp", op="max")
+            times.append(float(t))
+        g.shutdown()
+        model = plan.Model(cfg.hidden, cfg.layers, cfg.heads, cfg.seq, cfg.batch, cfg.model_config(256).vocab, 4,
+                           "llama")
+        shape_ = plan.GridShape(dp=shape["dp"], tp=parse(cfg.tp or "none"), sp=shape["sp"])
+        r = plan.predict(model, shape_, base, microbatches=1, offload_bsize=cfg.bsize, coarsening=cfg.coarsening)
+        rows.append((r["kernels"], r["collectives"], statistics.median(times[2:]) - r["step_time_s"]))
+    a = np.array([[k, c] for k, c, _ in rows], dtype=float)
+    y = np.array([t for _, _, t in rows])
+    (launch, coll), *_ = np.linalg.lstsq(a, y, rcond=None)
+    return max(float(launch), 0.0), max(float(coll), 0.0)
+
+
+def init_like(grid, shape: dict, cfg, prefix: str):
+    """A grid of `shape` over the same ranks and store as `grid`."""
+    import gridweave as gw
+
+    return gw.init(dp=shape["dp"], pp=shape["pp"], tp=cfg.mode, sp=shape["sp"], store=grid._torch_store[0],
+                   prefix=prefix, backend=grid.backend, timeout=grid.timeout)
 
 
 def run(out: Path) -> dict:

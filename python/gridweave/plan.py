@@ -37,6 +37,8 @@ class Cluster:
     vector_bandwidth_Bps: float = 0.0  # memory-bound element-wise work (0: not counted)
     launch_s: float = 0.0  # fixed cost of each kernel or collective call
     nics_per_node: int = 1  # network links per node; lines leaving a node share them
+    cores_per_node: int = 0  # CPU ranks: the cores they share (0: each rank has its own device)
+    collective_s: float = 0.0  # fixed cost of each collective or message beyond alpha (threads handing off)
 
 
 def load_cluster(name_or_path: str, gpus_per_node: int | None = None) -> Cluster:
@@ -51,7 +53,8 @@ def load_cluster(name_or_path: str, gpus_per_node: int | None = None) -> Cluster
     if gpus_per_node:
         d["gpus_per_node"] = gpus_per_node
     fields = set(Cluster.__dataclass_fields__)
-    missing = fields - set(d) - {"about", "vector_bandwidth_Bps", "launch_s", "nics_per_node"}
+    missing = fields - set(d) - {"about", "vector_bandwidth_Bps", "launch_s", "nics_per_node", "cores_per_node",
+                                 "collective_s"}
     if missing:
         raise GridError(f"cluster file {p} lacks {sorted(missing)}")
     return Cluster(**{k: v for k, v in d.items() if k in fields})  # extra keys (measurements) are kept out
@@ -355,7 +358,7 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
         for op in ops:
             if op[0] in ("gemm", "vector") or op[1] not in links:
                 continue
-            c = launch + collective_time(op[0], sizes[op[1]], op[2], links[op[1]][:2], cluster)
+            c = launch + cluster.collective_s + collective_time(op[0], sizes[op[1]], op[2], links[op[1]][:2], cluster)
             acc = per_axis.setdefault(op[1], [0.0, 0.0])
             acc[0] += c * repeat
             acc[1] += op[2] * repeat
@@ -381,7 +384,11 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
     s_star = max(stages, key=lambda k: stages[k][0])
     t_stage, compute, redo, sched, per_axis = stages[s_star]
     bubble = bubble_fraction(grid.pp, m) / chunks if grid.pp > 1 else 0.0
-    pipeline = m * t_stage * (1 + bubble)  # (m + p - 1) micro-batch slots
+    # (m + p - 1) micro-batch slots; where ranks share cores (cores_per_node), the ones idle in
+    # the bubble lend theirs to the busy ones (the rates are calibrated with every rank busy), so
+    # the bubble costs only what the shared cores cannot absorb
+    share = max(1.0, cluster.gpus_per_node / cluster.cores_per_node) if cluster.cores_per_node else 1.0
+    pipeline = m * t_stage * max(1.0, (1 + bubble) / share)
     step_comm = comm([(c.op, c.axis, c.nbytes) for c in sched.step], per_axis, 1)
     phi_local = sched.parameters
     if model.vocab and offload_bsize:  # OffloadAdam's own work (seed 001 §V-B: bsize-element buckets)
@@ -404,22 +411,30 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
     # half precision weights and gradients); the kept activations of the micro-batches in flight
     # (recorded), at most max(pp, 2) (the message-driven schedule's pipeline_limit)
     in_flight = min(m, max(grid.pp, 2)) if grid.pp > 1 else 1
-    act = sched.microbatch.saved_bytes * in_flight
+    # the recorded peak of one micro-batch (its kept activations, their gradients and the
+    # temporaries, the gradients made) beside the gradients, plus the others in flight
+    mb = sched.microbatch
+    act = max(mb.peak_bytes - e * phi_local, mb.saved_bytes) + mb.saved_bytes * (in_flight - 1)
     if recompute is True:  # only each layer's input is kept, and one layer's activations at a time
         layers_here = model.layers // grid.pp
         act = (2 * b / m * model.seq / grid.sp * model.hidden * e * layers_here * in_flight
                + sched.microbatch.saved_bytes / max(layers_here, 1))
-    optimizer = 16 * offload_bsize if offload_bsize else 16 * phi_local
+    # OffloadAdam's bucket buffers and the flat gradient it sums (model dtype), or fused Adam's states
+    optimizer = 16 * offload_bsize + e * phi_local if offload_bsize else 16 * phi_local
     params_b, grads_b = e * phi_local, e * phi_local
     return {**{k: v for k, v in asdict(grid).items() if k != "tp"}, "tp": grid.tp.spec(),
             "step_time_s": step, "compute_s": compute_paper, "bubble": bubble, "microbatches": m,
             "memory_bytes": params_b + grads_b + optimizer + act, "parameters": phi,
             "host_bytes": 16 * phi_local if offload_bsize else 0,  # the offloaded master and states
             "critical_stage": s_star, "pipeline_s": pipeline,
+            # what the critical rank issues in the step: kernels and collectives (with messages)
+            "kernels": m * (sched.microbatch.kernels + sched.microbatch.gemm_calls),
+            "collectives": m * sum(1 for op in work_ops(sched.microbatch) if op[0] not in ("gemm", "vector")) +
+            len(sched.step),
             # where the step time goes (they add up to step_time_s) and the memory (to memory_bytes)
             "time_breakdown_s": {"compute": compute * m + optimizer_s, "recompute": redo * m,
                                  "communication": {k: v[0] for k, v in per_axis.items()},
-                                 "bubble": pipeline - pipeline / (1 + bubble)},
+                                 "bubble": pipeline - m * t_stage},
             "memory_breakdown_bytes": {"parameters": params_b, "gradients": grads_b, "optimizer": optimizer,
                                        "activations": act},
             "bytes_per_axis": {k: {"intra": v[1] * (1 - links[k][3]), "inter": v[1] * links[k][3]}
@@ -442,8 +457,7 @@ def tensor_modes(n: int, model: Model) -> list:
             m = cls(size)
             if m.ranks() > n:
                 break
-            if n % m.ranks() == 0 and m.accepts(model.heads, model.hidden) and \
-                    model.config().arch.kv(model.heads) % m.head_groups_count() == 0:
+            if n % m.ranks() == 0 and m.accepts(model.heads, model.hidden, model.config().arch.kv(model.heads)):
                 out.append(m)
     return out
 

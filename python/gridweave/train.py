@@ -186,10 +186,9 @@ class TrainConfig:
         if self.tie and pp > 1:
             raise GridError("--tie needs the embedding and the head on one pipeline stage (pp 1)")
         model = self.model_config(256)
-        groups = mode.head_groups_count()
-        if not mode.accepts(self.heads, self.hidden) or model.kv_heads % groups:
+        if not mode.accepts(self.heads, self.hidden, model.kv_heads):
             raise GridError(f"{self.heads} heads ({model.kv_heads} key/value heads) and hidden {self.hidden} do not "
-                            f"split over --tp {mode.spec()} ({groups} head groups)")
+                            f"split over --tp {mode.spec()}")
         chunks = 2 * sp if self.attention == "ring" and sp > 1 else sp
         if self.seq % chunks:
             raise GridError(f"--seq {self.seq} does not split into the {chunks} chunks --sp {sp} needs")

@@ -81,9 +81,11 @@ class Mode:
                 raise GridError(f"{type(self).__name__} needs axis {a!r} of size {s}; the grid has "
                                 f"{dict(grid.axes)}: gw.init(tp={self!r})")
 
-    def accepts(self, model_heads: int, hidden: int) -> bool:
-        """Whether a model of these sizes splits over this mode (the planner's filter)."""
-        return model_heads % self.head_groups_count() == 0 and hidden % self.ranks() == 0
+    def accepts(self, model_heads: int, hidden: int, kv_heads: int | None = None) -> bool:
+        """Whether a model of these sizes (kv_heads: None for as many as heads) splits over this
+        mode: the planner's filter and the launcher's check."""
+        groups = self.head_groups_count()
+        return model_heads % groups == 0 and (kv_heads or model_heads) % groups == 0 and hidden % self.ranks() == 0
 
     # ---- a layer's pieces ----------------------------------------------------------------
     def head_groups_count(self) -> int:

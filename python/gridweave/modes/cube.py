@@ -55,8 +55,8 @@ class Cube(Mode):
     def head_groups_count(self):
         return self.p
 
-    def accepts(self, heads, hidden):
-        return heads % self.p == 0 and hidden % (self.p * self.p) == 0
+    def accepts(self, heads, hidden, kv_heads=None):
+        return heads % self.p == 0 and (kv_heads or heads) % self.p == 0 and hidden % (self.p * self.p) == 0
 
     def base_layout(self, grid):
         return activation_layout(*INPUT_DIRECTIONS)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -54,6 +55,7 @@ class LayerSchedule:
     kernel_bytes: float = 0.0  # that they read and write
     saved_bytes: float = 0.0   # activations kept for backward
     attention_flops: float = 0.0  # of the forward attention core (QK^T, softmax-weighted values)
+    peak_bytes: float = 0.0    # most bytes held at once (activations, their gradients, temporaries, gradients)
 
     def minus(self, other: "LayerSchedule") -> "LayerSchedule":
         """What this recording has beyond `other` (one layer: a two-layer stage minus a one-layer one)."""
@@ -61,14 +63,15 @@ class LayerSchedule:
                              self.gemm_calls - other.gemm_calls, self.parameters - other.parameters,
                              self.flops - other.flops, self.kernels - other.kernels,
                              self.kernel_bytes - other.kernel_bytes, self.saved_bytes - other.saved_bytes,
-                             self.attention_flops - other.attention_flops)
+                             self.attention_flops - other.attention_flops, self.peak_bytes - other.peak_bytes)
 
     def plus(self, other: "LayerSchedule", times: int = 1) -> "LayerSchedule":
         return LayerSchedule(self.collectives + other.collectives * times, self.gemm_calls + times * other.gemm_calls,
                              self.parameters + times * other.parameters, self.flops + times * other.flops,
                              self.kernels + times * other.kernels, self.kernel_bytes + times * other.kernel_bytes,
                              self.saved_bytes + times * other.saved_bytes,
-                             self.attention_flops + times * other.attention_flops)
+                             self.attention_flops + times * other.attention_flops,
+                             self.peak_bytes + times * other.peak_bytes)
 
 
 class _Done(Work):
@@ -202,6 +205,7 @@ class Census(TorchDispatchMode):
         self.calls, self.flops, self.kernels, self.bytes = 0, 0.0, 0, 0.0
         self.attention_flops = 0.0  # forward attention core (QK^T and the values): selective recomputation's
         self.forward = True  # the recorder sets it False before backward
+        self.live, self.peak, self._alive = 0, 0, set()  # bytes of the tensors the run holds at once
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -216,7 +220,27 @@ class Census(TorchDispatchMode):
             self.kernels += 1
             outs = out if isinstance(out, (tuple, list)) else (out,)
             self.bytes += sum(_nbytes(t) for t in list(args) + list(outs) if isinstance(t, torch.Tensor))
+        if not func.is_view:
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor):
+                    self._hold(t)
         return out
+
+    def _hold(self, t):
+        """Count t's storage while t lives (a view kept past its base is not followed)."""
+        key = t.untyped_storage()._cdata
+        if key in self._alive:
+            return
+        n = t.untyped_storage().nbytes()
+        self._alive.add(key)
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(t, self._free, key, n)
+
+    def _free(self, key, n):
+        if key in self._alive:
+            self._alive.discard(key)
+            self.live -= n
 
 
 class _Saved:
@@ -325,7 +349,7 @@ def record_stage(config, mode, dp, pp, sp, at, batch, per_stage, dtype=torch.bfl
         else:
             y.backward(torch.empty_like(y))
     sched = LayerSchedule(tuple(grid.log), census.calls, sum(p.numel() for p in params), census.flops,
-                          census.kernels, census.bytes, saved.bytes, census.attention_flops)
+                          census.kernels, census.bytes, saved.bytes, census.attention_flops, census.peak)
     return sched, math.prod(shape) * dtype.itemsize
 
 
@@ -383,7 +407,8 @@ def _lerp(a: LayerSchedule, b: LayerSchedule, f: float) -> LayerSchedule:
     return LayerSchedule(cs, a.gemm_calls, a.parameters, a.flops + (b.flops - a.flops) * f, a.kernels,
                          a.kernel_bytes + (b.kernel_bytes - a.kernel_bytes) * f,
                          a.saved_bytes + (b.saved_bytes - a.saved_bytes) * f,
-                         a.attention_flops + (b.attention_flops - a.attention_flops) * f)
+                         a.attention_flops + (b.attention_flops - a.attention_flops) * f,
+                         a.peak_bytes + (b.peak_bytes - a.peak_bytes) * f)
 
 
 @lru_cache(maxsize=1024)

@@ -26,8 +26,9 @@ class SubGraph(Mode):
     def axes(self):
         return [("sg", self.g)]
 
-    def accepts(self, heads, hidden):
-        return heads % self.g == 0 and hidden % self.g == 0
+    def accepts(self, heads, hidden, kv_heads=None):
+        # each sub-grid's branch holds heads / g of the heads and of the key/value heads
+        return heads % self.g == 0 and hidden % self.g == 0 and (kv_heads or heads) % self.g == 0
 
     def base_layout(self, grid):
         return Layout(("dp", "sg"), (), ())
