@@ -1,13 +1,13 @@
 """Performance model and planner: predicted step time, memory and traffic of a grid.
 
-Collectives are alpha-beta costed (ring, halving-doubling, pairwise, tree) over the links a
-grid line actually uses under the engine's placement (cpp/placement.h): a line inside a node
-uses the intra-node link; a line across nodes shares each node's network link with the
-other lines leaving that node. A layer's collectives, GEMM calls and parameters are
-recorded from the mode's own TransformerLayer run on meta tensors (modes/schedule.py), so
-they are exactly what autograd executes (seed 003 1-D, SUMMA 2-D, seed 000 3-D, seed 004
-ring, seed 002 split/join); the pipeline follows seed 001; compute follows seed 001 eq. (3);
-memory the mixed-precision 20 phi (or AxoNN's 4 phi + 16 bsize) and the activations per layer.
+The step costed is the step gw.train runs, recorded from its code (modes/schedule.py,
+step_schedule): every GEMM and its FLOPs, every other kernel and its bytes, every collective
+and pipeline message (seed 003 1-D, SUMMA 2-D, seed 000 3-D, seed 004 ring, seed 002
+split/join, seed 001's pipeline), the optimizer's chunked all-reduces and own work, the
+activations kept. Collectives are alpha-beta costed (ring, halving-doubling, pairwise, tree)
+over the links a grid line uses under the engine's placement (cpp/placement.h): inside a
+node the intra-node link; across nodes each node's network links, shared by the lines
+leaving it (SUPER eqs. 4-7). step_counters predicts the engine's traffic counters exactly.
 """
 from __future__ import annotations
 
