@@ -148,7 +148,8 @@ def fixed_costs(grid, preset: dict, steps: int = 5) -> tuple:
         g = init_like(grid, shape, cfg, f"calibrate-{i}")
         torch.manual_seed(0)
         _, stage, opt, scaler = build(cfg, g, cfg.model_config(256))
-        x = torch.randint(0, 256, (cfg.batch // shape["dp"], cfg.seq), generator=torch.Generator().manual_seed(0))
+        x = torch.randint(0, 256, (cfg.batch // shape["dp"], cfg.seq), generator=torch.Generator().manual_seed(0),
+                          device="cpu")  # a host batch, as the reader's
         times = []
         for step in range(steps + 2):
             grid.barrier()
