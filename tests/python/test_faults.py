@@ -169,6 +169,9 @@ class _FakeDeviceArray:
 
 def _device_mismatch(ctx):
     grid = ctx.init(dp=2)
+    # both ranks connect the line first: the rank whose check fires first must not tear the
+    # grid down while its peer is still connecting (the race CI saw under load)
+    grid.barrier("dp")
     try:
         grid.all_reduce(_FakeDeviceArray(4), axis="dp")
     except gw.GridError as e:
