@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .. import _C
 from ..errors import GridError
 from ..grid import Work
+from .base import grid_axes as _grid_axes
 
 # the attention core's forward kernels: batched products (the math path) or fused attention
 _ATTENTION = {"bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
@@ -261,22 +262,6 @@ class _Saved:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
 
-def record_layer(mode, hidden, heads, seq, sp, batch, dtype=torch.bfloat16, causal=True) -> LayerSchedule:
-    """Forward and backward of mode's TransformerLayer on `batch` sequences of a replica."""
-    from ..nn.transformer import TransformerLayer
-    from .base import grid_axes
-
-    grid = RecordingGrid(grid_axes(1, 1, sp, mode), mode)
-    layer = TransformerLayer(hidden, heads, grid, mode, dtype=dtype, causal=causal, device=grid.device)
-    local = layer.input_layout.local_shape((batch, seq, hidden), grid)
-    x = torch.empty(local, dtype=dtype, device=grid.device, requires_grad=True)
-    with Census() as counter:
-        y = layer(x)
-        y.backward(torch.empty_like(y))
-    params = sum(p.numel() for p in layer.parameters())
-    return LayerSchedule(tuple(grid.log), counter.calls, params)
-
-
 def batch_unit(mode, sp) -> int:
     """The smallest batch the mode's activation layout splits (its batch-dim axes)."""
     from .base import AxesView, grid_axes
@@ -286,22 +271,13 @@ def batch_unit(mode, sp) -> int:
     return math.prod(axes.get(a, 1) for a in (dims[0] if dims else ()))
 
 
-@lru_cache(maxsize=512)
-def layer_schedule(mode, hidden, heads, seq, sp) -> tuple:
-    """(schedule at b0 sequences, schedule at 2 b0, b0): bytes at any batch b are
-    bytes(b0) + (bytes(2 b0) - bytes(b0)) (b - b0) / b0."""
-    b0 = batch_unit(mode, sp)
-    one = record_layer(mode, hidden, heads, seq, sp, b0)
-    two = record_layer(mode, hidden, heads, seq, sp, 2 * b0)
-    return one, two, b0
-
-
 def collectives_at(mode, hidden, heads, seq, sp, batch: float) -> list:
-    """The layer's collectives for `batch` sequences of a replica (fractions allowed)."""
-    one, two, b0 = layer_schedule(mode, hidden, heads, seq, sp)
-    f = (batch - b0) / b0
-    return [Collective(a.op, a.axis, a.nbytes + (b.nbytes - a.nbytes) * f)
-            for a, b in zip(one.collectives, two.collectives)]
+    """One GPT layer's collectives in `mode` for `batch` sequences of a replica (the layer
+    alone: step_schedule with ends=False, one layer)."""
+    from ..models import ModelConfig
+
+    config = ModelConfig("gpt", 1, hidden, heads, 1, seq)
+    return list(step_schedule(config, mode, 1, 1, sp, (), 1, batch, ends=False).microbatch.collectives)
 
 
 # ---- a whole training step ------------------------------------------------------------------
@@ -316,9 +292,8 @@ def record_stage(config, mode, dp, pp, sp, at, batch, per_stage, dtype=torch.bfl
     from ..models import GPTStage, _without_dp
     from ..nn.transformer import TransformerLayer
     from ..pipeline import run_layers
-    from .base import grid_axes
 
-    axes = grid_axes(dp, pp, sp, mode)
+    axes = _grid_axes(dp, pp, sp, mode)
     grid = RecordingGrid(axes, mode, _recorded_at(mode, axes, at))
     stage = grid.coords["pp"]
     dense = _dense(config, pp * per_stage, dtype)
@@ -363,9 +338,7 @@ class StepSchedule:
     microbatches: int
     step: tuple          # of Collective
     parameters: int
-    payload: int         # bytes of one pipeline message's activation (or its gradient)
     parameter_tensors: int
-    gradient_bytes: int  # bytes of one element of the model's dtype
     layer: LayerSchedule  # one of the stage's layers (inside microbatch)
     layers: int           # the stage's layers
 
@@ -438,9 +411,8 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
             pipeline += [Collective("send", "pp", message, message, peer), Collective("recv", "pp", 0.0, message, peer)]
     micro = dataclasses.replace(stage_work, collectives=stage_work.collectives + tuple(pipeline))
     if not ends:
-        return StepSchedule(micro, microbatches, (), stage_work.parameters, payload, 0, dtype.itemsize, layer,
-                            config.layers // pp)
-    grid = RecordingGrid(_step_axes(mode, dp, pp, sp), mode, dict(at))
+        return StepSchedule(micro, microbatches, (), stage_work.parameters, 0, layer, config.layers // pp)
+    grid = RecordingGrid(_grid_axes(dp, pp, sp, mode), mode, dict(at))
     scalar = torch.empty(1, dtype=torch.float64, device=grid.device)
     grid.all_reduce(scalar, "pp", op="max")  # the micro-batch count every stage learns
     grid.all_reduce(scalar, None)  # the step's loss
@@ -455,8 +427,8 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
             grid.log.append(Collective("all_reduce", grid.label(axes), n, n, 0, size))
     if clip:
         grad_norm_of([(p, placement_of(p)) for p in params_of], grid)
-    return StepSchedule(micro, microbatches, tuple(grid.log), sum(p.numel() for p in params_of), payload,
-                        len(params_of), size, layer, config.layers // pp)
+    return StepSchedule(micro, microbatches, tuple(grid.log), sum(p.numel() for p in params_of), len(params_of),
+                        layer, config.layers // pp)
 
 
 def _recorded_at(mode, axes, at) -> dict:
@@ -473,12 +445,6 @@ def _recorded_at(mode, axes, at) -> dict:
     return coords
 
 
-def _step_axes(mode, dp, pp, sp):
-    from .base import grid_axes
-
-    return grid_axes(dp, pp, sp, mode)
-
-
 def _dense(config, layers, dtype):
     """The dense model on meta with `layers` layers, all one module (a stage converts only its own)."""
     from ..models import build
@@ -493,7 +459,7 @@ def _stage_parameters(config, mode, dp, pp, sp, at, dtype):
     """The stage's parameters (meta) without running it: its modules place them."""
     from ..models import GPTStage
 
-    grid = RecordingGrid(_step_axes(mode, dp, pp, sp), mode, dict(at))
+    grid = RecordingGrid(_grid_axes(dp, pp, sp, mode), mode, dict(at))
     return list(GPTStage(_dense(config, config.layers, dtype), grid, mode, grid.coords["pp"], pp).parameters())
 
 
@@ -505,7 +471,7 @@ def optimizer_census(bsize: int, coarsening: int, clip: bool, decay: bool) -> di
     from ..optim import OffloadAdam, matrices_only
 
     def run(sizes):
-        grid = RecordingGrid(_step_axes(None, 1, 1, 1), None, device="cpu")  # the optimizer reads its norm
+        grid = RecordingGrid(_grid_axes(1, 1, 1, None), None, device="cpu")  # the optimizer reads its norm
         params = [torch.nn.Parameter(torch.zeros(n, 1, device="cpu")) for n in sizes]
         opt = OffloadAdam(params, grid=grid, bsize=bsize, coarsening=coarsening, max_grad_norm=1.0 if clip else None,
                           decay=matrices_only if decay else None)
