@@ -1,6 +1,8 @@
 """One GPU: tokens/s and model-FLOPs utilisation of the main job's GPT at a size that fills
 the GPU, through gridweave (GPTStage, the pipeline engine, OffloadAdam, bf16) and as plain
-torch (the same bf16 model and micro-batches, torch.optim.AdamW), side by side in one run.
+torch (the same bf16 model and micro-batches, torch.optim.AdamW), side by side in one run;
+gridweave twice, with AdamW on the device and with OffloadAdam, so the offload's price
+(optimizer_s) is apart from the engine's.
 GPU only (scripts/test_gpu.sh runs it).
 
     python benchmarks/bench_gpu_throughput.py [--out benchmarks/results/gpu]
@@ -35,7 +37,22 @@ def _batches(cfg, device):
     return ids[:, :-1], ids[:, 1:]
 
 
-def plain_torch(cfg, device) -> float:
+def _timed(step, optimizer_step) -> tuple[float, float]:
+    """(seconds of the whole step, seconds of its optimizer step), best of STEPS after the first."""
+    times = []
+    for _ in range(STEPS):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        optimizer_step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0, time.perf_counter() - t1))
+    return min(times[1:])
+
+
+def plain_torch(cfg, device) -> tuple[float, float]:
     import gridweave as gw
 
     torch.manual_seed(0)
@@ -44,21 +61,19 @@ def plain_torch(cfg, device) -> float:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x, y = _batches(cfg, device)
     mb = cfg["batch"] // cfg["microbatches"]
-    times = []
-    for _ in range(STEPS):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+
+    def step():
         opt.zero_grad()
         for i in range(cfg["microbatches"]):
             out = model(x[i * mb:(i + 1) * mb])
             (model.loss(out.float(), y[i * mb:(i + 1) * mb]) / cfg["microbatches"]).backward()
-        opt.step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return cfg["batch"] * cfg["seq"] / min(times[1:])
+
+    return _timed(step, opt.step)
 
 
-def gridweave_job(cfg, device) -> float:
+def gridweave_job(cfg, device, offload: bool) -> tuple[float, float]:
+    """offload: seed 001's OffloadAdam (fp32 master weights and states on the host), else
+    torch's AdamW on the device, as plain torch: the difference is the offload's price."""
     import gridweave as gw
 
     grid = gw.init(device=device)
@@ -66,23 +81,23 @@ def gridweave_job(cfg, device) -> float:
     model = gw.models.GPT(cfg["vocab"], cfg["hidden"], cfg["heads"], cfg["layers"], cfg["seq"],
                           device=grid.device).to(torch.bfloat16)
     stage = gw.models.GPTStage(model, grid, None, 0, 1)
-    opt = gw.optim.OffloadAdam(stage.parameters(), lr=1e-4, bsize=1 << 24, grid=grid)
+    if offload:
+        opt = gw.optim.OffloadAdam(stage.parameters(), lr=1e-4, bsize=1 << 24, grid=grid)
+    else:
+        opt = torch.optim.AdamW(stage.parameters(), lr=1e-4)
     x, y = _batches(cfg, grid.device)
     mb = cfg["batch"] // cfg["microbatches"]
     xs = [x[i * mb:(i + 1) * mb] for i in range(cfg["microbatches"])]
     ys = [y[i * mb:(i + 1) * mb] for i in range(cfg["microbatches"])]
-    times = []
-    for _ in range(STEPS):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+
+    def step():
         opt.zero_grad()
         gw.pipeline.pipeline_step(stage, grid, xs, ys, stage.loss,
                                   stage.activation_shape(mb, cfg["seq"]), dtype=torch.bfloat16)
-        opt.step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+
+    out = _timed(step, opt.step)
     gw.shutdown()
-    return cfg["batch"] * cfg["seq"] / min(times[1:])
+    return out
 
 
 def main() -> None:
@@ -91,12 +106,16 @@ def main() -> None:
     name = torch.cuda.get_device_name(device)
     flops = _flops_per_token(CFG)
     rows = {}
-    for label, fn in (("plain_torch", plain_torch), ("gridweave", gridweave_job)):
-        tok_s = fn(CFG, device)
-        rows[label] = {"tokens_per_s": tok_s, "mfu": tok_s * flops / _peak(name),
-                       "max_memory_bytes": torch.cuda.max_memory_allocated(device)}
+    jobs = (("plain_torch", lambda: plain_torch(CFG, device)),
+            ("gridweave_device_adam", lambda: gridweave_job(CFG, device, offload=False)),
+            ("gridweave_offload_adam", lambda: gridweave_job(CFG, device, offload=True)))
+    for label, fn in jobs:
+        seconds, optimizer_s = fn()
+        tok_s = CFG["batch"] * CFG["seq"] / seconds
+        rows[label] = {"tokens_per_s": tok_s, "mfu": tok_s * flops / _peak(name), "step_s": seconds,
+                       "optimizer_s": optimizer_s, "max_memory_bytes": torch.cuda.max_memory_allocated(device)}
         torch.cuda.reset_peak_memory_stats(device)
-        print(label, rows[label])
+        print(label, rows[label], flush=True)
     save(results_dir(args), f"throughput_{name.replace(' ', '_')}", {"device": name, "config": CFG, "rows": rows})
 
 

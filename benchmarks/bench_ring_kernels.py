@@ -26,38 +26,13 @@ LENGTHS = (1024, 2048, 4096)
 CPU = torch.device("cpu")
 
 
-class MaterialisedBlocks:
-    """The blocks as before: one (Lq x Lk) block of scores and of probabilities, in full."""
-
-    @staticmethod
-    def forward(q, k, v, diagonal, scale):
-        s = q @ k.transpose(-1, -2) * scale
-        if diagonal:
-            n = s.shape[-1]
-            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-        lse = torch.logsumexp(s, dim=-1)
-        return torch.exp(s - lse.unsqueeze(-1)) @ v, lse
-
-    @staticmethod
-    def backward(dout, q, k, v, out, lse, diagonal, scale):
-        s = q @ k.transpose(-1, -2) * scale
-        p = torch.exp(s.double() - lse.unsqueeze(-1)).to(s.dtype)
-        if diagonal:
-            n = s.shape[-1]
-            p = p.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), 0.0)
-        delta = (dout.double() * out.double()).sum(-1)
-        dv = p.transpose(-1, -2) @ dout
-        ds = (p * ((dout @ v.transpose(-1, -2)).double() - delta.unsqueeze(-1)) * scale).to(q.dtype)
-        return ds @ k, ds.transpose(-1, -2) @ q, dv
-
-
 def one(variant: str, length: int) -> dict:
     import gridweave as gw
     from gridweave.autograd import ring
 
     torch.set_num_threads(1)
     grid = gw.init()
-    blocks = ring.FusedBlocks if variant == "fused" else MaterialisedBlocks
+    blocks = ring.FusedBlocks if variant == "fused" else ring.ScoresBlocks
     g = torch.Generator(device=CPU).manual_seed(0)
     q, k, v = (torch.randn(B, Z, length, A, generator=g, device=CPU).requires_grad_() for _ in range(3))
     dout = torch.randn(B, Z, length, A, generator=g, device=CPU)

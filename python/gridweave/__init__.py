@@ -1,4 +1,6 @@
 """gridweave: transformers on an N-dimensional grid of processes."""
+import torch  # noqa: F401  (first: the engine is loaded into a process whose C++ runtime torch chose)
+
 from . import _C  # noqa: F401  (the native engine, gw._C)
 from .errors import CommError, CommTimeout, Diverged, GridError
 from .grid import CheckLevel, Grid, Work, current, init, shutdown

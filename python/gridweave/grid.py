@@ -212,11 +212,12 @@ class Grid:
             torch.cuda.current_stream().synchronize()
         return False
 
-    def _via_host(self, op, t, *args, into=None, async_op=False, **kw):
-        """Run `op` on a host copy of t; into: the device tensor the result is copied into
-        (in-place ops), else the result is moved to t's device."""
+    def _via_host(self, name, t, /, *args, into=None, async_op=False, **kw):
+        """Run the op `name` on a host copy of t; into: the device tensor the result is copied
+        into (in-place ops), else the result is moved to t's device. Positional-only, so an
+        op's own `op=` (the reduction) passes through **kw."""
         device = t.device
-        res = getattr(self, op)(_to_host(t), *args, async_op=True, **kw)
+        res = getattr(self, name)(_to_host(t), *args, async_op=True, **kw)
 
         def back(r):
             if into is not None:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,10 +93,13 @@ def _ring_on_cuda(ctx):
 
 def test_fused_ring_attention_on_cuda_matches_dense(pool):
     for err_y, err_dx in pool.run(_ring_on_cuda, 2):
-        assert err_y < 1e-5 and err_dx < 1e-5  # the CUDA kernels compute float64 as float32
+        assert err_y < 1e-10 and err_dx < 1e-10  # float64 on CUDA: the blocks' scores, exactly
 
 
 def test_lse_merge_kernel_equals_the_torch_path():
+    """Both paths against a float64 reference: the kernel merges in double and rounds once,
+    the torch path rounds each step in the output's dtype, so at half precision the kernel
+    must be at least as close (up to one rounding) and within 2x torch's own error."""
     import gridweave as gw
     from gridweave.autograd import ring
 
@@ -105,12 +109,18 @@ def test_lse_merge_kernel_equals_the_torch_path():
         lse, blk_lse = (full((2, 3, 17), s) for s in (33, 34))
         lse[0, 0, :3] = float("-inf")
         blk_lse[0, 0, 1:4] = float("-inf")
+        exact_out, exact_lse = out.double(), lse.clone()
+        ring.lse_merge_(exact_out, exact_lse, blk.double(), blk_lse)  # float64 reference on the host
         ref_out, ref_lse = out.clone(), lse.clone()
-        ring.lse_merge_(ref_out, ref_lse, blk, blk_lse)  # torch path on CPU
+        ring.lse_merge_(ref_out, ref_lse, blk, blk_lse)  # torch path in this dtype
         dev_out, dev_lse = out.cuda(), lse.cuda()
         ring.lse_merge_(dev_out, dev_lse, blk.cuda(), blk_lse.cuda())
-        torch.testing.assert_close(dev_out.cpu(), ref_out)
-        torch.testing.assert_close(dev_lse.cpu(), ref_lse)
+        torch.testing.assert_close(dev_lse.cpu(), exact_lse, rtol=1e-12, atol=1e-12)
+        if dtype in (torch.float32, torch.float64):
+            torch.testing.assert_close(dev_out.cpu(), ref_out)
+        else:
+            kernel, torch_path = rel(dev_out.cpu().double(), exact_out), rel(ref_out.double(), exact_out)
+            assert kernel <= max(2 * torch_path, torch.finfo(dtype).eps), (dtype, kernel, torch_path)
 
 
 def test_offload_adam_device_memory_is_4_phi_plus_16_bsize():
@@ -134,8 +144,10 @@ def test_offload_adam_device_memory_is_4_phi_plus_16_bsize():
 def test_bf16_training_on_a_shared_gpu_tracks_fp32(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GRIDWEAVE_PORT": "29731"}
     env.pop("RANK", None)
+    # the corpus: this repository's README, so the test needs no system text package
+    corpus = str(Path(__file__).resolve().parents[2] / "README.md")
     args = ["--steps", "10", "--hidden", "32", "--layers", "4", "--heads", "4", "--seq", "32", "--batch", "8",
-            "--tokenizer", "bytes", "--warmup", "2", "--val-every", "0", "--sample-tokens", "0", "--quiet"]
+            "--data", corpus, "--tokenizer", "bytes", "--warmup", "2", "--val-every", "0", "--sample-tokens", "0", "--quiet"]
     out = {}
     for name, extra in (("fp32", ["--nproc", "1", "--device", "cpu"]),
                         ("bf16", ["--nproc", "2", "--pp", "2", "--device", "cuda", "--precision", "bf16"])):

@@ -162,10 +162,14 @@ def test_offload_adam_equals_adamw_step_by_step():
     mine = gw.optim.OffloadAdam(b.parameters(), lr=3e-3, weight_decay=0.1, bsize=101, coarsening=3)
     x, y = _data()
     for _ in range(5):
-        for model, opt in ((a, ref), (b, mine)):
-            opt.zero_grad()
-            model.loss(model(x), y).backward()
-            opt.step()
+        ref.zero_grad()
+        a.loss(a(x), y).backward()
+        # the same gradients for both: CUDA's embedding backward adds with atomics, so two
+        # backward passes differ in the last bit, which Adam's g / sqrt(v) magnifies
+        for p, q in zip(a.parameters(), b.parameters()):
+            q.grad = p.grad.clone()
+        ref.step()
+        mine.step()
         for p, q in zip(a.parameters(), b.parameters()):
             torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
 
@@ -259,11 +263,12 @@ def _interleaved(ctx, tp, chunks, m):
     mode = gw.modes.parse(tp)
     grid = ctx.init(tp=mode, pp=2)
     torch.manual_seed(0)
-    dense = gw.models.Llama(64, 32, 4, 2 * chunks, 16, kv_heads=2, ffn_hidden=40, dtype=torch.float64, device=CPU)
+    dense = gw.models.Llama(64, 32, 4, 2 * chunks, 16, kv_heads=2, ffn_hidden=40, dtype=torch.float64,
+                            device=grid.device)
     s, p = grid.coords["pp"], 2
     stages = [gw.models.GPTStage(dense, grid, mode, c * p + s, chunks * p) for c in range(chunks)]
-    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1), device=CPU)
-    tgt = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(2), device=CPU)
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1), device=CPU).to(grid.device)
+    tgt = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(2), device=CPU).to(grid.device)
     dense.loss(dense(ids), tgt).backward()
     mb = 4 // m
     xs, ys = [ids[i * mb:(i + 1) * mb] for i in range(m)], [tgt[i * mb:(i + 1) * mb] for i in range(m)]

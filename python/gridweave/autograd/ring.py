@@ -193,8 +193,9 @@ def _blocks(Lq, n, q_rank, k_rank, zigzag, causal):
 
 # Local blocks on torch's fused attention kernels, which return the log-sum-exp and never
 # materialise a block of scores: CPU flash attention on the host, memory-efficient attention
-# on CUDA (it takes every dtype the ring carries). Their backward takes the final output and
-# log-sum-exp of the query rows, so one block's dQ, dK, dV are exact parts of the whole.
+# on CUDA for fp32/fp16/bf16 (float64 on CUDA, which it refuses, takes ScoresBlocks). Their
+# backward takes the final output and log-sum-exp of the query rows, so one block's dQ, dK,
+# dV are exact parts of the whole.
 
 
 class FusedBlocks:
@@ -211,12 +212,45 @@ class FusedBlocks:
         return _block_backward(dout, q, k, v, out, lse, diagonal, scale)
 
 
+def _cuda_fused(t):
+    # torch's CUDA memory-efficient attention takes fp32, fp16 and bf16 only
+    return t.is_cuda and t.dtype != torch.float64
+
+
+def _block_scores(q, k, diagonal, scale):
+    s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if diagonal:  # top-left aligned, as torch's is_causal
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
+
+
+class ScoresBlocks:
+    """The local blocks from their materialised (Lq x Lk) scores: float64 on CUDA (torch's
+    fused CUDA kernels refuse it), and the baseline the benchmarks compare FusedBlocks with."""
+
+    @staticmethod
+    def forward(q, k, v, diagonal, scale):
+        s = _block_scores(q, k, diagonal, scale)
+        lse = torch.logsumexp(s, dim=-1)
+        return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, diagonal, scale):
+        # P = exp(S - lse) with the rows' final lse; dS = P * (dP - rowsum(dO * O))
+        p = torch.exp(_block_scores(q, k, diagonal, scale) - lse.to(q.dtype).unsqueeze(-1))
+        dp = torch.matmul(dout, v.transpose(-2, -1))
+        ds = p * (dp - (dout * out).sum(-1, keepdim=True)) * scale
+        return torch.matmul(ds, k), torch.matmul(ds.transpose(-2, -1), q), torch.matmul(p.transpose(-2, -1), dout)
+
+
 def _block_forward(q, k, v, diagonal, scale):
     """(out, lse) of one block."""
+    if q.is_cuda and not _cuda_fused(q):
+        return ScoresBlocks.forward(q, k, v, diagonal, scale)
     if q.is_cuda:
         o, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, None, True, 0.0, diagonal, scale=scale)
-        return o, lse[..., :q.shape[-2]]  # the kernel pads lse's rows to a multiple of 32
+        return o, lse[..., :q.shape[-2]]  # the kernel pads lse's rows to a multiple of 32 (backward pads again)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, diagonal, scale=scale)
 
 
@@ -226,8 +260,13 @@ def _kernel_lse_dtype(t):
 
 def _block_backward(dout, q, k, v, out, lse, diagonal, scale):
     """dQ, dK, dV of one block, given the rows' final output and log-sum-exp."""
+    if q.is_cuda and not _cuda_fused(q):
+        return ScoresBlocks.backward(dout, q, k, v, out, lse, diagonal, scale)
     lse = lse.to(_kernel_lse_dtype(q)).contiguous()
     if q.is_cuda:
+        # the kernel reads lse as its forward wrote it: rows padded to a multiple of 32
+        rows = q.shape[-2]
+        lse = torch.nn.functional.pad(lse, (0, -rows % 32))
         empty = torch.empty(0, device=q.device, dtype=torch.int64)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             dout, q, k, v, None, out, lse, empty, empty, 0.0, [True, True, True, False], diagonal, scale=scale)
