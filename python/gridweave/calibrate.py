@@ -16,28 +16,47 @@ from pathlib import Path
 import torch
 
 
-def _rate(fn, window: float) -> float:
+def _rate(fn, window: float, device="cpu") -> float:
     """Calls of fn per second over a `window`-second run: every rank runs its window at the
-    same time (after a barrier), so the rate is the one under this many ranks' contention."""
+    same time (after a barrier), so the rate is the one under this many ranks' contention.
+    On CUDA the kernels queued in the window are waited for: the rate is the device's."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     fn()
+    sync()
     calls, t0 = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - t0) < window:
+    while time.perf_counter() - t0 < window:
         fn()
         calls += 1
-    return calls / elapsed
+    sync()
+    return calls / (time.perf_counter() - t0)
 
 
 def gemm_rate(n: int = 256, window: float = 1.0, device="cpu") -> float:
     """FLOP/s of an n x n float32 matmul on this process's threads."""
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    return 2 * n ** 3 * _rate(lambda: a @ b, window)
+    return 2 * n ** 3 * _rate(lambda: a @ b, window, device)
+
+
+def attention_rate(window: float = 1.0, device="cpu", batch: int = 4, heads: int = 8, seq: int = 128,
+                   head_dim: int = 16) -> float:
+    """FLOP/s of torch's fused causal attention, forward and backward (the flash or
+    memory-efficient kernel the device picks), counted as the planner counts it: 4 b h s^2 d
+    forward, twice that backward. Its default shape is the main job's (hidden 128, 8 heads,
+    128 tokens): a fused kernel's rate depends on the head size far more than a GEMM's."""
+    q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, requires_grad=True) for _ in range(3))
+    grad = torch.randn(batch, heads, seq, head_dim, device=device)
+
+    def step():
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+    return 3 * 4.0 * batch * heads * seq * seq * head_dim * _rate(step, window, device)
 
 
 def vector_bandwidth(numel: int = 1 << 18, window: float = 1.0, device="cpu") -> float:
     """Bytes/s of an element-wise add (two reads, one write) on tensors of `numel` floats."""
     a, b, c = (torch.randn(numel, device=device), torch.randn(numel, device=device),
                torch.empty(numel, device=device))
-    return 3 * 4 * numel * _rate(lambda: torch.add(a, b, out=c), window)
+    return 3 * 4 * numel * _rate(lambda: torch.add(a, b, out=c), window, device)
 
 
 def launch_overhead(window: float = 1.0, device="cpu") -> float:
@@ -58,7 +77,7 @@ def launch_overhead(window: float = 1.0, device="cpu") -> float:
 
     with Census() as census:
         step()
-    return 1 / _rate(step, window) / (census.calls + census.kernels)
+    return 1 / _rate(step, window, device) / (census.calls + census.kernels)
 
 
 def ring_all_gather(grid, sizes=(1 << 13, 1 << 16, 1 << 18, 1 << 20, 1 << 22), reps: int = 21) -> dict:
@@ -96,17 +115,18 @@ def measure(grid, fixed: bool = True) -> dict:
     # per ring step: alpha + (n / g) beta
     alpha, beta = fit_alpha_beta({n / max(g, 2): t / max(g - 1, 1) for n, t in times.items()})
     local = []
-    for probe in (gemm_rate, vector_bandwidth, launch_overhead):
+    probes = (gemm_rate, vector_bandwidth, launch_overhead, attention_rate)
+    for probe in probes:
         grid.barrier()
         local.append(probe(device=grid.device))
     local = torch.tensor(local, dtype=torch.float64, device=grid.device)
     every = grid.all_gather(local.unsqueeze(0), "dp", dim=0) if grid.world_size > 1 else local.unsqueeze(0)
-    gemm, vector, launch = (statistics.median(every[:, k].tolist()) for k in range(3))
+    gemm, vector, launch, attention = (statistics.median(every[:, k].tolist()) for k in range(len(probes)))
     preset = {"name": "local", "about": f"measured by gridweave bench --calibrate with {grid.world_size} ranks at once",
             "gpus_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", grid.world_size)),
             "intra_alpha_s": alpha, "intra_bandwidth_Bps": 1 / beta,
             "inter_alpha_s": alpha, "inter_bandwidth_Bps": 1 / beta, "nics_per_node": 1,
-            "gemm_flops": gemm, "vector_bandwidth_Bps": vector, "launch_s": launch,
+            "gemm_flops": gemm, "vector_bandwidth_Bps": vector, "launch_s": launch, "attention_flops": attention,
             "memory_bytes": 24 * 2 ** 30, "ranks": grid.world_size, "cores_per_node": len(os.sched_getaffinity(0)),
             "measured_all_gather_s": {str(k): v for k, v in times.items()}}
     if fixed and g > 1:

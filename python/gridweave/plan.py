@@ -11,6 +11,7 @@ leaving it (SUPER eqs. 4-7). step_counters predicts the engine's traffic counter
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -39,6 +40,7 @@ class Cluster:
     nics_per_node: int = 1  # network links per node; lines leaving a node share them
     cores_per_node: int = 0  # CPU ranks: the cores they share (0: each rank has its own device)
     collective_s: float = 0.0  # fixed cost of each collective or message beyond alpha (threads handing off)
+    attention_flops: float = 0.0  # FLOP/s of the fused attention kernels, forward and backward (0: gemm_flops)
 
 
 def load_cluster(name_or_path: str, gpus_per_node: int | None = None) -> Cluster:
@@ -53,8 +55,7 @@ def load_cluster(name_or_path: str, gpus_per_node: int | None = None) -> Cluster
     if gpus_per_node:
         d["gpus_per_node"] = gpus_per_node
     fields = set(Cluster.__dataclass_fields__)
-    missing = fields - set(d) - {"about", "vector_bandwidth_Bps", "launch_s", "nics_per_node", "cores_per_node",
-                                 "collective_s"}
+    missing = {f.name for f in dataclasses.fields(Cluster) if f.default is dataclasses.MISSING} - set(d)
     if missing:
         raise GridError(f"cluster file {p} lacks {sorted(missing)}")
     return Cluster(**{k: v for k, v in d.items() if k in fields})  # extra keys (measurements) are kept out
@@ -73,6 +74,10 @@ class Model:
     kv_heads: int = 0    # 0: the family's default
     ffn: int = 0         # 0: the family's default
     tie: bool = False
+    # the attention core as one fused kernel (flash / memory-efficient attention: q, k, v, the
+    # output and the log-sum-exp kept), else materialised scores kept for backward (Megatron's
+    # 2022 runs, which selective recomputation was made for)
+    fused_attention: bool = True
 
     def config(self):
         """The gw.models.ModelConfig the planner records (its layers, embedding, head)."""
@@ -301,7 +306,8 @@ def schedule_of(model: Model, grid: GridShape, microbatches: int, stage: int = 0
 
     b = model.batch // grid.dp
     return step_schedule(model.config(), grid.tp, grid.dp, grid.pp, grid.sp, (("pp", stage),), microbatches,
-                         b / microbatches, _dtype(model), bsize, coarsening, clip, False, bool(model.vocab))
+                         b / microbatches, _dtype(model), bsize, coarsening, clip, False, bool(model.vocab),
+                         model.fused_attention)
 
 
 def work_ops(micro) -> list:
@@ -314,8 +320,6 @@ def work_ops(micro) -> list:
 def layer_ops(model: Model, grid: GridShape, tokens: float) -> list:
     """One transformer layer's work on one rank for `tokens` tokens of its replica, forward and
     backward, as the mode's layer runs it (recorded)."""
-    import dataclasses
-
     one = dataclasses.replace(model, layers=1, vocab=0, batch=tokens / model.seq * grid.dp)
     return work_ops(schedule_of(one, dataclasses.replace(grid, pp=1), 1).microbatch)
 
@@ -368,8 +372,11 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
     stages = {}
     for s in sorted({0, grid.pp - 1}):  # the middle stages do what these do, without embedding or head
         sched = schedule_of(model, grid, m, s, offload_bsize or FUSED_BUCKET, coarsening, clip)
-        def busy(w):  # GEMMs at the GEMM rate, the other kernels at memory bandwidth, each a launch
-            return w.flops / cluster.gemm_flops + (w.gemm_calls + w.kernels) * launch + vector(w.kernel_bytes)
+        def busy(w):  # GEMMs at the GEMM rate (fused attention at its own), the other kernels at memory
+            # bandwidth, each a launch
+            return ((w.flops - w.fused_attention_flops) / cluster.gemm_flops
+                    + w.fused_attention_flops / (cluster.attention_flops or cluster.gemm_flops)
+                    + (w.gemm_calls + w.kernels) * launch + vector(w.kernel_bytes))
 
         mb = sched.microbatch
         compute = busy(mb)
@@ -405,28 +412,36 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
     compute_paper = (transformer_flops(model, recompute) / (grid.dp * grid.pp * grid.tp_ranks() * grid.sp)
                      / cluster.gemm_flops)
 
-    # memory per rank: the stage's parameters as its modules place them, their gradients and the
-    # flat gradient buffer in the model's dtype; AxoNN's 16 bsize of device buckets (offload) or
-    # the fp32 master, exp_avg and exp_avg_sq here (12 phi, with the fp32 gradient 16: 20 phi with
-    # half precision weights and gradients); the kept activations of the micro-batches in flight
-    # (recorded), at most max(pp, 2) (the message-driven schedule's pipeline_limit)
-    in_flight = min(m, max(grid.pp, 2)) if grid.pp > 1 else 1
-    # the recorded peak of one micro-batch (its kept activations, their gradients and the
-    # temporaries, the gradients made) beside the gradients, plus the others in flight
-    mb = sched.microbatch
-    act = max(mb.peak_bytes - e * phi_local, mb.saved_bytes) + mb.saved_bytes * (in_flight - 1)
-    if recompute is True:  # only each layer's input is kept, and one layer's activations at a time
-        layers_here = model.layers // grid.pp
-        act = (2 * b / m * model.seq / grid.sp * model.hidden * e * layers_here * in_flight
-               + sched.microbatch.saved_bytes / max(layers_here, 1))
-    # OffloadAdam's bucket buffers and the flat gradient it sums (model dtype), or fused Adam's states
-    optimizer = 16 * offload_bsize + e * phi_local if offload_bsize else 16 * phi_local
-    params_b, grads_b = e * phi_local, e * phi_local
+    def memory(s: int, sched) -> dict:
+        """Stage s's memory per rank: its parameters as its modules place them, their gradients
+        and the flat gradient buffer in the model's dtype; AxoNN's 16 bsize of device buckets
+        (offload) or the fp32 master, exp_avg and exp_avg_sq here (12 phi, with the fp32 gradient
+        16: 20 phi with half-precision weights and gradients); the kept activations of the
+        micro-batches in flight (recorded). Stage s holds pp - s of them at most (1F1B's bound,
+        seed 003 §2.2; the message-driven schedule's pipeline_limit max(pp, 2) is not lower):
+        the last stage runs each micro-batch's backward as soon as its forward."""
+        phi_here = sched.parameters
+        in_flight = min(m, grid.pp - s) if grid.pp > 1 else 1
+        # the recorded peak of one micro-batch (its kept activations, their gradients and the
+        # temporaries, the gradients made) beside the gradients, plus the others in flight
+        mb = sched.microbatch
+        act = max(mb.peak_bytes - e * phi_here, mb.saved_bytes) + mb.saved_bytes * (in_flight - 1)
+        if recompute is True:  # only each layer's input is kept, and one layer's activations at a time
+            layers_here = model.layers // grid.pp
+            act = (2 * b / m * model.seq / grid.sp * model.hidden * e * layers_here * in_flight
+                   + mb.saved_bytes / max(layers_here, 1))
+        # OffloadAdam's bucket buffers and the flat gradient it sums (model dtype), or fused Adam's states
+        optimizer = 16 * offload_bsize + e * phi_here if offload_bsize else 16 * phi_here
+        return {"parameters": e * phi_here, "gradients": e * phi_here, "optimizer": optimizer, "activations": act}
+
+    by_stage = {s: memory(s, v[3]) for s, v in stages.items()}
+    s_mem = max(by_stage, key=lambda k: sum(by_stage[k].values()))
+    memory_breakdown = by_stage[s_mem]
+    host = 16 * stages[s_mem][3].parameters if offload_bsize else 0  # the offloaded master and states
     return {**{k: v for k, v in asdict(grid).items() if k != "tp"}, "tp": grid.tp.spec(),
             "step_time_s": step, "compute_s": compute_paper, "bubble": bubble, "microbatches": m,
-            "memory_bytes": params_b + grads_b + optimizer + act, "parameters": phi,
-            "host_bytes": 16 * phi_local if offload_bsize else 0,  # the offloaded master and states
-            "critical_stage": s_star, "pipeline_s": pipeline,
+            "memory_bytes": sum(memory_breakdown.values()), "parameters": phi,
+            "host_bytes": host, "memory_stage": s_mem, "critical_stage": s_star, "pipeline_s": pipeline,
             # what the critical rank issues in the step: kernels and collectives (with messages)
             "kernels": m * (sched.microbatch.kernels + sched.microbatch.gemm_calls),
             "collectives": m * sum(1 for op in work_ops(sched.microbatch) if op[0] not in ("gemm", "vector")) +
@@ -435,8 +450,7 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
             "time_breakdown_s": {"compute": compute * m + optimizer_s, "recompute": redo * m,
                                  "communication": {k: v[0] for k, v in per_axis.items()},
                                  "bubble": pipeline - m * t_stage},
-            "memory_breakdown_bytes": {"parameters": params_b, "gradients": grads_b, "optimizer": optimizer,
-                                       "activations": act},
+            "memory_breakdown_bytes": memory_breakdown,
             "bytes_per_axis": {k: {"intra": v[1] * (1 - links[k][3]), "inter": v[1] * links[k][3]}
                                for k, v in per_axis.items()},
             "seconds_per_axis": {k: v[0] for k, v in per_axis.items()},

@@ -188,3 +188,29 @@ def test_mpi_with_cuda_tensors_direct_or_staged(tmp_path):
     assert r.returncode == 0 and all(f.exists() for f in files), r.stdout[-2000:] + r.stderr[-3000:]
     results = [f.read_text().split() for f in files]
     assert all(res[2] == "True" for res in results), results
+
+
+def test_planner_memory_of_the_main_job_on_one_gpu():
+    """Issue 18: the planner's device memory for the main job's model on one GPU (weights,
+    gradients, OffloadAdam's buckets, the recorded activations) against torch's own count,
+    max_memory_allocated over a step, within 15%."""
+    import gridweave as gw
+    from gridweave import plan
+
+    cfg = gw.train.TrainConfig(device="cuda")
+    grid = gw.init(backend="gloo", device="cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.manual_seed(cfg.seed)
+    stage, opt, scaler = gw.train.build(cfg, grid, cfg.model_config(cfg.vocab))[1:]
+    x = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(0))
+    gw.train.train_step(cfg, grid, stage, opt, scaler, x, x.roll(1, 1))  # the optimizer's lazy buffers
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    gw.train.train_step(cfg, grid, stage, opt, scaler, x, x.roll(1, 1))
+    measured = torch.cuda.max_memory_allocated() - base
+    gw.shutdown()
+    predicted = plan.predict(plan.model_from("llama", batch=cfg.batch), plan.GridShape(), plan.load_cluster("a100-ib"),
+                             microbatches=cfg.microbatches, offload_bsize=cfg.bsize,
+                             coarsening=cfg.coarsening)["memory_bytes"]
+    assert abs(predicted / measured - 1) <= 0.15, (predicted, measured)

@@ -9,6 +9,7 @@ proportion), so two recordings give every micro-batch size exactly.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import weakref
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _C
@@ -23,11 +25,12 @@ from ..errors import GridError
 from ..grid import Work
 from .base import grid_axes as _grid_axes
 
-# the attention core's forward kernels: batched products (the math path) or fused attention
-_ATTENTION = {"bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
-              "_scaled_dot_product_flash_attention"}
-_GEMMS = {"mm", "bmm", "addmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
-          "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"}
+# fused attention kernels (their backward is the name + "_backward"); the attention core's
+# forward kernels: batched products (the math path) or fused attention
+_FUSED_ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+                    "_scaled_dot_product_flash_attention"}
+_ATTENTION = {"bmm", "baddbmm"} | _FUSED_ATTENTION
+_GEMMS = {"mm", "bmm", "addmm", "baddbmm"} | _FUSED_ATTENTION
 
 
 @dataclass(frozen=True)
@@ -57,22 +60,22 @@ class LayerSchedule:
     saved_bytes: float = 0.0   # activations kept for backward
     attention_flops: float = 0.0  # of the forward attention core (QK^T, softmax-weighted values)
     peak_bytes: float = 0.0    # most bytes held at once (activations, their gradients, temporaries, gradients)
+    fused_attention_flops: float = 0.0  # of the fused attention kernels, forward and backward (within flops)
 
     def minus(self, other: "LayerSchedule") -> "LayerSchedule":
         """What this recording has beyond `other` (one layer: a two-layer stage minus a one-layer one)."""
         return LayerSchedule(tuple(_difference(other.collectives, self.collectives)),
-                             self.gemm_calls - other.gemm_calls, self.parameters - other.parameters,
-                             self.flops - other.flops, self.kernels - other.kernels,
-                             self.kernel_bytes - other.kernel_bytes, self.saved_bytes - other.saved_bytes,
-                             self.attention_flops - other.attention_flops, self.peak_bytes - other.peak_bytes)
+                             **{k: getattr(self, k) - getattr(other, k) for k in _SUMMED})
 
     def plus(self, other: "LayerSchedule", times: int = 1) -> "LayerSchedule":
-        return LayerSchedule(self.collectives + other.collectives * times, self.gemm_calls + times * other.gemm_calls,
-                             self.parameters + times * other.parameters, self.flops + times * other.flops,
-                             self.kernels + times * other.kernels, self.kernel_bytes + times * other.kernel_bytes,
-                             self.saved_bytes + times * other.saved_bytes,
-                             self.attention_flops + times * other.attention_flops,
-                             self.peak_bytes + times * other.peak_bytes)
+        return LayerSchedule(self.collectives + other.collectives * times,
+                             **{k: getattr(self, k) + times * getattr(other, k) for k in _SUMMED})
+
+
+# the fields that add up over layers; of them, the counts do not change with the batch
+_SUMMED = ("gemm_calls", "parameters", "flops", "kernels", "kernel_bytes", "saved_bytes", "attention_flops",
+           "peak_bytes", "fused_attention_flops")
+_COUNTS = ("gemm_calls", "parameters", "kernels")
 
 
 class _Done(Work):
@@ -205,6 +208,7 @@ class Census(TorchDispatchMode):
         super().__init__()
         self.calls, self.flops, self.kernels, self.bytes = 0, 0.0, 0, 0.0
         self.attention_flops = 0.0  # forward attention core (QK^T and the values): selective recomputation's
+        self.fused_attention_flops = 0.0  # fused attention kernels, forward and backward (their own rate)
         self.forward = True  # the recorder sets it False before backward
         self.live, self.peak, self._alive = 0, 0, set()  # bytes of the tensors the run holds at once
 
@@ -217,6 +221,8 @@ class Census(TorchDispatchMode):
             self.flops += f
             if name in _ATTENTION and self.forward:
                 self.attention_flops += f
+            if name.removesuffix("_backward") in _FUSED_ATTENTION:
+                self.fused_attention_flops += f
         elif not func.is_view:
             self.kernels += 1
             outs = out if isinstance(out, (tuple, list)) else (out,)
@@ -228,20 +234,43 @@ class Census(TorchDispatchMode):
         return out
 
     def _hold(self, t):
-        """Count t's storage while t lives (a view kept past its base is not followed)."""
-        key = t.untyped_storage()._cdata
+        """Count t's storage while it lives: until its last tensor or view dies (torch keeps
+        one Python object per storage, so the finalizer fires when the storage is freed)."""
+        st = t.untyped_storage()
+        key = st._cdata
         if key in self._alive:
             return
-        n = t.untyped_storage().nbytes()
+        n = st.nbytes()
         self._alive.add(key)
         self.live += n
         self.peak = max(self.peak, self.live)
-        weakref.finalize(t, self._free, key, n)
+        weakref.finalize(st, self._free, key, n)
 
     def _free(self, key, n):
         if key in self._alive:
             self._alive.discard(key)
             self.live -= n
+
+
+class FusedAttention(TorchFunctionMode):
+    """On the meta device torch's scaled_dot_product_attention takes its math path: the
+    (s x s) scores and probabilities made and kept for backward. The devices a plan is for
+    run a fused kernel (flash or memory-efficient attention on CUDA, flash on the host) that
+    keeps q, k, v, the output and the log-sum-exp, so the recording calls one: its memory,
+    kernels and bytes are then the run's."""
+
+    _NAMES = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            kwargs.update(zip(self._NAMES, args[3:]))
+            if kwargs.get("attn_mask") is None and not kwargs.get("enable_gqa"):
+                q, k, v = args[:3]
+                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    q, k, v, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False), scale=kwargs.get("scale"))[0]
+            args = args[:3]
+        return func(*args, **kwargs)
 
 
 class _Saved:
@@ -283,12 +312,15 @@ def collectives_at(mode, hidden, heads, seq, sp, batch: float) -> list:
 # ---- a whole training step ------------------------------------------------------------------
 
 
-def record_stage(config, mode, dp, pp, sp, at, batch, per_stage, dtype=torch.bfloat16, ends=True) -> tuple:
+def record_stage(config, mode, dp, pp, sp, at, batch, per_stage, dtype=torch.bfloat16, ends=True,
+                 fused_attention=True) -> tuple:
     """Forward and backward of one micro-batch of `batch` sequences through gw.models.GPTStage
     (embedding, loss, vocab-parallel pieces and the stage boundary's scatter / gather included)
     on the rank at coordinates `at` ((axis, index) pairs, the others 0; its stage at["pp"]), the
-    model `config` with `per_stage` layers a stage; ends=False: its layers alone. Returns
-    (schedule, pipeline payload bytes)."""
+    model `config` with `per_stage` layers a stage; ends=False: its layers alone.
+    fused_attention: the attention core as a fused kernel (FusedAttention), else torch's math
+    path with the scores kept (as Megatron ran before flash attention). Returns (schedule,
+    pipeline payload bytes)."""
     from ..models import GPTStage, _without_dp
     from ..nn.transformer import TransformerLayer
     from ..pipeline import run_layers
@@ -306,7 +338,7 @@ def record_stage(config, mode, dp, pp, sp, at, batch, per_stage, dtype=torch.bfl
         shape = _without_dp(st.layers[0].input_layout).local_shape((batch, config.seq, config.hidden), grid)
     params = list(st.parameters())
     saved = _Saved(params)
-    with Census() as census:
+    with Census() as census, (FusedAttention() if fused_attention else contextlib.nullcontext()):
         if not ends:
             x = torch.empty(shape, dtype=dtype, device=grid.device, requires_grad=True)
         elif stage == 0:
@@ -324,7 +356,8 @@ def record_stage(config, mode, dp, pp, sp, at, batch, per_stage, dtype=torch.bfl
         else:
             y.backward(torch.empty_like(y))
     sched = LayerSchedule(tuple(grid.log), census.calls, sum(p.numel() for p in params), census.flops,
-                          census.kernels, census.bytes, saved.bytes, census.attention_flops, census.peak)
+                          census.kernels, census.bytes, saved.bytes, census.attention_flops, census.peak,
+                          census.fused_attention_flops)
     return sched, math.prod(shape) * dtype.itemsize
 
 
@@ -363,10 +396,10 @@ def _difference(a, b) -> list:
 
 
 @lru_cache(maxsize=256)
-def _stage_recordings(config, mode, dp, pp, sp, at, dtype, ends) -> tuple:
+def _stage_recordings(config, mode, dp, pp, sp, at, dtype, ends, fused_attention) -> tuple:
     """record_stage with one and two layers a stage, at the mode's smallest batch b0 and 2 b0."""
     b0 = batch_unit(mode, sp)
-    return {(k, b): record_stage(config, mode, dp, pp, sp, at, b, k, dtype, ends)
+    return {(k, b): record_stage(config, mode, dp, pp, sp, at, b, k, dtype, ends, fused_attention)
             for k in (1, 2) for b in (b0, 2 * b0)}, b0
 
 
@@ -377,16 +410,13 @@ def _lerp(a: LayerSchedule, b: LayerSchedule, f: float) -> LayerSchedule:
     cs = tuple(Collective(x.op, x.axis, x.nbytes + (y.nbytes - x.nbytes) * f,
                           round(x.member_bytes + (y.member_bytes - x.member_bytes) * f), x.root, x.elem)
                for x, y in zip(a.collectives, b.collectives))
-    return LayerSchedule(cs, a.gemm_calls, a.parameters, a.flops + (b.flops - a.flops) * f, a.kernels,
-                         a.kernel_bytes + (b.kernel_bytes - a.kernel_bytes) * f,
-                         a.saved_bytes + (b.saved_bytes - a.saved_bytes) * f,
-                         a.attention_flops + (b.attention_flops - a.attention_flops) * f,
-                         a.peak_bytes + (b.peak_bytes - a.peak_bytes) * f)
+    return LayerSchedule(cs, **{k: getattr(a, k) if k in _COUNTS else getattr(a, k) + (getattr(b, k) - getattr(a, k)) * f
+                                for k in _SUMMED})
 
 
 @lru_cache(maxsize=1024)
 def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch.bfloat16, bsize=1 << 14,
-                  coarsening=4, clip=True, loss_scaling=False, ends=True) -> StepSchedule:
+                  coarsening=4, clip=True, loss_scaling=False, ends=True, fused_attention=True) -> StepSchedule:
     """The collectives of one gw.train step on the rank at coordinates `at` ((axis, index) pairs,
     the others 0; its pipeline stage at["pp"]): `microbatches` micro-batches of `batch`
     sequences through the stage (recorded: gw.models.GPTStage on a RecordingGrid, its layers
@@ -397,7 +427,7 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
     from ..optim import gradient_chunks
     from ..sharding import grad_norm_of, placement_of
 
-    rec, b0 = _stage_recordings(config, mode, dp, pp, sp, at, dtype, ends)
+    rec, b0 = _stage_recordings(config, mode, dp, pp, sp, at, dtype, ends, fused_attention)
     f = (batch - b0) / b0  # every byte and FLOP is affine in the batch: two recordings give any batch
     one, two = (_lerp(rec[(k, b0)][0], rec[(k, 2 * b0)][0], f) for k in (1, 2))
     payload = round(rec[(1, b0)][1] + (rec[(1, 2 * b0)][1] - rec[(1, b0)][1]) * f)
