@@ -2,7 +2,8 @@
 # The GPU tier: run where a CUDA GPU is visible (each test skips with its reason elsewhere).
 # NCCL at world size 1, 2-4 ranks sharing the GPU through Gloo, stream ordering, the CUDA
 # kernels, bf16 training on the GPU, OffloadAdam's measured device memory; then the main
-# job's model in gridweave and in plain torch on the GPU (tokens/s, MFU). Results go to
+# job's model in gridweave and in plain torch on the GPU (tokens/s, MFU), and the planner
+# calibrated on the GPU against measured steps (bench_plan_gpu). Results go to
 # benchmarks/results/gpu/ named after the device.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,4 +19,5 @@ if [ "$DEV" != "none" ]; then
 fi
 if [ "$DEV" != "none" ]; then
   python3 benchmarks/bench_gpu_throughput.py --out "$OUT" || echo "throughput benchmark failed"
+  python3 benchmarks/bench_plan_gpu.py --out "$OUT" || echo "planner benchmark failed"
 fi

@@ -94,6 +94,14 @@ _SIZE_KEYS = {"hidden": ("hidden_size", "n_embd", "hidden"), "layers": ("num_hid
               "seq": ("max_position_embeddings", "n_positions", "seq")}
 
 
+def model_of(cfg) -> Model:
+    """The planner's Model of a gw.train.TrainConfig: the model `gridweave train` builds from
+    it, in its precision, at its global batch."""
+    c = cfg.model_config(cfg.vocab)
+    return Model(c.hidden, c.layers, c.heads, c.seq, cfg.batch, c.vocab, cfg.compute.dtype.itemsize, c.family,
+                 c.kv_heads or 0, c.ffn or 0, c.tie)
+
+
 def model_from(source: str, batch: int, seq: int | None = None, **sizes) -> Model:
     """The planner's Model of a config: a Hugging Face config.json (or the folder holding it),
     a gridweave model config (a run folder's checkpoint index, an export's model_config.json),
@@ -103,9 +111,7 @@ def model_from(source: str, batch: int, seq: int | None = None, **sizes) -> Mode
     if source in ("llama", "gpt"):
         from .train import TrainConfig
 
-        c = TrainConfig(model=source).model_config(TrainConfig.vocab)
-        found = {"hidden": c.hidden, "layers": c.layers, "heads": c.heads, "vocab": c.vocab, "seq": c.seq,
-                 "family": c.family, "kv_heads": c.kv_heads or 0, "ffn": c.ffn, "bytes_per_value": 4}
+        found = asdict(model_of(TrainConfig(model=source)))
     else:
         p = Path(source)
         candidates = [p] if p.is_file() else [p / "config.json", p / "model_config.json",
