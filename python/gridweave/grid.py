@@ -192,8 +192,10 @@ class Grid:
 
     # ---- collectives ----------------------------------------------------------------
     def _run(self, native, async_op, keep, finish=None):
-        work = Work(native, self.timeout, keep, finish)
-        return work if async_op else work.wait()
+        if async_op:
+            return Work(native, self.timeout, keep, finish)
+        native.wait(self.timeout)  # a synchronous op needs no handle: its tensors are the caller's
+        return finish() if finish else None
 
     @staticmethod
     def _staged(c, *tensors) -> bool:
