@@ -9,7 +9,7 @@ grid (every tensor mode, pp, dp, sp and their compositions; one host, so one pla
 build the main job's model exactly as `gridweave train` does (gw.train.build) and time
 gw.train.train_step: the median over steps of the slowest rank's step, and each rank's peak
 resident memory over its resident memory before the model was built (glibc's mmap threshold
-fixed, so freed tensors leave the resident set: _fix_mmap_threshold). The parent predicts
+fixed, so freed tensors leave the resident set: calibrate.fix_mmap_threshold). The parent predicts
 each grid from the calibrated preset alone (plan.predict), and asks the planner for its
 ranking (plan.plan): the error of each prediction, the median and the worst, the measured
 time of the planner's first choice against the fastest grid, and Kendall's tau between
@@ -17,7 +17,6 @@ the two rankings.
 """
 from __future__ import annotations
 
-import gc
 import json
 import statistics
 import time
@@ -57,39 +56,6 @@ def grids() -> list:
     return out
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
-
-
-def _peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
-
-
-def _reset_peak() -> None:
-    """Free memory back to the system (what the last grid left in the heap would hide this
-    grid's growth), then restart the peak resident set from now ("5")."""
-    import ctypes
-
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def _fix_mmap_threshold() -> None:
-    """glibc's default mmap threshold slides up (to 32 MiB) once a large block is freed, after
-    which freed tensors stay in the heap and the resident set keeps them: measured on one rank,
-    189 MiB of growth against 134 MiB of state and live tensors. Fixed at 128 KiB every tensor
-    past that size is returned when freed, so RSS measures what the job holds, as CUDA's
-    max_memory_allocated does (its cache, like glibc's, is the allocator's)."""
-    import ctypes
-
-    M_MMAP_THRESHOLD = -3  # malloc.h
-    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 128 * 1024)
-
-
 def worker(out_path: str) -> None:
     import torch
     import torch.distributed as dist
@@ -97,7 +63,7 @@ def worker(out_path: str) -> None:
     import gridweave as gw
     from gridweave import calibrate
 
-    _fix_mmap_threshold()
+    calibrate.fix_mmap_threshold()
 
     n, rank, store = start_worker()
     world = gw.init(dp=n, store=store, prefix="plan-world")
@@ -107,8 +73,8 @@ def worker(out_path: str) -> None:
         cfg = job_config(dp=dp, pp=pp, tp=tp, sp=sp)
         grid = gw.init(dp=dp, pp=pp, tp=cfg.mode, sp=sp, store=store, prefix=f"plan-{i}")
         model_cfg = cfg.model_config(cfg.vocab)
-        _reset_peak()
-        base = _rss()
+        calibrate.restart_peak()
+        base = calibrate.resident_bytes()
         torch.manual_seed(cfg.seed)
         stage, opt, scaler = gw.train.build(cfg, grid, model_cfg)[1:]  # the dense model is not kept
         g = torch.Generator().manual_seed(grid.coords["dp"])
@@ -122,7 +88,7 @@ def worker(out_path: str) -> None:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
             if step >= WARMUP:
                 times.append(float(t))
-        mem = torch.tensor([float(_peak_rss() - base)], dtype=torch.float64)
+        mem = torch.tensor([float(calibrate.peak_resident_bytes() - base)], dtype=torch.float64)
         every = [torch.zeros(1, dtype=torch.float64) for _ in range(n)]
         dist.all_gather(every, mem)
         rows.append({"dp": dp, "pp": pp, "tp": tp, "sp": sp, "measured_s": statistics.median(times),

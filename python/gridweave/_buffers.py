@@ -33,18 +33,15 @@ def reduce_code(op: str):
 
 def view(t, what: str = "tensor") -> "_C.BufferView":
     """A BufferView of a contiguous torch tensor, numpy array or cupy array."""
-    if type(t) is torch.Tensor and t.is_cpu and t.is_contiguous():  # the hot path of every CPU op
-        dtype = _TORCH.get(t.dtype)
-        if dtype is not None:
-            return _C.BufferView(t.data_ptr(), t.numel(), dtype, CPU)
     if isinstance(t, torch.Tensor):
         dtype = _TORCH.get(t.dtype)
+        contiguous = t.is_contiguous()
+        if dtype is not None and contiguous and t.is_cpu:  # first: the hot path of every CPU op
+            return _C.BufferView(t.data_ptr(), t.numel(), dtype, CPU)
         if dtype is None:
             raise GridError(f"{what}: dtype {t.dtype} is not supported (float32/64, float16, bfloat16, int32/64)")
-        if not t.is_contiguous():
+        if not contiguous:
             raise GridError(f"{what}: tensor must be contiguous (call .contiguous())")
-        if t.is_cpu:
-            return _C.BufferView(t.data_ptr(), t.numel(), dtype, CPU)
         if t.is_cuda:
             stream = torch.cuda.current_stream(t.device).cuda_stream
             return _C.BufferView(t.data_ptr(), t.numel(), dtype, CUDA, t.device.index, stream)

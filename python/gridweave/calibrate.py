@@ -37,12 +37,15 @@ def gemm_rate(n: int = 256, window: float = 1.0, device="cpu") -> float:
     return 2 * n ** 3 * _rate(lambda: a @ b, window, device)
 
 
-def attention_rate(window: float = 1.0, device="cpu", batch: int = 4, heads: int = 8, seq: int = 128,
-                   head_dim: int = 16) -> float:
+def attention_rate(window: float = 1.0, device="cpu", batch: int = 4) -> float:
     """FLOP/s of torch's fused causal attention, forward and backward (the flash or
     memory-efficient kernel the device picks), counted as the planner counts it: 4 b h s^2 d
-    forward, twice that backward. Its default shape is the main job's (hidden 128, 8 heads,
-    128 tokens): a fused kernel's rate depends on the head size far more than a GEMM's."""
+    forward, twice that backward. Heads, head size and sequence are the main job's
+    (gw.train.TrainConfig): a fused kernel's rate depends on the head size far more than a GEMM's."""
+    from .train import TrainConfig
+
+    job = TrainConfig()
+    heads, seq, head_dim = job.heads, job.seq, job.hidden // job.heads
     q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, requires_grad=True) for _ in range(3))
     grad = torch.randn(batch, heads, seq, head_dim, device=device)
 
@@ -78,6 +81,44 @@ def launch_overhead(window: float = 1.0, device="cpu") -> float:
     with Census() as census:
         step()
     return 1 / _rate(step, window, device) / (census.calls + census.kernels)
+
+
+# ---- resident memory on the host (what gw.plan's memory is measured against on CPU ranks) ----
+
+
+def fix_mmap_threshold() -> None:
+    """glibc's default mmap threshold slides up (to 32 MiB) once a large block is freed, after
+    which freed tensors stay in the heap and the resident set keeps them: measured on one rank,
+    189 MiB of growth against 134 MiB of state and live tensors. Fixed at 128 KiB every tensor
+    past that size is returned when freed, so RSS measures what the job holds, as CUDA's
+    max_memory_allocated does (its cache, like glibc's, is the allocator's)."""
+    import ctypes
+
+    M_MMAP_THRESHOLD = -3  # malloc.h
+    ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 128 * 1024)
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_resident_bytes() -> int:
+    """The resident set's high-water mark since the process started or restart_peak."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+
+
+def restart_peak() -> None:
+    """Free memory back to the system (what came before would hide the next growth), then
+    restart the resident set's high-water mark from now ("5")."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def ring_all_gather(grid, sizes=(1 << 13, 1 << 16, 1 << 18, 1 << 20, 1 << 22), reps: int = 21) -> dict:

@@ -213,7 +213,7 @@ def test_planner_memory_of_the_main_job_on_one_gpu():
     gw.train.train_step(cfg, grid, stage, opt, scaler, x, x.roll(1, 1))
     measured = torch.cuda.max_memory_allocated() - base
     gw.shutdown()
-    predicted = plan.predict(plan.model_from("llama", batch=cfg.batch), plan.GridShape(), plan.load_cluster("a100-ib"),
+    predicted = plan.predict(plan.model_of(cfg), plan.GridShape(), plan.load_cluster("a100-ib"),
                              microbatches=cfg.microbatches, offload_bsize=cfg.bsize,
                              coarsening=cfg.coarsening)["memory_bytes"]
     assert abs(predicted / measured - 1) <= 0.15, (predicted, measured)

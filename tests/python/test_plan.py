@@ -282,32 +282,26 @@ def test_megatron_published_step_times_on_average():
 # the same): the growth over the resident set before the model was built, a first model and
 # step run before so imports and lazy buffers are not counted.
 RSS_STEP = """
-import ctypes, gc, json, torch
-ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+import json, torch
 import gridweave as gw
-from gridweave import plan
+from gridweave import calibrate, plan
 
-def rss():
-    return int(open("/proc/self/statm").read().split()[1]) * 4096
-
-def fresh():
-    gc.collect(); ctypes.CDLL("libc.so.6").malloc_trim(0); open("/proc/self/clear_refs", "w").write("5")
-
+calibrate.fix_mmap_threshold()
 torch.set_num_threads(1)
 grid = gw.init()
 cfg = gw.train.TrainConfig(device="cpu")
 mc = cfg.model_config(cfg.vocab)
 x = torch.randint(0, mc.vocab, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(0), device="cpu")
 for measured in (False, True):
-    fresh()
-    base = rss()
+    calibrate.restart_peak()
+    base = calibrate.resident_bytes()
     torch.manual_seed(cfg.seed)
     stage, opt, scaler = gw.train.build(cfg, grid, mc)[1:]
     for _ in range(2):
         gw.train.train_step(cfg, grid, stage, opt, scaler, x, x.roll(1, 1))
-    peak = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM")) - base
+    peak = calibrate.peak_resident_bytes() - base
     del stage, opt, scaler
-p = plan.predict(plan.model_from("llama", batch=cfg.batch), plan.GridShape(), plan.load_cluster("a100-ib"),
+p = plan.predict(plan.model_of(cfg), plan.GridShape(), plan.load_cluster("a100-ib"),
                  microbatches=cfg.microbatches, offload_bsize=cfg.bsize, coarsening=cfg.coarsening)
 print(json.dumps({"measured": peak, "predicted": p["memory_bytes"] + p["host_bytes"]}))
 """

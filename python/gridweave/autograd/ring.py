@@ -212,9 +212,9 @@ class FusedBlocks:
         return _block_backward(dout, q, k, v, out, lse, diagonal, scale)
 
 
-def _cuda_fused(t):
+def _scores_on_cuda(t):
     # torch's CUDA memory-efficient attention takes fp32, fp16 and bf16 only
-    return t.is_cuda and t.dtype != torch.float64
+    return t.is_cuda and t.dtype == torch.float64
 
 
 def _block_scores(q, k, diagonal, scale):
@@ -245,7 +245,7 @@ class ScoresBlocks:
 
 def _block_forward(q, k, v, diagonal, scale):
     """(out, lse) of one block."""
-    if q.is_cuda and not _cuda_fused(q):
+    if _scores_on_cuda(q):
         return ScoresBlocks.forward(q, k, v, diagonal, scale)
     if q.is_cuda:
         o, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
@@ -260,7 +260,7 @@ def _kernel_lse_dtype(t):
 
 def _block_backward(dout, q, k, v, out, lse, diagonal, scale):
     """dQ, dK, dV of one block, given the rows' final output and log-sum-exp."""
-    if q.is_cuda and not _cuda_fused(q):
+    if _scores_on_cuda(q):
         return ScoresBlocks.backward(dout, q, k, v, out, lse, diagonal, scale)
     lse = lse.to(_kernel_lse_dtype(q)).contiguous()
     if q.is_cuda:

@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .. import _C
 from ..errors import GridError
 from ..grid import Work
+from .base import AxesView
 from .base import grid_axes as _grid_axes
 
 # fused attention kernels (their backward is the name + "_backward"); the attention core's
@@ -293,9 +294,7 @@ class _Saved:
 
 def batch_unit(mode, sp) -> int:
     """The smallest batch the mode's activation layout splits (its batch-dim axes)."""
-    from .base import AxesView, grid_axes
-
-    axes = dict(grid_axes(1, 1, sp, mode))
+    axes = dict(_grid_axes(1, 1, sp, mode))
     dims = mode.layout(AxesView(axes)).dims
     return math.prod(axes.get(a, 1) for a in (dims[0] if dims else ()))
 
@@ -466,8 +465,6 @@ def _recorded_at(mode, axes, at) -> dict:
     the mode's layout keeps it on some (cSub: sub-grid 0). The others learn the shapes from
     them (Grid.broadcast_ints) and issue the same ops; their messages are still their own
     (plan.step_counters)."""
-    from .base import AxesView
-
     coords = dict(at)
     only = mode.base_layout(AxesView(dict(axes))).only
     if only is not None:
