@@ -267,7 +267,17 @@ TEST(CommFaults, AsyncOpOverlapsWithCompute) {
 
 TEST(CommFaults, CloseCancelsAPendingReceive) {
   EXPECT_EQ(run_ranks(2, [](GlooCommunicator& c) {
-    if (c.rank() == 1) return;  // never sends
+    // both ranks connect first, and rank 1 stays until rank 0 has closed: rank 0 closing must
+    // not race rank 1's connecting (CI saw it under load)
+    c.barrier();
+    if (c.rank() == 1) {  // never sends; its receive fails once rank 0 closes
+      std::vector<double> never(1);
+      try {
+        c.recv(view_of(never), 0, 5)->wait(kWait);
+      } catch (const Error&) {
+      }
+      return;
+    }
     std::vector<double> buf(2);
     auto w = c.recv_any(view_of(buf), {1}, 4);
     EXPECT_FALSE(w->test());
