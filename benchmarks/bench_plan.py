@@ -9,7 +9,8 @@ grid (every tensor mode, pp, dp, sp and their compositions; one host, so one pla
 build the main job's model exactly as `gridweave train` does (gw.train.build) and time
 gw.train.train_step: the median over steps of the slowest rank's step, and each rank's peak
 resident memory over its resident memory before the model was built (glibc's mmap threshold
-fixed, so freed tensors leave the resident set: calibrate.fix_mmap_threshold). The parent predicts
+fixed, so freed tensors leave the resident set: calibrate.fix_mmap_threshold; the grid's model
+built and stepped once before, so the process's one-time costs are paid). The parent predicts
 each grid from the calibrated preset alone (plan.predict), and asks the planner for its
 ranking (plan.plan): the error of each prediction, the median and the worst, the measured
 time of the planner's first choice against the fastest grid, and Kendall's tau between
@@ -73,12 +74,19 @@ def worker(out_path: str) -> None:
         cfg = job_config(dp=dp, pp=pp, tp=tp, sp=sp)
         grid = gw.init(dp=dp, pp=pp, tp=cfg.mode, sp=sp, store=store, prefix=f"plan-{i}")
         model_cfg = cfg.model_config(cfg.vocab)
+        g = torch.Generator().manual_seed(grid.coords["dp"])
+        x = torch.randint(0, model_cfg.vocab, (cfg.batch // dp, cfg.seq), generator=g)
+        # A throwaway build and step first: what a code path allocates the first time it runs
+        # in a process (Python's code objects and caches, torch's dispatch tables; 3-9 MiB a
+        # rank here) stays for the process's life and is not the job's memory, as CUDA's
+        # max_memory_allocated does not count the context's
+        warm = gw.train.build(cfg, grid, model_cfg)[1:]
+        gw.train.train_step(cfg, grid, *warm, x, x.roll(1, 1))
+        del warm
         calibrate.restart_peak()
         base = calibrate.resident_bytes()
         torch.manual_seed(cfg.seed)
         stage, opt, scaler = gw.train.build(cfg, grid, model_cfg)[1:]  # the dense model is not kept
-        g = torch.Generator().manual_seed(grid.coords["dp"])
-        x = torch.randint(0, model_cfg.vocab, (cfg.batch // dp, cfg.seq), generator=g)
         times = []
         for step in range(WARMUP + STEPS):
             dist.barrier()

@@ -1,7 +1,8 @@
 // The MPI transport (CPU clusters, and shared memory on one host): a communicator per grid
 // line made with MPI_Comm_create_group (collective over the line's members only, so lines
 // connect lazily like the other transports), every op a non-blocking MPI call whose
-// request is tested against the deadline (no MPI call may block forever), receive-from-any
+// request is tested against the deadline (no MPI call may block forever); reductions of
+// chunks of 32 KiB a member and more as gridweave's schedules of point-to-point messages; receive-from-any
 // by MPI_ANY_SOURCE (AxoNN's), fp16 / bf16 reductions by user-defined MPI ops.
 #pragma once
 #include <mpi.h>
@@ -43,7 +44,10 @@ class MpiCommunicator : public Communicator {
 
  private:
   void handshake(std::uint64_t token, int tag);
+  std::shared_ptr<Work> split(const BufferView& in, char* out, char* buf, std::size_t chunk, ReduceOp rop,
+                              const Fingerprint& fp, const std::string& what);
   MPI_Comm comm_ = MPI_COMM_NULL;
+  MPI_Comm p2p_comm_ = MPI_COMM_NULL;  // SplitReduction's messages
   Device device_ = Device::CPU;
   std::mutex pending_mu_;
   std::vector<std::weak_ptr<Work>> pending_;  // posted receives, cancelled by close()

@@ -1,5 +1,5 @@
 // The MPI transport on 4 ranks (run under mpirun by ctest): every collective and dtype on
-// the world and on 2-rank lines against values computed here, receive-from-any, the
+// the world and on 2- and 3-rank lines against values computed here, small and large, receive-from-any, the
 // traffic counters, a skipped collective that times out instead of hanging, and a
 // pending receive that close() cancels.
 #include <gtest/gtest.h>
@@ -103,9 +103,8 @@ struct Buf {
 
 const DType kDtypes[] = {DType::Float32, DType::Float64, DType::Float16, DType::BFloat16, DType::Int32, DType::Int64};
 
-void every_op(MpiCommunicator& c, const std::vector<int>& members) {
+void every_op(MpiCommunicator& c, const std::vector<int>& members, std::size_t n = 6) {
   const int g = c.size(), me = c.rank();
-  const std::size_t n = 6;
   for (DType d : kDtypes) {
     SCOPED_TRACE(dtype_name(d));
     Buf in(n, d), gathered(n * g, d), sum(n, d), part(n / 2 * 0 + n, d);
@@ -171,6 +170,17 @@ TEST(Mpi, EveryOpOnTwoRankLines) {
   const int r = world_rank();
   std::vector<int> members = r % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3};
   every_op(*line(members, "y"), members);
+}
+
+// From 32 KiB chunks the reductions are gridweave's own schedules: halving-doubling on 2 and 4
+// members, the ring on 3.
+TEST(Mpi, EveryOpWithLargeBuffers) {
+  const int r = world_rank();
+  const std::size_t n = 1 << 16;  // all-reduce buffers of 128 KiB and more: 32 KiB chunks on 4 members
+  every_op(*line({0, 1, 2, 3}, "world"), {0, 1, 2, 3}, n);
+  std::vector<int> pair = r % 2 == 0 ? std::vector<int>{0, 2} : std::vector<int>{1, 3};
+  every_op(*line(pair, "y"), pair, n);
+  if (r < 3) every_op(*line({0, 1, 2}, "three"), {0, 1, 2}, n);
 }
 
 TEST(Mpi, ReceiveFromAnyTellsTheSenderAndCountsTraffic) {

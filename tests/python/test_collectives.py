@@ -1,4 +1,4 @@
-"""Every op and dtype against a numpy reference, on 1, 2, 4 and 8 ranks."""
+"""Every op and dtype against a numpy reference, on 1, 2, 4 and 8 ranks (the reductions also\nwith large buffers, on 2, 3, 4 and 8)."""
 import numpy as np
 import pytest
 import torch
@@ -69,6 +69,48 @@ def test_every_op_matches_numpy(pool, n, dtype):
         bad = [k for k, ok in checks.items() if not ok]
         assert not bad, f"rank {r}: {bad}"
         assert len(checks) >= 13
+
+
+# Buffers from 64 KiB (the MPI transport's kRingBytes, in every dtype) run the reductions on
+# the MPI transport's rings; an all-reduce whose count does not split into the members stays on
+# MPI's own. Two ops in flight at once, waited for in the other order, keep their messages apart.
+LARGE = 1 << 15  # elements of a member's chunk: 64 KiB and more in every dtype
+
+
+def _large_reductions(ctx, dtype_name: str):
+    dtype = getattr(torch, dtype_name)
+    grid = ctx.init(dp=ctx.world_size)
+    n, r = ctx.world_size, ctx.rank
+    inputs = [rank_input(q, (n * LARGE,), dtype, salt=3) for q in range(n)]
+    checks = {}
+    for op in ("sum", "max", "min"):
+        ref = reduce_np([as_np(x) for x in inputs], op)
+        rs = grid.reduce_scatter(inputs[r].clone(), axis="dp", op=op)
+        checks[f"reduce_scatter_{op}"] = np.array_equal(as_np(rs), ref[r * LARGE:(r + 1) * LARGE])
+        t = inputs[r].clone()
+        grid.all_reduce(t, axis="dp", op=op)
+        checks[f"all_reduce_{op}"] = np.array_equal(as_np(t), ref)
+    uneven = [x[:n * LARGE - 1].clone() for x in inputs]  # does not split into n chunks (n > 1)
+    t = uneven[r].clone()
+    grid.all_reduce(t, axis="dp")
+    checks["all_reduce_uneven"] = np.array_equal(as_np(t), reduce_np([as_np(x) for x in uneven], "sum"))
+    a, b = inputs[r].clone(), (2 * inputs[r]).clone()
+    wa = grid.all_reduce(a, axis="dp", async_op=True)
+    wb = grid.reduce_scatter(b, axis="dp", async_op=True)
+    rb, _ = wb.wait(), wa.wait()
+    ref = reduce_np([as_np(x) for x in inputs], "sum")
+    checks["two_in_flight"] = np.array_equal(as_np(a), ref) and np.array_equal(as_np(rb), 2 * ref[r * LARGE:(r + 1) * LARGE])
+    return checks
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_large_reductions_match_numpy(pool, n, dtype):
+    results = pool.run(_large_reductions, n, str(dtype).replace("torch.", ""))
+    for r, checks in enumerate(results):
+        bad = [k for k, ok in checks.items() if not ok]
+        assert not bad, f"rank {r}: {bad}"
+        assert len(checks) == 8
 
 
 def _recv_any(ctx):
