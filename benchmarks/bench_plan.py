@@ -6,11 +6,12 @@ the main job's model on every grid the 8 default ranks allow (issue 18).
 One torchrun job of 8 CPU ranks. The ranks first calibrate (gridweave.calibrate.measure: alpha,
 beta, GEMM rate, element-wise bandwidth, per-kernel cost, all ranks at once); then, for each
 grid (every tensor mode, pp, dp, sp and their compositions; one host, so one placement),
-build the main job's model exactly as `gridweave train` does (gw.train.build) and time
-gw.train.train_step: the median over steps of the slowest rank's step, and each rank's peak
-resident memory over its resident memory before the model was built (glibc's mmap threshold
-fixed, so freed tensors leave the resident set: calibrate.fix_mmap_threshold; the grid's model
-built and stepped once before, so the process's one-time costs are paid). The parent predicts
+build the main job's model exactly as `gridweave train` does (gw.train.build), twice: once for
+each rank's peak resident memory over its resident memory before the model was built, over
+the build and the warm-up steps (glibc's mmap threshold fixed, so freed tensors leave the
+resident set: calibrate.resident_accounting), once for the time of gw.train.train_step (the
+median over steps of the slowest rank's step) with glibc reusing freed memory as in any job
+(a fresh mapping per tensor made a step 9-13% slower; the calibration runs that way too). The parent predicts
 each grid from the calibrated preset alone (plan.predict), and asks the planner for its
 ranking (plan.plan): the error of each prediction, the median and the worst, the measured
 time of the planner's first choice against the fastest grid, and Kendall's tau between
@@ -64,46 +65,59 @@ def worker(out_path: str) -> None:
     import gridweave as gw
     from gridweave import calibrate
 
-    calibrate.fix_mmap_threshold()
-
     n, rank, store = start_worker()
     world = gw.init(dp=n, store=store, prefix="plan-world")
-    preset = calibrate.measure(world)
+    preset = calibrate.measure(world)  # glibc allocating as in any job
     rows = []
-    for i, (dp, pp, tp, sp) in enumerate(grids()):
-        cfg = job_config(dp=dp, pp=pp, tp=tp, sp=sp)
-        grid = gw.init(dp=dp, pp=pp, tp=cfg.mode, sp=sp, store=store, prefix=f"plan-{i}")
-        model_cfg = cfg.model_config(cfg.vocab)
-        g = torch.Generator().manual_seed(grid.coords["dp"])
-        x = torch.randint(0, model_cfg.vocab, (cfg.batch // dp, cfg.seq), generator=g)
-        # A throwaway build and step first: what a code path allocates the first time it runs
-        # in a process (Python's code objects and caches, torch's dispatch tables; 3-9 MiB a
-        # rank here) stays for the process's life and is not the job's memory, as CUDA's
-        # max_memory_allocated does not count the context's
-        warm = gw.train.build(cfg, grid, model_cfg)[1:]
-        gw.train.train_step(cfg, grid, *warm, x, x.roll(1, 1))
-        del warm
-        calibrate.restart_peak()
-        base = calibrate.resident_bytes()
-        torch.manual_seed(cfg.seed)
-        stage, opt, scaler = gw.train.build(cfg, grid, model_cfg)[1:]  # the dense model is not kept
-        times = []
-        for step in range(WARMUP + STEPS):
-            dist.barrier()
-            t0 = time.perf_counter()
-            gw.train.train_step(cfg, grid, stage, opt, scaler, x, x.roll(1, 1))
-            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
-            if step >= WARMUP:
-                times.append(float(t))
-        mem = torch.tensor([float(calibrate.peak_resident_bytes() - base)], dtype=torch.float64)
+
+    def each_grid(tag: str, measure):
+        """(grid, measure(build, step)) for every grid: build() makes the main job's model on
+        it as gridweave train does, step() runs and times one training step."""
+        for i, (dp, pp, tp, sp) in enumerate(grids()):
+            cfg = job_config(dp=dp, pp=pp, tp=tp, sp=sp)
+            grid = gw.init(dp=dp, pp=pp, tp=cfg.mode, sp=sp, store=store, prefix=f"plan-{tag}-{i}")
+            model_cfg = cfg.model_config(cfg.vocab)
+            g = torch.Generator().manual_seed(grid.coords["dp"])
+            x = torch.randint(0, model_cfg.vocab, (cfg.batch // dp, cfg.seq), generator=g)
+            built = []
+
+            def build():
+                torch.manual_seed(cfg.seed)
+                built[:] = gw.train.build(cfg, grid, model_cfg)[1:]  # the dense model is not kept
+
+            def step():
+                dist.barrier()
+                t0 = time.perf_counter()
+                gw.train.train_step(cfg, grid, *built, x, x.roll(1, 1))
+                t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+                return float(t)
+
+            yield (dp, pp, tp, sp), measure(build, step)
+            built.clear()
+            grid.shutdown()
+
+    def memory(build, step):  # the build and the warm-up steps, glibc's mmap threshold fixed
+        with calibrate.resident_accounting():
+            calibrate.restart_peak()
+            base = calibrate.resident_bytes()
+            build()
+            for _ in range(WARMUP):
+                step()
+            mem = torch.tensor([float(calibrate.peak_resident_bytes() - base)], dtype=torch.float64)
         every = [torch.zeros(1, dtype=torch.float64) for _ in range(n)]
         dist.all_gather(every, mem)
-        rows.append({"dp": dp, "pp": pp, "tp": tp, "sp": sp, "measured_s": statistics.median(times),
-                     "steps_s": times, "measured_peak_bytes": max(float(v) for v in every),
-                     "peak_bytes_per_rank": [float(v) for v in every]})
-        del stage, opt, scaler
-        grid.shutdown()
+        return {"measured_peak_bytes": max(float(v) for v in every), "peak_bytes_per_rank": [float(v) for v in every]}
+
+    def timing(build, step):  # glibc reusing freed memory, as in any job
+        build()
+        times = [step() for _ in range(WARMUP + STEPS)][WARMUP:]
+        return {"measured_s": statistics.median(times), "steps_s": times}
+
+    # Two passes: a fresh mapping per tensor (the fixed threshold) slows a step 9-13% here
+    mem = dict(each_grid("memory", memory))
+    for (dp, pp, tp, sp), t in each_grid("time", timing):
+        rows.append({"dp": dp, "pp": pp, "tp": tp, "sp": sp, **t, **mem[(dp, pp, tp, sp)]})
     if rank == 0:
         Path(out_path).write_text(json.dumps({"ranks": n, "preset": preset, "rows": rows}, indent=1))
     gw.shutdown()

@@ -286,21 +286,21 @@ import json, torch
 import gridweave as gw
 from gridweave import calibrate, plan
 
-calibrate.fix_mmap_threshold()
 torch.set_num_threads(1)
 grid = gw.init()
 cfg = gw.train.TrainConfig(device="cpu")
 mc = cfg.model_config(cfg.vocab)
 x = torch.randint(0, mc.vocab, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(0), device="cpu")
 for measured in (False, True):
-    calibrate.restart_peak()
-    base = calibrate.resident_bytes()
-    torch.manual_seed(cfg.seed)
-    stage, opt, scaler = gw.train.build(cfg, grid, mc)[1:]
-    for _ in range(2):
-        gw.train.train_step(cfg, grid, stage, opt, scaler, x, x.roll(1, 1))
-    peak = calibrate.peak_resident_bytes() - base
-    del stage, opt, scaler
+    with calibrate.resident_accounting():
+        calibrate.restart_peak()
+        base = calibrate.resident_bytes()
+        torch.manual_seed(cfg.seed)
+        stage, opt, scaler = gw.train.build(cfg, grid, mc)[1:]
+        for _ in range(2):
+            gw.train.train_step(cfg, grid, stage, opt, scaler, x, x.roll(1, 1))
+        peak = calibrate.peak_resident_bytes() - base
+        del stage, opt, scaler
 p = plan.predict(plan.model_of(cfg), plan.GridShape(), plan.load_cluster("a100-ib"),
                  microbatches=cfg.microbatches, offload_bsize=cfg.bsize, coarsening=cfg.coarsening)
 print(json.dumps({"measured": peak, "predicted": p["memory_bytes"] + p["host_bytes"]}))
