@@ -265,14 +265,16 @@ class SplitReduction {
     if (!buf) return;
     for (int mask = 1; mask < g; mask *= 2) {
       const int partner = i ^ mask, partner_lo = (i & mask) ? lo - mask : lo + mask;
-      rounds_.push_back(Round{{{partner, buf + partner_lo * cb, mask * chunk_}}, {{partner, buf + lo * cb, mask * chunk_}}, {}});
+      rounds_.push_back(
+          Round{{{partner, buf + partner_lo * cb, mask * chunk_}}, {{partner, buf + lo * cb, mask * chunk_}}, {}});
       lo = std::min(lo, partner_lo);
     }
   }
 
-  // Other g: the ring of traffic.cpp's schedule, g-1 rounds each. Reduce-scatter: at step s member i sends
-  // chunk i-s-1 to i+1 and adds chunk i-s-2 from i-1 into a partial sum (two alternate); the
-  // last sum lands in out. All-gather: at step s member i sends chunk i-s, receives i-s-1.
+  // Other g: the ring of traffic.cpp's schedule, g-1 rounds each. Reduce-scatter: at step s
+  // member i sends chunk i-s-1 to i+1 and adds chunk i-s-2 from i-1 into a partial sum (two
+  // alternate); the last sum lands in out. All-gather: at step s member i sends chunk i-s and
+  // receives i-s-1.
   void ring(int g, int i, std::size_t cb, const char* in, char* out, char* buf) {
     char* tmp = scratch(3 * cb);
     char* partial[2] = {tmp + cb, tmp + 2 * cb};
@@ -284,7 +286,8 @@ class SplitReduction {
                               {{s == g - 2 ? out : partial[s % 2], in + idx(i - s - 2) * cb, tmp, chunk_}}});
     if (!buf) return;
     for (int s = 0; s < g - 1; ++s)
-      rounds_.push_back(Round{{{left, buf + idx(i - s - 1) * cb, chunk_}}, {{right, buf + idx(i - s) * cb, chunk_}}, {}});
+      rounds_.push_back(
+          Round{{{left, buf + idx(i - s - 1) * cb, chunk_}}, {{right, buf + idx(i - s) * cb, chunk_}}, {}});
   }
 
   MPI_Comm comm_;
@@ -354,20 +357,22 @@ MpiCommunicator::MpiCommunicator(CommInfo info, int device_index)
                               ") failed within " + std::to_string(info_.timeout.count() / 1000.0) +
                               " s; a peer skipped this op or died: " + e.what());
   }
-  std::lock_guard<std::recursive_mutex> lock(mpi_mutex());
-  MPI_Group world_group, line;
-  check_mpi(MPI_Comm_group(MPI_COMM_WORLD, &world_group), "MPI_Comm_group");
-  check_mpi(MPI_Group_incl(world_group, size(), info_.members.data(), &line), "MPI_Group_incl");
-  // Only the line's members call this (lines connect lazily), all of them now (handshake).
-  check_mpi(MPI_Comm_create_group(MPI_COMM_WORLD, line, tag, &comm_), "MPI_Comm_create_group on " + info_.axis);
-  // A truncated message (members that disagree on a count) is a CommError, not the job's end.
-  check_mpi(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
-  MPI_Group_free(&line);
-  MPI_Group_free(&world_group);
-  // SplitReduction's messages on a communicator of their own, apart from the caller's
-  // point-to-point ones (MPI_Comm_idup, tested against the deadline like every op).
+  // SplitReduction's messages go on a communicator of their own, apart from the caller's
+  // point-to-point ones (MPI_Comm_idup, waited for against the deadline like every op).
   auto dup = std::make_shared<MpiWork>("duplicating axis '" + info_.axis + "'", nullptr);
-  check_mpi(MPI_Comm_idup(comm_, &p2p_comm_, dup->request()), "MPI_Comm_idup on " + info_.axis);
+  {
+    std::lock_guard<std::recursive_mutex> lock(mpi_mutex());
+    MPI_Group world_group, line;
+    check_mpi(MPI_Comm_group(MPI_COMM_WORLD, &world_group), "MPI_Comm_group");
+    check_mpi(MPI_Group_incl(world_group, size(), info_.members.data(), &line), "MPI_Group_incl");
+    // Only the line's members call this (lines connect lazily), all of them now (handshake).
+    check_mpi(MPI_Comm_create_group(MPI_COMM_WORLD, line, tag, &comm_), "MPI_Comm_create_group on " + info_.axis);
+    // A truncated message (members that disagree on a count) is a CommError, not the job's end.
+    check_mpi(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+    MPI_Group_free(&line);
+    MPI_Group_free(&world_group);
+    check_mpi(MPI_Comm_idup(comm_, &p2p_comm_, dup->request()), "MPI_Comm_idup on " + info_.axis);
+  }
   dup->wait(info_.timeout);
 }
 
@@ -446,7 +451,8 @@ std::shared_ptr<Work> MpiCommunicator::run_collective(OpKind op, const BufferVie
       check_mpi(MPI_Iallgather(in.ptr, as_int(in.count, what), t, out.ptr, as_int(in.count, what), t, comm_, r), what);
       break;
     case OpKind::ReduceScatter:
-      if (size() > 1 && out.nbytes() >= kSplitChunkBytes) return split(in, static_cast<char*>(out.ptr), nullptr, out.count, rop, fp, what);
+      if (size() > 1 && out.nbytes() >= kSplitChunkBytes)
+        return split(in, static_cast<char*>(out.ptr), nullptr, out.count, rop, fp, what);
       check_mpi(MPI_Ireduce_scatter_block(in.ptr, out.ptr, as_int(out.count, what), t, mpi_op(rop, in.dtype), comm_, r),
                 what);
       break;
@@ -491,8 +497,8 @@ std::shared_ptr<Work> MpiCommunicator::run_collective(OpKind op, const BufferVie
 
 // SplitReduction on the line's point-to-point communicator; the collective's sequence number
 // (the same on every member) is the tag.
-std::shared_ptr<Work> MpiCommunicator::split(const BufferView& in, char* out, char* buf, std::size_t chunk, ReduceOp rop,
-                                             const Fingerprint& fp, const std::string& what) {
+std::shared_ptr<Work> MpiCommunicator::split(const BufferView& in, char* out, char* buf, std::size_t chunk,
+                                             ReduceOp rop, const Fingerprint& fp, const std::string& what) {
   as_int(chunk * size(), what);
   auto op = std::make_shared<SplitReduction>(p2p_comm_, static_cast<int>(fp.seq % 32768),  // MPI's tags reach 32767
                                              size(), rank(), in.dtype, rop, chunk, static_cast<const char*>(in.ptr),
