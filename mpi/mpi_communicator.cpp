@@ -90,12 +90,12 @@ int as_int(std::size_t n, const std::string& what) {
 }
 
 // An op's MPI requests, tested against the deadline: wait() never blocks in MPI. An op of
-// several rounds (the rings below) has `next`: once every request of a round completes it
+// several rounds (SplitReduction below) has `next`: once every request of a round completes it
 // does the round's local work and posts the next round's requests (false: none is left).
 class MpiWork : public Work {
  public:
-  using Round = std::function<bool(MpiWork&)>;
-  MpiWork(std::string what, std::function<void(const MPI_Status&)> on_done, Round next = nullptr)
+  using Next = std::function<bool(MpiWork&)>;
+  MpiWork(std::string what, std::function<void(const MPI_Status&)> on_done, Next next = nullptr)
       : Work(std::move(what)), on_done_(std::move(on_done)), next_(std::move(next)) {}
   // An unfinished request is left to MPI (a nonblocking collective's request may be
   // neither freed nor cancelled); its buffers belong to the caller, as with every transport.
@@ -169,7 +169,7 @@ class MpiWork : public Work {
 
  private:
   std::function<void(const MPI_Status&)> on_done_;
-  Round next_;
+  Next next_;
   std::vector<MPI_Request> requests_;
   std::vector<MPI_Status> statuses_;
   bool done_ = false;
@@ -442,6 +442,17 @@ std::shared_ptr<Work> MpiCommunicator::run_collective(OpKind op, const BufferVie
                                                       ReduceOp rop, int root, bool /*async_op*/,
                                                       const Fingerprint& fp) {
   const std::string what = describe(op);  // once: it is an ostringstream per call
+  // Reductions of large chunks are gridweave's own schedules (kSplitChunkBytes)
+  const std::size_t esize = dtype_size(in.dtype);
+  if (op == OpKind::ReduceScatter && size() > 1 && out.count * esize >= kSplitChunkBytes)
+    return split(in, static_cast<char*>(out.ptr), nullptr, out.count, rop, fp, what);
+  if (op == OpKind::AllReduce && size() > 1 && in.count % size() == 0 &&
+      in.count / size() * esize >= kSplitChunkBytes) {
+    const std::size_t chunk = in.count / size();
+    char* buf = static_cast<char*>(out.ptr);
+    if (in.ptr != out.ptr) std::memcpy(buf, in.ptr, in.nbytes());
+    return split(out, buf + rank() * chunk * esize, buf, chunk, rop, fp, what);
+  }
   auto work = std::make_shared<MpiWork>(what, nullptr);
   std::lock_guard<std::recursive_mutex> lock(mpi_mutex());
   MPI_Request* r = work->request();
@@ -451,18 +462,10 @@ std::shared_ptr<Work> MpiCommunicator::run_collective(OpKind op, const BufferVie
       check_mpi(MPI_Iallgather(in.ptr, as_int(in.count, what), t, out.ptr, as_int(in.count, what), t, comm_, r), what);
       break;
     case OpKind::ReduceScatter:
-      if (size() > 1 && out.nbytes() >= kSplitChunkBytes)
-        return split(in, static_cast<char*>(out.ptr), nullptr, out.count, rop, fp, what);
       check_mpi(MPI_Ireduce_scatter_block(in.ptr, out.ptr, as_int(out.count, what), t, mpi_op(rop, in.dtype), comm_, r),
                 what);
       break;
     case OpKind::AllReduce:
-      if (size() > 1 && in.nbytes() >= kSplitChunkBytes * size() && in.count % size() == 0) {
-        const std::size_t chunk = in.count / size();
-        char* buf = static_cast<char*>(out.ptr);
-        if (in.ptr != out.ptr) std::memcpy(buf, in.ptr, in.nbytes());
-        return split(out, buf + rank() * chunk * dtype_size(in.dtype), buf, chunk, rop, fp, what);
-      }
       check_mpi(MPI_Iallreduce(in.ptr == out.ptr ? MPI_IN_PLACE : in.ptr, out.ptr, as_int(out.count, what), t,
                                mpi_op(rop, in.dtype), comm_, r), what);
       break;

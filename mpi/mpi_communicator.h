@@ -2,8 +2,8 @@
 // line made with MPI_Comm_create_group (collective over the line's members only, so lines
 // connect lazily like the other transports), every op a non-blocking MPI call whose
 // request is tested against the deadline (no MPI call may block forever); reductions of
-// chunks of 32 KiB a member and more as gridweave's schedules of point-to-point messages; receive-from-any
-// by MPI_ANY_SOURCE (AxoNN's), fp16 / bf16 reductions by user-defined MPI ops.
+// chunks of 32 KiB a member and more as gridweave's schedules of point-to-point messages;
+// receive-from-any by MPI_ANY_SOURCE (AxoNN's), fp16 / bf16 reductions by user-defined MPI ops.
 #pragma once
 #include <mpi.h>
 

@@ -92,6 +92,12 @@ COUNTING_MMAP_THRESHOLD = 128 << 10  # glibc's initial threshold
 SETTLED_MMAP_THRESHOLD = 32 << 20  # where glibc's sliding threshold ends (DEFAULT_MMAP_THRESHOLD_MAX, 64-bit)
 
 
+def _libc():
+    import ctypes
+
+    return ctypes.CDLL("libc.so.6")
+
+
 @contextlib.contextmanager
 def resident_accounting():
     """Resident memory that measures what a job holds, within this block. glibc's mmap threshold
@@ -103,14 +109,11 @@ def resident_accounting():
     page by page: a training step here ran 9-13% slower, GEMMs of 256 x 256 too. So time
     nothing inside: on leaving, the threshold is set where glibc's own settles, and freed
     memory is reused as in any job."""
-    import ctypes
-
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(M_MMAP_THRESHOLD, COUNTING_MMAP_THRESHOLD)
+    _libc().mallopt(M_MMAP_THRESHOLD, COUNTING_MMAP_THRESHOLD)
     try:
         yield
     finally:
-        libc.mallopt(M_MMAP_THRESHOLD, SETTLED_MMAP_THRESHOLD)
+        _libc().mallopt(M_MMAP_THRESHOLD, SETTLED_MMAP_THRESHOLD)
 
 
 def resident_bytes() -> int:
@@ -127,11 +130,10 @@ def peak_resident_bytes() -> int:
 def restart_peak() -> None:
     """Free memory back to the system (what came before would hide the next growth), then
     restart the resident set's high-water mark from now ("5")."""
-    import ctypes
     import gc
 
     gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    _libc().malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
 

@@ -1,6 +1,6 @@
 // The MPI transport on 4 ranks (run under mpirun by ctest): every collective and dtype on
-// the world and on 2- and 3-rank lines against values computed here, small and large, receive-from-any, the
-// traffic counters, a skipped collective that times out instead of hanging, and a
+// the world and on 2- and 3-rank lines against values computed here, small and large,
+// receive-from-any, the traffic counters, a skipped collective that times out instead of hanging, and a
 // pending receive that close() cancels.
 #include <gtest/gtest.h>
 #include <mpi.h>
