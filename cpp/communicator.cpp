@@ -10,21 +10,34 @@
 
 namespace gridweave {
 
+namespace {
+
+// "all_gather on axis 'x' (rank 3, peers [2, 3])", or the one peer of a point-to-point op.
+std::string description(const CommInfo& info, OpKind op, int peer) {
+  std::ostringstream os;
+  os << op_name(op) << " on axis '" << info.axis << "' (rank " << info.members[info.rank] << ", peers ";
+  if (peer >= 0) os << "[" << info.members.at(peer) << "]";
+  else os << join_ranks(info.members);
+  os << ")";
+  return os.str();
+}
+
+}  // namespace
+
 Communicator::Communicator(CommInfo info) : info_(std::move(info)) {
   GW_CHECK(!info_.members.empty(), "communicator for axis '" << info_.axis << "' has no members");
   GW_CHECK(info_.rank >= 0 && info_.rank < size(),
            "rank " << info_.rank << " is not a member of the " << size() << "-rank communicator '" << info_.axis << "'");
   if (info_.member_nodes.empty()) info_.member_nodes.assign(info_.members.size(), 0);
   GW_CHECK(info_.member_nodes.size() == info_.members.size(), "member_nodes must list one node per member");
+  for (std::size_t k = 0; k < info_.members.size(); ++k)
+    peer_is_intra_.push_back(info_.member_nodes[k] == info_.member_nodes[info_.rank]);
+  for (int op = 0; op <= static_cast<int>(OpKind::Barrier); ++op)
+    described_.push_back(description(info_, static_cast<OpKind>(op), -1));
 }
 
 std::string Communicator::describe(OpKind op, int peer) const {
-  std::ostringstream os;
-  os << op_name(op) << " on axis '" << info_.axis << "' (rank " << info_.members[info_.rank] << ", peers ";
-  if (peer >= 0) os << "[" << info_.members.at(peer) << "]";
-  else os << join_ranks(info_.members);
-  os << ")";
-  return os.str();
+  return peer < 0 ? described_[static_cast<std::size_t>(op)] : description(info_, op, peer);
 }
 
 std::uint32_t Fingerprint::hash() const {
@@ -158,9 +171,8 @@ void Communicator::check_root(int root, OpKind op) const {
 
 void Communicator::count(OpKind op, const BufferView& buf, int root) const {
   if (!info_.counters) return;
-  std::vector<bool> intra(info_.members.size());
-  for (std::size_t k = 0; k < intra.size(); ++k) intra[k] = info_.member_nodes[k] == info_.member_nodes[info_.rank];
-  info_.counters->record(info_.axis, schedule(op, size(), rank(), buf.nbytes(), root, static_cast<int>(dtype_size(buf.dtype))), intra);
+  info_.counters->record(info_.axis, schedule(op, size(), rank(), buf.nbytes(), root, static_cast<int>(dtype_size(buf.dtype))),
+                         peer_is_intra_);
 }
 
 std::shared_ptr<Work> Communicator::all_gather(const BufferView& in, const BufferView& out, bool async_op) {

@@ -60,6 +60,7 @@ struct CommInfo {
   std::vector<int> members;        // global ranks; index = rank in this communicator
   int rank = 0;                    // this process's index in members
   std::vector<int> member_nodes;   // node of each member (placement's ranks_per_node)
+  int ranks_on_node = 1;           // the grid's ranks on this rank's node
   std::chrono::milliseconds timeout{300000};
   std::shared_ptr<TrafficCounters> counters;  // may be null
   std::string session;             // names this line of this grid alike on all its members
@@ -157,6 +158,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // The next collective's fingerprint; at the Detail level, verified against every member's.
   Fingerprint agree(OpKind op, const BufferView& buf, int root);
   std::atomic<bool> broken_{false};  // set by waiter and worker threads too
+  // Made once: describe(op) names every op's Work, and an ostringstream per op costs more
+  // than a small collective's own CPU time; peer_is_intra_ is what count() records against.
+  std::vector<std::string> described_;  // describe(op) of each OpKind
+  std::vector<bool> peer_is_intra_;     // member k shares this rank's node
   std::uint64_t seq_ = 0;
 };
 

@@ -56,6 +56,7 @@ std::shared_ptr<Communicator> Grid::line(const std::vector<std::string>& axes, b
     line_id = placement_.line_id(rank(), axes);
   }
   for (int m : info.members) info.member_nodes.push_back(placement_.node_of(m));
+  info.ranks_on_node = std::min(placement_.ranks_per_node(), world_size());
   const std::string line_name = "comm/" + key + "/" + std::to_string(line_id);
   info.session = options_.session + "/" + line_name;
   auto line_store = make_prefix_store(line_name, store_);

@@ -72,6 +72,11 @@ BufferView make_view(std::uintptr_t ptr, std::size_t count, DType dtype, Device 
   return v;
 }
 
+// Host memory (the one-call synchronous ops below).
+BufferView host(std::uintptr_t ptr, std::size_t count, DType dtype) {
+  return make_view(ptr, count, dtype, Device::CPU, -1, 0);
+}
+
 py::dict tally(const Tally& t) {
   py::dict d;
   d["messages"] = t.messages;
@@ -189,6 +194,8 @@ PYBIND11_MODULE(_C, m) {
 
   using C = Communicator;
   using V = const BufferView&;
+  using P = std::uintptr_t;  // a host pointer
+  using N = std::size_t;     // its element count
   py::class_<C, std::shared_ptr<C>>(m, "Communicator")
       .def_property_readonly("rank", &C::rank)
       .def_property_readonly("size", &C::size)
@@ -220,6 +227,27 @@ PYBIND11_MODULE(_C, m) {
       .def("recv", [](C& c, V b, int peer, int tag) { py::gil_scoped_release g; return c.recv(b, peer, tag); })
       .def("recv_any", [](C& c, V b, const std::vector<int>& peers, int tag) { py::gil_scoped_release g; return c.recv_any(b, peers, tag); })
       .def("barrier", [](C& c, bool a) { py::gil_scoped_release g; return c.barrier(a); }, py::arg("async_op") = true)
+      // Synchronous ops on contiguous host memory in one native call each: issue, then wait
+      // with the GIL released once; no BufferView or Work object is made (the per-op CPU
+      // cost is what bounds small collectives when ranks share cores). Same checks as above.
+      .def("all_gather_host", [](C& c, P i, N ni, P o, N no, DType d, double t) {
+        py::gil_scoped_release g;
+        c.all_gather(host(i, ni, d), host(o, no, d), false)->wait(to_ms(t));
+      }, py::arg("input"), py::arg("input_count"), py::arg("output"), py::arg("output_count"), py::arg("dtype"),
+         py::arg("timeout_s"))
+      .def("reduce_scatter_host", [](C& c, P i, N ni, P o, N no, DType d, ReduceOp r, double t) {
+        py::gil_scoped_release g;
+        c.reduce_scatter(host(i, ni, d), host(o, no, d), r, false)->wait(to_ms(t));
+      }, py::arg("input"), py::arg("input_count"), py::arg("output"), py::arg("output_count"), py::arg("dtype"),
+         py::arg("op"), py::arg("timeout_s"))
+      .def("all_reduce_host", [](C& c, P b, N n, DType d, ReduceOp r, double t) {
+        py::gil_scoped_release g;
+        c.all_reduce(host(b, n, d), r, false)->wait(to_ms(t));
+      }, py::arg("buffer"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("timeout_s"))
+      .def("broadcast_host", [](C& c, P b, N n, DType d, int root, double t) {
+        py::gil_scoped_release g;
+        c.broadcast(host(b, n, d), root, false)->wait(to_ms(t));
+      }, py::arg("buffer"), py::arg("count"), py::arg("dtype"), py::arg("root"), py::arg("timeout_s"))
       .def_property_readonly("issued", &C::issued);
 
   py::class_<Placement>(m, "Placement")

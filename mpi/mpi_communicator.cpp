@@ -10,6 +10,8 @@
 #include <mutex>
 #include <thread>
 
+#include <sched.h>
+
 #include "error.h"
 
 #if __has_include(<mpi-ext.h>)
@@ -89,14 +91,29 @@ int as_int(std::size_t n, const std::string& what) {
   return static_cast<int>(n);
 }
 
+// How a waiting rank polls its requests: as MPI's own blocking calls do (OpenMPI yields only
+// when mpirun oversubscribes the node): it spins where every rank of the node has a processor
+// of its own, and yields the processor between tests where they share them (a spinning rank
+// would hold up the peer it waits for). A rank bound to one processor is taken to have it to
+// itself (launchers bind ranks only when each gets its own: mpirun's default up to one rank a
+// core); otherwise the node's ranks are compared with the processors this one may run on (a
+// cgroup's cpuset, not the machine's). Measured on 2 ranks of 2 cores: a 64 KiB all_gather
+// took 6.6 us yielding, 5.8 us spinning (OpenMPI's blocking call 5.0 us).
+Poll poll_for(int ranks_on_node) {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return Poll::Yield;
+  const int processors = CPU_COUNT(&set);
+  return processors == 1 || ranks_on_node <= processors ? Poll::Spin : Poll::Yield;
+}
+
 // An op's MPI requests, tested against the deadline: wait() never blocks in MPI. An op of
 // several rounds (SplitReduction below) has `next`: once every request of a round completes it
 // does the round's local work and posts the next round's requests (false: none is left).
 class MpiWork : public Work {
  public:
   using Next = std::function<bool(MpiWork&)>;
-  MpiWork(std::string what, std::function<void(const MPI_Status&)> on_done, Next next = nullptr)
-      : Work(std::move(what)), on_done_(std::move(on_done)), next_(std::move(next)) {}
+  MpiWork(std::string what, Poll poll, std::function<void(const MPI_Status&)> on_done, Next next = nullptr)
+      : Work(std::move(what)), poll_(poll), on_done_(std::move(on_done)), next_(std::move(next)) {}
   // An unfinished request is left to MPI (a nonblocking collective's request may be
   // neither freed nor cancelled); its buffers belong to the caller, as with every transport.
   MPI_Request* request() { return post(1); }
@@ -152,10 +169,9 @@ class MpiWork : public Work {
         throw Error(ErrorKind::Timeout, "gridweave: " + what_ + " timed out after " +
                                             std::to_string(timeout.count() / 1000.0) +
                                             " s: a peer is slow, skipped this op or died");
-      // Poll as MPI's own blocking calls do (yielding the core, which matters with more ranks
-      // than cores); after 10 ms of waiting, sleep between polls instead.
-      if (now - start < std::chrono::milliseconds(10)) std::this_thread::yield();
-      else std::this_thread::sleep_for(std::chrono::microseconds(50));
+      // Poll as MPI's own blocking calls do (Poll); after 10 ms of waiting, sleep between polls.
+      if (now - start >= std::chrono::milliseconds(10)) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      else if (poll_ == Poll::Yield) std::this_thread::yield();
     }
     if (!error_.empty()) throw Error(ErrorKind::Comm, error_);
   }
@@ -168,6 +184,7 @@ class MpiWork : public Work {
   }
 
  private:
+  Poll poll_;
   std::function<void(const MPI_Status&)> on_done_;
   Next next_;
   std::vector<MPI_Request> requests_;
@@ -344,7 +361,9 @@ bool mpi_cuda_aware() {
 }
 
 MpiCommunicator::MpiCommunicator(CommInfo info, int device_index)
-    : Communicator(std::move(info)), device_(device_index >= 0 && mpi_cuda_aware() ? Device::CUDA : Device::CPU) {
+    : Communicator(std::move(info)),
+      device_(device_index >= 0 && mpi_cuda_aware() ? Device::CUDA : Device::CPU),
+      poll_(poll_for(info_.ranks_on_node)) {
   mpi_world();
   const std::uint64_t token = std::hash<std::string>{}(info_.session.empty() ? info_.axis : info_.session);
   // Tags 16384..32767 of MPI_COMM_WORLD (MPI guarantees tag_ub >= 32767), one per line.
@@ -359,7 +378,7 @@ MpiCommunicator::MpiCommunicator(CommInfo info, int device_index)
   }
   // SplitReduction's messages go on a communicator of their own, apart from the caller's
   // point-to-point ones (MPI_Comm_idup, waited for against the deadline like every op).
-  auto dup = std::make_shared<MpiWork>("duplicating axis '" + info_.axis + "'", nullptr);
+  auto dup = std::make_shared<MpiWork>("duplicating axis '" + info_.axis + "'", poll_, nullptr);
   {
     std::lock_guard<std::recursive_mutex> lock(mpi_mutex());
     MPI_Group world_group, line;
@@ -390,7 +409,7 @@ void MpiCommunicator::handshake(std::uint64_t token, int tag) {
   // One token to or from `peer`, waited for like every op (MpiWork::wait) until the deadline.
   auto exchange = [&](bool receive, int peer) {
     auto buf = std::make_unique<std::uint64_t>(token);
-    auto work = std::make_shared<MpiWork>("handshake on " + info_.axis, nullptr);
+    auto work = std::make_shared<MpiWork>("handshake on " + info_.axis, poll_, nullptr);
     {
       std::lock_guard<std::recursive_mutex> lock(mpi_mutex());
       if (receive) check_mpi(MPI_Irecv(buf.get(), 1, MPI_UINT64_T, peer, tag, MPI_COMM_WORLD, work->request()), "handshake");
@@ -441,7 +460,7 @@ void MpiCommunicator::close() {
 std::shared_ptr<Work> MpiCommunicator::run_collective(OpKind op, const BufferView& in, const BufferView& out,
                                                       ReduceOp rop, int root, bool /*async_op*/,
                                                       const Fingerprint& fp) {
-  const std::string what = describe(op);  // once: it is an ostringstream per call
+  const std::string what = describe(op);
   // Reductions of large chunks are gridweave's own schedules (kSplitChunkBytes)
   const std::size_t esize = dtype_size(in.dtype);
   if (op == OpKind::ReduceScatter && size() > 1 && out.count * esize >= kSplitChunkBytes)
@@ -453,7 +472,7 @@ std::shared_ptr<Work> MpiCommunicator::run_collective(OpKind op, const BufferVie
     if (in.ptr != out.ptr) std::memcpy(buf, in.ptr, in.nbytes());
     return split(out, buf + rank() * chunk * esize, buf, chunk, rop, fp, what);
   }
-  auto work = std::make_shared<MpiWork>(what, nullptr);
+  auto work = std::make_shared<MpiWork>(what, poll_, nullptr);
   std::lock_guard<std::recursive_mutex> lock(mpi_mutex());
   MPI_Request* r = work->request();
   const MPI_Datatype t = mpi_type(op == OpKind::Scatter ? out.dtype : in.dtype);
@@ -506,7 +525,7 @@ std::shared_ptr<Work> MpiCommunicator::split(const BufferView& in, char* out, ch
   auto op = std::make_shared<SplitReduction>(p2p_comm_, static_cast<int>(fp.seq % 32768),  // MPI's tags reach 32767
                                              size(), rank(), in.dtype, rop, chunk, static_cast<const char*>(in.ptr),
                                              out, buf);
-  auto work = std::make_shared<MpiWork>(what, nullptr, [op](MpiWork& w) { return op->advance(w); });
+  auto work = std::make_shared<MpiWork>(what, poll_, nullptr, [op](MpiWork& w) { return op->advance(w); });
   std::lock_guard<std::recursive_mutex> lock(mpi_mutex());
   op->advance(*work);  // posts the first round
   return work;
@@ -533,7 +552,7 @@ std::shared_ptr<Work> MpiCommunicator::run_p2p(OpKind op, const BufferView& buf,
       count(OpKind::Recv, view, st.MPI_SOURCE);
     };
   }
-  auto work = std::make_shared<MpiWork>(what, on_done);
+  auto work = std::make_shared<MpiWork>(what, poll_, on_done);
   if (op == OpKind::Recv) {  // close() cancels the receives still pending
     std::lock_guard<std::mutex> lock(pending_mu_);
     pending_.erase(std::remove_if(pending_.begin(), pending_.end(), [](auto& w) { return w.expired(); }),

@@ -22,6 +22,9 @@ std::pair<int, int> mpi_world();
 // MPI_Finalize if gridweave initialised MPI (and nobody finalised it).
 void mpi_finalize();
 
+// How a waiting op polls MPI: spinning, or yielding the processor between tests (poll_for).
+enum class Poll { Spin, Yield };
+
 class MpiCommunicator : public Communicator {
  public:
   // Collective over info.members (world ranks): each line of an axis at once.
@@ -49,6 +52,7 @@ class MpiCommunicator : public Communicator {
   MPI_Comm comm_ = MPI_COMM_NULL;
   MPI_Comm p2p_comm_ = MPI_COMM_NULL;  // SplitReduction's messages
   Device device_ = Device::CPU;
+  Poll poll_;  // how its ops' waits poll (mpi_communicator.cpp)
   std::mutex pending_mu_;
   std::vector<std::weak_ptr<Work>> pending_;  // posted receives, cancelled by close()
 };

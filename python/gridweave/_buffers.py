@@ -66,6 +66,23 @@ def view(t, what: str = "tensor") -> "_C.BufferView":
     raise GridError(f"{what}: expected a torch tensor, numpy array or cupy array, got {type(t).__name__}")
 
 
+def host_args(a, b=None):
+    """(pointer, count) of a, and of b when given, then their DType: the arguments of the
+    one-call synchronous ops on host memory (Communicator.all_gather_host and its kin). None
+    unless each is a contiguous CPU torch tensor of one supported dtype. Spelled out for one
+    and two tensors, not looped: this runs on every op."""
+    if not (isinstance(a, torch.Tensor) and a.is_cpu and a.is_contiguous()):
+        return None
+    code = _TORCH.get(a.dtype)
+    if code is None:
+        return None
+    if b is None:
+        return a.data_ptr(), a.numel(), code
+    if not (isinstance(b, torch.Tensor) and b.is_cpu and b.is_contiguous() and b.dtype == a.dtype):
+        return None
+    return a.data_ptr(), a.numel(), b.data_ptr(), b.numel(), code
+
+
 def empty_like_shape(t, shape):
     """A new contiguous buffer of t's kind, dtype and device."""
     if isinstance(t, torch.Tensor):

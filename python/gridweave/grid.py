@@ -16,7 +16,7 @@ import torch
 
 from . import _C, launch
 from .launch import _env_int
-from ._buffers import empty_like_shape, reduce_code, view
+from ._buffers import empty_like_shape, host_args, reduce_code, view
 from .errors import CommError, GridError
 from .modes import Sequence, grid_axes
 
@@ -191,6 +191,16 @@ class Grid:
             raise type(e)(f"{op} on axis '{','.join(names) or 'world'}' (control): {e}") from e
 
     # ---- collectives ----------------------------------------------------------------
+    def _on_host(self, native_op, a, b=None, *extra) -> bool:
+        """A synchronous op in one native call (native_op: a Communicator's *_host method) when
+        its tensors a (and b) are contiguous CPU tensors of one dtype; False (nothing done)
+        otherwise."""
+        args = host_args(a, b)
+        if args is None:
+            return False
+        native_op(*args, *extra, self.timeout)
+        return True
+
     def _run(self, native, async_op, keep, finish=None):
         if async_op:
             return Work(native, self.timeout, keep, finish)
@@ -241,9 +251,8 @@ class Grid:
         g = c.size
         dim = _dim(t, dim)
         src = _contig(t)
-        shape = (g * t.shape[0],) + tuple(t.shape[1:])
         if out is not None:
-            _check_out(out, t, shape, dim, "all_gather")
+            _check_out(out, t, (g * t.shape[0], *t.shape[1:]), dim, "all_gather")
             buf = out
         else:
             buf = empty_like_shape(t, (g,) + tuple(t.shape))
@@ -251,6 +260,8 @@ class Grid:
         def finish():
             return out if out is not None else _merge_leading(buf, dim)
 
+        if not async_op and self._on_host(c.all_gather_host, src, buf):
+            return finish()
         return self._run(c.all_gather(view(src, "all_gather input"), view(buf, "all_gather output"), async_op), async_op,
                          (src, buf), finish)
 
@@ -280,20 +291,26 @@ class Grid:
         def finish():
             return _movedim(buf, 0, dim)
 
+        if not async_op and self._on_host(c.reduce_scatter_host, src, buf, code):
+            return finish()
         return self._run(c.reduce_scatter(view(src, "reduce_scatter input"), view(buf, "reduce_scatter output"),
                                           code, async_op), async_op, (src, buf), finish)
 
     def all_reduce(self, t, axis: AxisArg, op: str = "sum", async_op: bool = False):
         """In place: every member's `t` becomes the reduction over the members."""
         c = self.comm(axis, "all_reduce")
+        code = reduce_code(op)
+        if not async_op and self._on_host(c.all_reduce_host, t, None, code):
+            return t
         if self._staged(c, t):
             return self._via_host("all_reduce", t, axis, op=op, into=t, async_op=async_op)
-        code = reduce_code(op)
         return self._run(c.all_reduce(view(t, "all_reduce buffer"), code, async_op), async_op, (t,), lambda: t)
 
     def broadcast(self, t, axis: AxisArg, src: int = 0, async_op: bool = False):
         """In place: `t` of member `src` (index along axis) is copied to every member."""
         c = self.comm(axis, "broadcast")
+        if not async_op and self._on_host(c.broadcast_host, t, None, int(src)):
+            return t
         if self._staged(c, t):
             return self._via_host("broadcast", t, axis, src=src, into=t, async_op=async_op)
         return self._run(c.broadcast(view(t, "broadcast buffer"), int(src), async_op), async_op, (t,), lambda: t)

@@ -146,3 +146,60 @@ def test_numpy_arrays_are_accepted(pool):
     res = pool.run(_numpy_arrays, 2)
     ref = np.concatenate([np.arange(6, dtype=np.float32).reshape(2, 3) + 10 * q for q in range(2)])
     assert res[0] == ref.tolist() and res[1] == ref.tolist()
+
+
+# A synchronous op on contiguous CPU tensors runs in one native call (Communicator.*_host:
+# issue and wait, no BufferView or Work); an async op takes the BufferView path. Both give
+# numpy's result and the same traffic counters, and the engine's own checks (the count) hold
+# on the one-call path too.
+def _one_call_vs_async(ctx, dtype_name: str):
+    from gridweave import GridError
+    from gridweave._buffers import host_args
+
+    dtype = getattr(torch, dtype_name)
+    grid = ctx.init(dp=ctx.world_size)
+    n, r = ctx.world_size, ctx.rank
+    inputs = [rank_input(q, (n * 4, 3), dtype, salt=4) for q in range(n)]
+    mine = inputs[r]
+    ref_sum = reduce_np([as_np(x) for x in inputs], "sum")
+    ref_gather = np.concatenate([as_np(x) for x in inputs])
+    checks = {"eligible": host_args(mine, torch.empty_like(mine)) is not None,
+              "strided_not_eligible": host_args(mine.t()) is None,
+              "mixed_not_eligible": host_args(mine, mine.double() if dtype != torch.float64 else mine.float()) is None}
+    counters = []
+    for async_op in (False, True):
+        grid.reset_stats()
+        got = {}
+        out = torch.empty(n * n * 4, 3, dtype=dtype, device="cpu")
+        w = grid.all_gather(mine, "dp", out=out, async_op=async_op)
+        got["all_gather"] = as_np(w.wait() if async_op else w)
+        part = torch.empty(4, 3, dtype=dtype, device="cpu")
+        w = grid.reduce_scatter(mine, "dp", out=part, async_op=async_op)
+        got["reduce_scatter"] = as_np(w.wait() if async_op else w)
+        t = mine.clone()
+        w = grid.all_reduce(t, "dp", async_op=async_op)
+        got["all_reduce"] = as_np(w.wait() if async_op else w)
+        t = mine.clone()
+        w = grid.broadcast(t, "dp", src=n - 1, async_op=async_op)
+        got["broadcast"] = as_np(w.wait() if async_op else w)
+        tag = "async" if async_op else "one_call"
+        checks[f"{tag}_all_gather"] = np.array_equal(got["all_gather"], ref_gather)
+        checks[f"{tag}_reduce_scatter"] = np.array_equal(got["reduce_scatter"], ref_sum[4 * r:4 * r + 4])
+        checks[f"{tag}_all_reduce"] = np.array_equal(got["all_reduce"], ref_sum)
+        checks[f"{tag}_broadcast"] = np.array_equal(got["broadcast"], as_np(inputs[n - 1]))
+        counters.append(grid.stats())
+    checks["same_counters"] = counters[0] == counters[1] and counters[0]["dp"]["ops"] == 4
+    c = grid.comm("dp")
+    out = torch.empty(n * mine.numel() + 1, dtype=dtype, device="cpu")
+    try:  # every member passes the same wrong count: the engine refuses before any message
+        c.all_gather_host(*host_args(mine, out), grid.timeout)
+        checks["count_checked"] = False
+    except GridError as e:
+        checks["count_checked"] = "all_gather" in str(e) and "elements" in str(e)
+    return checks
+
+
+@pytest.mark.parametrize("n", [1, 3, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
+def test_one_call_host_path_matches_the_async_path(pool, n, dtype):
+    _all_pass(pool, _one_call_vs_async, n, dtype, 13)
