@@ -1,5 +1,5 @@
 """gridweave on MPI vs mpi4py on the same OpenMPI vs gridweave on Gloo, side by side in the
-same processes (issue 14).
+same processes (issue 14); and OpenMPI's own nonblocking calls polled as the engine polls them.
 
     python benchmarks/bench_transports.py             # 2, 4 and 8 ranks under mpirun, writes results/
     mpirun -np N python benchmarks/bench_transports.py --worker --out FILE
@@ -7,7 +7,7 @@ same processes (issue 14).
 all_gather, reduce_scatter, all_reduce, broadcast and all_to_all from 4 KiB to 64 MiB
 (nccl-tests' convention: the size is the whole buffer, n chunks for the gathers and
 all_to_all), and send/recv latency (ping-pong of ranks 0 and 1, one way). Each sample
-starts after a barrier and takes the slowest rank's time; the three run alternately and
+starts after a barrier and takes the slowest rank's time; the four run alternately and
 keep the best sample. mpi4py initialises MPI first: gridweave keeps that MPI.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from launch import bench_parser, results_dir, save
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 OPS = ["all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all", "send_recv"]
-IMPLS = ["gridweave_mpi", "mpi4py", "gridweave_gloo"]
+IMPLS = ["gridweave_mpi", "mpi4py", "gridweave_gloo", "mpi4py_nonblocking"]
 GOAL_RANGE = (64 << 10, 4 << 20)  # the issue's goal: geomean over these sizes <= 1.1x OpenMPI
 GOAL_OPS = ["all_gather", "reduce_scatter", "all_reduce"]
 
@@ -67,6 +67,28 @@ def _ops(n: int, rank: int, nbytes: int, g_mpi, g_gloo, comm, MPI):
             "send_recv": ping(lambda: g.send(buf, peer, "dp"), lambda: g.recv(buf, peer, "dp")),
         }
 
+    # OpenMPI's nonblocking calls polled as the engine polls them (mpi/mpi_communicator.cpp
+    # poll_for: spin where each rank has a processor, else yield between tests): the floor of a
+    # transport that may not block past a deadline.
+    cpus = os.sched_getaffinity(0)
+    local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", n))
+    idle = (lambda: None) if len(cpus) == 1 or local <= len(cpus) else os.sched_yield
+
+    def polled(start):
+        def run():
+            req = start()
+            while not req.Test():
+                idle()
+        return run
+
+    nonblocking = {
+        "all_gather": polled(lambda: comm.Iallgather(pn, on)),
+        "reduce_scatter": polled(lambda: comm.Ireduce_scatter_block(fn, pn, op=MPI.SUM)),
+        "all_reduce": polled(lambda: comm.Iallreduce(MPI.IN_PLACE, bn, op=MPI.SUM)),
+        "broadcast": polled(lambda: comm.Ibcast(bn, root=0)),
+        "all_to_all": polled(lambda: comm.Ialltoall(fn, on)),
+        "send_recv": ping(polled(lambda: comm.Isend(bn, dest=peer)), polled(lambda: comm.Irecv(bn, source=peer))),
+    }
     mine = {
         "all_gather": lambda: comm.Allgather(pn, on),
         "reduce_scatter": lambda: comm.Reduce_scatter_block(fn, pn, op=MPI.SUM),
@@ -76,7 +98,8 @@ def _ops(n: int, rank: int, nbytes: int, g_mpi, g_gloo, comm, MPI):
         "send_recv": ping(lambda: comm.Send(bn, dest=peer), lambda: comm.Recv(bn, source=peer)),
     }
     ours_mpi, ours_gloo = gw(g_mpi), gw(g_gloo)
-    return {op: {"gridweave_mpi": ours_mpi[op], "mpi4py": mine[op], "gridweave_gloo": ours_gloo[op]} for op in OPS}
+    return {op: {"gridweave_mpi": ours_mpi[op], "mpi4py": mine[op], "gridweave_gloo": ours_gloo[op],
+                 "mpi4py_nonblocking": nonblocking[op]} for op in OPS}
 
 
 def worker(out_path: str, port: int) -> None:
@@ -102,7 +125,7 @@ def worker(out_path: str, port: int) -> None:
             for impl in IMPLS:  # warm-up: connect, touch the buffers
                 ops[op][impl]()
             for s in range(_samples(nbytes)):
-                order = IMPLS[s % 3:] + IMPLS[:s % 3]
+                order = IMPLS[s % len(IMPLS):] + IMPLS[:s % len(IMPLS)]
                 for impl in order:
                     comm.Barrier()
                     t0 = time.perf_counter()
@@ -121,20 +144,27 @@ def worker(out_path: str, port: int) -> None:
     g_gloo.shutdown()
 
 
+def _geomean(ratios) -> float:
+    ratios = list(ratios)
+    return math.exp(sum(map(math.log, ratios)) / len(ratios))
+
+
 def summary(rows: list) -> dict:
     """Per rank count: geomean of gridweave-MPI / mpi4py over the goal's ops and sizes (and
-    over everything), and the cases where gridweave-MPI is slower than gridweave-Gloo."""
+    over everything); the same for OpenMPI's own nonblocking calls, polled (what a transport
+    that may not block can reach); the cases where gridweave-MPI is slower than gridweave-Gloo."""
     out = {}
     for n in sorted({r["ranks"] for r in rows}):
         mine = [r for r in rows if r["ranks"] == n]
-        goal = [r["gridweave_mpi_s"] / r["mpi4py_s"] for r in mine
-                if r["op"] in GOAL_OPS and GOAL_RANGE[0] <= r["nbytes"] <= GOAL_RANGE[1]]
-        every = [r["gridweave_mpi_s"] / r["mpi4py_s"] for r in mine]
-        gloo = [r["gridweave_gloo_s"] / r["gridweave_mpi_s"] for r in mine]
+        goal = [r for r in mine if r["op"] in GOAL_OPS and GOAL_RANGE[0] <= r["nbytes"] <= GOAL_RANGE[1]]
         out[str(n)] = {
-            "geomean_mpi_over_openmpi_goal_range": math.exp(sum(map(math.log, goal)) / len(goal)),
-            "geomean_mpi_over_openmpi_all": math.exp(sum(map(math.log, every)) / len(every)),
-            "geomean_gloo_over_mpi_all": math.exp(sum(map(math.log, gloo)) / len(gloo)),
+            "geomean_mpi_over_openmpi_goal_range": _geomean(r["gridweave_mpi_s"] / r["mpi4py_s"] for r in goal),
+            "geomean_nonblocking_openmpi_over_openmpi_goal_range":
+                _geomean(r["mpi4py_nonblocking_s"] / r["mpi4py_s"] for r in goal),
+            "geomean_mpi_over_nonblocking_openmpi_goal_range":
+                _geomean(r["gridweave_mpi_s"] / r["mpi4py_nonblocking_s"] for r in goal),
+            "geomean_mpi_over_openmpi_all": _geomean(r["gridweave_mpi_s"] / r["mpi4py_s"] for r in mine),
+            "geomean_gloo_over_mpi_all": _geomean(r["gridweave_gloo_s"] / r["gridweave_mpi_s"] for r in mine),
             "slower_than_gloo": [f"{r['op']} {r['nbytes']}" for r in mine if r["gridweave_mpi_s"] > r["gridweave_gloo_s"]],
         }
     return out
@@ -154,6 +184,7 @@ def plot(data: dict, png: Path) -> None:
             x = [r["nbytes"] for r in mine]
             ax.plot(x, [r["gridweave_mpi_s"] / r["mpi4py_s"] for r in mine], "o-", label=f"gridweave-MPI, {n} ranks")
             ax.plot(x, [r["gridweave_gloo_s"] / r["mpi4py_s"] for r in mine], "x--", label=f"gridweave-Gloo, {n} ranks")
+            ax.plot(x, [r["mpi4py_nonblocking_s"] / r["mpi4py_s"] for r in mine], ":", label=f"OpenMPI nonblocking, {n} ranks")
         ax.axhline(1.1, color="r", lw=1, label="goal 1.1")
         ax.set(xscale="log", yscale="log", title=f"{op}: time / mpi4py (OpenMPI)", xlabel="bytes",
                ylabel="time ratio")

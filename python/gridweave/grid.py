@@ -243,6 +243,11 @@ class Grid:
         """Concatenate every member's `t` along `dim`, in index order along `axis`.
         `out` (dim 0 only) receives the result in place of a new tensor."""
         c = self.comm(axis, "all_gather")
+        if out is not None and not async_op and dim == 0:  # the hot path: nothing made, one native call
+            args = host_args(t, out)
+            if args is not None and out.shape == _gathered(t, c.size):
+                c.all_gather_host(*args, self.timeout)
+                return out
         if self._staged(c, t, out):
             if out is not None:
                 r = self._via_host("all_gather", t, axis, dim=dim, async_op=async_op)
@@ -252,7 +257,7 @@ class Grid:
         dim = _dim(t, dim)
         src = _contig(t)
         if out is not None:
-            _check_out(out, t, (g * t.shape[0], *t.shape[1:]), dim, "all_gather")
+            _check_out(out, t, _gathered(t, g), dim, "all_gather")
             buf = out
         else:
             buf = empty_like_shape(t, (g,) + tuple(t.shape))
@@ -269,6 +274,11 @@ class Grid:
         """Reduce `t` over the members and keep chunk `index(axis)` of `dim`.
         `out` (dim 0 only) receives the result in place of a new tensor."""
         c = self.comm(axis, "reduce_scatter")
+        if out is not None and not async_op and dim == 0:  # the hot path (the engine checks the counts)
+            args = host_args(t, out)
+            if args is not None and out.shape[1:] == t.shape[1:]:
+                c.reduce_scatter_host(*args, reduce_code(op), self.timeout)
+                return out
         if self._staged(c, t, out):
             if out is not None:
                 r = self._via_host("reduce_scatter", t, axis, op=op, dim=dim, async_op=async_op)
@@ -300,7 +310,9 @@ class Grid:
         """In place: every member's `t` becomes the reduction over the members."""
         c = self.comm(axis, "all_reduce")
         code = reduce_code(op)
-        if not async_op and self._on_host(c.all_reduce_host, t, None, code):
+        args = None if async_op else host_args(t)
+        if args is not None:  # the hot path: one native call
+            c.all_reduce_host(*args, code, self.timeout)
             return t
         if self._staged(c, t):
             return self._via_host("all_reduce", t, axis, op=op, into=t, async_op=async_op)
@@ -309,7 +321,9 @@ class Grid:
     def broadcast(self, t, axis: AxisArg, src: int = 0, async_op: bool = False):
         """In place: `t` of member `src` (index along axis) is copied to every member."""
         c = self.comm(axis, "broadcast")
-        if not async_op and self._on_host(c.broadcast_host, t, None, int(src)):
+        args = None if async_op else host_args(t)
+        if args is not None:  # the hot path: one native call
+            c.broadcast_host(*args, int(src), self.timeout)
             return t
         if self._staged(c, t):
             return self._via_host("broadcast", t, axis, src=src, into=t, async_op=async_op)
@@ -446,6 +460,11 @@ def _dim(t, dim: int) -> int:
     if not -nd <= dim < nd:
         raise GridError(f"dim {dim} is out of range for a {nd}-d tensor")
     return dim % nd
+
+
+def _gathered(t, g: int) -> tuple:
+    """The shape of g members' t concatenated along dim 0."""
+    return (g * t.shape[0], *t.shape[1:])
 
 
 def _check_out(out, t, shape, dim, op):

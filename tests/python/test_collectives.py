@@ -189,17 +189,29 @@ def _one_call_vs_async(ctx, dtype_name: str):
         checks[f"{tag}_broadcast"] = np.array_equal(got["broadcast"], as_np(inputs[n - 1]))
         counters.append(grid.stats())
     checks["same_counters"] = counters[0] == counters[1] and counters[0]["dp"]["ops"] == 4
+    # A wrong `out` is refused before any message, with the op named: the right count in the
+    # wrong shape (the Python check), the right trailing shape with the wrong count (the engine's).
+    def refused(fn, words):
+        try:
+            fn()
+        except GridError as e:
+            return all(w in str(e) for w in words)
+        return False
+
+    flat = torch.empty(n * mine.numel(), dtype=dtype, device="cpu")
+    checks["all_gather_out_shape"] = refused(lambda: grid.all_gather(mine, "dp", out=flat), ["all_gather", "shape"])
+    short = torch.empty(3, 3, dtype=dtype, device="cpu")
+    checks["reduce_scatter_out_count"] = refused(lambda: grid.reduce_scatter(mine, "dp", out=short),
+                                                 ["reduce_scatter", "elements"])
     c = grid.comm("dp")
     out = torch.empty(n * mine.numel() + 1, dtype=dtype, device="cpu")
-    try:  # every member passes the same wrong count: the engine refuses before any message
-        c.all_gather_host(*host_args(mine, out), grid.timeout)
-        checks["count_checked"] = False
-    except GridError as e:
-        checks["count_checked"] = "all_gather" in str(e) and "elements" in str(e)
+    # every member passes the same wrong count to the native call: the engine refuses it
+    checks["count_checked"] = refused(lambda: c.all_gather_host(*host_args(mine, out), grid.timeout),
+                                      ["all_gather", "elements"])
     return checks
 
 
 @pytest.mark.parametrize("n", [1, 3, 4])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
 def test_one_call_host_path_matches_the_async_path(pool, n, dtype):
-    _all_pass(pool, _one_call_vs_async, n, dtype, 13)
+    _all_pass(pool, _one_call_vs_async, n, dtype, 15)
