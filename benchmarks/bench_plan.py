@@ -1,15 +1,18 @@
 """gw.plan against this machine: calibrate, then predict and measure a full training step of
 the main job's model on every grid the 8 default ranks allow (issue 18).
 
-    python benchmarks/bench_plan.py     # writes results/plan_local.json and .png
+    python benchmarks/bench_plan.py                   # writes results/plan_local.json and .png
+    python benchmarks/bench_plan.py --transport mpi   # the main job's transport: plan_local_mpi.*
 
-One torchrun job of 8 CPU ranks. The ranks first calibrate (gridweave.calibrate.measure: alpha,
+One job of 8 CPU ranks (torchrun and Gloo, or mpirun and MPI: the main job's transport where
+gridweave has MPI). The ranks first calibrate (gridweave.calibrate.measure: alpha,
 beta, GEMM rate, element-wise bandwidth, per-kernel cost, all ranks at once); then, for each
 grid (every tensor mode, pp, dp, sp and their compositions; one host, so one placement),
-build the main job's model exactly as `gridweave train` does (gw.train.build), twice: once for
-each rank's peak resident memory over its resident memory before the model was built, over
-the build and the warm-up steps (glibc's mmap threshold fixed, so freed tensors leave the
-resident set: calibrate.resident_accounting), once for the time of gw.train.train_step (the
+build the main job's model exactly as `gridweave train` does (gw.train.build): for each
+rank's peak resident memory over its resident memory before the model was built, over the
+build and the warm-up steps (glibc's mmap threshold fixed, so freed tensors leave the
+resident set: calibrate.resident_accounting), after a throwaway build and step (what the
+process makes once per code path is not the model's), then afresh for the time of gw.train.train_step (the
 median over steps of the slowest rank's step) with glibc reusing freed memory as in any job
 (a fresh mapping per tensor made a step 9-13% slower; the calibration runs that way too). The parent predicts
 each grid from the calibrated preset alone (plan.predict), and asks the planner for its
@@ -19,12 +22,13 @@ the two rankings.
 """
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import time
 from pathlib import Path
 
-from launch import bench_parser, results_dir, run_ranks, save, start_worker
+from launch import bench_parser, results_dir, run_ranks, save, start_worker, stem
 
 STEPS, WARMUP = 5, 2
 
@@ -71,8 +75,9 @@ def worker(out_path: str) -> None:
     rows = []
 
     def each_grid(tag: str, measure):
-        """(grid, measure(build, step)) for every grid: build() makes the main job's model on
-        it as gridweave train does, step() runs and times one training step."""
+        """(grid, measure(build, step, drop)) for every grid: build() makes the main job's model
+        on it as gridweave train does, step() runs and times one training step, drop() frees
+        the model."""
         for i, (dp, pp, tp, sp) in enumerate(grids()):
             cfg = job_config(dp=dp, pp=pp, tp=tp, sp=sp)
             grid = gw.init(dp=dp, pp=pp, tp=cfg.mode, sp=sp, store=store, prefix=f"plan-{tag}-{i}")
@@ -93,12 +98,24 @@ def worker(out_path: str) -> None:
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
                 return float(t)
 
-            yield (dp, pp, tp, sp), measure(build, step)
-            built.clear()
+            def drop():
+                built.clear()
+                gc.collect()
+
+            yield (dp, pp, tp, sp), measure(build, step, drop)
+            drop()
             grid.shutdown()
 
-    def memory(build, step):  # the build and the warm-up steps, glibc's mmap threshold fixed
+    def memory(build, step, drop):  # the build and the warm-up steps, glibc's mmap threshold fixed
+        # First a throwaway build and step: what a process makes once per code path and shape
+        # (kernel scratch, the transport's buffers, the heap's first growth) is not the model's
+        # memory, and otherwise lands on whichever grid comes first (measured: the same grid
+        # grew 70 MiB a rank run first after another grid, 36-39 MiB run again); under the
+        # allocator settings of the measured build (outside them it left 17 MiB a rank more)
         with calibrate.resident_accounting():
+            build()
+            step()
+            drop()
             calibrate.restart_peak()
             base = calibrate.resident_bytes()
             build()
@@ -109,7 +126,7 @@ def worker(out_path: str) -> None:
         dist.all_gather(every, mem)
         return {"measured_peak_bytes": max(float(v) for v in every), "peak_bytes_per_rank": [float(v) for v in every]}
 
-    def timing(build, step):  # glibc reusing freed memory, as in any job
+    def timing(build, step, drop):  # glibc reusing freed memory, as in any job
         build()
         times = [step() for _ in range(WARMUP + STEPS)][WARMUP:]
         return {"measured_s": statistics.median(times), "steps_s": times}
@@ -119,7 +136,7 @@ def worker(out_path: str) -> None:
     for (dp, pp, tp, sp), t in each_grid("time", timing):
         rows.append({"dp": dp, "pp": pp, "tp": tp, "sp": sp, **t, **mem[(dp, pp, tp, sp)]})
     if rank == 0:
-        Path(out_path).write_text(json.dumps({"ranks": n, "preset": preset, "rows": rows}, indent=1))
+        Path(out_path).write_text(json.dumps({"ranks": n, "backend": str(world.backend), "preset": preset, "rows": rows}, indent=1))
     gw.shutdown()
     dist.destroy_process_group()
 
@@ -217,9 +234,9 @@ def main() -> None:
         return
     out = results_dir(args)
     data = json.loads(Path(args.from_json).read_text()) if args.from_json else \
-        run_ranks(__file__, 8, 29571, out, "8")
+        run_ranks(__file__, 8, 29571, out, "8", transport=args.transport)
     data = predict(data)
-    save(out, "plan_local", data, plot)
+    save(out, stem("plan_local", args.transport), data, plot)
     for r in sorted(data["rows"], key=lambda r: r["measured_s"]):
         print(f"{name(r):28s} measured {r['measured_s'] * 1e3:8.1f} ms  predicted {r['predicted_s'] * 1e3:8.1f} ms "
               f"({100 * r['error']:+5.0f}%)  memory {r['measured_peak_bytes'] / 2 ** 20:7.1f} MiB vs "

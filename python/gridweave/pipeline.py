@@ -128,7 +128,9 @@ class _StageCallbacks:
         # Gloo's messages are host memory: CUDA activations are staged through host copies
         self.host_messages = pp.device == _C.Device.CPU
         self.payload = math.prod(activation_shape) * dtype.itemsize
-        self.ctx, self.keep, self.losses = {}, {}, []
+        # keep: the last outgoing tensor, alive until the engine has copied it into its message
+        # (it does so before the next callback: one, not one per micro-batch)
+        self.ctx, self.keep, self.losses = {}, None, []
 
     def _head(self, c):
         return self.first and c == 0
@@ -152,7 +154,7 @@ class _StageCallbacks:
         y = y.contiguous()
         self.ctx[(mb, c)] = (x, y)
         if self.host_messages and y.is_cuda:
-            self.keep[("y", mb, c)] = y = y.to("cpu")  # alive until the engine has copied it
+            self.keep = y = y.to("cpu")
         return y.data_ptr()
 
     def backward(self, mb, c, addr):
@@ -166,7 +168,7 @@ class _StageCallbacks:
         g = x.grad.contiguous()
         if self.host_messages and g.is_cuda:
             g = g.to("cpu")
-        self.keep[(mb, c)] = g  # alive until the engine has copied it into its message
+        self.keep = g
         return g.data_ptr()
 
     def loss(self):

@@ -425,7 +425,8 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
         16: 20 phi with half-precision weights and gradients); the kept activations of the
         micro-batches in flight (recorded). Stage s holds pp - s of them at most (1F1B's bound,
         seed 003 §2.2; the message-driven schedule's pipeline_limit max(pp, 2) is not lower):
-        the last stage runs each micro-batch's backward as soon as its forward."""
+        the last stage runs each micro-batch's backward as soon as its forward. A pipeline
+        stage also holds the engine's messages."""
         phi_here = sched.parameters
         in_flight = min(m, grid.pp - s) if grid.pp > 1 else 1
         # the recorded peak of one micro-batch (its kept activations, their gradients and the
@@ -436,6 +437,10 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
             layers_here = model.layers // grid.pp
             act = (2 * b / m * model.seq / grid.sp * model.hidden * e * layers_here * in_flight
                    + mb.saved_bytes / max(layers_here, 1))
+        if grid.pp > 1:  # the pipeline engine's messages (cpp/pipeline.cpp): two receives posted
+            # (double buffers), the message being sent, and the tensor it was copied from
+            payload = max((c.nbytes for c in mb.collectives if c.op == "send"), default=0)
+            act += (2 + 1 + 1) * payload
         # OffloadAdam's bucket buffers and the flat gradient it sums (model dtype), or fused Adam's states
         optimizer = 16 * offload_bsize + e * phi_here if offload_bsize else 16 * phi_here
         return {"parameters": e * phi_here, "gradients": e * phi_here, "optimizer": optimizer, "activations": act}
