@@ -292,3 +292,30 @@ def test_interleaved_schedule_equals_the_dense_model(pool, tp, chunks, m):
         assert max(errs.values()) < 1e-10, {k: v for k, v in errs.items() if v >= 1e-10}
         assert loss_err is None or loss_err < 1e-10
         assert fw == bw == chunks * m
+
+
+def test_a_stage_keeps_one_outgoing_tensor_not_one_per_microbatch():
+    """The engine copies what a callback returns into its message before the next callback
+    (cpp/pipeline.cpp), so a middle stage holds one outgoing gradient, not m of them (the
+    planner's memory counts one: plan.predict)."""
+    import weakref
+    from types import SimpleNamespace
+
+    from gridweave import _C
+    from gridweave.pipeline import _StageCallbacks
+
+    stage = torch.nn.Linear(4, 4, dtype=torch.float64)
+    pp = SimpleNamespace(rank=1, size=3, device=_C.Device.CPU)
+    m, shape = 3, (2, 4)
+    cb = _StageCallbacks([stage], pp, None, None, None, m, shape, torch.float64, torch.device("cpu"))
+    msgs = [torch.randn(shape, dtype=torch.float64) for _ in range(2 * m)]  # activations, then gradients
+    sent = []
+    for mb in range(m):
+        cb.forward(mb, 0, msgs[mb].data_ptr())
+    for mb in range(m):
+        addr = cb.backward(mb, 0, msgs[m + mb].data_ptr())
+        assert addr == cb.keep.data_ptr()
+        sent.append(weakref.ref(cb.keep))
+    # the input gradient of the last micro-batch is d(x W^T + b)/dx = g W, as torch computes it
+    assert torch.equal(cb.keep, msgs[2 * m - 1] @ stage.weight.detach())
+    assert [r() is None for r in sent] == [True] * (m - 1) + [False]
