@@ -265,4 +265,7 @@ class RankPool:
 
 
 def _capabilities(ctx):
-    return ctx.init(dp=ctx.world_size).capabilities()
+    grid = ctx.init(dp=ctx.world_size)
+    caps = grid.capabilities()
+    grid.barrier()  # both ends connected before either closes: a rank done first closed under its peer
+    return caps
