@@ -12,9 +12,10 @@ build the main job's model exactly as `gridweave train` does (gw.train.build): f
 rank's peak resident memory over its resident memory before the model was built, over the
 build and the warm-up steps (glibc's mmap threshold fixed, so freed tensors leave the
 resident set: calibrate.resident_accounting), after a throwaway build and step (what the
-process makes once per code path is not the model's), then afresh for the time of gw.train.train_step (the
-median over steps of the slowest rank's step) with glibc reusing freed memory as in any job
-(a fresh mapping per tensor made a step 9-13% slower; the calibration runs that way too). The parent predicts
+process makes once per code path is not the model's), then afresh for the time of
+gw.train.train_step (the median over steps of the slowest rank's step) with glibc reusing
+freed memory as in any job (a fresh mapping per tensor made a step 9-13% slower; the
+calibration runs that way too). The parent predicts
 each grid from the calibrated preset alone (plan.predict), and asks the planner for its
 ranking (plan.plan): the error of each prediction, the median and the worst, the measured
 time of the planner's first choice against the fastest grid, and Kendall's tau between
@@ -136,7 +137,8 @@ def worker(out_path: str) -> None:
     for (dp, pp, tp, sp), t in each_grid("time", timing):
         rows.append({"dp": dp, "pp": pp, "tp": tp, "sp": sp, **t, **mem[(dp, pp, tp, sp)]})
     if rank == 0:
-        Path(out_path).write_text(json.dumps({"ranks": n, "backend": str(world.backend), "preset": preset, "rows": rows}, indent=1))
+        Path(out_path).write_text(json.dumps({"ranks": n, "backend": str(world.backend), "preset": preset,
+                                              "rows": rows}, indent=1))
     gw.shutdown()
     dist.destroy_process_group()
 

@@ -304,11 +304,12 @@ def test_a_stage_keeps_one_outgoing_tensor_not_one_per_microbatch():
     from gridweave import _C
     from gridweave.pipeline import _StageCallbacks
 
-    stage = torch.nn.Linear(4, 4, dtype=torch.float64)
+    cpu = torch.device("cpu")  # host messages, whatever the default device
+    stage = torch.nn.Linear(4, 4, dtype=torch.float64, device=cpu)
     pp = SimpleNamespace(rank=1, size=3, device=_C.Device.CPU)
     m, shape = 3, (2, 4)
-    cb = _StageCallbacks([stage], pp, None, None, None, m, shape, torch.float64, torch.device("cpu"))
-    msgs = [torch.randn(shape, dtype=torch.float64) for _ in range(2 * m)]  # activations, then gradients
+    cb = _StageCallbacks([stage], pp, None, None, None, m, shape, torch.float64, cpu)
+    msgs = [torch.randn(shape, dtype=torch.float64, device=cpu) for _ in range(2 * m)]  # activations, then gradients
     sent = []
     for mb in range(m):
         cb.forward(mb, 0, msgs[mb].data_ptr())
