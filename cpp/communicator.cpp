@@ -366,7 +366,8 @@ class AckedWork : public Work {
 }  // namespace
 
 std::shared_ptr<Work> Communicator::acknowledged(std::shared_ptr<Work> data, const Fingerprint& fp, int peer) {
-  if (info_.check != CheckLevel::Detail || device() != Device::CPU) return data;
+  // The answer is a message of its own, told apart by its tag: only where tags match messages.
+  if (info_.check != CheckLevel::Detail || device() != Device::CPU || !matches_tags()) return data;
   const int tag = static_cast<int>(fp.seq) | kAnswerTagBit;
   std::weak_ptr<Communicator> self = weak_from_this();
   const OpKind ack_op = fp.op == OpKind::Send ? OpKind::Recv : OpKind::Send;
@@ -378,15 +379,25 @@ std::shared_ptr<Work> Communicator::acknowledged(std::shared_ptr<Work> data, con
   return std::make_shared<AckedWork>(data->what(), std::move(data), self, fp, peer, post, info_.timeout);
 }
 
-std::shared_ptr<Work> Communicator::send(const BufferView& buf, int peer, int tag) {
-  const OpKind op = OpKind::Send;
+void Communicator::check_p2p(OpKind op, const BufferView& buf, const std::vector<int>& peers, int tag) const {
   check_usable(op);
   check_buffer(buf, "buffer", op);
-  check_root(peer, op);
-  GW_CHECK(peer != rank(), describe(op, peer) << ": cannot send to itself");
-  GW_CHECK(tag >= 0, describe(op, peer) << ": tag must be >= 0");
+  GW_CHECK(!peers.empty(), describe(op) << ": no peers to receive from");
+  GW_CHECK(peers.size() == 1 || can_recv_any(),
+           describe(op) << ": the " << backend() << " transport cannot receive from any of several peers (NCCL has "
+                           "no receive-from-any); receive from one peer, or announce messages on a control channel");
+  for (int p : peers) {
+    check_root(p, op);
+    GW_CHECK(p != rank(), describe(op, p) << (op == OpKind::Send ? ": cannot send to itself" : ": cannot receive from itself"));
+  }
+  GW_CHECK(tag >= 0, describe(op, peers[0]) << ": tag must be >= 0");
   GW_CHECK(info_.check != CheckLevel::Detail || tag < kAnswerTagBit,
-           describe(op, peer) << ": tags from 2^29 up carry the Detail check's answers");
+           describe(op, peers[0]) << ": tags from 2^29 up carry the Detail check's answers");
+}
+
+std::shared_ptr<Work> Communicator::send(const BufferView& buf, int peer, int tag) {
+  const OpKind op = OpKind::Send;
+  check_p2p(op, buf, {peer}, tag);
   count(op, buf, peer);
   const Fingerprint fp = p2p_fingerprint(op, buf, tag);
   return acknowledged(run_p2p(op, buf, {peer}, tag, fp), fp, peer);
@@ -398,19 +409,33 @@ std::shared_ptr<Work> Communicator::recv(const BufferView& buf, int peer, int ta
 
 std::shared_ptr<Work> Communicator::recv_any(const BufferView& buf, const std::vector<int>& peers, int tag) {
   const OpKind op = OpKind::Recv;
-  check_usable(op);
-  check_buffer(buf, "buffer", op);
-  GW_CHECK(!peers.empty(), describe(op) << ": no peers to receive from");
-  for (int p : peers) {
-    check_root(p, op);
-    GW_CHECK(p != rank(), describe(op, p) << ": cannot receive from itself");
-  }
-  GW_CHECK(tag >= 0, describe(op) << ": tag must be >= 0");
-  GW_CHECK(info_.check != CheckLevel::Detail || tag < kAnswerTagBit,
-           describe(op) << ": tags from 2^29 up carry the Detail check's answers");
+  check_p2p(op, buf, peers, tag);
   // Counted on completion, when the sender is known (see the transports).
   const Fingerprint fp = p2p_fingerprint(op, buf, tag);
   return acknowledged(run_p2p(op, buf, peers, tag, fp), fp, peers.size() == 1 ? peers[0] : -1);
+}
+
+std::vector<std::shared_ptr<Work>> Communicator::batch(const std::vector<P2P>& ops) {
+  std::vector<Fingerprint> fps;
+  for (const P2P& o : ops) {
+    GW_CHECK(o.op == OpKind::Send || o.op == OpKind::Recv,
+             describe(o.op) << ": a batch holds sends and receives only");
+    check_p2p(o.op, o.buf, {o.peer}, o.tag);
+    fps.push_back(p2p_fingerprint(o.op, o.buf, o.tag));
+  }
+  for (const P2P& o : ops)
+    if (o.op == OpKind::Send) count(o.op, o.buf, o.peer);
+  std::vector<std::shared_ptr<Work>> works = run_batch(ops, fps);
+  for (std::size_t k = 0; k < ops.size(); ++k) works[k] = acknowledged(works[k], fps[k], ops[k].peer);
+  return works;
+}
+
+std::vector<std::shared_ptr<Work>> Communicator::run_batch(const std::vector<P2P>& ops,
+                                                           const std::vector<Fingerprint>& fps) {
+  std::vector<std::shared_ptr<Work>> works;
+  for (std::size_t k = 0; k < ops.size(); ++k)
+    works.push_back(run_p2p(ops[k].op, ops[k].buf, {ops[k].peer}, ops[k].tag, fps[k]));
+  return works;
 }
 
 std::shared_ptr<Work> Communicator::barrier(bool async_op) {

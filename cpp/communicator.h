@@ -55,6 +55,15 @@ struct Fingerprint {
   Fingerprint exchange() const;
 };
 
+// One point-to-point op of a batch (Communicator::batch): a send or a receive of `buf` with
+// `peer` (an index in the communicator).
+struct P2P {
+  OpKind op = OpKind::Send;  // Send or Recv
+  BufferView buf;
+  int peer = 0;
+  int tag = 0;
+};
+
 struct CommInfo {
   std::string axis;                // label: "y", "x,y", "world"
   std::vector<int> members;        // global ranks; index = rank in this communicator
@@ -92,6 +101,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // (NCCL); otherwise a transport handed CUDA memory (a CUDA-aware MPI) reads it at once, so
   // the caller synchronises the stream first.
   virtual bool stream_ordered() const { return false; }
+  // Capability: a receive takes the message sent with its tag (Gloo's slots, MPI's tags).
+  // Without it (NCCL) a pair's messages are matched in issue order, whatever their tags.
+  virtual bool matches_tags() const { return true; }
 
   // Every op returns a Work; wait on it. With async_op=false a transport may run the
   // op on the calling thread when nothing is queued before it (saves two thread
@@ -115,6 +127,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // Receives from whichever of `peers` sends first; Work::source() tells which.
   std::shared_ptr<Work> recv_any(const BufferView& buf, const std::vector<int>& peers, int tag);
   std::shared_ptr<Work> barrier(bool async_op = true);
+  // Point-to-point ops that progress together, as torch's batch_isend_irecv: one group on
+  // NCCL (ncclGroupStart / ncclGroupEnd), so a send and a receive that wait on each other's
+  // peers cannot deadlock. One Work per op, in order; every op is checked before any is posted.
+  std::vector<std::shared_ptr<Work>> batch(const std::vector<P2P>& ops);
   // Collectives issued on this communicator so far (every member agrees, or an op failed).
   std::uint64_t issued() const { return seq_; }
 
@@ -144,6 +160,10 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
                                                ReduceOp rop, int root, bool async_op, const Fingerprint& fp) = 0;
   virtual std::shared_ptr<Work> run_p2p(OpKind op, const BufferView& buf, const std::vector<int>& peers,
                                         int tag, const Fingerprint& fp) = 0;
+  // A checked batch. The default posts each op with run_p2p: on a transport whose posts never
+  // block (Gloo, MPI) they progress together; NCCL and its rules override it.
+  virtual std::vector<std::shared_ptr<Work>> run_batch(const std::vector<P2P>& ops,
+                                                       const std::vector<Fingerprint>& fps);
 
   CommInfo info_;
 
@@ -151,6 +171,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   void check_buffer(const BufferView& b, const char* what, OpKind op) const;
   void check_root(int root, OpKind op) const;
   void check_usable(OpKind op) const;
+  // The checks of a send to / receive from `peers` with `tag`, before anything is posted.
+  void check_p2p(OpKind op, const BufferView& buf, const std::vector<int>& peers, int tag) const;
   // Detail level, CPU memory: the receiver of a message answers with what it passed, and a
   // send completes only on that answer, so both sides of a mismatch fail (MPI lets a short
   // message into a longer receive, and a sender's eager message never learns of it).

@@ -4,6 +4,7 @@
 
 #include "error.h"
 #include "gloo_communicator.h"
+#include "nccl_rules.h"
 
 namespace gridweave {
 
@@ -18,6 +19,8 @@ Grid::Grid(GridOptions options, std::shared_ptr<Store> store)
   if (options_.backend == Backend::Gloo) gloo_device_ = make_gloo_device(options_.hostname);
   else GW_CHECK(transport_available(options_.backend), "backend '" << backend_name(options_.backend)
                                                                  << "' requested but gridweave was built without it");
+  GW_CHECK(options_.emulate == Emulation::None || options_.backend != Backend::Nccl,
+           "emulate='nccl' runs NCCL's rules on a CPU transport (gloo or mpi); the nccl backend keeps its own");
 }
 
 Grid::~Grid() { shutdown(); }
@@ -57,21 +60,65 @@ std::shared_ptr<Communicator> Grid::line(const std::vector<std::string>& axes, b
   }
   for (int m : info.members) info.member_nodes.push_back(placement_.node_of(m));
   info.ranks_on_node = std::min(placement_.ranks_per_node(), world_size());
-  const std::string line_name = "comm/" + key + "/" + std::to_string(line_id);
-  info.session = options_.session + "/" + line_name;
-  auto line_store = make_prefix_store(line_name, store_);
-
-  std::shared_ptr<Communicator> c;
-  // A control channel is a host communicator: the backend's own where it carries host memory
-  // (Gloo, MPI: no second rendezvous), else Gloo.
-  if (options_.backend == Backend::Gloo || (control && options_.backend != Backend::Mpi)) {
-    if (!gloo_device_) gloo_device_ = make_gloo_device(options_.hostname);
-    c = std::make_shared<GlooCommunicator>(std::move(info), line_store, gloo_device_);
-  } else {
-    c = make_communicator(options_.backend, std::move(info), line_store, options_.device_index);
-  }
+  auto c = make(std::move(info), "comm/" + key + "/" + std::to_string(line_id), control);
   comms_[key] = c;
   return c;
+}
+
+std::shared_ptr<Communicator> Grid::make(CommInfo info, const std::string& line_name, bool control) {
+  info.session = options_.session + "/" + line_name;
+  auto line_store = make_prefix_store(line_name, store_);
+  // A control channel is a host communicator: the backend's own where it carries host memory
+  // (Gloo, MPI: no second rendezvous), else Gloo. Under NCCL's rules the data communicators
+  // are host ones too, wrapped in the rules (control channels keep the host's: on GPUs they are Gloo).
+  const bool rules = options_.emulate == Emulation::Nccl && !control;
+  CommInfo host_info = info;
+  if (rules) {  // the wrapper counts and checks; the inner one only carries bytes
+    host_info.counters = nullptr;
+    host_info.check = CheckLevel::Cheap;
+  }
+  std::shared_ptr<Communicator> c;
+  if (options_.backend == Backend::Gloo || (control && options_.backend != Backend::Mpi)) {
+    if (!gloo_device_) gloo_device_ = make_gloo_device(options_.hostname);
+    c = std::make_shared<GlooCommunicator>(std::move(host_info), line_store, gloo_device_);
+  } else {
+    c = make_communicator(options_.backend, std::move(host_info), line_store, options_.device_index);
+  }
+  if (rules) c = std::make_shared<NcclRulesCommunicator>(std::move(info), c, options_.eager_bytes);
+  return c;
+}
+
+std::shared_ptr<Communicator> Grid::link(const std::vector<std::string>& axes, int a, int b, int channel) {
+  std::vector<int> line(world_size());
+  std::iota(line.begin(), line.end(), 0);  // the world, by global rank
+  if (!axes.empty()) line = placement_.line(rank(), axes);
+  GW_CHECK(a >= 0 && b >= 0 && a < static_cast<int>(line.size()) && b < static_cast<int>(line.size()) && a != b,
+           "link on axis '" << label(axes) << "': members " << a << " and " << b << " are not two of its "
+                            << line.size());
+  const int me = axes.empty() ? rank() : placement_.index_in_line(rank(), axes);
+  GW_CHECK(me == a || me == b, "link on axis '" << label(axes) << "' between members " << a << " and " << b
+                                                << ": this rank is member " << me);
+  const std::string key = label(axes) + ":link:" + std::to_string(a) + ">" + std::to_string(b) + "#" +
+                          std::to_string(channel);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = comms_.find(key);
+  if (it != comms_.end()) return it->second;
+  CommInfo info;
+  info.axis = label(axes);  // counted with its line's traffic
+  info.timeout = options_.timeout;
+  info.counters = counters_;
+  info.check = options_.check;
+  info.members = {line[a], line[b]};
+  info.rank = me == a ? 0 : 1;
+  for (int m : info.members) info.member_nodes.push_back(placement_.node_of(m));
+  info.ranks_on_node = std::min(placement_.ranks_per_node(), world_size());
+  auto c = make(std::move(info), "comm/" + key + "/" + std::to_string(line[a]) + "-" + std::to_string(line[b]), false);
+  comms_[key] = c;
+  return c;
+}
+
+void Grid::connect(const std::vector<std::vector<std::string>>& lines) {
+  for (const auto& axes : lines) line(axes, false);
 }
 
 void Grid::shutdown() {

@@ -19,6 +19,10 @@ class Device;
 
 namespace gridweave {
 
+// Which transport's rules the data communicators keep beyond their own: None, or NCCL's
+// (cpp/nccl_rules.h) on a host transport, so CPU CI runs what GPUs would.
+enum class Emulation : int { None = 0, Nccl = 1 };
+
 struct GridOptions {
   std::vector<Axis> axes;  // naive order
   PlacementPolicy policy = PlacementPolicy::Topology;
@@ -30,6 +34,8 @@ struct GridOptions {
   int device_index = -1;               // CUDA device (NCCL)
   std::string session;                 // names this grid alike on all its ranks (the rendezvous prefix)
   CheckLevel check = CheckLevel::Cheap;  // how every op verifies that the members agree
+  Emulation emulate = Emulation::None;
+  std::size_t eager_bytes = 0;           // under NCCL's rules: sends up to this size complete at once
 };
 
 class Grid {
@@ -51,6 +57,15 @@ class Grid {
   // (receive-from-any of small headers).
   std::shared_ptr<Communicator> control(const std::vector<std::string>& axes);
   static std::string label(const std::vector<std::string>& axes);
+  // A two-member communicator between members a and b (indices along `axes`) of this rank's
+  // line, for one kind of traffic (`channel`): pipeline stages keep one per neighbour and
+  // direction, so under NCCL no message ever queues behind another's. Both members make it.
+  std::shared_ptr<Communicator> link(const std::vector<std::string>& axes, int a, int b, int channel);
+  // Makes the communicators of these lines now, in this order (the same on every rank), so
+  // no two ranks can first touch two shared lines in opposite orders.
+  void connect(const std::vector<std::vector<std::string>>& lines);
+  // Whether ops keep NCCL's rules (the NCCL transport, or its emulation).
+  bool nccl_rules() const { return options_.backend == Backend::Nccl || options_.emulate == Emulation::Nccl; }
 
   std::map<std::string, AxisCounters> stats() const { return counters_->snapshot(); }
   void reset_stats() { counters_->reset(); }
@@ -58,6 +73,9 @@ class Grid {
 
  private:
   std::shared_ptr<Communicator> line(const std::vector<std::string>& axes, bool control);
+  // The transport's communicator for `info` (a host one for control channels), with NCCL's
+  // rules on top when emulated.
+  std::shared_ptr<Communicator> make(CommInfo info, const std::string& store_prefix, bool control);
   GridOptions options_;
   Placement placement_;
   std::shared_ptr<Store> store_;

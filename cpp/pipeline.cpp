@@ -64,22 +64,55 @@ class Timer {
   Clock::time_point t0_;
 };
 
-// Outgoing messages stay alive until their send completes. With a control channel, each
-// message is first announced there (its 16-byte header, host memory), then sent on pp.
+// Where one kind of message goes to or comes from: a communicator and the peer's index in it.
+struct Endpoint {
+  Communicator* comm = nullptr;
+  int peer = -1;
+  std::shared_ptr<Work> send(const BufferView& v, int tag) const { return comm->send(v, peer, tag); }
+  std::shared_ptr<Work> recv(const BufferView& v, int tag) const { return comm->recv(v, peer, tag); }
+};
+
+// A stage's four ends: activations to the next stage and from the previous one, gradients to
+// the previous stage and from the next one (prev / next: stage indices on pp, -1 for none).
+struct Ends {
+  Endpoint to_next, from_prev, to_prev, from_next;
+  int prev = -1, next = -1;
+  const Endpoint& from(int stage) const { return stage == prev ? from_prev : from_next; }
+};
+
+Ends ends_of(Communicator& pp, const StageLinks& links, int prev, int next) {
+  auto pick = [&pp](const std::shared_ptr<Communicator>& link, int stage) {
+    if (stage < 0) return Endpoint{};
+    if (!link) return Endpoint{&pp, stage};
+    GW_CHECK(link->size() == 2, "pipeline: a link between two stages has 2 members, got " << link->size());
+    return Endpoint{link.get(), 1 - link->rank()};
+  };
+  Ends e{pick(links.to_next, next), pick(links.from_prev, prev), pick(links.to_prev, prev),
+         pick(links.from_next, next)};
+  e.prev = prev;
+  e.next = next;
+  return e;
+}
+
+// Outgoing messages stay alive until their send completes: activations to the next stage,
+// gradients to the previous one. With a control channel, each message is first announced
+// there (its 16-byte header, host memory, to the stage's index on pp), then sent.
 class Outbox {
  public:
-  Outbox(Communicator& pp, std::size_t payload, Communicator* control = nullptr)
-      : pp_(pp), payload_(payload), control_(control) {}
-  void send(int peer, std::int64_t kind, int mb, const void* data) { send_tagged(peer, kind, mb, data, kTag); }
-  void send_tagged(int peer, std::int64_t kind, int mb, const void* data, int tag) {
+  Outbox(Communicator& pp, std::size_t payload, const Ends& ends, Communicator* control = nullptr)
+      : pp_(pp), payload_(payload), ends_(ends), control_(control) {}
+  void send(std::int64_t kind, int mb, const void* data) { send_tagged(kind, mb, data, kTag); }
+  void send_tagged(std::int64_t kind, int mb, const void* data, int tag) {
+    const bool forward = kind == kActivation;
+    const Endpoint& to = forward ? ends_.to_next : ends_.to_prev;
     auto m = std::make_shared<StageMessage>(payload_, pp_.device());
     m->set(kind, mb, data, payload_);
     if (control_ != nullptr) {
       auto h = std::make_shared<StageMessage>(0, Device::CPU);
       h->set(kind, mb, nullptr, 0);
-      pending_.push_back({h, control_->send(h->view(), peer, kControlTag)});
+      pending_.push_back({h, control_->send(h->view(), forward ? ends_.next : ends_.prev, kControlTag)});
     }
-    pending_.push_back({m, pp_.send(m->view(), peer, tag)});
+    pending_.push_back({m, to.send(m->view(), tag)});
     reap(false);
   }
   void reap(bool all) {
@@ -92,6 +125,7 @@ class Outbox {
  private:
   Communicator& pp_;
   std::size_t payload_;
+  Ends ends_;
   Communicator* control_;
   std::deque<std::pair<std::shared_ptr<StageMessage>, std::shared_ptr<Work>>> pending_;
 };
@@ -134,11 +168,11 @@ class AnyReceiver : public Receiver {
 // One receive posted per neighbour, polled; whichever completes first is taken and re-posted.
 class PerPeerReceiver : public Receiver {
  public:
-  PerPeerReceiver(Communicator& pp, std::size_t payload, std::vector<int> peers, int per_peer, int stage)
-      : pp_(pp), peers_(std::move(peers)), left_(peers_.size(), per_peer), cur_(peers_.size(), 0),
-        posted_(peers_.size()), stage_(stage) {
-    for (std::size_t k = 0; k < 2 * peers_.size(); ++k) bufs_.emplace_back(payload, pp.device());
-    for (std::size_t k = 0; k < peers_.size(); ++k)
+  PerPeerReceiver(Communicator& pp, std::size_t payload, std::vector<Endpoint> from, int per_peer, int stage)
+      : pp_(pp), from_(std::move(from)), left_(from_.size(), per_peer), cur_(from_.size(), 0),
+        posted_(from_.size()), stage_(stage) {
+    for (std::size_t k = 0; k < 2 * from_.size(); ++k) bufs_.emplace_back(payload, pp.device());
+    for (std::size_t k = 0; k < from_.size(); ++k)
       if (left_[k] > 0) post(k);
   }
   StageMessage& next() override {
@@ -165,9 +199,9 @@ class PerPeerReceiver : public Receiver {
   }
 
  private:
-  void post(std::size_t k) { posted_[k] = pp_.recv(bufs_[2 * k + cur_[k]].view(), peers_[k], kTag); }
+  void post(std::size_t k) { posted_[k] = from_[k].recv(bufs_[2 * k + cur_[k]].view(), kTag); }
   Communicator& pp_;
-  std::vector<int> peers_;
+  std::vector<Endpoint> from_;
   std::vector<int> left_, cur_;
   std::vector<std::shared_ptr<Work>> posted_;
   std::vector<StageMessage> bufs_;
@@ -180,9 +214,9 @@ class PerPeerReceiver : public Receiver {
 // send, so none can hold up a send queued behind it (NCCL has no receive-from-any).
 class AnnouncedReceiver : public Receiver {
  public:
-  AnnouncedReceiver(Communicator& pp, Communicator& control, std::size_t payload, std::vector<int> peers,
-                    int expected)
-      : pp_(pp), control_(control), peers_(std::move(peers)), left_(expected) {
+  AnnouncedReceiver(Communicator& pp, Communicator& control, std::size_t payload, const Ends& ends,
+                    std::vector<int> peers, int expected)
+      : pp_(pp), control_(control), ends_(ends), peers_(std::move(peers)), left_(expected) {
     for (int k = 0; k < 2; ++k) headers_.emplace_back(0, Device::CPU);
     for (int k = 0; k < 2; ++k) bufs_.emplace_back(payload, pp.device());
     post();
@@ -194,7 +228,7 @@ class AnnouncedReceiver : public Receiver {
     StageMessage& msg = bufs_[cur_];
     cur_ ^= 1;
     if (--left_ > 0) post();  // the next announcement is awaited while this message is used
-    pp_.recv(msg.view(), from, kTag)->wait(pp_.info().timeout);
+    ends_.from(from).recv(msg.view(), kTag)->wait(pp_.info().timeout);
     const auto got = msg.header();
     GW_CHECK(got.first == kind && got.second == mb, "pipeline: neighbour " << from << " announced kind " << kind
                                                         << " of microbatch " << mb << " but sent kind " << got.first
@@ -206,6 +240,7 @@ class AnnouncedReceiver : public Receiver {
   void post() { announced_ = control_.recv_any(headers_[cur_].view(), peers_, kControlTag); }
   Communicator& pp_;
   Communicator& control_;
+  Ends ends_;
   std::vector<int> peers_;
   int left_;
   std::vector<StageMessage> headers_, bufs_;
@@ -216,7 +251,7 @@ class AnnouncedReceiver : public Receiver {
 }  // namespace
 
 PipelineStats run_message_driven(Communicator& pp, const PipelineConfig& cfg, const StageForward& forward,
-                                 const StageBackward& backward, Communicator* control) {
+                                 const StageBackward& backward, Communicator* control, const StageLinks& links) {
   check(cfg, pp);
   ReceiveStrategy how = cfg.receive;
   if (how == ReceiveStrategy::Auto)
@@ -229,7 +264,10 @@ PipelineStats run_message_driven(Communicator& pp, const PipelineConfig& cfg, co
            "the announced strategy needs a control channel over the same ranks that can receive from any peer");
   PipelineStats st;
   const int s = cfg.stage, last = cfg.stages - 1;
-  Outbox out(pp, cfg.payload_bytes, how == ReceiveStrategy::Announced ? control : nullptr);
+  // receive-from-any needs every message on pp itself; the other strategies use the links
+  const Ends ends = ends_of(pp, how == ReceiveStrategy::Any ? StageLinks{} : links, s > 0 ? s - 1 : -1,
+                            s < last ? s + 1 : -1);
+  Outbox out(pp, cfg.payload_bytes, ends, how == ReceiveStrategy::Announced ? control : nullptr);
   int next_mb = 0;
   auto inject = [&]() {  // stage 0: start the forward of the next microbatch
     const int mb = next_mb++;
@@ -245,7 +283,7 @@ PipelineStats run_message_driven(Communicator& pp, const PipelineConfig& cfg, co
       ++st.backwards;
       return;
     }
-    out.send(1, kActivation, mb, y);
+    out.send(kActivation, mb, y);
   };
   if (s == 0) {
     const int first = last == 0 ? cfg.microbatches : std::min(cfg.pipeline_limit, cfg.microbatches);
@@ -259,8 +297,12 @@ PipelineStats run_message_driven(Communicator& pp, const PipelineConfig& cfg, co
   if (expected > 0) {
     if (how == ReceiveStrategy::Any) in = std::make_unique<AnyReceiver>(pp, cfg.payload_bytes, peers, expected);
     else if (how == ReceiveStrategy::Announced)
-      in = std::make_unique<AnnouncedReceiver>(pp, *control, cfg.payload_bytes, peers, expected);
-    else in = std::make_unique<PerPeerReceiver>(pp, cfg.payload_bytes, peers, cfg.microbatches, s);
+      in = std::make_unique<AnnouncedReceiver>(pp, *control, cfg.payload_bytes, ends, peers, expected);
+    else {
+      std::vector<Endpoint> from;
+      for (int p : peers) from.push_back(ends.from(p));
+      in = std::make_unique<PerPeerReceiver>(pp, cfg.payload_bytes, from, cfg.microbatches, s);
+    }
   }
   while (expected > 0) {
     StageMessage* got;
@@ -286,9 +328,9 @@ PipelineStats run_message_driven(Communicator& pp, const PipelineConfig& cfg, co
           g = backward(mb, nullptr);
         }
         ++st.backwards;
-        out.send(s - 1, kGradient, mb, g);
+        out.send(kGradient, mb, g);
       } else {
-        out.send(s + 1, kActivation, mb, y);
+        out.send(kActivation, mb, y);
       }
     } else if (kind == kGradient) {  // from s+1: backward
       const void* g;
@@ -300,7 +342,7 @@ PipelineStats run_message_driven(Communicator& pp, const PipelineConfig& cfg, co
       if (s == 0) {
         if (next_mb < cfg.microbatches) inject();
       } else {
-        out.send(s - 1, kGradient, mb, g);
+        out.send(kGradient, mb, g);
       }
     } else {
       throw Error(ErrorKind::Comm, "gridweave: pipeline stage " + std::to_string(s) +
@@ -312,16 +354,17 @@ PipelineStats run_message_driven(Communicator& pp, const PipelineConfig& cfg, co
 }
 
 PipelineStats run_one_f_one_b(Communicator& pp, const PipelineConfig& cfg, const StageForward& forward,
-                              const StageBackward& backward) {
+                              const StageBackward& backward, const StageLinks& links) {
   check(cfg, pp);
   PipelineStats st;
   const int s = cfg.stage, last = cfg.stages - 1, m = cfg.microbatches;
-  Outbox out(pp, cfg.payload_bytes);
+  const Ends ends = ends_of(pp, links, s > 0 ? s - 1 : -1, s < last ? s + 1 : -1);
+  Outbox out(pp, cfg.payload_bytes, ends);
   StageMessage in(cfg.payload_bytes, pp.device());
   auto receive = [&](int peer, std::int64_t kind, int mb) -> const void* {
     {
       Timer t(st.wait_s);
-      pp.recv(in.view(), peer, kTag)->wait(pp.info().timeout);
+      ends.from(peer).recv(in.view(), kTag)->wait(pp.info().timeout);
     }
     ++st.messages;
     const auto [got_kind, got_mb] = in.header();
@@ -338,7 +381,7 @@ PipelineStats run_one_f_one_b(Communicator& pp, const PipelineConfig& cfg, const
       y = forward(mb, x);
     }
     ++st.forwards;
-    if (s < last) out.send(s + 1, kActivation, mb, y);
+    if (s < last) out.send(kActivation, mb, y);
   };
   auto do_backward = [&](int mb) {
     const void* g = s < last ? receive(s + 1, kGradient, mb) : nullptr;
@@ -348,7 +391,7 @@ PipelineStats run_one_f_one_b(Communicator& pp, const PipelineConfig& cfg, const
       dx = backward(mb, g);
     }
     ++st.backwards;
-    if (s > 0) out.send(s - 1, kGradient, mb, dx);
+    if (s > 0) out.send(kGradient, mb, dx);
   };
   const int warmup = std::min(last - s, m);
   int f = 0, b = 0;
@@ -363,7 +406,7 @@ PipelineStats run_one_f_one_b(Communicator& pp, const PipelineConfig& cfg, const
 }
 
 PipelineStats run_interleaved(Communicator& pp, const PipelineConfig& cfg, int chunks, const ChunkForward& forward,
-                              const ChunkBackward& backward) {
+                              const ChunkBackward& backward, const StageLinks& links) {
   check(cfg, pp);
   const int p = cfg.stages, s = cfg.stage, m = cfg.microbatches, v = chunks;
   GW_CHECK(v >= 1, "interleaved pipeline: chunks must be >= 1, got " << v);
@@ -377,12 +420,16 @@ PipelineStats run_interleaved(Communicator& pp, const PipelineConfig& cfg, int c
   auto chunk_f = [&](int k) { return (k / p) % v; };
   auto chunk_b = [&](int k) { return v - 1 - (k / p) % v; };
   const bool first_virtual = s == 0, last_virtual = s == p - 1;
-  Outbox out(pp, cfg.payload_bytes);
+  // activations to next / from prev, gradients to prev / from next; with two stages next and
+  // prev are one rank, and the kinds stay apart by link (by tag where tags match messages)
+  const Ends ends = ends_of(pp, links, prev, next);
+  Outbox out(pp, cfg.payload_bytes, ends);
   StageMessage in(cfg.payload_bytes, pp.device());
-  auto receive = [&](int peer, std::int64_t kind, int mb, int c) -> const void* {
+  auto receive = [&](std::int64_t kind, int mb, int c) -> const void* {
+    const Endpoint& from = kind == kActivation ? ends.from_prev : ends.from_next;
     {
       Timer t(st.wait_s);
-      pp.recv(in.view(), peer, kTag + static_cast<int>(kind))->wait(pp.info().timeout);
+      from.recv(in.view(), kTag + static_cast<int>(kind))->wait(pp.info().timeout);
     }
     ++st.messages;
     const auto [got_kind, got] = in.header();
@@ -392,33 +439,33 @@ PipelineStats run_interleaved(Communicator& pp, const PipelineConfig& cfg, int c
                                   << " of microbatch " << got / v << " chunk " << got % v);
     return in.payload();
   };
-  auto send = [&](int peer, std::int64_t kind, int mb, int c, const void* data) {
-    out.send_tagged(peer, kind, mb * v + c, data, kTag + static_cast<int>(kind));
+  auto send = [&](std::int64_t kind, int mb, int c, const void* data) {
+    out.send_tagged(kind, mb * v + c, data, kTag + static_cast<int>(kind));
   };
   auto do_forward = [&](int k) {
     const int mb = mb_of(k), c = chunk_f(k);
     const bool head = first_virtual && c == 0, tail = last_virtual && c == v - 1;
     // the input of chunk c: from the previous stage's chunk c, or (stage 0) the last stage's chunk c - 1
-    const void* x = head ? nullptr : receive(prev, kActivation, mb, c);
+    const void* x = head ? nullptr : receive(kActivation, mb, c);
     const void* y;
     {
       Timer t(st.compute_s);
       y = forward(mb, c, x);
     }
     ++st.forwards;
-    if (!tail) send(next, kActivation, mb, last_virtual ? c + 1 : c, y);
+    if (!tail) send(kActivation, mb, last_virtual ? c + 1 : c, y);
   };
   auto do_backward = [&](int k) {
     const int mb = mb_of(k), c = chunk_b(k);
     const bool head = first_virtual && c == 0, tail = last_virtual && c == v - 1;
-    const void* g = tail ? nullptr : receive(next, kGradient, mb, c);
+    const void* g = tail ? nullptr : receive(kGradient, mb, c);
     const void* dx;
     {
       Timer t(st.compute_s);
       dx = backward(mb, c, g);
     }
     ++st.backwards;
-    if (!head) send(prev, kGradient, mb, first_virtual ? c - 1 : c, dx);
+    if (!head) send(kGradient, mb, first_virtual ? c - 1 : c, dx);
   };
   const int warmup = std::min((p - s - 1) * 2 + (v - 1) * p, total);
   int f = 0, b = 0;

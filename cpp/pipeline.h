@@ -36,6 +36,19 @@ enum class PipelineSchedule : int { MessageDriven = 0, OneFOneB = 1, Interleaved
 // receive-from-any where the transport can, else Announced when a control channel is given.
 enum class ReceiveStrategy : int { Auto = 0, Any = 1, PerPeer = 2, Announced = 3 };
 
+// The communicators a stage talks to its neighbours on. Under NCCL's rules (a communicator
+// runs its ops in issue order; a send waits for its receive) an activation and a gradient that
+// cross, or a receive posted ahead of its send, deadlock on one shared communicator. With one
+// two-member communicator per neighbour and direction (Grid::link) each queue holds one kind
+// of message from one sender, in the order it sends them, which NCCL matches in order
+// (Megatron-Core groups each send with the receive it crosses instead; links also serve the
+// message-driven schedule, whose next message is not known in advance). A null link falls
+// back to the pp communicator itself (hosts that match by tag).
+struct StageLinks {
+  std::shared_ptr<Communicator> to_next, from_prev;  // activations
+  std::shared_ptr<Communicator> to_prev, from_next;  // gradients
+};
+
 struct PipelineConfig {
   int stage = 0;
   int stages = 1;
@@ -56,12 +69,13 @@ struct PipelineStats {
 // first is processed; stage 0 keeps pipeline_limit microbatches in flight, injecting one
 // each time a backward completes; the last stage turns each forward into a backward.
 PipelineStats run_message_driven(Communicator& pp, const PipelineConfig& cfg, const StageForward& forward,
-                                 const StageBackward& backward, Communicator* control = nullptr);
+                                 const StageBackward& backward, Communicator* control = nullptr,
+                                 const StageLinks& links = {});
 
 // Megatron's synchronous 1F1B with flush: warm-up forwards, one-forward-one-backward,
 // cool-down backwards, each message to a known peer.
 PipelineStats run_one_f_one_b(Communicator& pp, const PipelineConfig& cfg, const StageForward& forward,
-                              const StageBackward& backward);
+                              const StageBackward& backward, const StageLinks& links = {});
 
 // Megatron's interleaved 1F1B (seed 003 §2.2, Fig. 4): each stage holds `chunks` model chunks;
 // a microbatch visits the virtual stages c * stages + s (c = 0..chunks-1), the last stage's
@@ -70,6 +84,6 @@ PipelineStats run_one_f_one_b(Communicator& pp, const PipelineConfig& cfg, const
 // multiple of the stages. Activations and gradients travel on separate tags, so with two
 // stages (each the other's both neighbours) neither overtakes the other.
 PipelineStats run_interleaved(Communicator& pp, const PipelineConfig& cfg, int chunks, const ChunkForward& forward,
-                              const ChunkBackward& backward);
+                              const ChunkBackward& backward, const StageLinks& links = {});
 
 }  // namespace gridweave

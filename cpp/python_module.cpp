@@ -130,6 +130,12 @@ PYBIND11_MODULE(_C, m) {
   py::enum_<Device>(m, "Device").value("CPU", Device::CPU).value("CUDA", Device::CUDA);
   py::enum_<ReduceOp>(m, "ReduceOp").value("Sum", ReduceOp::Sum).value("Max", ReduceOp::Max).value("Min", ReduceOp::Min);
   py::enum_<CubeForm>(m, "CubeForm").value("AB", CubeForm::AB).value("ABt", CubeForm::ABt).value("AtB", CubeForm::AtB);
+  py::enum_<Emulation>(m, "Emulation").value("Off", Emulation::None).value("Nccl", Emulation::Nccl);
+  // The point-to-point kinds a batch holds (torch's "isend" / "irecv").
+  py::enum_<OpKind>(m, "OpKind").value("Send", OpKind::Send).value("Recv", OpKind::Recv);
+  py::class_<P2P>(m, "P2P")
+      .def(py::init([](OpKind op, const BufferView& buf, int peer, int tag) { return P2P{op, buf, peer, tag}; }),
+           py::arg("op"), py::arg("buffer"), py::arg("peer"), py::arg("tag") = 0);
   py::enum_<PipelineSchedule>(m, "PipelineSchedule")
       .value("MessageDriven", PipelineSchedule::MessageDriven)
       .value("OneFOneB", PipelineSchedule::OneFOneB)
@@ -206,6 +212,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("survives_peer_failure", &C::survives_peer_failure)
       .def_property_readonly("matches_fingerprints", &C::matches_fingerprints)
       .def_property_readonly("stream_ordered", &C::stream_ordered)
+      .def_property_readonly("matches_tags", &C::matches_tags)
       .def_property_readonly("device", &C::device)  // the memory its buffers must be in
       .def("all_gather", [](C& c, V i, V o, bool a) { py::gil_scoped_release g; return c.all_gather(i, o, a); },
            py::arg("input"), py::arg("output"), py::arg("async_op") = true)
@@ -227,6 +234,7 @@ PYBIND11_MODULE(_C, m) {
       .def("recv", [](C& c, V b, int peer, int tag) { py::gil_scoped_release g; return c.recv(b, peer, tag); })
       .def("recv_any", [](C& c, V b, const std::vector<int>& peers, int tag) { py::gil_scoped_release g; return c.recv_any(b, peers, tag); })
       .def("barrier", [](C& c, bool a) { py::gil_scoped_release g; return c.barrier(a); }, py::arg("async_op") = true)
+      .def("batch", [](C& c, const std::vector<P2P>& ops) { py::gil_scoped_release g; return c.batch(ops); })
       // Synchronous ops on contiguous host memory in one native call each: issue, then wait
       // with the GIL released once; no BufferView or Work object is made (the per-op CPU
       // cost is what bounds small collectives when ranks share cores). Same checks as above.
@@ -287,12 +295,18 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("messages", &PipelineStats::messages)
       .def_readonly("compute_s", &PipelineStats::compute_s)
       .def_readonly("wait_s", &PipelineStats::wait_s);
+  py::class_<StageLinks>(m, "StageLinks")
+      .def(py::init([](std::shared_ptr<Communicator> to_next, std::shared_ptr<Communicator> from_prev,
+                       std::shared_ptr<Communicator> to_prev, std::shared_ptr<Communicator> from_next) {
+             return StageLinks{std::move(to_next), std::move(from_prev), std::move(to_prev), std::move(from_next)};
+           }), py::arg("to_next") = nullptr, py::arg("from_prev") = nullptr, py::arg("to_prev") = nullptr,
+           py::arg("from_next") = nullptr);
   m.attr("pipeline_header_bytes") = kStageHeaderBytes;  // what every pipeline message carries before its payload
   m.def("run_pipeline", [](std::shared_ptr<Communicator> pp, PipelineSchedule schedule, int stage, int stages,
                            int microbatches, int pipeline_limit, std::size_t payload_bytes,
                            std::function<std::uintptr_t(int, std::uintptr_t)> fwd,
                            std::function<std::uintptr_t(int, std::uintptr_t)> bwd, ReceiveStrategy receive,
-                           std::shared_ptr<Communicator> control) {
+                           std::shared_ptr<Communicator> control, const StageLinks& links) {
     PipelineConfig cfg{stage, stages, microbatches, pipeline_limit, payload_bytes, receive};
     StageForward f = [&fwd](int mb, const void* x) {
       return reinterpret_cast<const void*>(fwd(mb, reinterpret_cast<std::uintptr_t>(x)));
@@ -301,15 +315,15 @@ PYBIND11_MODULE(_C, m) {
       return reinterpret_cast<const void*>(bwd(mb, reinterpret_cast<std::uintptr_t>(g)));
     };
     py::gil_scoped_release nogil;  // callbacks take the GIL back while they run
-    return schedule == PipelineSchedule::OneFOneB ? run_one_f_one_b(*pp, cfg, f, b)
-                                                  : run_message_driven(*pp, cfg, f, b, control.get());
+    return schedule == PipelineSchedule::OneFOneB ? run_one_f_one_b(*pp, cfg, f, b, links)
+                                                  : run_message_driven(*pp, cfg, f, b, control.get(), links);
   }, py::arg("pp"), py::arg("schedule"), py::arg("stage"), py::arg("stages"), py::arg("microbatches"),
      py::arg("pipeline_limit"), py::arg("payload_bytes"), py::arg("forward"), py::arg("backward"),
-     py::arg("receive") = ReceiveStrategy::Auto, py::arg("control") = nullptr);
+     py::arg("receive") = ReceiveStrategy::Auto, py::arg("control") = nullptr, py::arg("links") = StageLinks{});
 
   m.def("run_interleaved", [](std::shared_ptr<Communicator> pp, int stage, int stages, int chunks, int microbatches,
                               std::size_t payload_bytes, std::function<std::uintptr_t(int, int, std::uintptr_t)> fwd,
-                              std::function<std::uintptr_t(int, int, std::uintptr_t)> bwd) {
+                              std::function<std::uintptr_t(int, int, std::uintptr_t)> bwd, const StageLinks& links) {
     PipelineConfig cfg{stage, stages, microbatches, 1, payload_bytes, ReceiveStrategy::PerPeer};
     ChunkForward f = [&fwd](int mb, int c, const void* x) {
       return reinterpret_cast<const void*>(fwd(mb, c, reinterpret_cast<std::uintptr_t>(x)));
@@ -318,9 +332,9 @@ PYBIND11_MODULE(_C, m) {
       return reinterpret_cast<const void*>(bwd(mb, c, reinterpret_cast<std::uintptr_t>(g)));
     };
     py::gil_scoped_release nogil;
-    return run_interleaved(*pp, cfg, chunks, f, b);
+    return run_interleaved(*pp, cfg, chunks, f, b, links);
   }, py::arg("pp"), py::arg("stage"), py::arg("stages"), py::arg("chunks"), py::arg("microbatches"),
-     py::arg("payload_bytes"), py::arg("forward"), py::arg("backward"));
+     py::arg("payload_bytes"), py::arg("forward"), py::arg("backward"), py::arg("links") = StageLinks{});
 
   // 3-D choreography (seed 000 §3.1): layouts, plans and gradient mappings.
   py::class_<CubeStep>(m, "CubeStep").def_readonly("axis", &CubeStep::axis).def_readonly("dim", &CubeStep::dim);
@@ -349,7 +363,7 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](const std::vector<std::pair<std::string, int>>& axes, const std::string& policy, int rpn,
                        int rank, const std::string& backend, double timeout_s, const std::string& hostname,
                        int device_index, std::shared_ptr<Store> store, const std::string& session,
-                       CheckLevel check) {
+                       CheckLevel check, Emulation emulate, std::size_t eager_bytes) {
              GW_CHECK(policy == "naive" || policy == "topology",
                       "placement must be 'naive' or 'topology', got '" << policy << "'");
              GW_CHECK(backend == "gloo" || backend == "nccl" || backend == "mpi",
@@ -365,10 +379,22 @@ PYBIND11_MODULE(_C, m) {
              o.device_index = device_index;
              o.session = session;
              o.check = check;
+             o.emulate = emulate;
+             o.eager_bytes = eager_bytes;
              return std::make_shared<Grid>(o, store);
            }), py::arg("axes"), py::arg("policy"), py::arg("ranks_per_node"), py::arg("rank"), py::arg("backend"),
            py::arg("timeout_s"), py::arg("hostname"), py::arg("device_index"), py::arg("store"),
-           py::arg("session") = "", py::arg("check") = CheckLevel::Cheap)
+           py::arg("session") = "", py::arg("check") = CheckLevel::Cheap, py::arg("emulate") = Emulation::None,
+           py::arg("eager_bytes") = 0)
+      .def_property_readonly("nccl_rules", &Grid::nccl_rules)
+      .def("link", [](Grid& g, const std::vector<std::string>& axes, int a, int b, int channel) {
+        py::gil_scoped_release nogil;
+        return g.link(axes, a, b, channel);
+      }, py::arg("axes"), py::arg("a"), py::arg("b"), py::arg("channel"))
+      .def("connect", [](Grid& g, const std::vector<std::vector<std::string>>& lines) {
+        py::gil_scoped_release nogil;
+        g.connect(lines);
+      })
       .def_property_readonly("rank", &Grid::rank)
       .def_property_readonly("world_size", &Grid::world_size)
       .def_property_readonly("coords", &Grid::coords)

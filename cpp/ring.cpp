@@ -28,14 +28,18 @@ std::shared_ptr<Work> Ring::exchange(const std::vector<BufferView>& send, const 
                                                           << " received");
   std::vector<std::shared_ptr<Work>> parts;
   if (size() == 1) return std::make_shared<MultiWork>("ring exchange", parts);
+  // One group per step: each rank's receive waits for its previous rank's send, which under
+  // NCCL's rules (a communicator runs its ops in issue order, a send waits for its receive)
+  // only progresses when the two are posted together (seed 004's ring, TE's context parallelism).
+  std::vector<P2P> ops;
   for (std::size_t k = 0; k < send.size(); ++k) {
     GW_CHECK(send[k].nbytes() == recv[k].nbytes(), "ring exchange: block " << k << " sends " << send[k].nbytes()
                                                                            << " bytes but receives " << recv[k].nbytes());
-    // Receives first so the peer's send finds them posted.
-    const int tag = step * 16 + static_cast<int>(k);
-    parts.push_back(comm_->recv(recv[k], prev(), tag));
-    parts.push_back(comm_->send(send[k], next(), tag));
+    const int tag = step * 16 + static_cast<int>(k);  // where tags match messages, the blocks of a step stay apart
+    ops.push_back(P2P{OpKind::Recv, recv[k], prev(), tag});
+    ops.push_back(P2P{OpKind::Send, send[k], next(), tag});
   }
+  parts = comm_->batch(ops);
   return std::make_shared<MultiWork>("ring exchange step " + std::to_string(step) + " on axis '" + comm_->info().axis + "'",
                                      parts);
 }

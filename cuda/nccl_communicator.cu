@@ -1,6 +1,8 @@
 #include "nccl_communicator.h"
 
+#include <chrono>
 #include <cstring>
+#include <thread>
 
 #include "error.h"
 #include "stream.h"
@@ -57,7 +59,31 @@ NcclCommunicator::NcclCommunicator(CommInfo info, std::shared_ptr<Store> store, 
     GW_CHECK(bytes.size() == sizeof(id.internal), "malformed NCCL unique id in the store");
     std::memcpy(id.internal, bytes.data(), sizeof(id.internal));
   }
-  check_nccl(ncclCommInitRank(&comm_, size(), id, rank()), "ncclCommInitRank for axis '" + info_.axis + "'");
+  // Non-blocking initialisation, polled against the grid's timeout: a member that never comes
+  // is a CommTimeout, never a hang (ncclCommInitRank blocks with no timeout).
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  const std::string what = "ncclCommInitRankConfig for axis '" + info_.axis + "'";
+  check_nccl(ncclCommInitRankConfig(&comm_, size(), id, rank(), &config), what);
+  const auto deadline = std::chrono::steady_clock::now() + info_.timeout;
+  for (ncclResult_t state = ncclInProgress;;) {
+    check_nccl(ncclCommGetAsyncError(comm_, &state), what);
+    if (state == ncclSuccess) break;
+    if (state != ncclInProgress) {
+      ncclCommAbort(comm_);
+      comm_ = nullptr;
+      throw Error(ErrorKind::Comm, "gridweave: " + what + " failed: " + ncclGetErrorString(state));
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      ncclCommAbort(comm_);
+      comm_ = nullptr;
+      throw Error(ErrorKind::Timeout, "gridweave: " + what + " (rank " + std::to_string(info_.members[info_.rank]) +
+                                          ", peers " + join_ranks(info_.members) + ") timed out after " +
+                                          std::to_string(info_.timeout.count() / 1000.0) +
+                                          " s: a member never came (it skipped this line or died)");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   check_cuda(cudaMalloc(&scratch_, sizeof(int)), "cudaMalloc");
 }
@@ -65,8 +91,6 @@ NcclCommunicator::NcclCommunicator(CommInfo info, std::shared_ptr<Store> store, 
 NcclCommunicator::~NcclCommunicator() {
   if (comm_) ncclCommDestroy(comm_);
   if (stream_) cudaStreamDestroy(stream_);
-  for (cudaStream_t ps : peer_streams_)
-    if (ps) cudaStreamDestroy(ps);
   if (scratch_) cudaFree(scratch_);
 }
 
@@ -78,18 +102,9 @@ std::string NcclCommunicator::async_error() {
   return ncclGetErrorString(state);
 }
 
-cudaStream_t NcclCommunicator::peer_stream(int peer, bool send) {
-  // Sends and receives of one peer on separate streams: a receive never waits behind a send
-  // to the same peer, nor a send behind a receive (each side's send needs the other's receive).
-  if (peer_streams_.empty()) peer_streams_.assign(2 * size(), nullptr);
-  cudaStream_t& st = peer_streams_[2 * peer + (send ? 1 : 0)];
-  if (!st) check_cuda(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
-  return st;
-}
-
-std::shared_ptr<Work> NcclCommunicator::finish(OpKind op, cudaStream_t caller, int peer, cudaStream_t on) {
+std::shared_ptr<Work> NcclCommunicator::finish(OpKind op, cudaStream_t caller, int peer) {
   return std::make_shared<EventWork>(
-      describe(op, peer), on ? on : stream_, caller, [this] { return async_error(); },
+      describe(op, peer), stream_, caller, [this] { return async_error(); },
       [this] {
         mark_broken();
         ncclCommAbort(comm_);  // unblocks the kernels of a peer that will never come
@@ -155,19 +170,40 @@ std::shared_ptr<Work> NcclCommunicator::run_collective(OpKind op, const BufferVi
 }
 
 std::shared_ptr<Work> NcclCommunicator::run_p2p(OpKind op, const BufferView& buf, const std::vector<int>& peers,
-                                                int tag, const Fingerprint& /*fp*/) {
-  (void)tag;  // NCCL matches p2p by order between a pair, not by tag
-  GW_CHECK(peers.size() == 1, describe(op) << ": NCCL has no receive-from-any; post one receive per peer and "
-                                             "poll them (the message-driven pipeline does)");
-  cudaStream_t caller = static_cast<cudaStream_t>(buf.stream);
+                                                int tag, const Fingerprint& fp) {
+  P2P p;
+  p.op = op;
+  p.buf = buf;
+  p.peer = peers.front();  // check_p2p refused several peers: NCCL has no receive-from-any
+  p.tag = tag;
+  return run_batch({p}, {fp}).front();
+}
+
+std::vector<std::shared_ptr<Work>> NcclCommunicator::run_batch(const std::vector<P2P>& ops,
+                                                               const std::vector<Fingerprint>& /*fps*/) {
+  if (ops.empty()) return {};
+  // NCCL matches a pair's messages in issue order; tags are not sent (matches_tags() is false)
+  cudaStream_t caller = static_cast<cudaStream_t>(ops.front().buf.stream);
   check_cuda(cudaSetDevice(device_index_), "cudaSetDevice");
-  cudaStream_t on = peer_stream(peers[0], op == OpKind::Send);
-  order_after(on, caller);
-  const std::string what = describe(op, peers[0]);
-  if (op == OpKind::Send) check_nccl(ncclSend(buf.ptr, buf.count, nccl_type(buf.dtype), peers[0], comm_, on), what);
-  else check_nccl(ncclRecv(buf.ptr, buf.count, nccl_type(buf.dtype), peers[0], comm_, on), what);
-  if (op == OpKind::Recv) count(OpKind::Recv, buf, peers[0]);
-  return finish(op, caller, peers[0], on);
+  order_after(stream_, caller);
+  for (const P2P& o : ops)  // every buffer of the group is ordered after its producer
+    if (o.buf.stream != ops.front().buf.stream) order_after(stream_, static_cast<cudaStream_t>(o.buf.stream));
+  const std::string what = ops.size() > 1 ? "group of " + std::to_string(ops.size()) + " p2p ops on axis '" +
+                                                info_.axis + "'"
+                                          : describe(ops.front().op, ops.front().peer);
+  check_nccl(ncclGroupStart(), what);
+  for (const P2P& o : ops) {
+    const ncclDataType_t t = nccl_type(o.buf.dtype);
+    if (o.op == OpKind::Send) check_nccl(ncclSend(o.buf.ptr, o.buf.count, t, o.peer, comm_, stream_), what);
+    else check_nccl(ncclRecv(o.buf.ptr, o.buf.count, t, o.peer, comm_, stream_), what);
+  }
+  check_nccl(ncclGroupEnd(), what);
+  std::vector<std::shared_ptr<Work>> works;
+  for (const P2P& o : ops) {
+    if (o.op == OpKind::Recv) count(OpKind::Recv, o.buf, o.peer);
+    works.push_back(finish(o.op, caller, o.peer));
+  }
+  return works;
 }
 
 }  // namespace gridweave

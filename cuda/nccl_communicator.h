@@ -18,24 +18,27 @@ class NcclCommunicator : public Communicator {
   const char* backend() const override { return "nccl"; }
   bool can_recv_any() const override { return false; }
   bool stream_ordered() const override { return true; }
+  bool matches_tags() const override { return false; }  // a pair's messages match in issue order
 
  protected:
   std::shared_ptr<Work> run_collective(OpKind op, const BufferView& in, const BufferView& out, ReduceOp rop,
                                        int root, bool async_op, const Fingerprint& fp) override;
   std::shared_ptr<Work> run_p2p(OpKind op, const BufferView& buf, const std::vector<int>& peers, int tag,
                                 const Fingerprint& fp) override;
+  // One ncclGroupStart / ncclGroupEnd: the ops progress together.
+  std::vector<std::shared_ptr<Work>> run_batch(const std::vector<P2P>& ops,
+                                               const std::vector<Fingerprint>& fps) override;
   // Detail level: the fingerprints travel through device memory (NCCL reads no host buffers).
   std::vector<Fingerprint> exchange_fingerprints(const Fingerprint& mine) override;
 
  private:
-  std::shared_ptr<Work> finish(OpKind op, cudaStream_t caller, int peer = -1, cudaStream_t on = nullptr);
+  std::shared_ptr<Work> finish(OpKind op, cudaStream_t caller, int peer = -1);
   std::string async_error();
-  cudaStream_t peer_stream(int peer, bool send);
   ncclComm_t comm_ = nullptr;
+  // One stream: NCCL runs a communicator's kernels in issue order whatever stream they are on
+  // (a p2p op on a stream of its own never overtook anything); pipeline stages that must not
+  // queue behind each other's messages talk over links (Grid::link), a communicator each.
   cudaStream_t stream_ = nullptr;
-  std::vector<cudaStream_t> peer_streams_;  // p2p: a receive stream and a send stream per peer,
-                                            // so no p2p op ever queues behind another peer's
-                                            // or behind the opposite direction's
   int device_index_ = 0;
   void* scratch_ = nullptr;  // one int for the barrier
 };

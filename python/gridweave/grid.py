@@ -25,6 +25,10 @@ AxisArg = "str | Sequence[str] | None"
 
 CheckLevel = _C.CheckLevel
 DEBUG_ENV = "GRIDWEAVE_DEBUG"
+EMULATE_ENV = "GRIDWEAVE_EMULATE"
+# NCCL_BUFFSIZE's part in the emulation: sends up to this many bytes complete without their receive
+EAGER_ENV = "GRIDWEAVE_EMULATE_EAGER_BYTES"
+EMULATIONS = {None: _C.Emulation.Off, "nccl": _C.Emulation.Nccl}
 
 
 def check_level() -> CheckLevel:
@@ -51,6 +55,41 @@ class _TorchStore(_C.Store):
 
     def wait(self, keys, timeout_s):
         self._store.wait(list(keys), timedelta(seconds=timeout_s))
+
+
+def emulation(value=None):
+    """The rules a grid's data transport keeps (gw.init's emulate=, else GRIDWEAVE_EMULATE):
+    None, or "nccl": NCCL's rules on the CPU transport (cpp/nccl_rules.h)."""
+    if value is None:
+        value = os.environ.get(EMULATE_ENV, "").strip().lower() or None
+    if value not in EMULATIONS:
+        raise GridError(f"emulate must be None or 'nccl' (also {EMULATE_ENV}), got {value!r}")
+    return value
+
+
+def eager_bytes() -> int:
+    raw = os.environ.get(EAGER_ENV, "0").strip() or "0"
+    if not raw.isdigit():
+        raise GridError(f"{EAGER_ENV} must be a number of bytes, got {raw!r}")
+    return int(raw)
+
+
+class P2POp:
+    """One send or receive of a batch (torch.distributed.P2POp): op "isend" or "irecv",
+    `tensor`, `peer` (an index along `axis`; a global rank when axis is None), and a tag
+    (NCCL ignores tags: under its rules the ops of a pair are matched in issue order)."""
+
+    KINDS = {"isend": _C.OpKind.Send, "irecv": _C.OpKind.Recv}
+
+    def __init__(self, op: str, tensor, peer: int, axis: AxisArg = None, tag: int = 0):
+        if op not in self.KINDS:
+            raise GridError(f"P2POp op must be 'isend' or 'irecv', got {op!r}")
+        if not isinstance(tensor, torch.Tensor):
+            raise GridError(f"P2POp needs a torch tensor, got {type(tensor).__name__}")
+        self.op, self.tensor, self.peer, self.axis, self.tag = op, tensor, int(peer), axis, int(tag)
+
+    def __repr__(self):
+        return f"P2POp({self.op!r}, {tuple(self.tensor.shape)}, peer={self.peer}, axis={self.axis!r})"
 
 
 class Work:
@@ -99,7 +138,7 @@ class Grid:
     """Named axes over the world's ranks. Use gw.init() to make one."""
 
     def __init__(self, axes, *, rank, backend, placement, ranks_per_node, timeout, store, hostname,
-                 device_index=-1, tp=None, device=None, session="", check=None):
+                 device_index=-1, tp=None, device=None, session="", check=None, emulate=None):
         self.axes = dict(axes)
         self.backend = backend
         self.tp = tp if tp is not None else Sequence()  # the tensor-parallel mode object
@@ -112,11 +151,19 @@ class Grid:
         self.placement_policy = placement
         self._store = store  # the Python side of the native Store must stay alive
         self.check = check if check is not None else CheckLevel.Cheap
+        self.emulate = emulation(emulate)
         self._native = _C.Grid(list(axes), placement, int(ranks_per_node), int(rank), backend, self.timeout,
-                               hostname, int(device_index), store, session, self.check)
+                               hostname, int(device_index), store, session, self.check, EMULATIONS[self.emulate],
+                               eager_bytes())
         self.placement = self._native.placement
         self._names = [a for a, _ in axes]
         self._comms = {}  # axis argument -> native communicator: one lookup per op, not a native call
+        if self._native.nccl_rules:
+            # NCCL's communicator creation blocks until the line's members come: made now, in one
+            # order on every rank (the world, then each axis), two ranks cannot first touch two
+            # shared lines in opposite orders. Lines over tuples of axes connect on first use,
+            # bounded by the timeout.
+            self._native.connect([[]] + [[a] for a, s in axes if s > 1])
 
     # ---- geometry -------------------------------------------------------------------
     @property
@@ -402,6 +449,40 @@ class Grid:
         work = Work(native, self.timeout, (t,), lambda: native.source)
         return work if async_op else work.wait()
 
+    def batch_isend_irecv(self, ops) -> list:
+        """Start every send and receive of `ops` (gw.P2POp, one axis) as one group: they
+        progress together (ncclGroupStart/End on NCCL), so a send and the receive its peer
+        waits on cannot deadlock. Returns a Work per op, in order; a receive's wait() returns
+        its tensor."""
+        ops = list(ops)
+        if not ops:
+            return []
+        if not all(isinstance(o, P2POp) for o in ops):
+            raise GridError("batch_isend_irecv takes a list of gw.P2POp")
+        axis = ops[0].axis
+        if any(o.axis != axis for o in ops):
+            raise GridError(f"batch_isend_irecv: every op must be on one axis; got {sorted({str(o.axis) for o in ops})}")
+        c = self.comm(axis, "batch_isend_irecv")
+        staged = self._staged(c, *(o.tensor for o in ops))
+        bufs, finish = [], []
+        for o in ops:
+            send = o.op == "isend"
+            t = o.tensor if not send else _contig(o.tensor)
+            if not send and not t.is_contiguous():
+                raise GridError(f"batch_isend_irecv: the irecv tensor must be contiguous ({o!r})")
+            buf = _to_host(t) if staged else t
+            bufs.append(buf)
+            finish.append((lambda o=o, b=buf: o.tensor.copy_(b)) if staged and not send else (lambda o=o: o.tensor))
+        natives = c.batch([_C.P2P(P2POp.KINDS[o.op], view(b, f"{o.op} buffer"), o.peer, o.tag)
+                           for o, b in zip(ops, bufs)])
+        return [Work(n, self.timeout, (b,), f) for n, b, f in zip(natives, bufs, finish)]
+
+    def link(self, axis: AxisArg, a: int, b: int, channel: int):
+        """A two-member communicator between members a and b of this rank's line along `axis`,
+        for one kind of traffic (`channel`): what pipeline stages send each other on. Both
+        members make it, the first time, in the same order of (a, b, channel) keys."""
+        return self._native.link(self._axis_tuple(axis), int(a), int(b), int(channel))
+
     def ring(self, axis: str):
         """The engine's ring over `axis` (seed 004): neighbours, double-buffered exchanges."""
         from .autograd.ring import Ring
@@ -412,7 +493,8 @@ class Grid:
         """What the transport of `axis` can do (code branches on these, never on a backend name)."""
         c = self.comm(axis, "capabilities")
         return {"recv_any": c.can_recv_any, "survives_peer_failure": c.survives_peer_failure,
-                "matches_fingerprints": c.matches_fingerprints}
+                "matches_fingerprints": c.matches_fingerprints, "matches_tags": c.matches_tags,
+                "stream_ordered": c.stream_ordered}
 
     def any(self, flag: bool, axis: AxisArg = None) -> bool:
         """Whether `flag` is true on any rank of `axis` (None: the world): one decision, the
@@ -511,7 +593,7 @@ class _Session:
 def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", placement: str = "topology",
          ranks_per_node: int | None = None, timeout: float = 300.0, *, rank: int | None = None,
          world_size: int | None = None, store=None, prefix: str | None = None, device=None,
-         check: "CheckLevel | None" = None) -> Grid:
+         check: "CheckLevel | None" = None, emulate: str | None = None) -> Grid:
     """Build the grid. Rendezvous uses torchrun's variables (RANK, WORLD_SIZE,
     LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) unless rank/world_size/store are given.
     check: how every op verifies that the ranks of its line passed the same op, count,
@@ -519,6 +601,10 @@ def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", 
     call); default from GRIDWEAVE_DEBUG=DETAIL, like TORCH_DISTRIBUTED_DEBUG.
     device: where the grid computes (default: cuda:LOCAL_RANK with NCCL, cpu with Gloo; a CUDA
     device with Gloo shares GPUs between ranks, staging messages through host memory).
+    emulate: "nccl" keeps NCCL's rules on the CPU transport (ops of a communicator run one at a
+    time in issue order, a send waits for its receive, a pair's messages match in order, no
+    receive-from-any), so code that would deadlock on GPUs times out on CPU; default from
+    GRIDWEAVE_EMULATE.
     Every check here is local, so bad input raises GridError on every rank before any
     communication starts."""
     axes = grid_axes(dp, pp, sp, tp)
@@ -554,6 +640,10 @@ def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", 
         raise GridError(f"placement must be 'naive' or 'topology', got {placement!r}")
     if not (isinstance(timeout, (int, float)) and timeout > 0):
         raise GridError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    emulate = emulation(emulate)
+    if emulate is not None and backend == "nccl":
+        raise GridError("emulate='nccl' runs NCCL's rules on a CPU transport (gloo or mpi); the nccl backend "
+                        "keeps its own")
     check = check_level() if check is None else check
     if not isinstance(check, CheckLevel):
         raise GridError(f"check must be a gw.CheckLevel, got {check!r}")
@@ -579,7 +669,7 @@ def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", 
         "127.0.0.1" if (local or world_size) >= world_size else socket.gethostname())
     grid = Grid(axes, rank=rank, backend=backend, placement=placement, ranks_per_node=rpn, timeout=timeout,
                 store=native_store, hostname=hostname, device_index=device_index, tp=tp, device=device,
-                session=session, check=check)
+                session=session, check=check, emulate=emulate)
     grid._torch_store = keep
     _Session.current = grid
     return grid

@@ -95,6 +95,29 @@ RECEIVE = {"auto": _C.ReceiveStrategy.Auto, "any": _C.ReceiveStrategy.Any, "per_
            "announced": _C.ReceiveStrategy.Announced}
 
 
+# Grid.link channels: what one stage sends its neighbour (a pair's two directions are two links)
+ACTIVATIONS, GRADIENTS = 0, 1
+
+
+def stage_links(grid, axis, prev: int | None, next_: int | None):
+    """This stage's links (engine StageLinks): activations to `next_` and from `prev`, gradients
+    to `prev` and from `next_` (stage indices; None at an end of a plain pipeline). Every rank
+    makes its links in one global order (by the pair's lower stage, then sender, then channel),
+    so no two stages can wait on each other's making."""
+    s = grid.index(axis)
+    want = {}
+    if next_ is not None:
+        want["to_next"] = (s, next_, ACTIVATIONS)
+        want["from_next"] = (next_, s, GRADIENTS)
+    if prev is not None:
+        want["from_prev"] = (prev, s, ACTIVATIONS)
+        want["to_prev"] = (s, prev, GRADIENTS)
+    made = {}
+    for key in sorted(set(want.values()), key=lambda k: (min(k[0], k[1]), max(k[0], k[1]), k[0], k[2])):
+        made[key] = grid.link(axis, *key)
+    return _C.StageLinks(**{role: made[key] for role, key in want.items()})
+
+
 def _chunks(stage) -> list:
     """This rank's model chunks: a gw.models.ModelChunks' or a list's (the interleaved
     schedule), else the one stage."""
@@ -206,15 +229,21 @@ def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_s
                         f"microbatches, got {m}")
     cb = _StageCallbacks(chunks, pp, inputs, targets, loss_fn, m, activation_shape, dtype, grid.device)
     if interleaved:
-        stats = _C.run_interleaved(pp, pp.rank, pp.size, len(chunks), m, cb.payload, cb.forward, cb.backward)
+        links = stage_links(grid, axis, (pp.rank - 1) % pp.size, (pp.rank + 1) % pp.size)
+        stats = _C.run_interleaved(pp, pp.rank, pp.size, len(chunks), m, cb.payload, cb.forward, cb.backward,
+                                   links)
         return cb.loss(), stats
     if receive == "any" and not pp.can_recv_any:
         raise GridError(f"receive='any': the {pp.backend} transport cannot receive from any peer; use 'announced'")
     announced = receive == "announced" or (receive == "auto" and not pp.can_recv_any)
     control = grid.control(axis, "pipeline") if announced and schedule == "message_driven" else None
+    any_peer = schedule == "message_driven" and (receive == "any" or (receive == "auto" and pp.can_recv_any))
+    # receive-from-any takes every message on pp itself; every other way talks over the links
+    links = _C.StageLinks() if any_peer else stage_links(
+        grid, axis, pp.rank - 1 if pp.rank > 0 else None, pp.rank + 1 if pp.rank < pp.size - 1 else None)
     stats = _C.run_pipeline(pp, SCHEDULES[schedule], pp.rank, pp.size, m, pipeline_limit, cb.payload,
                             lambda mb, addr: cb.forward(mb, 0, addr), lambda mb, addr: cb.backward(mb, 0, addr),
-                            RECEIVE[receive], control)
+                            RECEIVE[receive], control, links)
     return cb.loss(), stats
 
 

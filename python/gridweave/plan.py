@@ -159,7 +159,8 @@ def step_counters(schedule, axes: dict, placement, rank: int) -> dict:
     names, sizes = list(axes), dict(axes)
     out = {}
     for c, times in schedule.collectives:
-        axes = names if c.axis == "world" else c.axis.split(",")
+        line = c.axis.split(":")[0]  # "pp:control": the host channel over the pp line
+        axes = names if line == "world" else line.split(",")
         g = math.prod(sizes[a] for a in axes)
         member = placement.index_in_line(rank, axes)
         sent = [b for _, b, send in _C.message_schedule(c.op, g, member, int(c.member_bytes), c.root, c.elem) if send]

@@ -15,6 +15,7 @@
 
 #include "error.h"
 #include "gloo_communicator.h"
+#include "nccl_rules.h"
 #include "pipeline.h"
 #include "ring.h"
 #include "store.h"
@@ -351,3 +352,64 @@ TEST(Pipeline, MessageDrivenRunsEveryMicrobatchBothWays) { pipeline_case(true); 
 TEST(Pipeline, PerPeerReceivesRunEveryMicrobatchBothWays) { pipeline_case(true, ReceiveStrategy::PerPeer); }
 TEST(Pipeline, AnnouncedReceivesRunEveryMicrobatchBothWays) { pipeline_case(true, ReceiveStrategy::Announced); }
 TEST(Pipeline, OneFOneBRunsEveryMicrobatchBothWays) { pipeline_case(false); }
+
+// NCCL's rules (cpp/nccl_rules.h) over a Gloo line: the ring's grouped exchange passes; the
+// exchange as it was (a receive, then a send, ungrouped) times out on every rank, since each
+// rank's send queues behind its receive, which waits for the previous rank's send.
+TEST(NcclRules, GroupedRingExchangePassesUngroupedTimesOut) {
+  for (int n : {2, 3}) {
+    EXPECT_EQ(run_ranks(n, [](GlooCommunicator& c) {
+      std::shared_ptr<Communicator> inner(&c, [](Communicator*) {});  // borrowed
+      CommInfo info = c.info();
+      info.counters = std::make_shared<TrafficCounters>();
+      auto rules = std::make_shared<NcclRulesCommunicator>(info, inner, 0);
+      EXPECT_FALSE(rules->can_recv_any());
+      EXPECT_FALSE(rules->matches_tags());
+      Ring ring(rules);
+      std::vector<double> cur = {double(c.rank()), 1.0}, nxt(2);
+      ring.exchange({view_of(cur)}, {view_of(nxt)}, 0)->wait(kWait);
+      EXPECT_EQ(nxt[0], ring.prev());
+      auto r = rules->recv(view_of(nxt), ring.prev(), 0);
+      auto s = rules->send(view_of(cur), ring.next(), 0);
+      ErrorKind kind = ErrorKind::Config;
+      try {
+        r->wait(milliseconds(1500));
+      } catch (const Error& e) {
+        kind = e.kind();
+      }
+      EXPECT_EQ(kind, ErrorKind::Timeout);
+      EXPECT_TRUE(rules->broken());  // the watchdog's abort: the queued send fails, nothing hangs
+      EXPECT_THROW(s->wait(kWait), Error);
+    }, milliseconds(3000)), 0);
+  }
+}
+
+// A communicator runs its ops in issue order: a collective issued after a receive waits for
+// it, so a rank that receives before a collective its sender only joins later, deadlocks.
+TEST(NcclRules, CollectivesAndMessagesRunInIssueOrder) {
+  EXPECT_EQ(run_ranks(2, [](GlooCommunicator& c) {
+    std::shared_ptr<Communicator> inner(&c, [](Communicator*) {});
+    CommInfo info = c.info();
+    info.counters = std::make_shared<TrafficCounters>();
+    auto rules = std::make_shared<NcclRulesCommunicator>(info, inner, 0);
+    std::vector<double> sum = {1.0 + c.rank()}, msg = {42.0};
+    // in the same order on both ranks: fine
+    auto a = rules->all_reduce(view_of(sum), ReduceOp::Sum);
+    auto m = c.rank() == 0 ? rules->send(view_of(msg), 1, 0) : rules->recv(view_of(msg), 0, 0);
+    a->wait(kWait);
+    m->wait(kWait);
+    EXPECT_EQ(sum[0], 3.0);
+    EXPECT_EQ(msg[0], 42.0);
+    // rank 1 receives before the collective, rank 0 sends after it: the collective on rank 1
+    // waits behind the receive, which waits for rank 0's send, behind its collective
+    if (c.rank() == 0) {
+      auto x = rules->all_reduce(view_of(sum), ReduceOp::Sum);
+      auto y = rules->send(view_of(msg), 1, 0);
+      EXPECT_THROW(x->wait(milliseconds(1500)), Error);
+    } else {
+      auto y = rules->recv(view_of(msg), 0, 0);
+      auto x = rules->all_reduce(view_of(sum), ReduceOp::Sum);
+      EXPECT_THROW(y->wait(milliseconds(1500)), Error);
+    }
+  }, milliseconds(3000)), 0);
+}

@@ -17,10 +17,15 @@ def pytest_addoption(parser):
                      help="set torch's default device (e.g. meta) in the test and rank processes")
     parser.addoption("--transport", default="gloo", choices=TRANSPORTS,
                      help="the CPU transport of the rank pool and of the main jobs the tests launch")
+    parser.addoption("--emulate", default=None, choices=("nccl",),
+                     help="keep NCCL's rules on the CPU transport in every grid the tests make "
+                          "(GRIDWEAVE_EMULATE, inherited by the rank pool and the main jobs)")
 
 
 def pytest_configure(config):
     os.environ[TRANSPORT_ENV] = config.getoption("--transport")  # read by the rank processes too
+    if config.getoption("--emulate"):
+        os.environ["GRIDWEAVE_EMULATE"] = config.getoption("--emulate")
     device = config.getoption("--default-device")
     if device:
         os.environ[POISON_ENV] = device  # inherited by the rank pool and subprocesses

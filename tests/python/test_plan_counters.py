@@ -31,7 +31,8 @@ def _step(ctx, tp, dp, pp, sp, family, precision):
                "sent_bytes": v["sent_intra"]["bytes"] + v["sent_inter"]["bytes"]} for k, v in grid.stats().items()}
     schedule = step_schedule(model_cfg, cfg.mode, dp, pp, sp, tuple(grid.coords.items()), cfg.microbatches,
                              cfg.batch // dp // cfg.microbatches, cfg.compute.dtype, cfg.bsize, cfg.coarsening,
-                             cfg.max_grad_norm is not None, scaler is not None)
+                             cfg.max_grad_norm is not None, scaler is not None,
+                             announced=pp > 1 and not grid.capabilities("pp")["recv_any"])
     return ran, plan.step_counters(schedule, grid.axes, grid.placement, grid.rank)
 
 

@@ -415,14 +415,17 @@ def _lerp(a: LayerSchedule, b: LayerSchedule, f: float) -> LayerSchedule:
 
 @lru_cache(maxsize=1024)
 def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch.bfloat16, bsize=1 << 14,
-                  coarsening=4, clip=True, loss_scaling=False, ends=True, fused_attention=True) -> StepSchedule:
+                  coarsening=4, clip=True, loss_scaling=False, ends=True, fused_attention=True,
+                  announced=False) -> StepSchedule:
     """The collectives of one gw.train step on the rank at coordinates `at` ((axis, index) pairs,
     the others 0; its pipeline stage at["pp"]): `microbatches` micro-batches of `batch`
     sequences through the stage (recorded: gw.models.GPTStage on a RecordingGrid, its layers
     from one- and two-layer stages), the pipeline's messages and its micro-batch count
     (gw.pipeline.pipeline_step), the loss's all-reduce (gw.train.train_step), the optimizer's
     chunked gradient all-reduces (gw.optim.gradient_chunks) and the clipping norm's all-reduce
-    (gw.sharding.grad_norm_of). ends=False: the stages' layers alone, no step collectives."""
+    (gw.sharding.grad_norm_of). ends=False: the stages' layers alone, no step collectives.
+    announced: the transport has no receive-from-any (NCCL), so each pipeline message is first
+    announced on the host control channel (its header, cpp/pipeline.cpp's Outbox)."""
     from ..optim import gradient_chunks
     from ..sharding import grad_norm_of, placement_of
 
@@ -438,6 +441,10 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
     for peer in (stage + 1, stage - 1):
         if 0 <= peer < pp:
             pipeline += [Collective("send", "pp", message, message, peer), Collective("recv", "pp", 0.0, message, peer)]
+            if announced:
+                header = float(_C.pipeline_header_bytes)
+                pipeline += [Collective("send", "pp:control", header, header, peer),
+                             Collective("recv", "pp:control", 0.0, header, peer)]
     micro = dataclasses.replace(stage_work, collectives=stage_work.collectives + tuple(pipeline))
     if not ends:
         return StepSchedule(micro, microbatches, (), stage_work.parameters, 0, layer, config.layers // pp)
