@@ -4,7 +4,7 @@
 
 #include "error.h"
 #include "gloo_communicator.h"
-#include "nccl_rules.h"
+#include "emulate_nccl.h"
 
 namespace gridweave {
 

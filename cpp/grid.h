@@ -20,7 +20,7 @@ class Device;
 namespace gridweave {
 
 // Which transport's rules the data communicators keep beyond their own: None, or NCCL's
-// (cpp/nccl_rules.h) on a host transport, so CPU CI runs what GPUs would.
+// (cpp/emulate_nccl.h) on a host transport, so CPU CI runs what GPUs would.
 enum class Emulation : int { None = 0, Nccl = 1 };
 
 struct GridOptions {

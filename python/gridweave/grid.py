@@ -6,9 +6,11 @@ along that axis runs the collective at once on its own communicator (SUPER §IV-
 from __future__ import annotations
 
 import atexit
+import itertools
 import math
 import os
 import socket
+import weakref
 from datetime import timedelta
 from typing import Iterable
 
@@ -59,7 +61,7 @@ class _TorchStore(_C.Store):
 
 def emulation(value=None):
     """The rules a grid's data transport keeps (gw.init's emulate=, else GRIDWEAVE_EMULATE):
-    None, or "nccl": NCCL's rules on the CPU transport (cpp/nccl_rules.h)."""
+    None, or "nccl": NCCL's rules on the CPU transport (cpp/emulate_nccl.h)."""
     if value is None:
         value = os.environ.get(EMULATE_ENV, "").strip().lower() or None
     if value not in EMULATIONS:
@@ -72,6 +74,32 @@ def eager_bytes() -> int:
     if not raw.isdigit():
         raise GridError(f"{EAGER_ENV} must be a number of bytes, got {raw!r}")
     return int(raw)
+
+
+class _Names:
+    """Grids by name (Grid.name), for what may only pass strings: torch custom ops, which
+    name their grid as torch's functional collectives name their process group."""
+
+    live = weakref.WeakValueDictionary()
+    counter = itertools.count()
+
+
+def by_name(name: str) -> "Grid":
+    """The live grid called `name` in this process."""
+    try:
+        return _Names.live[name]
+    except KeyError:
+        raise GridError(f"no live grid named {name!r} in this process (was it shut down?)") from None
+
+
+def axis_label(axis) -> str:
+    """An axis argument as the string custom ops carry: "" for the world, "x,y" for a tuple."""
+    return "" if axis is None else axis if isinstance(axis, str) else ",".join(axis)
+
+
+def axis_of(label: str):
+    """The axis argument of a label (axis_label's inverse)."""
+    return None if label == "" else tuple(label.split(",")) if "," in label else label
 
 
 class P2POp:
@@ -158,6 +186,8 @@ class Grid:
         self.placement = self._native.placement
         self._names = [a for a, _ in axes]
         self._comms = {}  # axis argument -> native communicator: one lookup per op, not a native call
+        self.name = f"grid{next(_Names.counter)}"  # what custom ops call it (gw.grid.by_name)
+        _Names.live[self.name] = self
         if self._native.nccl_rules:
             # NCCL's communicator creation blocks until the line's members come: made now, in one
             # order on every rank (the world, then each axis), two ranks cannot first touch two

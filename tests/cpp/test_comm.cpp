@@ -15,7 +15,7 @@
 
 #include "error.h"
 #include "gloo_communicator.h"
-#include "nccl_rules.h"
+#include "emulate_nccl.h"
 #include "pipeline.h"
 #include "ring.h"
 #include "store.h"
@@ -353,7 +353,7 @@ TEST(Pipeline, PerPeerReceivesRunEveryMicrobatchBothWays) { pipeline_case(true, 
 TEST(Pipeline, AnnouncedReceivesRunEveryMicrobatchBothWays) { pipeline_case(true, ReceiveStrategy::Announced); }
 TEST(Pipeline, OneFOneBRunsEveryMicrobatchBothWays) { pipeline_case(false); }
 
-// NCCL's rules (cpp/nccl_rules.h) over a Gloo line: the ring's grouped exchange passes; the
+// NCCL's rules (cpp/emulate_nccl.h) over a Gloo line: the ring's grouped exchange passes; the
 // exchange as it was (a receive, then a send, ungrouped) times out on every rank, since each
 // rank's send queues behind its receive, which waits for the previous rank's send.
 TEST(NcclRules, GroupedRingExchangePassesUngroupedTimesOut) {

@@ -1,4 +1,4 @@
-"""NCCL's rules on the CPU transport (gw.init(emulate="nccl"), cpp/nccl_rules.h): code that
+"""NCCL's rules on the CPU transport (gw.init(emulate="nccl"), cpp/emulate_nccl.h): code that
 would deadlock on GPUs ends in a CommTimeout naming the op on every rank, and correct code
 (grouped point-to-point, the ring, collectives) gives numpy's answer with the same counters."""
 import os

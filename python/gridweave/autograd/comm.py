@@ -1,7 +1,13 @@
-"""Differentiable collectives (seed 003: Megatron's f and g operators, and friends)."""
+"""Differentiable collectives (seed 003: Megatron's f and g operators, and friends).
+
+Eager calls run these autograd Functions; under torch.compile the same collectives run as
+the custom ops of ops.py (fake kernels, registered autograd), so a layer traces whole."""
 from __future__ import annotations
 
 import torch
+
+from ..grid import axis_label
+from . import ops
 
 
 class _CopyToParallel(torch.autograd.Function):
@@ -59,18 +65,26 @@ class _GatherFromParallel(torch.autograd.Function):
 
 
 def copy_to_parallel(x, grid, axis):
+    if torch.compiler.is_compiling():
+        return ops.copy_to_parallel(x, grid.name, axis_label(axis))
     return _CopyToParallel.apply(x, grid, axis)
 
 
 def reduce_from_parallel(x, grid, axis):
+    if torch.compiler.is_compiling():
+        return ops.reduce_from_parallel(x, grid.name, axis_label(axis))
     return _ReduceFromParallel.apply(x, grid, axis)
 
 
 def all_reduce_replicated(x, grid, axis):
+    if torch.compiler.is_compiling():
+        return ops.all_reduce_replicated(x, grid.name, axis_label(axis))
     return _AllReduceReplicated.apply(x, grid, axis)
 
 
 def gather_from_parallel(x, grid, axis, dim=-1):
+    if torch.compiler.is_compiling():
+        return ops.gather_from_parallel(x, grid.name, axis_label(axis), dim % x.dim())
     return _GatherFromParallel.apply(x, grid, axis, dim % x.dim())
 
 
@@ -89,4 +103,6 @@ class _ScatterToParallel(torch.autograd.Function):
 
 
 def scatter_to_parallel(x, grid, axis, dim=-1):
+    if torch.compiler.is_compiling():
+        return ops.scatter_to_parallel(x, grid.name, axis_label(axis), dim % x.dim())
     return _ScatterToParallel.apply(x, grid, axis, dim % x.dim())

@@ -6,9 +6,11 @@ from __future__ import annotations
 import torch
 
 from .. import _C
-from ..grid import Work
+from ..grid import Work, by_name
+from . import ops
 
 AB, ABT, ATB = _C.CubeForm.AB, _C.CubeForm.ABt, _C.CubeForm.AtB
+assert (int(AB), int(ABT), int(ATB)) == (0, 1, 2)  # the codes the custom ops carry (cpp/cube.h)
 
 
 def _resolve(r):
@@ -65,8 +67,17 @@ class _CubeMatmul(torch.autograd.Function):
         return da, db, None, None, None, None, None, None
 
 
+def product(grid, form, lhs, rhs, a, c):
+    """One product, synchronously (ops.cube_product's kernel)."""
+    return _product(grid, form, lhs, rhs, a, c, False)
+
+
 def cube_matmul(lhs, rhs, grid, form=AB, a="y", c="z", overlap=False, rhs_gathered=None):
-    """C = op(lhs) op(rhs) on the cube; operand layouts are _C.cube_layout(form, k, a, c)."""
+    """C = op(lhs) op(rhs) on the cube; operand layouts are _C.cube_layout(form, k, a, c).
+    Under torch.compile: ops.cube_matmul (no overlap: its gathers are one opaque op)."""
+    if torch.compiler.is_compiling():
+        code = 0 if form is AB else 1 if form is ABT else 2  # int(form) of a pybind enum breaks dynamo's trace
+        return _cube_matmul_op(lhs.contiguous(), rhs.contiguous(), grid.name, code, a, c)
     return _CubeMatmul.apply(lhs.contiguous(), rhs.contiguous(), grid, form, a, c, overlap, rhs_gathered)
 
 
@@ -99,4 +110,112 @@ class _CubeVector(torch.autograd.Function):
 
 def cube_vector(b_local, grid, col_axis, row_axis, n_local):
     """The block of a diagonally stored vector that matches columns split by `col_axis`."""
+    if torch.compiler.is_compiling():
+        return _cube_vector_op(b_local, grid.name, col_axis, row_axis, n_local)
     return _CubeVector.apply(b_local, grid, col_axis, row_axis, n_local)
+
+
+# ---- the same as torch custom ops (ops.py), what cube_matmul and cube_vector run under torch.compile
+
+
+def _gathered_shape(x, step, grid):
+    shape = list(x.shape)
+    shape[step.dim] *= grid.size(step.axis)
+    return shape
+
+
+@torch.library.custom_op(f"{ops.LIB}::cube_product", mutates_args=())
+def cube_product(lhs: torch.Tensor, rhs: torch.Tensor, grid: str, form: int, a: str, c: str) -> torch.Tensor:
+    """One of Algorithms 1, 3, 5: all-gather both operands, local GEMM, reduce-scatter."""
+    return product(by_name(grid), _C.CubeForm(form), lhs.contiguous(), rhs.contiguous(), a, c).contiguous()
+
+
+@cube_product.register_fake
+def _(lhs, rhs, grid, form, a, c):
+    g = by_name(grid)
+    plan = _C.cube_plan(_C.CubeForm(form), a, c)
+    ls, rs = _gathered_shape(lhs, plan.gather_lhs, g), _gathered_shape(rhs, plan.gather_rhs, g)
+    rows = ls[1] if plan.trans_lhs else ls[0]
+    cols = rs[0] if plan.trans_rhs else rs[1]
+    shape = [rows, cols]
+    shape[plan.reduce_scatter_out.dim] //= g.size(plan.reduce_scatter_out.axis)
+    return lhs.new_empty(shape)
+
+
+@torch.library.custom_op(f"{ops.LIB}::cube_matmul", mutates_args=())
+def _cube_matmul_op(lhs: torch.Tensor, rhs: torch.Tensor, grid: str, form: int, a: str, c: str) -> torch.Tensor:
+    return cube_product(lhs, rhs, grid, form, a, c)
+
+
+_cube_matmul_op.register_fake(lambda lhs, rhs, grid, form, a, c: cube_product(lhs, rhs, grid, form, a, c))
+
+
+def _setup_cube(ctx, inputs, output):
+    lhs, rhs, ctx.grid, ctx.form, ctx.a, ctx.c = inputs
+    ctx.save_for_backward(lhs, rhs)
+
+
+def _cube_backward(ctx, g):  # seed 000 §3.1.2: each gradient is another of the three products
+    lhs, rhs = ctx.saved_tensors
+    operands = {0: lhs, 1: rhs, 2: g.contiguous()}
+    grads = []
+    for spec, needed in zip(_C.cube_backward(_C.CubeForm(ctx.form), ctx.a, ctx.c), ctx.needs_input_grad[:2]):
+        grads.append(cube_product(operands[spec.lhs], operands[spec.rhs], ctx.grid, int(spec.form), spec.a, spec.c)
+                     if needed else None)
+    return grads[0], grads[1], None, None, None, None
+
+
+torch.library.register_autograd(f"{ops.LIB}::cube_matmul", _cube_backward, setup_context=_setup_cube)
+
+
+def _vector_roles(grid, col, row):
+    """(on the diagonal, the diagonal's index along row, the x-like axis of the gather)."""
+    coords = grid.coords
+    return coords[col] == coords[row], coords[col], _C.cube_vector_layout(col)[0][1]
+
+
+@torch.library.custom_op(f"{ops.LIB}::cube_vector", mutates_args=())
+def _cube_vector_op(b: torch.Tensor, grid: str, col: str, row: str, n: int) -> torch.Tensor:
+    """Algorithm 7: broadcast the diagonal block along `row`, all-gather it in x."""
+    g = by_name(grid)
+    diag, root, inner = _vector_roles(g, col, row)
+    buf = b.detach().clone() if diag else torch.empty(n, dtype=b.dtype, device=b.device)
+    g.broadcast(buf, axis=row, src=root)
+    return g.all_gather(buf, axis=inner)
+
+
+@_cube_vector_op.register_fake
+def _(b, grid, col, row, n):
+    g = by_name(grid)
+    return b.new_empty(n * g.size(_vector_roles(g, col, row)[2]))
+
+
+def _setup_vector(ctx, inputs, output):
+    _, ctx.grid, ctx.col, ctx.row, _ = inputs
+
+
+@torch.library.custom_op(f"{ops.LIB}::cube_vector_grad", mutates_args=())
+def _cube_vector_grad_op(g: torch.Tensor, grid: str, col: str, row: str) -> torch.Tensor:
+    """Algorithm 8: reduce-scatter in x, reduce to the diagonal along row: the block's gradient
+    on the diagonal, a partial sum elsewhere. One op of one shape on every rank: compilers
+    drop or move kernels whose outputs are empty, and a rank must issue every collective."""
+    gr = by_name(grid)
+    part = gr.reduce_scatter(g.contiguous(), axis=_C.cube_vector_layout(col)[0][1])
+    return gr.reduce(part, axis=row, dst=gr.coords[col])
+
+
+@_cube_vector_grad_op.register_fake
+def _(g, grid, col, row):
+    return g.new_empty(g.shape[0] // by_name(grid).size(_vector_roles(by_name(grid), col, row)[2]))
+
+
+def _vector_backward(ctx, g):
+    part = _cube_vector_grad_op(g, ctx.grid, ctx.col, ctx.row)
+    diag = _vector_roles(by_name(ctx.grid), ctx.col, ctx.row)[0]
+    return (part if diag else part.narrow(0, 0, 0)), None, None, None, None
+
+
+torch.library.register_autograd(f"{ops.LIB}::cube_vector", _vector_backward, setup_context=_setup_vector)
+
+
+ops.keep_alive(cube_product, _cube_matmul_op, _cube_vector_op, _cube_vector_grad_op)

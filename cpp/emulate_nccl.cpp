@@ -1,4 +1,4 @@
-#include "nccl_rules.h"
+#include "emulate_nccl.h"
 
 #include <algorithm>
 #include <chrono>
