@@ -7,6 +7,7 @@
 
 #include "error.h"
 #include "store.h"
+#include "watchdog.h"
 
 namespace gridweave {
 
@@ -151,6 +152,7 @@ std::string Communicator::compare_notes(Store* store, const Fingerprint& mine, s
 }
 
 void Communicator::check_usable(OpKind op) const {
+  if (info_.watchdog) info_.watchdog->check();  // the failure that aborted the grid, by name
   if (broken_)
     throw Error(ErrorKind::Comm, "gridweave: " + describe(op) +
                                      " refused: this communicator failed earlier (a peer died, timed out or skipped "

@@ -16,6 +16,7 @@
 namespace gridweave {
 
 class Store;
+class Watchdog;
 
 // How much every op verifies that all members passed the same thing. Cheap (always on):
 // local checks, and on transports that match messages by tag the op's fingerprint is the
@@ -74,6 +75,7 @@ struct CommInfo {
   std::shared_ptr<TrafficCounters> counters;  // may be null
   std::string session;             // names this line of this grid alike on all its members
   CheckLevel check = CheckLevel::Cheap;
+  std::shared_ptr<Watchdog> watchdog;  // the grid's, for ops that complete on their own (may be null)
 };
 
 class Communicator : public std::enable_shared_from_this<Communicator> {

@@ -21,6 +21,12 @@ Grid::Grid(GridOptions options, std::shared_ptr<Store> store)
                                                                  << "' requested but gridweave was built without it");
   GW_CHECK(options_.emulate == Emulation::None || options_.backend != Backend::Nccl,
            "emulate='nccl' runs NCCL's rules on a CPU transport (gloo or mpi); the nccl backend keeps its own");
+  // A failure or a timeout of any op aborts every communicator of the grid (NCCL's kernels
+  // would otherwise wait forever on a peer); the next op raises it.
+  watchdog_ = std::make_shared<Watchdog>([this](const Error&) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [key, c] : comms_) c->close();
+  });
 }
 
 Grid::~Grid() { shutdown(); }
@@ -48,6 +54,7 @@ std::shared_ptr<Communicator> Grid::line(const std::vector<std::string>& axes, b
   info.timeout = options_.timeout;
   info.counters = counters_;
   info.check = options_.check;
+  info.watchdog = watchdog_;
   int line_id = 0;
   if (axes.empty()) {
     info.members.resize(world_size());
@@ -108,6 +115,7 @@ std::shared_ptr<Communicator> Grid::link(const std::vector<std::string>& axes, i
   info.timeout = options_.timeout;
   info.counters = counters_;
   info.check = options_.check;
+  info.watchdog = watchdog_;
   info.members = {line[a], line[b]};
   info.rank = me == a ? 0 : 1;
   for (int m : info.members) info.member_nodes.push_back(placement_.node_of(m));

@@ -12,6 +12,7 @@
 #include "placement.h"
 #include "registry.h"
 #include "store.h"
+#include "watchdog.h"
 
 namespace gloo::transport {
 class Device;
@@ -83,6 +84,8 @@ class Grid {
   std::shared_ptr<gloo::transport::Device> gloo_device_;
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<Communicator>> comms_;
+  // Last: destroyed first, so its thread never aborts a grid that is going away.
+  std::shared_ptr<Watchdog> watchdog_;
 };
 
 }  // namespace gridweave

@@ -117,7 +117,7 @@ class Outbox {
   }
   void reap(bool all) {
     while (!pending_.empty() && (all || pending_.front().second->test())) {
-      pending_.front().second->wait(pp_.info().timeout);
+      pending_.front().second->wait_host(pp_.info().timeout);
       pending_.pop_front();
     }
   }
@@ -148,7 +148,7 @@ class AnyReceiver : public Receiver {
     post();
   }
   StageMessage& next() override {
-    posted_->wait(pp_.info().timeout);
+    posted_->wait_host(pp_.info().timeout);
     StageMessage& msg = bufs_[cur_];
     cur_ ^= 1;
     if (--left_ > 0) post();
@@ -191,7 +191,7 @@ class PerPeerReceiver : public Receiver {
         std::this_thread::sleep_for(std::chrono::microseconds(50));
       }
     }
-    posted_[k]->wait(pp_.info().timeout);  // rethrows a transport error
+    posted_[k]->wait_host(pp_.info().timeout);  // rethrows a transport error
     StageMessage& msg = bufs_[2 * k + cur_[k]];
     cur_[k] ^= 1;
     if (--left_[k] > 0) post(k);
@@ -222,13 +222,13 @@ class AnnouncedReceiver : public Receiver {
     post();
   }
   StageMessage& next() override {
-    announced_->wait(control_.info().timeout);
+    announced_->wait_host(control_.info().timeout);
     const int from = announced_->source();
     const auto [kind, mb] = headers_[cur_].header();
     StageMessage& msg = bufs_[cur_];
     cur_ ^= 1;
     if (--left_ > 0) post();  // the next announcement is awaited while this message is used
-    ends_.from(from).recv(msg.view(), kTag)->wait(pp_.info().timeout);
+    ends_.from(from).recv(msg.view(), kTag)->wait_host(pp_.info().timeout);
     const auto got = msg.header();
     GW_CHECK(got.first == kind && got.second == mb, "pipeline: neighbour " << from << " announced kind " << kind
                                                         << " of microbatch " << mb << " but sent kind " << got.first
@@ -364,7 +364,7 @@ PipelineStats run_one_f_one_b(Communicator& pp, const PipelineConfig& cfg, const
   auto receive = [&](int peer, std::int64_t kind, int mb) -> const void* {
     {
       Timer t(st.wait_s);
-      ends.from(peer).recv(in.view(), kTag)->wait(pp.info().timeout);
+      ends.from(peer).recv(in.view(), kTag)->wait_host(pp.info().timeout);
     }
     ++st.messages;
     const auto [got_kind, got_mb] = in.header();
@@ -429,7 +429,7 @@ PipelineStats run_interleaved(Communicator& pp, const PipelineConfig& cfg, int c
     const Endpoint& from = kind == kActivation ? ends.from_prev : ends.from_next;
     {
       Timer t(st.wait_s);
-      from.recv(in.view(), kTag + static_cast<int>(kind))->wait(pp.info().timeout);
+      from.recv(in.view(), kTag + static_cast<int>(kind))->wait_host(pp.info().timeout);
     }
     ++st.messages;
     const auto [got_kind, got] = in.header();

@@ -196,6 +196,7 @@ PYBIND11_MODULE(_C, m) {
         w.wait(to_ms(timeout_s));
       }, py::arg("timeout_s"))
       .def_property_readonly("source", &Work::source)
+      .def_property_readonly("stream", [](const Work& w) { return reinterpret_cast<std::uintptr_t>(w.stream()); })
       .def_property_readonly("what", &Work::what);
 
   using C = Communicator;

@@ -18,6 +18,14 @@ void MultiWork::wait(std::chrono::milliseconds timeout) {
   }
 }
 
+void MultiWork::wait_host(std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (auto& p : parts_) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    p->wait_host(std::max(left, std::chrono::milliseconds(1)));
+  }
+}
+
 Ring::Ring(std::shared_ptr<Communicator> comm) : comm_(std::move(comm)) {
   GW_CHECK(comm_ != nullptr, "a ring needs a communicator");
 }

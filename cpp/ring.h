@@ -16,6 +16,7 @@ class MultiWork : public Work {
   MultiWork(std::string what, std::vector<std::shared_ptr<Work>> parts) : Work(std::move(what)), parts_(std::move(parts)) {}
   bool test() override;
   void wait(std::chrono::milliseconds timeout) override;
+  void wait_host(std::chrono::milliseconds timeout) override;
   int source() const override { return -1; }
 
  private:

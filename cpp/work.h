@@ -19,10 +19,18 @@ class Work {
   virtual ~Work() = default;
   // True once finished (successfully or not); never blocks.
   virtual bool test() = 0;
-  // Blocks up to `timeout`; rethrows the op's error; throws CommTimeout naming the op.
+  // Blocks up to `timeout`; rethrows the op's error; throws CommTimeout naming the op. A
+  // stream-ordered op (NCCL) blocks nothing: the caller's stream waits for it, and the grid's
+  // watchdog owns its timeout (cpp/watchdog.h).
   virtual void wait(std::chrono::milliseconds timeout) = 0;
+  // Blocks the host until the op's results are readable by the host (what the engine needs
+  // before it reads a message's header); the same as wait() for host transports.
+  virtual void wait_host(std::chrono::milliseconds timeout) { wait(timeout); }
   // Source rank (index in the communicator) of a recv / recv_any, else -1.
   virtual int source() const = 0;
+  // The stream the op runs on (stream-ordered transports), else null: its buffers must live
+  // until that stream is past the op (torch: Tensor.record_stream).
+  virtual void* stream() const { return nullptr; }
   const std::string& what() const { return what_; }
 
  protected:

@@ -6,6 +6,7 @@
 
 #include "error.h"
 #include "stream.h"
+#include "watchdog.h"
 
 namespace gridweave {
 
@@ -102,14 +103,27 @@ std::string NcclCommunicator::async_error() {
   return ncclGetErrorString(state);
 }
 
+void NcclCommunicator::close() {
+  Communicator::close();
+  std::lock_guard<std::mutex> lock(abort_mu_);
+  if (comm_) ncclCommAbort(comm_);  // unblocks the kernels of a peer that will never come
+  comm_ = nullptr;
+}
+
 std::shared_ptr<Work> NcclCommunicator::finish(OpKind op, cudaStream_t caller, int peer) {
-  return std::make_shared<EventWork>(
-      describe(op, peer), stream_, caller, [this] { return async_error(); },
-      [this] {
-        mark_broken();
-        ncclCommAbort(comm_);  // unblocks the kernels of a peer that will never come
-        comm_ = nullptr;
-      });
+  auto self = std::weak_ptr<Communicator>(weak_from_this());
+  auto poll = [self, this]() -> std::string {
+    auto c = self.lock();  // the watchdog may poll after the communicator went
+    if (!c) return "";
+    std::lock_guard<std::mutex> lock(abort_mu_);
+    return comm_ ? async_error() : "";
+  };
+  auto work = std::make_shared<EventWork>(describe(op, peer), device_index_, stream_, caller, poll, [self] {
+    if (auto c = self.lock()) c->close();
+  });
+  // wait() returns at once (stream-ordered): the watchdog owns the timeout and the errors
+  if (info_.watchdog) info_.watchdog->watch(work, std::chrono::steady_clock::now() + info_.timeout, poll);
+  return work;
 }
 
 std::shared_ptr<Work> NcclCommunicator::run_collective(OpKind op, const BufferView& in, const BufferView& out,
@@ -230,7 +244,7 @@ std::vector<Fingerprint> NcclCommunicator::exchange_fingerprints(const Fingerpri
   in.dtype = out.dtype = DType::Int64;
   in.device = out.device = Device::CUDA;
   in.device_index = out.device_index = device_index_;
-  run_collective(OpKind::AllGather, in, out, ReduceOp::Sum, 0, false, mine.exchange())->wait(info_.timeout);
+  run_collective(OpKind::AllGather, in, out, ReduceOp::Sum, 0, false, mine.exchange())->wait_host(info_.timeout);
   check_cuda(cudaMemcpy(host.data() + kFields, out.ptr, sizeof(std::int64_t) * out.count, cudaMemcpyDeviceToHost),
              "cudaMemcpy");
   std::vector<Fingerprint> all(size());

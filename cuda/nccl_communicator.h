@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <mutex>
+
 #include "communicator.h"
 #include "store.h"
 
@@ -19,6 +21,9 @@ class NcclCommunicator : public Communicator {
   bool can_recv_any() const override { return false; }
   bool stream_ordered() const override { return true; }
   bool matches_tags() const override { return false; }  // a pair's messages match in issue order
+  // Aborts the NCCL communicator (its kernels stop waiting on peers), so nothing after can
+  // hang, ncclCommDestroy included.
+  void close() override;
 
  protected:
   std::shared_ptr<Work> run_collective(OpKind op, const BufferView& in, const BufferView& out, ReduceOp rop,
@@ -40,6 +45,7 @@ class NcclCommunicator : public Communicator {
   // queue behind each other's messages talk over links (Grid::link), a communicator each.
   cudaStream_t stream_ = nullptr;
   int device_index_ = 0;
+  std::mutex abort_mu_;  // close() (any thread: the watchdog's) against the watchdog's polls
   void* scratch_ = nullptr;  // one int for the barrier
 };
 

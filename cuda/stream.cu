@@ -1,6 +1,9 @@
 #include "stream.h"
 
+#include <map>
+#include <mutex>
 #include <thread>
+#include <vector>
 
 #include "error.h"
 
@@ -11,23 +14,57 @@ void check_cuda(cudaError_t status, const char* what) {
     throw Error(ErrorKind::Comm, std::string("gridweave: CUDA error in ") + what + ": " + cudaGetErrorString(status));
 }
 
-void order_after(cudaStream_t engine, cudaStream_t caller) {
-  cudaEvent_t ready;
-  check_cuda(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "cudaEventCreate");
-  check_cuda(cudaEventRecord(ready, caller), "cudaEventRecord");
-  check_cuda(cudaStreamWaitEvent(engine, ready, 0), "cudaStreamWaitEvent");
-  check_cuda(cudaEventDestroy(ready), "cudaEventDestroy");  // freed once it fires
+namespace {
+struct EventPool {
+  std::mutex mu;
+  std::map<int, std::vector<cudaEvent_t>> free;
+};
+EventPool& pool() {
+  static EventPool* p = new EventPool;  // never destroyed: events may be released at exit
+  return *p;
+}
+}  // namespace
+
+cudaEvent_t acquire_event(int device) {
+  {
+    std::lock_guard<std::mutex> lock(pool().mu);
+    auto& f = pool().free[device];
+    if (!f.empty()) {
+      cudaEvent_t e = f.back();
+      f.pop_back();
+      return e;
+    }
+  }
+  cudaEvent_t e;
+  check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+  return e;
 }
 
-EventWork::EventWork(std::string what, cudaStream_t engine, cudaStream_t caller,
+void release_event(int device, cudaEvent_t event) {
+  // A recorded event may be re-recorded at once: a later record replaces the pending one.
+  std::lock_guard<std::mutex> lock(pool().mu);
+  pool().free[device].push_back(event);
+}
+
+void order_after(cudaStream_t engine, cudaStream_t caller) {
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  cudaEvent_t ready = acquire_event(device);
+  check_cuda(cudaEventRecord(ready, caller), "cudaEventRecord");
+  check_cuda(cudaStreamWaitEvent(engine, ready, 0), "cudaStreamWaitEvent");
+  release_event(device, ready);  // the wait captured the event's work at record time
+}
+
+EventWork::EventWork(std::string what, int device, cudaStream_t engine, cudaStream_t caller,
                      std::function<std::string()> poll_error, std::function<void()> on_timeout)
-    : Work(std::move(what)), caller_(caller), poll_error_(std::move(poll_error)), on_timeout_(std::move(on_timeout)) {
-  check_cuda(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "cudaEventCreate");
+    : Work(std::move(what)), device_(device), engine_(engine), caller_(caller), poll_error_(std::move(poll_error)),
+      on_timeout_(std::move(on_timeout)) {
+  event_ = acquire_event(device_);
   check_cuda(cudaEventRecord(event_, engine), "cudaEventRecord");
 }
 
 EventWork::~EventWork() {
-  if (event_) cudaEventDestroy(event_);
+  if (event_) release_event(device_, event_);
 }
 
 bool EventWork::test() {
@@ -37,7 +74,11 @@ bool EventWork::test() {
   return true;
 }
 
-void EventWork::wait(std::chrono::milliseconds timeout) {
+void EventWork::wait(std::chrono::milliseconds /*timeout: the watchdog's*/) {
+  check_cuda(cudaStreamWaitEvent(caller_, event_, 0), "cudaStreamWaitEvent");
+}
+
+void EventWork::wait_host(std::chrono::milliseconds timeout) {
   check_cuda(cudaStreamWaitEvent(caller_, event_, 0), "cudaStreamWaitEvent");
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   while (!test()) {

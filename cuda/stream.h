@@ -16,19 +16,29 @@ void check_cuda(cudaError_t status, const char* what);
 // Makes `engine` wait for everything queued on `caller` so far.
 void order_after(cudaStream_t engine, cudaStream_t caller);
 
-// Done when `event` (recorded on the engine stream after the op) has fired. wait()
-// also orders the caller's stream after the event, then blocks the host up to the
-// timeout; `poll_error` reports transport errors (ncclCommGetAsyncError) while waiting.
+// Events come from a pool (one per device): no cudaEventCreate / Destroy per op.
+cudaEvent_t acquire_event(int device);
+void release_event(int device, cudaEvent_t event);
+
+// Done when `event` (recorded on the engine stream after the op) has fired. wait() is
+// stream-ordered, as torch's ProcessGroupNCCL: the caller's stream waits for the event and
+// the host goes on at once; the grid's watchdog owns the op's timeout and transport errors.
+// wait_host() blocks the host up to the timeout (the engine reading a message's header);
+// `poll_error` reports transport errors (ncclCommGetAsyncError) while it waits.
 class EventWork : public Work {
  public:
-  EventWork(std::string what, cudaStream_t engine, cudaStream_t caller, std::function<std::string()> poll_error,
-            std::function<void()> on_timeout);
+  EventWork(std::string what, int device, cudaStream_t engine, cudaStream_t caller,
+            std::function<std::string()> poll_error, std::function<void()> on_timeout);
   ~EventWork() override;
   bool test() override;
   void wait(std::chrono::milliseconds timeout) override;
+  void wait_host(std::chrono::milliseconds timeout) override;
   int source() const override { return -1; }
+  void* stream() const override { return engine_; }
 
  private:
+  int device_;
+  cudaStream_t engine_;
   cudaEvent_t event_ = nullptr;
   cudaStream_t caller_;
   std::function<std::string()> poll_error_;

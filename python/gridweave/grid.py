@@ -279,6 +279,8 @@ class Grid:
         return True
 
     def _run(self, native, async_op, keep, finish=None):
+        if keep and native.stream:
+            _record_stream(keep, native.stream)
         if async_op:
             return Work(native, self.timeout, keep, finish)
         native.wait(self.timeout)  # a synchronous op needs no handle: its tensors are the caller's
@@ -505,6 +507,9 @@ class Grid:
             finish.append((lambda o=o, b=buf: o.tensor.copy_(b)) if staged and not send else (lambda o=o: o.tensor))
         natives = c.batch([_C.P2P(P2POp.KINDS[o.op], view(b, f"{o.op} buffer"), o.peer, o.tag)
                            for o, b in zip(ops, bufs)])
+        for n, b in zip(natives, bufs):
+            if n.stream:
+                _record_stream((b,), n.stream)
         return [Work(n, self.timeout, (b,), f) for n, b, f in zip(natives, bufs, finish)]
 
     def link(self, axis: AxisArg, a: int, b: int, channel: int):
@@ -563,6 +568,16 @@ class Grid:
     def __repr__(self):
         axes = ", ".join(f"{k}={v}" for k, v in self.axes.items())
         return f"Grid({axes}; rank {self.rank}/{self.world_size}, {self.backend}, {self.placement_policy})"
+
+
+def _record_stream(tensors, stream: int) -> None:
+    """A stream-ordered op (NCCL) returns before its kernel ends: its CUDA tensors are marked
+    in use on the engine's stream, so torch's caching allocator reuses their memory only after
+    it (ProcessGroupNCCL's recordStream)."""
+    engine = torch.cuda.ExternalStream(stream)
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            t.record_stream(engine)
 
 
 def _dim(t, dim: int) -> int:

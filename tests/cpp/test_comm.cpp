@@ -19,6 +19,7 @@
 #include "pipeline.h"
 #include "ring.h"
 #include "store.h"
+#include "watchdog.h"
 
 using namespace gridweave;
 using std::chrono::milliseconds;
@@ -412,4 +413,52 @@ TEST(NcclRules, CollectivesAndMessagesRunInIssueOrder) {
       EXPECT_THROW(y->wait(milliseconds(1500)), Error);
     }
   }, milliseconds(3000)), 0);
+}
+
+namespace {
+// A Work that completes when told to (or never): what a stream-ordered op looks like to the
+// watchdog before its event fires.
+class ManualWork : public Work {
+ public:
+  using Work::Work;
+  bool test() override { return done; }
+  void wait(std::chrono::milliseconds) override {}
+  int source() const override { return -1; }
+  std::atomic<bool> done{false};
+};
+}  // namespace
+
+// The grid's watchdog (cpp/watchdog.h): an op that completes leaves it; one past its deadline
+// aborts the grid once, and every later check raises that op's timeout; a transport error
+// aborts at once, naming the op.
+TEST(Watchdog, AbortsOnceOnATimeoutOrATransportErrorAndNamesTheOp) {
+  std::atomic<int> aborts{0};
+  {
+    Watchdog dog([&](const Error&) { ++aborts; }, milliseconds(1));
+    auto fine = std::make_shared<ManualWork>("all_reduce on axis 'dp'");
+    auto stuck = std::make_shared<ManualWork>("all_gather on axis 'tp' (rank 1, peers [0, 1])");
+    dog.watch(fine, Watchdog::Clock::now() + milliseconds(5000));
+    dog.watch(stuck, Watchdog::Clock::now() + milliseconds(100));
+    fine->done = true;
+    for (int i = 0; i < 400 && !dog.failed(); ++i) std::this_thread::sleep_for(milliseconds(5));
+    ASSERT_TRUE(dog.failed());
+    EXPECT_EQ(dog.outstanding(), 0u);
+    try {
+      dog.check();
+      ADD_FAILURE() << "check() did not raise";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::Timeout);
+      EXPECT_NE(std::string(e.what()).find("all_gather on axis 'tp'"), std::string::npos) << e.what();
+    }
+    dog.watch(std::make_shared<ManualWork>("late"), Watchdog::Clock::now());  // after the abort: no second one
+    std::this_thread::sleep_for(milliseconds(50));
+  }
+  EXPECT_EQ(aborts.load(), 1);
+  std::atomic<int> errors{0};
+  Watchdog dog([&](const Error& e) { errors += e.kind() == ErrorKind::Comm; }, milliseconds(1));
+  dog.watch(std::make_shared<ManualWork>("send on axis 'pp'"), Watchdog::Clock::now() + milliseconds(60000),
+            [] { return std::string("remote process exited"); });
+  for (int i = 0; i < 400 && !dog.failed(); ++i) std::this_thread::sleep_for(milliseconds(5));
+  EXPECT_EQ(errors.load(), 1);
+  EXPECT_THROW(dog.check(), Error);
 }
