@@ -121,8 +121,13 @@ std::shared_ptr<Work> NcclCommunicator::finish(OpKind op, cudaStream_t caller, i
   auto work = std::make_shared<EventWork>(describe(op, peer), device_index_, stream_, caller, poll, [self] {
     if (auto c = self.lock()) c->close();
   });
-  // wait() returns at once (stream-ordered): the watchdog owns the timeout and the errors
-  if (info_.watchdog) info_.watchdog->watch(work, std::chrono::steady_clock::now() + info_.timeout, poll);
+  // wait() returns at once (stream-ordered): the watchdog owns the timeout and the errors. An op
+  // captured into a CUDA graph is not watched: querying a captured event is illegal, and the
+  // graph's replays are the caller's to wait for.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(caller, &capture), "cudaStreamIsCapturing");
+  if (info_.watchdog && capture == cudaStreamCaptureStatusNone)
+    info_.watchdog->watch(work, std::chrono::steady_clock::now() + info_.timeout, poll);
   return work;
 }
 

@@ -5,7 +5,10 @@
 # job's model in gridweave and in plain torch on the GPU (tokens/s, MFU), and the planner
 # calibrated on the GPU against measured steps (bench_plan_gpu); where MPI and mpi4py are
 # there, the transport benchmark on the machine's 16 cores (2-8 ranks, none sharing a core,
-# issue 14's 1.1x goal). Results go to benchmarks/results/gpu/ named after the device.
+# issue 14's 1.1x goal). Issue 28: stream-ordered waits, a dropped op under allocator churn, a
+# collective captured in a CUDA graph, compute-sanitizer's memcheck and racecheck, and the
+# profiler's count of host synchronisations and cudaMalloc per step (bench_gpu_syncs).
+# Results go to benchmarks/results/gpu/ named after the device.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/gpu}
@@ -18,7 +21,15 @@ if [ "$DEV" != "none" ]; then
     tests/python/test_tensor3d.py tests/python/test_sequence.py tests/python/test_subgraph.py \
     tests/python/test_pipeline.py tests/python/test_sharding.py -rs 2>&1 | tee "$OUT/test_cuda_suite_${DEV}.txt"
 fi
+if [ "$DEV" != "none" ] && command -v compute-sanitizer >/dev/null 2>&1; then
+  # issue 28: memory and race checks over the NCCL and kernel tests of the GPU tier
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -m gpu tests/python/test_gpu.py \
+      -k "nccl or ordered or lse or captured or dropped" 2>&1 | tee "$OUT/sanitizer_${tool}_${DEV}.txt" || true
+  done
+fi
 if [ "$DEV" != "none" ]; then
+  python3 benchmarks/bench_gpu_syncs.py --out "$OUT" || echo "host synchronisation count failed"
   python3 benchmarks/bench_gpu_throughput.py --out "$OUT" || echo "throughput benchmark failed"
   python3 benchmarks/bench_plan_gpu.py --out "$OUT" || echo "planner benchmark failed"
 fi

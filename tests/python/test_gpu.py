@@ -47,6 +47,72 @@ def test_async_all_reduce_is_ordered_after_the_producing_kernel():
     gw.shutdown()
 
 
+def test_wait_is_stream_ordered_not_a_host_synchronisation():
+    """Issue 28: wait() on an NCCL op makes the caller's stream wait for it and returns; the
+    host does not sit out a slow kernel queued before the op (ratio of two waits, one run)."""
+    import time
+
+    import gridweave as gw
+
+    if not gw._C.nccl_available:
+        pytest.skip("built without the NCCL transport")
+    grid = gw.init(backend="nccl")
+    t = torch.ones(1024, device=grid.device)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # a slow kernel on the current stream, before the op
+    work = grid.all_reduce(t, axis=None, async_op=True)
+    t0 = time.perf_counter()
+    out = work.wait()
+    host_wait = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    torch.cuda.synchronize()
+    device_left = time.perf_counter() - t0
+    assert host_wait < 0.5 * device_left, (host_wait, device_left)
+    assert torch.equal(out, torch.ones(1024, device=grid.device))
+    gw.shutdown()
+
+
+def test_a_dropped_async_op_keeps_its_tensors_while_the_allocator_churns():
+    """A Work dropped unwaited: its tensors were marked in use on the engine's stream
+    (record_stream), so memory the allocator hands out meanwhile is not the op's."""
+    import gridweave as gw
+
+    if not gw._C.nccl_available:
+        pytest.skip("built without the NCCL transport")
+    grid = gw.init(backend="nccl")
+    torch.cuda._sleep(50_000_000)
+    src = torch.full((1 << 20,), 3.0, device=grid.device)
+    grid.all_gather(src, axis=None, async_op=True)  # dropped
+    del src
+    churn = [torch.full((1 << 20,), float(k), device=grid.device) for k in range(16)]
+    torch.cuda.synchronize()
+    for k, c in enumerate(churn):
+        assert torch.all(c == float(k)), k
+    gw.shutdown()
+
+
+def test_a_collective_is_captured_in_a_cuda_graph_and_replays():
+    import gridweave as gw
+
+    if not gw._C.nccl_available:
+        pytest.skip("built without the NCCL transport")
+    grid = gw.init(backend="nccl")
+    x = torch.ones(256, device=grid.device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        grid.all_reduce(x * 2, axis=None)  # warm-up outside the capture (communicator made)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = grid.all_reduce(x * 2, axis=None)
+    x.fill_(5.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, torch.full((256,), 10.0, device=grid.device))
+    gw.shutdown()
+
+
 def _shared_gpu(ctx):
     import gridweave as gw
 
