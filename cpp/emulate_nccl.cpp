@@ -144,9 +144,11 @@ std::vector<std::shared_ptr<Work>> NcclRulesCommunicator::enqueue(std::vector<It
   const std::uint64_t position = ++issued_ops_;
   // Raw `this`: the destructor drains the worker before the communicator goes.
   worker_->submit(task, [this, items = std::move(items), what, position]() {
-    if (broken())
-      throw Error(ErrorKind::Comm, "gridweave: " + what + " not run: the communicator was aborted by an earlier "
-                                                          "failure or timeout");
+    if (broken()) {  // aborted: fail as the op that aborted it did (a timeout stays a timeout)
+      std::lock_guard<std::mutex> lock(mu_);
+      throw Error(abort_kind_, "gridweave: " + what + " not run: the communicator was aborted after " +
+                                   (abort_what_.empty() ? std::string("an earlier failure") : abort_what_));
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
       running_ = what + " (op #" + std::to_string(position) + " issued here)";
@@ -158,10 +160,19 @@ std::vector<std::shared_ptr<Work>> NcclRulesCommunicator::enqueue(std::vector<It
         c->running_.clear();
       }
     } idle{this};
-    reap(false);
-    const OpKind op = items.front().op;
-    if (op == OpKind::Send || op == OpKind::Recv) run_group(items);
-    else run_one_collective(items.front());
+    try {
+      reap(false);
+      const OpKind op = items.front().op;
+      if (op == OpKind::Send || op == OpKind::Recv) run_group(items);
+      else run_one_collective(items.front());
+    } catch (const Error& e) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (abort_what_.empty()) {
+        abort_kind_ = e.kind();
+        abort_what_ = what + " failed: " + e.what();
+      }
+      throw;
+    }
     return -1;
   });
   return works;

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "communicator.h"
+#include "error.h"
 #include "work.h"
 
 namespace gridweave {
@@ -72,6 +73,8 @@ class NcclRulesCommunicator : public Communicator {
   std::uint64_t issued_ops_ = 0;
   mutable std::mutex mu_;
   std::string running_;  // the op the communicator is running now, for timeout messages
+  ErrorKind abort_kind_ = ErrorKind::Comm;  // the first failure of a run op, which queued ops repeat
+  std::string abort_what_;
   std::deque<std::unique_ptr<Eager>> eager_;  // the worker's only
   std::unique_ptr<Worker> worker_;
 };
