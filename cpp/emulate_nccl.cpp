@@ -255,30 +255,33 @@ void NcclRulesCommunicator::run_group(const std::vector<Item>& items, std::vecto
     }
     ready[k] = inner_->recv(host_words(cts[k].data(), kCtsWords), it.root, cts_tag(it.order));
   }
-  auto check_match = [this](const Item& it, const std::vector<std::int64_t>& want) {
-    const bool same = want[0] == it.tag && want[1] == static_cast<std::int64_t>(it.in.count) &&
-                      want[2] == static_cast<std::int64_t>(it.in.dtype);
-    if (same) return;
-    mark_broken();
-    std::ostringstream os;
-    os << "gridweave: " << describe(OpKind::Send, it.root) << ": NCCL matches a pair's messages in issue order, "
-       << "and this rank's message #" << it.order + 1 << " to that peer (tag " << it.tag << ", " << it.in.count
-       << " x " << dtype_name(it.in.dtype) << ") meets the peer's receive #" << want[3] + 1 << " from this rank (tag "
-       << want[0] << ", " << want[1] << " x " << dtype_name(static_cast<DType>(want[2]))
-       << "): the code relies on tags or an order NCCL does not keep";
-    throw Error(ErrorKind::Comm, os.str());
-  };
   for (std::size_t k = 0; k < n; ++k) {  // each send runs once its receive does
     const Item& it = items[k];
     if (it.op != OpKind::Send || !ready[k]) continue;
     ready[k]->wait(left(deadline));
-    check_match(it, cts[k]);
+    check_expected(it, cts[k]);
     posted[k] = inner_->send(it.in, it.root, data_tag(it.order));
   }
   wait_all(posted, deadline);
   wait_all(ready, deadline);
   for (const Item& it : items)  // a receive is counted once its message is in, as elsewhere
     if (it.op == OpKind::Recv) count(OpKind::Recv, it.out, it.root);
+}
+
+// A send meets the receive NCCL would match it with (the pair's next, by order): that receive's
+// clear-to-send must expect this message, or the code relied on tags NCCL ignores.
+void NcclRulesCommunicator::check_expected(const Item& it, const std::vector<std::int64_t>& want) {
+  const bool same = want[0] == it.tag && want[1] == static_cast<std::int64_t>(it.in.count) &&
+                    want[2] == static_cast<std::int64_t>(it.in.dtype);
+  if (same) return;
+  mark_broken();
+  std::ostringstream os;
+  os << "gridweave: " << describe(OpKind::Send, it.root) << ": NCCL matches a pair's messages in issue order, "
+     << "and this rank's message #" << it.order + 1 << " to that peer (tag " << it.tag << ", " << it.in.count
+     << " x " << dtype_name(it.in.dtype) << ") meets the peer's receive #" << want[3] + 1 << " from this rank (tag "
+     << want[0] << ", " << want[1] << " x " << dtype_name(static_cast<DType>(want[2]))
+     << "): the code relies on tags or an order NCCL does not keep";
+  throw Error(ErrorKind::Comm, os.str());
 }
 
 void NcclRulesCommunicator::reap(bool all) {
@@ -295,14 +298,7 @@ void NcclRulesCommunicator::reap(bool all) {
       drop_eager();
       throw;
     }
-    const Item& it = e.item;
-    if (e.cts[0] != it.tag || e.cts[1] != static_cast<std::int64_t>(it.in.count) ||
-        e.cts[2] != static_cast<std::int64_t>(it.in.dtype)) {
-      mark_broken();
-      throw Error(ErrorKind::Comm, "gridweave: " + describe(OpKind::Send, it.root) + ": a buffered message #" +
-                                       std::to_string(it.order + 1) + " met a receive expecting tag " +
-                                       std::to_string(e.cts[0]) + " (NCCL matches a pair's messages in issue order)");
-    }
+    check_expected(e.item, e.cts);
     eager_.pop_front();
   }
 }

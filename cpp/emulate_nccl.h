@@ -63,6 +63,7 @@ class NcclRulesCommunicator : public Communicator {
                  std::vector<std::shared_ptr<Work>>& posted, std::vector<std::shared_ptr<Work>>& ready,
                  std::vector<std::unique_ptr<Eager>>& buffered);
   void run_one_collective(const Item& item);
+  void check_expected(const Item& it, const std::vector<std::int64_t>& want);
   void reap(bool all);  // buffered sends whose receive has run
   void drop_eager();    // after close(): buffered sends end, then their copies go
   std::string running() const;

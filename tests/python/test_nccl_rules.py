@@ -82,6 +82,7 @@ def _send_send(ctx, eager):
         send = grid.send(mine, other, "dp", async_op=True)
         grid.recv(got, other, "dp")
         send.wait()
+        grid.barrier("dp")  # a buffered send is done on its side only: neither rank closes under the other's
     except gw.CommError as e:
         return type(e).__name__, str(e)
     return "ok", got.tolist()

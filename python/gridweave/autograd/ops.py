@@ -35,9 +35,19 @@ def _resized(x, dim, factor=1, divisor=1):
 # ---- functional collectives (no autograd of their own) ---------------------------------
 
 
+def _reduced(x, grid: str, axis: str, op: str = "sum"):
+    """The kernel of every all-reduce below: a new tensor, the reduction over the line."""
+    return by_name(grid).all_reduce(x.contiguous().clone(), axis=axis_of(axis), op=op)
+
+
+def _gathered(x, grid: str, axis: str, dim: int):
+    """The kernel of every all-gather below."""
+    return by_name(grid).all_gather(x.contiguous(), axis=axis_of(axis), dim=dim)
+
+
 @torch.library.custom_op(f"{LIB}::all_reduce", mutates_args=())
 def all_reduce(x: torch.Tensor, grid: str, axis: str, op: str) -> torch.Tensor:
-    return by_name(grid).all_reduce(x.contiguous().clone(), axis=axis_of(axis), op=op)
+    return _reduced(x, grid, axis, op)
 
 
 @all_reduce.register_fake
@@ -47,7 +57,7 @@ def _(x, grid, axis, op):
 
 @torch.library.custom_op(f"{LIB}::all_gather", mutates_args=())
 def all_gather(x: torch.Tensor, grid: str, axis: str, dim: int) -> torch.Tensor:
-    return by_name(grid).all_gather(x.contiguous(), axis=axis_of(axis), dim=dim)
+    return _gathered(x, grid, axis, dim)
 
 
 @all_gather.register_fake
@@ -78,10 +88,6 @@ def _(x, grid, axis, dst):
 # ---- Megatron's f and g and their kin (seed 003), differentiable ----------------------
 
 
-def _grad_only(n_extra):
-    return lambda g: (g,) + (None,) * n_extra
-
-
 @torch.library.custom_op(f"{LIB}::copy_to_parallel", mutates_args=())
 def copy_to_parallel(x: torch.Tensor, grid: str, axis: str) -> torch.Tensor:
     return x.clone()  # f: identity forward
@@ -103,7 +109,7 @@ torch.library.register_autograd(  # f: all-reduce backward
 
 @torch.library.custom_op(f"{LIB}::reduce_from_parallel", mutates_args=())
 def reduce_from_parallel(x: torch.Tensor, grid: str, axis: str) -> torch.Tensor:
-    return by_name(grid).all_reduce(x.contiguous().clone(), axis=axis_of(axis))  # g: all-reduce forward
+    return _reduced(x, grid, axis)  # g: all-reduce forward
 
 
 @reduce_from_parallel.register_fake
@@ -117,7 +123,7 @@ torch.library.register_autograd(f"{LIB}::reduce_from_parallel", lambda ctx, g: (
 
 @torch.library.custom_op(f"{LIB}::all_reduce_replicated", mutates_args=())
 def all_reduce_replicated(x: torch.Tensor, grid: str, axis: str) -> torch.Tensor:
-    return by_name(grid).all_reduce(x.contiguous().clone(), axis=axis_of(axis))
+    return _reduced(x, grid, axis)
 
 
 @all_reduce_replicated.register_fake
@@ -132,7 +138,7 @@ torch.library.register_autograd(  # every rank uses the sum: each partial's grad
 
 @torch.library.custom_op(f"{LIB}::gather_from_parallel", mutates_args=())
 def gather_from_parallel(x: torch.Tensor, grid: str, axis: str, dim: int) -> torch.Tensor:
-    return by_name(grid).all_gather(x.contiguous(), axis=axis_of(axis), dim=dim)
+    return _gathered(x, grid, axis, dim)
 
 
 @gather_from_parallel.register_fake
