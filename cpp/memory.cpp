@@ -29,7 +29,8 @@ class RegisteredMemory : public DeviceMemory {
   ~RegisteredMemory() override { allocator_.release(ptr_); }
 
  private:
-  const DeviceAllocator& allocator_;
+  DeviceAllocator allocator_;  // a copy: a later registration (torch's caching allocator) must
+                               // not free memory the earlier one made
 };
 
 const DeviceAllocator& need(Device device, const char* what) {
@@ -50,6 +51,14 @@ void copy_bytes(void* dst, const void* src, std::size_t bytes, Device device) {
     return;
   }
   need(device, "a copy").copy(dst, src, bytes);
+}
+
+void copy_bytes_async(void* dst, const void* src, std::size_t bytes, Device device, void* stream) {
+  if (device == Device::CPU) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+  need(device, "a copy").copy_async(dst, src, bytes, stream);
 }
 
 }  // namespace gridweave

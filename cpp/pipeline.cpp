@@ -29,16 +29,22 @@ void check(const PipelineConfig& c, const Communicator& pp) {
 }
 
 // A pipeline message on the communicator's device, as int64 words: [kind, microbatch,
-// payload...]. The header is read back to the host after the message arrives.
+// payload...], filled in the order of the stage's stream. Only a receiver that cannot know
+// what comes next (receive-from-any, one receive per neighbour) reads the header back; the
+// announced strategy learns it from the announcement, 1F1B and interleaved from their order
+// (and check it where it is host memory, for free).
 struct StageMessage {
   std::shared_ptr<DeviceMemory> mem;
   std::size_t words;
   Device device;
-  StageMessage(std::size_t payload_bytes, Device dev)
-      : mem(allocate(dev, kStageHeaderBytes + payload_bytes)), words((kStageHeaderBytes + payload_bytes) / 8), device(dev) {}
+  void* stream;
+  StageMessage(std::size_t payload_bytes, Device dev, void* on = nullptr)
+      : mem(allocate(dev, kStageHeaderBytes + payload_bytes)), words((kStageHeaderBytes + payload_bytes) / 8),
+        device(dev), stream(dev == Device::CPU ? nullptr : on) {}
   BufferView view() const {
     BufferView v{mem->data(), words, DType::Int64};
     v.device = device;
+    v.stream = stream;
     return v;
   }
   void* payload() const { return static_cast<std::int64_t*>(mem->data()) + 2; }
@@ -48,10 +54,17 @@ struct StageMessage {
     return {h[0], static_cast<int>(h[1])};
   }
   void set(std::int64_t kind, int mb, const void* data, std::size_t payload_bytes) {
-    std::int64_t h[2] = {kind, mb};
-    copy_bytes(mem->data(), h, sizeof(h), device);
-    if (payload_bytes > 0) copy_bytes(payload(), data, payload_bytes, device);
+    const std::int64_t h[2] = {kind, mb};
+    copy_bytes_async(mem->data(), h, sizeof(h), device, stream);
+    if (payload_bytes > 0) copy_bytes_async(payload(), data, payload_bytes, device, stream);
   }
+};
+
+// What a receiver delivers: the message, and what it is.
+struct Delivered {
+  StageMessage* msg;
+  std::int64_t kind;
+  int mb;
 };
 
 class Timer {
@@ -99,18 +112,25 @@ Ends ends_of(Communicator& pp, const StageLinks& links, int prev, int next) {
 // there (its 16-byte header, host memory, to the stage's index on pp), then sent.
 class Outbox {
  public:
-  Outbox(Communicator& pp, std::size_t payload, const Ends& ends, Communicator* control = nullptr)
-      : pp_(pp), payload_(payload), ends_(ends), control_(control) {}
+  Outbox(Communicator& pp, std::size_t payload, const Ends& ends, Communicator* control = nullptr,
+         void* stream = nullptr)
+      : pp_(pp), payload_(payload), ends_(ends), control_(control), stream_(stream) {}
   void send(std::int64_t kind, int mb, const void* data) { send_tagged(kind, mb, data, kTag); }
   void send_tagged(std::int64_t kind, int mb, const void* data, int tag) {
     const bool forward = kind == kActivation;
     const Endpoint& to = forward ? ends_.to_next : ends_.to_prev;
-    auto m = std::make_shared<StageMessage>(payload_, pp_.device());
+    std::shared_ptr<StageMessage> m;  // a sent message's memory again, once its send is done
+    if (!free_.empty()) {
+      m = free_.back();
+      free_.pop_back();
+    } else {
+      m = std::make_shared<StageMessage>(payload_, pp_.device(), stream_);
+    }
     m->set(kind, mb, data, payload_);
     if (control_ != nullptr) {
       auto h = std::make_shared<StageMessage>(0, Device::CPU);
       h->set(kind, mb, nullptr, 0);
-      pending_.push_back({h, control_->send(h->view(), forward ? ends_.next : ends_.prev, kControlTag)});
+      announced_.push_back({h, control_->send(h->view(), forward ? ends_.next : ends_.prev, kControlTag)});
     }
     pending_.push_back({m, to.send(m->view(), tag)});
     reap(false);
@@ -118,7 +138,12 @@ class Outbox {
   void reap(bool all) {
     while (!pending_.empty() && (all || pending_.front().second->test())) {
       pending_.front().second->wait_host(pp_.info().timeout);
+      free_.push_back(pending_.front().first);
       pending_.pop_front();
+    }
+    while (!announced_.empty() && (all || announced_.front().second->test())) {
+      announced_.front().second->wait_host(control_->info().timeout);
+      announced_.pop_front();
     }
   }
 
@@ -127,7 +152,9 @@ class Outbox {
   std::size_t payload_;
   Ends ends_;
   Communicator* control_;
-  std::deque<std::pair<std::shared_ptr<StageMessage>, std::shared_ptr<Work>>> pending_;
+  void* stream_;
+  std::deque<std::pair<std::shared_ptr<StageMessage>, std::shared_ptr<Work>>> pending_, announced_;
+  std::vector<std::shared_ptr<StageMessage>> free_;  // no allocation per message past the first few
 };
 
 // Where a stage's next message comes from (Algorithm 2 processes whichever arrives first).
@@ -136,23 +163,24 @@ class Receiver {
  public:
   virtual ~Receiver() = default;
   // Blocks (up to the timeout) for the next message from either neighbour.
-  virtual StageMessage& next() = 0;
+  virtual Delivered next() = 0;
 };
 
 // One receive-from-any over both neighbours (Gloo; AxoNN's MPI_ANY_SOURCE).
 class AnyReceiver : public Receiver {
  public:
-  AnyReceiver(Communicator& pp, std::size_t payload, std::vector<int> peers, int expected)
+  AnyReceiver(Communicator& pp, std::size_t payload, std::vector<int> peers, int expected, void* stream)
       : pp_(pp), peers_(std::move(peers)), left_(expected) {
-    for (int k = 0; k < 2; ++k) bufs_.emplace_back(payload, pp.device());
+    for (int k = 0; k < 2; ++k) bufs_.emplace_back(payload, pp.device(), stream);
     post();
   }
-  StageMessage& next() override {
+  Delivered next() override {
     posted_->wait_host(pp_.info().timeout);
     StageMessage& msg = bufs_[cur_];
     cur_ ^= 1;
     if (--left_ > 0) post();
-    return msg;
+    const auto [kind, mb] = msg.header();
+    return {&msg, kind, mb};
   }
 
  private:
@@ -168,14 +196,15 @@ class AnyReceiver : public Receiver {
 // One receive posted per neighbour, polled; whichever completes first is taken and re-posted.
 class PerPeerReceiver : public Receiver {
  public:
-  PerPeerReceiver(Communicator& pp, std::size_t payload, std::vector<Endpoint> from, int per_peer, int stage)
+  PerPeerReceiver(Communicator& pp, std::size_t payload, std::vector<Endpoint> from, int per_peer, int stage,
+                  void* stream)
       : pp_(pp), from_(std::move(from)), left_(from_.size(), per_peer), cur_(from_.size(), 0),
         posted_(from_.size()), stage_(stage) {
-    for (std::size_t k = 0; k < 2 * from_.size(); ++k) bufs_.emplace_back(payload, pp.device());
+    for (std::size_t k = 0; k < 2 * from_.size(); ++k) bufs_.emplace_back(payload, pp.device(), stream);
     for (std::size_t k = 0; k < from_.size(); ++k)
       if (left_[k] > 0) post(k);
   }
-  StageMessage& next() override {
+  Delivered next() override {
     const auto deadline = Clock::now() + pp_.info().timeout;
     std::size_t k = 0;
     for (bool done = false; !done;) {
@@ -195,7 +224,8 @@ class PerPeerReceiver : public Receiver {
     StageMessage& msg = bufs_[2 * k + cur_[k]];
     cur_[k] ^= 1;
     if (--left_[k] > 0) post(k);
-    return msg;
+    const auto [kind, mb] = msg.header();
+    return {&msg, kind, mb};
   }
 
  private:
@@ -215,25 +245,29 @@ class PerPeerReceiver : public Receiver {
 class AnnouncedReceiver : public Receiver {
  public:
   AnnouncedReceiver(Communicator& pp, Communicator& control, std::size_t payload, const Ends& ends,
-                    std::vector<int> peers, int expected)
+                    std::vector<int> peers, int expected, void* stream)
       : pp_(pp), control_(control), ends_(ends), peers_(std::move(peers)), left_(expected) {
     for (int k = 0; k < 2; ++k) headers_.emplace_back(0, Device::CPU);
-    for (int k = 0; k < 2; ++k) bufs_.emplace_back(payload, pp.device());
+    for (int k = 0; k < 2; ++k) bufs_.emplace_back(payload, pp.device(), stream);
     post();
   }
-  StageMessage& next() override {
+  Delivered next() override {
     announced_->wait_host(control_.info().timeout);
     const int from = announced_->source();
-    const auto [kind, mb] = headers_[cur_].header();
+    const auto [kind, mb] = headers_[cur_].header();  // the announcement's: host memory
     StageMessage& msg = bufs_[cur_];
     cur_ ^= 1;
     if (--left_ > 0) post();  // the next announcement is awaited while this message is used
-    ends_.from(from).recv(msg.view(), kTag)->wait_host(pp_.info().timeout);
-    const auto got = msg.header();
-    GW_CHECK(got.first == kind && got.second == mb, "pipeline: neighbour " << from << " announced kind " << kind
-                                                        << " of microbatch " << mb << " but sent kind " << got.first
-                                                        << " of microbatch " << got.second);
-    return msg;
+    // stream-ordered where the transport is (the stage's stream waits for the message, the host
+    // goes on); its buffer is filled again only after that stream has used it (two messages on)
+    ends_.from(from).recv(msg.view(), kTag)->wait(pp_.info().timeout);
+    if (pp_.device() == Device::CPU) {  // a free check where the message is host memory
+      const auto got = msg.header();
+      GW_CHECK(got.first == kind && got.second == mb, "pipeline: neighbour " << from << " announced kind " << kind
+                                                          << " of microbatch " << mb << " but sent kind " << got.first
+                                                          << " of microbatch " << got.second);
+    }
+    return {&msg, kind, mb};
   }
 
  private:
@@ -267,7 +301,7 @@ PipelineStats run_message_driven(Communicator& pp, const PipelineConfig& cfg, co
   // receive-from-any needs every message on pp itself; the other strategies use the links
   const Ends ends = ends_of(pp, how == ReceiveStrategy::Any ? StageLinks{} : links, s > 0 ? s - 1 : -1,
                             s < last ? s + 1 : -1);
-  Outbox out(pp, cfg.payload_bytes, ends, how == ReceiveStrategy::Announced ? control : nullptr);
+  Outbox out(pp, cfg.payload_bytes, ends, how == ReceiveStrategy::Announced ? control : nullptr, cfg.stream);
   int next_mb = 0;
   auto inject = [&]() {  // stage 0: start the forward of the next microbatch
     const int mb = next_mb++;
@@ -295,25 +329,26 @@ PipelineStats run_message_driven(Communicator& pp, const PipelineConfig& cfg, co
   if (s < last) peers.push_back(s + 1);
   std::unique_ptr<Receiver> in;
   if (expected > 0) {
-    if (how == ReceiveStrategy::Any) in = std::make_unique<AnyReceiver>(pp, cfg.payload_bytes, peers, expected);
+    if (how == ReceiveStrategy::Any) in = std::make_unique<AnyReceiver>(pp, cfg.payload_bytes, peers, expected, cfg.stream);
     else if (how == ReceiveStrategy::Announced)
-      in = std::make_unique<AnnouncedReceiver>(pp, *control, cfg.payload_bytes, ends, peers, expected);
+      in = std::make_unique<AnnouncedReceiver>(pp, *control, cfg.payload_bytes, ends, peers, expected, cfg.stream);
     else {
       std::vector<Endpoint> from;
       for (int p : peers) from.push_back(ends.from(p));
-      in = std::make_unique<PerPeerReceiver>(pp, cfg.payload_bytes, from, cfg.microbatches, s);
+      in = std::make_unique<PerPeerReceiver>(pp, cfg.payload_bytes, from, cfg.microbatches, s, cfg.stream);
     }
   }
   while (expected > 0) {
-    StageMessage* got;
+    Delivered got;
     {
       Timer t(st.wait_s);
-      got = &in->next();
+      got = in->next();
     }
-    StageMessage& msg = *got;
+    StageMessage& msg = *got.msg;
+    const std::int64_t kind = got.kind;
+    const int mb = got.mb;
     --expected;
     ++st.messages;
-    const auto [kind, mb] = msg.header();
     if (kind == kActivation) {  // from s-1: forward
       const void* y;
       {
@@ -359,18 +394,20 @@ PipelineStats run_one_f_one_b(Communicator& pp, const PipelineConfig& cfg, const
   PipelineStats st;
   const int s = cfg.stage, last = cfg.stages - 1, m = cfg.microbatches;
   const Ends ends = ends_of(pp, links, s > 0 ? s - 1 : -1, s < last ? s + 1 : -1);
-  Outbox out(pp, cfg.payload_bytes, ends);
-  StageMessage in(cfg.payload_bytes, pp.device());
+  Outbox out(pp, cfg.payload_bytes, ends, nullptr, cfg.stream);
+  StageMessage in(cfg.payload_bytes, pp.device(), cfg.stream);
   auto receive = [&](int peer, std::int64_t kind, int mb) -> const void* {
     {
-      Timer t(st.wait_s);
-      ends.from(peer).recv(in.view(), kTag)->wait_host(pp.info().timeout);
+      Timer t(st.wait_s);  // what comes next is known: the stage's stream waits for it, not the host
+      ends.from(peer).recv(in.view(), kTag)->wait(pp.info().timeout);
     }
     ++st.messages;
-    const auto [got_kind, got_mb] = in.header();
-    GW_CHECK(got_kind == kind && got_mb == mb,
-             "1F1B stage " << s << " expected " << (kind == kActivation ? "activation" : "gradient") << " of microbatch "
-                           << mb << ", got kind " << got_kind << " of microbatch " << got_mb);
+    if (pp.device() == Device::CPU) {  // a free check where the message is host memory
+      const auto [got_kind, got_mb] = in.header();
+      GW_CHECK(got_kind == kind && got_mb == mb,
+               "1F1B stage " << s << " expected " << (kind == kActivation ? "activation" : "gradient")
+                             << " of microbatch " << mb << ", got kind " << got_kind << " of microbatch " << got_mb);
+    }
     return in.payload();
   };
   auto do_forward = [&](int mb) {
@@ -423,20 +460,22 @@ PipelineStats run_interleaved(Communicator& pp, const PipelineConfig& cfg, int c
   // activations to next / from prev, gradients to prev / from next; with two stages next and
   // prev are one rank, and the kinds stay apart by link (by tag where tags match messages)
   const Ends ends = ends_of(pp, links, prev, next);
-  Outbox out(pp, cfg.payload_bytes, ends);
-  StageMessage in(cfg.payload_bytes, pp.device());
+  Outbox out(pp, cfg.payload_bytes, ends, nullptr, cfg.stream);
+  StageMessage in(cfg.payload_bytes, pp.device(), cfg.stream);
   auto receive = [&](std::int64_t kind, int mb, int c) -> const void* {
     const Endpoint& from = kind == kActivation ? ends.from_prev : ends.from_next;
     {
-      Timer t(st.wait_s);
-      from.recv(in.view(), kTag + static_cast<int>(kind))->wait_host(pp.info().timeout);
+      Timer t(st.wait_s);  // stream-ordered, as in 1F1B
+      from.recv(in.view(), kTag + static_cast<int>(kind))->wait(pp.info().timeout);
     }
     ++st.messages;
-    const auto [got_kind, got] = in.header();
-    GW_CHECK(got_kind == kind && got == mb * v + c,
-             "interleaved stage " << s << " expected " << (kind == kActivation ? "activation" : "gradient")
-                                  << " of microbatch " << mb << " chunk " << c << ", got kind " << got_kind
-                                  << " of microbatch " << got / v << " chunk " << got % v);
+    if (pp.device() == Device::CPU) {
+      const auto [got_kind, got] = in.header();
+      GW_CHECK(got_kind == kind && got == mb * v + c,
+               "interleaved stage " << s << " expected " << (kind == kActivation ? "activation" : "gradient")
+                                    << " of microbatch " << mb << " chunk " << c << ", got kind " << got_kind
+                                    << " of microbatch " << got / v << " chunk " << got % v);
+    }
     return in.payload();
   };
   auto send = [&](std::int64_t kind, int mb, int c, const void* data) {

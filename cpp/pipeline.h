@@ -56,6 +56,10 @@ struct PipelineConfig {
   int pipeline_limit = 1;  // microbatches in flight (AxoNN Algorithm 2)
   std::size_t payload_bytes = 0;
   ReceiveStrategy receive = ReceiveStrategy::Auto;
+  // The CUDA stream the stage computes on (torch's current stream; null on the host): messages
+  // are filled and read in its order, and a receive the schedule knows in advance (1F1B,
+  // interleaved) only makes it wait, the host goes on.
+  void* stream = nullptr;
 };
 
 // Per-run counters: messages handled, and the seconds spent inside callbacks vs waiting.

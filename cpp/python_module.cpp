@@ -307,8 +307,9 @@ PYBIND11_MODULE(_C, m) {
                            int microbatches, int pipeline_limit, std::size_t payload_bytes,
                            std::function<std::uintptr_t(int, std::uintptr_t)> fwd,
                            std::function<std::uintptr_t(int, std::uintptr_t)> bwd, ReceiveStrategy receive,
-                           std::shared_ptr<Communicator> control, const StageLinks& links) {
-    PipelineConfig cfg{stage, stages, microbatches, pipeline_limit, payload_bytes, receive};
+                           std::shared_ptr<Communicator> control, const StageLinks& links, std::uintptr_t stream) {
+    PipelineConfig cfg{stage, stages, microbatches, pipeline_limit, payload_bytes, receive,
+                       reinterpret_cast<void*>(stream)};
     StageForward f = [&fwd](int mb, const void* x) {
       return reinterpret_cast<const void*>(fwd(mb, reinterpret_cast<std::uintptr_t>(x)));
     };
@@ -320,12 +321,15 @@ PYBIND11_MODULE(_C, m) {
                                                   : run_message_driven(*pp, cfg, f, b, control.get(), links);
   }, py::arg("pp"), py::arg("schedule"), py::arg("stage"), py::arg("stages"), py::arg("microbatches"),
      py::arg("pipeline_limit"), py::arg("payload_bytes"), py::arg("forward"), py::arg("backward"),
-     py::arg("receive") = ReceiveStrategy::Auto, py::arg("control") = nullptr, py::arg("links") = StageLinks{});
+     py::arg("receive") = ReceiveStrategy::Auto, py::arg("control") = nullptr, py::arg("links") = StageLinks{},
+     py::arg("stream") = 0);
 
   m.def("run_interleaved", [](std::shared_ptr<Communicator> pp, int stage, int stages, int chunks, int microbatches,
                               std::size_t payload_bytes, std::function<std::uintptr_t(int, int, std::uintptr_t)> fwd,
-                              std::function<std::uintptr_t(int, int, std::uintptr_t)> bwd, const StageLinks& links) {
-    PipelineConfig cfg{stage, stages, microbatches, 1, payload_bytes, ReceiveStrategy::PerPeer};
+                              std::function<std::uintptr_t(int, int, std::uintptr_t)> bwd, const StageLinks& links,
+                              std::uintptr_t stream) {
+    PipelineConfig cfg{stage, stages, microbatches, 1, payload_bytes, ReceiveStrategy::PerPeer,
+                       reinterpret_cast<void*>(stream)};
     ChunkForward f = [&fwd](int mb, int c, const void* x) {
       return reinterpret_cast<const void*>(fwd(mb, c, reinterpret_cast<std::uintptr_t>(x)));
     };
@@ -335,7 +339,29 @@ PYBIND11_MODULE(_C, m) {
     py::gil_scoped_release nogil;
     return run_interleaved(*pp, cfg, chunks, f, b, links);
   }, py::arg("pp"), py::arg("stage"), py::arg("stages"), py::arg("chunks"), py::arg("microbatches"),
-     py::arg("payload_bytes"), py::arg("forward"), py::arg("backward"), py::arg("links") = StageLinks{});
+     py::arg("payload_bytes"), py::arg("forward"), py::arg("backward"), py::arg("links") = StageLinks{},
+     py::arg("stream") = 0);
+  // Engine-owned CUDA memory (pipeline messages) from torch's caching allocator: no cudaMalloc
+  // or cudaFree (a device synchronisation) per message, as torch's own buffers.
+  m.def("use_cuda_allocator", [](std::function<std::uintptr_t(std::size_t)> alloc,
+                                 std::function<void(std::uintptr_t)> release) {
+    const DeviceAllocator* current = allocator_for(Device::CUDA);
+    GW_CHECK(current != nullptr, "use_cuda_allocator: gridweave was built without CUDA");
+    DeviceAllocator a = *current;
+    // never freed: the registry outlives the interpreter, and a Python callable must not be
+    // released after it
+    auto* alloc_fn = new std::function<std::uintptr_t(std::size_t)>(std::move(alloc));
+    auto* release_fn = new std::function<void(std::uintptr_t)>(std::move(release));
+    a.allocate = [alloc_fn](std::size_t bytes) {
+      py::gil_scoped_acquire gil;
+      return reinterpret_cast<void*>((*alloc_fn)(bytes));
+    };
+    a.release = [release_fn](void* p) {
+      py::gil_scoped_acquire gil;
+      (*release_fn)(reinterpret_cast<std::uintptr_t>(p));
+    };
+    register_allocator(Device::CUDA, a);
+  }, py::arg("allocate"), py::arg("release"));
 
   // 3-D choreography (seed 000 §3.1): layouts, plans and gradient mappings.
   py::class_<CubeStep>(m, "CubeStep").def_readonly("axis", &CubeStep::axis).def_readonly("dim", &CubeStep::dim);

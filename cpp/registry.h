@@ -17,11 +17,13 @@ enum class Backend : int { Gloo = 0, Nccl = 1, Mpi = 2 };
 using TransportFactory =
     std::function<std::shared_ptr<Communicator>(CommInfo info, std::shared_ptr<Store> store, int device_index)>;
 
-// Raw memory of one device kind, and synchronous copies to, from and within it.
+// Raw memory of one device kind, and copies to, from and within it: synchronous, and in the
+// order of a stream (a host source may be reused as soon as copy_async returns).
 struct DeviceAllocator {
-  std::function<void*(std::size_t bytes)> allocate;  // zero-filled
+  std::function<void*(std::size_t bytes)> allocate;
   std::function<void(void* ptr)> release;
   std::function<void(void* dst, const void* src, std::size_t bytes)> copy;
+  std::function<void(void* dst, const void* src, std::size_t bytes, void* stream)> copy_async;
 };
 
 // out <- out * e^(lse - m) + blk * e^(blk_lse - m), lse <- m (see cuda/lse_merge.h).

@@ -27,6 +27,10 @@ const bool registered = [] {
   cuda.copy = [](void* dst, const void* src, std::size_t bytes) {
     check_cuda(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault), "cudaMemcpy");
   };
+  cuda.copy_async = [](void* dst, const void* src, std::size_t bytes, void* stream) {
+    check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream)),
+               "cudaMemcpyAsync");
+  };
   register_allocator(Device::CUDA, cuda);
   register_lse_merge([](void* out, void* lse, const void* blk, const void* blk_lse, long long rows, long long dim,
                         DType dtype, void* stream) {

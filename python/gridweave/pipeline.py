@@ -9,6 +9,7 @@ microbatch is divided by the number of microbatches, so gradients are the shard'
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 
 import torch
@@ -116,6 +117,21 @@ def stage_links(grid, axis, prev: int | None, next_: int | None):
     for key in sorted(set(want.values()), key=lambda k: (min(k[0], k[1]), max(k[0], k[1]), k[0], k[2])):
         made[key] = grid.link(axis, *key)
     return _C.StageLinks(**{role: made[key] for role, key in want.items()})
+
+
+@functools.cache
+def _use_torch_allocator() -> None:
+    """The engine's CUDA message buffers from torch's caching allocator, on the stream current
+    when each is made (no cudaMalloc / cudaFree per message). Once per process."""
+    _C.use_cuda_allocator(lambda n: torch.cuda.caching_allocator_alloc(n), torch.cuda.caching_allocator_delete)
+
+
+def _stage_stream(grid, pp) -> int:
+    """The stream the stage computes on, which its messages are filled and read in (0: host)."""
+    if grid.device.type != "cuda" or pp.device != _C.Device.CUDA:
+        return 0
+    _use_torch_allocator()
+    return torch.cuda.current_stream(grid.device).cuda_stream
 
 
 def _chunks(stage) -> list:
@@ -231,7 +247,7 @@ def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_s
     if interleaved:
         links = stage_links(grid, axis, (pp.rank - 1) % pp.size, (pp.rank + 1) % pp.size)
         stats = _C.run_interleaved(pp, pp.rank, pp.size, len(chunks), m, cb.payload, cb.forward, cb.backward,
-                                   links)
+                                   links, _stage_stream(grid, pp))
         return cb.loss(), stats
     if receive == "any" and not pp.can_recv_any:
         raise GridError(f"receive='any': the {pp.backend} transport cannot receive from any peer; use 'announced'")
@@ -243,7 +259,7 @@ def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_s
         grid, axis, pp.rank - 1 if pp.rank > 0 else None, pp.rank + 1 if pp.rank < pp.size - 1 else None)
     stats = _C.run_pipeline(pp, SCHEDULES[schedule], pp.rank, pp.size, m, pipeline_limit, cb.payload,
                             lambda mb, addr: cb.forward(mb, 0, addr), lambda mb, addr: cb.backward(mb, 0, addr),
-                            RECEIVE[receive], control, links)
+                            RECEIVE[receive], control, links, _stage_stream(grid, pp))
     return cb.loss(), stats
 
 
