@@ -9,12 +9,15 @@
 # receive-from-any) over every test whose correctness depends on communication order: the
 # ring and RSA, every pipeline schedule and receive strategy, the cube with overlap, sub-graph
 # parallelism, sharded checkpoints, the layers, and the main job on three composed grids.
+# The documentation site is built first, with warnings as errors.
 # GRIDWEAVE_CUDA=ON makes a missing nvcc/NCCL an error instead of a skipped build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cmake -S . -B build/ctest -G Ninja -DCMAKE_BUILD_TYPE=Release -DGRIDWEAVE_CUDA="${GRIDWEAVE_CUDA:-AUTO}" \
   -DGRIDWEAVE_BUILD_TESTS=ON -DGRIDWEAVE_BUILD_BENCHMARKS=ON >/dev/null
 cmake --build build/ctest -j2
+# the documentation site, warnings as errors (its reference pages read the installed package)
+python3 -m mkdocs build --strict -d build/site  # not -q: it would hide the warnings strict counts
 ctest --test-dir build/ctest --output-on-failure -j2
 python3 -m pytest -q tests/python --transport=gloo
 if python3 -c "import sys, gridweave.launch as l; sys.exit(0 if l.mpi_installed() else 1)"; then

@@ -16,26 +16,14 @@ from pathlib import Path
 
 import torch
 
-
-def _rate(fn, window: float, device="cpu") -> float:
-    """Calls of fn per second over a `window`-second run: every rank runs its window at the
-    same time (after a barrier), so the rate is the one under this many ranks' contention.
-    On CUDA the kernels queued in the window are waited for: the rate is the device's."""
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    fn()
-    sync()
-    calls, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < window:
-        fn()
-        calls += 1
-    sync()
-    return calls / (time.perf_counter() - t0)
-
-
-def gemm_rate(n: int = 256, window: float = 1.0, device="cpu") -> float:
-    """FLOP/s of an n x n float32 matmul on this process's threads."""
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    return 2 * n ** 3 * _rate(lambda: a @ b, window, device)
+from . import plan
+from .grid import init, shutdown
+from .measure import call_rate, gemm_rate, vector_bandwidth
+from .models import ModelConfig
+from .modes import parse
+from .nn.dense import DenseTransformerLayer
+from .recorder import Census
+from .train import TrainConfig, build, train_step
 
 
 def attention_rate(window: float = 1.0, device="cpu", batch: int = 4) -> float:
@@ -43,8 +31,6 @@ def attention_rate(window: float = 1.0, device="cpu", batch: int = 4) -> float:
     memory-efficient kernel the device picks), counted as the planner counts it: 4 b h s^2 d
     forward, twice that backward. Heads, head size and sequence are the main job's
     (gw.train.TrainConfig): a fused kernel's rate depends on the head size far more than a GEMM's."""
-    from .train import TrainConfig
-
     job = TrainConfig()
     heads, seq, head_dim = job.heads, job.seq, job.hidden // job.heads
     q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, requires_grad=True) for _ in range(3))
@@ -53,25 +39,14 @@ def attention_rate(window: float = 1.0, device="cpu", batch: int = 4) -> float:
     def step():
         torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
 
-    return 3 * 4.0 * batch * heads * seq * seq * head_dim * _rate(step, window, device)
-
-
-def vector_bandwidth(numel: int = 1 << 18, window: float = 1.0, device="cpu") -> float:
-    """Bytes/s of an element-wise add (two reads, one write) on tensors of `numel` floats."""
-    a, b, c = (torch.randn(numel, device=device), torch.randn(numel, device=device),
-               torch.empty(numel, device=device))
-    return 3 * 4 * numel * _rate(lambda: torch.add(a, b, out=c), window, device)
+    return 3 * 4.0 * batch * heads * seq * seq * head_dim * call_rate(step, window, device)
 
 
 def launch_overhead(window: float = 1.0, device="cpu") -> float:
     """Seconds each kernel costs beyond its work, in a real layer: a tiny Llama layer of
     gridweave's (no work to speak of) forward and backward, over its kernels as the planner
-    counts them (modes/schedule.Census). It holds what a kernel alone does not: Python,
+    counts them (recorder.Census). It holds what a kernel alone does not: Python,
     module and autograd bookkeeping between kernels."""
-    from .models import ModelConfig
-    from .modes.schedule import Census
-    from .nn.dense import DenseTransformerLayer
-
     cfg = ModelConfig("llama", 64, 16, 2, 1, 8)
     layer = DenseTransformerLayer(cfg.hidden, cfg.heads, cfg.ffn, bias=cfg.bias, arch=cfg.arch, device=device)
     x = torch.randn(1, cfg.seq, cfg.hidden, device=device, requires_grad=True)
@@ -81,7 +56,7 @@ def launch_overhead(window: float = 1.0, device="cpu") -> float:
 
     with Census() as census:
         step()
-    return 1 / _rate(step, window, device) / (census.calls + census.kernels)
+    return 1 / call_rate(step, window, device) / (census.calls + census.kernels)
 
 
 # ---- resident memory on the host (what gw.plan's memory is measured against on CPU ranks) ----
@@ -209,9 +184,6 @@ def fixed_costs(grid, preset: dict, steps: int = 5) -> tuple:
 
     import numpy as np
 
-    from . import plan
-    from .modes import parse
-    from .train import TrainConfig, build, train_step
 
     n = grid.world_size
     base = plan.Cluster(**{k: v for k, v in preset.items() if k in plan.Cluster.__dataclass_fields__})
@@ -250,21 +222,17 @@ def fixed_costs(grid, preset: dict, steps: int = 5) -> tuple:
 
 def init_like(grid, shape: dict, cfg, prefix: str):
     """A grid of `shape` over the same ranks and store as `grid`."""
-    import gridweave as gw
-
-    return gw.init(dp=shape["dp"], pp=shape["pp"], tp=cfg.mode, sp=shape["sp"], store=grid._torch_store[0],
+    return init(dp=shape["dp"], pp=shape["pp"], tp=cfg.mode, sp=shape["sp"], store=grid._torch_store[0],
                    prefix=prefix, backend=grid.backend, timeout=grid.timeout)
 
 
 def run(out: Path) -> dict:
     """Run inside 2+ ranks (torchrun): rank 0 writes the preset."""
-    import gridweave as gw
-
     torch.set_num_threads(1)
-    grid = gw.init(dp=int(os.environ.get("WORLD_SIZE", "1")))
+    grid = init(dp=int(os.environ.get("WORLD_SIZE", "1")))
     preset = measure(grid)
     if grid.rank == 0:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(preset, indent=1))
-    gw.shutdown()
+    shutdown()
     return preset

@@ -24,7 +24,7 @@ import torch
 
 from .errors import GridError
 from .layout import local_slices
-from .sharding import placement_of
+from .sharding import group_order, placement_of
 
 INDEX = "index.json"
 LATEST = "latest"
@@ -115,8 +115,6 @@ def chunk_of(name: str, dense_shape, p, grid) -> dict:
 def _dense_index(meta: dict, dense_len: list) -> list:
     """Per dense dim, the dense indices of a chunk's (or a needed block's) elements, in the
     chunk's own order along that dim."""
-    from .nn.dense import group_order
-
     per_stored = [np.arange(b, e) for b, e in meta["block"]]
     dense = list(reversed(per_stored)) if meta["transposed"] else per_stored
     order = meta.get("order")  # [widths, groups] of group_order

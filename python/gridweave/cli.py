@@ -6,11 +6,15 @@ import os
 import subprocess
 import sys
 
+from . import calibrate, data, launch, plan, train
+from .errors import CommError, Diverged, GridError
+from .generate import sample
+from .hf import save_hf
+from .pipeline import SCHEDULES
+from .train import CHOICES, TrainConfig, load_model
+
 
 def _train_parser(sub):
-    from .pipeline import SCHEDULES
-    from .train import CHOICES, TrainConfig
-
     d = TrainConfig.__dataclass_fields__  # defaults and choices: one place (gw.train)
 
     def arg(name, **kw):
@@ -77,10 +81,6 @@ def _generate_parser(sub):
 
 
 def _generate(args) -> int:
-    from . import data
-    from .generate import sample
-    from .train import load_model
-
     model, tok, _ = load_model(args.run)
     ids = data.check_encodable(tok, args.prompt, "the prompt")
     out = sample(model, ids, args.tokens, args.temperature, args.top_k or None, args.seed, tok.vocab_size)
@@ -101,8 +101,6 @@ def _export_parser(sub):
 def _export(args) -> int:
     from pathlib import Path
 
-    from .hf import save_hf
-    from .train import load_model
 
     model, _, _ = load_model(args.run)  # one process, shard by shard: any grid's checkpoint
     if args.format == "hf":
@@ -164,14 +162,14 @@ def _plan_parser(sub):
 def _plan(args) -> int:
     import json
 
-    from . import plan
-    from .errors import GridError
 
     try:
         cluster = plan.load_cluster(args.cluster, args.gpus_per_node)
         sizes = dict(hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab)
         if args.model:
-            model = plan.model_from(args.model, args.batch, args.seq, **sizes)
+            # "llama" / "gpt": the main job's model as `gridweave train` builds it
+            source = plan.model_of(TrainConfig(model=args.model)) if args.model in CHOICES["model"] else args.model
+            model = plan.model_from(source, args.batch, args.seq, **sizes)
         else:
             missing = [k for k in ("hidden", "layers", "heads", "seq") if getattr(args, k) is None]
             if missing:
@@ -234,7 +232,6 @@ def main(argv=None) -> int:
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
                    "--master-port", os.environ.get("GRIDWEAVE_PORT", "29651"), "-m", "gridweave.cli", *argv]
             return subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        from . import calibrate
 
         preset = calibrate.run(args.out)
         if int(os.environ.get("RANK", "0")) == 0:
@@ -242,8 +239,6 @@ def main(argv=None) -> int:
                   f"{preset['intra_bandwidth_Bps'] / 1e9:.2f} GB/s, GEMM {preset['gemm_flops'] / 1e9:.1f} GFLOP/s")
         return 0
     if args.command == "train":
-        from .errors import GridError
-
         launcher_side = args.nproc > 0 and "RANK" not in os.environ and not os.environ.get("GRIDWEAVE_SPAWNED")
         if launcher_side:  # the whole configuration, once, before any rank starts
             try:
@@ -273,7 +268,6 @@ def _spawn(args, argv) -> int:
     import tempfile
     import uuid
 
-    from . import launch
 
     run_id = uuid.uuid4().hex
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "GRIDWEAVE_SPAWNED": "1",
@@ -314,8 +308,6 @@ def _train_rank(args) -> int:
     the first rank that meets it (the others' errors are its consequences)."""
     import tempfile
 
-    from . import launch, train
-    from .errors import CommError, Diverged, GridError
 
     launch.die_with_parent()  # no orphan keeps training when its launcher dies
     try:
@@ -343,7 +335,6 @@ def train_config(args):
     """The parsed `train` command line as a gw.train.TrainConfig (the library takes no argparse)."""
     from dataclasses import fields
 
-    from .train import TrainConfig
 
     names = {f.name for f in fields(TrainConfig) if f.init}
     return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})

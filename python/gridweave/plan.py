@@ -1,6 +1,6 @@
 """Performance model and planner: predicted step time, memory and traffic of a grid.
 
-The step costed is the step gw.train runs, recorded from its code (modes/schedule.py,
+The step costed is the step gw.train runs, recorded from its code (recorder.py,
 step_schedule): every GEMM and its FLOPs, every other kernel and its bytes, every collective
 and pipeline message (seed 003 1-D, SUMMA 2-D, seed 000 3-D, seed 004 ring, seed 002
 split/join, seed 001's pipeline), the optimizer's chunked all-reduces and own work, the
@@ -18,8 +18,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import _C
+from .checkpoint import open_index
 from .errors import GridError
-from .modes import Mode, Sequence, grid_axes, known
+from .models import ModelConfig
+from .axes import grid_axes
+from .modes import Mode, Sequence, known
+from .recorder import optimizer_census, step_schedule
 
 PRESETS = Path(__file__).parent / "clusters"
 
@@ -81,8 +85,6 @@ class Model:
 
     def config(self):
         """The gw.models.ModelConfig the planner records (its layers, embedding, head)."""
-        from .models import ModelConfig
-
         return ModelConfig(self.family, max(self.vocab, 1), self.hidden, self.heads, self.layers, self.seq,
                            self.ffn or None, self.kv_heads or None, tie=self.tie)
 
@@ -102,25 +104,22 @@ def model_of(cfg) -> Model:
                  c.kv_heads or 0, c.ffn or 0, c.tie)
 
 
-def model_from(source: str, batch: int, seq: int | None = None, **sizes) -> Model:
+def model_from(source, batch: int, seq: int | None = None, **sizes) -> Model:
     """The planner's Model of a config: a Hugging Face config.json (or the folder holding it),
     a gridweave model config (a run folder's checkpoint index, an export's model_config.json),
-    or "llama" / "gpt": the main job's model (gw.train.TrainConfig's defaults). seq defaults
-    to the config's context length; `sizes` (hidden, layers, heads, vocab) override it. The
-    planner's layer is the mode's TransformerLayer (4h MLP, as many kv heads as heads)."""
-    if source in ("llama", "gpt"):
-        from .train import TrainConfig
-
-        found = asdict(model_of(TrainConfig(model=source)))
+    or a Model (the main job's: model_of(gw.train.TrainConfig(...))). seq defaults to the
+    config's context length; `sizes` (hidden, layers, heads, vocab) override it. The planner's
+    layer is the mode's TransformerLayer (4h MLP, as many kv heads as heads)."""
+    if isinstance(source, Model):
+        found = asdict(source)
     else:
         p = Path(source)
         candidates = [p] if p.is_file() else [p / "config.json", p / "model_config.json",
                                                p / "checkpoint" / "latest"]
         path = next((c for c in candidates if c.exists()), None)
         if path is None:
-            raise GridError(f"--model {source}: not 'llama', 'gpt', a config.json or a folder holding one")
+            raise GridError(f"model {source}: not a config.json or a folder holding one")
         if path.name == "latest":  # a run folder: its newest checkpoint's index
-            from .checkpoint import open_index
 
             d = open_index(p / "checkpoint")[1]["config"]["model"]
         else:
@@ -152,7 +151,7 @@ def model_from(source: str, batch: int, seq: int | None = None, **sizes) -> Mode
 
 def step_counters(schedule, axes: dict, placement, rank: int) -> dict:
     """The engine's traffic counters (gw.Grid.stats: ops, messages and bytes sent per axis label)
-    that one step of `schedule` (modes.schedule.step_schedule for this rank's stage) leaves on
+    that one step of `schedule` (recorder.step_schedule for this rank's stage) leaves on
     `rank` of a grid of `axes` placed by `placement` (gw.Grid.placement or _C.Placement): each op's
     messages are the engine's own (_C.message_schedule), so equal counters mean the planner
     costs the algorithms that ran."""
@@ -306,11 +305,9 @@ def _dtype(model: Model):
 
 def schedule_of(model: Model, grid: GridShape, microbatches: int, stage: int = 0, bsize: int = 1 << 14,
                 coarsening: int = 4, clip: bool = True):
-    """The recorded step (modes/schedule.step_schedule) of `model` on `grid`, on a rank of
+    """The recorded step (recorder.step_schedule) of `model` on `grid`, on a rank of
     pipeline stage `stage`; a model of vocab 0 is its layer stack alone (seed 000's and SUPER's
     measurements: no embedding, head, loss or optimizer)."""
-    from .modes.schedule import step_schedule
-
     b = model.batch // grid.dp
     return step_schedule(model.config(), grid.tp, grid.dp, grid.pp, grid.sp, (("pp", stage),), microbatches,
                          b / microbatches, _dtype(model), bsize, coarsening, clip, False, bool(model.vocab),
@@ -335,7 +332,7 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
             offload_bsize: int | None = None, recompute: bool | str = False, coarsening: int = 4,
             clip: bool = True, chunks: int = 1) -> dict:
     """Predicted step time (s), memory per GPU (bytes) and bytes per axis for one gw.train step:
-    the step recorded from the code that runs it (modes/schedule.step_schedule: every GEMM and
+    the step recorded from the code that runs it (recorder.step_schedule: every GEMM and
     its FLOPs, every other kernel and its bytes, every collective and message, the activations
     kept, the optimizer's own work), costed on `cluster` (alpha-beta links from the engine's
     placement, GEMM rate, memory bandwidth, a per-kernel and per-collective cost).
@@ -349,7 +346,6 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
         raise GridError(f"recompute must be False, True or 'selective', got {recompute!r}")
     if not isinstance(chunks, int) or chunks < 1 or (chunks > 1 and grid.pp < 2):
         raise GridError(f"chunks must be a positive integer (above 1 only with pp > 1), got {chunks!r}")
-    from .modes.schedule import optimizer_census
 
     e = model.bytes_per_value
     if model.batch % grid.dp:

@@ -72,6 +72,18 @@ def place(param: torch.nn.Parameter, layout: Layout | None = None, partial=DATA_
     return param
 
 
+def group_order(widths, groups: int, device="cpu") -> torch.Tensor:
+    """Row order of a projection packing parts of `widths` rows that makes `groups` equal
+    blocks, block t = [part_0's t-th slice | part_1's t-th slice | ...] (e.g. a head group's
+    [q_t | k_t | v_t]), so a column split over `groups` ranks keeps each group whole."""
+    for w in widths:
+        if w % groups:
+            raise GridError(f"a packed projection of parts {list(widths)} does not split into {groups} groups")
+    starts = [sum(widths[:i]) for i in range(len(widths))]
+    idx = [s + t * (w // groups) + k for t in range(groups) for s, w in zip(starts, widths) for k in range(w // groups)]
+    return torch.tensor(idx, dtype=torch.int64, device=device)
+
+
 def set_row_order(param, widths, groups: int):
     """Record that `param` stores the dense rows in group_order(widths, groups) (nothing for
     one group: the order is the identity)."""

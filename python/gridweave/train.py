@@ -7,9 +7,9 @@ and in every stage the transformer layers in one tensor mode (row: Megatron 1-D 
 vocab-parallel embedding, head and loss; square: SUMMA 2-D; cube: 3-D; subgraph/csub: SUPER)
 with the sequence split over "sp" (ring attention). The data: a byte-level BPE tokenizer
 trained on the corpus, the corpus tokenized once into a memory-mapped file, a train /
-validation split, each dp rank reading its own samples (gw.data). The loop: warmup + cosine
+validation split, each dp rank reading its own samples (data). The loop: warmup + cosine
 learning rate, global-norm clipping, activation checkpointing, validation every K steps,
-tokens/s and model-FLOPs utilisation. Checkpoints are sharded (gw.checkpoint): each rank
+tokens/s and model-FLOPs utilisation. Checkpoints are sharded (checkpoint): each rank
 writes its own shards, the index (with the reader's position) is written last, any grid
 loads them, and nothing in them is executed.
 """
@@ -24,9 +24,11 @@ from typing import Callable
 
 import torch
 
-import gridweave as gw
-
+from . import checkpoint, data, launch, models, optim, pipeline
 from .errors import Diverged, GridError
+from .generate import sample
+from .grid import Grid, init, shutdown
+from .measure import gemm_rate
 from .models import ModelConfig
 from .modes import Mode, parse
 from .precision import LossScaler, Precision
@@ -137,8 +139,8 @@ class TrainConfig:
             self.ac = 1
         if not (self.ac == "auto" or (isinstance(self.ac, int) and not isinstance(self.ac, bool) and self.ac >= 1)):
             raise GridError(f"ac must be 'none', 'auto' or a positive integer, got {self.ac!r}")
-        if self.schedule not in gw.pipeline.SCHEDULES:
-            raise GridError(f"schedule must be one of {sorted(gw.pipeline.SCHEDULES)}, got {self.schedule!r}")
+        if self.schedule not in pipeline.SCHEDULES:
+            raise GridError(f"schedule must be one of {sorted(pipeline.SCHEDULES)}, got {self.schedule!r}")
         if self.chunks > 1 and self.schedule != "interleaved":
             raise GridError(f"--chunks {self.chunks} needs --schedule interleaved")
         if self.tokenizer == "bytes":
@@ -192,7 +194,7 @@ class TrainConfig:
         chunks = 2 * sp if self.attention == "ring" and sp > 1 else sp
         if self.seq % chunks:
             raise GridError(f"--seq {self.seq} does not split into the {chunks} chunks --sp {sp} needs")
-        gw.pipeline.resolve_ac(self.ac, self.layers // (pp * self.chunks), self.layers)
+        pipeline.resolve_ac(self.ac, self.layers // (pp * self.chunks), self.layers)
         return {"dp": dp, "pp": pp, "sp": sp}
 
     def check_files(self) -> None:
@@ -204,7 +206,7 @@ class TrainConfig:
         import os
         import shutil
 
-        for f in gw.data.corpus_files(self.data):
+        for f in data.corpus_files(self.data):
             with open(f, "rb") as fh:
                 head = fh.read(1 << 16)
             if b"\x00" in head:
@@ -223,10 +225,10 @@ class TrainConfig:
             raise GridError(f"--out {out}: {near} is a file, not a folder")
         if not os.access(near, os.W_OK | os.X_OK):
             raise PermissionError(f"--out {out}: {near} is not writable by this user")
-        model = gw.models.build(self.model_config(self.vocab), device="meta")
+        model = models.build(self.model_config(self.vocab), device="meta")
         params = sum(p.numel() for p in model.parameters())
         # a checkpoint: the parameters and OffloadAdam's fp32 master, exp_avg, exp_avg_sq
-        need = 2 * params * (self.compute.dtype.itemsize + 12) + 8 * gw.data.corpus_size(self.data)
+        need = 2 * params * (self.compute.dtype.itemsize + 12) + 8 * data.corpus_size(self.data)
         free = shutil.disk_usage(near).free
         if free < need:
             raise OSError(28, f"--out {out}: {free / 2 ** 20:.0f} MiB free on its disk, this run needs about "
@@ -253,7 +255,7 @@ def _state_views(opt):
 
 def save_checkpoint(out: Path, step, cfg, grid, stage, opt, losses, reader=None, model_cfg=None, val=None,
                     wait=True, scaler=None):
-    """A sharded checkpoint (gw.checkpoint): every rank writes the shards of the parameters
+    """A sharded checkpoint (checkpoint): every rank writes the shards of the parameters
     and optimizer states it counts, no gathers; rank 0 writes the index last. wait=False:
     written in the background; returns the PendingSave to finish() (every rank) later."""
     views = _state_views(opt)
@@ -270,15 +272,15 @@ def save_checkpoint(out: Path, step, cfg, grid, stage, opt, losses, reader=None,
     extra = {"optimizer_step": opt.step_count, "config": cfg.run_config(model_cfg), "losses": losses,
              "val": val or [], "reader": reader.state_dict() if reader else None,
              "loss_scaler": scaler.state_dict() if scaler is not None else None,
-             "layout": "KIND/NAME: the dense model's names (gw.models.GPT / Llama); KIND param or OffloadAdam's "
+             "layout": "KIND/NAME: the dense model's names (models.GPT / Llama); KIND param or OffloadAdam's "
                        "master, exp_avg, exp_avg_sq; each chunk a block of the stored tensor (transposed and "
                        "row order as recorded)"}
-    return gw.checkpoint.save(out / "checkpoint", step, stage.sharded_items(), grid, tensors_of, extra, wait=wait)
+    return checkpoint.save(out / "checkpoint", step, stage.sharded_items(), grid, tensors_of, extra, wait=wait)
 
 
 def load_checkpoint(path: Path):
     """The run state of a run folder's newest complete checkpoint (its index), checked."""
-    return gw.checkpoint.open_index(Path(path) / "checkpoint")[1]
+    return checkpoint.open_index(Path(path) / "checkpoint")[1]
 
 
 def load_model(run_dir, dtype=torch.float32, device="cpu"):
@@ -287,8 +289,8 @@ def load_model(run_dir, dtype=torch.float32, device="cpu"):
     run_dir = Path(run_dir)
     index = load_checkpoint(run_dir)
     cfg = ModelConfig.from_dict(index["config"]["model"])
-    model = gw.models.build(cfg, dtype=dtype, device=device)
-    state = gw.checkpoint.export_dense(run_dir / "checkpoint")
+    model = models.build(cfg, dtype=dtype, device=device)
+    state = checkpoint.export_dense(run_dir / "checkpoint")
     if cfg.tie:
         state.pop("head.out.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -296,15 +298,15 @@ def load_model(run_dir, dtype=torch.float32, device="cpu"):
     if missing or unexpected:
         raise GridError(f"checkpoint {run_dir} does not match its model config: missing {missing}, "
                         f"unexpected {unexpected}")
-    return model.to(dtype), gw.data.load_tokenizer(run_dir / gw.data.TOKENIZER_FILE), index
+    return model.to(dtype), data.load_tokenizer(run_dir / data.TOKENIZER_FILE), index
 
 
 @dataclass
 class StepState:
     """What a per-step hook sees: the grid, this rank's stage, its optimizer and loss scaler."""
-    grid: "gw.Grid"
+    grid: "Grid"
     stage: torch.nn.Module
-    optimizer: "gw.optim.OffloadAdam"
+    optimizer: "optim.OffloadAdam"
     scaler: LossScaler | None
 
 
@@ -326,7 +328,6 @@ def peak_flops(grid, precision: str) -> tuple:
         for key, peaks in GPU_PEAK.items():
             if key in name:
                 return peaks[precision], f"nominal {key} {precision}"
-    from .calibrate import gemm_rate
 
     grid.barrier()
     rate = gemm_rate(256, 0.3, grid.device)
@@ -344,7 +345,7 @@ def evaluate(stage, grid, windows: torch.Tensor, cfg: TrainConfig, mb: int) -> f
     xs = [mine[i:i + mb, :-1].to(grid.device) for i in range(0, len(mine), mb)]
     ys = [mine[i:i + mb, 1:].to(grid.device) for i in range(0, len(mine), mb)]
     stage.eval()
-    loss = gw.pipeline.pipeline_forward(stage, grid, xs, ys, stage.loss, stage.activation_shape(mb, cfg.seq),
+    loss = pipeline.pipeline_forward(stage, grid, xs, ys, stage.loss, stage.activation_shape(mb, cfg.seq),
                                         dtype=cfg.compute.dtype)
     stage.train()
     mine_counts = loss is not None and all(c == 0 for a, c in grid.coords.items() if a not in ("pp", "dp"))
@@ -358,14 +359,14 @@ def build(cfg: TrainConfig, grid, model_cfg: ModelConfig) -> tuple:
     """This rank's part of the run's model: (dense model, stage, optimizer, loss scaler or None),
     the model initialised in fp32 from the current seed (the same weights whatever the
     precision), then cast."""
-    model = gw.models.build(model_cfg, device=grid.device).to(cfg.compute.dtype)
+    model = models.build(model_cfg, device=grid.device).to(cfg.compute.dtype)
     s, pp = grid.coords["pp"], grid.axes["pp"]
     options = dict(ac=cfg.ac, overlap=cfg.overlap, attention=cfg.attention)
-    stage = gw.models.ModelChunks(model, grid, cfg.mode, s, pp, cfg.chunks, **options) \
-        if cfg.schedule == "interleaved" else gw.models.GPTStage(model, grid, cfg.mode, s, pp, **options)
-    opt = gw.optim.OffloadAdam(stage.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, bsize=cfg.bsize,
+    stage = models.ModelChunks(model, grid, cfg.mode, s, pp, cfg.chunks, **options) \
+        if cfg.schedule == "interleaved" else models.GPTStage(model, grid, cfg.mode, s, pp, **options)
+    opt = optim.OffloadAdam(stage.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, bsize=cfg.bsize,
                                coarsening=cfg.coarsening, grid=grid, max_grad_norm=cfg.max_grad_norm,
-                               decay=gw.optim.matrices_only)
+                               decay=optim.matrices_only)
     return model, stage, opt, LossScaler() if cfg.compute.loss_scaling else None
 
 
@@ -373,7 +374,7 @@ def train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y) -> tuple:
     """One step on this rank's (batch, seq) shard of tokens x and targets y: the pipeline's
     micro-batches forward and backward, the loss known on every rank, then (if it is finite)
     the optimizer's update. Returns (the step's mean loss, whether the weights were updated).
-    gw.plan.step_counters predicts this step's traffic (modes/schedule.step_schedule)."""
+    plan.step_counters predicts this step's traffic (recorder.step_schedule)."""
     m, dp, pp = cfg.microbatches, grid.axes["dp"], grid.axes["pp"]
     mb = x.shape[0] // m
     xs = [x[i * mb:(i + 1) * mb].to(grid.device) for i in range(m)]
@@ -384,7 +385,7 @@ def train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y) -> tuple:
     def loss_fn(logits, targets):  # in fp32 or wider whatever the model computes in; fp16 scaled up
         return stage.loss(logits, targets) * loss_scale
 
-    loss, _ = gw.pipeline.pipeline_step(stage, grid, xs, ys, loss_fn, stage.activation_shape(mb, cfg.seq),
+    loss, _ = pipeline.pipeline_step(stage, grid, xs, ys, loss_fn, stage.activation_shape(mb, cfg.seq),
                                         dtype=cfg.compute.dtype, schedule=cfg.schedule,
                                         pipeline_limit=cfg.pipeline_limit or max(pp, 2))
     loss = loss / loss_scale if loss is not None else None
@@ -405,11 +406,11 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
     """Train as `cfg` says; on_step(step, state), if given, is called at the start of each step
     (progress hooks, profilers; the tests' fault injection)."""
     if not isinstance(cfg, TrainConfig):
-        raise GridError(f"train.run takes a gw.train.TrainConfig, got {type(cfg).__name__}")
+        raise GridError(f"train.run takes a TrainConfig, got {type(cfg).__name__}")
     mode = cfg.mode
-    shape = cfg.grid_shape(gw.launch.launched_world_size(cfg.backend))
+    shape = cfg.grid_shape(launch.launched_world_size(cfg.backend))
     dp, pp, sp = shape["dp"], shape["pp"], shape["sp"]
-    # auto: gw.init picks NCCL on one GPU per rank when it can, else Gloo on the CPU; cuda with
+    # auto: init picks NCCL on one GPU per rank when it can, else Gloo on the CPU; cuda with
     # fewer GPUs than ranks shares them through Gloo. Every check is before the rendezvous.
     device = None if cfg.device == "auto" else cfg.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -417,21 +418,21 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
                         "(torch.cuda.is_available() is False); use --device cpu")
     if device == "cuda":
         cfg.compute.check_device(torch.device("cuda", torch.cuda.current_device()))
-    grid = gw.init(dp=dp, pp=pp, tp=mode, sp=sp, timeout=cfg.timeout, device=device, backend=cfg.backend,
+    grid = init(dp=dp, pp=pp, tp=mode, sp=sp, timeout=cfg.timeout, device=device, backend=cfg.backend,
                    placement=cfg.placement)
     out = Path(cfg.out)
     # the tokenizer and token file: made once by rank 0 (from the resumed run's tokenizer)
     if grid.rank == 0:
-        tok_from = str(Path(cfg.resume) / gw.data.TOKENIZER_FILE) if cfg.resume else None
-        gw.data.prepare(out, cfg.data, cfg.tokenizer, cfg.vocab, tokenizer_from=tok_from)
+        tok_from = str(Path(cfg.resume) / data.TOKENIZER_FILE) if cfg.resume else None
+        data.prepare(out, cfg.data, cfg.tokenizer, cfg.vocab, tokenizer_from=tok_from)
     grid.barrier()
-    tokens = gw.data.open_tokens(out)
-    tokenizer = gw.data.load_tokenizer(out / gw.data.TOKENIZER_FILE)
+    tokens = data.open_tokens(out)
+    tokenizer = data.load_tokenizer(out / data.TOKENIZER_FILE)
     model_cfg = cfg.model_config(tokens.vocab_size)
     torch.manual_seed(cfg.seed)
     # initialised in fp32 (the same weights whatever the precision), then cast
     model, stage, opt, scaler = build(cfg, grid, model_cfg)
-    reader = gw.data.Reader(tokens.train, cfg.seq, cfg.batch, cfg.seed, grid.coords["dp"], dp)
+    reader = data.Reader(tokens.train, cfg.seq, cfg.batch, cfg.seed, grid.coords["dp"], dp)
     start, losses, val = 0, [], []
     if cfg.resume:
         manifest = load_checkpoint(Path(cfg.resume))
@@ -440,7 +441,7 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
         if differ:
             raise GridError(f"checkpoint {cfg.resume} differs from this run in {differ}: "
                             f"{ {k: manifest['config'].get(k) for k in differ} } vs { {k: mine[k] for k in differ} }")
-        _, local = gw.checkpoint.load(Path(cfg.resume) / "checkpoint", stage.sharded_items(), grid,
+        _, local = checkpoint.load(Path(cfg.resume) / "checkpoint", stage.sharded_items(), grid,
                                       ("param",) + opt.STATE_KEYS)
         with torch.no_grad():
             for p in stage.parameters():
@@ -457,7 +458,7 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
             scaler.load_state_dict(manifest["loss_scaler"])
     shard = cfg.batch // dp
     mb = shard // cfg.microbatches
-    val_windows = gw.data.validation_windows(tokens.val, cfg.seq, cfg.val_samples)
+    val_windows = data.validation_windows(tokens.val, cfg.seq, cfg.val_samples)
     flops_token = model_flops_per_token(model_cfg)
     peak, peak_source = peak_flops(grid, cfg.compute.name)
     peak_total = torch.tensor([peak], dtype=torch.float64, device=grid.device)
@@ -522,7 +523,7 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
                         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0], dtype=torch.float64,
                        device=grid.device)
     per_rank = grid.all_gather(mem.reshape(1, 2), axis=None)
-    entropy = gw.data.unigram_entropy(tokens.val, tokens.vocab_size)
+    entropy = data.unigram_entropy(tokens.val, tokens.vocab_size)
     metrics = {"loss": losses, "val_loss": val, "unigram_entropy_val": entropy, "lr": lrs, "grad_norm": grad_norms,
                "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_flops_total": float(peak_total.item()),
                "peak_flops_source": peak_source, "model_flops_per_token": flops_token,
@@ -530,18 +531,16 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
                "backend": grid.backend, "device": str(grid.device), "precision": cfg.compute.name,
                "param_bytes_per_rank": [int(v) for v in per_rank[:, 0]],
                "max_rss_bytes_per_rank": [int(v) for v in per_rank[:, 1]]}
-    gw.shutdown()
+    shutdown()
     if grid.rank == 0:
         if cfg.sample_tokens:
-            from .generate import sample
-
             dense, tok, _ = load_model(out)
             prompt = cfg.prompt or tokenizer.decode(val_windows[0, :8].tolist())
-            ids = gw.data.check_encodable(tok, prompt, "the prompt")
+            ids = data.check_encodable(tok, prompt, "the prompt")
             n = min(cfg.sample_tokens, model_cfg.seq - len(ids))
             metrics["sample"] = {"prompt": prompt,
                                  "text": tok.decode(sample(dense, ids, n, 0.8, 40, cfg.seed, tok.vocab_size))}
-        gw.checkpoint.atomic_write(out / "metrics.json", lambda t: t.write_text(json.dumps(metrics, indent=1)))
+        checkpoint.atomic_write(out / "metrics.json", lambda t: t.write_text(json.dumps(metrics, indent=1)))
         _plot(metrics, out / "loss.png")
         if not cfg.quiet:
             print(f"validation loss {val[-1][1]:.3f} nats/token vs unigram entropy {entropy:.3f} "
@@ -571,6 +570,6 @@ def _plot(metrics, png):
 
 
 def export_dense(path) -> dict:
-    """The whole model of a checkpoint as a dense torch state_dict (gw.models.GPT names), in one
+    """The whole model of a checkpoint as a dense torch state_dict (models.GPT names), in one
     process, shard by shard."""
-    return gw.checkpoint.export_dense(Path(path) / "checkpoint")
+    return checkpoint.export_dense(Path(path) / "checkpoint")

@@ -46,7 +46,7 @@ def _compare(hf, ours, tol):
     loss.backward()
     errs = {"logits": rel(logits, out.logits), "loss": rel(loss, ref)}
     assert rel(loss, out.loss) < 1e-6
-    from gridweave.hf import _hf_state
+    from gridweave.models.hf import _hf_state
 
     theirs = dict(hf.named_parameters())
     grads = _hf_state({k: p.grad for k, p in ours.named_parameters()} |

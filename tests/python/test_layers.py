@@ -41,7 +41,7 @@ def _layer(ctx, mode, dtype_name, overlap, bias):
     # the planner's schedule, recorded on meta tensors, is the collectives this run issued
     from collections import Counter
 
-    from gridweave.modes.schedule import collectives_at
+    from gridweave.recorder import collectives_at
 
     planned = Counter(c.axis for c in collectives_at(layer.mode, H, HEADS, S, 1, B))
     ran = {axis: c["ops"] for axis, c in stats.items()}

@@ -13,7 +13,7 @@ GRIDS = [("none", 2, 2, 1), ("row:4", 1, 2, 1), ("row:2", 2, 2, 1), ("square:2",
 def _step(ctx, tp, dp, pp, sp, family, precision):
     import gridweave as gw
     from gridweave import plan
-    from gridweave.modes.schedule import step_schedule
+    from gridweave.recorder import step_schedule
 
     cfg = gw.train.TrainConfig(model=family, hidden=64, heads=8, layers=4, seq=32, batch=8, microbatches=2,
                                tokenizer="bytes", tp=tp, dp=dp, pp=pp, sp=sp, precision=precision, bsize=512,

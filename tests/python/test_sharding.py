@@ -115,3 +115,51 @@ def test_bad_clip_arguments_are_clear_errors():
     with pytest.raises(gw.GridError, match="split and partial"):
         gw.ParamPlacement(gw.Layout(("dp",)), partial=("dp",))
     gw.shutdown()
+
+
+# ---- layouts that tell the whole truth (issue 29): scatter by a layer's own layout, backward,
+# reduce_gradients, clip_grad_norm_ equal the dense layer in every mode with dp and sp
+LH, LHEADS, LB, LS = 32, 8, 4, 8
+
+
+def _layer_by_layout(ctx, spec, dp, sp):
+    import gridweave as gw
+
+    mode = gw.modes.parse(spec)
+    grid = ctx.init(dp=dp, sp=sp, tp=mode)
+    torch.manual_seed(0)
+    dense = gw.nn.DenseTransformerLayer(LH, LHEADS, dtype=torch.float64, device=DEVICE)
+    with torch.no_grad():
+        for p in dense.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    x = torch.randn(LB, LS, LH, generator=torch.Generator().manual_seed(11), dtype=torch.float64).to(DEVICE)
+    dy = torch.randn(LB, LS, LH, generator=torch.Generator().manual_seed(12), dtype=torch.float64).to(DEVICE)
+    x.requires_grad_()
+    y = dense(x)
+    y.backward(dy)
+    max_norm = 0.3 * float(torch.nn.utils.clip_grad_norm_(dense.parameters(), float("inf")))
+    ref_norm = float(torch.nn.utils.clip_grad_norm_(dense.parameters(), max_norm))
+    layer = gw.nn.TransformerLayer.from_dense(dense, grid)
+    xl = gw.scatter(x.detach(), layer.input_layout, grid).requires_grad_()
+    yl = layer(xl)
+    yl.backward(gw.scatter(dy, layer.output_layout, grid))
+    gw.reduce_gradients(layer, grid)
+    norm = gw.clip_grad_norm_(layer.parameters(), max_norm, grid)
+    errs = {"y": rel(gw.gather(yl, layer.output_layout, grid, y.shape), y),  # shape: cSub's empty shards
+            "dx": rel(gw.gather(xl.grad, layer.input_layout, grid, x.shape), x.grad),
+            "norm": abs(float(norm) - ref_norm) / ref_norm}
+    grads = layer.dense_state(grad=True)
+    errs.update({name: rel(grads[name], p.grad) for name, p in dense.named_parameters()})
+    batch_axes = layer.input_layout.dims[0]
+    return errs, batch_axes
+
+
+LAYOUT_CASES = [("row:2", 2, 2), ("row:4", 2, 1), ("square:2", 2, 1), ("cube:2", 1, 1), ("none", 4, 2),
+                ("subgraph:2", 2, 2), ("csub:2", 2, 2)]
+
+
+@pytest.mark.parametrize("spec,dp,sp", LAYOUT_CASES)
+def test_scatter_by_layout_then_reduce_and_clip_equals_dense(pool, spec, dp, sp):
+    for errs, batch_axes in pool.run(_layer_by_layout, 8, spec, dp, sp):
+        assert "dp" in batch_axes, batch_axes  # the batch splits over every axis the parameters are partial over
+        assert max(errs.values()) < 1e-10, {k: v for k, v in errs.items() if v >= 1e-10}

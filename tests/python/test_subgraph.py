@@ -94,7 +94,7 @@ def _a2a_counts(ctx, g, placement, rpn):
     grid = ctx.init(dp=ctx.world_size // g, tp=gw.SubGraph(g), placement=placement, ranks_per_node=rpn)
     x = torch.zeros(4 * g, 8, dtype=torch.float64, device=DEVICE)  # this rank's common shard
     grid.reset_stats()
-    from gridweave.autograd.subgraph import slice_
+    from gridweave.modes.subgraph import slice_
 
     slice_(x, grid, "dsp", "all_to_all")  # SUPER's segmented all-to-all at a slice
     s = grid.stats()["sg"]

@@ -11,7 +11,7 @@ FORMS = ("AB", "ABt", "AtB")
 def _forms(ctx, a, c, overlap):
     import gridweave as gw
     from gridweave.autograd.cube import cube_matmul
-    from gridweave.modes.cube import matrix_layout
+    from gridweave.autograd.cube import matrix_layout
 
     grid = ctx.init(tp=gw.Cube(2))
     M, N, K = 12, 8, 20  # non-square; each divisible by p^2 = 4

@@ -253,7 +253,7 @@ def test_axes_not_given_are_derived_from_the_given_ones():
 
 
 # Issue 16: every axis at once. 4-D grids on 16 CPU ranks and tensor x dp grids on 8 train like
-# one process (the README's conformance table lists what each test covers).
+# one process (docs/guide/modes.md's conformance table lists what each test covers).
 @pytest.mark.parametrize("spec,n,port", [
     (["--dp", "2", "--pp", "2", "--tp", "row:2", "--sp", "2"], 16, 29651),                    # seed 004's 4-D
     (["--tp", "cube:2", "--dp", "2", "--microbatches", "1"], 16, 29653),                     # 3-D x dp

@@ -7,10 +7,39 @@ import torch
 
 from .. import _C
 from ..grid import Work, by_name
+from ..layout import Layout
 from . import ops
 
 AB, ABT, ATB = _C.CubeForm.AB, _C.CubeForm.ABt, _C.CubeForm.AtB
 assert (int(AB), int(ABT), int(ATB)) == (0, 1, 2)  # the codes the custom ops carry (cpp/cube.h)
+
+
+# The directions (a, c) of a layer's input: Algorithm 1's a = "y", c = "z".
+INPUT_DIRECTIONS = ("y", "z")
+
+
+def matrix_layout(form, operand, a, c) -> Layout:
+    """The engine's layout of one operand of a cube product, as a Layout of the matrix."""
+    return Layout(*[tuple(d) for d in _C.cube_layout(form, operand, a, c)])
+
+
+def vector_layout(col) -> Layout:
+    """Algorithms 7-8: the diagonal storage of a vector over columns split by `col` (the engine's)."""
+    return Layout(*[tuple(d) for d in _C.cube_vector_layout(col)])
+
+
+def activation_layout(a, c) -> Layout:
+    """(batch, seq, hidden) of an activation in directions (a, c): the rows of Algorithm 1's
+    A [(x, a) | c] are (batch, seq) flattened, so the batch takes the row split."""
+    rows, cols = matrix_layout(_C.CubeForm.AB, 0, a, c).dims
+    return Layout(rows, (), cols)
+
+
+def output_directions(a, c) -> tuple:
+    """Directions (a', c') of a product's output C, read off the engine's layout of C
+    [(x, c) | a]: its rows are split like an input's over (x, a'), its columns over c'."""
+    rows, cols = _C.cube_layout(_C.CubeForm.AB, 2, a, c)
+    return ([r for r in rows if r != "x"][0], cols[0])
 
 
 def _resolve(r):

@@ -231,32 +231,3 @@ def csub_slice(x, grid, shape):
 
 def csub_concat(y, grid):
     return _CSubConcat.apply(y, grid)
-
-
-# The mode objects (gw.SubGraph, gw.CSub) pick among these; by layer-mode name:
-
-
-def _mode(mode, grid):
-    from ..modes import resolve
-
-    return resolve(mode, grid)
-
-
-def split(x, grid, mode="dsp", shape=None):
-    """Every branch gets the common tensor. cSub: `shape` is the common shard's shape."""
-    return _mode(mode, grid).split(x, grid, shape)
-
-
-def branch_sum(y, grid, mode="dsp"):
-    """The common tensor is the sum of the branches' outputs."""
-    return _mode(mode, grid).branch_sum(y, grid)
-
-
-def slice_(x, grid, mode="dsp", method="all_to_all", shape=None):
-    """Branch k gets slice k of the last dim."""
-    return _mode(mode, grid).slice_(x, grid, method, shape)
-
-
-def concat(y, grid, mode="dsp", method="all_to_all"):
-    """The common tensor is the branches' outputs concatenated along the last dim."""
-    return _mode(mode, grid).concat(y, grid, method)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..nn.tensor1d import ColumnParallelLinear, RowParallelLinear
 from .base import Mode, register
 
 
@@ -25,20 +26,10 @@ class Row(Mode):
     def boundary_axis(self):
         return "tp"
 
-    def boundary_fraction(self):
-        return 1.0 / self.n  # scatter/gather between stages
-
     def vocab_axis(self):
         return "tp"  # seed 003 §3: embedding rows and the head's columns split over tp
 
     def linear_pair(self, grid, bias, dtype, device, overlap=False):
-        from ..nn.tensor1d import ColumnParallelLinear, RowParallelLinear
-
         kw = dict(dtype=dtype, device=device)
         return (lambda i, o: ColumnParallelLinear(i, o, grid, bias, **kw),
                 lambda i, o: RowParallelLinear(i, o, grid, bias, **kw))
-
-    def activation_bytes(self, hidden, seq, heads, tokens, sp):
-        # Megatron 1-D replicates the 10 s b h of layer norms, dropouts and residuals
-        t = self.n
-        return tokens * hidden * (10 + 24 / t + 5 * heads * seq / (hidden * t)) / sp

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..layout import Layout
+from ..nn.sequence import ReplicatedLinear
 from .base import Mode, register
 
 
@@ -13,6 +14,7 @@ from .base import Mode, register
 class Sequence(Mode):
     """No tensor parallelism: replicated weights, data x sequence parallel activations."""
     name = "sp"
+    default = True  # the layers of a grid without tensor axes
     keyword = "none"
     size_arg = False
 
@@ -23,8 +25,6 @@ class Sequence(Mode):
         return Layout(("dp",), (), ())
 
     def linear_pair(self, grid, bias, dtype, device, overlap=False):
-        from ..nn.sequence import ReplicatedLinear
-
         return (lambda i, o: ReplicatedLinear(i, o, bias, dtype=dtype, device=device),) * 2
 
     def __repr__(self):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..layout import Layout
+from ..nn.dense import Norm
+from ..nn.tensor2d import ACTIVATION, LayerNorm2D, Linear2D
 from .base import Mode, register
 
 
@@ -24,20 +25,10 @@ class Square(Mode):
         return self.q
 
     def base_layout(self, grid):
-        from ..nn.tensor2d import ACTIVATION
-
         return ACTIVATION
 
     def linear_pair(self, grid, bias, dtype, device, overlap=False):
-        from ..nn.tensor2d import Linear2D
-
         return (lambda i, o: Linear2D(i, o, grid, bias, dtype=dtype, device=device),) * 2
 
     def norm(self, hidden, grid, dtype, device, eps=1e-5, norm=None):
-        from ..nn.dense import Norm
-        from ..nn.tensor2d import LayerNorm2D
-
         return LayerNorm2D(hidden, grid, eps=eps, dtype=dtype, device=device, norm=norm or Norm.LAYER)
-
-    def boundary_fraction(self):
-        return 1.0 / self.ranks()

@@ -9,13 +9,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..autograd import subgraph as ops
 from ..layout import Layout
+from ..nn.dense import Norm
+from ..nn.sequence import ReplicatedLinear, replicated_norm
+from ..nn.style import Branches, resolve
+from ..nn.subgraph import SubGraphAttention
 from .base import Mode, register
 
 
 @register
 @dataclass(frozen=True)
-class SubGraph(Mode):
+class SubGraph(Mode, Branches):
     """SUPER D&SP: g sub-grids; axis "sg" joins the i-th rank of each."""
     g: int
     name = "dsp"
@@ -34,16 +39,11 @@ class SubGraph(Mode):
         return Layout(("dp", "sg"), (), ())
 
     def linear_pair(self, grid, bias, dtype, device, overlap=False):
-        from ..nn.sequence import ReplicatedLinear
-
         # the common layers: weights on every rank, gradients summed over (dp, sg, sp)
         partial = self.common_partial()
         return (lambda i, o: ReplicatedLinear(i, o, bias, dtype=dtype, device=device, partial=partial),) * 2
 
     def norm(self, hidden, grid, dtype, device, eps=1e-5, norm=None):
-        from ..nn.dense import Norm
-        from ..nn.sequence import replicated_norm
-
         return replicated_norm(norm or Norm.LAYER, hidden, eps, dtype, device, partial=self.common_partial())
 
     def common_partial(self) -> tuple:
@@ -53,38 +53,21 @@ class SubGraph(Mode):
 
     def attention(self, hidden, heads, grid, causal, bias, dtype, device, overlap=False, attention="ring",
                   arch=None, projection="branch", method="all_to_all"):
-        from ..nn.subgraph import SubGraphAttention
-
         return SubGraphAttention(hidden, heads, grid, self, projection, method, causal, bias, dtype, device=device,
                                  arch=arch)
 
     # split / sum / slice / concat between the common grid and the branches (seed 002 §IV)
     def split(self, x, grid, shape=None):
-        from ..autograd import subgraph as ops
-
         return ops.dsp_split(x, grid)
 
     def branch_sum(self, y, grid):
-        from ..autograd import subgraph as ops
-
         return ops.dsp_sum(y, grid)
 
     def slice_(self, x, grid, method, shape=None):
-        from ..autograd import subgraph as ops
-
         return ops.dsp_slice(x, grid, method)
 
     def concat(self, y, grid, method):
-        from ..autograd import subgraph as ops
-
         return ops.dsp_concat(y, grid, method)
-
-    def common_shape(self, x, grid):
-        """The common shard's shape; cSub's other sub-grids learn it from sub-grid 0."""
-        return None
-
-    def activation_bytes(self, hidden, seq, heads, tokens, sp):
-        return tokens * hidden * (34 + 5 * heads * seq / hidden) / self.g / sp
 
 
 @register
@@ -101,24 +84,40 @@ class CSub(SubGraph):
         return Layout(("dp",), (), (), only=("sg", 0))
 
     def split(self, x, grid, shape=None):
-        from ..autograd import subgraph as ops
-
         return ops.csub_split(x, grid, shape)
 
     def branch_sum(self, y, grid):
-        from ..autograd import subgraph as ops
-
         return ops.csub_sum(y, grid)
 
     def slice_(self, x, grid, method, shape=None):
-        from ..autograd import subgraph as ops
-
         return ops.csub_slice(x, grid, shape)
 
     def concat(self, y, grid, method):
-        from ..autograd import subgraph as ops
-
         return ops.csub_concat(y, grid)
 
     def common_shape(self, x, grid):
+        """cSub's other sub-grids learn the common shard's shape from sub-grid 0."""
         return tuple(grid.broadcast_ints(x.shape, "sg", 0))
+
+
+# The common/branch meetings by layer-mode name (the mode objects pick among autograd/subgraph's):
+
+
+def split(x, grid, mode="dsp", shape=None):
+    """Every branch gets the common tensor. cSub: `shape` is the common shard's shape."""
+    return resolve(mode, grid).split(x, grid, shape)
+
+
+def branch_sum(y, grid, mode="dsp"):
+    """The common tensor is the sum of the branches' outputs."""
+    return resolve(mode, grid).branch_sum(y, grid)
+
+
+def slice_(x, grid, mode="dsp", method="all_to_all", shape=None):
+    """Branch k gets slice k of the last dim."""
+    return resolve(mode, grid).slice_(x, grid, method, shape)
+
+
+def concat(y, grid, mode="dsp", method="all_to_all"):
+    """The common tensor is the branches' outputs concatenated along the last dim."""
+    return resolve(mode, grid).concat(y, grid, method)

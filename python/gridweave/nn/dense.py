@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import GridError
+from ..sharding import group_order  # noqa: F401  (the packed projections' row order; gw.nn.dense's name)
 
 
 class Norm(enum.Enum):
@@ -80,18 +81,6 @@ class Arch:
 
 GPT2 = Arch()
 LLAMA = Arch(Norm.RMS, Activation.SWIGLU, rope_theta=10000.0, eps=1e-6)
-
-
-def group_order(widths, groups: int, device="cpu") -> torch.Tensor:
-    """Row order of a projection packing parts of `widths` rows that makes `groups` equal
-    blocks, block t = [part_0's t-th slice | part_1's t-th slice | ...] (e.g. a head group's
-    [q_t | k_t | v_t]), so a column split over `groups` ranks keeps each group whole."""
-    for w in widths:
-        if w % groups:
-            raise GridError(f"a packed projection of parts {list(widths)} does not split into {groups} groups")
-    starts = [sum(widths[:i]) for i in range(len(widths))]
-    idx = [s + t * (w // groups) + k for t in range(groups) for s, w in zip(starts, widths) for k in range(w // groups)]
-    return torch.tensor(idx, dtype=torch.int64, device=device)
 
 
 def rotary(positions: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..autograd.ring import positions, ring_attention, ring_self_attention
 from ..sharding import DATA_AXES, place
-from .dense import GPT2, Arch, Norm, linear_tensors, values
+from .dense import GPT2, Arch, Norm, attention, linear_tensors, split_heads, values
 
 
 class ReplicatedLinear(nn.Linear):
@@ -97,9 +98,6 @@ def attend(qkv, heads, causal, grid, algorithm="ring", kv_heads=None, arch: Arch
     """Attention of the local heads of a packed [q | k | v] (heads query and kv_heads key/value
     heads): on this rank alone, or over the "sp" ring when the grid splits the sequence
     (blockwise, zigzag when causal; or RSA). Rotary positions are the tokens' global ones."""
-    from ..autograd.ring import positions, ring_attention, ring_self_attention
-    from .dense import attention, split_heads
-
     kv_heads = heads if kv_heads is None else kv_heads
     if not sequence_parallel(grid):
         return attention(qkv, heads, causal, kv_heads, arch)

@@ -6,24 +6,23 @@ import torch
 from torch import nn
 
 from ..autograd import subgraph as sgops
+from ..axes import AxesView
 from ..errors import GridError
 from ..layout import Layout
-from .dense import GPT2, DenseSelfAttention, group_order, values
 from ..sharding import place, set_row_order
+from .dense import GPT2, DenseSelfAttention, group_order, values
 from .sequence import ReplicatedLinear, attend
-
+from .style import Branches, Style, registered, resolve
 
 
 def subgraph_layout(mode, sp=False, causal=False):
     """(batch, seq, hidden) of the common layers: D&SP splits the batch over (dp, sg); cSub
     over dp on sub-grid 0, the other sub-grids holding nothing; the sequence over sp
     (zigzag when causal). `mode`: gw.SubGraph / gw.CSub or "dsp" / "csub"."""
-    from .. import modes
-
-    cls = type(mode) if isinstance(mode, modes.Mode) else {c.name: c for c in modes.known()}.get(mode)
-    if cls is None or not issubclass(cls, modes.SubGraph):
+    cls = type(mode) if isinstance(mode, Style) else next((c for c in registered() if c.name == mode), None)
+    if cls is None or not issubclass(cls, Branches):
         raise GridError(f"sub-graph mode must be gw.SubGraph, gw.CSub, 'dsp' or 'csub', got {mode!r}")
-    return cls(1).layout(modes.AxesView({"sp": 2 if sp else 1}), causal)  # the mode's own sp rule
+    return cls(1).layout(AxesView({"sp": 2 if sp else 1}), causal)  # the mode's own sp rule
 
 
 class SubGraphAttention(nn.Module):
@@ -37,12 +36,10 @@ class SubGraphAttention(nn.Module):
     def __init__(self, hidden, heads, grid, mode="dsp", projection="branch", method="all_to_all", causal=True,
                  bias=True, dtype=None, device=None, arch=None):
         super().__init__()
-        from ..modes import SubGraph, resolve
-
         if "sg" not in grid.axes:
             raise GridError("sub-graph parallelism needs gw.init(tp=gw.SubGraph(g))")
         mode = resolve(mode, grid)
-        if not isinstance(mode, SubGraph):
+        if not isinstance(mode, Branches):
             raise GridError(f"sub-graph attention needs gw.SubGraph or gw.CSub, got {mode!r}")
         if projection not in ("branch", "common"):
             raise GridError(f"projection must be 'branch' or 'common', got {projection!r}")

@@ -8,10 +8,9 @@ from torch import nn
 
 from .. import _C
 from ..autograd.comm import all_reduce_replicated
-from ..autograd.cube import AB, cube_matmul, cube_vector, is_diagonal
+from ..autograd.cube import AB, activation_layout, cube_matmul, cube_vector, is_diagonal, matrix_layout, vector_layout
 from ..errors import GridError
 from ..layout import Layout, assemble, gather, scatter
-from ..modes.cube import activation_layout, matrix_layout, vector_layout
 from ..sharding import place
 from .dense import Norm, ParallelLinearBase, dense_layernorm, linear_tensors, norm_kind, normalize, values
 

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from ..errors import GridError
-from ..modes import resolve
 from ..sharding import set_row_order
 from .dense import GPT2, Arch, DenseMLP, DenseSelfAttention, DenseTransformerLayer, group_order
 from .sequence import attend, sequence_parallel
+from .style import resolve
 
 
 class SelfAttention(nn.Module):
@@ -96,9 +96,7 @@ class RingSelfAttention(SelfAttention):
     """Seed 004's Ring Self-Attention block: qkv and proj replicated, RSA over "sp"."""
 
     def __init__(self, hidden, heads, grid, causal=False, bias=True, dtype=None, device=None):
-        from ..modes import Sequence
-
-        super().__init__(hidden, heads, grid, Sequence(), bias, causal, dtype=dtype, attention="rsa", device=device)
+        super().__init__(hidden, heads, grid, "sp", bias, causal, dtype=dtype, attention="rsa", device=device)
 
     @classmethod
     def from_dense(cls, dense: DenseSelfAttention, grid):
@@ -115,9 +113,7 @@ class RingAttention(SelfAttention):
     """Blockwise ring attention block (online softmax; zigzag sequence layout when causal)."""
 
     def __init__(self, hidden, heads, grid, causal=True, bias=True, dtype=None, device=None):
-        from ..modes import Sequence
-
-        super().__init__(hidden, heads, grid, Sequence(), bias, causal, dtype=dtype, attention="ring", device=device)
+        super().__init__(hidden, heads, grid, "sp", bias, causal, dtype=dtype, attention="ring", device=device)
 
     from_dense = RingSelfAttention.__dict__["from_dense"]
 

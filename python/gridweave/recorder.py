@@ -20,11 +20,17 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import _C
-from ..errors import GridError
-from ..grid import Work
-from .base import AxesView
-from .base import grid_axes as _grid_axes
+from . import _C
+from .axes import AxesView
+from .axes import grid_axes as _grid_axes
+from .errors import GridError
+from .grid import Work
+from .models import ModelConfig, build
+from .models.stage import GPTStage, _without_dp
+from .nn.transformer import TransformerLayer
+from .optim import OffloadAdam, gradient_chunks, matrices_only
+from .pipeline import run_layers
+from .sharding import grad_norm_of, placement_of
 
 # fused attention kernels (their backward is the name + "_backward"); the attention core's
 # forward kernels: batched products (the math path) or fused attention
@@ -302,8 +308,6 @@ def batch_unit(mode, sp) -> int:
 def collectives_at(mode, hidden, heads, seq, sp, batch: float) -> list:
     """One GPT layer's collectives in `mode` for `batch` sequences of a replica (the layer
     alone: step_schedule with ends=False, one layer)."""
-    from ..models import ModelConfig
-
     config = ModelConfig("gpt", 1, hidden, heads, 1, seq)
     return list(step_schedule(config, mode, 1, 1, sp, (), 1, batch, ends=False).microbatch.collectives)
 
@@ -320,10 +324,6 @@ def record_stage(config, mode, dp, pp, sp, at, batch, per_stage, dtype=torch.bfl
     fused_attention: the attention core as a fused kernel (FusedAttention), else torch's math
     path with the scores kept (as Megatron ran before flash attention). Returns (schedule,
     pipeline payload bytes)."""
-    from ..models import GPTStage, _without_dp
-    from ..nn.transformer import TransformerLayer
-    from ..pipeline import run_layers
-
     axes = _grid_axes(dp, pp, sp, mode)
     grid = RecordingGrid(axes, mode, _recorded_at(mode, axes, at))
     stage = grid.coords["pp"]
@@ -426,9 +426,6 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
     (gw.sharding.grad_norm_of). ends=False: the stages' layers alone, no step collectives.
     announced: the transport has no receive-from-any (NCCL), so each pipeline message is first
     announced on the host control channel (its header, cpp/pipeline.cpp's Outbox)."""
-    from ..optim import gradient_chunks
-    from ..sharding import grad_norm_of, placement_of
-
     rec, b0 = _stage_recordings(config, mode, dp, pp, sp, at, dtype, ends, fused_attention)
     f = (batch - b0) / b0  # every byte and FLOP is affine in the batch: two recordings give any batch
     one, two = (_lerp(rec[(k, b0)][0], rec[(k, 2 * b0)][0], f) for k in (1, 2))
@@ -481,8 +478,6 @@ def _recorded_at(mode, axes, at) -> dict:
 
 def _dense(config, layers, dtype):
     """The dense model on meta with `layers` layers, all one module (a stage converts only its own)."""
-    from ..models import build
-
     model = build(dataclasses.replace(config, layers=1, tie=config.tie and layers == config.layers), dtype=dtype,
                   device="meta")
     model.layers = torch.nn.ModuleList([model.layers[0]] * layers)
@@ -491,8 +486,6 @@ def _dense(config, layers, dtype):
 
 def _stage_parameters(config, mode, dp, pp, sp, at, dtype):
     """The stage's parameters (meta) without running it: its modules place them."""
-    from ..models import GPTStage
-
     grid = RecordingGrid(_grid_axes(dp, pp, sp, mode), mode, dict(at))
     return list(GPTStage(_dense(config, config.layers, dtype), grid, mode, grid.coords["pp"], pp).parameters())
 
@@ -502,8 +495,6 @@ def optimizer_census(bsize: int, coarsening: int, clip: bool, decay: bool) -> di
     """gw.optim.OffloadAdam.step's own work, recorded on small CPU tensors: kernels a step, a
     parameter tensor and a bucket, and the bytes its kernels read and write per element (the
     flat gradient, the clipping norm, the Adam update through the bucket buffers, the write-back)."""
-    from ..optim import OffloadAdam, matrices_only
-
     def run(sizes):
         grid = RecordingGrid(_grid_axes(1, 1, 1, None), None, device="cpu")  # the optimizer reads its norm
         params = [torch.nn.Parameter(torch.zeros(n, 1, device="cpu")) for n in sizes]

@@ -1,0 +1,177 @@
+"""The dense models: the GPT (GPT-2's architecture) and Llama (RMSNorm, SwiGLU, rotary
+positions, grouped-query attention), written once on one process, and their configuration."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import GridError
+from ..nn.dense import GPT2, LLAMA, Activation, Arch, DenseTransformerLayer, Norm
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder's sizes and architecture: what a checkpoint and an export record.
+    family: "gpt" (learned positions, LayerNorm, GeLU, biases) or "llama"."""
+    family: str = "gpt"
+    vocab: int = 256
+    hidden: int = 64
+    heads: int = 4
+    layers: int = 4
+    seq: int = 32
+    ffn_hidden: int | None = None
+    kv_heads: int | None = None
+    rope_theta: float = 10000.0
+    eps: float | None = None
+    tie: bool = False
+    activation: str | None = None  # gpt: "gelu" (exact) or "gelu_tanh" (GPT-2's gelu_new)
+
+    def __post_init__(self):
+        if self.family not in ("gpt", "llama"):
+            raise GridError(f"model family must be 'gpt' or 'llama', got {self.family!r}")
+        for name in ("vocab", "hidden", "heads", "layers", "seq"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise GridError(f"model {name} must be a positive integer, got {v!r}")
+        if self.hidden % self.heads:
+            raise GridError(f"hidden {self.hidden} does not split into {self.heads} heads")
+        if (self.hidden // self.heads) % 2 and self.family == "llama":
+            raise GridError(f"rotary positions need an even head size, got {self.hidden // self.heads}")
+        self.arch.kv(self.heads)  # kv_heads divides heads
+
+    @property
+    def arch(self) -> Arch:
+        if self.family == "llama":
+            return Arch(Norm.RMS, Activation.SWIGLU, self.kv_heads, float(self.rope_theta),
+                        LLAMA.eps if self.eps is None else self.eps)
+        return Arch(Norm.LAYER, Activation(self.activation or "gelu"), self.kv_heads, None,
+                    GPT2.eps if self.eps is None else self.eps)
+
+    @property
+    def bias(self) -> bool:
+        return self.family == "gpt"
+
+    @property
+    def ffn(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        if self.family == "llama":  # Llama's 2/3 of 4h, rounded up to a multiple of 8
+            return -(-8 * self.hidden // 3 // 8) * 8
+        return 4 * self.hidden
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise GridError(f"unknown model config fields {sorted(unknown)}")
+        return cls(**d)
+
+
+class Embedding(nn.Module):
+    """Token embeddings, plus learned position embeddings when the arch has no rotary ones:
+    (batch, seq) ids -> (batch, seq, hidden)."""
+
+    def __init__(self, vocab, hidden, seq, dtype=None, device=None, positions=True):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, hidden, dtype=dtype, device=device)
+        self.pos = nn.Embedding(seq, hidden, dtype=dtype, device=device) if positions else None
+
+    @classmethod
+    def of(cls, tok: nn.Module, pos: nn.Module | None) -> "Embedding":
+        """An Embedding of given token (e.g. vocab-parallel) and position modules."""
+        m = cls.__new__(cls)
+        nn.Module.__init__(m)
+        m.tok, m.pos = tok, pos
+        return m
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        if self.pos is None:
+            return x
+        if ids.shape[1] > self.pos.num_embeddings:
+            raise GridError(f"a sequence of {ids.shape[1]} tokens exceeds the model's {self.pos.num_embeddings} positions")
+        return x + self.pos(torch.arange(ids.shape[1], device=ids.device))
+
+
+class Head(nn.Module):
+    """Final norm and the vocabulary projection."""
+
+    def __init__(self, vocab, hidden, dtype=None, device=None, arch: Arch = GPT2):
+        super().__init__()
+        self.ln = arch.dense_norm(hidden, dtype=dtype, device=device)
+        self.out = nn.Linear(hidden, vocab, bias=False, dtype=dtype, device=device)
+
+    @classmethod
+    def of(cls, ln: nn.Module, out: nn.Module) -> "Head":
+        m = cls.__new__(cls)
+        nn.Module.__init__(m)
+        m.ln, m.out = ln, out
+        return m
+
+    def forward(self, x):
+        return self.out(self.ln(x))
+
+
+class GPT(nn.Module):
+    """A decoder: embedding, `layers` pre-norm causal layers, head. GPT-2's architecture by
+    default; gw.models.Llama (or config=ModelConfig(family="llama")) for Llama's."""
+
+    def __init__(self, vocab=256, hidden=64, heads=4, layers=4, seq=32, dtype=None, device=None,
+                 config: ModelConfig | None = None):
+        super().__init__()
+        cfg = config or ModelConfig("gpt", vocab, hidden, heads, layers, seq)
+        self.config = cfg
+        self.vocab, self.seq = cfg.vocab, cfg.seq
+        arch, kw = cfg.arch, dict(dtype=dtype, device=device)
+        self.embed = Embedding(cfg.vocab, cfg.hidden, cfg.seq, positions=arch.rope_theta is None, **kw)
+        self.layers = nn.ModuleList(DenseTransformerLayer(cfg.hidden, cfg.heads, cfg.ffn, bias=cfg.bias, arch=arch, **kw)
+                                    for _ in range(cfg.layers))
+        self.head = Head(cfg.vocab, cfg.hidden, arch=arch, **kw)
+        if cfg.tie:
+            self.head.out.weight = self.embed.tok.weight
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+    @staticmethod
+    def loss(logits, targets):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def stage_layers(self, stage: int, stages: int) -> list:
+        """Stage `stage` of `stages`: the embedding on the first, the head on the last, the
+        transformer layers split evenly."""
+        n = len(self.layers)
+        if n % stages:
+            raise GridError(f"{n} layers do not split over {stages} pipeline stages")
+        k = n // stages
+        mods = list(self.layers[stage * k:(stage + 1) * k])
+        if stage == 0:
+            mods = [self.embed] + mods
+        if stage == stages - 1:
+            mods = mods + [self.head]
+        return mods
+
+
+class Llama(GPT):
+    """A Llama-family decoder: RMSNorm, SwiGLU MLP, rotary positions, grouped-query attention
+    (kv_heads < heads), no biases, optionally tied embeddings."""
+
+    def __init__(self, vocab=256, hidden=64, heads=4, layers=4, seq=32, kv_heads=None, ffn_hidden=None,
+                 rope_theta=10000.0, eps=1e-6, tie=False, dtype=None, device=None):
+        super().__init__(dtype=dtype, device=device,
+                         config=ModelConfig("llama", vocab, hidden, heads, layers, seq, ffn_hidden, kv_heads,
+                                            rope_theta, eps, tie))
+
+
+def build(config: ModelConfig, dtype=None, device=None) -> GPT:
+    """The dense model of a config."""
+    return GPT(dtype=dtype, device=device, config=config)

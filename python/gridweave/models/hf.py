@@ -1,0 +1,195 @@
+"""Hugging Face interop (transformers is optional: pip install gridweave[hf]).
+
+from_hf: a LlamaForCausalLM / GPT2LMHeadModel (or its config) -> gridweave's dense model,
+weights copied; to_hf: the dense model -> the transformers model with the same weights;
+save_hf: a folder (config.json + model.safetensors) that from_pretrained loads. A config
+field gridweave does not implement is a GridError naming it, never a different model.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ..errors import GridError
+from .dense import GPT, ModelConfig, build
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise GridError("Hugging Face interop needs transformers: pip install 'gridweave[hf]'") from None
+    return transformers
+
+
+def _unsupported(field, value, why):
+    raise GridError(f"Hugging Face config field {field}={value!r}: {why}; gridweave does not implement it")
+
+
+def _llama_config(c) -> ModelConfig:
+    # transformers 5 keeps rotary settings in rope_parameters (older: rope_theta + rope_scaling)
+    rope = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        _unsupported("rope_parameters.rope_type", rope_type, "rope scaling")
+    theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
+    if getattr(c, "attention_bias", False):
+        _unsupported("attention_bias", True, "attention biases")
+    if getattr(c, "mlp_bias", False):
+        _unsupported("mlp_bias", True, "MLP biases")
+    if c.hidden_act != "silu":
+        _unsupported("hidden_act", c.hidden_act, "an activation other than SwiGLU's silu")
+    if getattr(c, "sliding_window", None):
+        _unsupported("sliding_window", c.sliding_window, "sliding-window attention")
+    head_dim = getattr(c, "head_dim", None)
+    if head_dim is not None and head_dim * c.num_attention_heads != c.hidden_size:
+        _unsupported("head_dim", head_dim, "a head size other than hidden_size / num_attention_heads")
+    if getattr(c, "pretraining_tp", 1) != 1:
+        _unsupported("pretraining_tp", c.pretraining_tp, "split-and-sum linears")
+    if getattr(c, "attention_dropout", 0.0):
+        _unsupported("attention_dropout", c.attention_dropout, "dropout")
+    return ModelConfig("llama", c.vocab_size, c.hidden_size, c.num_attention_heads, c.num_hidden_layers,
+                       c.max_position_embeddings, c.intermediate_size, c.num_key_value_heads, float(theta),
+                       c.rms_norm_eps, bool(c.tie_word_embeddings))
+
+
+_GPT2_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+
+
+def _gpt2_config(c) -> ModelConfig:
+    if c.activation_function not in _GPT2_ACT:
+        _unsupported("activation_function", c.activation_function, "an activation other than GeLU")
+    for field in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
+        if getattr(c, field, False):
+            _unsupported(field, True, "a GPT-2 variant")
+    if not getattr(c, "scale_attn_weights", True):
+        _unsupported("scale_attn_weights", False, "unscaled attention")
+    drop = [f for f in ("resid_pdrop", "embd_pdrop", "attn_pdrop") if getattr(c, f, 0.0)]
+    if drop:  # inference is the same model; training here has no dropout (as Llama's recipes)
+        warnings.warn(f"GPT-2 config {', '.join(f'{f}={getattr(c, f)}' for f in drop)}: gridweave trains without "
+                      "dropout (evaluation is unchanged)", stacklevel=3)
+    return ModelConfig("gpt", c.vocab_size, c.n_embd, c.n_head, c.n_layer, c.n_positions, c.n_inner, None,
+                       eps=c.layer_norm_epsilon, tie=bool(c.tie_word_embeddings),
+                       activation=_GPT2_ACT[c.activation_function])
+
+
+def config_from_hf(c) -> ModelConfig:
+    kind = getattr(c, "model_type", None)
+    if kind == "llama":
+        return _llama_config(c)
+    if kind == "gpt2":
+        return _gpt2_config(c)
+    raise GridError(f"Hugging Face model_type {kind!r}: gridweave reads 'llama' and 'gpt2'")
+
+
+# One name table per family, read both ways: our name -> transformers' name(s). A layer
+# tensor with several HF names is their concatenation along rows (q|k|v, gate|up).
+_TOP = {"llama": {"embed.tok.weight": "model.embed_tokens.weight", "head.ln.weight": "model.norm.weight",
+                  "head.out.weight": "lm_head.weight"},
+        "gpt": {"embed.tok.weight": "transformer.wte.weight", "embed.pos.weight": "transformer.wpe.weight",
+                "head.ln.weight": "transformer.ln_f.weight", "head.ln.bias": "transformer.ln_f.bias",
+                "head.out.weight": "lm_head.weight"}}
+_GPT2_LAYER = {"ln_1": "ln1", "attn.c_attn": "qkv", "attn.c_proj": "proj", "ln_2": "ln2", "mlp.c_fc": "fc1",
+               "mlp.c_proj": "fc2"}
+_LAYER = {"llama": {"ln1.weight": ["input_layernorm.weight"], "ln2.weight": ["post_attention_layernorm.weight"],
+                    "qkv.weight": ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
+                    "proj.weight": ["self_attn.o_proj.weight"],
+                    "fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+                    "fc2.weight": ["mlp.down_proj.weight"]},
+          "gpt": {f"{ours}.{k}": [f"{theirs}.{k}"] for theirs, ours in _GPT2_LAYER.items() for k in ("weight", "bias")}}
+_LAYER_PREFIX = {"llama": "model.layers.{}.", "gpt": "transformer.h.{}."}
+
+
+def _conv1d(cfg: ModelConfig, ours: str) -> bool:
+    """GPT-2's Conv1D stores a linear's weight as (in, out): transposed from ours."""
+    return cfg.family == "gpt" and ours.endswith(".weight") and not ours.startswith("ln")
+
+
+def _row_widths(cfg: ModelConfig, ours: str) -> list:
+    """Rows of each HF tensor that one of ours concatenates."""
+    return cfg.arch.qkv_widths(cfg.hidden, cfg.heads) if ours.startswith("qkv") else cfg.arch.fc1_widths(cfg.ffn)
+
+
+def _our_state(sd: dict, cfg: ModelConfig) -> dict:
+    """Our dense state from a transformers state_dict (a tied HF head is the embedding)."""
+    top, prefix = _TOP[cfg.family], _LAYER_PREFIX[cfg.family]
+    out = {ours: sd[theirs] for ours, theirs in top.items() if theirs in sd}
+    out.setdefault("head.out.weight", out["embed.tok.weight"])
+    for i in range(cfg.layers):
+        for ours, theirs in _LAYER[cfg.family].items():
+            w = torch.cat([sd[prefix.format(i) + t] for t in theirs])
+            out[f"layers.{i}.{ours}"] = w.t() if _conv1d(cfg, ours) else w
+    return out
+
+
+def _hf_state(ours: dict, cfg) -> dict:
+    """HF state from ours: HF tensors that ours concatenates (q|k|v, gate|up) are split back."""
+    top, prefix = _TOP[cfg.family], _LAYER_PREFIX[cfg.family]
+    out = {theirs: ours[o] for o, theirs in top.items() if not (cfg.tie and o == "head.out.weight")}
+    for i in range(cfg.layers):
+        for o, theirs in _LAYER[cfg.family].items():
+            w = ours[f"layers.{i}.{o}"]
+            w = w.t().contiguous() if _conv1d(cfg, o) else w
+            parts = w.split(_row_widths(cfg, o)) if len(theirs) > 1 else [w]
+            out.update({prefix.format(i) + t: part for t, part in zip(theirs, parts)})
+    return out
+
+
+def from_hf(model_or_config, dtype=None) -> GPT:
+    tf = _transformers()
+    if isinstance(model_or_config, tf.PreTrainedModel):
+        hf = model_or_config
+        cfg = config_from_hf(hf.config)
+        sd = {k: v.detach() for k, v in hf.state_dict().items()}
+        w = next(iter(sd.values()))
+        model = build(cfg, dtype=dtype or w.dtype, device=w.device)
+        state = _our_state(sd, cfg)
+        if cfg.tie:
+            state.pop("head.out.weight")
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not (cfg.tie and k == "head.out.weight")]
+        if missing or unexpected:
+            raise GridError(f"Hugging Face weights do not match the config: missing {missing}, unexpected {unexpected}")
+        return model
+    if isinstance(model_or_config, tf.PretrainedConfig):
+        return build(config_from_hf(model_or_config), dtype=dtype)
+    raise GridError(f"from_hf takes a transformers model or config, got {type(model_or_config).__name__}")
+
+
+def hf_config(cfg: ModelConfig):
+    tf = _transformers()
+    if cfg.family == "llama":
+        return tf.LlamaConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
+                              num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+                              num_key_value_heads=cfg.kv_heads or cfg.heads, max_position_embeddings=cfg.seq,
+                              rms_norm_eps=cfg.arch.eps, tie_word_embeddings=cfg.tie,
+                              rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+                              attention_bias=False, mlp_bias=False, hidden_act="silu")
+    if cfg.kv_heads not in (None, cfg.heads):
+        raise GridError("GPT-2 has no grouped-query attention: a gpt model with kv_heads has no Hugging Face form")
+    act = {"gelu": "gelu", "gelu_tanh": "gelu_new"}[cfg.arch.activation.value]
+    return tf.GPT2Config(vocab_size=cfg.vocab, n_embd=cfg.hidden, n_layer=cfg.layers, n_head=cfg.heads,
+                         n_positions=cfg.seq, n_inner=cfg.ffn, activation_function=act,
+                         layer_norm_epsilon=cfg.arch.eps, tie_word_embeddings=cfg.tie,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def to_hf(model: GPT):
+    """The transformers model with `model`'s weights (same dtype and device), in eval mode."""
+    tf = _transformers()
+    cfg = model.config
+    ours = {k: v.detach() for k, v in model.state_dict().items()}
+    w = ours["embed.tok.weight"]
+    with torch.device(w.device):  # built where the weights are, whatever torch's default device
+        hf = (tf.LlamaForCausalLM if cfg.family == "llama" else tf.GPT2LMHeadModel)(hf_config(cfg)).to(w.dtype)
+    missing, unexpected = hf.load_state_dict(_hf_state(ours, cfg), strict=False)
+    missing = [k for k in missing if not (cfg.tie and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise GridError(f"internal: Hugging Face names not covered: missing {missing}, unexpected {unexpected}")
+    return hf.eval()
+
+
+def save_hf(model: GPT, folder) -> None:
+    """config.json + model.safetensors that transformers' from_pretrained loads."""
+    to_hf(model).save_pretrained(str(folder), safe_serialization=True)
