@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 
-from . import calibrate, data, launch, plan, train
+from . import calibrate, data, launch, modes, plan, train
 from .errors import CommError, Diverged, GridError
 from .generate import sample
 from .hf import save_hf
@@ -145,13 +146,16 @@ def _plan_parser(sub):
     p.add_argument("--cluster", default="a100-ib", help="v100-ib | a100-ib | h100-ib | local | a JSON file")
     p.add_argument("--model", default=None,
                    help="a Hugging Face config.json (or its folder), a gridweave run folder or model_config.json, "
-                        "or llama | gpt (the main job's model); --hidden etc. override its sizes")
+                        "or llama | gpt (default: the model `gridweave train` builds from the same flags); "
+                        "--hidden etc. override its sizes")
     p.add_argument("--hidden", type=int, default=None)
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--heads", type=int, default=None)
     p.add_argument("--seq", type=int, default=None, help="default: the model config's context length")
     p.add_argument("--batch", type=int, required=True)
-    p.add_argument("--vocab", type=int, default=None, help="default: the config's, else 51200")
+    p.add_argument("--vocab", type=int, default=None, help="default: the config's, else train's")
+    p.add_argument("--kv-heads", type=int, default=None, help="train's model: its key/value heads (default: train's)")
+    p.add_argument("--precision", default=TrainConfig.precision, help="train's model: its precision")
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--explain", type=int, default=None, metavar="N",
                    help="why grid N (1-based, as listed) ranks above grid N+1, part by part")
@@ -162,19 +166,16 @@ def _plan_parser(sub):
 def _plan(args) -> int:
     import json
 
-
     try:
         cluster = plan.load_cluster(args.cluster, args.gpus_per_node)
         sizes = dict(hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab)
-        if args.model:
-            # "llama" / "gpt": the main job's model as `gridweave train` builds it
-            source = plan.model_of(TrainConfig(model=args.model)) if args.model in CHOICES["model"] else args.model
-            model = plan.model_from(source, args.batch, args.seq, **sizes)
-        else:
-            missing = [k for k in ("hidden", "layers", "heads", "seq") if getattr(args, k) is None]
-            if missing:
-                raise GridError(f"pass --model, or --{' --'.join(missing)}")
-            model = plan.Model(args.hidden, args.layers, args.heads, args.seq, args.batch, args.vocab or 51200)
+        if args.model and args.model not in CHOICES["model"]:  # a config file or a run folder
+            model = plan.model_from(args.model, args.batch, args.seq, **sizes)
+        else:  # the main job's model, as `gridweave train` builds it from the same flags
+            given = {k: v for k, v in dict(sizes, seq=args.seq, kv_heads=args.kv_heads).items() if v is not None}
+            cfg = TrainConfig(model=args.model or TrainConfig.model, batch=args.batch, precision=args.precision,
+                              **given)
+            model = plan.model_of(cfg)
         rows = plan.plan(args.gpus, model, cluster)
         why = plan.explain(rows, args.explain - 1) if args.explain is not None else None
     except GridError as e:
@@ -246,7 +247,7 @@ def main(argv=None) -> int:
                 cfg.grid_shape(args.nproc)
                 cfg.check_files()
             except (GridError, OSError) as e:
-                print(f"gridweave train: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
+                print(f"gridweave train: {as_flags(getattr(e, 'strerror', None) or e)}", file=sys.stderr)
                 return 2
         if launcher_side:
             if args.nproc == 1:
@@ -308,7 +309,6 @@ def _train_rank(args) -> int:
     the first rank that meets it (the others' errors are its consequences)."""
     import tempfile
 
-
     launch.die_with_parent()  # no orphan keeps training when its launcher dies
     try:
         train.run(train_config(args))
@@ -325,10 +325,21 @@ def _train_rank(args) -> int:
                 pass
         if first:
             rank = os.environ.get("RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or "0"
-            print(f"gridweave train: rank {rank}: {type(e).__name__}: {getattr(e, 'strerror', None) or e}",
+            print(f"gridweave train: rank {rank}: {type(e).__name__}: {as_flags(getattr(e, 'strerror', None) or e)}",
                   file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def as_flags(message) -> str:
+    """A library error in the command line's words: the library names TrainConfig's fields
+    (`dp=4`) and mode objects (`Row(n=8)`); the command line says `--dp 4` and `row:8`."""
+    message = str(message)
+    for cls in modes.known():  # a mode object's repr -> its --tp spelling
+        message = re.sub(rf"(?:\bgw\.)?\b{cls.__name__}\((?:\w+=)?(\d*)\)",
+                         lambda m, cls=cls: (cls(int(m.group(1))) if cls.size_arg else cls()).spec(), message)
+    fields = "|".join(sorted(TrainConfig.__dataclass_fields__, key=len, reverse=True))
+    return re.sub(rf"(?<![\w-])({fields})=", lambda m: "--" + m.group(1).replace("_", "-") + " ", message)
 
 
 def train_config(args):

@@ -18,7 +18,7 @@ import torch
 
 from . import _C, launch
 from ._buffers import empty_like_shape, host_args, reduce_code, view
-from .axes import grid_axes
+from .axes import ParallelDims
 from .errors import CommError, GridError
 from .launch import _env_int
 
@@ -165,11 +165,13 @@ def _to_host(t):
 class Grid:
     """Named axes over the world's ranks. Use gw.init() to make one."""
 
-    def __init__(self, axes, *, rank, backend, placement, ranks_per_node, timeout, store, hostname,
-                 device_index=-1, tp=None, device=None, session="", check=None, emulate=None):
+    def __init__(self, dims: ParallelDims, *, rank, backend, placement, ranks_per_node, timeout, store, hostname,
+                 device_index=-1, device=None, session="", check=None, emulate=None):
+        axes = dims.axes()
+        self.dims = dims  # the validated degrees
         self.axes = dict(axes)
         self.backend = backend
-        self.tp = tp  # the tensor-parallel mode object (None: no tensor axes)
+        self.tp = dims.tp  # the tensor-parallel mode object (None: no tensor axes)
         # every tensor the library makes for this grid is made here
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", device_index) if device_index >= 0 else torch.device("cpu"))
@@ -686,8 +688,8 @@ def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", 
     GRIDWEAVE_EMULATE.
     Every check here is local, so bad input raises GridError on every rank before any
     communication starts."""
-    axes = grid_axes(dp, pp, sp, tp)
-    n = math.prod(s for _, s in axes)
+    dims = ParallelDims(dp=dp, pp=pp, sp=sp, tp=tp)
+    n = dims.world_size
     local = launch.local_world_size()
     backend = _resolve_backend(backend, local or world_size or _env_int("WORLD_SIZE") or 1, device)
     if backend == "mpi":  # mpirun / srun: who we are comes from MPI itself, no TCP store
@@ -710,7 +712,7 @@ def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", 
         world_size, rank = 1, 0
     if rank is None:
         raise GridError("WORLD_SIZE is set but RANK is not; launch with torchrun or pass rank=")
-    desc = " x ".join(f"{a}={s}" for a, s in axes)
+    desc = " x ".join(f"{a}={s}" for a, s in dims.axes())
     if n != world_size:
         raise GridError(f"grid {desc} needs {n} ranks but the world has {world_size}")
     if not 0 <= rank < world_size:
@@ -746,8 +748,8 @@ def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", 
     keep = (store, adapter)
     hostname = os.environ.get("GRIDWEAVE_HOSTNAME") or (
         "127.0.0.1" if (local or world_size) >= world_size else socket.gethostname())
-    grid = Grid(axes, rank=rank, backend=backend, placement=placement, ranks_per_node=rpn, timeout=timeout,
-                store=native_store, hostname=hostname, device_index=device_index, tp=tp, device=device,
+    grid = Grid(dims, rank=rank, backend=backend, placement=placement, ranks_per_node=rpn, timeout=timeout,
+                store=native_store, hostname=hostname, device_index=device_index, device=device,
                 session=session, check=check, emulate=emulate)
     grid._torch_store = keep
     _Session.current = grid

@@ -21,7 +21,7 @@ from . import _C
 from .checkpoint import open_index
 from .errors import GridError
 from .models import ModelConfig
-from .axes import grid_axes
+from .axes import ParallelDims
 from .modes import Mode, Sequence, known
 from .recorder import optimizer_census, step_schedule
 
@@ -258,16 +258,16 @@ class GridShape:
     def __post_init__(self):
         if not isinstance(self.tp, Mode):
             raise GridError(f"tp must be a mode object (gw.Row(n), gw.Cube(p), ...), got {self.tp!r}")
-        for name in ("dp", "pp", "sp"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise GridError(f"{name} must be a positive integer, got {v!r}")
+        self.dims()  # the degrees' own checks
+
+    def dims(self) -> ParallelDims:
+        return ParallelDims(dp=self.dp, pp=self.pp, sp=self.sp, tp=self.tp)
 
     def tp_ranks(self) -> int:
         return self.tp.ranks()
 
     def axes(self):
-        return grid_axes(self.dp, self.pp, self.sp, self.tp)
+        return self.dims().axes()
 
 
 def _links(grid: GridShape, cluster: Cluster):
@@ -348,10 +348,8 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
         raise GridError(f"chunks must be a positive integer (above 1 only with pp > 1), got {chunks!r}")
 
     e = model.bytes_per_value
-    if model.batch % grid.dp:
-        raise GridError(f"batch {model.batch} does not split over dp={grid.dp}")
-    if model.layers % grid.pp:
-        raise GridError(f"{model.layers} layers do not split over pp={grid.pp}")
+    grid.dims().check_batch(model.batch)
+    grid.dims().check_layers(model.layers)
     b = model.batch // grid.dp  # sequences per data-parallel replica
     m = microbatches or (min(b, 4 * grid.pp) if grid.pp > 1 else 1)
     links, _ = _links(grid, cluster)
@@ -411,7 +409,7 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
     else:
         optimizer_s = 0.0
     step = pipeline + step_comm + optimizer_s
-    phi = 12 * model.layers * model.hidden ** 2 + model.vocab * model.hidden
+    phi = model.config().matrix_parameters(embedding=model.vocab > 0)
     compute_paper = (transformer_flops(model, recompute) / (grid.dp * grid.pp * grid.tp_ranks() * grid.sp)
                      / cluster.gemm_flops)
 
@@ -491,18 +489,23 @@ MIN_TOKENS_PER_SP_RANK = 64
 
 
 def enumerate_grids(n: int, model: Model, placements=("topology", "naive")):
-    """Every grid of n ranks the model's sizes allow."""
+    """Every grid of n ranks the model's sizes allow (ParallelDims decides; the planner adds
+    only its floor of tokens per sequence-parallel rank)."""
     out = []
+    kv = model.config().arch.kv(model.heads)
     for mode in tensor_modes(n, model):
         rest = n // mode.ranks()
-        for sp in (d for d in range(1, rest + 1) if rest % d == 0 and model.seq % (2 * d) == 0
+        for sp in (d for d in range(1, rest + 1) if rest % d == 0
                    and (d == 1 or model.seq // d >= MIN_TOKENS_PER_SP_RANK)):
-            for pp in (d for d in range(1, rest // sp + 1) if (rest // sp) % d == 0 and model.layers % d == 0):
-                dp = rest // (sp * pp)
-                if model.batch % dp:
+            for pp in (d for d in range(1, rest // sp + 1) if (rest // sp) % d == 0):
+                dims = ParallelDims(dp=rest // (sp * pp), pp=pp, sp=sp, tp=mode)
+                try:  # the planner's layer is causal ring attention: the zigzag sequence split
+                    dims.check_model(model.layers, model.heads, model.hidden, model.seq, kv, zigzag=True)
+                    dims.check_batch(model.batch)
+                except GridError:
                     continue
                 for pl in placements:
-                    out.append(GridShape(dp=dp, pp=pp, tp=mode, sp=sp, placement=pl))
+                    out.append(GridShape(dp=dims.dp, pp=pp, tp=mode, sp=sp, placement=pl))
     return out
 
 

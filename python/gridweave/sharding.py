@@ -24,6 +24,14 @@ from .layout import Layout
 DATA_AXES = ("dp", "sp")
 
 
+def first_copy(grid, distinct=()) -> bool:
+    """Whether this rank holds the copy that counts of a value that differs along the axes in
+    `distinct` and along pp (each stage holds its own) and is identical along every other axis:
+    member 0 of each of those. The one rule for what a norm, a checkpoint or a loss counts."""
+    skip = set(distinct) | {"pp"}
+    return all(c == 0 for a, c in grid.coords.items() if a not in skip)
+
+
 @dataclass(frozen=True)
 class ParamPlacement:
     """layout: how the stored full tensor is split (dims -> axes); partial: axes whose
@@ -51,13 +59,13 @@ class ParamPlacement:
         """Whether this rank's copy is the one that counts (norms, checkpoints): it holds the
         tensor, and it is member 0 of every axis along which copies are identical."""
         coords = grid.coords
-        skip = set(self.layout.axes()) | {"pp"}
+        distinct = set(self.layout.axes())
         if self.diagonal is not None:
             u, v = self.diagonal
             if coords[u] != coords[v]:
                 return False
-            skip |= {u, v}  # along the other one of the pair, exactly one rank holds the block
-        return all(coords[a] == 0 for a in grid.axes if a not in skip)
+            distinct |= {u, v}  # along the other one of the pair, exactly one rank holds the block
+        return first_copy(grid, distinct)
 
 
 REPLICATED = ParamPlacement()

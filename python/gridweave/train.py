@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from . import checkpoint, data, launch, models, optim, pipeline
+from .axes import ParallelDims
 from .errors import Diverged, GridError
 from .generate import sample
 from .grid import Grid, init, shutdown
@@ -32,6 +33,7 @@ from .measure import gemm_rate
 from .models import ModelConfig
 from .modes import Mode, parse
 from .precision import LossScaler, Precision
+from .sharding import first_copy
 
 # What a resumed run must share with its checkpoint (the model, the data order).
 RESUME_KEYS = ("model", "tokenizer", "seq", "batch", "seed")
@@ -142,7 +144,7 @@ class TrainConfig:
         if self.schedule not in pipeline.SCHEDULES:
             raise GridError(f"schedule must be one of {sorted(pipeline.SCHEDULES)}, got {self.schedule!r}")
         if self.chunks > 1 and self.schedule != "interleaved":
-            raise GridError(f"--chunks {self.chunks} needs --schedule interleaved")
+            raise GridError(f"chunks={self.chunks} needs schedule=interleaved")
         if self.tokenizer == "bytes":
             self.vocab = 256
         self.model_config(self.vocab)  # the model's own checks (heads vs hidden, kv heads)
@@ -160,40 +162,17 @@ class TrainConfig:
         from dp when dp is given, else 2 where it divides; dp the rest), and every check of the
         model and batch against them. The command line calls it before spawning any rank,
         run() again on every rank: one rule, one message."""
-        mode, sp = self.mode, self.sp
-        tp_size = mode.ranks()
-        if world % (tp_size * sp):
-            raise GridError(f"--tp {mode.spec()} ({tp_size} ranks) x --sp {sp} does not divide the world of {world} "
-                            "ranks")
-        rest = world // (tp_size * sp)
-        if self.dp and self.pp and self.dp * self.pp != rest:
-            raise GridError(f"--dp {self.dp} x --pp {self.pp} x --tp {mode.spec()} x --sp {sp} needs "
-                            f"{self.dp * self.pp * tp_size * sp} ranks, the world has {world}")
-        for name in ("dp", "pp"):
-            v = getattr(self, name)
-            if v and rest % v:
-                raise GridError(f"--{name} {v} does not divide the {rest} ranks left by --tp {mode.spec()} x --sp {sp} "
-                                f"(world {world})")
-        pp = self.pp or (rest // self.dp if self.dp else
-                         2 if rest % 2 == 0 and self.layers % 2 == 0 and rest > 1 else 1)
-        dp = self.dp or rest // pp
-        if self.layers % (pp * self.chunks):
-            raise GridError(f"{self.layers} layers do not split over {pp} pipeline stages x {self.chunks} chunks")
-        if self.schedule == "interleaved" and (pp < 2 or self.microbatches % pp):
-            raise GridError(f"--schedule interleaved needs pp >= 2 and microbatches a multiple of pp, got pp {pp}, "
-                            f"--microbatches {self.microbatches}")
-        if self.batch % (dp * self.microbatches):
-            raise GridError(f"batch {self.batch} does not split into {dp} dp shards of {self.microbatches} "
-                            "microbatches")
-        if self.tie and pp > 1:
-            raise GridError("--tie needs the embedding and the head on one pipeline stage (pp 1)")
+        dims = ParallelDims.for_world(world, self.mode, self.sp, self.dp, self.pp, self.layers)
         model = self.model_config(256)
-        if not mode.accepts(self.heads, self.hidden, model.kv_heads):
-            raise GridError(f"{self.heads} heads ({model.kv_heads} key/value heads) and hidden {self.hidden} do not "
-                            f"split over --tp {mode.spec()}")
-        chunks = 2 * sp if self.attention == "ring" and sp > 1 else sp
-        if self.seq % chunks:
-            raise GridError(f"--seq {self.seq} does not split into the {chunks} chunks --sp {sp} needs")
+        dims.check_model(self.layers, self.heads, self.hidden, self.seq, model.kv_heads,
+                         zigzag=self.attention == "ring", chunks=self.chunks)
+        dims.check_batch(self.batch, self.microbatches)
+        dp, pp, sp = dims.dp, dims.pp, dims.sp
+        if self.schedule == "interleaved" and (pp < 2 or self.microbatches % pp):
+            raise GridError(f"the interleaved schedule needs pp >= 2 and microbatches a multiple of pp, got pp {pp}, "
+                            f"microbatches {self.microbatches}")
+        if self.tie and pp > 1:
+            raise GridError("tie needs the embedding and the head on one pipeline stage (pp 1)")
         pipeline.resolve_ac(self.ac, self.layers // (pp * self.chunks), self.layers)
         return {"dp": dp, "pp": pp, "sp": sp}
 
@@ -210,28 +189,28 @@ class TrainConfig:
             with open(f, "rb") as fh:
                 head = fh.read(1 << 16)
             if b"\x00" in head:
-                raise GridError(f"--data: {f} is not text (it holds NUL bytes); --data takes UTF-8 text files")
+                raise GridError(f"data={f} is not text (it holds NUL bytes); data takes UTF-8 text files")
             try:
                 codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
             except UnicodeDecodeError as e:
-                raise GridError(f"--data: {f} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+                raise GridError(f"data={f} is not UTF-8 text ({e.reason} at byte {e.start})") from None
         if self.resume:
             load_checkpoint(Path(self.resume))  # a clear GridError when there is none
         out = Path(self.out).absolute()
         if out.exists() and not out.is_dir():
-            raise GridError(f"--out {out} exists and is not a folder")
+            raise GridError(f"out={out} exists and is not a folder")
         near = next(p for p in [out, *out.parents] if p.exists())
         if not near.is_dir():
-            raise GridError(f"--out {out}: {near} is a file, not a folder")
+            raise GridError(f"out={out}: {near} is a file, not a folder")
         if not os.access(near, os.W_OK | os.X_OK):
-            raise PermissionError(f"--out {out}: {near} is not writable by this user")
+            raise PermissionError(f"out={out}: {near} is not writable by this user")
         model = models.build(self.model_config(self.vocab), device="meta")
         params = sum(p.numel() for p in model.parameters())
         # a checkpoint: the parameters and OffloadAdam's fp32 master, exp_avg, exp_avg_sq
         need = 2 * params * (self.compute.dtype.itemsize + 12) + 8 * data.corpus_size(self.data)
         free = shutil.disk_usage(near).free
         if free < need:
-            raise OSError(28, f"--out {out}: {free / 2 ** 20:.0f} MiB free on its disk, this run needs about "
+            raise OSError(28, f"out={out}: {free / 2 ** 20:.0f} MiB free on its disk, this run needs about "
                               f"{need / 2 ** 20:.0f} MiB (two checkpoints of {params} parameters and the token file)")
 
     def lr_at(self, step: int) -> float:
@@ -311,13 +290,8 @@ class StepState:
 
 
 def model_flops_per_token(m: ModelConfig) -> float:
-    """Training FLOPs per token (forward + backward, no recomputation): 6 x the parameters
-    of the matrices plus the attention scores and values, 12 x layers x hidden x seq (PaLM's
-    MFU convention, Chowdhery et al. 2022, App. B)."""
-    d = m.hidden // m.heads
-    kv = (m.kv_heads or m.heads) * d
-    per_layer = m.hidden * (m.hidden + 2 * kv) + m.hidden * m.hidden + m.hidden * m.ffn * (3 if m.family == "llama" else 2)
-    return 6 * (m.layers * per_layer + m.vocab * m.hidden) + 12 * m.layers * m.hidden * m.seq
+    """Training FLOPs per token of the model (ModelConfig.flops_per_token: MFU's numerator)."""
+    return m.flops_per_token()
 
 
 def peak_flops(grid, precision: str) -> tuple:
@@ -348,7 +322,7 @@ def evaluate(stage, grid, windows: torch.Tensor, cfg: TrainConfig, mb: int) -> f
     loss = pipeline.pipeline_forward(stage, grid, xs, ys, stage.loss, stage.activation_shape(mb, cfg.seq),
                                         dtype=cfg.compute.dtype)
     stage.train()
-    mine_counts = loss is not None and all(c == 0 for a, c in grid.coords.items() if a not in ("pp", "dp"))
+    mine_counts = loss is not None and first_copy(grid, distinct=("dp",))  # each dp rank's own windows
     total = torch.tensor([loss.item() * len(mine) if mine_counts else 0.0, len(mine) if mine_counts else 0.0],
                          dtype=torch.float64, device=grid.device)
     grid.all_reduce(total, axis=None)
@@ -391,7 +365,7 @@ def train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y) -> tuple:
     loss = loss / loss_scale if loss is not None else None
     # the last stage's loss, identical over its tp/sp group: count one rank of each group.
     # Known on every rank before the update, so a non-finite loss skips it everywhere.
-    mine = loss is not None and all(c == 0 for a, c in grid.coords.items() if a not in ("pp", "dp"))
+    mine = loss is not None and first_copy(grid, distinct=("dp",))
     total = torch.tensor([loss.item() if mine else 0.0], dtype=torch.float64, device=grid.device)
     grid.all_reduce(total, axis=None)
     mean = total.item() / dp
@@ -414,8 +388,8 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
     # fewer GPUs than ranks shares them through Gloo. Every check is before the rendezvous.
     device = None if cfg.device == "auto" else cfg.device
     if device == "cuda" and not torch.cuda.is_available():
-        raise GridError("--device cuda was asked for but this process sees no CUDA GPU "
-                        "(torch.cuda.is_available() is False); use --device cpu")
+        raise GridError("device=cuda was asked for but this process sees no CUDA GPU "
+                        "(torch.cuda.is_available() is False); use device=cpu")
     if device == "cuda":
         cfg.compute.check_device(torch.device("cuda", torch.cuda.current_device()))
     grid = init(dp=dp, pp=pp, tp=mode, sp=sp, timeout=cfg.timeout, device=device, backend=cfg.backend,
@@ -492,8 +466,8 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
             raise Diverged(f"training diverged: {bad} steps in a row (steps {step + 2 - bad}-{step + 1}) had a "
                            f"non-finite loss or gradient norm (the last: loss {losses[-1]:.4g}"
                            f"{'' if norm is None else f', gradient norm {norm:.4g}'}); none of them updated the "
-                           f"weights, so every checkpoint holds weights from before them. Lower --lr ({cfg.lr:g}), "
-                           f"or raise --max-bad-steps ({cfg.max_bad_steps}) to ride out spikes")
+                           f"weights, so every checkpoint holds weights from before them. Lower lr={cfg.lr:g}, "
+                           f"or raise max_bad_steps={cfg.max_bad_steps} to ride out spikes")
         dt = time.perf_counter() - t0
         tokens_per_s.append(cfg.batch * cfg.seq / dt)
         mfu.append(tokens_per_s[-1] * flops_token / float(peak_total.item()))

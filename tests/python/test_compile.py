@@ -14,7 +14,9 @@ def _compiled_layer(ctx, mode):
     import gridweave as gw
 
     n = ctx.world_size
-    grid = ctx.init(tp={"1d": gw.Row(n), "3d": gw.Cube(2)}[mode])
+    # inductor compiles on each rank (8 C++ builds on 2 cores here): a peer can reach the first
+    # collective minutes after another, so the grid waits longer than the pool's default
+    grid = ctx.init(tp={"1d": gw.Row(n), "3d": gw.Cube(2)}[mode], timeout=500.0)
     torch.manual_seed(0)
     dense = gw.nn.DenseTransformerLayer(H, HEADS, bias=True, dtype=torch.float32, device=DEVICE)
     layer = gw.nn.TransformerLayer.from_dense(dense, grid, mode=mode)

@@ -242,9 +242,9 @@ def test_plan_reads_a_hugging_face_config_and_explains_its_ranking(tmp_path):
     # the largest part that differs is listed first
     parts = [ln.split()[0] for ln in r.stdout.splitlines() if ln.startswith("  ") and "ms" in ln]
     assert parts, r.stdout
-    bad = subprocess.run([sys.executable, "-m", "gridweave.cli", "plan", "--gpus", "8", "--batch", "8"],
+    bad = subprocess.run([sys.executable, "-m", "gridweave.cli", "plan", "--gpus", "8", "--batch", "8", "--heads", "5"],
                          capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "pass --model, or --hidden --layers --heads --seq" in bad.stderr
+    assert bad.returncode == 2 and "heads" in bad.stderr, bad.stderr  # train's model checks: 128 / 5 heads
 
 
 # Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
@@ -315,3 +315,33 @@ def test_planner_memory_of_the_main_job_on_one_rank_against_rss():
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert abs(out["predicted"] / out["measured"] - 1) <= 0.15, out
+
+
+def test_plan_with_trains_flags_plans_trains_model_and_its_top_grids_train(tmp_path):
+    """One model configuration (issue 29): `gridweave plan` with train's flags plans the model
+    `gridweave train` builds from them (a Llama with half as many key/value heads as heads),
+    so each of the planner's top three grids is one that train accepts and trains."""
+    import math
+    import os
+
+    from rankpool import launcher_args
+
+    flags = ["--hidden", "64", "--heads", "4", "--layers", "4", "--seq", "64", "--batch", "16"]
+    r = subprocess.run([sys.executable, "-m", "gridweave.cli", "plan", "--gpus", "8", "--cluster", "local",
+                        "--json", *flags], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    cfg = gw.train.TrainConfig(hidden=64, heads=4, layers=4, seq=64, batch=16)
+    assert cfg.model_config(cfg.vocab).kv_heads == 2
+    grids = list(dict.fromkeys((g["dp"], g["pp"], g["tp"], g["sp"]) for g in json.loads(r.stdout)))[:3]
+    assert len(grids) == 3, grids
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    for i, (dp, pp, tp, sp) in enumerate(grids):
+        out = tmp_path / f"grid{i}"
+        run = subprocess.run([sys.executable, "-m", "gridweave.cli", "train", *flags, "--steps", "2", "--val-every", "0",
+                              "--tokenizer", "bytes", "--sample-tokens", "0", "--quiet", "--dp", str(dp), "--pp", str(pp),
+                              "--tp", tp, "--sp", str(sp), "--out", str(out), *launcher_args()],
+                             capture_output=True, text=True, timeout=240, env=env, stdin=subprocess.DEVNULL)
+        assert run.returncode == 0, (dp, pp, tp, sp, run.stderr[-3000:])
+        losses = json.loads((out / "metrics.json").read_text())["loss"]
+        assert len(losses) == 2 and all(math.isfinite(x) for x in losses), losses

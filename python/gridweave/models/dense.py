@@ -62,6 +62,20 @@ class ModelConfig:
             return -(-8 * self.hidden // 3 // 8) * 8
         return 4 * self.hidden
 
+    def matrix_parameters(self, embedding: bool = True) -> int:
+        """Parameters of the weight matrices (norms and biases left out): q, k, v, the output
+        projection and the MLP per layer, and the vocab x hidden embedding (tied or not, once)."""
+        kv = self.arch.kv(self.heads) * (self.hidden // self.heads)
+        mlp = self.hidden * self.ffn * (3 if self.family == "llama" else 2)
+        per_layer = self.hidden * (self.hidden + 2 * kv) + self.hidden * self.hidden + mlp
+        return self.layers * per_layer + (self.vocab * self.hidden if embedding else 0)
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token (forward + backward, no recomputation): 6 x the matrices'
+        parameters plus the attention scores and values, 12 x layers x hidden x seq (PaLM's MFU
+        convention, Chowdhery et al. 2022, App. B)."""
+        return 6 * self.matrix_parameters() + 12 * self.layers * self.hidden * self.seq
+
     def to_dict(self) -> dict:
         return asdict(self)
 

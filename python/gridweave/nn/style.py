@@ -41,16 +41,6 @@ class Style(TensorAxes):
                 raise GridError(f"{type(self).__name__} needs axis {a!r} of size {s}; the grid has "
                                 f"{dict(grid.axes)}: gw.init(tp={self!r})")
 
-    def accepts(self, model_heads: int, hidden: int, kv_heads: int | None = None) -> bool:
-        """Whether a model of these sizes (kv_heads: None for as many as heads) splits over this
-        mode: the planner's filter and the launcher's check."""
-        groups = self.head_groups_count()
-        return model_heads % groups == 0 and (kv_heads or model_heads) % groups == 0 and hidden % self.ranks() == 0
-
-    def head_groups_count(self) -> int:
-        """Groups the attention heads split into (each group's heads stay on its ranks)."""
-        return 1
-
     def base_layout(self, grid) -> Layout:
         """(batch, seq, hidden) of a layer's input and output, without the sequence axis."""
         return Layout()
