@@ -52,10 +52,16 @@ def _all_ops(ctx, dtype_name: str):
 
     if n > 1:
         right, left = (r + 1) % n, (r - 1) % n
-        sw = grid.send(mine, right, tag=5, async_op=True)
         buf = torch.empty_like(mine)
-        grid.recv(buf, left, tag=5)
-        sw.wait()
+        # even ranks send first, odd ranks receive first: a ring of single sends and receives
+        # that progresses under NCCL's rules too (an async send and then a receive on every
+        # rank is the deadlock they forbid; grouped: grid.batch_isend_irecv)
+        if r % 2 == 0:
+            grid.send(mine, right, tag=5)
+            grid.recv(buf, left, tag=5)
+        else:
+            grid.recv(buf, left, tag=5)
+            grid.send(mine, right, tag=5)
         checks["send_recv"] = np.array_equal(as_np(buf), as_np(inputs[left]))
     grid.barrier()
     return checks
