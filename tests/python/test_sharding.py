@@ -4,7 +4,7 @@ global norm and clipped gradients (float64, 1e-10)."""
 import pytest
 import torch
 
-from tp_refs import DEVICE, rel
+from tp_refs import DEVICE, full, rel
 
 V, H, HEADS, LAYERS, SEQ, BATCH = 32, 16, 4, 4, 8, 8
 CPU = torch.device("cpu")
@@ -132,9 +132,8 @@ def _layer_by_layout(ctx, spec, dp, sp):
     with torch.no_grad():
         for p in dense.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    x = torch.randn(LB, LS, LH, generator=torch.Generator().manual_seed(11), dtype=torch.float64).to(DEVICE)
-    dy = torch.randn(LB, LS, LH, generator=torch.Generator().manual_seed(12), dtype=torch.float64).to(DEVICE)
-    x.requires_grad_()
+    x = full((LB, LS, LH), 11).requires_grad_()  # seeded, on the test device (never the default one)
+    dy = full((LB, LS, LH), 12)
     y = dense(x)
     y.backward(dy)
     max_norm = 0.3 * float(torch.nn.utils.clip_grad_norm_(dense.parameters(), float("inf")))
