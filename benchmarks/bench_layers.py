@@ -34,7 +34,7 @@ def _dtensor_layer(dense, heads, n):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     import gridweave as gw
-    from gridweave.nn.dense import group_order
+    from gridweave.sharding import group_order
 
     class Local(torch.nn.Module):
         def __init__(self, d):

@@ -19,6 +19,7 @@ import torch
 from . import _C, launch
 from ._buffers import empty_like_shape, host_args, reduce_code, view
 from .axes import ParallelDims
+from .ring import Ring
 from .errors import CommError, GridError
 from .launch import _env_int
 
@@ -171,7 +172,6 @@ class Grid:
         self.dims = dims  # the validated degrees
         self.axes = dict(axes)
         self.backend = backend
-        self.tp = dims.tp  # the tensor-parallel mode object (None: no tensor axes)
         # every tensor the library makes for this grid is made here
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", device_index) if device_index >= 0 else torch.device("cpu"))
@@ -524,6 +524,11 @@ class Grid:
         """The engine's ring over `axis` (seed 004): neighbours, double-buffered exchanges."""
         return Ring(self, axis)
 
+    @property
+    def tp(self):
+        """The tensor-parallel mode object (None: no tensor axes)."""
+        return self.dims.tp
+
     def capabilities(self, axis: AxisArg = None) -> dict:
         """What the transport of `axis` can do (code branches on these, never on a backend name)."""
         c = self.comm(axis, "capabilities")
@@ -633,42 +638,6 @@ class _Session:
 
     current: Grid | None = None
     generation = 0
-
-
-class Ring:
-    """The engine's ring on one axis, with double-buffered exchanges of torch tensors
-    (grid.ring(axis) makes one)."""
-
-    def __init__(self, grid, axis):
-        self.grid, self.axis = grid, axis
-        self.native = _C.Ring(grid.comm(axis, "ring"))
-        self.size, self.rank = self.native.size, self.native.rank
-
-    def source_at(self, step):
-        return self.native.source_at(step)
-
-    def pass_on(self, tensors, step):
-        """Start sending `tensors` to the next rank; returns (work, tensors from the previous rank)."""
-        send = [t.contiguous() for t in tensors]
-        if self.size == 1:  # a ring of one passes to itself
-            return _Exchange(self.native.exchange([], [], step), send, send, self.grid.timeout)
-        device = send[0].device
-        # a transport that takes host memory only (Gloo) carries CUDA blocks through host copies
-        staged = self.grid.comm(self.axis, "ring").device == _C.Device.CPU and device.type == "cuda"
-        if staged:
-            send = [t.to("cpu") for t in send]
-        recv = [torch.empty_like(t) for t in send]
-        work = self.native.exchange([view(t) for t in send], [view(t) for t in recv], step)
-        return _Exchange(work, send, recv, self.grid.timeout, device if staged else None)
-
-
-class _Exchange:
-    def __init__(self, work, send, recv, timeout, device=None):
-        self.work, self.send, self.recv, self.timeout, self.device = work, send, recv, timeout, device
-
-    def wait(self):
-        self.work.wait(self.timeout)
-        return self.recv if self.device is None else [t.to(self.device) for t in self.recv]
 
 
 def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", placement: str = "topology",

@@ -126,7 +126,7 @@ def model_from(source, batch: int, seq: int | None = None, **sizes) -> Model:
             try:
                 d = json.loads(path.read_text())
             except (OSError, ValueError) as e:
-                raise GridError(f"--model {path}: not a readable JSON config ({e})") from None
+                raise GridError(f"model {path}: not a readable JSON config ({e})") from None
         found = {}
         for name, keys in _SIZE_KEYS.items():
             key = next((k for k in keys if isinstance(d.get(k), int)), None)
@@ -348,8 +348,9 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
         raise GridError(f"chunks must be a positive integer (above 1 only with pp > 1), got {chunks!r}")
 
     e = model.bytes_per_value
-    grid.dims().check_batch(model.batch)
-    grid.dims().check_layers(model.layers)
+    dims = grid.dims()
+    dims.check_batch(model.batch)
+    dims.check_layers(model.layers)
     b = model.batch // grid.dp  # sequences per data-parallel replica
     m = microbatches or (min(b, 4 * grid.pp) if grid.pp > 1 else 1)
     links, _ = _links(grid, cluster)

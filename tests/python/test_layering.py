@@ -50,7 +50,7 @@ PKG = ROOT / "python" / "gridweave"
 LAYERS = (
     ("base", {"_C", "errors", "launch", "_buffers", "axes", "precision", "measure"}),
     ("layout", {"layout"}),
-    ("grid", {"grid", "sharding"}),
+    ("grid", {"grid", "sharding", "ring"}),
     ("beside models (pipeline, optim, checkpoint: sharding, layout and grid only)",
      {"pipeline", "optim", "checkpoint"}),
     ("autograd", {"autograd"}),

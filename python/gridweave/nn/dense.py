@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import GridError
-from ..sharding import group_order  # noqa: F401  (the packed projections' row order; gw.nn.dense's name)
 
 
 class Norm(enum.Enum):

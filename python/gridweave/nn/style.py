@@ -113,9 +113,14 @@ def registered() -> list:
     return list(_STYLES.values())
 
 
+def find(name):
+    """The registered class of a layer-mode name, or None."""
+    return _STYLES.get(name) if isinstance(name, str) else None
+
+
 def style_class(name: str):
     """The registered class of a layer-mode name, or a GridError listing the names."""
-    cls = _STYLES.get(name) if isinstance(name, str) else None
+    cls = find(name)
     if cls is None:
         raise GridError(f"mode must be a gw mode object or one of {sorted(_STYLES)}, got {name!r}")
     return cls

@@ -9,17 +9,17 @@ from ..autograd import subgraph as sgops
 from ..axes import AxesView
 from ..errors import GridError
 from ..layout import Layout
-from ..sharding import place, set_row_order
-from .dense import GPT2, DenseSelfAttention, group_order, values
+from ..sharding import group_order, place, set_row_order
+from .dense import GPT2, DenseSelfAttention, values
 from .sequence import ReplicatedLinear, attend
-from .style import Branches, Style, registered, resolve
+from .style import Branches, Style, find, resolve
 
 
 def subgraph_layout(mode, sp=False, causal=False):
     """(batch, seq, hidden) of the common layers: D&SP splits the batch over (dp, sg); cSub
     over dp on sub-grid 0, the other sub-grids holding nothing; the sequence over sp
     (zigzag when causal). `mode`: gw.SubGraph / gw.CSub or "dsp" / "csub"."""
-    cls = type(mode) if isinstance(mode, Style) else next((c for c in registered() if c.name == mode), None)
+    cls = type(mode) if isinstance(mode, Style) else find(mode)
     if cls is None or not issubclass(cls, Branches):
         raise GridError(f"sub-graph mode must be gw.SubGraph, gw.CSub, 'dsp' or 'csub', got {mode!r}")
     return cls(1).layout(AxesView({"sp": 2 if sp else 1}), causal)  # the mode's own sp rule

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from ..errors import GridError
-from ..sharding import set_row_order
-from .dense import GPT2, Arch, DenseMLP, DenseSelfAttention, DenseTransformerLayer, group_order
+from ..sharding import group_order, set_row_order
+from .dense import GPT2, Arch, DenseMLP, DenseSelfAttention, DenseTransformerLayer
 from .sequence import attend, sequence_parallel
 from .style import resolve
 
