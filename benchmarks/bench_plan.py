@@ -45,7 +45,7 @@ def job_config(**grid):
 def planner_model():
     from gridweave import plan
 
-    return plan.model_from(plan.model_of(job_config()), batch=job_config().batch)
+    return plan.model_of(job_config())
 
 
 def grids() -> list:

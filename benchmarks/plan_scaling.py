@@ -13,8 +13,9 @@ import json
 from pathlib import Path
 
 from gridweave import plan
+from gridweave.models import ModelConfig
 
-MODEL = plan.Model(hidden=12288, layers=96, heads=96, seq=2048, batch=1536)
+MODEL = plan.Model(ModelConfig("gpt", 51200, hidden=12288, heads=96, layers=96, seq=2048), batch=1536)
 MODES = ("none", "row", "square", "cube", "subgraph")
 
 

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from gridweave import plan
+from gridweave.models import ModelConfig
 
 # (table, mode, GPUs, batch, hidden, measured average step time per sequence in s)
 SEED000 = [
@@ -52,8 +53,7 @@ def runnable(hidden: int, mode) -> tuple:
 def predicted_per_sequence(cluster: plan.Cluster, mode: str, n: int, batch: int, hidden: int) -> float:
     tp = tp_mode(mode, n)
     hidden, heads = runnable(hidden, tp)
-    model = plan.Model(hidden=hidden, layers=LAYERS, heads=heads, seq=512, batch=batch, vocab=0,
-                       fused_attention=False)  # 2021: the scores materialised
+    model = plan.Model(ModelConfig("gpt", 51200, hidden=hidden, heads=heads, layers=LAYERS, seq=512), batch=batch, embedding=False, fused_attention=False)  # 2021: the scores materialised
     grid = plan.GridShape(tp=tp, placement="naive")
     return plan.predict(model, grid, cluster, microbatches=1)["step_time_s"] / batch
 
@@ -93,7 +93,7 @@ def features(cluster: plan.Cluster, mode: str, n: int, batch: int, hidden: int, 
 
     tp = tp_mode(mode, n)
     hidden, heads = runnable(hidden, tp)
-    model = plan.Model(hidden=hidden, layers=1, heads=heads, seq=512, batch=batch, vocab=0, fused_attention=False)
+    model = plan.Model(ModelConfig("gpt", 51200, hidden=hidden, heads=heads, layers=1, seq=512), batch=batch, embedding=False, fused_attention=False)
     grid = plan.GridShape(tp=tp, placement=placement)
     links, _ = plan._links(grid, cluster)
     sizes = dict(grid.axes())

@@ -20,7 +20,6 @@ from . import plan
 from .grid import init, shutdown
 from .measure import call_rate, gemm_rate, vector_bandwidth
 from .models import ModelConfig
-from .modes import parse
 from .nn.dense import DenseTransformerLayer
 from .recorder import Census
 from .train import TrainConfig, build, train_step
@@ -209,10 +208,8 @@ def fixed_costs(grid, preset: dict, steps: int = 5) -> tuple:
             grid.all_reduce(t, "dp", op="max")
             times.append(float(t))
         g.shutdown()
-        model = plan.Model(cfg.hidden, cfg.layers, cfg.heads, cfg.seq, cfg.batch, cfg.model_config(256).vocab, 4,
-                           "llama")
-        shape_ = plan.GridShape(dp=shape["dp"], tp=parse(cfg.tp or "none"), sp=shape["sp"])
-        r = plan.predict(model, shape_, base, microbatches=1, offload_bsize=cfg.bsize, coarsening=cfg.coarsening)
+        shape_ = plan.GridShape(dp=shape["dp"], tp=cfg.mode, sp=shape["sp"])
+        r = plan.predict(plan.model_of(cfg), shape_, base, microbatches=1, offload_bsize=cfg.bsize, coarsening=cfg.coarsening)
         rows.append((r["kernels"], r["collectives"], statistics.median(times[2:]) - r["step_time_s"]))
     a = np.array([[k, c] for k, c, _ in rows], dtype=float)
     y = np.array([t for _, _, t in rows])

@@ -67,86 +67,60 @@ def load_cluster(name_or_path: str, gpus_per_node: int | None = None) -> Cluster
 
 @dataclass(frozen=True)
 class Model:
-    hidden: int
-    layers: int
-    heads: int
-    seq: int
+    """The planner's workload: a model (gw.models.ModelConfig, the one model configuration
+    train, hf, calibrate and checkpoints share) at a global batch, in a precision."""
+    config: ModelConfig
     batch: int  # global batch (sequences per step)
-    vocab: int = 51200  # 0: the layer stack alone (no embedding, head, loss or optimizer)
     bytes_per_value: int = 2  # bf16 (2) or fp32 (4) weights, activations and gradients
-    family: str = "gpt"  # gw.models.ModelConfig's: "gpt" (4h GeLU MLP, LayerNorm) or "llama"
-    kv_heads: int = 0    # 0: the family's default
-    ffn: int = 0         # 0: the family's default
-    tie: bool = False
+    embedding: bool = True  # False: the layer stack alone (no embedding, head, loss or optimizer)
     # the attention core as one fused kernel (flash / memory-efficient attention: q, k, v, the
     # output and the log-sum-exp kept), else materialised scores kept for backward (Megatron's
     # 2022 runs, which selective recomputation was made for)
     fused_attention: bool = True
 
-    def config(self):
-        """The gw.models.ModelConfig the planner records (its layers, embedding, head)."""
-        return ModelConfig(self.family, max(self.vocab, 1), self.hidden, self.heads, self.layers, self.seq,
-                           self.ffn or None, self.kv_heads or None, tie=self.tie)
+    hidden = property(lambda self: self.config.hidden)
+    layers = property(lambda self: self.config.layers)
+    heads = property(lambda self: self.config.heads)
+    seq = property(lambda self: self.config.seq)
 
-
-# The keys of a model's sizes in Hugging Face configs (Llama-style first, GPT-2's after) and
-# in gridweave's own (ModelConfig.to_dict: a run's index, an export's model_config.json).
-_SIZE_KEYS = {"hidden": ("hidden_size", "n_embd", "hidden"), "layers": ("num_hidden_layers", "n_layer", "layers"),
-              "heads": ("num_attention_heads", "n_head", "heads"), "vocab": ("vocab_size", "vocab"),
-              "seq": ("max_position_embeddings", "n_positions", "seq")}
+    @property
+    def vocab(self) -> int:
+        """The vocabulary the step computes: 0 for the layer stack alone."""
+        return self.config.vocab if self.embedding else 0
 
 
 def model_of(cfg) -> Model:
     """The planner's Model of a gw.train.TrainConfig: the model `gridweave train` builds from
     it, in its precision, at its global batch."""
-    c = cfg.model_config(cfg.vocab)
-    return Model(c.hidden, c.layers, c.heads, c.seq, cfg.batch, c.vocab, cfg.compute.dtype.itemsize, c.family,
-                 c.kv_heads or 0, c.ffn or 0, c.tie)
+    return Model(cfg.model_config(cfg.vocab), cfg.batch, cfg.compute.dtype.itemsize)
 
 
 def model_from(source, batch: int, seq: int | None = None, **sizes) -> Model:
-    """The planner's Model of a config: a Hugging Face config.json (or the folder holding it),
+    """The planner's Model of a config: a Hugging Face config.json (or the folder holding it) or
     a gridweave model config (a run folder's checkpoint index, an export's model_config.json),
-    or a Model (the main job's: model_of(gw.train.TrainConfig(...))). seq defaults to the
-    config's context length; `sizes` (hidden, layers, heads, vocab) override it. The planner's
-    layer is the mode's TransformerLayer (4h MLP, as many kv heads as heads)."""
-    if isinstance(source, Model):
-        found = asdict(source)
+    read by ModelConfig.fields_of. seq defaults to the config's context length; `sizes`
+    (hidden, layers, heads, vocab) override it; a config without a vocabulary plans GPT-2's
+    padded 51200."""
+    p = Path(source)
+    candidates = [p] if p.is_file() else [p / "config.json", p / "model_config.json", p / "checkpoint" / "latest"]
+    path = next((c for c in candidates if c.exists()), None)
+    if path is None:
+        raise GridError(f"model {source}: not a config.json or a folder holding one")
+    if path.name == "latest":  # a run folder: its newest checkpoint's index
+        d = open_index(p / "checkpoint")[1]["config"]["model"]
     else:
-        p = Path(source)
-        candidates = [p] if p.is_file() else [p / "config.json", p / "model_config.json",
-                                               p / "checkpoint" / "latest"]
-        path = next((c for c in candidates if c.exists()), None)
-        if path is None:
-            raise GridError(f"model {source}: not a config.json or a folder holding one")
-        if path.name == "latest":  # a run folder: its newest checkpoint's index
-
-            d = open_index(p / "checkpoint")[1]["config"]["model"]
-        else:
-            try:
-                d = json.loads(path.read_text())
-            except (OSError, ValueError) as e:
-                raise GridError(f"model {path}: not a readable JSON config ({e})") from None
-        found = {}
-        for name, keys in _SIZE_KEYS.items():
-            key = next((k for k in keys if isinstance(d.get(k), int)), None)
-            if key is not None:
-                found[name] = d[key]
-        llama = d.get("model_type") == "llama" or d.get("family") == "llama"
-        found["family"] = "llama" if llama else "gpt"
-        for name, keys in (("kv_heads", ("num_key_value_heads", "kv_heads")),
-                           ("ffn", ("intermediate_size", "n_inner", "ffn_hidden"))):
-            found[name] = next((d[k] for k in keys if isinstance(d.get(k), int)), 0)
-        found["tie"] = bool(d.get("tie_word_embeddings", d.get("tie", False)))
+        try:
+            d = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise GridError(f"model {path}: not a readable JSON config ({e})") from None
+    found = {"family": "gpt", "vocab": 51200, **ModelConfig.fields_of(d)}
     found.update({k: v for k, v in sizes.items() if v})
     if seq:
         found["seq"] = seq
     missing = [k for k in ("hidden", "layers", "heads", "seq") if k not in found]
     if missing:
-        raise GridError(f"--model {source}: no {', '.join(missing)} in the config; pass --{' --'.join(missing)}")
-    return Model(found["hidden"], found["layers"], found["heads"], found["seq"], batch, found.get("vocab", 51200),
-                 found.get("bytes_per_value", 2), found.get("family", "gpt"), found.get("kv_heads", 0),
-                 found.get("ffn", 0), found.get("tie", False))
+        raise GridError(f"model {source}: no {', '.join(missing)} in the config; give {', '.join(missing)}")
+    return Model(ModelConfig(**{k: v for k, v in found.items() if k in ModelConfig.__dataclass_fields__}), batch)
 
 
 def step_counters(schedule, axes: dict, placement, rank: int) -> dict:
@@ -309,7 +283,7 @@ def schedule_of(model: Model, grid: GridShape, microbatches: int, stage: int = 0
     pipeline stage `stage`; a model of vocab 0 is its layer stack alone (seed 000's and SUPER's
     measurements: no embedding, head, loss or optimizer)."""
     b = model.batch // grid.dp
-    return step_schedule(model.config(), grid.tp, grid.dp, grid.pp, grid.sp, (("pp", stage),), microbatches,
+    return step_schedule(model.config, grid.tp, grid.dp, grid.pp, grid.sp, (("pp", stage),), microbatches,
                          b / microbatches, _dtype(model), bsize, coarsening, clip, False, bool(model.vocab),
                          model.fused_attention)
 
@@ -324,7 +298,8 @@ def work_ops(micro) -> list:
 def layer_ops(model: Model, grid: GridShape, tokens: float) -> list:
     """One transformer layer's work on one rank for `tokens` tokens of its replica, forward and
     backward, as the mode's layer runs it (recorded)."""
-    one = dataclasses.replace(model, layers=1, vocab=0, batch=tokens / model.seq * grid.dp)
+    one = dataclasses.replace(model, config=dataclasses.replace(model.config, layers=1), embedding=False,
+                              batch=tokens / model.seq * grid.dp)
     return work_ops(schedule_of(one, dataclasses.replace(grid, pp=1), 1).microbatch)
 
 
@@ -410,7 +385,7 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
     else:
         optimizer_s = 0.0
     step = pipeline + step_comm + optimizer_s
-    phi = model.config().matrix_parameters(embedding=model.vocab > 0)
+    phi = model.config.matrix_parameters(embedding=model.embedding)
     compute_paper = (transformer_flops(model, recompute) / (grid.dp * grid.pp * grid.tp_ranks() * grid.sp)
                      / cluster.gemm_flops)
 
@@ -478,7 +453,7 @@ def tensor_modes(n: int, model: Model) -> list:
             m = cls(size)
             if m.ranks() > n:
                 break
-            if n % m.ranks() == 0 and m.accepts(model.heads, model.hidden, model.config().arch.kv(model.heads)):
+            if n % m.ranks() == 0 and m.accepts(model.heads, model.hidden, model.config.arch.kv(model.heads)):
                 out.append(m)
     return out
 
@@ -493,7 +468,7 @@ def enumerate_grids(n: int, model: Model, placements=("topology", "naive")):
     """Every grid of n ranks the model's sizes allow (ParallelDims decides; the planner adds
     only its floor of tokens per sequence-parallel rank)."""
     out = []
-    kv = model.config().arch.kv(model.heads)
+    kv = model.config.arch.kv(model.heads)
     for mode in tensor_modes(n, model):
         rest = n // mode.ranks()
         for sp in (d for d in range(1, rest + 1) if rest % d == 0

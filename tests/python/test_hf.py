@@ -96,6 +96,10 @@ def test_export_folder_loads_in_from_pretrained(tmp_path, family):
     back = gw.models.from_hf(hf)
     for k, v in ours.state_dict().items():
         assert torch.equal(back.state_dict()[k], v), k
+    # the model's own method is the same conversion (issue 15's model.to_hf())
+    assert rel(ours.to_hf()(ids).logits, hf(ids).logits) == 0
+    # one reader of config keys: the planner reads the saved config.json as from_hf reads transformers' config
+    assert gw.plan.model_from(str(tmp_path), batch=4).config == gw.hf.config_from_hf(hf.config)
 
 
 def test_from_hf_config_builds_the_architecture():

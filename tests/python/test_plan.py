@@ -8,6 +8,7 @@ import pytest
 
 import gridweave as gw
 from gridweave import plan
+from gridweave.models import ModelConfig
 
 
 def test_ring_costs_are_alpha_beta():
@@ -22,7 +23,7 @@ def test_ring_costs_are_alpha_beta():
 
 def test_papers_formulas():
     assert plan.bubble_fraction(4, 8) == 3 / 8  # (p-1)/m
-    m = plan.Model(hidden=8192, layers=24, heads=64, seq=512, batch=384, vocab=51200)
+    m = plan.Model(ModelConfig("gpt", 51200, hidden=8192, heads=64, layers=24, seq=512), batch=384)
     b, s, l, h, v = 384, 512, 24, 8192, 51200
     assert plan.transformer_flops(m, recompute=True) == pytest.approx(96 * b * s * l * h * h * (1 + s / (6 * h)
                                                                                                + v / (16 * l * h)))
@@ -41,10 +42,10 @@ def test_topology_keeps_subgraph_lines_inside_a_node():
 
 def test_memory_follows_axonn_accounting():
     cluster = plan.load_cluster("a100-ib")
-    m = plan.Model(hidden=1024, layers=8, heads=16, seq=256, batch=32)
+    m = plan.Model(ModelConfig("gpt", 51200, hidden=1024, heads=16, layers=8, seq=256), batch=32)
     full = plan.predict(m, plan.GridShape(dp=8), cluster)
     off = plan.predict(m, plan.GridShape(dp=8), cluster, offload_bsize=1 << 20)
-    phi = sum(p.numel() for p in gw.models.build(m.config(), device="meta").parameters())  # torch's own count
+    phi = sum(p.numel() for p in gw.models.build(m.config, device="meta").parameters())  # torch's own count
     # AxoNN's 4 phi + 16 bsize, and the flat half-precision gradient OffloadAdam sums (2 phi)
     assert full["memory_bytes"] - off["memory_bytes"] == pytest.approx(20 * phi - (4 * phi + 16 * (1 << 20) + 2 * phi))
     assert off["host_bytes"] == 16 * phi  # fp32 master, exp_avg, exp_avg_sq, the weight-decay mask
@@ -85,7 +86,7 @@ def test_calibrate_writes_a_usable_local_preset(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     c = plan.load_cluster(str(out))
     assert c.intra_alpha_s > 0 and c.intra_bandwidth_Bps > 1e6 and c.gemm_flops > 1e8
-    rows = plan.plan(2, plan.Model(hidden=64, layers=2, heads=4, seq=32, batch=4), c)
+    rows = plan.plan(2, plan.Model(ModelConfig("gpt", 51200, hidden=64, heads=4, layers=2, seq=32), batch=4), c)
     assert rows and rows[0]["step_time_s"] > 0
 
 
@@ -101,7 +102,7 @@ def test_pipeline_bubble_is_p_minus_1_over_m(p, m):
     import dataclasses
 
     cluster = dataclasses.replace(plan.load_cluster("a100-ib"), **FREE)
-    model = plan.Model(hidden=512, layers=24, heads=8, seq=128, batch=48, vocab=0)
+    model = plan.Model(ModelConfig("gpt", 51200, hidden=512, heads=8, layers=24, seq=128), batch=48, embedding=False)
     r = plan.predict(model, plan.GridShape(pp=p), cluster, microbatches=m)
     assert r["bubble"] == pytest.approx((p - 1) / m)
     assert r["step_time_s"] == pytest.approx(r["compute_s"] * (1 + (p - 1) / m), rel=1e-12)
@@ -113,7 +114,7 @@ def test_ranks_sharing_cores_fill_the_bubble():
     rank (or a GPU per rank) the bubble is (p-1)/m."""
     import dataclasses
 
-    model = plan.Model(hidden=128, layers=4, heads=8, seq=64, batch=8, vocab=0)
+    model = plan.Model(ModelConfig("gpt", 51200, hidden=128, heads=8, layers=4, seq=64), batch=8, embedding=False)
     base = dataclasses.replace(plan.load_cluster("a100-ib"), **FREE)
     for cores, stretch in ((2, 1.0), (8, 2.5), (0, 2.5), (4, 1.25)):
         r = plan.predict(model, plan.GridShape(dp=2, pp=4), dataclasses.replace(base, cores_per_node=cores),
@@ -137,7 +138,7 @@ def test_planner_traffic_split_is_super_eqs_4_to_7(n, n_node, g):
     import dataclasses
 
     cluster = dataclasses.replace(plan.load_cluster("v100-ib"), gpus_per_node=n_node)
-    model = plan.Model(hidden=256, layers=2, heads=32, seq=64, batch=n, vocab=0)  # heads split over g <= 32
+    model = plan.Model(ModelConfig("gpt", 51200, hidden=256, heads=32, layers=2, seq=64), batch=n, embedding=False)  # heads split over g <= 32
     for placement, (intra, inter) in zip(("naive", "topology"), _super_eqs(n, n_node, g)):
         r = plan.predict(model, plan.GridShape(dp=n // g, tp=gw.SubGraph(g), placement=placement), cluster)
         b = r["bytes_per_axis"]["sg"]
@@ -183,7 +184,7 @@ def test_seed000_order_of_modes(table, gpus):
 
 def test_the_breakdowns_add_up_to_the_step_time_and_the_memory():
     cluster = plan.load_cluster("a100-ib")
-    m = plan.Model(hidden=1024, layers=8, heads=16, seq=256, batch=32)
+    m = plan.Model(ModelConfig("gpt", 51200, hidden=1024, heads=16, layers=8, seq=256), batch=32)
     for g in (plan.GridShape(dp=2, pp=4, tp=gw.Row(2)), plan.GridShape(dp=1, pp=1, tp=gw.Cube(2)),
               plan.GridShape(dp=2, pp=2, sp=2)):
         for recompute in (False, True):
@@ -206,7 +207,7 @@ def test_recomputation_is_a_third_of_the_layers_gemm_work(tp, pp):
     import dataclasses
 
     cluster = dataclasses.replace(plan.load_cluster("a100-ib"), vector_bandwidth_Bps=0.0, launch_s=0.0)
-    m = plan.Model(hidden=1024, layers=8, heads=16, seq=256, batch=32)
+    m = plan.Model(ModelConfig("gpt", 51200, hidden=1024, heads=16, layers=8, seq=256), batch=32)
     g = plan.GridShape(dp=2, pp=pp, tp=gw.Row(tp))
     r = plan.predict(m, g, cluster, recompute=True)
     b, s, h, L = 32 // 2, 256, 1024, 8 // pp
@@ -259,8 +260,7 @@ MEGATRON = [("22B", 6144, 48, 64, 1, 4, 4, 1, 1.10), ("175B", 12288, 96, 96, 8, 
 
 def _megatron(name, hidden, layers, heads, pp, batch, mbs, chunks, seconds):
     # 2022: no flash attention, the scores were materialised (and selectively recomputed)
-    m = plan.Model(hidden=hidden, layers=layers, heads=heads, seq=2048, batch=batch, vocab=51200,
-                   fused_attention=False)
+    m = plan.Model(ModelConfig("gpt", 51200, hidden=hidden, heads=heads, layers=layers, seq=2048), batch=batch, fused_attention=False)
     r = plan.predict(m, plan.GridShape(pp=pp, tp=gw.Row(8)), plan.load_cluster("a100-ib"),
                      microbatches=batch // mbs, recompute="selective", chunks=chunks)
     return r["step_time_s"] / seconds - 1

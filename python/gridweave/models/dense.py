@@ -12,6 +12,17 @@ from ..errors import GridError
 from ..nn.dense import GPT2, LLAMA, Activation, Arch, DenseTransformerLayer, Norm
 
 
+# The one reader of a model config's keys: each field under gridweave's own name (to_dict:
+# a checkpoint index, an export's model_config.json) or Hugging Face's (Llama's, GPT-2's).
+CONFIG_KEYS = {"vocab": ("vocab", "vocab_size"), "hidden": ("hidden", "hidden_size", "n_embd"),
+               "heads": ("heads", "num_attention_heads", "n_head"), "layers": ("layers", "num_hidden_layers", "n_layer"),
+               "seq": ("seq", "max_position_embeddings", "n_positions"),
+               "ffn_hidden": ("ffn_hidden", "intermediate_size", "n_inner"), "kv_heads": ("kv_heads", "num_key_value_heads"),
+               "eps": ("eps", "rms_norm_eps", "layer_norm_epsilon"), "tie": ("tie", "tie_word_embeddings")}
+HF_FAMILY = {"llama": "llama", "gpt2": "gpt"}  # Hugging Face's model_type -> family
+HF_ACTIVATION = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}  # GPT-2's
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A decoder's sizes and architecture: what a checkpoint and an export record.
@@ -78,6 +89,27 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @staticmethod
+    def fields_of(d: dict) -> dict:
+        """The ModelConfig fields a config dict gives (gridweave's keys or Hugging Face's; the
+        ones it lacks are left out, for the caller's defaults or overrides)."""
+        out = {name: d[key] for name, keys in CONFIG_KEYS.items()
+               for key in [next((k for k in keys if d.get(k) is not None), None)] if key is not None}
+        if "tie" in out:
+            out["tie"] = bool(out["tie"])
+        family = d.get("family") or HF_FAMILY.get(d.get("model_type"))
+        if family:
+            out["family"] = family
+        # transformers 5 keeps rotary settings in rope_parameters (older: rope_theta + rope_scaling)
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        theta = d.get("rope_theta", rope.get("rope_theta"))
+        if theta is not None:
+            out["rope_theta"] = float(theta)
+        activation = d.get("activation") or HF_ACTIVATION.get(d.get("activation_function"))
+        if activation:
+            out["activation"] = activation
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":

@@ -12,7 +12,7 @@ import warnings
 import torch
 
 from ..errors import GridError
-from .dense import GPT, ModelConfig, build
+from .dense import GPT, HF_ACTIVATION, ModelConfig, build
 
 
 def _transformers():
@@ -33,7 +33,6 @@ def _llama_config(c) -> ModelConfig:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         _unsupported("rope_parameters.rope_type", rope_type, "rope scaling")
-    theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
     if getattr(c, "attention_bias", False):
         _unsupported("attention_bias", True, "attention biases")
     if getattr(c, "mlp_bias", False):
@@ -49,16 +48,11 @@ def _llama_config(c) -> ModelConfig:
         _unsupported("pretraining_tp", c.pretraining_tp, "split-and-sum linears")
     if getattr(c, "attention_dropout", 0.0):
         _unsupported("attention_dropout", c.attention_dropout, "dropout")
-    return ModelConfig("llama", c.vocab_size, c.hidden_size, c.num_attention_heads, c.num_hidden_layers,
-                       c.max_position_embeddings, c.intermediate_size, c.num_key_value_heads, float(theta),
-                       c.rms_norm_eps, bool(c.tie_word_embeddings))
-
-
-_GPT2_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+    return ModelConfig(**ModelConfig.fields_of(c.to_dict()))
 
 
 def _gpt2_config(c) -> ModelConfig:
-    if c.activation_function not in _GPT2_ACT:
+    if c.activation_function not in HF_ACTIVATION:
         _unsupported("activation_function", c.activation_function, "an activation other than GeLU")
     for field in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
         if getattr(c, field, False):
@@ -69,9 +63,7 @@ def _gpt2_config(c) -> ModelConfig:
     if drop:  # inference is the same model; training here has no dropout (as Llama's recipes)
         warnings.warn(f"GPT-2 config {', '.join(f'{f}={getattr(c, f)}' for f in drop)}: gridweave trains without "
                       "dropout (evaluation is unchanged)", stacklevel=3)
-    return ModelConfig("gpt", c.vocab_size, c.n_embd, c.n_head, c.n_layer, c.n_positions, c.n_inner, None,
-                       eps=c.layer_norm_epsilon, tie=bool(c.tie_word_embeddings),
-                       activation=_GPT2_ACT[c.activation_function])
+    return ModelConfig(**ModelConfig.fields_of(c.to_dict()))
 
 
 def config_from_hf(c) -> ModelConfig:
@@ -193,3 +185,9 @@ def to_hf(model: GPT):
 def save_hf(model: GPT, folder) -> None:
     """config.json + model.safetensors that transformers' from_pretrained loads."""
     to_hf(model).save_pretrained(str(folder), safe_serialization=True)
+
+
+# The dense model's own methods (model.to_hf(), issue 15's name; model.save_hf(folder)),
+# attached where the conversion lives: the dense module never imports this one (layering).
+GPT.to_hf = to_hf
+GPT.save_hf = save_hf
