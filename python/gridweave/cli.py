@@ -177,6 +177,9 @@ def _plan(args) -> int:
                               **given)
             model = plan.model_of(cfg)
         rows = plan.plan(args.gpus, model, cluster)
+        if args.explain is not None and not 1 <= args.explain < len(rows):
+            raise GridError(f"--explain {args.explain}: choose a grid from 1 to {len(rows) - 1} (it is compared "
+                            "with the next)")
         why = plan.explain(rows, args.explain - 1) if args.explain is not None else None
     except GridError as e:
         print(f"gridweave plan: {e}", file=sys.stderr)
@@ -333,13 +336,15 @@ def _train_rank(args) -> int:
 
 def as_flags(message) -> str:
     """A library error in the command line's words: the library names TrainConfig's fields
-    (`dp=4`) and mode objects (`Row(n=8)`); the command line says `--dp 4` and `row:8`."""
+    (`dp=4`, `lr must be`) and mode objects (`Row(n=8)`); the command line says `--dp 4`,
+    `--lr must be` and `row:8`."""
     message = str(message)
     for cls in modes.known():  # a mode object's repr -> its --tp spelling
         message = re.sub(rf"(?:\bgw\.)?\b{cls.__name__}\((?:\w+=)?(\d*)\)",
                          lambda m, cls=cls: (cls(int(m.group(1))) if cls.size_arg else cls()).spec(), message)
     fields = "|".join(sorted(TrainConfig.__dataclass_fields__, key=len, reverse=True))
-    return re.sub(rf"(?<![\w-])({fields})=", lambda m: "--" + m.group(1).replace("_", "-") + " ", message)
+    message = re.sub(rf"(?<![\w-])({fields})=", lambda m: "--" + m.group(1).replace("_", "-") + " ", message)
+    return re.sub(rf"(?<![\w-])({fields}) must\b", lambda m: "--" + m.group(1).replace("_", "-") + " must", message)
 
 
 def train_config(args):

@@ -35,7 +35,7 @@ def corpus_files(path: str | None = None) -> list:
     root = Path(path or DEFAULT_CORPUS)
     if not root.exists():
         raise GridError(f"no text corpus at {root}: install Debian's 'fortunes' package (scripts/setup.sh "
-                        "does) or pass --data PATH to a text file or folder")
+                        "does) or give data= a text file or folder")
     files = [root] if root.is_file() else sorted(
         p for p in root.rglob("*") if p.is_file() and not p.name.endswith((".dat", ".u8")) and not p.is_symlink())
     if not files:
@@ -49,7 +49,7 @@ def read_text(path: str | None = None) -> list:
     for f in corpus_files(path):
         raw = f.read_bytes()
         if b"\x00" in raw:
-            raise GridError(f"{f} is not text (it holds NUL bytes); --data takes text files")
+            raise GridError(f"{f} is not text (it holds NUL bytes); data takes text files")
         try:
             out.append(raw.decode("utf-8"))
         except UnicodeDecodeError as e:
@@ -254,7 +254,7 @@ class Reader:
         self.n = (len(tokens) - 1) // seq  # windows of seq + 1 tokens at stride seq
         if self.n < batch:
             raise GridError(f"the training split holds {self.n} windows of {seq + 1} tokens, fewer than a batch "
-                            f"of {batch}: use a larger corpus or a shorter --seq")
+                            f"of {batch}: use a larger corpus or a shorter seq=")
         if batch % dp:
             raise GridError(f"batch {batch} does not split over {dp} data-parallel ranks")
         self.dp_rank, self.shard = dp_rank, batch // dp

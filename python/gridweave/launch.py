@@ -99,7 +99,7 @@ def mpirun_command(n: int, quiet: bool = False) -> list:
     without OpenMPI's own banner when a rank fails (the ranks say what went wrong)."""
     exe = shutil.which("mpirun")
     if exe is None:
-        raise GridError("--launcher mpirun: no mpirun on PATH (apt-get install openmpi-bin libopenmpi-dev)")
+        raise GridError("the mpirun launcher: no mpirun on PATH (apt-get install openmpi-bin libopenmpi-dev)")
     version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
     openmpi = "Open MPI" in version  # OpenMPI refuses root and more ranks than cores without these
     flags = ((["--allow-run-as-root"] if os.geteuid() == 0 else []) + ["--oversubscribe"] +

@@ -148,7 +148,8 @@ def explain(rows: list, n: int) -> list:
     """Why plan row n (0-based) ranks above row n+1: the parts of their step times and memory
     that differ, largest first, as lines of text."""
     if not 0 <= n < len(rows) - 1:
-        raise GridError(f"--explain {n + 1}: choose a grid from 1 to {len(rows) - 1} (it is compared with the next)")
+        raise GridError(f"explain: row {n} (0-based) has no next row to compare with; "
+                        f"n goes from 0 to {len(rows) - 2}")
     a, b = rows[n], rows[n + 1]
 
     def name(r):

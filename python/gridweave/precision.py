@@ -29,7 +29,7 @@ class Precision:
         """One clear error, before any communication, where the device cannot compute it."""
         if self.dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise GridError(f"bf16 was asked for but {torch.cuda.get_device_name(device)} cannot compute it "
-                            "(needs compute capability 8.0 or newer); use --precision fp16 or fp32")
+                            "(needs compute capability 8.0 or newer); use precision=fp16 or fp32")
 
 
 PRECISIONS = {"fp32": Precision("fp32", torch.float32, False),

@@ -178,8 +178,8 @@ class TrainConfig:
 
     def check_files(self) -> None:
         """The files of this run, checked by the launcher before any rank starts: the corpus
-        exists and is UTF-8 text (the first 64 KiB of each file), --resume holds a checkpoint,
-        and --out is a folder this user can write with room for two checkpoints of the model
+        exists and is UTF-8 text (the first 64 KiB of each file), resume holds a checkpoint,
+        and out is a folder this user can write with room for two checkpoints of the model
         and the token file. Raises GridError or OSError naming the path."""
         import codecs
         import os
@@ -376,152 +376,250 @@ def train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y) -> tuple:
     return mean, False
 
 
-def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = None) -> dict:
-    """Train as `cfg` says; on_step(step, state), if given, is called at the start of each step
-    (progress hooks, profilers; the tests' fault injection)."""
-    if not isinstance(cfg, TrainConfig):
-        raise GridError(f"train.run takes a TrainConfig, got {type(cfg).__name__}")
-    mode = cfg.mode
+def setup_grid(cfg: TrainConfig) -> Grid:
+    """The run's grid on the launched ranks, every check before the rendezvous. auto: init picks
+    NCCL on one GPU per rank when it can, else Gloo on the CPU; cuda with fewer GPUs than ranks
+    shares them through Gloo."""
     shape = cfg.grid_shape(launch.launched_world_size(cfg.backend))
-    dp, pp, sp = shape["dp"], shape["pp"], shape["sp"]
-    # auto: init picks NCCL on one GPU per rank when it can, else Gloo on the CPU; cuda with
-    # fewer GPUs than ranks shares them through Gloo. Every check is before the rendezvous.
     device = None if cfg.device == "auto" else cfg.device
     if device == "cuda" and not torch.cuda.is_available():
         raise GridError("device=cuda was asked for but this process sees no CUDA GPU "
                         "(torch.cuda.is_available() is False); use device=cpu")
     if device == "cuda":
         cfg.compute.check_device(torch.device("cuda", torch.cuda.current_device()))
-    grid = init(dp=dp, pp=pp, tp=mode, sp=sp, timeout=cfg.timeout, device=device, backend=cfg.backend,
-                   placement=cfg.placement)
-    out = Path(cfg.out)
-    # the tokenizer and token file: made once by rank 0 (from the resumed run's tokenizer)
+    return init(dp=shape["dp"], pp=shape["pp"], tp=cfg.mode, sp=shape["sp"], timeout=cfg.timeout, device=device,
+                backend=cfg.backend, placement=cfg.placement)
+
+
+def prepare_data(cfg: TrainConfig, grid, out: Path) -> tuple:
+    """(token file, tokenizer): made once by rank 0 (from the resumed run's tokenizer), opened by all."""
     if grid.rank == 0:
         tok_from = str(Path(cfg.resume) / data.TOKENIZER_FILE) if cfg.resume else None
         data.prepare(out, cfg.data, cfg.tokenizer, cfg.vocab, tokenizer_from=tok_from)
     grid.barrier()
-    tokens = data.open_tokens(out)
-    tokenizer = data.load_tokenizer(out / data.TOKENIZER_FILE)
-    model_cfg = cfg.model_config(tokens.vocab_size)
-    torch.manual_seed(cfg.seed)
-    # initialised in fp32 (the same weights whatever the precision), then cast
-    model, stage, opt, scaler = build(cfg, grid, model_cfg)
-    reader = data.Reader(tokens.train, cfg.seq, cfg.batch, cfg.seed, grid.coords["dp"], dp)
-    start, losses, val = 0, [], []
-    if cfg.resume:
+    return data.open_tokens(out), data.load_tokenizer(out / data.TOKENIZER_FILE)
+
+
+@dataclass
+class History:
+    """What a run has recorded so far (and a checkpoint carries on): the training loss of every
+    step and [step, validation loss] pairs."""
+    losses: list = field(default_factory=list)
+    val: list = field(default_factory=list)
+    start: int = 0  # the first step this process trains
+
+
+class Checkpointer:
+    """The run's checkpoints: resuming from one, one every checkpoint_every steps (in the
+    background when async_save: committed at the next step's start, by every rank), the last."""
+
+    def __init__(self, cfg: TrainConfig, grid, out: Path, model_cfg: ModelConfig, stage, opt, scaler, reader):
+        self.cfg, self.grid, self.out, self.model_cfg = cfg, grid, out, model_cfg
+        self.stage, self.opt, self.scaler, self.reader = stage, opt, scaler, reader
+        self.pending = None
+
+    def resume(self) -> History:
+        """The history of cfg.resume's checkpoint, its weights, optimizer state, reader position
+        and loss scale loaded into this rank's parts; an empty history without one."""
+        cfg, opt = self.cfg, self.opt
+        if not cfg.resume:
+            return History()
         manifest = load_checkpoint(Path(cfg.resume))
-        mine = cfg.run_config(model_cfg)
+        mine = cfg.run_config(self.model_cfg)
         differ = [k for k in RESUME_KEYS if manifest["config"].get(k) != mine[k]]
         if differ:
             raise GridError(f"checkpoint {cfg.resume} differs from this run in {differ}: "
                             f"{ {k: manifest['config'].get(k) for k in differ} } vs { {k: mine[k] for k in differ} }")
-        _, local = checkpoint.load(Path(cfg.resume) / "checkpoint", stage.sharded_items(), grid,
-                                      ("param",) + opt.STATE_KEYS)
+        _, local = checkpoint.load(Path(cfg.resume) / "checkpoint", self.stage.sharded_items(), self.grid,
+                                   ("param",) + opt.STATE_KEYS)
         with torch.no_grad():
-            for p in stage.parameters():
+            for p in self.stage.parameters():
                 p.copy_(local["param"][id(p)])
         opt_step = manifest["optimizer_step"]
         state = {i: {"step": torch.tensor(float(opt_step), device="cpu"),
                      **{kind: local[kind][id(p)] for kind in opt.STATE_KEYS}} for i, p in enumerate(opt.params)}
         opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
         opt.weight_decay = cfg.weight_decay
-        start, losses, val = manifest["step"], list(manifest["losses"]), list(manifest.get("val", []))
         if manifest.get("reader"):
-            reader.load_state_dict(manifest["reader"])
-        if scaler is not None and manifest.get("loss_scaler"):
-            scaler.load_state_dict(manifest["loss_scaler"])
-    shard = cfg.batch // dp
-    mb = shard // cfg.microbatches
-    val_windows = data.validation_windows(tokens.val, cfg.seq, cfg.val_samples)
-    flops_token = model_flops_per_token(model_cfg)
-    peak, peak_source = peak_flops(grid, cfg.compute.name)
-    peak_total = torch.tensor([peak], dtype=torch.float64, device=grid.device)
-    grid.all_reduce(peak_total, axis=None)
-    bar = None
-    if grid.rank == 0 and not cfg.quiet:
-        from tqdm import tqdm
+            self.reader.load_state_dict(manifest["reader"])
+        if self.scaler is not None and manifest.get("loss_scaler"):
+            self.scaler.load_state_dict(manifest["loss_scaler"])
+        return History(list(manifest["losses"]), list(manifest.get("val", [])), manifest["step"])
 
-        bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step")
-    tokens_per_s, mfu, lrs, grad_norms = [], [], [], []
-    pending = None  # an async checkpoint: committed at the next step's start, by every rank
-    bad = 0  # consecutive steps skipped for a non-finite loss or gradient norm
-    for step in range(start, cfg.steps):
-        if pending is not None:
-            pending.finish()
-            pending = None
+    def land(self) -> None:
+        """The background checkpoint, if any, committed (every rank)."""
+        if self.pending is not None:
+            self.pending.finish()
+            self.pending = None
+
+    def save(self, step: int, history: History, wait: bool = True):
+        return save_checkpoint(self.out, step, self.cfg, self.grid, self.stage, self.opt, history.losses,
+                               self.reader, self.model_cfg, history.val, wait=wait, scaler=self.scaler)
+
+    def after_step(self, step: int, history: History) -> None:
+        """The periodic checkpoint after `step` (0-based), when one is due before the last step."""
+        cfg = self.cfg
+        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+            saved = self.save(step + 1, history, wait=not cfg.async_save)
+            self.pending = saved if cfg.async_save else None
+
+
+class DivergenceGuard:
+    """Stops the run after max_bad_steps consecutive steps that did not update the weights for a
+    non-finite loss or gradient norm (fp16: once the loss scaler cannot back off further)."""
+
+    def __init__(self, cfg: TrainConfig, opt, scaler):
+        self.cfg, self.opt, self.scaler, self.bad = cfg, opt, scaler, 0
+
+    def at_floor(self) -> bool:
+        """Read before the step: a skipped fp16 step is the loss scaler's business until then."""
+        return self.scaler is None or self.scaler.scale_value <= self.scaler.min_scale
+
+    def check(self, step: int, loss: float, took: bool, floor: bool, checkpoints: Checkpointer) -> None:
+        self.bad = self.bad + 1 if not took and floor else 0
+        if self.bad < self.cfg.max_bad_steps:
+            return
+        checkpoints.land()  # the last good checkpoint lands; nothing after it is written
+        bad, cfg = self.bad, self.cfg
+        norm = getattr(self.opt, "last_grad_norm", None) if math.isfinite(loss) else None
+        raise Diverged(f"training diverged: {bad} steps in a row (steps {step + 2 - bad}-{step + 1}) had a "
+                       f"non-finite loss or gradient norm (the last: loss {loss:.4g}"
+                       f"{'' if norm is None else f', gradient norm {norm:.4g}'}); none of them updated the "
+                       f"weights, so every checkpoint holds weights from before them. Lower lr={cfg.lr:g}, "
+                       f"or raise max_bad_steps={cfg.max_bad_steps} to ride out spikes")
+
+
+class Validation:
+    """The validation loss every val_every steps and at the last, on the same windows whatever
+    the grid (evaluate)."""
+
+    def __init__(self, cfg: TrainConfig, tokens, mb: int):
+        self.cfg, self.mb = cfg, mb
+        self.windows = data.validation_windows(tokens.val, cfg.seq, cfg.val_samples)
+
+    def after_step(self, step: int, stage, grid, history: History) -> None:
+        cfg = self.cfg
+        if cfg.val_every and ((step + 1) % cfg.val_every == 0 or step + 1 == cfg.steps):
+            history.val.append([step + 1, evaluate(stage, grid, self.windows, cfg, self.mb)])
+
+
+class Meter:
+    """Per-step measurements (tokens/s, model-FLOPs utilisation, learning rate, gradient norm)
+    and the progress bar on rank 0."""
+
+    def __init__(self, cfg: TrainConfig, grid, model_cfg: ModelConfig, start: int):
+        self.cfg = cfg
+        self.flops_token = model_flops_per_token(model_cfg)
+        peak, self.peak_source = peak_flops(grid, cfg.compute.name)
+        total = torch.tensor([peak], dtype=torch.float64, device=grid.device)
+        grid.all_reduce(total, axis=None)
+        self.peak_total = float(total.item())
+        self.tokens_per_s, self.mfu, self.lr, self.grad_norm = [], [], [], []
+        self.bar = None
+        if grid.rank == 0 and not cfg.quiet:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step")
+
+    def record(self, seconds: float, lr: float, grad_norm) -> None:
+        self.tokens_per_s.append(self.cfg.batch * self.cfg.seq / seconds)
+        self.mfu.append(self.tokens_per_s[-1] * self.flops_token / self.peak_total)
+        self.lr.append(lr)
+        self.grad_norm.append(grad_norm)
+
+    def show(self, history: History) -> None:
+        if self.bar is None:
+            return
+        post = dict(loss=f"{history.losses[-1]:.3f}", tok_s=f"{self.tokens_per_s[-1]:.0f}",
+                    mfu=f"{100 * self.mfu[-1]:.1f}%")
+        if history.val:
+            post["val"] = f"{history.val[-1][1]:.3f}"
+        self.bar.set_postfix(**post)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def as_dict(self) -> dict:
+        return {"lr": self.lr, "grad_norm": self.grad_norm, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
+                "peak_flops_total": self.peak_total, "peak_flops_source": self.peak_source,
+                "model_flops_per_token": self.flops_token}
+
+
+def memory_per_rank(grid, stage) -> dict:
+    """Every rank's parameter bytes and the peak resident set of its process."""
+    import resource
+
+    mem = torch.tensor([sum(p.numel() * p.element_size() for p in stage.parameters()),
+                        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0], dtype=torch.float64,
+                       device=grid.device)
+    per_rank = grid.all_gather(mem.reshape(1, 2), axis=None)
+    return {"param_bytes_per_rank": [int(v) for v in per_rank[:, 0]],
+            "max_rss_bytes_per_rank": [int(v) for v in per_rank[:, 1]]}
+
+
+def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = None) -> dict:
+    """Train as `cfg` says; on_step(step, state), if given, is called at the start of each step
+    (progress hooks, profilers; the tests' fault injection)."""
+    if not isinstance(cfg, TrainConfig):
+        raise GridError(f"train.run takes a TrainConfig, got {type(cfg).__name__}")
+    grid, out = setup_grid(cfg), Path(cfg.out)
+    tokens, tokenizer = prepare_data(cfg, grid, out)
+    model_cfg = cfg.model_config(tokens.vocab_size)
+    torch.manual_seed(cfg.seed)
+    _, stage, opt, scaler = build(cfg, grid, model_cfg)  # initialised in fp32, then cast
+    reader = data.Reader(tokens.train, cfg.seq, cfg.batch, cfg.seed, grid.coords["dp"], grid.axes["dp"])
+    checkpoints = Checkpointer(cfg, grid, out, model_cfg, stage, opt, scaler, reader)
+    history = checkpoints.resume()
+    validation = Validation(cfg, tokens, cfg.batch // grid.axes["dp"] // cfg.microbatches)
+    meter, guard = Meter(cfg, grid, model_cfg, history.start), DivergenceGuard(cfg, opt, scaler)
+    for step in range(history.start, cfg.steps):
+        checkpoints.land()
         if on_step is not None:
             on_step(step, StepState(grid, stage, opt, scaler))
         t0 = time.perf_counter()
         opt.lr = cfg.lr_at(step)
         x, y = reader.next()
-        # fp16: a skipped step is the loss scaler's business until its scale cannot back off
-        floor = scaler is None or scaler.scale_value <= scaler.min_scale
+        floor = guard.at_floor()
         loss, took = train_step(cfg, grid, stage, opt, scaler, x, y)
-        losses.append(loss)
-        bad = bad + 1 if not took and floor else 0
-        if bad >= cfg.max_bad_steps:
-            if pending is not None:
-                pending.finish()  # the last good checkpoint lands; nothing after it is written
-            norm = getattr(opt, "last_grad_norm", None) if math.isfinite(losses[-1]) else None
-            raise Diverged(f"training diverged: {bad} steps in a row (steps {step + 2 - bad}-{step + 1}) had a "
-                           f"non-finite loss or gradient norm (the last: loss {losses[-1]:.4g}"
-                           f"{'' if norm is None else f', gradient norm {norm:.4g}'}); none of them updated the "
-                           f"weights, so every checkpoint holds weights from before them. Lower lr={cfg.lr:g}, "
-                           f"or raise max_bad_steps={cfg.max_bad_steps} to ride out spikes")
-        dt = time.perf_counter() - t0
-        tokens_per_s.append(cfg.batch * cfg.seq / dt)
-        mfu.append(tokens_per_s[-1] * flops_token / float(peak_total.item()))
-        lrs.append(opt.lr)
-        grad_norms.append(getattr(opt, "last_grad_norm", None))
-        if cfg.val_every and ((step + 1) % cfg.val_every == 0 or step + 1 == cfg.steps):
-            val.append([step + 1, evaluate(stage, grid, val_windows, cfg, mb)])
-        if bar is not None:
-            post = dict(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_s[-1]:.0f}", mfu=f"{100 * mfu[-1]:.1f}%")
-            if val:
-                post["val"] = f"{val[-1][1]:.3f}"
-            bar.set_postfix(**post)
-            bar.update(1)
-        if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
-            saved = save_checkpoint(out, step + 1, cfg, grid, stage, opt, losses, reader, model_cfg, val,
-                                    wait=not cfg.async_save, scaler=scaler)
-            pending = saved if cfg.async_save else None
-    if bar is not None:
-        bar.close()
-    if pending is not None:
-        pending.finish()
-    save_checkpoint(out, cfg.steps, cfg, grid, stage, opt, losses, reader, model_cfg, val, scaler=scaler)
-    import resource
-
-    # per-rank memory: parameters held and the peak resident set of the process
-    mem = torch.tensor([sum(p.numel() * p.element_size() for p in stage.parameters()),
-                        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0], dtype=torch.float64,
-                       device=grid.device)
-    per_rank = grid.all_gather(mem.reshape(1, 2), axis=None)
-    entropy = data.unigram_entropy(tokens.val, tokens.vocab_size)
-    metrics = {"loss": losses, "val_loss": val, "unigram_entropy_val": entropy, "lr": lrs, "grad_norm": grad_norms,
-               "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_flops_total": float(peak_total.item()),
-               "peak_flops_source": peak_source, "model_flops_per_token": flops_token,
-               "config": cfg.run_config(model_cfg), "grid": dict(grid.axes),
-               "backend": grid.backend, "device": str(grid.device), "precision": cfg.compute.name,
-               "param_bytes_per_rank": [int(v) for v in per_rank[:, 0]],
-               "max_rss_bytes_per_rank": [int(v) for v in per_rank[:, 1]]}
+        history.losses.append(loss)
+        guard.check(step, loss, took, floor, checkpoints)
+        meter.record(time.perf_counter() - t0, opt.lr, getattr(opt, "last_grad_norm", None))
+        validation.after_step(step, stage, grid, history)
+        meter.show(history)
+        checkpoints.after_step(step, history)
+    meter.close()
+    checkpoints.land()
+    checkpoints.save(cfg.steps, history)
+    metrics = {"loss": history.losses, "val_loss": history.val,
+               "unigram_entropy_val": data.unigram_entropy(tokens.val, tokens.vocab_size), **meter.as_dict(),
+               "config": cfg.run_config(model_cfg), "grid": dict(grid.axes), "backend": grid.backend,
+               "device": str(grid.device), "precision": cfg.compute.name, **memory_per_rank(grid, stage)}
     shutdown()
     if grid.rank == 0:
-        if cfg.sample_tokens:
-            dense, tok, _ = load_model(out)
-            prompt = cfg.prompt or tokenizer.decode(val_windows[0, :8].tolist())
-            ids = data.check_encodable(tok, prompt, "the prompt")
-            n = min(cfg.sample_tokens, model_cfg.seq - len(ids))
-            metrics["sample"] = {"prompt": prompt,
-                                 "text": tok.decode(sample(dense, ids, n, 0.8, 40, cfg.seed, tok.vocab_size))}
-        checkpoint.atomic_write(out / "metrics.json", lambda t: t.write_text(json.dumps(metrics, indent=1)))
-        _plot(metrics, out / "loss.png")
-        if not cfg.quiet:
-            print(f"validation loss {val[-1][1]:.3f} nats/token vs unigram entropy {entropy:.3f} "
-                  f"({tokenizer.kind}, {tokens.vocab_size} tokens)" if val else "")
-            if "sample" in metrics:
-                print(f"sample: {metrics['sample']['text']!r}")
+        report(cfg, out, metrics, tokens, tokenizer, validation.windows, model_cfg)
     return metrics
+
+
+def report(cfg: TrainConfig, out: Path, metrics: dict, tokens, tokenizer, windows, model_cfg: ModelConfig) -> None:
+    """Rank 0, after the grid is gone: a sample from the saved model, metrics.json, the loss plot
+    and the closing line."""
+    if cfg.sample_tokens:
+        dense, tok, _ = load_model(out)
+        prompt = cfg.prompt or tokenizer.decode(windows[0, :8].tolist())
+        ids = data.check_encodable(tok, prompt, "the prompt")
+        n = min(cfg.sample_tokens, model_cfg.seq - len(ids))
+        metrics["sample"] = {"prompt": prompt,
+                             "text": tok.decode(sample(dense, ids, n, 0.8, 40, cfg.seed, tok.vocab_size))}
+    checkpoint.atomic_write(out / "metrics.json", lambda t: t.write_text(json.dumps(metrics, indent=1)))
+    _plot(metrics, out / "loss.png")
+    if not cfg.quiet:
+        val = metrics["val_loss"]
+        print(f"validation loss {val[-1][1]:.3f} nats/token vs unigram entropy {metrics['unigram_entropy_val']:.3f} "
+              f"({tokenizer.kind}, {tokens.vocab_size} tokens)" if val else "")
+        if "sample" in metrics:
+            print(f"sample: {metrics['sample']['text']!r}")
 
 
 def _plot(metrics, png):

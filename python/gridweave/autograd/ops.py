@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from .. import _C
 from ..grid import axis_of, by_name
 
 LIB = "gridweave"

@@ -22,7 +22,8 @@ from .dense import GPT, Embedding, Head
 
 
 def parse_tp(spec: str):
-    """--tp none | row:N | square:Q | cube:P | subgraph:G | csub:G -> the mode object."""
+    """A mode written as text (none | row:N | square:Q | cube:P | subgraph:G | csub:G) -> the
+    mode object (gw.modes.parse)."""
     return parse(spec)
 
 

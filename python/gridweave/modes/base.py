@@ -16,28 +16,26 @@ from ..nn.style import register as register_style
 from ..nn.style import registered
 from ..nn.transformer import SelfAttention
 
-_KEYWORDS: dict = {}  # --tp keyword -> class: written once per class at import, by @register; read-only after
-
 
 def register(cls):
-    """Make a Mode subclass known by its layer name (e.g. "3d": the layers' registry) and its
-    --tp keyword (e.g. "cube")."""
-    register_style(cls)
-    if _KEYWORDS.get(cls.keyword, cls) is not cls:
-        raise GridError(f"mode keyword {cls.keyword!r} is taken by {_KEYWORDS[cls.keyword].__name__}")
-    _KEYWORDS[cls.keyword] = cls
-    return cls
+    """Make a Mode subclass known, in the layers' one registry (nn.style), by its layer name
+    (e.g. "3d"); its keyword (e.g. "cube") must be its own too."""
+    taken = next((c for c in known() if c.keyword == cls.keyword and c is not cls), None)
+    if taken is not None:
+        raise GridError(f"mode keyword {cls.keyword!r} is taken by {taken.__name__}")
+    return register_style(cls)
 
 
 class Mode(Style):
     """Base of gw.Row, gw.Square, gw.Cube, gw.SubGraph, gw.CSub and gw.Sequence: a Style (the
     grid facts and the pieces the layers read) that builds gw.nn's modules."""
 
-    keyword = ""    # the command line's --tp keyword (none, row, square, cube, subgraph, csub)
+    keyword = ""    # its written name's kind (none, row, square, cube, subgraph, csub): spec() and parse()
     planned = True   # gw.plan considers it
 
     def spec(self) -> str:
-        """The command line's spelling: none, row:N, square:Q, cube:P, subgraph:G, csub:G."""
+        """The mode written as text (none, row:N, square:Q, cube:P, subgraph:G, csub:G): how the
+        command line, checkpoint indexes and the planner's rows name it; parse() reads it."""
         return f"{self.keyword}:{self.size}"
 
     # ---- a layer's pieces ----------------------------------------------------------------
@@ -63,14 +61,14 @@ class Mode(Style):
 
 
 def parse(spec: str) -> Mode:
-    """--tp none | row:N | square:Q | cube:P | subgraph:G | csub:G -> the mode object."""
+    """A mode written as text (Mode.spec: none | row:N | square:Q | cube:P | subgraph:G |
+    csub:G) -> the mode object."""
     spec = (spec or "none").lower()
     kind, _, n = spec.partition(":")
-    cls = _KEYWORDS.get(kind)
-    keywords = sorted(f"{c.keyword}:N" if c.size_arg else c.keyword for c in _KEYWORDS.values())
-    if cls is None or cls.keyword != kind or (cls.size_arg and (not n.isdigit() or int(n) < 1)) or \
-            (not cls.size_arg and n):
-        raise GridError(f"--tp must be one of {keywords}; got {spec!r}")
+    cls = next((c for c in known() if c.keyword == kind), None)
+    keywords = sorted(f"{c.keyword}:N" if c.size_arg else c.keyword for c in known())
+    if cls is None or (cls.size_arg and (not n.isdigit() or int(n) < 1)) or (not cls.size_arg and n):
+        raise GridError(f"tp must be one of {keywords}; got {spec!r}")
     return cls(int(n)) if cls.size_arg else cls()
 
 

@@ -10,7 +10,7 @@ from .. import _C
 from ..autograd.comm import all_reduce_replicated
 from ..autograd.cube import AB, activation_layout, cube_matmul, cube_vector, is_diagonal, matrix_layout, vector_layout
 from ..errors import GridError
-from ..layout import Layout, assemble, gather, scatter
+from ..layout import assemble, gather, scatter
 from ..sharding import place
 from .dense import Norm, ParallelLinearBase, dense_layernorm, linear_tensors, norm_kind, normalize, values
 

@@ -13,7 +13,7 @@ from torch import nn
 from ..errors import GridError
 from ..sharding import group_order, set_row_order
 from .dense import GPT2, Arch, DenseMLP, DenseSelfAttention, DenseTransformerLayer
-from .sequence import attend, sequence_parallel
+from .sequence import attend
 from .style import resolve
 
 
