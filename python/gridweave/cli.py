@@ -52,6 +52,11 @@ def _train_parser(sub):
                       ("coarsening", int), ("checkpoint_every", int), ("sample_tokens", int), ("timeout", float),
                       ("max_bad_steps", int)):
         o.add_argument("--" + name.replace("_", "-"), type=typ, default=d[name].default)
+    o.add_argument("--zero", type=int, default=d["zero"].default, choices=[0, 1, 2],
+                   help="ZeRO stage: 1 shards the fp32 master weights and Adam states over dp (and sp), 2 the "
+                        "gradients too")
+    o.add_argument("--no-offload", dest="offload", action="store_false",
+                   help="keep the optimizer state on the device (default: host memory, seed 001's buckets)")
     o.add_argument("--ac", default="none", help="activation checkpointing: none | auto (seed 001's optimal) | N")
     o.add_argument("--schedule", default=d["schedule"].default, choices=sorted(SCHEDULES))
     o.add_argument("--chunks", type=int, default=d["chunks"].default,

@@ -7,12 +7,28 @@ import math
 import torch
 
 from .errors import GridError
-from .sharding import grad_norm_of, placement_of
+from .sharding import DATA_AXES, grad_norm_of, placement_of
 
 
 def matrices_only(p) -> bool:
     """Weight decay on matrices (linears, embeddings), not on norms and biases."""
     return p.dim() >= 2
+
+
+def adamw_(w, m, v, g, lr, betas, eps, weight_decay, t, decay=None) -> None:
+    """One AdamW step in place on fp32 weights w and states m, v from gradient g (torch.optim.
+    AdamW's update, Loshchilov & Hutter 2019, Alg. 2); decay: a 0/1 mask of the decayed elements."""
+    b1, b2 = betas
+    if decay is None:
+        if weight_decay:
+            w.mul_(1 - lr * weight_decay)
+    else:
+        w.sub_(w * decay, alpha=lr * weight_decay)
+    m.lerp_(g, 1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    step_size = lr / (1 - b1 ** t)
+    denom = (v.sqrt() / math.sqrt(1 - b2 ** t)).add_(eps)
+    w.addcdiv_(m, denom, value=-step_size)
 
 
 def gradient_chunks(params, grid, bsize: int, coarsening: int) -> tuple:
@@ -183,19 +199,11 @@ class OffloadAdam:
         g.copy_(grads[lo:hi])  # descale the half-precision gradient in fp32
         if scale != 1.0:
             g.mul_(scale)
-        b1, b2 = self.betas
-        t = self.step_count
-        if self._decay is None:
-            w.mul_(1 - self.lr * self.weight_decay)  # as torch.optim.AdamW
-        else:
+        d = None
+        if self._decay is not None:
             d = self._buf["d"][:n]
             d.copy_(self._decay[lo:hi])
-            w.sub_(w * d, alpha=self.lr * self.weight_decay)
-        m.lerp_(g, 1 - b1)
-        v.mul_(b2).addcmul_(g, g, value=1 - b2)
-        step_size = self.lr / (1 - b1 ** t)
-        denom = (v.sqrt() / math.sqrt(1 - b2 ** t)).add_(self.eps)
-        w.addcdiv_(m, denom, value=-step_size)
+        adamw_(w, m, v, g, self.lr, self.betas, self.eps, self.weight_decay, self.step_count, d)
         self.master[lo:hi].copy_(w)
         self.exp_avg[lo:hi].copy_(m)
         self.exp_avg_sq[lo:hi].copy_(v)
@@ -253,3 +261,306 @@ class OffloadAdam:
         g = groups[0]
         self.lr, self.betas, self.eps, self.weight_decay = g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"]
         self.step_count = steps.pop() if steps else 0
+
+
+class _Group:
+    """The parameters whose gradients are summed over the same axes, laid out flat and padded
+    so that the shard axes split them into equal shards: this rank's shard is [lo, hi) of the
+    group's padded range [start, start + padded)."""
+
+    def __init__(self, members, axes, shard_axes, grid, start):
+        self.members, self.axes, self.shard_axes = members, axes, shard_axes  # members: [(index, param)]
+        self.rest = tuple(a for a in axes if a not in shard_axes)  # summed, not sharded (e.g. tensor axes)
+        n = grid.size(shard_axes) if shard_axes else 1
+        self.numel = sum(p.numel() for _, p in members)
+        self.padded = -(-self.numel // n) * n
+        self.start, self.shard = start, self.padded // n
+        self.lo = start + (grid.index(shard_axes) if shard_axes else 0) * self.shard
+        self.hi = self.lo + self.shard
+
+    def spans(self):
+        """(index, param, start, end) in this rank's shard of every parameter overlapping it."""
+        off = self.start
+        for i, p in self.members:
+            a, b = max(off, self.lo), min(off + p.numel(), self.hi)
+            if a < b:
+                yield i, p, a - self.lo, b - self.lo
+            off += p.numel()
+
+
+class DistributedAdam:
+    """ZeRO stages 1 and 2 (Rajbhandari et al. 2020, §5.1-5.2; Megatron's distributed optimizer),
+    and zero=0: every replica holds the whole state (all-reduced gradients, as torch DDP + AdamW):
+    AdamW whose fp32 master weights and states are sharded over the data axes every gradient
+    is partial over (dp, and sp where the sequence is split: torchtitan's dp_shard x cp).
+
+    step(): the gradients are reduce-scattered over those axes (and all-reduced over any other
+    partial axes, e.g. a 3-D mode's), each rank updates its shard (on the device, or in host
+    memory in buckets of `bsize` with offload: ZeRO-Offload over seed 001's OffloadAdam), and the
+    updated parameters are all-gathered in the model's dtype. zero=2 also frees the full
+    gradients once reduced (only this rank's shard is kept). The loss scaler, global-norm
+    clipping (the norm over the shards, each element once) and weight-decay masks work as in
+    OffloadAdam, whose protocol this follows."""
+
+    STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+    def __init__(self, params, grid, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, zero=1,
+                 offload=False, bsize=1 << 20, average_dp=True, max_grad_norm=None, decay=None):
+        self.params = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise GridError("DistributedAdam got no parameters")
+        if zero not in (0, 1, 2):
+            raise GridError(f"DistributedAdam takes zero 0 (no sharding), 1 or 2, got {zero!r}")
+        if grid is None:
+            raise GridError("DistributedAdam needs the grid its parameters live on")
+        if zero and all(grid.axes.get(a, 1) == 1 for a in DATA_AXES):
+            raise GridError(f"zero={zero} shards over the data axes (dp, sp); this grid has none of size > 1: "
+                            f"{dict(grid.axes) if grid is not None else None}")
+        if bsize < 1:
+            raise GridError("bsize must be >= 1")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise GridError(f"max_grad_norm must be positive, got {max_grad_norm!r}")
+        self.grid, self.zero, self.offload, self.bsize = grid, zero, offload, int(bsize)
+        self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
+        self.average_dp, self.max_grad_norm = average_dp, max_grad_norm
+        by_axes: dict = {}
+        for i, p in enumerate(self.params):
+            by_axes.setdefault(placement_of(p).reduce_axes(grid), []).append((i, p))
+        self.groups, start = [], 0
+        for axes, members in by_axes.items():
+            shard_axes = tuple(a for a in axes if a in DATA_AXES) if zero else ()
+            self.groups.append(_Group(members, axes, shard_axes, grid, start))
+            start += self.groups[-1].padded
+        self.padded = start
+        dev, dtype = self.params[0].device, self.params[0].dtype
+        if any(p.dtype != dtype or p.device != dev for p in self.params):
+            raise GridError("DistributedAdam takes parameters of one dtype on one device (its all-gathers carry the "
+                            f"model's dtype), got {sorted({(str(p.dtype), str(p.device)) for p in self.params})}")
+        home = torch.device("cpu") if offload else dev
+        self.dtype = torch.promote_types(dtype, torch.float32)  # fp32 masters of half-precision models
+        self.master = torch.cat([self._gather_flat(g, lambda p: p.detach()).to(home, self.dtype)[g.lo - g.start:
+                                                                                                 g.hi - g.start]
+                                 for g in self.groups])
+        if offload and torch.cuda.is_available():
+            self.master = self.master.pin_memory()
+        # the decayed stretches of the shard buffers (no mask: the states stay 12 bytes an element)
+        self._decayed = [(self._shard_range(g)[0] + a, self._shard_range(g)[0] + b) for g in self.groups
+                         for _, p, a, b in g.spans() if decay is None or decay(p)]
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.grad_shards = None  # zero=2: the reduced gradient shards the last step kept
+        self.step_count = 0
+        if offload:
+            self._buf = {k: torch.empty(self.bsize, dtype=self.dtype, device=dev) for k in ("w", "m", "v", "g")}
+
+    def _gather_flat(self, group, value):
+        """The group's padded flat tensor of value(p) for its members (zeros in the padding)."""
+        parts = [value(p).reshape(-1) for _, p in group.members]
+        pad = group.padded - group.numel
+        if pad:
+            parts.append(torch.zeros(pad, dtype=parts[0].dtype, device=parts[0].device))
+        return torch.cat(parts)
+
+    def _shard_range(self, group):
+        """Where the group's shard lies in the master, state and gradient-shard buffers."""
+        lo = sum(g.shard for g in self.groups[:self.groups.index(group)])
+        return lo, lo + group.shard
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    def _dp_scale(self) -> float:
+        dp = self.grid.axes.get("dp", 1)
+        return 1.0 / dp if self.average_dp and dp > 1 else 1.0
+
+    def _reduce(self) -> list:
+        """Each group's reduced gradient shard (the model's dtype): reduce-scattered over its
+        shard axes, all-reduced over its other partial axes; the sends all started before any wait."""
+        scale = self._dp_scale()
+        flats, work = [], []
+        for g in self.groups:
+            flat = self._gather_flat(g, lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
+            if scale != 1.0:
+                flat.mul_(scale)  # pre-divided: the sum over dp is then the mean (OffloadAdam's rule)
+            flats.append(flat)
+        if self.zero == 2:
+            self.zero_grad()  # only the shards outlive the reduction (ZeRO-2)
+        for g, flat in zip(self.groups, flats):
+            if g.shard_axes:
+                work.append(self.grid.reduce_scatter(flat, axis=g.shard_axes, async_op=True))
+            elif g.axes:
+                work.append(self.grid.all_reduce(flat, axis=g.axes, async_op=True))
+            else:
+                work.append(None)
+        shards = []
+        for g, flat, w in zip(self.groups, flats, work):
+            out = w.wait() if w is not None else flat
+            if g.shard_axes and g.rest:
+                self.grid.all_reduce(out, axis=g.rest)
+            shards.append(out)
+        return shards
+
+    def step(self, scaler=None) -> bool:
+        """Reduce-scatter, (check, clip,) update the shard, all-gather. Returns whether the step
+        was taken (a non-finite gradient or norm skips it on every rank, as OffloadAdam)."""
+        shards = self._reduce()
+        if self.zero == 2:
+            self.grad_shards = shards
+        coef = 1.0
+        if scaler is not None:
+            found = self.grid.any(not all(bool(torch.isfinite(s).all()) for s in shards))
+            used = scaler.scale_value
+            if not scaler.update(found, self.step_count + 1):
+                return False
+            coef = 1.0 / used
+        if self.max_grad_norm is not None:
+            pieces = [(s[a:b], placement_of(p), g.shard_axes) for g, s in zip(self.groups, shards)
+                      for _, p, a, b in g.spans()]
+            self.last_grad_norm = float(grad_norm_of(pieces, self.grid)) * coef
+            if not math.isfinite(self.last_grad_norm):
+                return False
+            coef *= min(1.0, self.max_grad_norm / (self.last_grad_norm + 1e-6))
+        self.step_count += 1
+        for g, s in zip(self.groups, shards):
+            lo, hi = self._shard_range(g)
+            if self.offload:
+                for b in range(0, hi - lo, self.bsize):
+                    self._bucket(s, lo, b, min(b + self.bsize, hi - lo), coef)
+            else:
+                grad = s.to(self.dtype) if s.dtype != self.dtype else s.clone()
+                if coef != 1.0:
+                    grad.mul_(coef)
+                self._decay_(self.master[lo:hi], lo, hi)
+                adamw_(self.master[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], grad, self.lr, self.betas,
+                       self.eps, 0.0, self.step_count)
+        self._all_gather()
+        return True
+
+    def _bucket(self, shard, base, lo, hi, coef):
+        """Offload: elements [lo, hi) of a group's shard (at `base` in the host buffers) updated
+        through the device buckets."""
+        n = hi - lo
+        w, m, v, g = (self._buf[k][:n] for k in ("w", "m", "v", "g"))
+        w.copy_(self.master[base + lo:base + hi])
+        m.copy_(self.exp_avg[base + lo:base + hi])
+        v.copy_(self.exp_avg_sq[base + lo:base + hi])
+        g.copy_(shard[lo:hi])
+        if coef != 1.0:
+            g.mul_(coef)
+        self._decay_(w, base + lo, base + hi)
+        adamw_(w, m, v, g, self.lr, self.betas, self.eps, 0.0, self.step_count)
+        self.master[base + lo:base + hi].copy_(w)
+        self.exp_avg[base + lo:base + hi].copy_(m)
+        self.exp_avg_sq[base + lo:base + hi].copy_(v)
+
+    def _decay_(self, w, lo, hi):
+        """AdamW's decoupled weight decay (torch's w *= 1 - lr wd) on the decayed elements of w,
+        which holds shard-buffer positions [lo, hi)."""
+        if not self.weight_decay:
+            return
+        f = 1 - self.lr * self.weight_decay
+        for a, b in self._decayed:
+            a, b = max(a, lo), min(b, hi)
+            if a < b:
+                w[a - lo:b - lo].mul_(f)
+
+    def _all_gather(self):
+        """Every rank's updated shard, in the model's dtype, gathered into its parameters."""
+        dev, dtype = self.params[0].device, self.params[0].dtype
+        for g in self.groups:
+            lo, hi = self._shard_range(g)
+            mine = self.master[lo:hi].to(dev, dtype)
+            full = self.grid.all_gather(mine, axis=g.shard_axes) if g.shard_axes else mine
+            off = 0
+            with torch.no_grad():
+                for _, p in g.members:
+                    p.copy_(full[off:off + p.numel()].view_as(p))
+                    off += p.numel()
+
+    # ---- the torch.optim.Optimizer protocol (full tensors per parameter, as OffloadAdam's) ----
+    def _full(self, buf) -> list:
+        """Per parameter, the full tensor of a sharded buffer (collective over each group's shard
+        axes: every rank of them calls it), on the buffer's device."""
+        out = [None] * len(self.params)
+        dev = self.params[0].device
+        for g in self.groups:
+            lo, hi = self._shard_range(g)
+            mine = buf[lo:hi].to(dev)
+            full = (self.grid.all_gather(mine, axis=g.shard_axes) if g.shard_axes else mine).to(buf.device)
+            off = 0
+            for i, p in g.members:
+                out[i] = full[off:off + p.numel()].view(p.shape)
+                off += p.numel()
+        return out
+
+    def state_dict(self) -> dict:
+        """OffloadAdam's state_dict: {"state": {index: {"step", "master", "exp_avg", "exp_avg_sq"}},
+        "param_groups": [...]}, each state the parameter's full tensor, gathered from the shards
+        (collective: every rank calls it; a checkpoint of it resumes at any stage and dp)."""
+        step = torch.tensor(float(self.step_count), device="cpu")
+        full = {k: self._full(getattr(self, k)) for k in self.STATE_KEYS}
+        state = {i: {"step": step, **{k: full[k][i] for k in self.STATE_KEYS}} for i in range(len(self.params))}
+        group = {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay,
+                 "bsize": self.bsize, "zero": self.zero, "offload": self.offload,
+                 "max_grad_norm": self.max_grad_norm, "params": list(range(len(self.params)))}
+        return {"state": state, "param_groups": [group]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Take a state_dict of full tensors (this optimizer's, OffloadAdam's or one of any other
+        shard count): each rank keeps its shard. Every entry is checked before anything is written."""
+        state, groups = state_dict.get("state"), state_dict.get("param_groups")
+        if not isinstance(state, dict) or not isinstance(groups, list) or len(groups) != 1:
+            raise GridError("DistributedAdam.load_state_dict: expected {'state': {...}, 'param_groups': [one group]}")
+        if len(groups[0].get("params", ())) != len(self.params):
+            raise GridError(f"DistributedAdam.load_state_dict: the state has {len(groups[0].get('params', ()))} "
+                            f"parameters, this optimizer {len(self.params)}")
+        steps = set()
+        for i, p in enumerate(self.params):
+            s = state.get(i, state.get(str(i)))
+            if s is None or any(k not in s for k in self.STATE_KEYS):
+                raise GridError(f"DistributedAdam.load_state_dict: parameter {i} lacks {list(self.STATE_KEYS)}")
+            for k in self.STATE_KEYS:
+                if tuple(s[k].shape) != tuple(p.shape):
+                    raise GridError(f"DistributedAdam.load_state_dict: {k} of parameter {i} has shape "
+                                    f"{tuple(s[k].shape)}, the parameter {tuple(p.shape)}")
+            steps.add(int(float(s["step"])))
+        if len(steps) > 1:
+            raise GridError(f"DistributedAdam.load_state_dict: parameters at different steps {sorted(steps)}")
+        entry = {id(p): state.get(i, state.get(str(i))) for i, p in enumerate(self.params)}
+        with torch.no_grad():
+            for g in self.groups:
+                lo, hi = self._shard_range(g)
+                for k in self.STATE_KEYS:
+                    buf = getattr(self, k)
+                    flat = self._gather_flat(g, lambda p, k=k: entry[id(p)][k].to(buf.device, buf.dtype))
+                    buf[lo:hi].copy_(flat[g.lo - g.start:g.hi - g.start])
+        g = groups[0]
+        self.lr, self.betas, self.eps, self.weight_decay = g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"]
+        self.step_count = steps.pop() if steps else 0
+
+
+def held_bytes(params, optimizer) -> dict:
+    """The bytes of parameters, gradients and optimizer state this rank holds, each storage once
+    (host and device alike): the ZeRO paper's accounting (Rajbhandari et al. 2020, Fig. 1: 2Ψ + 2Ψ
+    + KΨ with mixed precision, each term over N_d where its stage shards it). The optimizer's
+    bucket and gather buffers, a constant, are counted apart."""
+    seen = set()
+
+    def size(tensors) -> int:
+        total = 0
+        for t in tensors:
+            if t is None:
+                continue
+            st = t.untyped_storage()
+            key = (str(t.device), st.data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total += st.nbytes()
+        return total
+
+    return {"parameters": size(params),
+            "gradients": size([p.grad for p in params] + list(getattr(optimizer, "grad_shards", None) or [])),
+            "optimizer": size([getattr(optimizer, k) for k in optimizer.STATE_KEYS] +
+                              [getattr(optimizer, "_decay", None)]),
+            "optimizer_buffers": size(getattr(optimizer, "_buf", {}).values())}

@@ -55,11 +55,12 @@ class ParamPlacement:
         """The partial axes this grid has (size > 1): the gradient's all-reduce."""
         return tuple(a for a in self.partial if grid.axes.get(a, 1) > 1)
 
-    def counted_here(self, grid) -> bool:
+    def counted_here(self, grid, sharded=()) -> bool:
         """Whether this rank's copy is the one that counts (norms, checkpoints): it holds the
-        tensor, and it is member 0 of every axis along which copies are identical."""
+        tensor, and it is member 0 of every axis along which copies are identical. sharded:
+        data axes over which this rank holds its own slice (ZeRO's shards), not a copy."""
         coords = grid.coords
-        distinct = set(self.layout.axes())
+        distinct = set(self.layout.axes()) | set(sharded)
         if self.diagonal is not None:
             u, v = self.diagonal
             if coords[u] != coords[v]:
@@ -147,14 +148,14 @@ def reduce_gradients(module_or_params, grid) -> None:
 
 
 def grad_norm_of(pieces, grid, norm_type: float = 2.0) -> torch.Tensor:
-    """The norm over (gradient, placement) pairs of the whole model, every element counted
-    once (float64, on grid.device). Collective over the world: every rank calls it."""
+    """The norm over (gradient, placement[, shard axes]) pieces of the whole model, every
+    element counted once (float64, on grid.device). Collective over the world: every rank calls it."""
     inf = math.isinf(norm_type)
     if norm_type <= 0:
         raise GridError(f"norm_type must be positive, got {norm_type}")
     acc = torch.zeros(1, dtype=torch.float64, device=grid.device)
-    for g, placement in pieces:
-        if g.numel() == 0 or not placement.counted_here(grid):
+    for g, placement, *sharded in pieces:  # (gradient, placement[, axes it is a shard over])
+        if g.numel() == 0 or not placement.counted_here(grid, *sharded):
             continue
         g = g.detach().to(device=grid.device, dtype=torch.float64).abs()
         acc = torch.maximum(acc, g.max().reshape(1)) if inf else acc + g.pow(norm_type).sum().reshape(1)

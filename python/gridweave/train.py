@@ -86,6 +86,8 @@ class TrainConfig:
     ac: str | int = 1
     pipeline_limit: int = 0
     bsize: int = 1 << 14
+    zero: int = 0  # ZeRO stage: 0 every dp replica holds all optimizer state; 1 the fp32 master and Adam states sharded over the data axes; 2 the reduced gradients too
+    offload: bool = True  # the optimizer state in host memory, updated in bsize buckets (seed 001); False: on the device
     coarsening: int = 4
     placement: str = "topology"
     overlap: bool = False
@@ -143,6 +145,8 @@ class TrainConfig:
             raise GridError(f"ac must be 'none', 'auto' or a positive integer, got {self.ac!r}")
         if self.schedule not in pipeline.SCHEDULES:
             raise GridError(f"schedule must be one of {sorted(pipeline.SCHEDULES)}, got {self.schedule!r}")
+        if self.zero not in (0, 1, 2):
+            raise GridError(f"zero must be 0, 1 or 2, got {self.zero!r}")
         if self.chunks > 1 and self.schedule != "interleaved":
             raise GridError(f"chunks={self.chunks} needs schedule=interleaved")
         if self.tokenizer == "bytes":
@@ -171,6 +175,9 @@ class TrainConfig:
         if self.schedule == "interleaved" and (pp < 2 or self.microbatches % pp):
             raise GridError(f"the interleaved schedule needs pp >= 2 and microbatches a multiple of pp, got pp {pp}, "
                             f"microbatches {self.microbatches}")
+        if self.zero and dp * sp == 1:
+            raise GridError(f"zero={self.zero} shards the optimizer state over the data axes; this grid has dp 1 "
+                            "and sp 1 (zero=0, or more ranks for dp)")
         if self.tie and pp > 1:
             raise GridError("tie needs the embedding and the head on one pipeline stage (pp 1)")
         pipeline.resolve_ac(self.ac, self.layers // (pp * self.chunks), self.layers)
@@ -338,9 +345,14 @@ def build(cfg: TrainConfig, grid, model_cfg: ModelConfig) -> tuple:
     options = dict(ac=cfg.ac, overlap=cfg.overlap, attention=cfg.attention)
     stage = models.ModelChunks(model, grid, cfg.mode, s, pp, cfg.chunks, **options) \
         if cfg.schedule == "interleaved" else models.GPTStage(model, grid, cfg.mode, s, pp, **options)
-    opt = optim.OffloadAdam(stage.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, bsize=cfg.bsize,
-                               coarsening=cfg.coarsening, grid=grid, max_grad_norm=cfg.max_grad_norm,
-                               decay=optim.matrices_only)
+    if cfg.zero or not cfg.offload:  # ZeRO (or an on-device optimizer): the distributed optimizer
+        opt = optim.DistributedAdam(stage.parameters(), grid, lr=cfg.lr, weight_decay=cfg.weight_decay, zero=cfg.zero,
+                                    offload=cfg.offload, bsize=cfg.bsize, max_grad_norm=cfg.max_grad_norm,
+                                    decay=optim.matrices_only)
+    else:  # seed 001: every replica's state offloaded, the all-reduce overlapped with the update
+        opt = optim.OffloadAdam(stage.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, bsize=cfg.bsize,
+                                coarsening=cfg.coarsening, grid=grid, max_grad_norm=cfg.max_grad_norm,
+                                decay=optim.matrices_only)
     return model, stage, opt, LossScaler() if cfg.compute.loss_scaling else None
 
 
@@ -547,16 +559,23 @@ class Meter:
                 "model_flops_per_token": self.flops_token}
 
 
-def memory_per_rank(grid, stage) -> dict:
-    """Every rank's parameter bytes and the peak resident set of its process."""
+MEMORY_KINDS = ("parameters", "gradients", "optimizer", "optimizer_buffers")
+
+
+def memory_per_rank(grid, stage, opt) -> dict:
+    """Every rank's parameter bytes and the peak resident set of its process, and the bytes of
+    parameters, gradients and optimizer state held by the rank that holds the most (optim.held_bytes)."""
     import resource
 
+    held = optim.held_bytes(list(stage.parameters()), opt)
     mem = torch.tensor([sum(p.numel() * p.element_size() for p in stage.parameters()),
-                        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0], dtype=torch.float64,
-                       device=grid.device)
-    per_rank = grid.all_gather(mem.reshape(1, 2), axis=None)
+                        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0] +
+                       [float(held[k]) for k in MEMORY_KINDS], dtype=torch.float64, device=grid.device)
+    per_rank = grid.all_gather(mem.reshape(1, -1), axis=None)
+    top = int(per_rank[:, 2:].sum(1).argmax())
     return {"param_bytes_per_rank": [int(v) for v in per_rank[:, 0]],
-            "max_rss_bytes_per_rank": [int(v) for v in per_rank[:, 1]]}
+            "max_rss_bytes_per_rank": [int(v) for v in per_rank[:, 1]],
+            "memory_bytes": {k: int(v) for k, v in zip(MEMORY_KINDS, per_rank[top, 2:])}}
 
 
 def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = None) -> dict:
@@ -595,7 +614,7 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
     metrics = {"loss": history.losses, "val_loss": history.val,
                "unigram_entropy_val": data.unigram_entropy(tokens.val, tokens.vocab_size), **meter.as_dict(),
                "config": cfg.run_config(model_cfg), "grid": dict(grid.axes), "backend": grid.backend,
-               "device": str(grid.device), "precision": cfg.compute.name, **memory_per_rank(grid, stage)}
+               "device": str(grid.device), "precision": cfg.compute.name, **memory_per_rank(grid, stage, opt)}
     shutdown()
     if grid.rank == 0:
         report(cfg, out, metrics, tokens, tokenizer, validation.windows, model_cfg)

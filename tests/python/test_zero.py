@@ -1,0 +1,181 @@
+"""ZeRO stages 1 and 2 (gw.optim.DistributedAdam): the fp32 master weights and Adam states
+sharded over the data axes, gradients reduce-scattered, parameters all-gathered. Two steps on
+8-rank grids of the tensor modes composed with dp, pp and sp, with global-norm clipping, equal
+torch.optim.AdamW (no decay on norms and biases) + torch.nn.utils.clip_grad_norm_ on the dense model (float64, 1e-10); the
+shards hold 1/(dp sp) of the states; bad input is one clear error."""
+import pytest
+import torch
+
+from tp_refs import DEVICE, rel
+
+V, H, HEADS, LAYERS, SEQ, BATCH = 32, 16, 4, 4, 8, 8
+LR, WD, STEPS = 1e-2, 0.1, 2
+CPU = torch.device("cpu")
+
+
+def _data():
+    g = torch.Generator(device=CPU).manual_seed(7)
+    ids = torch.randint(0, V, (BATCH, SEQ + 1), generator=g, device=CPU)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _dense(max_norm):
+    """torch alone: the dense GPT after STEPS AdamW steps on the batch mean loss, clipped."""
+    import gridweave as gw
+
+    torch.manual_seed(0)
+    model = gw.models.GPT(V, H, HEADS, LAYERS, SEQ, dtype=torch.float64, device=CPU)
+    params = list(model.parameters())  # decay on matrices only (gw.optim.matrices_only), as Megatron
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=LR, weight_decay=WD, eps=1e-8)
+    x, y = _data()
+    norms = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        model.loss(model(x), y).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+    return {k: p.detach().clone() for k, p in model.named_parameters()}, norms
+
+
+def _zero_run(ctx, spec, dp, pp, sp, zero, offload, max_norm):
+    import gridweave as gw
+
+    mode = gw.modes.parse(spec)
+    grid = ctx.init(dp=dp, pp=pp, sp=sp, tp=mode)
+    ref, ref_norms = _dense(max_norm)
+    torch.manual_seed(0)
+    model = gw.models.GPT(V, H, HEADS, LAYERS, SEQ, dtype=torch.float64, device=CPU).to(grid.device)
+    stage = gw.models.GPTStage(model, grid, mode, grid.coords["pp"], pp)
+    opt = gw.optim.DistributedAdam(stage.parameters(), grid, lr=LR, weight_decay=WD, zero=zero, offload=offload,
+                                   bsize=37, max_grad_norm=max_norm, decay=gw.optim.matrices_only)
+    x, y = (t.to(grid.device) for t in _data())
+    shard, m = BATCH // dp, 2
+    mb = shard // m
+    lo = grid.coords["dp"] * shard
+    xs = [x[lo + i * mb:lo + (i + 1) * mb] for i in range(m)]
+    ys = [y[lo + i * mb:lo + (i + 1) * mb] for i in range(m)]
+    norms = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        # each rank's loss is the mean over its dp shard; the optimizer averages over dp (train's rule)
+        gw.pipeline.pipeline_step(stage, grid, xs, ys, stage.loss, stage.activation_shape(mb, SEQ),
+                                  dtype=torch.float64)
+        assert opt.step()
+        norms.append(opt.last_grad_norm)
+    errs = {name: rel(w, ref[name]) for name, w in stage.dense_state().items()}
+    errs["norms"] = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
+    data = [tuple(a for a in gw.placement_of(p).reduce_axes(grid) if a in ("dp", "sp")) for p in opt.params]
+    held = {"params": sum(p.numel() for p in opt.params), "master": opt.master.numel(),
+            # a parameter's states split over the data axes its gradient is partial over
+            "shares": sum(p.numel() / grid.size(a) if a else p.numel() for p, a in zip(opt.params, data)),
+            "padding": sum(grid.size(a) for a in set(data) if a),
+            "grads": sum(p.grad.numel() for p in opt.params if p.grad is not None),
+            "grad_shards": sum(s.numel() for s in opt.grad_shards or [])}
+    return errs, held, opt.master.device.type
+
+
+# (mode, dp, pp, sp): every tensor mode that leaves room for dp >= 2 or sp >= 2 on 8 ranks (the
+# cube takes all 8 at p = 2), with the pipeline and with the sequence split.
+COMPOSITIONS = [
+    ("row:2", 2, 2, 1),
+    ("row:2", 2, 1, 2),
+    ("square:2", 2, 1, 1),
+    ("none", 2, 2, 2),
+    ("subgraph:2", 2, 2, 1),
+    ("csub:2", 2, 1, 2),
+]
+
+
+@pytest.mark.parametrize("spec,dp,pp,sp", COMPOSITIONS)
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_equals_adamw_on_the_dense_model(pool, spec, dp, pp, sp, zero):
+    res = pool.run(_zero_run, 8, spec, dp, pp, sp, zero, False, 0.05)
+    for errs, held, device in res:
+        assert device == DEVICE.type
+        assert max(errs.values()) < 1e-10, {k: v for k, v in errs.items() if v >= 1e-10}
+        # the states are this rank's shard of each parameter (1/(dp sp) where its gradient is partial
+        # over both), up to the padding that makes the shards equal
+        assert held["shares"] <= held["master"] < held["shares"] + held["padding"], held
+        assert held["master"] < held["params"] / min(dp * sp, 2) + held["padding"], held
+        if zero == 2:
+            assert held["grads"] == 0 and held["grad_shards"] == held["master"], held
+        else:
+            assert held["grads"] == held["params"], held
+
+
+def test_zero_offload_keeps_its_shard_in_host_memory(pool):
+    for errs, held, device in pool.run(_zero_run, 8, "row:2", 2, 2, 1, 2, True, 0.05):
+        assert device == "cpu"
+        assert max(errs.values()) < 1e-10, {k: v for k, v in errs.items() if v >= 1e-10}
+
+
+def test_zero_without_a_data_axis_is_a_clear_error():
+    import gridweave as gw
+
+    grid = gw.init()
+    p = torch.nn.Parameter(torch.zeros(4, device=grid.device))
+    with pytest.raises(gw.GridError, match="zero=1 shards over the data axes"):
+        gw.optim.DistributedAdam([p], grid, zero=1)
+    with pytest.raises(gw.GridError, match=r"zero 0 \(no sharding\), 1 or 2"):
+        gw.optim.DistributedAdam([p], grid, zero=3)
+    gw.shutdown()
+
+
+# ---- the main job ------------------------------------------------------------------------
+
+def test_the_main_job_with_each_stage_trains_like_one_process(tmp_path):
+    """gridweave train --zero 1 / 2 (host or device state) on dp 4 x pp 2 and on row:2 x sp 2 x dp 2:
+    the losses of one process (float32, 1e-5 relative), as the unsharded optimizer gives."""
+    from test_train import _close, _train
+
+    one, _ = _train(tmp_path, "one", "--nproc", "1", port=29701)
+    for i, extra in enumerate([("--zero", "1", "--dp", "4", "--pp", "2"),
+                               ("--zero", "2", "--dp", "4", "--pp", "2", "--no-offload"),
+                               ("--zero", "2", "--tp", "row:2", "--sp", "2", "--dp", "2")]):
+        losses, _ = _train(tmp_path, f"zero{i}", "--nproc", "8", *extra, port=29703 + 2 * i)
+        assert _close(losses, one, 1e-5), (extra, losses, one)
+
+
+def test_a_zero_checkpoint_resumes_on_any_stage_and_grid(tmp_path):
+    """zero 2 dp 4 -> zero 1 dp 2 x pp 2 (other shards) -> one process (OffloadAdam, unsharded): the
+    losses of an uninterrupted run."""
+    from test_train import _close, _train
+
+    one, _ = _train(tmp_path, "one", "--nproc", "1", port=29721)
+    _, a = _train(tmp_path, "a", "--nproc", "4", "--dp", "4", "--pp", "1", "--zero", "2", "--steps", "2",
+                  port=29723)
+    _, b = _train(tmp_path, "b", "--nproc", "4", "--dp", "2", "--pp", "2", "--zero", "1", "--steps", "3",
+                  "--resume", str(a),
+                  port=29725)
+    losses, _ = _train(tmp_path, "c", "--nproc", "1", "--resume", str(b), port=29727)
+    assert _close(losses, one, 1e-5), (losses, one)
+
+
+def test_zero_on_a_grid_without_data_axes_is_a_clear_error():
+    import gridweave as gw
+
+    with pytest.raises(gw.GridError, match="zero=2 shards the optimizer state over the data axes"):
+        gw.train.TrainConfig(zero=2, dp=1, pp=1).grid_shape(1)
+    with pytest.raises(gw.GridError, match="zero must be 0, 1 or 2"):
+        gw.train.TrainConfig(zero=3)
+
+
+def test_memory_per_rank_follows_the_zero_paper(tmp_path):
+    """metrics.json's memory_bytes (the largest rank, each storage counted once) against Fig. 1 of
+    the ZeRO paper with fp32 weights: parameters 4Ψ, gradients 4Ψ (4Ψ/N_d at stage 2), Adam's fp32
+    master and two moments 12Ψ (12Ψ/N_d from stage 1), within 5%; dp 4 x pp 2, state on the device."""
+    import json
+
+    from test_train import _train
+
+    n_d = 4
+    for zero in (0, 1, 2):
+        _, out = _train(tmp_path, f"z{zero}", "--nproc", "8", "--dp", "4", "--pp", "2", "--zero", str(zero),
+                        "--no-offload", "--steps", "2", port=29741 + 2 * zero)
+        mem = json.loads((out / "metrics.json").read_text())["memory_bytes"]
+        psi = mem["parameters"] / 4
+        want = {"gradients": 4 * psi / (n_d if zero >= 2 else 1), "optimizer": 12 * psi / (n_d if zero >= 1 else 1)}
+        for kind, v in want.items():
+            assert abs(mem[kind] - v) <= 0.05 * v, (zero, kind, mem, want)
