@@ -196,13 +196,13 @@ def _plan(args) -> int:
     print(f"{args.gpus} GPUs, {cluster.gpus_per_node} per node ({cluster.name}); "
           f"{model.layers} layers, hidden {model.hidden}, heads {model.heads}, seq {model.seq}, batch {model.batch}, "
           f"vocab {model.vocab}")
-    print(f"{'#':>3} {'dp':>4} {'pp':>3} {'tp':>12} {'sp':>3} {'placement':>9} {'step ms':>9} {'compute':>8} "
+    print(f"{'#':>3} {'dp':>4} {'pp':>3} {'tp':>12} {'sp':>3} {'zero':>4} {'placement':>9} {'step ms':>9} {'compute':>8} "
           f"{'bubble':>7} {'comm per axis ms':<28} {'mem GiB':>8} {'(param/grad/optim/act)':<24}")
     for i, r in enumerate(rows):
         t, mem = r["time_breakdown_s"], r["memory_breakdown_bytes"]
         comm = " ".join(f"{k}={v * 1e3:.2f}" for k, v in t["communication"].items() if v)
         parts = "/".join(f"{mem[k] / 2 ** 30:.2f}" for k in ("parameters", "gradients", "optimizer", "activations"))
-        print(f"{i + 1:>3} {r['dp']:>4} {r['pp']:>3} {r['tp']:>12} {r['sp']:>3} {r['placement']:>9} "
+        print(f"{i + 1:>3} {r['dp']:>4} {r['pp']:>3} {r['tp']:>12} {r['sp']:>3} {r['zero']:>4} {r['placement']:>9} "
               f"{r['step_time_s'] * 1e3:>9.2f} {(t['compute'] + t['recompute']) * 1e3:>8.2f} {t['bubble'] * 1e3:>7.2f} "
               f"{comm or '-':<28} {r['memory_bytes'] / 2 ** 30:>8.2f} {parts:<24}{'' if r['fits'] else ' (does not fit)'}")
     if why:

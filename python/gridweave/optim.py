@@ -374,7 +374,7 @@ class DistributedAdam:
         dp = self.grid.axes.get("dp", 1)
         return 1.0 / dp if self.average_dp and dp > 1 else 1.0
 
-    def _reduce(self) -> list:
+    def reduce_gradients(self) -> list:
         """Each group's reduced gradient shard (the model's dtype): reduce-scattered over its
         shard axes, all-reduced over its other partial axes; the sends all started before any wait."""
         scale = self._dp_scale()
@@ -404,7 +404,7 @@ class DistributedAdam:
     def step(self, scaler=None) -> bool:
         """Reduce-scatter, (check, clip,) update the shard, all-gather. Returns whether the step
         was taken (a non-finite gradient or norm skips it on every rank, as OffloadAdam)."""
-        shards = self._reduce()
+        shards = self.reduce_gradients()
         if self.zero == 2:
             self.grad_shards = shards
         coef = 1.0
@@ -415,9 +415,7 @@ class DistributedAdam:
                 return False
             coef = 1.0 / used
         if self.max_grad_norm is not None:
-            pieces = [(s[a:b], placement_of(p), g.shard_axes) for g, s in zip(self.groups, shards)
-                      for _, p, a, b in g.spans()]
-            self.last_grad_norm = float(grad_norm_of(pieces, self.grid)) * coef
+            self.last_grad_norm = float(grad_norm_of(self.norm_pieces(shards), self.grid)) * coef
             if not math.isfinite(self.last_grad_norm):
                 return False
             coef *= min(1.0, self.max_grad_norm / (self.last_grad_norm + 1e-6))
@@ -434,8 +432,13 @@ class DistributedAdam:
                 self._decay_(self.master[lo:hi], lo, hi)
                 adamw_(self.master[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], grad, self.lr, self.betas,
                        self.eps, 0.0, self.step_count)
-        self._all_gather()
+        self.gather_parameters()
         return True
+
+    def norm_pieces(self, shards) -> list:
+        """(gradient slice, placement, shard axes) of every parameter slice in this rank's shards:
+        grad_norm_of counts each element of the model once."""
+        return [(s[a:b], placement_of(p), g.shard_axes) for g, s in zip(self.groups, shards) for _, p, a, b in g.spans()]
 
     def _bucket(self, shard, base, lo, hi, coef):
         """Offload: elements [lo, hi) of a group's shard (at `base` in the host buffers) updated
@@ -465,7 +468,7 @@ class DistributedAdam:
             if a < b:
                 w[a - lo:b - lo].mul_(f)
 
-    def _all_gather(self):
+    def gather_parameters(self) -> None:
         """Every rank's updated shard, in the model's dtype, gathered into its parameters."""
         dev, dtype = self.params[0].device, self.params[0].dtype
         for g in self.groups:

@@ -153,7 +153,8 @@ def explain(rows: list, n: int) -> list:
     a, b = rows[n], rows[n + 1]
 
     def name(r):
-        return f"dp {r['dp']} x pp {r['pp']} x tp {r['tp']} x sp {r['sp']} ({r['placement']})"
+        zero = f", zero {r['zero']}" if r.get("zero") else ""
+        return f"dp {r['dp']} x pp {r['pp']} x tp {r['tp']} x sp {r['sp']} ({r['placement']}{zero})"
 
     def parts(r):
         t = r["time_breakdown_s"]
@@ -229,11 +230,15 @@ class GridShape:
     tp: Mode = Sequence()
     sp: int = 1
     placement: str = "topology"
+    zero: int = 0  # the ZeRO stage of the optimizer (gw.optim.DistributedAdam above 0)
 
     def __post_init__(self):
         if not isinstance(self.tp, Mode):
             raise GridError(f"tp must be a mode object (gw.Row(n), gw.Cube(p), ...), got {self.tp!r}")
         self.dims()  # the degrees' own checks
+        if self.zero not in (0, 1, 2) or (self.zero and self.dp * self.sp == 1):
+            raise GridError(f"zero must be 0, 1 or 2, and above 0 only with data axes (dp or sp > 1): zero "
+                            f"{self.zero!r}, dp {self.dp}, sp {self.sp}")
 
     def dims(self) -> ParallelDims:
         return ParallelDims(dp=self.dp, pp=self.pp, sp=self.sp, tp=self.tp)
@@ -286,7 +291,7 @@ def schedule_of(model: Model, grid: GridShape, microbatches: int, stage: int = 0
     b = model.batch // grid.dp
     return step_schedule(model.config, grid.tp, grid.dp, grid.pp, grid.sp, (("pp", stage),), microbatches,
                          b / microbatches, _dtype(model), bsize, coarsening, clip, False, bool(model.vocab),
-                         model.fused_attention)
+                         model.fused_attention, zero=grid.zero if model.vocab else 0)
 
 
 def work_ops(micro) -> list:
@@ -375,7 +380,7 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
     share = max(1.0, cluster.gpus_per_node / cluster.cores_per_node) if cluster.cores_per_node else 1.0
     pipeline = m * t_stage * max(1.0, (1 + bubble) / share)
     step_comm = comm([(c.op, c.axis, c.nbytes) for c in sched.step], per_axis, 1)
-    phi_local = sched.parameters
+    phi_local = sched.shard  # the elements this rank updates: its parameters, or its ZeRO shard of them
     if model.vocab and offload_bsize:  # OffloadAdam's own work (seed 001 §V-B: bsize-element buckets)
         census = optimizer_census(offload_bsize, coarsening, clip, True)
         kernels = census["fixed"] + census["per_tensor"] * sched.parameter_tensors + \
@@ -413,18 +418,28 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
             # (double buffers), the message being sent, and the tensor it was copied from
             payload = max((c.nbytes for c in mb.collectives if c.op == "send"), default=0)
             act += (2 + 1 + 1) * payload
-        # OffloadAdam's bucket buffers and the flat gradient it sums (model dtype), or fused Adam's states
-        optimizer = 16 * offload_bsize + e * phi_here if offload_bsize else 16 * phi_here
+        # OffloadAdam's bucket buffers and the flat gradient it sums (model dtype), or fused Adam's
+        # states and fp32 gradient (of this rank's ZeRO shard). The gradients are whole until the
+        # step (its reduce-scatter runs after the backward), so zero 2 saves them after the step only.
+        optimizer = 16 * offload_bsize + e * phi_here if offload_bsize else 16 * sched.shard
         return {"parameters": e * phi_here, "gradients": e * phi_here, "optimizer": optimizer, "activations": act}
 
     by_stage = {s: memory(s, v[3]) for s, v in stages.items()}
     s_mem = max(by_stage, key=lambda k: sum(by_stage[k].values()))
     memory_breakdown = by_stage[s_mem]
-    host = 16 * stages[s_mem][3].parameters if offload_bsize else 0  # the offloaded master and states
+    top = stages[s_mem][3]
+    # the offloaded master and states (OffloadAdam's decay mask beside them when unsharded)
+    host = (12 * top.shard if grid.zero else 16 * top.parameters) if offload_bsize else 0
+    # the ZeRO paper's accounting after a step (Rajbhandari et al. 2020, Fig. 1), as gw.train's
+    # metrics.json memory_bytes measures it: each term over N_d where the stage shards it
+    held = {"parameters": e * top.parameters,
+            "gradients": e * (top.shard if grid.zero >= 2 else top.parameters),
+            "optimizer": 12 * top.shard + (4 * top.parameters if offload_bsize and not grid.zero else 0)}
     return {**{k: v for k, v in asdict(grid).items() if k != "tp"}, "tp": grid.tp.spec(),
             "step_time_s": step, "compute_s": compute_paper, "bubble": bubble, "microbatches": m,
             "memory_bytes": sum(memory_breakdown.values()), "parameters": phi,
-            "host_bytes": host, "memory_stage": s_mem, "critical_stage": s_star, "pipeline_s": pipeline,
+            "host_bytes": host, "state_bytes": held, "memory_stage": s_mem, "critical_stage": s_star,
+            "pipeline_s": pipeline,
             # what the critical rank issues in the step: kernels and collectives (with messages)
             "kernels": m * (sched.microbatch.kernels + sched.microbatch.gemm_calls),
             "collectives": m * sum(1 for op in work_ops(sched.microbatch) if op[0] not in ("gemm", "vector")) +
@@ -465,9 +480,9 @@ def tensor_modes(n: int, model: Model) -> list:
 MIN_TOKENS_PER_SP_RANK = 64
 
 
-def enumerate_grids(n: int, model: Model, placements=("topology", "naive")):
+def enumerate_grids(n: int, model: Model, placements=("topology", "naive"), zeros=(0, 1, 2)):
     """Every grid of n ranks the model's sizes allow (ParallelDims decides; the planner adds
-    only its floor of tokens per sequence-parallel rank)."""
+    only its floor of tokens per sequence-parallel rank), at each ZeRO stage where it has data axes."""
     out = []
     kv = model.config.arch.kv(model.heads)
     for mode in tensor_modes(n, model):
@@ -482,7 +497,8 @@ def enumerate_grids(n: int, model: Model, placements=("topology", "naive")):
                 except GridError:
                     continue
                 for pl in placements:
-                    out.append(GridShape(dp=dims.dp, pp=pp, tp=mode, sp=sp, placement=pl))
+                    for zero in zeros if dims.dp * sp > 1 else (0,):
+                        out.append(GridShape(dp=dims.dp, pp=pp, tp=mode, sp=sp, placement=pl, zero=zero))
     return out
 
 
@@ -499,8 +515,8 @@ def best_microbatching(model: Model, grid: GridShape, cluster: Cluster, sizes=(1
 
 def plan(n: int, model: Model, cluster: Cluster, top: int | None = None, microbatches: int | None = None,
          **kw) -> list:
-    """Grids ranked by predicted step time, the ones that fit in memory first; of two
-    placements that predict the same, the first. microbatches: the job's count (default: the
+    """Grids (with their ZeRO stage) ranked by predicted step time, the ones that fit in memory
+    first, then by memory; of two placements that predict the same, the first. microbatches: the job's count (default: the
     fastest micro-batch size that fits, per grid)."""
     rows = []
     for g in enumerate_grids(n, model):
@@ -511,12 +527,12 @@ def plan(n: int, model: Model, cluster: Cluster, top: int | None = None, microba
             continue
     seen, unique = set(), []
     for r in rows:  # a placement that changes nothing (one node) is listed once
-        key = (r["dp"], r["pp"], r["tp"], r["sp"], r["step_time_s"], r["memory_bytes"])
+        key = (r["dp"], r["pp"], r["tp"], r["sp"], r["zero"], r["step_time_s"], r["memory_bytes"])
         if key not in seen:
             seen.add(key)
             unique.append(r)
     rows = unique
     for r in rows:
         r["fits"] = r["memory_bytes"] <= cluster.memory_bytes
-    rows.sort(key=lambda r: (not r["fits"], r["step_time_s"]))
+    rows.sort(key=lambda r: (not r["fits"], r["step_time_s"], r["memory_bytes"]))  # equal speed: less memory
     return rows[:top] if top else rows

@@ -28,7 +28,7 @@ from .grid import Work
 from .models import ModelConfig, build
 from .models.stage import GPTStage, _without_dp
 from .nn.transformer import TransformerLayer
-from .optim import OffloadAdam, gradient_chunks, matrices_only
+from .optim import DistributedAdam, OffloadAdam, gradient_chunks, matrices_only
 from .pipeline import run_layers
 from .sharding import grad_norm_of, placement_of
 
@@ -120,7 +120,11 @@ class RecordingGrid:
         return math.prod(self.axes[a] for a in ([axis] if isinstance(axis, str) else axis))
 
     def index(self, axis) -> int:
-        return self.coords[axis]
+        """This rank's index along an axis or a tuple of axes (row-major, first slowest: Grid's)."""
+        i = 0
+        for a in ([axis] if isinstance(axis, str) else axis):
+            i = i * self.axes[a] + self.coords[a]
+        return i
 
     def _record(self, op, axis, nbytes, result, async_op, member=None, root=0, elem=1):
         self.log.append(Collective(op, self.label(axis), float(nbytes),
@@ -373,6 +377,12 @@ class StepSchedule:
     parameter_tensors: int
     layer: LayerSchedule  # one of the stage's layers (inside microbatch)
     layers: int           # the stage's layers
+    state_elements: int = -1  # elements of optimizer state per kind on this rank (-1: parameters, unsharded)
+
+    @property
+    def shard(self) -> int:
+        """Elements of each optimizer state (master, exp_avg, exp_avg_sq) this rank keeps."""
+        return self.parameters if self.state_elements < 0 else self.state_elements
 
     @property
     def collectives(self) -> tuple:
@@ -416,7 +426,7 @@ def _lerp(a: LayerSchedule, b: LayerSchedule, f: float) -> LayerSchedule:
 @lru_cache(maxsize=1024)
 def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch.bfloat16, bsize=1 << 14,
                   coarsening=4, clip=True, loss_scaling=False, ends=True, fused_attention=True,
-                  announced=False) -> StepSchedule:
+                  announced=False, zero=0, offload=True) -> StepSchedule:
     """The collectives of one gw.train step on the rank at coordinates `at` ((axis, index) pairs,
     the others 0; its pipeline stage at["pp"]): `microbatches` micro-batches of `batch`
     sequences through the stage (recorded: gw.models.GPTStage on a RecordingGrid, its layers
@@ -425,7 +435,9 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
     chunked gradient all-reduces (gw.optim.gradient_chunks) and the clipping norm's all-reduce
     (gw.sharding.grad_norm_of). ends=False: the stages' layers alone, no step collectives.
     announced: the transport has no receive-from-any (NCCL), so each pipeline message is first
-    announced on the host control channel (its header, cpp/pipeline.cpp's Outbox)."""
+    announced on the host control channel (its header, cpp/pipeline.cpp's Outbox). zero (a ZeRO
+    stage) or offload=False: gw.optim.DistributedAdam's reductions, norm and all-gathers, recorded
+    from its own code."""
     rec, b0 = _stage_recordings(config, mode, dp, pp, sp, at, dtype, ends, fused_attention)
     f = (batch - b0) / b0  # every byte and FLOP is affine in the batch: two recordings give any batch
     one, two = (_lerp(rec[(k, b0)][0], rec[(k, 2 * b0)][0], f) for k in (1, 2))
@@ -453,15 +465,24 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
         grid.all_reduce(scalar, None, op="max")  # the inf check (Grid.any)
     # the optimizer's gradient all-reduces, over the stage's parameters as its modules place them
     params_of = _stage_parameters(config, mode, dp, pp, sp, at, dtype)
-    size = params_of[0].element_size()
-    for lo, hi, axes in gradient_chunks(params_of, grid, bsize, coarsening)[2]:
-        if axes:
-            n = float((hi - lo) * size)
-            grid.log.append(Collective("all_reduce", grid.label(axes), n, n, 0, size))
-    if clip:
-        grad_norm_of([(p, placement_of(p)) for p in params_of], grid)
+    state = -1
+    if zero or not offload:  # the distributed optimizer's own calls, in its order
+        opt = DistributedAdam(params_of, grid, zero=zero, decay=matrices_only)
+        shards = opt.reduce_gradients()
+        if clip:
+            grad_norm_of(opt.norm_pieces(shards), grid)
+        opt.gather_parameters()
+        state = opt.master.numel()
+    else:
+        size = params_of[0].element_size()
+        for lo, hi, axes in gradient_chunks(params_of, grid, bsize, coarsening)[2]:
+            if axes:
+                n = float((hi - lo) * size)
+                grid.log.append(Collective("all_reduce", grid.label(axes), n, n, 0, size))
+        if clip:
+            grad_norm_of([(p, placement_of(p)) for p in params_of], grid)
     return StepSchedule(micro, microbatches, tuple(grid.log), sum(p.numel() for p in params_of), len(params_of),
-                        layer, config.layers // pp)
+                        layer, config.layers // pp, state)
 
 
 def _recorded_at(mode, axes, at) -> dict:

@@ -332,15 +332,15 @@ def test_plan_with_trains_flags_plans_trains_model_and_its_top_grids_train(tmp_p
     assert r.returncode == 0, r.stderr
     cfg = gw.train.TrainConfig(hidden=64, heads=4, layers=4, seq=64, batch=16)
     assert cfg.model_config(cfg.vocab).kv_heads == 2
-    grids = list(dict.fromkeys((g["dp"], g["pp"], g["tp"], g["sp"]) for g in json.loads(r.stdout)))[:3]
+    grids = list(dict.fromkeys((g["dp"], g["pp"], g["tp"], g["sp"], g["zero"]) for g in json.loads(r.stdout)))[:3]
     assert len(grids) == 3, grids
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
-    for i, (dp, pp, tp, sp) in enumerate(grids):
+    for i, (dp, pp, tp, sp, zero) in enumerate(grids):
         out = tmp_path / f"grid{i}"
         run = subprocess.run([sys.executable, "-m", "gridweave.cli", "train", *flags, "--steps", "2", "--val-every", "0",
                               "--tokenizer", "bytes", "--sample-tokens", "0", "--quiet", "--dp", str(dp), "--pp", str(pp),
-                              "--tp", tp, "--sp", str(sp), "--out", str(out), *launcher_args()],
+                              "--tp", tp, "--sp", str(sp), "--zero", str(zero), "--out", str(out), *launcher_args()],
                              capture_output=True, text=True, timeout=240, env=env, stdin=subprocess.DEVNULL)
         assert run.returncode == 0, (dp, pp, tp, sp, run.stderr[-3000:])
         losses = json.loads((out / "metrics.json").read_text())["loss"]

@@ -10,14 +10,14 @@ GRIDS = [("none", 2, 2, 1), ("row:4", 1, 2, 1), ("row:2", 2, 2, 1), ("square:2",
          ("subgraph:2", 2, 2, 1), ("csub:2", 2, 1, 1), ("none", 2, 1, 4), ("row:2", 1, 2, 2)]
 
 
-def _step(ctx, tp, dp, pp, sp, family, precision):
+def _step(ctx, tp, dp, pp, sp, family, precision, zero=0, offload=True):
     import gridweave as gw
     from gridweave import plan
     from gridweave.recorder import step_schedule
 
     cfg = gw.train.TrainConfig(model=family, hidden=64, heads=8, layers=4, seq=32, batch=8, microbatches=2,
                                tokenizer="bytes", tp=tp, dp=dp, pp=pp, sp=sp, precision=precision, bsize=512,
-                               coarsening=2)
+                               coarsening=2, zero=zero, offload=offload)
     grid = ctx.init(dp=dp, pp=pp, tp=cfg.mode, sp=sp)
     model_cfg = cfg.model_config(256)
     torch.manual_seed(0)
@@ -32,7 +32,7 @@ def _step(ctx, tp, dp, pp, sp, family, precision):
     schedule = step_schedule(model_cfg, cfg.mode, dp, pp, sp, tuple(grid.coords.items()), cfg.microbatches,
                              cfg.batch // dp // cfg.microbatches, cfg.compute.dtype, cfg.bsize, cfg.coarsening,
                              cfg.max_grad_norm is not None, scaler is not None,
-                             announced=pp > 1 and not grid.capabilities("pp")["recv_any"])
+                             announced=pp > 1 and not grid.capabilities("pp")["recv_any"], zero=zero, offload=offload)
     return ran, plan.step_counters(schedule, grid.axes, grid.placement, grid.rank)
 
 
@@ -47,4 +47,18 @@ def test_planned_step_traffic_is_the_engines(pool, tp, dp, pp, sp):
 
 def test_planned_step_traffic_gpt_bf16(pool):
     for rank, (ran, planned) in enumerate(pool.run(_step, 8, "row:2", 2, 2, 1, "gpt", "bf16", timeout=240)):
+        assert ran == planned, (rank, {k: (ran.get(k), planned.get(k)) for k in set(ran) | set(planned) if ran.get(k) != planned.get(k)})
+
+
+# ZeRO stages (gw.optim.DistributedAdam): reduce-scatters over the data axes, all-reduces over the
+# other partial axes, the norm over the shards, the parameters' all-gathers; zero 0 on the device
+@pytest.mark.parametrize("tp,dp,pp,sp,zero,offload", [("row:2", 2, 2, 1, 2, True), ("none", 2, 1, 4, 1, True),
+                                                      ("subgraph:2", 2, 2, 1, 2, False),
+                                                      ("square:2", 2, 1, 1, 0, False)])
+def test_planned_step_traffic_with_zero(pool, tp, dp, pp, sp, zero, offload):
+    import gridweave as gw
+
+    n = dp * pp * sp * gw.modes.parse(tp).ranks()
+    res = pool.run(_step, n, tp, dp, pp, sp, "llama", "fp32", zero, offload, timeout=240)
+    for rank, (ran, planned) in enumerate(res):
         assert ran == planned, (rank, {k: (ran.get(k), planned.get(k)) for k in set(ran) | set(planned) if ran.get(k) != planned.get(k)})

@@ -165,9 +165,12 @@ def test_zero_on_a_grid_without_data_axes_is_a_clear_error():
 def test_memory_per_rank_follows_the_zero_paper(tmp_path):
     """metrics.json's memory_bytes (the largest rank, each storage counted once) against Fig. 1 of
     the ZeRO paper with fp32 weights: parameters 4Ψ, gradients 4Ψ (4Ψ/N_d at stage 2), Adam's fp32
-    master and two moments 12Ψ (12Ψ/N_d from stage 1), within 5%; dp 4 x pp 2, state on the device."""
+    master and two moments 12Ψ (12Ψ/N_d from stage 1), within 5%; dp 4 x pp 2, state on the device.
+    The planner's prediction for the same job (state_bytes) agrees within 5% too."""
     import json
 
+    import gridweave as gw
+    from gridweave import plan
     from test_train import _train
 
     n_d = 4
@@ -179,3 +182,9 @@ def test_memory_per_rank_follows_the_zero_paper(tmp_path):
         want = {"gradients": 4 * psi / (n_d if zero >= 2 else 1), "optimizer": 12 * psi / (n_d if zero >= 1 else 1)}
         for kind, v in want.items():
             assert abs(mem[kind] - v) <= 0.05 * v, (zero, kind, mem, want)
+        # the planner predicts the same holdings for the same job (its model, grid and optimizer)
+        cfg = gw.train.TrainConfig(hidden=32, layers=4, heads=4, seq=32, batch=8, tokenizer="bytes", zero=zero)
+        row = plan.predict(plan.model_of(cfg), plan.GridShape(dp=4, pp=2, zero=zero), plan.load_cluster("local"),
+                           microbatches=cfg.microbatches)
+        for kind, v in row["state_bytes"].items():
+            assert abs(mem[kind] - v) <= 0.05 * mem[kind], (zero, kind, mem, row["state_bytes"])
