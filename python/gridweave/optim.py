@@ -305,7 +305,11 @@ class DistributedAdam:
     STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
     def __init__(self, params, grid, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, zero=1,
-                 offload=False, bsize=1 << 20, average_dp=True, max_grad_norm=None, decay=None):
+                 offload=False, bsize=1 << 20, average_dp=True, max_grad_norm=None, decay=None, bucket=1 << 22,
+                 overlap=True):
+        """bucket: elements per reduce-scatter (whole parameters, in backward order); overlap: each
+        bucket's reduction starts during the backward that completes its gradients (the last of
+        `backwards_per_step` passes: the pipeline's micro-batches), in bucket order on every rank."""
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise GridError("DistributedAdam got no parameters")
@@ -316,8 +320,8 @@ class DistributedAdam:
         if zero and all(grid.axes.get(a, 1) == 1 for a in DATA_AXES):
             raise GridError(f"zero={zero} shards over the data axes (dp, sp); this grid has none of size > 1: "
                             f"{dict(grid.axes) if grid is not None else None}")
-        if bsize < 1:
-            raise GridError("bsize must be >= 1")
+        if bsize < 1 or bucket < 1:
+            raise GridError(f"bsize and bucket must be >= 1, got {bsize!r}, {bucket!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise GridError(f"max_grad_norm must be positive, got {max_grad_norm!r}")
         self.grid, self.zero, self.offload, self.bsize = grid, zero, offload, int(bsize)
@@ -326,12 +330,24 @@ class DistributedAdam:
         by_axes: dict = {}
         for i, p in enumerate(self.params):
             by_axes.setdefault(placement_of(p).reduce_axes(grid), []).append((i, p))
-        self.groups, start = [], 0
+        self.groups, start, shard_lo = [], 0, 0
         for axes, members in by_axes.items():
             shard_axes = tuple(a for a in axes if a in DATA_AXES) if zero else ()
-            self.groups.append(_Group(members, axes, shard_axes, grid, start))
-            start += self.groups[-1].padded
+            members, cut = members[::-1], [[]]  # backward order: the last parameters' gradients come first
+            for m in members:
+                if cut[-1] and sum(q.numel() for _, q in cut[-1]) + m[1].numel() > bucket:
+                    cut.append([])
+                cut[-1].append(m)
+            for part in cut:
+                g = _Group(part, axes, shard_axes, grid, start)
+                g.buf_lo, g.buf_hi = shard_lo, shard_lo + g.shard  # its shard in the state buffers
+                self.groups.append(g)
+                start, shard_lo = start + g.padded, shard_lo + g.shard
         self.padded = start
+        self._bucket_of = {id(p): k for k, g in enumerate(self.groups) for _, p in g.members}
+        self.backwards_per_step = 1  # the pipeline's micro-batches: gw.train.train_step sets it
+        self._reset_reduction()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params] if overlap else []
         dev, dtype = self.params[0].device, self.params[0].dtype
         if any(p.dtype != dtype or p.device != dev for p in self.params):
             raise GridError("DistributedAdam takes parameters of one dtype on one device (its all-gathers carry the "
@@ -361,44 +377,82 @@ class DistributedAdam:
             parts.append(torch.zeros(pad, dtype=parts[0].dtype, device=parts[0].device))
         return torch.cat(parts)
 
-    def _shard_range(self, group):
+    @staticmethod
+    def _shard_range(group):
         """Where the group's shard lies in the master, state and gradient-shard buffers."""
-        lo = sum(g.shard for g in self.groups[:self.groups.index(group)])
-        return lo, lo + group.shard
+        return group.buf_lo, group.buf_hi
 
     def zero_grad(self):
         for p in self.params:
             p.grad = None
+        for work, _ in self._inflight.values():  # a step abandoned after its backward: finish what was sent
+            if work is not None:
+                work.wait()
+        self._reset_reduction()
+
+    def _reset_reduction(self):
+        self._accumulated = {id(p): 0 for p in self.params}
+        self._waiting = [len(g.members) for g in self.groups]  # parameters whose gradient is not final yet
+        self._inflight: dict = {}  # bucket -> (work or None, its flat gradient / result)
+        self._next = 0  # the next bucket to start: buckets start in order on every rank (NCCL's rule)
+
+    def _grad_ready(self, p):
+        """A parameter's gradient was accumulated: after its last backward of the step, its bucket
+        may start (and every bucket before it that is complete)."""
+        key = id(p)
+        self._accumulated[key] += 1
+        if self._accumulated[key] > self.backwards_per_step:
+            raise GridError(f"a parameter's gradient was accumulated {self._accumulated[key]} times in one step; "
+                            f"DistributedAdam.backwards_per_step is {self.backwards_per_step} (set it to the "
+                            "backward passes per step, or call zero_grad between steps)")
+        if self._accumulated[key] == self.backwards_per_step:
+            self._waiting[self._bucket_of[key]] -= 1
+            while self._next < len(self.groups) and self._waiting[self._next] == 0:
+                self._launch(self._next)
+                self._next += 1
+
+    def _launch(self, k):
+        """Bucket k's reduction, started: reduce-scatter over its shard axes (all-reduce when it has
+        none); zero 2 drops the full gradients as soon as they are in the flat buffer."""
+        g, scale = self.groups[k], self._dp_scale()
+        flat = self._gather_flat(g, lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
+        if scale != 1.0:
+            flat.mul_(scale)  # pre-divided: the sum over dp is then the mean (OffloadAdam's rule)
+        if self.zero == 2:
+            for _, p in g.members:
+                p.grad = None  # only the shards outlive the reduction (ZeRO-2)
+        if g.shard_axes:
+            work = self.grid.reduce_scatter(flat, axis=g.shard_axes, async_op=True)
+        elif g.axes:
+            work = self.grid.all_reduce(flat, axis=g.axes, async_op=True)
+        else:
+            work = None
+        self._inflight[k] = (work, flat)
+
+    @property
+    def buckets_started(self) -> int:
+        """Buckets whose reduction has started since the last step (the backward starts them)."""
+        return self._next
 
     def _dp_scale(self) -> float:
         dp = self.grid.axes.get("dp", 1)
         return 1.0 / dp if self.average_dp and dp > 1 else 1.0
 
     def reduce_gradients(self) -> list:
-        """Each group's reduced gradient shard (the model's dtype): reduce-scattered over its
-        shard axes, all-reduced over its other partial axes; the sends all started before any wait."""
-        scale = self._dp_scale()
-        flats, work = [], []
-        for g in self.groups:
-            flat = self._gather_flat(g, lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
-            if scale != 1.0:
-                flat.mul_(scale)  # pre-divided: the sum over dp is then the mean (OffloadAdam's rule)
-            flats.append(flat)
-        if self.zero == 2:
-            self.zero_grad()  # only the shards outlive the reduction (ZeRO-2)
-        for g, flat in zip(self.groups, flats):
-            if g.shard_axes:
-                work.append(self.grid.reduce_scatter(flat, axis=g.shard_axes, async_op=True))
-            elif g.axes:
-                work.append(self.grid.all_reduce(flat, axis=g.axes, async_op=True))
-            else:
-                work.append(None)
+        """Each bucket's reduced gradient shard (the model's dtype): the buckets the backward did
+        not start are started now, in order; then all of them are waited for, and all-reduced
+        over their other partial axes (e.g. a 3-D mode's)."""
+        while self._next < len(self.groups):
+            self._launch(self._next)
+            self._next += 1
         shards = []
-        for g, flat, w in zip(self.groups, flats, work):
-            out = w.wait() if w is not None else flat
+        for k, g in enumerate(self.groups):
+            work, flat = self._inflight[k]
+            out = work.wait() if work is not None else flat
             if g.shard_axes and g.rest:
                 self.grid.all_reduce(out, axis=g.rest)
             shards.append(out)
+        self._reset_reduction()
         return shards
 
     def step(self, scaler=None) -> bool:

@@ -366,6 +366,8 @@ def train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y) -> tuple:
     xs = [x[i * mb:(i + 1) * mb].to(grid.device) for i in range(m)]
     ys = [y[i * mb:(i + 1) * mb].to(grid.device) for i in range(m)]
     opt.zero_grad()
+    if hasattr(opt, "backwards_per_step"):  # gradients final after the m-th backward: buckets start then
+        opt.backwards_per_step = m
     loss_scale = scaler.scale_value if scaler is not None else 1.0
 
     def loss_fn(logits, targets):  # in fp32 or wider whatever the model computes in; fp16 scaled up

@@ -39,7 +39,7 @@ def _dense(max_norm):
     return {k: p.detach().clone() for k, p in model.named_parameters()}, norms
 
 
-def _zero_run(ctx, spec, dp, pp, sp, zero, offload, max_norm):
+def _zero_run(ctx, spec, dp, pp, sp, zero, offload, max_norm, overlap=True):
     import gridweave as gw
 
     mode = gw.modes.parse(spec)
@@ -49,19 +49,22 @@ def _zero_run(ctx, spec, dp, pp, sp, zero, offload, max_norm):
     model = gw.models.GPT(V, H, HEADS, LAYERS, SEQ, dtype=torch.float64, device=CPU).to(grid.device)
     stage = gw.models.GPTStage(model, grid, mode, grid.coords["pp"], pp)
     opt = gw.optim.DistributedAdam(stage.parameters(), grid, lr=LR, weight_decay=WD, zero=zero, offload=offload,
-                                   bsize=37, max_grad_norm=max_norm, decay=gw.optim.matrices_only)
+                                   bsize=37, max_grad_norm=max_norm, decay=gw.optim.matrices_only, bucket=300,
+                                   overlap=overlap)
     x, y = (t.to(grid.device) for t in _data())
     shard, m = BATCH // dp, 2
     mb = shard // m
     lo = grid.coords["dp"] * shard
     xs = [x[lo + i * mb:lo + (i + 1) * mb] for i in range(m)]
     ys = [y[lo + i * mb:lo + (i + 1) * mb] for i in range(m)]
-    norms = []
+    opt.backwards_per_step = m  # one backward per micro-batch
+    norms, started = [], []
     for _ in range(STEPS):
         opt.zero_grad()
         # each rank's loss is the mean over its dp shard; the optimizer averages over dp (train's rule)
         gw.pipeline.pipeline_step(stage, grid, xs, ys, stage.loss, stage.activation_shape(mb, SEQ),
                                   dtype=torch.float64)
+        started.append(opt.buckets_started)  # by the backward, before the step
         assert opt.step()
         norms.append(opt.last_grad_norm)
     errs = {name: rel(w, ref[name]) for name, w in stage.dense_state().items()}
@@ -73,6 +76,7 @@ def _zero_run(ctx, spec, dp, pp, sp, zero, offload, max_norm):
             "padding": sum(grid.size(a) for a in set(data) if a),
             "grads": sum(p.grad.numel() for p in opt.params if p.grad is not None),
             "grad_shards": sum(s.numel() for s in opt.grad_shards or [])}
+    held["buckets"], held["started"] = len(opt.groups), started
     return errs, held, opt.master.device.type
 
 
@@ -103,6 +107,14 @@ def test_zero_equals_adamw_on_the_dense_model(pool, spec, dp, pp, sp, zero):
             assert held["grads"] == 0 and held["grad_shards"] == held["master"], held
         else:
             assert held["grads"] == held["params"], held
+        # several buckets, every one started during the backward (overlapped with it)
+        assert held["buckets"] > 2 and held["started"] == [held["buckets"]] * STEPS, held
+
+
+def test_zero_without_overlap_starts_its_buckets_at_the_step(pool):
+    for errs, held, _ in pool.run(_zero_run, 8, "none", 2, 2, 2, 1, False, 0.05, False):
+        assert max(errs.values()) < 1e-10, {k: v for k, v in errs.items() if v >= 1e-10}
+        assert held["started"] == [0] * STEPS, held
 
 
 def test_zero_offload_keeps_its_shard_in_host_memory(pool):
@@ -130,11 +142,11 @@ def test_the_main_job_with_each_stage_trains_like_one_process(tmp_path):
     the losses of one process (float32, 1e-5 relative), as the unsharded optimizer gives."""
     from test_train import _close, _train
 
-    one, _ = _train(tmp_path, "one", "--nproc", "1", port=29701)
+    one, _ = _train(tmp_path, "one", "--nproc", "1", port=29801)
     for i, extra in enumerate([("--zero", "1", "--dp", "4", "--pp", "2"),
                                ("--zero", "2", "--dp", "4", "--pp", "2", "--no-offload"),
                                ("--zero", "2", "--tp", "row:2", "--sp", "2", "--dp", "2")]):
-        losses, _ = _train(tmp_path, f"zero{i}", "--nproc", "8", *extra, port=29703 + 2 * i)
+        losses, _ = _train(tmp_path, f"zero{i}", "--nproc", "8", *extra, port=29803 + 2 * i)
         assert _close(losses, one, 1e-5), (extra, losses, one)
 
 
@@ -143,13 +155,13 @@ def test_a_zero_checkpoint_resumes_on_any_stage_and_grid(tmp_path):
     losses of an uninterrupted run."""
     from test_train import _close, _train
 
-    one, _ = _train(tmp_path, "one", "--nproc", "1", port=29721)
+    one, _ = _train(tmp_path, "one", "--nproc", "1", port=29821)
     _, a = _train(tmp_path, "a", "--nproc", "4", "--dp", "4", "--pp", "1", "--zero", "2", "--steps", "2",
-                  port=29723)
+                  port=29823)
     _, b = _train(tmp_path, "b", "--nproc", "4", "--dp", "2", "--pp", "2", "--zero", "1", "--steps", "3",
                   "--resume", str(a),
-                  port=29725)
-    losses, _ = _train(tmp_path, "c", "--nproc", "1", "--resume", str(b), port=29727)
+                  port=29825)
+    losses, _ = _train(tmp_path, "c", "--nproc", "1", "--resume", str(b), port=29827)
     assert _close(losses, one, 1e-5), (losses, one)
 
 
@@ -176,7 +188,7 @@ def test_memory_per_rank_follows_the_zero_paper(tmp_path):
     n_d = 4
     for zero in (0, 1, 2):
         _, out = _train(tmp_path, f"z{zero}", "--nproc", "8", "--dp", "4", "--pp", "2", "--zero", str(zero),
-                        "--no-offload", "--steps", "2", port=29741 + 2 * zero)
+                        "--no-offload", "--steps", "2", port=29841 + 2 * zero)
         mem = json.loads((out / "metrics.json").read_text())["memory_bytes"]
         psi = mem["parameters"] / 4
         want = {"gradients": 4 * psi / (n_d if zero >= 2 else 1), "optimizer": 12 * psi / (n_d if zero >= 1 else 1)}
