@@ -51,6 +51,31 @@ def gradient_chunks(params, grid, bsize: int, coarsening: int) -> tuple:
     return order, offset, chunks
 
 
+def checked_state(owner: str, state_dict: dict, params, keys) -> tuple:
+    """(the per-parameter entries in parameter order, the one param group, the step) of a torch-style
+    optimizer state_dict of full tensors, every entry checked before the caller writes anything."""
+    state, groups = state_dict.get("state"), state_dict.get("param_groups")
+    if not isinstance(state, dict) or not isinstance(groups, list) or len(groups) != 1:
+        raise GridError(f"{owner}.load_state_dict: expected {{'state': {{...}}, 'param_groups': [one group]}}")
+    if len(groups[0].get("params", ())) != len(params):
+        raise GridError(f"{owner}.load_state_dict: the state has {len(groups[0].get('params', ()))} "
+                        f"parameters, this optimizer {len(params)}")
+    entries, steps = [], set()
+    for i, p in enumerate(params):
+        s = state.get(i, state.get(str(i)))
+        if s is None or any(k not in s for k in keys):
+            raise GridError(f"{owner}.load_state_dict: parameter {i} lacks {list(keys)}")
+        for k in keys:
+            if tuple(s[k].shape) != tuple(p.shape):
+                raise GridError(f"{owner}.load_state_dict: {k} of parameter {i} has shape "
+                                f"{tuple(s[k].shape)}, the parameter {tuple(p.shape)}")
+        steps.add(int(float(s["step"])))
+        entries.append(s)
+    if len(steps) > 1:
+        raise GridError(f"{owner}.load_state_dict: parameters at different steps {sorted(steps)}")
+    return entries, groups[0], steps.pop() if steps else 0
+
+
 class OffloadAdam:
     """AdamW with fp32 master weights and Adam states in host memory, updated `bsize`
     elements at a time; the model keeps its own (fp16/bf16/fp32) weights and gradients.
@@ -235,32 +260,13 @@ class OffloadAdam:
     def load_state_dict(self, state_dict: dict) -> None:
         """Copy a state_dict's tensors into the host buffers and take its hyperparameters;
         every entry is checked before anything is written."""
-        state, groups = state_dict.get("state"), state_dict.get("param_groups")
-        if not isinstance(state, dict) or not isinstance(groups, list) or len(groups) != 1:
-            raise GridError("OffloadAdam.load_state_dict: expected {'state': {...}, 'param_groups': [one group]}")
-        if len(groups[0].get("params", ())) != len(self.params):
-            raise GridError(f"OffloadAdam.load_state_dict: the state has {len(groups[0].get('params', ()))} "
-                            f"parameters, this optimizer {len(self.params)}")
-        steps = set()
-        for i, p in enumerate(self.params):
-            s = state.get(i, state.get(str(i)))
-            if s is None or any(k not in s for k in self.STATE_KEYS):
-                raise GridError(f"OffloadAdam.load_state_dict: parameter {i} lacks {list(self.STATE_KEYS)}")
-            for k in self.STATE_KEYS:
-                if tuple(s[k].shape) != tuple(p.shape):
-                    raise GridError(f"OffloadAdam.load_state_dict: {k} of parameter {i} has shape "
-                                    f"{tuple(s[k].shape)}, the parameter {tuple(p.shape)}")
-            steps.add(int(float(s["step"])))
-        if len(steps) > 1:
-            raise GridError(f"OffloadAdam.load_state_dict: parameters at different steps {sorted(steps)}")
+        entries, g, step = checked_state("OffloadAdam", state_dict, self.params, self.STATE_KEYS)
         with torch.no_grad():
-            for i in range(len(self.params)):
-                s = state.get(i, state.get(str(i)))
+            for i, s in enumerate(entries):
                 for k in self.STATE_KEYS:
                     self._view(k, i).copy_(s[k])
-        g = groups[0]
         self.lr, self.betas, self.eps, self.weight_decay = g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"]
-        self.step_count = steps.pop() if steps else 0
+        self.step_count = step
 
 
 class _Group:
@@ -566,35 +572,17 @@ class DistributedAdam:
     def load_state_dict(self, state_dict: dict) -> None:
         """Take a state_dict of full tensors (this optimizer's, OffloadAdam's or one of any other
         shard count): each rank keeps its shard. Every entry is checked before anything is written."""
-        state, groups = state_dict.get("state"), state_dict.get("param_groups")
-        if not isinstance(state, dict) or not isinstance(groups, list) or len(groups) != 1:
-            raise GridError("DistributedAdam.load_state_dict: expected {'state': {...}, 'param_groups': [one group]}")
-        if len(groups[0].get("params", ())) != len(self.params):
-            raise GridError(f"DistributedAdam.load_state_dict: the state has {len(groups[0].get('params', ()))} "
-                            f"parameters, this optimizer {len(self.params)}")
-        steps = set()
-        for i, p in enumerate(self.params):
-            s = state.get(i, state.get(str(i)))
-            if s is None or any(k not in s for k in self.STATE_KEYS):
-                raise GridError(f"DistributedAdam.load_state_dict: parameter {i} lacks {list(self.STATE_KEYS)}")
-            for k in self.STATE_KEYS:
-                if tuple(s[k].shape) != tuple(p.shape):
-                    raise GridError(f"DistributedAdam.load_state_dict: {k} of parameter {i} has shape "
-                                    f"{tuple(s[k].shape)}, the parameter {tuple(p.shape)}")
-            steps.add(int(float(s["step"])))
-        if len(steps) > 1:
-            raise GridError(f"DistributedAdam.load_state_dict: parameters at different steps {sorted(steps)}")
-        entry = {id(p): state.get(i, state.get(str(i))) for i, p in enumerate(self.params)}
+        entries, g, step = checked_state("DistributedAdam", state_dict, self.params, self.STATE_KEYS)
+        entry = {id(p): s for p, s in zip(self.params, entries)}
         with torch.no_grad():
-            for g in self.groups:
-                lo, hi = self._shard_range(g)
+            for group in self.groups:
+                lo, hi = self._shard_range(group)
                 for k in self.STATE_KEYS:
                     buf = getattr(self, k)
-                    flat = self._gather_flat(g, lambda p, k=k: entry[id(p)][k].to(buf.device, buf.dtype))
-                    buf[lo:hi].copy_(flat[g.lo - g.start:g.hi - g.start])
-        g = groups[0]
+                    flat = self._gather_flat(group, lambda p, k=k: entry[id(p)][k].to(buf.device, buf.dtype))
+                    buf[lo:hi].copy_(flat[group.lo - group.start:group.hi - group.start])
         self.lr, self.betas, self.eps, self.weight_decay = g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"]
-        self.step_count = steps.pop() if steps else 0
+        self.step_count = step
 
 
 def held_bytes(params, optimizer) -> dict:

@@ -6,17 +6,10 @@ shards hold 1/(dp sp) of the states; bad input is one clear error."""
 import pytest
 import torch
 
+from test_sharding import BATCH, CPU, HEADS, LAYERS, SEQ, H, V, _data  # the same GPT and batch
 from tp_refs import DEVICE, rel
 
-V, H, HEADS, LAYERS, SEQ, BATCH = 32, 16, 4, 4, 8, 8
 LR, WD, STEPS = 1e-2, 0.1, 2
-CPU = torch.device("cpu")
-
-
-def _data():
-    g = torch.Generator(device=CPU).manual_seed(7)
-    ids = torch.randint(0, V, (BATCH, SEQ + 1), generator=g, device=CPU)
-    return ids[:, :-1], ids[:, 1:]
 
 
 def _dense(max_norm):
