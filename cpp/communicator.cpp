@@ -94,8 +94,9 @@ Fingerprint Communicator::agree(OpKind op, const BufferView& buf, int root) {
       os << (k ? "; " : "") << "rank " << info_.members[k] << " passed " << all[k].str();
     }
     if (differ) {
-      mark_broken();
-      throw Error(ErrorKind::Comm, "gridweave: ranks disagree on " + describe(op) + ": " + os.str());
+      const std::string msg = "gridweave: ranks disagree on " + describe(op) + ": " + os.str();
+      mark_broken(msg);
+      throw Error(ErrorKind::Comm, msg);
     }
   }
   ++seq_;
@@ -153,10 +154,16 @@ std::string Communicator::compare_notes(Store* store, const Fingerprint& mine, s
 
 void Communicator::check_usable(OpKind op) const {
   if (info_.watchdog) info_.watchdog->check();  // the failure that aborted the grid, by name
-  if (broken_)
-    throw Error(ErrorKind::Comm, "gridweave: " + describe(op) +
-                                     " refused: this communicator failed earlier (a peer died, timed out or skipped "
-                                     "a collective); build a new grid");
+  if (broken_) {
+    std::string why;
+    {
+      std::lock_guard<std::mutex> lock(why_mutex_);
+      why = broken_why_;
+    }
+    throw Error(ErrorKind::Comm, "gridweave: " + describe(op) + " refused: this communicator failed earlier (" +
+                                     (why.empty() ? "a peer died, timed out or skipped a collective" : why) +
+                                     "); build a new grid");
+  }
 }
 
 void Communicator::check_buffer(const BufferView& b, const char* what, OpKind op) const {

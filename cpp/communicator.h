@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -153,7 +154,15 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // memory through run_collective; transports on device memory override it.
   virtual std::vector<Fingerprint> exchange_fingerprints(const Fingerprint& mine);
   // True for the call that broke it (the first failure speaks; later ones are its echoes).
-  bool mark_broken() { return !broken_.exchange(true); }
+  // `why`: the first failure's message, which a later op's refusal repeats.
+  bool mark_broken(const std::string& why = "") {
+    const bool first = !broken_.exchange(true);
+    if (first && !why.empty()) {
+      std::lock_guard<std::mutex> lock(why_mutex_);
+      broken_why_ = why;
+    }
+    return first;
+  }
   void count(OpKind op, const BufferView& buf, int root) const;
 
   // Transport hooks; arguments already checked. `work` is completed by the transport.
@@ -182,6 +191,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // The next collective's fingerprint; at the Detail level, verified against every member's.
   Fingerprint agree(OpKind op, const BufferView& buf, int root);
   std::atomic<bool> broken_{false};  // set by waiter and worker threads too
+  mutable std::mutex why_mutex_;
+  std::string broken_why_;  // the failure that broke it, when its thread said
   // Made once: describe(op) names every op's Work, and an ostringstream per op costs more
   // than a small collective's own CPU time; peer_is_intra_ is what count() records against.
   std::vector<std::string> described_;  // describe(op) of each OpKind

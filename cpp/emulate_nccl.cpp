@@ -274,13 +274,13 @@ void NcclRulesCommunicator::check_expected(const Item& it, const std::vector<std
   const bool same = want[0] == it.tag && want[1] == static_cast<std::int64_t>(it.in.count) &&
                     want[2] == static_cast<std::int64_t>(it.in.dtype);
   if (same) return;
-  mark_broken();
   std::ostringstream os;
   os << "gridweave: " << describe(OpKind::Send, it.root) << ": NCCL matches a pair's messages in issue order, "
      << "and this rank's message #" << it.order + 1 << " to that peer (tag " << it.tag << ", " << it.in.count
      << " x " << dtype_name(it.in.dtype) << ") meets the peer's receive #" << want[3] + 1 << " from this rank (tag "
      << want[0] << ", " << want[1] << " x " << dtype_name(static_cast<DType>(want[2]))
      << "): the code relies on tags or an order NCCL does not keep";
+  mark_broken(os.str());  // an op submitted after this is refused naming it
   throw Error(ErrorKind::Comm, os.str());
 }
 

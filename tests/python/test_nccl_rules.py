@@ -2,6 +2,7 @@
 would deadlock on GPUs ends in a CommTimeout naming the op on every rank, and correct code
 (grouped point-to-point, the ring, collectives) gives numpy's answer with the same counters."""
 import os
+import time
 
 import numpy as np
 import pytest
@@ -100,13 +101,15 @@ def test_a_send_waits_for_its_receive_unless_it_fits_the_buffers(pool):
         assert value == [float(1 - r)] * 16
 
 
-def _tags_out_of_order(ctx, emulate):
+def _tags_out_of_order(ctx, emulate, pause=0.0):
     """Rank 0 sends tag 1 then tag 2; rank 1 receives tag 2 first. Tags keep them apart on
-    Gloo and MPI; NCCL matches them in order and would swap the two messages silently."""
+    Gloo and MPI; NCCL matches them in order and would swap the two messages silently.
+    pause: rank 0 waits between its two sends (the first one has failed by then)."""
     grid = ctx.init(dp=2, emulate=emulate, timeout=HANG if emulate == RULES else PASS)
     try:
         if grid.rank == 0:
             a = grid.send(torch.ones(4, device="cpu"), 1, "dp", tag=1, async_op=True)
+            time.sleep(pause)
             b = grid.send(torch.full((4,), 2.0, device="cpu"), 1, "dp", tag=2, async_op=True)
             a.wait()
             b.wait()
@@ -128,6 +131,13 @@ def test_tags_that_disagree_with_the_order_are_an_error_under_the_rules(pool):
     (s0, v0), (s1, v1) = pool.run(_tags_out_of_order, 2, RULES)
     assert s0 == "CommError" and "issue order" in v0 and "tag 1" in v0 and "tag 2" in v0, v0
     assert s1 in ("CommError", "CommTimeout"), v1
+
+
+def test_an_op_refused_after_a_failure_names_the_failure(pool):
+    """The second send is submitted after the first has failed: its refusal repeats why (it
+    raced the first's failure in CI, and said only "failed earlier")."""
+    (s0, v0), _ = pool.run(_tags_out_of_order, 2, RULES, 2.0)
+    assert s0 == "CommError" and "failed earlier" in v0 and "issue order" in v0 and "tag 1" in v0, v0
 
 
 def _recv_any(ctx):
