@@ -575,9 +575,11 @@ def memory_per_rank(grid, stage, opt) -> dict:
                        [float(held[k]) for k in MEMORY_KINDS], dtype=torch.float64, device=grid.device)
     per_rank = grid.all_gather(mem.reshape(1, -1), axis=None)
     top = int(per_rank[:, 2:].sum(1).argmax())
+    held = {k: int(v) for k, v in zip(MEMORY_KINDS, per_rank[top, 2:])}
     return {"param_bytes_per_rank": [int(v) for v in per_rank[:, 0]],
             "max_rss_bytes_per_rank": [int(v) for v in per_rank[:, 1]],
-            "memory_bytes": {k: int(v) for k, v in zip(MEMORY_KINDS, per_rank[top, 2:])}}
+            "optimizer_buffer_bytes": held.pop("optimizer_buffers"),  # its bucket buffers, a constant
+            "memory_bytes": held}
 
 
 def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = None) -> dict:

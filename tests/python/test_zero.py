@@ -183,6 +183,7 @@ def test_memory_per_rank_follows_the_zero_paper(tmp_path):
         _, out = _train(tmp_path, f"z{zero}", "--nproc", "8", "--dp", "4", "--pp", "2", "--zero", str(zero),
                         "--no-offload", "--steps", "2", port=29841 + 2 * zero)
         mem = json.loads((out / "metrics.json").read_text())["memory_bytes"]
+        assert set(mem) == {"parameters", "gradients", "optimizer"}, mem  # DESIGN.md's keys
         psi = mem["parameters"] / 4
         want = {"gradients": 4 * psi / (n_d if zero >= 2 else 1), "optimizer": 12 * psi / (n_d if zero >= 1 else 1)}
         for kind, v in want.items():
