@@ -348,8 +348,8 @@ def as_flags(message) -> str:
         message = re.sub(rf"(?:\bgw\.)?\b{cls.__name__}\((?:\w+=)?(\d*)\)",
                          lambda m, cls=cls: (cls(int(m.group(1))) if cls.size_arg else cls()).spec(), message)
     fields = "|".join(sorted(TrainConfig.__dataclass_fields__, key=len, reverse=True))
-    message = re.sub(rf"(?<![\w-])({fields})=", lambda m: "--" + m.group(1).replace("_", "-") + " ", message)
-    return re.sub(rf"(?<![\w-])({fields}) must\b", lambda m: "--" + m.group(1).replace("_", "-") + " must", message)
+    return re.sub(rf"(?<![\w-])({fields})(=| must\b)",
+                  lambda m: "--" + m.group(1).replace("_", "-") + (" " if m.group(2) == "=" else " must"), message)
 
 
 def train_config(args):

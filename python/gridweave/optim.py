@@ -51,6 +51,19 @@ def gradient_chunks(params, grid, bsize: int, coarsening: int) -> tuple:
     return order, offset, chunks
 
 
+def dp_mean_scale(grid, average_dp: bool = True) -> float:
+    """What each gradient is multiplied by before its sum over dp: 1/dp, so the sum is the mean
+    (torch DDP's and Megatron's convention: each rank's loss is the mean over its own shard)."""
+    dp = grid.axes.get("dp", 1) if grid is not None else 1
+    return 1.0 / dp if average_dp and dp > 1 else 1.0
+
+
+def uses_distributed(zero: int, offload: bool) -> bool:
+    """Which optimizer a job runs: ZeRO stages and on-device state take DistributedAdam; zero 0
+    offloaded is seed 001's OffloadAdam (the main job's default)."""
+    return bool(zero) or not offload
+
+
 def checked_state(owner: str, state_dict: dict, params, keys) -> tuple:
     """(the per-parameter entries in parameter order, the one param group, the step) of a torch-style
     optimizer state_dict of full tensors, every entry checked before the caller writes anything."""
@@ -149,8 +162,7 @@ class OffloadAdam:
         return torch.cat([grads[i] for i in self._order]).contiguous()
 
     def _dp_scale(self) -> float:
-        g = self.grid
-        return 1.0 / g.axes["dp"] if self.average_dp and g is not None and g.axes.get("dp", 1) > 1 else 1.0
+        return dp_mean_scale(self.grid, self.average_dp)
 
     def step(self, scaler=None) -> bool:
         """Sum, (check, clip,) update. scaler: a gw.precision.LossScaler whose scale the loss
@@ -274,7 +286,7 @@ class _Group:
     so that the shard axes split them into equal shards: this rank's shard is [lo, hi) of the
     group's padded range [start, start + padded)."""
 
-    def __init__(self, members, axes, shard_axes, grid, start):
+    def __init__(self, members, axes, shard_axes, grid, start, buf_lo):
         self.members, self.axes, self.shard_axes = members, axes, shard_axes  # members: [(index, param)]
         self.rest = tuple(a for a in axes if a not in shard_axes)  # summed, not sharded (e.g. tensor axes)
         n = grid.size(shard_axes) if shard_axes else 1
@@ -283,6 +295,7 @@ class _Group:
         self.start, self.shard = start, self.padded // n
         self.lo = start + (grid.index(shard_axes) if shard_axes else 0) * self.shard
         self.hi = self.lo + self.shard
+        self.buf_lo, self.buf_hi = buf_lo, buf_lo + self.shard  # its shard in the optimizer's state buffers
 
     def spans(self):
         """(index, param, start, end) in this rank's shard of every parameter overlapping it."""
@@ -345,10 +358,9 @@ class DistributedAdam:
                     cut.append([])
                 cut[-1].append(m)
             for part in cut:
-                g = _Group(part, axes, shard_axes, grid, start)
-                g.buf_lo, g.buf_hi = shard_lo, shard_lo + g.shard  # its shard in the state buffers
+                g = _Group(part, axes, shard_axes, grid, start, shard_lo)
                 self.groups.append(g)
-                start, shard_lo = start + g.padded, shard_lo + g.shard
+                start, shard_lo = start + g.padded, g.buf_hi
         self.padded = start
         self._bucket_of = {id(p): k for k, g in enumerate(self.groups) for _, p in g.members}
         self.backwards_per_step = 1  # the pipeline's micro-batches: gw.train.train_step sets it
@@ -365,9 +377,8 @@ class DistributedAdam:
                                  for g in self.groups])
         if offload and torch.cuda.is_available():
             self.master = self.master.pin_memory()
-        # the decayed stretches of the shard buffers (no mask: the states stay 12 bytes an element)
-        self._decayed = [(self._shard_range(g)[0] + a, self._shard_range(g)[0] + b) for g in self.groups
-                         for _, p, a, b in g.spans() if decay is None or decay(p)]
+        # each group's decayed stretches of its shard (no mask: the states stay 12 bytes an element)
+        self._decayed = [[(a, b) for _, p, a, b in g.spans() if decay is None or decay(p)] for g in self.groups]
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.grad_shards = None  # zero=2: the reduced gradient shards the last step kept
@@ -382,11 +393,6 @@ class DistributedAdam:
         if pad:
             parts.append(torch.zeros(pad, dtype=parts[0].dtype, device=parts[0].device))
         return torch.cat(parts)
-
-    @staticmethod
-    def _shard_range(group):
-        """Where the group's shard lies in the master, state and gradient-shard buffers."""
-        return group.buf_lo, group.buf_hi
 
     def zero_grad(self):
         for p in self.params:
@@ -441,8 +447,7 @@ class DistributedAdam:
         return self._next
 
     def _dp_scale(self) -> float:
-        dp = self.grid.axes.get("dp", 1)
-        return 1.0 / dp if self.average_dp and dp > 1 else 1.0
+        return dp_mean_scale(self.grid, self.average_dp)
 
     def reduce_gradients(self) -> list:
         """Each bucket's reduced gradient shard (the model's dtype): the buckets the backward did
@@ -480,16 +485,16 @@ class DistributedAdam:
                 return False
             coef *= min(1.0, self.max_grad_norm / (self.last_grad_norm + 1e-6))
         self.step_count += 1
-        for g, s in zip(self.groups, shards):
-            lo, hi = self._shard_range(g)
+        for k, (g, s) in enumerate(zip(self.groups, shards)):
+            lo, hi = g.buf_lo, g.buf_hi
             if self.offload:
                 for b in range(0, hi - lo, self.bsize):
-                    self._bucket(s, lo, b, min(b + self.bsize, hi - lo), coef)
+                    self._bucket(k, s, b, min(b + self.bsize, hi - lo), coef)
             else:
                 grad = s.to(self.dtype) if s.dtype != self.dtype else s.clone()
                 if coef != 1.0:
                     grad.mul_(coef)
-                self._decay_(self.master[lo:hi], lo, hi)
+                self._decay_(self.master[lo:hi], k, 0, hi - lo)
                 adamw_(self.master[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], grad, self.lr, self.betas,
                        self.eps, 0.0, self.step_count)
         self.gather_parameters()
@@ -500,10 +505,9 @@ class DistributedAdam:
         grad_norm_of counts each element of the model once."""
         return [(s[a:b], placement_of(p), g.shard_axes) for g, s in zip(self.groups, shards) for _, p, a, b in g.spans()]
 
-    def _bucket(self, shard, base, lo, hi, coef):
-        """Offload: elements [lo, hi) of a group's shard (at `base` in the host buffers) updated
-        through the device buckets."""
-        n = hi - lo
+    def _bucket(self, k, shard, lo, hi, coef):
+        """Offload: elements [lo, hi) of group k's shard updated through the device buckets."""
+        n, base = hi - lo, self.groups[k].buf_lo
         w, m, v, g = (self._buf[k][:n] for k in ("w", "m", "v", "g"))
         w.copy_(self.master[base + lo:base + hi])
         m.copy_(self.exp_avg[base + lo:base + hi])
@@ -511,19 +515,19 @@ class DistributedAdam:
         g.copy_(shard[lo:hi])
         if coef != 1.0:
             g.mul_(coef)
-        self._decay_(w, base + lo, base + hi)
+        self._decay_(w, k, lo, hi)
         adamw_(w, m, v, g, self.lr, self.betas, self.eps, 0.0, self.step_count)
         self.master[base + lo:base + hi].copy_(w)
         self.exp_avg[base + lo:base + hi].copy_(m)
         self.exp_avg_sq[base + lo:base + hi].copy_(v)
 
-    def _decay_(self, w, lo, hi):
+    def _decay_(self, w, k, lo, hi):
         """AdamW's decoupled weight decay (torch's w *= 1 - lr wd) on the decayed elements of w,
-        which holds shard-buffer positions [lo, hi)."""
+        which holds positions [lo, hi) of group k's shard."""
         if not self.weight_decay:
             return
         f = 1 - self.lr * self.weight_decay
-        for a, b in self._decayed:
+        for a, b in self._decayed[k]:
             a, b = max(a, lo), min(b, hi)
             if a < b:
                 w[a - lo:b - lo].mul_(f)
@@ -532,7 +536,7 @@ class DistributedAdam:
         """Every rank's updated shard, in the model's dtype, gathered into its parameters."""
         dev, dtype = self.params[0].device, self.params[0].dtype
         for g in self.groups:
-            lo, hi = self._shard_range(g)
+            lo, hi = g.buf_lo, g.buf_hi
             mine = self.master[lo:hi].to(dev, dtype)
             full = self.grid.all_gather(mine, axis=g.shard_axes) if g.shard_axes else mine
             off = 0
@@ -548,7 +552,7 @@ class DistributedAdam:
         out = [None] * len(self.params)
         dev = self.params[0].device
         for g in self.groups:
-            lo, hi = self._shard_range(g)
+            lo, hi = g.buf_lo, g.buf_hi
             mine = buf[lo:hi].to(dev)
             full = (self.grid.all_gather(mine, axis=g.shard_axes) if g.shard_axes else mine).to(buf.device)
             off = 0
@@ -576,7 +580,7 @@ class DistributedAdam:
         entry = {id(p): s for p, s in zip(self.params, entries)}
         with torch.no_grad():
             for group in self.groups:
-                lo, hi = self._shard_range(group)
+                lo, hi = group.buf_lo, group.buf_hi
                 for k in self.STATE_KEYS:
                     buf = getattr(self, k)
                     flat = self._gather_flat(group, lambda p, k=k: entry[id(p)][k].to(buf.device, buf.dtype))

@@ -28,7 +28,7 @@ from .grid import Work
 from .models import ModelConfig, build
 from .models.stage import GPTStage, _without_dp
 from .nn.transformer import TransformerLayer
-from .optim import DistributedAdam, OffloadAdam, gradient_chunks, matrices_only
+from .optim import DistributedAdam, OffloadAdam, gradient_chunks, matrices_only, uses_distributed
 from .pipeline import run_layers
 from .sharding import grad_norm_of, placement_of
 
@@ -466,8 +466,8 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
     # the optimizer's gradient all-reduces, over the stage's parameters as its modules place them
     params_of = _stage_parameters(config, mode, dp, pp, sp, at, dtype)
     state = -1
-    if zero or not offload:  # the distributed optimizer's own calls, in its order
-        opt = DistributedAdam(params_of, grid, zero=zero, decay=matrices_only)
+    if uses_distributed(zero, offload):  # the distributed optimizer's own calls, in its order
+        opt = DistributedAdam(params_of, grid, zero=zero, decay=matrices_only, overlap=False)
         shards = opt.reduce_gradients()
         if clip:
             grad_norm_of(opt.norm_pieces(shards), grid)

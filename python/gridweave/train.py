@@ -345,7 +345,7 @@ def build(cfg: TrainConfig, grid, model_cfg: ModelConfig) -> tuple:
     options = dict(ac=cfg.ac, overlap=cfg.overlap, attention=cfg.attention)
     stage = models.ModelChunks(model, grid, cfg.mode, s, pp, cfg.chunks, **options) \
         if cfg.schedule == "interleaved" else models.GPTStage(model, grid, cfg.mode, s, pp, **options)
-    if cfg.zero or not cfg.offload:  # ZeRO (or an on-device optimizer): the distributed optimizer
+    if optim.uses_distributed(cfg.zero, cfg.offload):  # ZeRO, or the state on the device
         opt = optim.DistributedAdam(stage.parameters(), grid, lr=cfg.lr, weight_decay=cfg.weight_decay, zero=cfg.zero,
                                     offload=cfg.offload, bsize=cfg.bsize, max_grad_norm=cfg.max_grad_norm,
                                     decay=optim.matrices_only)
