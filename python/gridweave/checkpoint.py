@@ -112,6 +112,40 @@ def chunk_of(name: str, dense_shape, p, grid) -> dict:
     return {"block": block, "transposed": pl.transposed, "order": [list(pl.order[0]), pl.order[1]] if pl.order else None}
 
 
+class FlatSlice:
+    """Elements [lo, hi) of a parameter's local block in row-major order (a piece of a ZeRO
+    shard, which cuts the flattened parameters anywhere): written by every rank that holds one,
+    `axes` being the data axes the block is split over (placement.counted_here's sharded)."""
+
+    def __init__(self, lo: int, hi: int, values: torch.Tensor, axes: tuple):
+        if values.numel() != hi - lo:
+            raise GridError(f"internal: a flat slice [{lo}, {hi}) of {values.numel()} values")
+        self.lo, self.hi, self.values, self.axes = lo, hi, values, tuple(axes)
+
+
+def flat_blocks(block, lo: int, hi: int) -> list:
+    """A flat range [lo, hi) of a 1-D or 2-D stored block (row-major) as at most three
+    rectangular blocks of it: [(block, a, b)], values [a, b) of the range's."""
+    if len(block) == 1:
+        return [([[block[0][0] + lo, block[0][0] + hi]], 0, hi - lo)]
+    if len(block) != 2:
+        raise GridError(f"internal: a flat slice of a {len(block)}-D block")
+    (r0, _), (c0, c1) = block
+    width, out = c1 - c0, []
+    a = lo
+    while a < hi:
+        r, c = divmod(a, width)
+        if c or hi - a < width:  # a part of one row
+            b = min(hi, (r + 1) * width)
+            out.append(([[r0 + r, r0 + r + 1], [c0 + c, c0 + b - r * width]], a - lo, b - lo))
+        else:  # whole rows
+            rows = (hi - a) // width
+            b = a + rows * width
+            out.append(([[r0 + r, r0 + r + rows], [c0, c1]], a - lo, b - lo))
+        a = b
+    return out
+
+
 def _dense_index(meta: dict, dense_len: list) -> list:
     """Per dense dim, the dense indices of a chunk's (or a needed block's) elements, in the
     chunk's own order along that dim."""
@@ -157,7 +191,9 @@ def save(folder, step: int, items: list, grid, tensors_of, extra: dict, wait: bo
     """Write step `step` of a sharded checkpoint under `folder` (collective: every rank).
     items: [(dense name, parameter, dense shape)] of this rank; tensors_of(p) -> {kind:
     tensor shaped like p} (the parameter and its optimizer states); extra: JSON-able run
-    state (config, reader position, losses) that rank 0 puts in the index. wait=False: the
+    state (config, reader position, losses) that rank 0 puts in the index; a value may instead
+    be a FlatSlice of the tensor (a ZeRO shard's piece: each rank writes its own, no gathers).
+    wait=False: the
     shards are copied now and written by a background thread; returns a PendingSave whose
     finish() every rank calls later (e.g. at the next step). Returns the step folder otherwise."""
     import threading
@@ -183,15 +219,22 @@ def save(folder, step: int, items: list, grid, tensors_of, extra: dict, wait: bo
         raise WriteError(step_dir, made if grid.rank == 0 else OSError(0, "rank 0 could not make the folder"))
     shards, meta = {}, {}
     for name, p, dense_shape in items:
-        if p.numel() == 0 or not placement_of(p).counted_here(grid):
+        if p.numel() == 0:
             continue
         chunk = chunk_of(name, dense_shape, p, grid)
+        whole = placement_of(p).counted_here(grid)
         for kind, t in tensors_of(p).items():
-            key = f"{kind}/{name}"
-            # a host copy (the snapshot: training may change t while the file is written)
-            shards[key] = t.detach().to("cpu", copy=True).contiguous()
-            meta[key] = {**chunk, "name": name, "kind": kind, "dense_shape": list(dense_shape),
-                         "dtype": str(t.dtype).replace("torch.", "")}
+            pieces = [(f"{kind}/{name}", chunk["block"], t)] if not isinstance(t, FlatSlice) else \
+                [(f"{kind}/{name}@{t.lo + a}", block, t.values[a:b].view([e - s for s, e in block]))
+                 for block, a, b in flat_blocks(chunk["block"], t.lo, t.hi)] \
+                if placement_of(p).counted_here(grid, sharded=t.axes) else []
+            if not isinstance(t, FlatSlice) and not whole:
+                continue
+            for key, block, v in pieces:
+                # a host copy (the snapshot: training may change t while the file is written)
+                shards[key] = v.detach().to("cpu", copy=True).contiguous()
+                meta[key] = {**chunk, "block": block, "name": name, "kind": kind, "dense_shape": list(dense_shape),
+                             "dtype": str(v.dtype).replace("torch.", "")}
     pending = PendingSave(folder, step_dir, grid, {"step": step, **extra}, None)
 
     def write():

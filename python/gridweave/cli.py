@@ -52,9 +52,10 @@ def _train_parser(sub):
                       ("coarsening", int), ("checkpoint_every", int), ("sample_tokens", int), ("timeout", float),
                       ("max_bad_steps", int)):
         o.add_argument("--" + name.replace("_", "-"), type=typ, default=d[name].default)
-    o.add_argument("--zero", type=int, default=d["zero"].default, choices=[0, 1, 2],
+    o.add_argument("--zero", type=int, default=d["zero"].default, choices=[0, 1, 2, 3],
                    help="ZeRO stage: 1 shards the fp32 master weights and Adam states over dp (and sp), 2 the "
-                        "gradients too")
+                        "gradients too, 3 the parameters too (gathered a layer at a time; with pp > 1 it needs "
+                        "--schedule 1f1b or interleaved)")
     o.add_argument("--no-offload", dest="offload", action="store_false",
                    help="keep the optimizer state on the device (default: host memory, seed 001's buckets)")
     o.add_argument("--ac", default="none", help="activation checkpointing: none | auto (seed 001's optimal) | N")

@@ -2,12 +2,15 @@
 all-reduce in chunks of k x bsize overlapped with it."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 
+from .checkpoint import FlatSlice
 from .errors import GridError
 from .sharding import DATA_AXES, grad_norm_of, placement_of
+from .zero import ParameterUnits
 
 
 def matrices_only(p) -> bool:
@@ -110,6 +113,9 @@ class OffloadAdam:
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise GridError("OffloadAdam got no parameters")
+        if any(p.numel() and not p.untyped_storage().nbytes() for p in self.params):
+            raise GridError("OffloadAdam all-reduces whole gradients of whole parameters; these are sharded by "
+                            "ZeRO-3 (DistributedAdam zero=3, which offloads its shards with offload=True)")
         if bsize < 1 or coarsening < 1:
             raise GridError("bsize and coarsening must be >= 1")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -269,6 +275,15 @@ class OffloadAdam:
                  "params": list(range(len(self.params)))}
         return {"state": state, "param_groups": [group]}
 
+    def whole_parameters(self, writeback: bool = False):
+        """DistributedAdam's protocol: the parameters are always whole here."""
+        return contextlib.nullcontext()
+
+    def checkpoint_tensors(self) -> dict:
+        """{id(param): {kind: tensor}} for gw.checkpoint.save: the parameter and its three states."""
+        return {id(p): {"param": p, **{k: self._view(k, i) for k in self.STATE_KEYS}}
+                for i, p in enumerate(self.params)}
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Copy a state_dict's tensors into the host buffers and take its hyperparameters;
         every entry is checked before anything is written."""
@@ -298,12 +313,13 @@ class _Group:
         self.buf_lo, self.buf_hi = buf_lo, buf_lo + self.shard  # its shard in the optimizer's state buffers
 
     def spans(self):
-        """(index, param, start, end) in this rank's shard of every parameter overlapping it."""
+        """(index, param, start, end, offset) of every parameter overlapping this rank's shard:
+        [start, end) in the shard, from element `offset` of the (flattened) parameter."""
         off = self.start
         for i, p in self.members:
             a, b = max(off, self.lo), min(off + p.numel(), self.hi)
             if a < b:
-                yield i, p, a - self.lo, b - self.lo
+                yield i, p, a - self.lo, b - self.lo, a - off
             off += p.numel()
 
 
@@ -325,17 +341,35 @@ class DistributedAdam:
 
     def __init__(self, params, grid, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, zero=1,
                  offload=False, bsize=1 << 20, average_dp=True, max_grad_norm=None, decay=None, bucket=1 << 22,
-                 overlap=True):
+                 overlap=True, units=None, prefetch=True):
         """bucket: elements per reduce-scatter (whole parameters, in backward order); overlap: each
         bucket's reduction starts during the backward that completes its gradients (the last of
-        `backwards_per_step` passes: the pipeline's micro-batches), in bucket order on every rank."""
+        `backwards_per_step` passes: the pipeline's micro-batches), in bucket order on every rank.
+        units (zero=3): the modules whose parameters are gathered together, in forward order
+        (e.g. GPTStage.shard_units()): each one a bucket; prefetch: the next unit's all-gather
+        starts while this one computes."""
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise GridError("DistributedAdam got no parameters")
-        if zero not in (0, 1, 2):
-            raise GridError(f"DistributedAdam takes zero 0 (no sharding), 1 or 2, got {zero!r}")
+        if zero not in (0, 1, 2, 3):
+            raise GridError(f"DistributedAdam takes zero 0 (no sharding), 1, 2 or 3, got {zero!r}")
         if grid is None:
             raise GridError("DistributedAdam needs the grid its parameters live on")
+        unit_of = {}
+        if zero == 3:
+            if units is None:
+                raise GridError("zero=3 gathers the parameters one unit at a time: pass units, the modules in "
+                                "forward order (e.g. GPTStage.shard_units())")
+            units = list(units)
+            for u, mod in enumerate(units):
+                for p in mod.parameters():
+                    unit_of.setdefault(id(p), u)
+            outside = [i for i, p in enumerate(self.params) if id(p) not in unit_of]
+            if outside:
+                raise GridError(f"zero=3: parameters {outside} are in none of the units (every parameter is "
+                                "gathered with a unit)")
+        elif units is not None:
+            raise GridError(f"units are zero=3's (the parameters gathered together); zero is {zero}")
         if zero and all(grid.axes.get(a, 1) == 1 for a in DATA_AXES):
             raise GridError(f"zero={zero} shards over the data axes (dp, sp); this grid has none of size > 1: "
                             f"{dict(grid.axes) if grid is not None else None}")
@@ -349,23 +383,30 @@ class DistributedAdam:
         by_axes: dict = {}
         for i, p in enumerate(self.params):
             by_axes.setdefault(placement_of(p).reduce_axes(grid), []).append((i, p))
-        self.groups, start, shard_lo = [], 0, 0
+        parts = []  # (axes, members): a bucket, its members in backward order
         for axes, members in by_axes.items():
-            shard_axes = tuple(a for a in axes if a in DATA_AXES) if zero else ()
             members, cut = members[::-1], [[]]  # backward order: the last parameters' gradients come first
             for m in members:
-                if cut[-1] and sum(q.numel() for _, q in cut[-1]) + m[1].numel() > bucket:
+                full = sum(q.numel() for _, q in cut[-1]) + m[1].numel() > bucket
+                if cut[-1] and (unit_of[id(m[1])] != unit_of[id(cut[-1][-1][1])] if zero == 3 else full):
                     cut.append([])
                 cut[-1].append(m)
-            for part in cut:
-                g = _Group(part, axes, shard_axes, grid, start, shard_lo)
-                self.groups.append(g)
-                start, shard_lo = start + g.padded, g.buf_hi
+            parts += [(axes, part) for part in cut]
+        if zero == 3:  # a unit's buckets in the order its backward completes them: the last unit's first
+            parts.sort(key=lambda ap: -unit_of[id(ap[1][0][1])])
+        self.groups, start, shard_lo = [], 0, 0
+        for axes, part in parts:
+            g = _Group(part, axes, tuple(a for a in axes if a in DATA_AXES) if zero else (), grid, start, shard_lo)
+            g.unit = unit_of.get(id(part[0][1]))
+            self.groups.append(g)
+            start, shard_lo = start + g.padded, g.buf_hi
         self.padded = start
         self._bucket_of = {id(p): k for k, g in enumerate(self.groups) for _, p in g.members}
         self.backwards_per_step = 1  # the pipeline's micro-batches: gw.train.train_step sets it
+        self._unit_of, self.overlap = unit_of, overlap
         self._reset_reduction()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params] if overlap else []
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params] \
+            if overlap or zero == 3 else []
         dev, dtype = self.params[0].device, self.params[0].dtype
         if any(p.dtype != dtype or p.device != dev for p in self.params):
             raise GridError("DistributedAdam takes parameters of one dtype on one device (its all-gathers carry the "
@@ -378,13 +419,23 @@ class DistributedAdam:
         if offload and torch.cuda.is_available():
             self.master = self.master.pin_memory()
         # each group's decayed stretches of its shard (no mask: the states stay 12 bytes an element)
-        self._decayed = [[(a, b) for _, p, a, b in g.spans() if decay is None or decay(p)] for g in self.groups]
+        self._decayed = [[(a, b) for _, p, a, b, _ in g.spans() if decay is None or decay(p)] for g in self.groups]
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.grad_shards = None  # zero=2: the reduced gradient shards the last step kept
         self.step_count = 0
         if offload:
             self._buf = {k: torch.empty(self.bsize, dtype=self.dtype, device=dev) for k in ("w", "m", "v", "g")}
+        self.units = None
+        if zero == 3:
+            for g in self.groups:  # the parameter shard the all-gathers read: the master itself where it
+                # has the model's dtype and device (no second copy), else a copy in the model's dtype
+                g.param_shard = self.master[g.buf_lo:g.buf_hi].to(dev, dtype)
+                g.aliased = bool(g.shard_axes) and g.param_shard.data_ptr() == self.master[g.buf_lo:].data_ptr()
+            self.units = ParameterUnits(grid, units, self.groups, prefetch=prefetch)
+            for g in self.groups:
+                if not g.shard_axes:  # whole between uses: its parameters are the buffer
+                    g.param_shard = g.full
 
     def _gather_flat(self, group, value):
         """The group's padded flat tensor of value(p) for its members (zeros in the padding)."""
@@ -397,6 +448,8 @@ class DistributedAdam:
     def zero_grad(self):
         for p in self.params:
             p.grad = None
+        if self.units is not None:
+            self.units.free_all()
         for work, _ in self._inflight.values():  # a step abandoned after its backward: finish what was sent
             if work is not None:
                 work.wait()
@@ -410,8 +463,13 @@ class DistributedAdam:
 
     def _grad_ready(self, p):
         """A parameter's gradient was accumulated: after its last backward of the step, its bucket
-        may start (and every bucket before it that is complete)."""
+        may start (and every bucket before it that is complete); zero 3 frees a unit whose
+        parameters all have their gradient of this backward."""
         key = id(p)
+        if self.units is not None:
+            self.units.accumulated(self._unit_of[key])
+        if not self.overlap:
+            return
         self._accumulated[key] += 1
         if self._accumulated[key] > self.backwards_per_step:
             raise GridError(f"a parameter's gradient was accumulated {self._accumulated[key]} times in one step; "
@@ -430,7 +488,7 @@ class DistributedAdam:
         flat = self._gather_flat(g, lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
         if scale != 1.0:
             flat.mul_(scale)  # pre-divided: the sum over dp is then the mean (OffloadAdam's rule)
-        if self.zero == 2:
+        if self.zero >= 2:
             for _, p in g.members:
                 p.grad = None  # only the shards outlive the reduction (ZeRO-2)
         if g.shard_axes:
@@ -469,8 +527,10 @@ class DistributedAdam:
     def step(self, scaler=None) -> bool:
         """Reduce-scatter, (check, clip,) update the shard, all-gather. Returns whether the step
         was taken (a non-finite gradient or norm skips it on every rank, as OffloadAdam)."""
+        if self.units is not None:
+            self.units.free_all()  # whatever a backward left gathered (a parameter without a gradient)
         shards = self.reduce_gradients()
-        if self.zero == 2:
+        if self.zero >= 2:
             self.grad_shards = shards
         coef = 1.0
         if scaler is not None:
@@ -497,13 +557,42 @@ class DistributedAdam:
                 self._decay_(self.master[lo:hi], k, 0, hi - lo)
                 adamw_(self.master[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], grad, self.lr, self.betas,
                        self.eps, 0.0, self.step_count)
-        self.gather_parameters()
+        if self.units is not None:
+            self._refresh_shards()  # the next forward gathers them
+        else:
+            self.gather_parameters()
         return True
+
+    def _refresh_shards(self) -> None:
+        """ZeRO-3: each parameter shard the all-gathers read, from the updated master."""
+        with torch.no_grad():
+            for g in self.groups:
+                if not g.aliased:
+                    g.param_shard.copy_(self.master[g.buf_lo:g.buf_hi])
+
+    def whole_parameters(self, writeback: bool = False):
+        """A context in which every parameter is whole (zero 3 gathers them; the other stages hold
+        them whole anyway): for code that reads or writes parameters outside forward and
+        backward (checkpoints, export, evaluation by hand). writeback: what the block wrote into
+        them becomes the shards and the fp32 master (collective over the data axes)."""
+        if self.units is None:
+            return contextlib.nullcontext()
+
+        def write(g):
+            if not g.aliased:
+                self.master[g.buf_lo:g.buf_hi].copy_(g.param_shard)
+        return self.units.whole(writeback, on_write=write)
+
+    @property
+    def param_shards(self) -> list:
+        """ZeRO-3: the parameter shards this rank keeps between uses (the all-gathers' inputs)."""
+        return [g.param_shard for g in self.groups] if self.units is not None else []
 
     def norm_pieces(self, shards) -> list:
         """(gradient slice, placement, shard axes) of every parameter slice in this rank's shards:
         grad_norm_of counts each element of the model once."""
-        return [(s[a:b], placement_of(p), g.shard_axes) for g, s in zip(self.groups, shards) for _, p, a, b in g.spans()]
+        return [(s[a:b], placement_of(p), g.shard_axes) for g, s in zip(self.groups, shards)
+                for _, p, a, b, _ in g.spans()]
 
     def _bucket(self, k, shard, lo, hi, coef):
         """Offload: elements [lo, hi) of group k's shard updated through the device buckets."""
@@ -561,6 +650,20 @@ class DistributedAdam:
                 off += p.numel()
         return out
 
+    def checkpoint_tensors(self) -> dict:
+        """{id(param): {kind: value}} for gw.checkpoint.save: "param" (the parameter; at zero 3 the
+        piece of it in this rank's shard) and the three states, as FlatSlices of this rank's shard:
+        each rank writes what it holds, nothing is gathered."""
+        out = {id(p): {} if self.units is not None else {"param": p} for p in self.params}
+        for g in self.groups:
+            for _, p, a, b, off in g.spans():
+                if self.units is not None:
+                    out[id(p)]["param"] = FlatSlice(off, off + b - a, g.param_shard[a:b], g.shard_axes)
+                for k in self.STATE_KEYS:
+                    out[id(p)][k] = FlatSlice(off, off + b - a, getattr(self, k)[g.buf_lo + a:g.buf_lo + b],
+                                              g.shard_axes)
+        return out
+
     def state_dict(self) -> dict:
         """OffloadAdam's state_dict: {"state": {index: {"step", "master", "exp_avg", "exp_avg_sq"}},
         "param_groups": [...]}, each state the parameter's full tensor, gathered from the shards
@@ -585,6 +688,8 @@ class DistributedAdam:
                     buf = getattr(self, k)
                     flat = self._gather_flat(group, lambda p, k=k: entry[id(p)][k].to(buf.device, buf.dtype))
                     buf[lo:hi].copy_(flat[group.lo - group.start:group.hi - group.start])
+        if self.units is not None:
+            self._refresh_shards()
         self.lr, self.betas, self.eps, self.weight_decay = g["lr"], tuple(g["betas"]), g["eps"], g["weight_decay"]
         self.step_count = step
 
@@ -608,7 +713,7 @@ def held_bytes(params, optimizer) -> dict:
                 total += st.nbytes()
         return total
 
-    return {"parameters": size(params),
+    return {"parameters": size(list(params) + list(getattr(optimizer, "param_shards", None) or [])),
             "gradients": size([p.grad for p in params] + list(getattr(optimizer, "grad_shards", None) or [])),
             "optimizer": size([getattr(optimizer, k) for k in optimizer.STATE_KEYS] +
                               [getattr(optimizer, "_decay", None)]),

@@ -236,8 +236,8 @@ class GridShape:
         if not isinstance(self.tp, Mode):
             raise GridError(f"tp must be a mode object (gw.Row(n), gw.Cube(p), ...), got {self.tp!r}")
         self.dims()  # the degrees' own checks
-        if self.zero not in (0, 1, 2) or (self.zero and self.dp * self.sp == 1):
-            raise GridError(f"zero must be 0, 1 or 2, and above 0 only with data axes (dp or sp > 1): zero "
+        if self.zero not in (0, 1, 2, 3) or (self.zero and self.dp * self.sp == 1):
+            raise GridError(f"zero must be 0, 1, 2 or 3, and above 0 only with data axes (dp or sp > 1): zero "
                             f"{self.zero!r}, dp {self.dp}, sp {self.sp}")
 
     def dims(self) -> ParallelDims:
@@ -395,6 +395,9 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
     compute_paper = (transformer_flops(model, recompute) / (grid.dp * grid.pp * grid.tp_ranks() * grid.sp)
                      / cluster.gemm_flops)
 
+    # ZeRO-3 in fp32 on the device: the parameter shard is the fp32 master (one copy, not two)
+    aliased = grid.zero == 3 and not offload_bsize and e == 4
+
     def memory(s: int, sched) -> dict:
         """Stage s's memory per rank: its parameters as its modules place them, their gradients
         and the flat gradient buffer in the model's dtype; AxoNN's 16 bsize of device buckets
@@ -421,8 +424,11 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
         # OffloadAdam's bucket buffers and the flat gradient it sums (model dtype), or fused Adam's
         # states and fp32 gradient (of this rank's ZeRO shard). The gradients are whole until the
         # step (its reduce-scatter runs after the backward), so zero 2 saves them after the step only.
-        optimizer = 16 * offload_bsize + e * phi_here if offload_bsize else 16 * sched.shard
-        return {"parameters": e * phi_here, "gradients": e * phi_here, "optimizer": optimizer, "activations": act}
+        optimizer = 16 * offload_bsize + e * phi_here if offload_bsize else (16 - 4 * aliased) * sched.shard
+        # ZeRO-3: the shard, and the units gathered whole at once (the one computing, the one prefetched,
+        # the ones kept from forward to backward)
+        params = e * (sched.shard + sched.gathered) if grid.zero == 3 else e * phi_here
+        return {"parameters": params, "gradients": e * phi_here, "optimizer": optimizer, "activations": act}
 
     by_stage = {s: memory(s, v[3]) for s, v in stages.items()}
     s_mem = max(by_stage, key=lambda k: sum(by_stage[k].values()))
@@ -432,9 +438,9 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
     host = (12 * top.shard if grid.zero else 16 * top.parameters) if offload_bsize else 0
     # the ZeRO paper's accounting after a step (Rajbhandari et al. 2020, Fig. 1), as gw.train's
     # metrics.json memory_bytes measures it: each term over N_d where the stage shards it
-    held = {"parameters": e * top.parameters,
+    held = {"parameters": e * (top.shard if grid.zero == 3 else top.parameters),
             "gradients": e * (top.shard if grid.zero >= 2 else top.parameters),
-            "optimizer": 12 * top.shard + (4 * top.parameters if offload_bsize and not grid.zero else 0)}
+            "optimizer": (12 - 4 * aliased) * top.shard + (4 * top.parameters if offload_bsize and not grid.zero else 0)}
     return {**{k: v for k, v in asdict(grid).items() if k != "tp"}, "tp": grid.tp.spec(),
             "step_time_s": step, "compute_s": compute_paper, "bubble": bubble, "microbatches": m,
             "memory_bytes": sum(memory_breakdown.values()), "parameters": phi,
@@ -480,7 +486,7 @@ def tensor_modes(n: int, model: Model) -> list:
 MIN_TOKENS_PER_SP_RANK = 64
 
 
-def enumerate_grids(n: int, model: Model, placements=("topology", "naive"), zeros=(0, 1, 2)):
+def enumerate_grids(n: int, model: Model, placements=("topology", "naive"), zeros=(0, 1, 2, 3)):
     """Every grid of n ranks the model's sizes allow (ParallelDims decides; the planner adds
     only its floor of tokens per sequence-parallel rank), at each ZeRO stage where it has data axes."""
     out = []

@@ -378,6 +378,7 @@ class StepSchedule:
     layer: LayerSchedule  # one of the stage's layers (inside microbatch)
     layers: int           # the stage's layers
     state_elements: int = -1  # elements of optimizer state per kind on this rank (-1: parameters, unsharded)
+    gathered: int = 0  # ZeRO-3: the most parameter elements gathered whole at once (units beside the shards)
 
     @property
     def shard(self) -> int:
@@ -463,16 +464,36 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
     grid.all_reduce(scalar, None)  # the step's loss
     if loss_scaling:
         grid.all_reduce(scalar, None, op="max")  # the inf check (Grid.any)
-    # the optimizer's gradient all-reduces, over the stage's parameters as its modules place them
-    params_of = _stage_parameters(config, mode, dp, pp, sp, at, dtype)
-    state = -1
+    opt = _optimizer_schedule(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, clip, zero, offload)
+    micro = dataclasses.replace(micro, collectives=micro.collectives + opt["gathers"])
+    return StepSchedule(micro, microbatches, tuple(grid.log) + opt["step"], opt["parameters"], opt["tensors"],
+                        layer, config.layers // pp, opt["state"], opt["gathered"])
+
+
+@lru_cache(maxsize=1024)
+def _optimizer_schedule(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, clip, zero, offload) -> dict:
+    """The optimizer's part of a step, recorded from its own code over the stage's parameters as
+    its modules place them (the same for every micro-batch count): its step collectives (gradient
+    all-reduces or reduce-scatters, the clipping norm, the all-gathers), ZeRO-3's gathers of one
+    micro-batch, the parameters, the state elements of each kind (-1: unsharded) and ZeRO-3's
+    most elements gathered at once."""
+    grid = RecordingGrid(_grid_axes(dp, pp, sp, mode), mode, dict(at))
+    stage = _stage(config, mode, dp, pp, sp, at, dtype)
+    params_of = list(stage.parameters())
+    out = {"parameters": sum(p.numel() for p in params_of), "tensors": len(params_of), "state": -1,
+           "gathers": (), "gathered": 0}
     if uses_distributed(zero, offload):  # the distributed optimizer's own calls, in its order
-        opt = DistributedAdam(params_of, grid, zero=zero, decay=matrices_only, overlap=False)
+        opt = DistributedAdam(params_of, grid, zero=zero, decay=matrices_only, overlap=False,
+                              units=stage.shard_units() if zero == 3 else None)
+        if opt.units is not None:
+            out["gathered"] = opt.units.rehearse()
+            out["gathers"], grid.log = tuple(grid.log), []
         shards = opt.reduce_gradients()
         if clip:
             grad_norm_of(opt.norm_pieces(shards), grid)
-        opt.gather_parameters()
-        state = opt.master.numel()
+        if opt.units is None:
+            opt.gather_parameters()
+        out["state"] = opt.master.numel()
     else:
         size = params_of[0].element_size()
         for lo, hi, axes in gradient_chunks(params_of, grid, bsize, coarsening)[2]:
@@ -481,8 +502,8 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
                 grid.log.append(Collective("all_reduce", grid.label(axes), n, n, 0, size))
         if clip:
             grad_norm_of([(p, placement_of(p)) for p in params_of], grid)
-    return StepSchedule(micro, microbatches, tuple(grid.log), sum(p.numel() for p in params_of), len(params_of),
-                        layer, config.layers // pp, state)
+    out["step"] = tuple(grid.log)
+    return out
 
 
 def _recorded_at(mode, axes, at) -> dict:
@@ -505,10 +526,10 @@ def _dense(config, layers, dtype):
     return model
 
 
-def _stage_parameters(config, mode, dp, pp, sp, at, dtype):
-    """The stage's parameters (meta) without running it: its modules place them."""
+def _stage(config, mode, dp, pp, sp, at, dtype):
+    """The stage (meta) without running it: its modules place its parameters."""
     grid = RecordingGrid(_grid_axes(dp, pp, sp, mode), mode, dict(at))
-    return list(GPTStage(_dense(config, config.layers, dtype), grid, mode, grid.coords["pp"], pp).parameters())
+    return GPTStage(_dense(config, config.layers, dtype), grid, mode, grid.coords["pp"], pp)
 
 
 @lru_cache(maxsize=16)

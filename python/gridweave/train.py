@@ -86,7 +86,7 @@ class TrainConfig:
     ac: str | int = 1
     pipeline_limit: int = 0
     bsize: int = 1 << 14
-    zero: int = 0  # ZeRO stage: 0 every dp replica holds all optimizer state; 1 the fp32 master and Adam states sharded over the data axes; 2 the reduced gradients too
+    zero: int = 0  # ZeRO stage: 0 every dp replica holds all optimizer state; 1 the fp32 master and Adam states sharded over the data axes; 2 the reduced gradients too; 3 the parameters too, gathered per layer
     offload: bool = True  # the optimizer state in host memory, updated in bsize buckets (seed 001); False: on the device
     coarsening: int = 4
     placement: str = "topology"
@@ -145,8 +145,8 @@ class TrainConfig:
             raise GridError(f"ac must be 'none', 'auto' or a positive integer, got {self.ac!r}")
         if self.schedule not in pipeline.SCHEDULES:
             raise GridError(f"schedule must be one of {sorted(pipeline.SCHEDULES)}, got {self.schedule!r}")
-        if self.zero not in (0, 1, 2):
-            raise GridError(f"zero must be 0, 1 or 2, got {self.zero!r}")
+        if self.zero not in (0, 1, 2, 3):
+            raise GridError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if self.chunks > 1 and self.schedule != "interleaved":
             raise GridError(f"chunks={self.chunks} needs schedule=interleaved")
         if self.tokenizer == "bytes":
@@ -180,6 +180,12 @@ class TrainConfig:
                             "and sp 1 (zero=0, or more ranks for dp)")
         if self.tie and pp > 1:
             raise GridError("tie needs the embedding and the head on one pipeline stage (pp 1)")
+        if self.zero == 3 and pp > 1 and self.schedule == "message_driven":
+            # ZeRO-3 gathers over the data axes inside each micro-batch: every replica of a stage
+            # must issue them in one order, and the message-driven order follows arrivals
+            raise GridError("zero=3 with pp > 1 needs a fixed pipeline order: schedule=1f1b or interleaved "
+                            "(the message-driven schedule runs micro-batches as messages arrive, so replicas "
+                            "would gather their parameters in different orders)")
         pipeline.resolve_ac(self.ac, self.layers // (pp * self.chunks), self.layers)
         return {"dp": dp, "pp": pp, "sp": sp}
 
@@ -233,24 +239,19 @@ class TrainConfig:
                 "seed": self.seed, "steps": self.steps, "lr": self.lr}
 
 
-def _state_views(opt):
-    """OffloadAdam's state per parameter (its state_dict): {kind: {id(p): tensor}}."""
-    state = opt.state_dict()["state"]
-    return {kind: {id(p): state[i][kind] for i, p in enumerate(opt.params)} for kind in opt.STATE_KEYS}
-
-
 def save_checkpoint(out: Path, step, cfg, grid, stage, opt, losses, reader=None, model_cfg=None, val=None,
                     wait=True, scaler=None):
     """A sharded checkpoint (checkpoint): every rank writes the shards of the parameters
     and optimizer states it counts, no gathers; rank 0 writes the index last. wait=False:
     written in the background; returns the PendingSave to finish() (every rank) later."""
-    views = _state_views(opt)
+    held = opt.checkpoint_tensors()  # whole tensors, or the pieces of ZeRO shards this rank holds
 
     def tensors_of(p):
-        return {"param": p, **{kind: v[id(p)] for kind, v in views.items()}}
+        return held[id(p)]
 
     # never a checkpoint holding a non-finite tensor: one decision on every rank before any write
-    finite = all(bool(torch.isfinite(t).all()) for p in stage.parameters() for t in tensors_of(p).values())
+    finite = all(bool(torch.isfinite(t.values if isinstance(t, checkpoint.FlatSlice) else t).all())
+                 for v in held.values() for t in v.values())
     if grid.any(not finite):
         raise Diverged(f"not writing the checkpoint of step {step} to {out / 'checkpoint'}: "
                        f"{'this rank' if not finite else 'another rank'} holds non-finite parameters or optimizer "
@@ -348,7 +349,7 @@ def build(cfg: TrainConfig, grid, model_cfg: ModelConfig) -> tuple:
     if optim.uses_distributed(cfg.zero, cfg.offload):  # ZeRO, or the state on the device
         opt = optim.DistributedAdam(stage.parameters(), grid, lr=cfg.lr, weight_decay=cfg.weight_decay, zero=cfg.zero,
                                     offload=cfg.offload, bsize=cfg.bsize, max_grad_norm=cfg.max_grad_norm,
-                                    decay=optim.matrices_only)
+                                    decay=optim.matrices_only, units=stage.shard_units() if cfg.zero == 3 else None)
     else:  # seed 001: every replica's state offloaded, the all-reduce overlapped with the update
         opt = optim.OffloadAdam(stage.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, bsize=cfg.bsize,
                                 coarsening=cfg.coarsening, grid=grid, max_grad_norm=cfg.max_grad_norm,
@@ -446,13 +447,15 @@ class Checkpointer:
                             f"{ {k: manifest['config'].get(k) for k in differ} } vs { {k: mine[k] for k in differ} }")
         _, local = checkpoint.load(Path(cfg.resume) / "checkpoint", self.stage.sharded_items(), self.grid,
                                    ("param",) + opt.STATE_KEYS)
-        with torch.no_grad():
+        with torch.no_grad(), opt.whole_parameters(writeback=True):  # zero 3: the shards taken from them
             for p in self.stage.parameters():
                 p.copy_(local["param"][id(p)])
         opt_step = manifest["optimizer_step"]
         state = {i: {"step": torch.tensor(float(opt_step), device="cpu"),
                      **{kind: local[kind][id(p)] for kind in opt.STATE_KEYS}} for i, p in enumerate(opt.params)}
-        opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
+        group = {"lr": opt.lr, "betas": opt.betas, "eps": opt.eps, "weight_decay": opt.weight_decay,
+                 "params": list(range(len(opt.params)))}
+        opt.load_state_dict({"state": state, "param_groups": [group]})
         opt.weight_decay = cfg.weight_decay
         if manifest.get("reader"):
             self.reader.load_state_dict(manifest["reader"])

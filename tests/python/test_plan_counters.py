@@ -17,7 +17,7 @@ def _step(ctx, tp, dp, pp, sp, family, precision, zero=0, offload=True):
 
     cfg = gw.train.TrainConfig(model=family, hidden=64, heads=8, layers=4, seq=32, batch=8, microbatches=2,
                                tokenizer="bytes", tp=tp, dp=dp, pp=pp, sp=sp, precision=precision, bsize=512,
-                               coarsening=2, zero=zero, offload=offload)
+                               coarsening=2, zero=zero, offload=offload, schedule="1f1b" if zero == 3 else "message_driven")
     grid = ctx.init(dp=dp, pp=pp, tp=cfg.mode, sp=sp)
     model_cfg = cfg.model_config(256)
     torch.manual_seed(0)
@@ -51,10 +51,13 @@ def test_planned_step_traffic_gpt_bf16(pool):
 
 
 # ZeRO stages (gw.optim.DistributedAdam): reduce-scatters over the data axes, all-reduces over the
-# other partial axes, the norm over the shards, the parameters' all-gathers; zero 0 on the device
+# other partial axes, the norm over the shards, the parameters' all-gathers (ZeRO-3: per unit, in
+# every micro-batch's forward and backward); zero 0 on the device
 @pytest.mark.parametrize("tp,dp,pp,sp,zero,offload", [("row:2", 2, 2, 1, 2, True), ("none", 2, 1, 4, 1, True),
                                                       ("subgraph:2", 2, 2, 1, 2, False),
-                                                      ("square:2", 2, 1, 1, 0, False)])
+                                                      ("square:2", 2, 1, 1, 0, False),
+                                                      # ZeRO-3: each unit gathered before its forward and its backward
+                                                      ("row:2", 2, 2, 1, 3, False), ("none", 2, 1, 4, 3, True)])
 def test_planned_step_traffic_with_zero(pool, tp, dp, pp, sp, zero, offload):
     import gridweave as gw
 

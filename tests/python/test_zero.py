@@ -32,7 +32,7 @@ def _dense(max_norm):
     return {k: p.detach().clone() for k, p in model.named_parameters()}, norms
 
 
-def _zero_run(ctx, spec, dp, pp, sp, zero, offload, max_norm, overlap=True):
+def _zero_run(ctx, spec, dp, pp, sp, zero, offload, max_norm, overlap=True, ac=1):
     import gridweave as gw
 
     mode = gw.modes.parse(spec)
@@ -40,10 +40,10 @@ def _zero_run(ctx, spec, dp, pp, sp, zero, offload, max_norm, overlap=True):
     ref, ref_norms = _dense(max_norm)
     torch.manual_seed(0)
     model = gw.models.GPT(V, H, HEADS, LAYERS, SEQ, dtype=torch.float64, device=CPU).to(grid.device)
-    stage = gw.models.GPTStage(model, grid, mode, grid.coords["pp"], pp)
+    stage = gw.models.GPTStage(model, grid, mode, grid.coords["pp"], pp, ac=ac)
     opt = gw.optim.DistributedAdam(stage.parameters(), grid, lr=LR, weight_decay=WD, zero=zero, offload=offload,
                                    bsize=37, max_grad_norm=max_norm, decay=gw.optim.matrices_only, bucket=300,
-                                   overlap=overlap)
+                                   overlap=overlap, units=stage.shard_units() if zero == 3 else None)
     x, y = (t.to(grid.device) for t in _data())
     shard, m = BATCH // dp, 2
     mb = shard // m
@@ -52,15 +52,20 @@ def _zero_run(ctx, spec, dp, pp, sp, zero, offload, max_norm, overlap=True):
     ys = [y[lo + i * mb:lo + (i + 1) * mb] for i in range(m)]
     opt.backwards_per_step = m  # one backward per micro-batch
     norms, started = [], []
+    # ZeRO-3 gathers over dp during each micro-batch: every replica must run them in one order
+    schedule = "1f1b" if zero == 3 else "message_driven"
     for _ in range(STEPS):
         opt.zero_grad()
         # each rank's loss is the mean over its dp shard; the optimizer averages over dp (train's rule)
         gw.pipeline.pipeline_step(stage, grid, xs, ys, stage.loss, stage.activation_shape(mb, SEQ),
-                                  dtype=torch.float64)
+                                  dtype=torch.float64, schedule=schedule)
         started.append(opt.buckets_started)  # by the backward, before the step
         assert opt.step()
         norms.append(opt.last_grad_norm)
-    errs = {name: rel(w, ref[name]) for name, w in stage.dense_state().items()}
+    # ZeRO-3: between steps the parameters hold no storage of their own, only the shards
+    whole = sum(p.untyped_storage().nbytes() for p in opt.params if gw.placement_of(p).reduce_axes(grid))
+    with opt.whole_parameters():
+        errs = {name: rel(w, ref[name]) for name, w in stage.dense_state().items()}
     errs["norms"] = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
     data = [tuple(a for a in gw.placement_of(p).reduce_axes(grid) if a in ("dp", "sp")) for p in opt.params]
     held = {"params": sum(p.numel() for p in opt.params), "master": opt.master.numel(),
@@ -69,7 +74,8 @@ def _zero_run(ctx, spec, dp, pp, sp, zero, offload, max_norm, overlap=True):
             "padding": sum(grid.size(a) for a in set(data) if a),
             "grads": sum(p.grad.numel() for p in opt.params if p.grad is not None),
             "grad_shards": sum(s.numel() for s in opt.grad_shards or [])}
-    held["buckets"], held["started"] = len(opt.groups), started
+    held["buckets"], held["started"], held["whole_bytes"] = len(opt.groups), started, whole
+    held["param_shards"] = sum(s.numel() for s in opt.param_shards)
     return errs, held, opt.master.device.type
 
 
@@ -86,7 +92,7 @@ COMPOSITIONS = [
 
 
 @pytest.mark.parametrize("spec,dp,pp,sp", COMPOSITIONS)
-@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("zero", [1, 2, 3])
 def test_zero_equals_adamw_on_the_dense_model(pool, spec, dp, pp, sp, zero):
     res = pool.run(_zero_run, 8, spec, dp, pp, sp, zero, False, 0.05)
     for errs, held, device in res:
@@ -96,10 +102,12 @@ def test_zero_equals_adamw_on_the_dense_model(pool, spec, dp, pp, sp, zero):
         # over both), up to the padding that makes the shards equal
         assert held["shares"] <= held["master"] < held["shares"] + held["padding"], held
         assert held["master"] < held["params"] / min(dp * sp, 2) + held["padding"], held
-        if zero == 2:
+        if zero >= 2:
             assert held["grads"] == 0 and held["grad_shards"] == held["master"], held
         else:
             assert held["grads"] == held["params"], held
+        if zero == 3:  # the parameters too: only each rank's shard outlives a step (ZeRO-3)
+            assert held["whole_bytes"] == 0 and held["param_shards"] == held["master"], held
         # several buckets, every one started during the backward (overlapped with it)
         assert held["buckets"] > 2 and held["started"] == [held["buckets"]] * STEPS, held
 
@@ -110,10 +118,19 @@ def test_zero_without_overlap_starts_its_buckets_at_the_step(pool):
         assert held["started"] == [0] * STEPS, held
 
 
-def test_zero_offload_keeps_its_shard_in_host_memory(pool):
-    for errs, held, device in pool.run(_zero_run, 8, "row:2", 2, 2, 1, 2, True, 0.05):
-        assert device == "cpu"
+def test_zero3_with_activation_checkpointing_gathers_for_the_recomputation(pool):
+    """Each stage's two layers recomputed in backward (torch.utils.checkpoint): the recomputed
+    forward finds its unit gathered by the backward's hook, and frees nothing before the backward."""
+    for errs, held, _ in pool.run(_zero_run, 8, "row:2", 2, 2, 1, 3, False, 0.05, True, 2):
         assert max(errs.values()) < 1e-10, {k: v for k, v in errs.items() if v >= 1e-10}
+        assert held["whole_bytes"] == 0, held
+
+
+def test_zero_offload_keeps_its_shard_in_host_memory(pool):
+    for zero in (2, 3):
+        for errs, held, device in pool.run(_zero_run, 8, "row:2", 2, 2, 1, zero, True, 0.05):
+            assert device == "cpu"
+            assert max(errs.values()) < 1e-10, {k: v for k, v in errs.items() if v >= 1e-10}
 
 
 def test_zero_without_a_data_axis_is_a_clear_error():
@@ -123,38 +140,75 @@ def test_zero_without_a_data_axis_is_a_clear_error():
     p = torch.nn.Parameter(torch.zeros(4, device=grid.device))
     with pytest.raises(gw.GridError, match="zero=1 shards over the data axes"):
         gw.optim.DistributedAdam([p], grid, zero=1)
-    with pytest.raises(gw.GridError, match=r"zero 0 \(no sharding\), 1 or 2"):
-        gw.optim.DistributedAdam([p], grid, zero=3)
+    with pytest.raises(gw.GridError, match=r"zero 0 \(no sharding\), 1, 2 or 3"):
+        gw.optim.DistributedAdam([p], grid, zero=4)
     gw.shutdown()
+
+
+def _zero3_errors(ctx):
+    import gridweave as gw
+
+    grid = ctx.init(dp=2)
+    lin, other = torch.nn.Linear(4, 4, device=grid.device), torch.nn.Linear(4, 4, device=grid.device)
+    out = []
+    for kw in ({}, {"units": [lin]}):
+        try:
+            gw.optim.DistributedAdam(list(lin.parameters()) + list(other.parameters()), grid, zero=3, **kw)
+        except gw.GridError as e:
+            out.append(str(e))
+    gw.optim.DistributedAdam(lin.parameters(), grid, zero=3, units=[lin])
+    try:
+        gw.optim.OffloadAdam(lin.parameters(), grid=grid)
+    except gw.GridError as e:
+        out.append(str(e))
+    return out
+
+
+def test_zero3_bad_input_is_one_clear_error(pool):
+    """No units, a parameter outside every unit, OffloadAdam over ZeRO-3's sharded parameters."""
+    for errs in pool.run(_zero3_errors, 2):
+        assert len(errs) == 3, errs
+        assert "pass units" in errs[0] and "in none of the units" in errs[1] and "sharded by ZeRO-3" in errs[2], errs
 
 
 # ---- the main job ------------------------------------------------------------------------
 
 def test_the_main_job_with_each_stage_trains_like_one_process(tmp_path):
-    """gridweave train --zero 1 / 2 (host or device state) on dp 4 x pp 2 and on row:2 x sp 2 x dp 2:
+    """gridweave train --zero 1 / 3 (host or device state) on dp 4 x pp 2 and --zero 2 on row:2 x sp 2 x dp 2:
     the losses of one process (float32, 1e-5 relative), as the unsharded optimizer gives."""
     from test_train import _close, _train
 
     one, _ = _train(tmp_path, "one", "--nproc", "1", port=29801)
     for i, extra in enumerate([("--zero", "1", "--dp", "4", "--pp", "2"),
-                               ("--zero", "2", "--dp", "4", "--pp", "2", "--no-offload"),
+                               ("--zero", "3", "--dp", "4", "--pp", "2", "--no-offload", "--schedule", "1f1b"),
                                ("--zero", "2", "--tp", "row:2", "--sp", "2", "--dp", "2")]):
         losses, _ = _train(tmp_path, f"zero{i}", "--nproc", "8", *extra, port=29803 + 2 * i)
         assert _close(losses, one, 1e-5), (extra, losses, one)
 
 
 def test_a_zero_checkpoint_resumes_on_any_stage_and_grid(tmp_path):
-    """zero 2 dp 4 -> zero 1 dp 2 x pp 2 (other shards) -> one process (OffloadAdam, unsharded): the
-    losses of an uninterrupted run."""
+    """zero 3 dp 4 -> zero 1 dp 2 x pp 2 (other shards) -> zero 0 dp 2 x pp 2 -> one process
+    (OffloadAdam, unsharded): the losses of an uninterrupted run. Each ZeRO run writes the pieces
+    of the shards it holds (no gathers); the next reads the slices it needs."""
+    import json
+
     from test_train import _close, _train
 
-    one, _ = _train(tmp_path, "one", "--nproc", "1", port=29821)
-    _, a = _train(tmp_path, "a", "--nproc", "4", "--dp", "4", "--pp", "1", "--zero", "2", "--steps", "2",
-                  port=29823)
+    # the learning rate of a leg's last step is the full run's only while it is in the warmup (3 steps)
+    # or the first after it: the cosine's horizon is each leg's --steps
+    one, _ = _train(tmp_path, "one", "--nproc", "1", "--steps", "5", "--warmup", "3", port=29821)
+    _, a = _train(tmp_path, "a", "--nproc", "4", "--dp", "4", "--pp", "1", "--zero", "3", "--steps", "2",
+                  "--warmup", "3", port=29823)
+    # the index holds each rank's pieces: a 2-D parameter cut by the shards comes in several chunks
+    step = (a / "checkpoint" / (a / "checkpoint" / "latest").read_text().strip())
+    index = json.loads((step / "index.json").read_text())
+    assert len({c["file"] for c in index["tensors"]["param/layers.0.fc1.weight"]["chunks"]}) > 1, index
     _, b = _train(tmp_path, "b", "--nproc", "4", "--dp", "2", "--pp", "2", "--zero", "1", "--steps", "3",
-                  "--resume", str(a),
-                  port=29825)
-    losses, _ = _train(tmp_path, "c", "--nproc", "1", "--resume", str(b), port=29827)
+                  "--warmup", "3", "--resume", str(a), port=29825)
+    _, c = _train(tmp_path, "c", "--nproc", "4", "--dp", "2", "--pp", "2", "--steps", "4", "--warmup", "3",
+                  "--resume", str(b), port=29829)
+    losses, _ = _train(tmp_path, "d", "--nproc", "1", "--steps", "5", "--warmup", "3", "--resume", str(c),
+                       port=29827)
     assert _close(losses, one, 1e-5), (losses, one)
 
 
@@ -163,14 +217,17 @@ def test_zero_on_a_grid_without_data_axes_is_a_clear_error():
 
     with pytest.raises(gw.GridError, match="zero=2 shards the optimizer state over the data axes"):
         gw.train.TrainConfig(zero=2, dp=1, pp=1).grid_shape(1)
-    with pytest.raises(gw.GridError, match="zero must be 0, 1 or 2"):
-        gw.train.TrainConfig(zero=3)
+    with pytest.raises(gw.GridError, match="zero must be 0, 1, 2 or 3"):
+        gw.train.TrainConfig(zero=4)
+    with pytest.raises(gw.GridError, match="zero=3 with pp > 1 needs a fixed pipeline order"):
+        gw.train.TrainConfig(zero=3, dp=2, pp=2).grid_shape(4)
 
 
 def test_memory_per_rank_follows_the_zero_paper(tmp_path):
     """metrics.json's memory_bytes (the largest rank, each storage counted once) against Fig. 1 of
-    the ZeRO paper with fp32 weights: parameters 4Ψ, gradients 4Ψ (4Ψ/N_d at stage 2), Adam's fp32
-    master and two moments 12Ψ (12Ψ/N_d from stage 1), within 5%; dp 4 x pp 2, state on the device.
+    the ZeRO paper with fp32 weights: parameters 4Ψ (4Ψ/N_d at stage 3), gradients 4Ψ (4Ψ/N_d from
+    stage 2), Adam's fp32 master and two moments 12Ψ (12Ψ/N_d from stage 1; 8Ψ/N_d at stage 3, whose
+    fp32 parameter shard is the master), within 5%; dp 4 x pp 2, state on the device.
     The planner's prediction for the same job (state_bytes) agrees within 5% too."""
     import json
 
@@ -179,13 +236,16 @@ def test_memory_per_rank_follows_the_zero_paper(tmp_path):
     from test_train import _train
 
     n_d = 4
-    for zero in (0, 1, 2):
+    for zero in (0, 1, 2, 3):
         _, out = _train(tmp_path, f"z{zero}", "--nproc", "8", "--dp", "4", "--pp", "2", "--zero", str(zero),
-                        "--no-offload", "--steps", "2", port=29841 + 2 * zero)
+                        "--no-offload", "--steps", "2", "--schedule", "1f1b", port=29841 + 2 * zero)
         mem = json.loads((out / "metrics.json").read_text())["memory_bytes"]
         assert set(mem) == {"parameters", "gradients", "optimizer"}, mem  # DESIGN.md's keys
-        psi = mem["parameters"] / 4
-        want = {"gradients": 4 * psi / (n_d if zero >= 2 else 1), "optimizer": 12 * psi / (n_d if zero >= 1 else 1)}
+        if zero == 0:
+            psi = mem["parameters"] / 4  # the largest stage's parameters
+        # ZeRO-3 in fp32: the parameter shard is the master (K = 8: Adam's two moments)
+        want = {"parameters": 4 * psi / (n_d if zero == 3 else 1), "gradients": 4 * psi / (n_d if zero >= 2 else 1),
+                "optimizer": (8 if zero == 3 else 12) * psi / (n_d if zero >= 1 else 1)}
         for kind, v in want.items():
             assert abs(mem[kind] - v) <= 0.05 * v, (zero, kind, mem, want)
         # the planner predicts the same holdings for the same job (its model, grid and optimizer)

@@ -163,6 +163,11 @@ class GPTStage(nn.Module):
             sizes = self.grid.broadcast_ints(sizes, self.layout.only[0], self.layout.only[1])
         return tuple(sizes)
 
+    def shard_units(self) -> list:
+        """ZeRO-3's units in forward order (FSDP2's per-block units): the embedding, each transformer
+        layer, the head."""
+        return [m for m in (self.embed, *self.layers, self.head) if m is not None]
+
     def dense_state(self, pick=False) -> dict:
         """This stage's tensors under the dense GPT's names (collective over the tp group)."""
         f = values(pick)
@@ -243,6 +248,9 @@ class ModelChunks(nn.Module):
 
     def sharded_items(self) -> list:
         return [item for c in self.chunks for item in c.sharded_items()]
+
+    def shard_units(self) -> list:
+        return [u for c in self.chunks for u in c.shard_units()]
 
     def dense_state(self, pick=False) -> dict:
         return {k: v for c in self.chunks for k, v in c.dense_state(pick).items()}
