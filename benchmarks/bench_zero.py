@@ -3,7 +3,7 @@
     python benchmarks/bench_zero.py        # 4 CPU ranks (torchrun + Gloo): results/zero.json and .png
 
 The main job's Llama (hidden 256, 8 heads / 4 kv heads, 4 layers, seq 128, global batch 16) on
-dp 4, the same weights and batches: gridweave's optimizer at ZeRO stages 0, 1, 2 (the state on
+dp 4, the same weights and batches: gridweave's optimizer at ZeRO stages 0, 1, 2, 3 (the state on
 the device: gw.optim.DistributedAdam), seed 001's OffloadAdam (the main job's default), and torch's
 FSDP2 (fully_shard per transformer layer and the root, torch.optim.AdamW, clip_grad_norm_). Every
 variant's step (forward, backward, reduction, clipping, update) is timed in rounds, one variant
@@ -72,6 +72,7 @@ def worker(args):
     for name, extra in (("gridweave zero 0", dict(zero=0, offload=False)),
                         ("gridweave zero 1", dict(zero=1, offload=False)),
                         ("gridweave zero 2", dict(zero=2, offload=False)),
+                        ("gridweave zero 3", dict(zero=3, offload=False)),
                         ("gridweave OffloadAdam (seed 001)", dict(zero=0, offload=True))):
         cfg = gw.train.TrainConfig(**SIZES, dp=n, pp=1, **extra)
         grid = gw.init(dp=n, store=store, prefix=f"zero-{len(variants)}")

@@ -29,4 +29,6 @@ python3 -m pytest -q --timeout 300 --emulate=nccl tests/python/test_sequence.py 
   tests/python/test_plan_counters.py tests/python/test_tensor3d.py tests/python/test_subgraph.py \
   tests/python/test_checkpoint.py tests/python/test_layers.py \
   "tests/python/test_train.py::test_composed_grids_train_with_one_process_losses" \
-  "tests/python/test_zero.py::test_zero_equals_adamw_on_the_dense_model" -k "not spec3 and not spec4"
+  "tests/python/test_zero.py::test_zero_equals_adamw_on_the_dense_model" \
+  "tests/python/test_zero.py::test_zero3_with_activation_checkpointing_gathers_for_the_recomputation" \
+  -k "not spec3 and not spec4"

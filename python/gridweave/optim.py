@@ -324,7 +324,7 @@ class _Group:
 
 
 class DistributedAdam:
-    """ZeRO stages 1 and 2 (Rajbhandari et al. 2020, §5.1-5.2; Megatron's distributed optimizer),
+    """ZeRO stages 1, 2 and 3 (Rajbhandari et al. 2020, §5.1-5.3; Megatron's distributed optimizer),
     and zero=0: every replica holds the whole state (all-reduced gradients, as torch DDP + AdamW):
     AdamW whose fp32 master weights and states are sharded over the data axes every gradient
     is partial over (dp, and sp where the sequence is split: torchtitan's dp_shard x cp).
@@ -335,7 +335,10 @@ class DistributedAdam:
     updated parameters are all-gathered in the model's dtype. zero=2 also frees the full
     gradients once reduced (only this rank's shard is kept). The loss scaler, global-norm
     clipping (the norm over the shards, each element once) and weight-decay masks work as in
-    OffloadAdam, whose protocol this follows."""
+    OffloadAdam, whose protocol this follows. zero=3 (§5.3) shards the parameters too: one bucket
+    per unit (a module: gw.zero.ParameterUnits gathers it before its forward and its backward and
+    frees it after), the step updates the shards and gathers nothing; whole_parameters() is the
+    context for reading them whole outside forward and backward."""
 
     STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
