@@ -125,6 +125,42 @@ std::shared_ptr<Communicator> Grid::link(const std::vector<std::string>& axes, i
   return c;
 }
 
+std::shared_ptr<Communicator> Grid::subset(const std::vector<std::string>& axes, const std::vector<int>& members,
+                                           const std::string& part) {
+  std::vector<int> line(world_size());
+  std::iota(line.begin(), line.end(), 0);  // the world, by global rank
+  if (!axes.empty()) line = placement_.line(rank(), axes);
+  const int me = axes.empty() ? rank() : placement_.index_in_line(rank(), axes);
+  GW_CHECK(!members.empty() && !part.empty(), "subset of axis '" << label(axes) << "': no members or no part name");
+  int pos = -1;
+  std::string names;
+  for (std::size_t i = 0; i < members.size(); ++i) {
+    GW_CHECK(members[i] >= 0 && members[i] < static_cast<int>(line.size()) && (i == 0 || members[i] > members[i - 1]),
+             "subset of axis '" << label(axes) << "': members must be ascending indices of its "
+                                << line.size() << ", got " << members[i]);
+    if (members[i] == me) pos = static_cast<int>(i);
+    names += (names.empty() ? "" : "-") + std::to_string(line[members[i]]);
+  }
+  GW_CHECK(pos >= 0, "subset of axis '" << label(axes) << "': this rank (member " << me << ") is not in it");
+  const std::string key = label(axes) + ":" + part + ":" + names;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = comms_.find(key);
+  if (it != comms_.end()) return it->second;
+  CommInfo info;
+  info.axis = label(axes) + ":" + part;
+  info.timeout = options_.timeout;
+  info.counters = counters_;
+  info.check = options_.check;
+  info.watchdog = watchdog_;
+  for (int m : members) info.members.push_back(line[m]);
+  info.rank = pos;
+  for (int m : info.members) info.member_nodes.push_back(placement_.node_of(m));
+  info.ranks_on_node = std::min(placement_.ranks_per_node(), world_size());
+  auto c = make(std::move(info), "comm/" + key, false);
+  comms_[key] = c;
+  return c;
+}
+
 void Grid::connect(const std::vector<std::vector<std::string>>& lines) {
   for (const auto& axes : lines) line(axes, false);
 }

@@ -62,6 +62,11 @@ class Grid {
   // line, for one kind of traffic (`channel`): pipeline stages keep one per neighbour and
   // direction, so under NCCL no message ever queues behind another's. Both members make it.
   std::shared_ptr<Communicator> link(const std::vector<std::string>& axes, int a, int b, int channel);
+  // A communicator over some members (indices along `axes`, ascending) of this rank's line, one
+  // of which is this rank: hybrid sharding's node-local part of a line, or its members at one
+  // position on every node. Its traffic is counted under "<axes>:<part>". Every member makes it.
+  std::shared_ptr<Communicator> subset(const std::vector<std::string>& axes, const std::vector<int>& members,
+                                       const std::string& part);
   // Makes the communicators of these lines now, in this order (the same on every rank), so
   // no two ranks can first touch two shared lines in opposite orders.
   void connect(const std::vector<std::vector<std::string>>& lines);

@@ -418,6 +418,11 @@ PYBIND11_MODULE(_C, m) {
         py::gil_scoped_release nogil;
         return g.link(axes, a, b, channel);
       }, py::arg("axes"), py::arg("a"), py::arg("b"), py::arg("channel"))
+      .def("subset", [](Grid& g, const std::vector<std::string>& axes, const std::vector<int>& members,
+                        const std::string& part) {
+        py::gil_scoped_release nogil;
+        return g.subset(axes, members, part);
+      }, py::arg("axes"), py::arg("members"), py::arg("part"))
       .def("connect", [](Grid& g, const std::vector<std::vector<std::string>>& lines) {
         py::gil_scoped_release nogil;
         g.connect(lines);

@@ -56,6 +56,9 @@ def _train_parser(sub):
                    help="ZeRO stage: 1 shards the fp32 master weights and Adam states over dp (and sp), 2 the "
                         "gradients too, 3 the parameters too (gathered a layer at a time; with pp > 1 it needs "
                         "--schedule 1f1b or interleaved)")
+    o.add_argument("--zero-shard-group", default=d["zero_shard_group"].default, choices=["all", "node"],
+                   help="ZeRO's shard group: all data ranks, or those of one node with a replica per node "
+                        "(hybrid sharding)")
     o.add_argument("--no-offload", dest="offload", action="store_false",
                    help="keep the optimizer state on the device (default: host memory, seed 001's buckets)")
     o.add_argument("--ac", default="none", help="activation checkpointing: none | auto (seed 001's optimal) | N")

@@ -6,11 +6,13 @@ along that axis runs the collective at once on its own communicator (SUPER §IV-
 from __future__ import annotations
 
 import atexit
+import enum
 import itertools
 import math
 import os
 import socket
 import weakref
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterable
 
@@ -23,7 +25,22 @@ from .ring import Ring
 from .errors import CommError, GridError
 from .launch import _env_int
 
-AxisArg = "str | Sequence[str] | None"
+AxisArg = "str | Sequence[str] | LinePart | None"
+
+
+class Span(enum.Enum):
+    """Which members of a line a LinePart keeps."""
+    NODE = "node"  # those on this rank's node
+    ACROSS = "across"  # those at this rank's position on every node
+
+
+@dataclass(frozen=True)
+class LinePart:
+    """Half of a line for hybrid sharding (torchtitan's HSDP, ZeRO's shard group): the line over
+    `axes` cut into blocks of consecutive members, a block a node; NODE is this rank's block,
+    ACROSS the members at its position in every block. An axis argument of every collective."""
+    axes: tuple
+    span: Span
 
 
 CheckLevel = _C.CheckLevel
@@ -188,6 +205,7 @@ class Grid:
         self.placement = self._native.placement
         self._names = [a for a, _ in axes]
         self._comms = {}  # axis argument -> native communicator: one lookup per op, not a native call
+        self._parts = {}  # LinePart -> (axes, line, members)
         self.name = f"grid{next(_Names.counter)}"  # what custom ops call it (gw.grid.by_name)
         _Names.live[self.name] = self
         if self._native.nccl_rules:
@@ -214,16 +232,45 @@ class Grid:
     def coords(self) -> dict:
         return dict(zip(self._names, self._native.coords))
 
+    def _part(self, part: LinePart) -> tuple:
+        """(the line's axes, its global ranks, the member indices of `part`), checked: the line's
+        members split into equal blocks of consecutive members, each block on one node."""
+        got = self._parts.get(part)
+        if got is not None:
+            return got
+        axes = self._axis_tuple(part.axes)
+        line = self.placement.line(self.rank, axes)
+        me = self.placement.index_in_line(self.rank, axes)
+        nodes = [self.node_of(r) for r in line]
+        q = nodes.count(nodes[0])  # member 0's node decides: the same on every member of the line
+        blocks = [nodes[k:k + q] for k in range(0, len(line), q)]
+        if len(line) % q or any(len(set(b)) != 1 for b in blocks) or len({b[0] for b in blocks}) != len(blocks):
+            raise GridError(f"the line over {tuple(axes)} ({len(line)} ranks on nodes {nodes}) does not split into "
+                            "equal blocks of consecutive members, one block a node: a shard group of a node's "
+                            f"ranks does not divide it (ranks_per_node {self.ranks_per_node})")
+        first = me // q * q
+        members = list(range(first, first + q)) if part.span is Span.NODE else list(range(me % q, len(line), q))
+        self._parts[part] = got = (axes, line, members)
+        return got
+
     def size(self, axis: AxisArg = None) -> int:
         """Number of ranks along an axis or a tuple of axes (the world for None)."""
+        if isinstance(axis, LinePart):
+            return len(self._part(axis)[2])
         return math.prod(self.axes[a] for a in self._axis_tuple(axis)) if axis is not None else self.world_size
 
     def index(self, axis: AxisArg) -> int:
         """This rank's index along an axis or a tuple of axes (row-major, first slowest)."""
+        if isinstance(axis, LinePart):
+            axes, _, members = self._part(axis)
+            return members.index(self.placement.index_in_line(self.rank, axes))
         return self.placement.index_in_line(self.rank, self._axis_tuple(axis))
 
     def ranks(self, axis: AxisArg) -> list[int]:
         """Global ranks of this rank's line along `axis`, in index order."""
+        if isinstance(axis, LinePart):
+            _, line, members = self._part(axis)
+            return [line[m] for m in members]
         return self.placement.line(self.rank, self._axis_tuple(axis))
 
     def node_of(self, rank: int) -> int:
@@ -249,6 +296,13 @@ class Grid:
             return self._comms[axis]
         except (KeyError, TypeError):  # not made yet, or an unhashable axis list
             pass
+        if isinstance(axis, LinePart):
+            names, _, members = self._part(axis)
+            try:
+                self._comms[axis] = c = self._native.subset(names, members, axis.span.value)
+            except CommError as e:
+                raise type(e)(f"{op} on axis '{','.join(names)}:{axis.span.value}': {e}") from e
+            return c
         names = self._axis_tuple(axis)
         try:
             c = self._native.comm(names)

@@ -3,12 +3,14 @@ all-reduce in chunks of k x bsize overlapped with it."""
 from __future__ import annotations
 
 import contextlib
+import enum
 import math
 
 import torch
 
 from .checkpoint import FlatSlice
 from .errors import GridError
+from .grid import LinePart, Span
 from .sharding import DATA_AXES, grad_norm_of, placement_of
 from .zero import ParameterUnits
 
@@ -296,14 +298,25 @@ class OffloadAdam:
         self.step_count = step
 
 
+class ShardGroup(enum.Enum):
+    """Over which ranks of the data axes ZeRO shards."""
+    ALL = "all"  # every rank of them
+    NODE = "node"  # those on one node, replicated across nodes (hybrid sharding: torchtitan's HSDP)
+
+
 class _Group:
     """The parameters whose gradients are summed over the same axes, laid out flat and padded
     so that the shard axes split them into equal shards: this rank's shard is [lo, hi) of the
-    group's padded range [start, start + padded)."""
+    group's padded range [start, start + padded). data: the data axes it is sharded over
+    (shard_axes: them, or hybrid sharding's node part of them, whose other part is `replica`)."""
 
-    def __init__(self, members, axes, shard_axes, grid, start, buf_lo):
-        self.members, self.axes, self.shard_axes = members, axes, shard_axes  # members: [(index, param)]
-        self.rest = tuple(a for a in axes if a not in shard_axes)  # summed, not sharded (e.g. tensor axes)
+    def __init__(self, members, axes, data, grid, start, buf_lo, hybrid=False):
+        self.members, self.axes, self.data = members, axes, data  # members: [(index, param)]
+        self.shard_axes = LinePart(data, Span.NODE) if hybrid and data else data
+        across = LinePart(data, Span.ACROSS) if hybrid and data else None
+        self.replica = across if across is not None and grid.size(across) > 1 else None
+        self.rest = tuple(a for a in axes if a not in data)  # summed, not sharded (e.g. tensor axes)
+        shard_axes = self.shard_axes
         n = grid.size(shard_axes) if shard_axes else 1
         self.numel = sum(p.numel() for _, p in members)
         self.padded = -(-self.numel // n) * n
@@ -344,16 +357,21 @@ class DistributedAdam:
 
     def __init__(self, params, grid, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, zero=1,
                  offload=False, bsize=1 << 20, average_dp=True, max_grad_norm=None, decay=None, bucket=1 << 22,
-                 overlap=True, units=None, prefetch=True):
+                 overlap=True, units=None, prefetch=True, shard_group=ShardGroup.ALL):
         """bucket: elements per reduce-scatter (whole parameters, in backward order); overlap: each
         bucket's reduction starts during the backward that completes its gradients (the last of
         `backwards_per_step` passes: the pipeline's micro-batches), in bucket order on every rank.
         units (zero=3): the modules whose parameters are gathered together, in forward order
         (e.g. GPTStage.shard_units()): each one a bucket; prefetch: the next unit's all-gather
-        starts while this one computes."""
+        starts while this one computes. shard_group: ShardGroup.NODE shards within each node and
+        keeps a replica per node (the gradient shards all-reduced across nodes)."""
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise GridError("DistributedAdam got no parameters")
+        if not isinstance(shard_group, ShardGroup):
+            raise GridError(f"shard_group must be a gw.optim.ShardGroup, got {shard_group!r}")
+        if shard_group is ShardGroup.NODE and not zero:
+            raise GridError("shard_group=NODE is hybrid sharding: it needs zero 1, 2 or 3")
         if zero not in (0, 1, 2, 3):
             raise GridError(f"DistributedAdam takes zero 0 (no sharding), 1, 2 or 3, got {zero!r}")
         if grid is None:
@@ -399,7 +417,8 @@ class DistributedAdam:
             parts.sort(key=lambda ap: -unit_of[id(ap[1][0][1])])
         self.groups, start, shard_lo = [], 0, 0
         for axes, part in parts:
-            g = _Group(part, axes, tuple(a for a in axes if a in DATA_AXES) if zero else (), grid, start, shard_lo)
+            g = _Group(part, axes, tuple(a for a in axes if a in DATA_AXES) if zero else (), grid, start, shard_lo,
+                       hybrid=shard_group is ShardGroup.NODE)
             g.unit = unit_of.get(id(part[0][1]))
             self.groups.append(g)
             start, shard_lo = start + g.padded, g.buf_hi
@@ -523,6 +542,8 @@ class DistributedAdam:
             out = work.wait() if work is not None else flat
             if g.shard_axes and g.rest:
                 self.grid.all_reduce(out, axis=g.rest)
+            if g.replica is not None:  # hybrid sharding: the node's shard summed over the other nodes
+                self.grid.all_reduce(out, axis=g.replica)
             shards.append(out)
         self._reset_reduction()
         return shards
@@ -594,8 +615,13 @@ class DistributedAdam:
     def norm_pieces(self, shards) -> list:
         """(gradient slice, placement, shard axes) of every parameter slice in this rank's shards:
         grad_norm_of counts each element of the model once."""
-        return [(s[a:b], placement_of(p), g.shard_axes) for g, s in zip(self.groups, shards)
+        return [(s[a:b], placement_of(p), g.data) for g, s in zip(self.groups, shards) if self._counts(g)
                 for _, p, a, b, _ in g.spans()]
+
+    def _counts(self, g) -> bool:
+        """Whether this rank's shard of group g is the copy that counts (hybrid sharding: the
+        first node's; the other nodes hold the same shard)."""
+        return g.replica is None or self.grid.index(g.replica) == 0
 
     def _bucket(self, k, shard, lo, hi, coef):
         """Offload: elements [lo, hi) of group k's shard updated through the device buckets."""
@@ -659,12 +685,11 @@ class DistributedAdam:
         each rank writes what it holds, nothing is gathered."""
         out = {id(p): {} if self.units is not None else {"param": p} for p in self.params}
         for g in self.groups:
-            for _, p, a, b, off in g.spans():
+            for _, p, a, b, off in g.spans() if self._counts(g) else ():
                 if self.units is not None:
-                    out[id(p)]["param"] = FlatSlice(off, off + b - a, g.param_shard[a:b], g.shard_axes)
+                    out[id(p)]["param"] = FlatSlice(off, off + b - a, g.param_shard[a:b], g.data)
                 for k in self.STATE_KEYS:
-                    out[id(p)][k] = FlatSlice(off, off + b - a, getattr(self, k)[g.buf_lo + a:g.buf_lo + b],
-                                              g.shard_axes)
+                    out[id(p)][k] = FlatSlice(off, off + b - a, getattr(self, k)[g.buf_lo + a:g.buf_lo + b], g.data)
         return out
 
     def state_dict(self) -> dict:

@@ -87,6 +87,7 @@ class TrainConfig:
     pipeline_limit: int = 0
     bsize: int = 1 << 14
     zero: int = 0  # ZeRO stage: 0 every dp replica holds all optimizer state; 1 the fp32 master and Adam states sharded over the data axes; 2 the reduced gradients too; 3 the parameters too, gathered per layer
+    zero_shard_group: str = "all"  # all: shard over every data rank; node: within a node, replicated across nodes (hybrid)
     offload: bool = True  # the optimizer state in host memory, updated in bsize buckets (seed 001); False: on the device
     coarsening: int = 4
     placement: str = "topology"
@@ -147,6 +148,11 @@ class TrainConfig:
             raise GridError(f"schedule must be one of {sorted(pipeline.SCHEDULES)}, got {self.schedule!r}")
         if self.zero not in (0, 1, 2, 3):
             raise GridError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        groups = [g.value for g in optim.ShardGroup]
+        if self.zero_shard_group not in groups:
+            raise GridError(f"zero_shard_group must be one of {groups}, got {self.zero_shard_group!r}")
+        if self.zero_shard_group != optim.ShardGroup.ALL.value and not self.zero:
+            raise GridError(f"zero_shard_group={self.zero_shard_group} is hybrid sharding: it needs zero 1, 2 or 3")
         if self.chunks > 1 and self.schedule != "interleaved":
             raise GridError(f"chunks={self.chunks} needs schedule=interleaved")
         if self.tokenizer == "bytes":
@@ -349,7 +355,8 @@ def build(cfg: TrainConfig, grid, model_cfg: ModelConfig) -> tuple:
     if optim.uses_distributed(cfg.zero, cfg.offload):  # ZeRO, or the state on the device
         opt = optim.DistributedAdam(stage.parameters(), grid, lr=cfg.lr, weight_decay=cfg.weight_decay, zero=cfg.zero,
                                     offload=cfg.offload, bsize=cfg.bsize, max_grad_norm=cfg.max_grad_norm,
-                                    decay=optim.matrices_only, units=stage.shard_units() if cfg.zero == 3 else None)
+                                    decay=optim.matrices_only, units=stage.shard_units() if cfg.zero == 3 else None,
+                                    shard_group=optim.ShardGroup(cfg.zero_shard_group))
     else:  # seed 001: every replica's state offloaded, the all-reduce overlapped with the update
         opt = optim.OffloadAdam(stage.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, bsize=cfg.bsize,
                                 coarsening=cfg.coarsening, grid=grid, max_grad_norm=cfg.max_grad_norm,

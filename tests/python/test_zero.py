@@ -32,18 +32,20 @@ def _dense(max_norm):
     return {k: p.detach().clone() for k, p in model.named_parameters()}, norms
 
 
-def _zero_run(ctx, spec, dp, pp, sp, zero, offload, max_norm, overlap=True, ac=1):
+def _zero_run(ctx, spec, dp, pp, sp, zero, offload, max_norm, overlap=True, ac=1, ranks_per_node=None):
     import gridweave as gw
 
     mode = gw.modes.parse(spec)
-    grid = ctx.init(dp=dp, pp=pp, sp=sp, tp=mode)
+    grid = ctx.init(dp=dp, pp=pp, sp=sp, tp=mode, ranks_per_node=ranks_per_node)
+    hybrid = gw.optim.ShardGroup.NODE if ranks_per_node else gw.optim.ShardGroup.ALL
     ref, ref_norms = _dense(max_norm)
     torch.manual_seed(0)
     model = gw.models.GPT(V, H, HEADS, LAYERS, SEQ, dtype=torch.float64, device=CPU).to(grid.device)
     stage = gw.models.GPTStage(model, grid, mode, grid.coords["pp"], pp, ac=ac)
     opt = gw.optim.DistributedAdam(stage.parameters(), grid, lr=LR, weight_decay=WD, zero=zero, offload=offload,
                                    bsize=37, max_grad_norm=max_norm, decay=gw.optim.matrices_only, bucket=300,
-                                   overlap=overlap, units=stage.shard_units() if zero == 3 else None)
+                                   overlap=overlap, units=stage.shard_units() if zero == 3 else None,
+                                   shard_group=hybrid)
     x, y = (t.to(grid.device) for t in _data())
     shard, m = BATCH // dp, 2
     mb = shard // m
@@ -76,6 +78,7 @@ def _zero_run(ctx, spec, dp, pp, sp, zero, offload, max_norm, overlap=True, ac=1
             "grad_shards": sum(s.numel() for s in opt.grad_shards or [])}
     held["buckets"], held["started"], held["whole_bytes"] = len(opt.groups), started, whole
     held["param_shards"] = sum(s.numel() for s in opt.param_shards)
+    held["traffic"] = sorted(k for k, v in grid.stats().items() if v["ops"])
     return errs, held, opt.master.device.type
 
 
@@ -116,6 +119,37 @@ def test_zero_without_overlap_starts_its_buckets_at_the_step(pool):
     for errs, held, _ in pool.run(_zero_run, 8, "none", 2, 2, 2, 1, False, 0.05, False):
         assert max(errs.values()) < 1e-10, {k: v for k, v in errs.items() if v >= 1e-10}
         assert held["started"] == [0] * STEPS, held
+
+
+@pytest.mark.parametrize("spec,dp,pp,sp,zero", [("row:2", 4, 1, 1, 1), ("row:2", 4, 1, 1, 3), ("none", 2, 2, 2, 2)])
+def test_hybrid_sharding_shards_within_a_node_and_replicates_across(pool, spec, dp, pp, sp, zero):
+    """ShardGroup.NODE on 'nodes' of 4 ranks: the states split over the data ranks of a node
+    (dp 4 -> 2 a node; dp 2 x sp 2 -> the node's dp x sp block), the gradient shards all-reduced
+    across nodes; the dense model's update, 1e-10."""
+    res = pool.run(_zero_run, 8, spec, dp, pp, sp, zero, False, 0.05, True, 1, 4)
+    for errs, held, _ in res:
+        assert max(errs.values()) < 1e-10, {k: v for k, v in errs.items() if v >= 1e-10}
+        # each rank keeps 1/2 of the state (the node holds 2 of the 4 data ranks), not 1/4: twice its
+        # share under full sharding, up to the padding
+        assert 2 * held["shares"] <= held["master"] < 2 * held["shares"] + held["padding"], held
+        data = "dp" if sp == 1 else "dp,sp"
+        assert {f"{data}:node", f"{data}:across"} <= set(held["traffic"]), held["traffic"]
+
+
+def _hybrid_that_does_not_divide(ctx):
+    import gridweave as gw
+
+    grid = ctx.init(dp=8, ranks_per_node=3)  # nodes of 3, 3 and 2 ranks
+    p = torch.nn.Parameter(torch.zeros(8, device=grid.device))
+    try:
+        gw.optim.DistributedAdam([p], grid, zero=1, shard_group=gw.optim.ShardGroup.NODE)
+    except gw.GridError as e:
+        return str(e)
+
+
+def test_a_shard_group_that_does_not_divide_dp_is_a_clear_error(pool):
+    for err in pool.run(_hybrid_that_does_not_divide, 8):
+        assert err and "does not divide" in err, err
 
 
 def test_zero3_with_activation_checkpointing_gathers_for_the_recomputation(pool):
@@ -179,7 +213,7 @@ def test_the_main_job_with_each_stage_trains_like_one_process(tmp_path):
     from test_train import _close, _train
 
     one, _ = _train(tmp_path, "one", "--nproc", "1", port=29801)
-    for i, extra in enumerate([("--zero", "1", "--dp", "4", "--pp", "2"),
+    for i, extra in enumerate([("--zero", "1", "--dp", "4", "--pp", "2", "--zero-shard-group", "node"),
                                ("--zero", "3", "--dp", "4", "--pp", "2", "--no-offload", "--schedule", "1f1b"),
                                ("--zero", "2", "--tp", "row:2", "--sp", "2", "--dp", "2")]):
         losses, _ = _train(tmp_path, f"zero{i}", "--nproc", "8", *extra, port=29803 + 2 * i)
@@ -219,6 +253,10 @@ def test_zero_on_a_grid_without_data_axes_is_a_clear_error():
         gw.train.TrainConfig(zero=2, dp=1, pp=1).grid_shape(1)
     with pytest.raises(gw.GridError, match="zero must be 0, 1, 2 or 3"):
         gw.train.TrainConfig(zero=4)
+    with pytest.raises(gw.GridError, match="zero_shard_group must be one of"):
+        gw.train.TrainConfig(zero=1, zero_shard_group="rack")
+    with pytest.raises(gw.GridError, match="hybrid sharding: it needs zero"):
+        gw.train.TrainConfig(zero_shard_group="node")
     with pytest.raises(gw.GridError, match="zero=3 with pp > 1 needs a fixed pipeline order"):
         gw.train.TrainConfig(zero=3, dp=2, pp=2).grid_shape(4)
 
