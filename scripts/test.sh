@@ -19,11 +19,11 @@ cmake --build build/ctest -j2
 # the documentation site, warnings as errors (its reference pages read the installed package)
 python3 -m mkdocs build --strict -d build/site  # not -q: it would hide the warnings strict counts
 ctest --test-dir build/ctest --output-on-failure -j2
-python3 -m pytest -q tests/python --transport=gloo
+python3 -m pytest -q --durations=20 tests/python --transport=gloo
 if python3 -c "import sys, gridweave.launch as l; sys.exit(0 if l.mpi_installed() else 1)"; then
-  python3 -m pytest -q tests/python --transport=mpi --default-device=meta
+  python3 -m pytest -q --durations=20 tests/python --transport=mpi --default-device=meta
 else
-  python3 -m pytest -q tests/python --transport=gloo --default-device=meta
+  python3 -m pytest -q --durations=20 tests/python --transport=gloo --default-device=meta
 fi
 python3 -m pytest -q --timeout 300 --emulate=nccl tests/python/test_sequence.py tests/python/test_pipeline.py \
   tests/python/test_plan_counters.py tests/python/test_tensor3d.py tests/python/test_subgraph.py \

@@ -215,7 +215,7 @@ def test_recomputation_is_a_third_of_the_layers_gemm_work(tp, pp):
         24 * b * s * L * h * h * (1 + s / (6 * h)) / tp / cluster.gemm_flops, rel=1e-9)
 
 
-def test_plan_reads_a_hugging_face_config_and_explains_its_ranking(tmp_path):
+def test_plan_reads_a_hugging_face_config_and_explains_its_ranking(tmp_path, capsys):
     """--model takes transformers' config.json (Llama's or GPT-2's keys) or a gridweave config;
     --explain N says, part by part, why grid N ranks above grid N+1."""
     llama = tmp_path / "llama"
@@ -232,17 +232,19 @@ def test_plan_reads_a_hugging_face_config_and_explains_its_ranking(tmp_path):
     assert (m.hidden, m.layers, m.heads, m.vocab, m.seq) == (256, 4, 4, 50257, 128)
     with pytest.raises(gw.GridError, match="not a config.json"):
         plan.model_from(str(tmp_path / "nothing"), batch=8)
-    r = subprocess.run([sys.executable, "-m", "gridweave.cli", "plan", "--gpus", "16", "--gpus-per-node", "8",
-                        "--model", str(llama), "--batch", "16", "--seq", "512", "--explain", "1"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+    # the command in this process (its recordings cached for the plan below: 16 GPUs take a while)
+    from gridweave import cli
+
+    assert cli.main(["plan", "--gpus", "16", "--gpus-per-node", "8", "--model", str(llama), "--batch", "16",
+                     "--seq", "512", "--explain", "1"]) == 0
+    stdout = capsys.readouterr().out
     rows = plan.plan(16, plan.model_from(str(llama), batch=16, seq=512), plan.load_cluster("a100-ib", 8))
     first, second = rows[0], rows[1]
-    assert f"#1 is {(second['step_time_s'] - first['step_time_s']) * 1e3:+.2f} ms faster" in r.stdout, r.stdout
-    assert "by part (#2 minus #1)" in r.stdout and "memory per GPU" in r.stdout
+    assert f"#1 is {(second['step_time_s'] - first['step_time_s']) * 1e3:+.2f} ms faster" in stdout, stdout
+    assert "by part (#2 minus #1)" in stdout and "memory per GPU" in stdout
     # the largest part that differs is listed first
-    parts = [ln.split()[0] for ln in r.stdout.splitlines() if ln.startswith("  ") and "ms" in ln]
-    assert parts, r.stdout
+    parts = [ln.split()[0] for ln in stdout.splitlines() if ln.startswith("  ") and "ms" in ln]
+    assert parts, stdout
     bad = subprocess.run([sys.executable, "-m", "gridweave.cli", "plan", "--gpus", "8", "--batch", "8", "--heads", "5"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "heads" in bad.stderr, bad.stderr  # train's model checks: 128 / 5 heads
