@@ -227,22 +227,24 @@ def test_zero3_bad_input_is_one_clear_error(pool):
 # ---- the main job ------------------------------------------------------------------------
 
 def test_the_main_job_with_each_stage_trains_like_one_process(tmp_path):
-    """gridweave train --zero 1 / 3 (host or device state) on dp 4 x pp 2 and --zero 2 on row:2 x sp 2 x dp 2:
+    """gridweave train --zero 1 (hybrid, one node) / 3 (the interleaved schedule, device state) on dp 4 x pp 2
+    and --zero 2 on row:2 x sp 2 x dp 2:
     the losses of one process (float32, 1e-5 relative), as the unsharded optimizer gives."""
     from test_train import _close, _train
 
     one, _ = _train(tmp_path, "one", "--nproc", "1", port=29801)
     for i, extra in enumerate([("--zero", "1", "--dp", "4", "--pp", "2", "--zero-shard-group", "node"),
-                               ("--zero", "3", "--dp", "4", "--pp", "2", "--no-offload", "--schedule", "1f1b"),
+                               ("--zero", "3", "--dp", "4", "--pp", "2", "--no-offload", "--schedule", "interleaved",
+                                "--chunks", "2", "--microbatches", "2"),
                                ("--zero", "2", "--tp", "row:2", "--sp", "2", "--dp", "2")]):
         losses, _ = _train(tmp_path, f"zero{i}", "--nproc", "8", *extra, port=29803 + 2 * i)
         assert _close(losses, one, 1e-5), (extra, losses, one)
 
 
 def test_a_zero_checkpoint_resumes_on_any_stage_and_grid(tmp_path):
-    """zero 3 dp 4 -> zero 1 dp 2 x pp 2 (other shards) -> zero 0 dp 2 x pp 2 -> one process
-    (OffloadAdam, unsharded): the losses of an uninterrupted run. Each ZeRO run writes the pieces
-    of the shards it holds (no gathers); the next reads the slices it needs."""
+    """zero 3 row:2 x dp 2 -> zero 1 dp 2 x pp 2 (other shards, no tensor split) -> zero 0 dp 2 x pp 2
+    -> one process (OffloadAdam, unsharded): the losses of an uninterrupted run. Each ZeRO run
+    writes the pieces of the shards it holds (no gathers); the next reads the slices it needs."""
     import json
 
     from test_train import _close, _train
@@ -250,8 +252,8 @@ def test_a_zero_checkpoint_resumes_on_any_stage_and_grid(tmp_path):
     # the learning rate of a leg's last step is the full run's only while it is in the warmup (3 steps)
     # or the first after it: the cosine's horizon is each leg's --steps
     one, _ = _train(tmp_path, "one", "--nproc", "1", "--steps", "5", "--warmup", "3", port=29821)
-    _, a = _train(tmp_path, "a", "--nproc", "4", "--dp", "4", "--pp", "1", "--zero", "3", "--steps", "2",
-                  "--warmup", "3", port=29823)
+    _, a = _train(tmp_path, "a", "--nproc", "4", "--tp", "row:2", "--dp", "2", "--pp", "1", "--zero", "3",
+                  "--steps", "2", "--warmup", "3", port=29823)
     # the index holds each rank's pieces: a 2-D parameter cut by the shards comes in several chunks
     step = (a / "checkpoint" / (a / "checkpoint" / "latest").read_text().strip())
     index = json.loads((step / "index.json").read_text())
