@@ -20,6 +20,10 @@ if [ "$DEV" != "none" ]; then
   GRIDWEAVE_TEST_DEVICE=cuda python3 -m pytest -q tests/python/test_layers.py tests/python/test_tensor1d2d.py \
     tests/python/test_tensor3d.py tests/python/test_sequence.py tests/python/test_subgraph.py \
     tests/python/test_pipeline.py tests/python/test_sharding.py -rs 2>&1 | tee "$OUT/test_cuda_suite_${DEV}.txt"
+  # issue 30: ZeRO 1-3 and hybrid sharding on the GPU: the reduce-scatters start from autograd's
+  # hooks and ZeRO-3's gathers from module and tensor hooks, on autograd's device thread there
+  GRIDWEAVE_TEST_DEVICE=cuda python3 -m pytest -q tests/python/test_zero.py -rs \
+    -k "equals or hybrid or activation or offload" 2>&1 | tee "$OUT/test_cuda_zero_${DEV}.txt"
 fi
 if [ "$DEV" != "none" ] && command -v compute-sanitizer >/dev/null 2>&1; then
   # issue 28: memory and race checks over the NCCL and kernel tests of the GPU tier
