@@ -116,6 +116,7 @@ def test_zero_equals_adamw_on_the_dense_model(pool, spec, dp, pp, sp, zero):
         assert held["buckets"] > 2 and held["started"] == [held["buckets"]] * STEPS, held
 
 
+@pytest.mark.timeout(600)  # 16 processes on the machine's cores
 def test_the_cube_with_dp_2_on_16_ranks(request):
     """The 3-D mode with a data axis: cube:2 x dp 2 takes 16 ranks (a pool of its own, beside the
     suite's 8), at zero 1 and 3: the dense model's update, 1e-10."""
@@ -226,21 +227,29 @@ def test_zero3_bad_input_is_one_clear_error(pool):
 
 # ---- the main job ------------------------------------------------------------------------
 
-def test_the_main_job_with_each_stage_trains_like_one_process(tmp_path):
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    from test_train import _train
+
+    return _train(tmp_path_factory.mktemp("one"), "one", "--nproc", "1", port=29801)[0]
+
+
+@pytest.mark.parametrize("extra,port", [
+    (("--zero", "1", "--dp", "4", "--pp", "2", "--zero-shard-group", "node"), 29803),
+    (("--zero", "3", "--dp", "4", "--pp", "2", "--no-offload", "--schedule", "interleaved", "--chunks", "2",
+      "--microbatches", "2"), 29805),
+    (("--zero", "2", "--tp", "row:2", "--sp", "2", "--dp", "2"), 29807)])
+def test_the_main_job_with_each_stage_trains_like_one_process(one_process, tmp_path, extra, port):
     """gridweave train --zero 1 (hybrid, one node) / 3 (the interleaved schedule, device state) on dp 4 x pp 2
-    and --zero 2 on row:2 x sp 2 x dp 2:
-    the losses of one process (float32, 1e-5 relative), as the unsharded optimizer gives."""
+    and --zero 2 on row:2 x sp 2 x dp 2: the losses of one process (float32, 1e-5 relative), as the
+    unsharded optimizer gives."""
     from test_train import _close, _train
 
-    one, _ = _train(tmp_path, "one", "--nproc", "1", port=29801)
-    for i, extra in enumerate([("--zero", "1", "--dp", "4", "--pp", "2", "--zero-shard-group", "node"),
-                               ("--zero", "3", "--dp", "4", "--pp", "2", "--no-offload", "--schedule", "interleaved",
-                                "--chunks", "2", "--microbatches", "2"),
-                               ("--zero", "2", "--tp", "row:2", "--sp", "2", "--dp", "2")]):
-        losses, _ = _train(tmp_path, f"zero{i}", "--nproc", "8", *extra, port=29803 + 2 * i)
-        assert _close(losses, one, 1e-5), (extra, losses, one)
+    losses, _ = _train(tmp_path, "zero", "--nproc", "8", *extra, port=port)
+    assert _close(losses, one_process, 1e-5), (extra, losses, one_process)
 
 
+@pytest.mark.timeout(900)  # five runs one after the other
 def test_a_zero_checkpoint_resumes_on_any_stage_and_grid(tmp_path):
     """zero 3 row:2 x dp 2 -> zero 1 dp 2 x pp 2 (other shards, no tensor split) -> zero 0 dp 2 x pp 2
     -> one process (OffloadAdam, unsharded): the losses of an uninterrupted run. Each ZeRO run
@@ -282,6 +291,7 @@ def test_zero_on_a_grid_without_data_axes_is_a_clear_error():
         gw.train.TrainConfig(zero=3, dp=2, pp=2).grid_shape(4)
 
 
+@pytest.mark.timeout(900)  # four runs one after the other
 def test_memory_per_rank_follows_the_zero_paper(tmp_path):
     """metrics.json's memory_bytes (the largest rank, each storage counted once) against Fig. 1 of
     the ZeRO paper with fp32 weights: parameters 4Ψ (4Ψ/N_d at stage 3), gradients 4Ψ (4Ψ/N_d from
