@@ -32,7 +32,8 @@ def _step(ctx, tp, dp, pp, sp, family, precision, zero=0, offload=True):
     schedule = step_schedule(model_cfg, cfg.mode, dp, pp, sp, tuple(grid.coords.items()), cfg.microbatches,
                              cfg.batch // dp // cfg.microbatches, cfg.compute.dtype, cfg.bsize, cfg.coarsening,
                              cfg.max_grad_norm is not None, scaler is not None,
-                             announced=pp > 1 and not grid.capabilities("pp")["recv_any"], zero=zero, offload=offload)
+                             announced=pp > 1 and cfg.schedule == "message_driven"  # the other schedules announce nothing
+                             and not grid.capabilities("pp")["recv_any"], zero=zero, offload=offload)
     return ran, plan.step_counters(schedule, grid.axes, grid.placement, grid.rank)
 
 
