@@ -31,6 +31,7 @@ from .generate import sample
 from .grid import Grid, init, shutdown
 from .measure import gemm_rate
 from .models import ModelConfig
+from .nn.sequence import SeqAttention
 from .modes import Mode, parse
 from .precision import LossScaler, Precision
 from .sharding import first_copy
@@ -47,7 +48,8 @@ GPU_PEAK = {"H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
 
 # The string options of TrainConfig and their values (the command line offers these).
 CHOICES = {"model": ("llama", "gpt"), "tokenizer": ("bpe", "bytes"), "device": ("auto", "cpu", "cuda"),
-           "backend": ("auto", "gloo", "nccl", "mpi"), "placement": ("topology", "naive"), "attention": ("ring", "rsa")}
+           "backend": ("auto", "gloo", "nccl", "mpi"), "placement": ("topology", "naive"),
+           "attention": tuple(a.value for a in SeqAttention)}
 
 
 @dataclass
@@ -175,9 +177,13 @@ class TrainConfig:
         dims = ParallelDims.for_world(world, self.mode, self.sp, self.dp, self.pp, self.layers)
         model = self.model_config(256)
         dims.check_model(self.layers, self.heads, self.hidden, self.seq, model.kv_heads,
-                         zigzag=self.attention == "ring", chunks=self.chunks)
+                         zigzag=SeqAttention(self.attention).zigzag(causal=True), chunks=self.chunks)
         dims.check_batch(self.batch, self.microbatches)
         dp, pp, sp = dims.dp, dims.pp, dims.sp
+        local_heads = self.heads // self.mode.head_groups_count()
+        if self.attention == SeqAttention.ULYSSES.value and sp > 1 and local_heads % sp:
+            raise GridError(f"attention=ulysses splits each tensor group's {local_heads} heads over sp {sp}: they do "
+                            "not divide (fewer sequence ranks, or attention=ring)")
         if self.schedule == "interleaved" and (pp < 2 or self.microbatches % pp):
             raise GridError(f"the interleaved schedule needs pp >= 2 and microbatches a multiple of pp, got pp {pp}, "
                             f"microbatches {self.microbatches}")

@@ -66,6 +66,68 @@ def test_ring_attention_matches_dense(pool, n, causal, algo):
             assert bwd == 6 * (n - 1) * b  # and 6(N-1)BZ(L/N)A backward
 
 
+def _ulysses(ctx, causal, L, heads):
+    import gridweave as gw
+    from gridweave.autograd.ulysses import ulysses_attention
+
+    grid = ctx.init(sp=ctx.world_size)
+    q, k, v = (full((B, heads, L, A), s).requires_grad_() for s in (1, 2, 3))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    dout = full(ref.shape, 4)
+    ref.backward(dout)
+    lay = _layout(False)  # contiguous shards: Ulysses gathers whole sequences in order
+    ql, kl, vl = (gw.scatter(t.detach(), lay, grid).requires_grad_() for t in (q, k, v))
+    grid.reset_stats()
+    out = ulysses_attention(ql, kl, vl, grid, causal=causal)
+    fwd = grid.stats().get("sp")
+    grid.reset_stats()
+    out.backward(gw.scatter(dout, lay, grid))
+    bwd = grid.stats().get("sp")
+    errs = {"out": rel(gw.gather(out, lay, grid), ref)}
+    for name, loc, ref_t in (("dq", ql, q), ("dk", kl, k), ("dv", vl, v)):
+        errs[name] = rel(gw.gather(loc.grad, lay, grid), ref_t.grad)
+    sent = [0 if s is None else s["sent_intra"]["bytes"] + s["sent_inter"]["bytes"] for s in (fwd, bwd)]
+    ops = [0 if s is None else s["ops"] for s in (fwd, bwd)]
+    return errs, sent, ops
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ulysses_attention_matches_dense(pool, n, causal):
+    """DeepSpeed-Ulysses: 4 all-to-alls a direction, each rank sending (N-1)/N of its B·(L/N)·H
+    values each time (Jacobs et al. 2023 §3.1)."""
+    L, heads = 32, 8
+    for errs, sent, ops in pool.run(_ulysses, n, causal, L, heads):
+        assert max(errs.values()) < 1e-10, errs
+        shard = B * heads * (L // n) * A * 8  # bytes of one of q, k, v, out on a rank
+        if n > 1:
+            assert ops == [4, 4], ops
+            assert sent == [4 * shard * (n - 1) // n] * 2, (sent, shard)
+
+
+def _ulysses_heads(ctx):
+    import gridweave as gw
+    from gridweave.autograd.ulysses import ulysses_attention
+
+    grid = ctx.init(sp=ctx.world_size)
+    q = torch.zeros(B, 6, 4, A, device=DEVICE)
+    return grid_errors((lambda: ulysses_attention(q, q, q, grid),))
+
+
+def test_ulysses_heads_that_do_not_split_fail_clearly(pool):
+    for msgs in pool.run(_ulysses_heads, 4):
+        assert msgs[0] and "do not divide" in msgs[0], msgs
+
+
+def test_ulysses_in_the_main_job_checks_its_heads_before_anything_runs():
+    import gridweave as gw
+
+    with pytest.raises(gw.GridError, match="attention=ulysses splits each tensor group's 2 heads over sp 4"):
+        gw.train.TrainConfig(heads=4, hidden=32, tp="row:2", attention="ulysses", sp=4, dp=1, pp=1).grid_shape(8)
+    with pytest.raises(gw.GridError, match="attention must be one of"):
+        gw.train.TrainConfig(attention="flash")
+
+
 def test_backward_error_does_not_grow_with_n(pool):
     worst = {}
     for n in (2, 8):
@@ -137,7 +199,8 @@ def _sp_layer(ctx, dp, attention, causal):
 
 
 @pytest.mark.parametrize("dp,n", [(1, 4), (2, 4), (2, 8)])
-@pytest.mark.parametrize("attention,causal", [("ring", True), ("ring", False), ("rsa", True)])
+@pytest.mark.parametrize("attention,causal", [("ring", True), ("ring", False), ("rsa", True), ("ulysses", True),
+                                              ("ulysses", False)])
 def test_sequence_parallel_layer_with_dp_matches_dense(pool, dp, n, attention, causal):
     for errs in pool.run(_sp_layer, n, dp, attention, causal):
         assert max(errs.values()) < 1e-10, {k: v for k, v in errs.items() if v >= 1e-10}

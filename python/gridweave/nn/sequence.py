@@ -9,10 +9,14 @@ different token counts, and off by a factor N_sp otherwise.
 """
 from __future__ import annotations
 
+import enum
+
 import torch
 from torch import nn
 
 from ..autograd.ring import positions, ring_attention, ring_self_attention
+from ..autograd.ulysses import ulysses_attention
+from ..errors import GridError
 from ..sharding import DATA_AXES, place
 from .dense import GPT2, Arch, Norm, attention, linear_tensors, split_heads, values
 
@@ -94,19 +98,43 @@ def sequence_parallel(grid) -> bool:
     return grid.axes.get("sp", 1) > 1
 
 
-def attend(qkv, heads, causal, grid, algorithm="ring", kv_heads=None, arch: Arch = GPT2):
+class SeqAttention(enum.Enum):
+    """How attention runs where the grid splits the sequence over "sp"."""
+    RING = "ring"  # the blockwise ring (online softmax), zigzag when causal
+    RSA = "rsa"  # seed 004's Ring Self-Attention, as written
+    ULYSSES = "ulysses"  # DeepSpeed-Ulysses: all-to-all to head shards around the attention core
+
+    @classmethod
+    def of(cls, name) -> "SeqAttention":
+        if isinstance(name, cls):
+            return name
+        try:
+            return cls(name)
+        except ValueError:
+            raise GridError(f"attention must be one of {[a.value for a in cls]}, got {name!r}") from None
+
+    def zigzag(self, causal: bool) -> bool:
+        """Whether the sequence shards are in zigzag order: causal ring attention balances its
+        load so (RSA and Ulysses keep contiguous shards)."""
+        return self is SeqAttention.RING and causal
+
+
+def attend(qkv, heads, causal, grid, algorithm=SeqAttention.RING, kv_heads=None, arch: Arch = GPT2):
     """Attention of the local heads of a packed [q | k | v] (heads query and kv_heads key/value
-    heads): on this rank alone, or over the "sp" ring when the grid splits the sequence
-    (blockwise, zigzag when causal; or RSA). Rotary positions are the tokens' global ones."""
+    heads): on this rank alone, or over "sp" when the grid splits the sequence (the blockwise
+    ring, zigzag when causal; RSA; Ulysses). Rotary positions are the tokens' global ones."""
     kv_heads = heads if kv_heads is None else kv_heads
     if not sequence_parallel(grid):
         return attention(qkv, heads, causal, kv_heads, arch)
-    zigzag = algorithm != "rsa" and causal
+    algorithm = SeqAttention.of(algorithm)
+    zigzag = algorithm.zigzag(causal)
     pos = positions(qkv.shape[1], grid.axes["sp"], grid.index("sp"), zigzag, qkv.device) \
         if arch.rope_theta is not None else None  # only rotary embeddings need the global positions
     q, k, v = split_heads(qkv, heads, kv_heads, arch, pos)
-    if algorithm == "rsa":
+    if algorithm is SeqAttention.RSA:
         o = ring_self_attention(q, k, v, grid, "sp", causal)
+    elif algorithm is SeqAttention.ULYSSES:
+        o = ulysses_attention(q, k, v, grid, "sp", causal)
     else:
         o = ring_attention(q, k, v, grid, "sp", causal, zigzag)
     b, s = qkv.shape[:2]

@@ -13,7 +13,7 @@ from torch import nn
 from ..errors import GridError
 from ..sharding import group_order, set_row_order
 from .dense import GPT2, Arch, DenseMLP, DenseSelfAttention, DenseTransformerLayer
-from .sequence import attend
+from .sequence import SeqAttention, attend
 from .style import resolve
 
 
@@ -26,9 +26,7 @@ class SelfAttention(nn.Module):
     def __init__(self, hidden, heads, grid, mode=None, bias=True, causal=True, overlap=False, dtype=None,
                  attention="ring", device=None, arch: Arch | None = None):
         super().__init__()
-        if attention not in ("ring", "rsa"):
-            raise GridError(f"attention must be 'ring' (blockwise) or 'rsa' (seed 004's), got {attention!r}")
-        self.attention = attention
+        self.attention = SeqAttention.of(attention)
         self.mode = resolve(mode, grid)
         self.groups = self.mode.head_groups_count()
         self.arch = arch = arch or GPT2
@@ -55,8 +53,8 @@ class SelfAttention(nn.Module):
 
     @property
     def zigzag(self):
-        """Causal ring attention balances the load by the zigzag sequence order (RSA does not)."""
-        return self.attention == "ring" and self.causal
+        """Causal ring attention balances the load by the zigzag sequence order (RSA and Ulysses do not)."""
+        return self.attention.zigzag(self.causal)
 
     def forward(self, x):
         return self.proj(attend(self.qkv(x), self.heads // self.groups, self.causal, self.grid, self.attention,
