@@ -106,7 +106,6 @@ def test_ulysses_attention_matches_dense(pool, n, causal):
 
 
 def _ulysses_heads(ctx):
-    import gridweave as gw
     from gridweave.autograd.ulysses import ulysses_attention
 
     grid = ctx.init(sp=ctx.world_size)
