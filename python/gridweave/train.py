@@ -95,6 +95,7 @@ class TrainConfig:
     placement: str = "topology"
     overlap: bool = False
     attention: str = "ring"
+    ulysses_degree: int = 1  # attention=usp: the sp ranks of each Ulysses block (the ring runs across the blocks)
     data: str | None = None
     out: str = "runs/latest"
     resume: str | None = None
@@ -180,10 +181,8 @@ class TrainConfig:
                          zigzag=SeqAttention(self.attention).zigzag(causal=True), chunks=self.chunks)
         dims.check_batch(self.batch, self.microbatches)
         dp, pp, sp = dims.dp, dims.pp, dims.sp
-        local_heads = self.heads // self.mode.head_groups_count()
-        if self.attention == SeqAttention.ULYSSES.value and sp > 1 and local_heads % sp:
-            raise GridError(f"attention=ulysses splits each tensor group's {local_heads} heads over sp {sp}: they do "
-                            "not divide (fewer sequence ranks, or attention=ring)")
+        self.mode.check_attention(self.attention)
+        SeqAttention(self.attention).check(sp, self.ulysses_degree, self.heads // self.mode.head_groups_count())
         if self.schedule == "interleaved" and (pp < 2 or self.microbatches % pp):
             raise GridError(f"the interleaved schedule needs pp >= 2 and microbatches a multiple of pp, got pp {pp}, "
                             f"microbatches {self.microbatches}")
@@ -355,7 +354,7 @@ def build(cfg: TrainConfig, grid, model_cfg: ModelConfig) -> tuple:
     precision), then cast."""
     model = models.build(model_cfg, device=grid.device).to(cfg.compute.dtype)
     s, pp = grid.coords["pp"], grid.axes["pp"]
-    options = dict(ac=cfg.ac, overlap=cfg.overlap, attention=cfg.attention)
+    options = dict(ac=cfg.ac, overlap=cfg.overlap, attention=cfg.attention, ulysses_degree=cfg.ulysses_degree)
     stage = models.ModelChunks(model, grid, cfg.mode, s, pp, cfg.chunks, **options) \
         if cfg.schedule == "interleaved" else models.GPTStage(model, grid, cfg.mode, s, pp, **options)
     if optim.uses_distributed(cfg.zero, cfg.offload):  # ZeRO, or the state on the device

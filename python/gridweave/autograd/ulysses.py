@@ -2,13 +2,15 @@
 all-to-alls around the attention core. Each rank holds all heads of its sequence shard; the
 all-to-all trades them for all tokens of 1/N of the heads, attention runs locally on whole
 sequences, and the inverse all-to-all brings the output back to sequence shards. Per layer
-forward: 4 all-to-alls (q, k, v, out) of B·(L/N)·H values each per rank."""
+forward: 4 all-to-alls (q, k, v, out) of B·(L/N)·H values each per rank. USP composes it with the
+ring: Ulysses inside blocks of sp ranks, the ring across them."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import GridError
+from .ring import ring_attention
 
 
 def _seq_to_heads(x, grid, axis):
@@ -64,3 +66,19 @@ def ulysses_attention(q, k, v, grid, axis="sp", causal=False):
     q, k, v = (_SeqToHeads.apply(t, grid, axis) for t in (q, k, v))
     o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # whole sequences: the fused kernel
     return _HeadsToSeq.apply(o, grid, axis)
+
+
+def usp_attention(q, k, v, grid, inner, outer, causal=False):
+    """USP (Fang & Zhao 2024; yunchang's LongContextAttention, Megatron's a2a+p2p): Ulysses over
+    `inner` (a block of U consecutive sp ranks), the zigzag ring over `outer` (the blocks: R).
+    This rank holds piece u of its block's chunk pair (chunks r and 2R-1-r of 2R, causal); the
+    all-to-all gathers the pair for 1/U of the heads, the ring attends over the R pairs, and the
+    inverse all-to-all returns this rank's piece of every head."""
+    u = grid.size(inner)
+    if q.shape[1] % u:
+        raise GridError(f"USP splits the {q.shape[1]} attention heads of a rank over its Ulysses degree {u}: "
+                        "they do not divide")
+    if u > 1:
+        q, k, v = (_SeqToHeads.apply(t, grid, inner) for t in (q, k, v))
+    o = ring_attention(q, k, v, grid, outer, causal, zigzag=causal)
+    return _HeadsToSeq.apply(o, grid, inner) if u > 1 else o

@@ -24,9 +24,10 @@ class SelfAttention(nn.Module):
     Core's rule: the groups must divide kv_heads; kv heads are not replicated)."""
 
     def __init__(self, hidden, heads, grid, mode=None, bias=True, causal=True, overlap=False, dtype=None,
-                 attention="ring", device=None, arch: Arch | None = None):
+                 attention="ring", device=None, arch: Arch | None = None, ulysses_degree: int = 1):
         super().__init__()
         self.attention = SeqAttention.of(attention)
+        self.ulysses_degree = ulysses_degree
         self.mode = resolve(mode, grid)
         self.groups = self.mode.head_groups_count()
         self.arch = arch = arch or GPT2
@@ -44,10 +45,12 @@ class SelfAttention(nn.Module):
         self.qkv, self.proj = first(hidden, sum(self.widths)), second(hidden, hidden)
         set_row_order(self.qkv.weight, self.widths, self.groups)
         set_row_order(self.qkv.bias, self.widths, self.groups)
+        self.attention.check(grid.axes.get("sp", 1), ulysses_degree, heads // self.groups)
 
     @property
     def input_layout(self):
-        return self.mode.layout(self.grid, self.zigzag)
+        return self.mode.layout(self.grid, self.zigzag,
+                                self.attention.ring(self.grid.axes.get("sp", 1), self.ulysses_degree))
 
     output_layout = input_layout
 
@@ -58,7 +61,7 @@ class SelfAttention(nn.Module):
 
     def forward(self, x):
         return self.proj(attend(self.qkv(x), self.heads // self.groups, self.causal, self.grid, self.attention,
-                                self.kv_heads // self.groups, self.arch))
+                                self.kv_heads // self.groups, self.arch, self.ulysses_degree))
 
     @classmethod
     def from_dense(cls, dense: DenseSelfAttention, grid, mode=None, **kw):
