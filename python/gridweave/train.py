@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -25,7 +26,7 @@ from typing import Callable
 import torch
 
 from . import checkpoint, data, launch, models, optim, pipeline
-from .axes import ParallelDims
+from .axes import AxesView, ParallelDims
 from .errors import Diverged, GridError
 from .generate import sample
 from .grid import Grid, init, shutdown
@@ -96,6 +97,7 @@ class TrainConfig:
     overlap: bool = False
     attention: str = "ring"
     ulysses_degree: int = 1  # attention=usp: the sp ranks of each Ulysses block (the ring runs across the blocks)
+    tp_sp: bool = False  # Megatron's sequence parallelism inside 1-D (tp row:N): norms and residuals on sequence shards
     data: str | None = None
     out: str = "runs/latest"
     resume: str | None = None
@@ -115,6 +117,11 @@ class TrainConfig:
 
     def __post_init__(self):
         self.mode = self.tp if isinstance(self.tp, Mode) else parse(self.tp or "none")
+        if self.tp_sp:
+            if not hasattr(self.mode, "sequence"):
+                raise GridError(f"tp_sp is Megatron's sequence parallelism inside 1-D tensor parallelism (tp row:N); "
+                                f"tp is {self.mode.spec()}")
+            self.mode = dataclasses.replace(self.mode, sequence=True)
         self.compute = Precision.parse(self.precision)
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
@@ -183,6 +190,10 @@ class TrainConfig:
         dp, pp, sp = dims.dp, dims.pp, dims.sp
         self.mode.check_attention(self.attention)
         SeqAttention(self.attention).check(sp, self.ulysses_degree, self.heads // self.mode.head_groups_count())
+        # the layer's input layout: every sequence split at once (the zigzag's chunks, tp's pieces)
+        view, attn = AxesView(dict(dims.axes())), SeqAttention(self.attention)
+        self.mode.layout(view, attn.zigzag(causal=True), attn.ring(sp, self.ulysses_degree)).local_shape(
+            (self.batch // dp, self.seq, self.hidden), view)
         if self.schedule == "interleaved" and (pp < 2 or self.microbatches % pp):
             raise GridError(f"the interleaved schedule needs pp >= 2 and microbatches a multiple of pp, got pp {pp}, "
                             f"microbatches {self.microbatches}")

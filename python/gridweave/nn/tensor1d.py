@@ -6,10 +6,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..autograd.comm import copy_to_parallel, gather_from_parallel, reduce_from_parallel, scatter_to_parallel
+from ..autograd.comm import (copy_to_parallel, gather_from_parallel, gather_sequence, reduce_from_parallel,
+                             reduce_scatter_sequence, scatter_to_parallel)
 from ..errors import GridError
 from ..layout import Layout, gather, scatter
-from ..sharding import place
+from ..sharding import DATA_AXES, place
 from .dense import ParallelLinearBase, linear_tensors, values
 
 REPLICATED = Layout()
@@ -22,12 +23,14 @@ def _split(n: int, parts: int, what: str) -> int:
 
 
 class ColumnParallelLinear(ParallelLinearBase):
-    """Y = X W^T + b with W split by output rows: f (identity fwd, all-reduce bwd) on the input."""
+    """Y = X W^T + b with W split by output rows: f (identity fwd, all-reduce bwd) on the input;
+    sequence=True (Megatron's sequence parallelism): the input is a sequence shard over the
+    axis, all-gathered forward and its gradient reduce-scattered backward."""
 
     def __init__(self, in_features, out_features, grid, bias=True, gather_output=False, axis="tp", dtype=None,
-                 device=None):
+                 device=None, sequence=False):
         super().__init__()
-        self.grid, self.axis, self.gather_output = grid, axis, gather_output
+        self.grid, self.axis, self.gather_output, self.sequence = grid, axis, gather_output, sequence
         self.in_features, self.out_features = in_features, out_features
         n = _split(out_features, grid.size(axis), "out_features")
         kw = dict(dtype=dtype, device=device or grid.device)
@@ -37,14 +40,15 @@ class ColumnParallelLinear(ParallelLinearBase):
 
     @property
     def input_layout(self):
-        return REPLICATED
+        return Layout((), (self.axis,)) if self.sequence else REPLICATED
 
     @property
     def output_layout(self):
         return REPLICATED if self.gather_output else Layout((), (), (self.axis,))
 
     def forward(self, x):
-        y = F.linear(copy_to_parallel(x, self.grid, self.axis), self.weight, self.bias)
+        x = gather_sequence(x, self.grid, self.axis) if self.sequence else copy_to_parallel(x, self.grid, self.axis)
+        y = F.linear(x, self.weight, self.bias)
         return gather_from_parallel(y, self.grid, self.axis, -1) if self.gather_output else y
 
     def load_dense(self, dense, order=None):
@@ -63,18 +67,21 @@ class ColumnParallelLinear(ParallelLinearBase):
 
 
 class RowParallelLinear(ParallelLinearBase):
-    """Y = X W^T + b with W split by input columns: g (all-reduce fwd, identity bwd) on the output."""
+    """Y = X W^T + b with W split by input columns: g (all-reduce fwd, identity bwd) on the output;
+    sequence=True: reduce-scattered to sequence shards over the axis instead (all-gather bwd)."""
 
     def __init__(self, in_features, out_features, grid, bias=True, input_is_parallel=True, axis="tp", dtype=None,
-                 device=None):
+                 device=None, sequence=False):
         super().__init__()
-        self.grid, self.axis, self.input_is_parallel = grid, axis, input_is_parallel
+        self.grid, self.axis, self.input_is_parallel, self.sequence = grid, axis, input_is_parallel, sequence
         self.in_features, self.out_features = in_features, out_features
         n = _split(in_features, grid.size(axis), "in_features")
         kw = dict(dtype=dtype, device=device or grid.device)
         self.weight = place(nn.Parameter(torch.empty(out_features, n, **kw)), Layout((), (axis,)))
-        # the bias is added after the all-reduce: identical on every tp rank
-        self.bias = place(nn.Parameter(torch.zeros(out_features, **kw))) if bias else None
+        # the bias is added after the all-reduce: identical on every tp rank (on its sequence shard
+        # with sequence parallelism, so its gradient is partial over the axis too)
+        self.bias = place(nn.Parameter(torch.zeros(out_features, **kw)),
+                          partial=DATA_AXES + ((axis,) if sequence else ())) if bias else None
         nn.init.normal_(self.weight, std=in_features ** -0.5)
 
     @property
@@ -83,12 +90,14 @@ class RowParallelLinear(ParallelLinearBase):
 
     @property
     def output_layout(self):
-        return REPLICATED
+        return Layout((), (self.axis,)) if self.sequence else REPLICATED
 
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_to_parallel(x, self.grid, self.axis, -1)
-        y = reduce_from_parallel(F.linear(x, self.weight), self.grid, self.axis)
+        y = F.linear(x, self.weight)
+        y = reduce_scatter_sequence(y, self.grid, self.axis) if self.sequence else \
+            reduce_from_parallel(y, self.grid, self.axis)
         return y + self.bias if self.bias is not None else y
 
     def load_dense(self, dense, order=None):
