@@ -64,4 +64,5 @@ def test_tp_sp_needs_the_row_mode_and_a_sequence_that_splits():
     with pytest.raises(gw.GridError, match="tp_sp is Megatron's sequence parallelism inside 1-D"):
         gw.train.TrainConfig(tp="square:2", tp_sp=True)
     with pytest.raises(gw.GridError, match="does not split"):
-        gw.train.TrainConfig(tp="row:4", tp_sp=True, hidden=32, heads=4, seq=6, batch=8, dp=1, pp=1).grid_shape(4)
+        gw.train.TrainConfig(tp="row:2", tp_sp=True, hidden=32, heads=4, kv_heads=4, seq=5, batch=8, dp=1,
+                             pp=1).grid_shape(2)
