@@ -108,24 +108,11 @@ def scatter_to_parallel(x, grid, axis, dim=-1):
     return _ScatterToParallel.apply(x, grid, axis, dim % x.dim())
 
 
-class _GatherSequence(torch.autograd.Function):
-    """Megatron's sequence parallelism (Korthikanti et al. 2022, §4.2.2, g): all-gather the
-    sequence shards along `dim` forward; reduce-scatter the gradient backward (each rank's
-    column-parallel linear gives a partial gradient of the whole input)."""
-
-    @staticmethod
-    def forward(ctx, x, grid, axis, dim):
-        ctx.grid, ctx.axis, ctx.dim = grid, axis, dim
-        return grid.all_gather(x.contiguous(), axis=axis, dim=dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.grid.reduce_scatter(g.contiguous(), axis=ctx.axis, dim=ctx.dim), None, None, None
-
-
 class _ReduceScatterSequence(torch.autograd.Function):
-    """Its pair (ḡ): reduce-scatter the row-parallel linear's partial sums to sequence shards
-    forward; all-gather the gradient backward."""
+    """Megatron's sequence parallelism (Korthikanti et al. 2022, §4.2.2, ḡ): reduce-scatter the
+    row-parallel linear's partial sums to sequence shards forward; all-gather the gradient
+    backward. (Its pair, all-gather before the column-parallel linear, is fused with that linear:
+    gw.nn.tensor1d.)"""
 
     @staticmethod
     def forward(ctx, x, grid, axis, dim):
@@ -135,11 +122,6 @@ class _ReduceScatterSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return ctx.grid.all_gather(g.contiguous(), axis=ctx.axis, dim=ctx.dim), None, None, None
-
-
-def gather_sequence(x, grid, axis, dim=1):
-    """Sequence shards over `axis` -> the whole (sp-shard) sequence; backward reduce-scatters."""
-    return _GatherSequence.apply(x, grid, axis, dim % x.dim())
 
 
 def reduce_scatter_sequence(x, grid, axis, dim=1):

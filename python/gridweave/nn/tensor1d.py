@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..autograd.comm import (copy_to_parallel, gather_from_parallel, gather_sequence, reduce_from_parallel,
-                             reduce_scatter_sequence, scatter_to_parallel)
+from ..autograd.comm import (copy_to_parallel, gather_from_parallel, reduce_from_parallel, reduce_scatter_sequence,
+                             scatter_to_parallel)
 from ..errors import GridError
 from ..layout import Layout, gather, scatter
 from ..sharding import DATA_AXES, place
@@ -20,6 +20,28 @@ def _split(n: int, parts: int, what: str) -> int:
     if n % parts:
         raise GridError(f"{what} = {n} does not split over {parts} tensor-parallel ranks")
     return n // parts
+
+
+class _SequenceColumnLinear(torch.autograd.Function):
+    """all-gather + linear of Megatron's sequence parallelism (Korthikanti et al. 2022, §4.2.2):
+    backward all-gathers the input again rather than keeping it, so only this rank's sequence
+    shard is saved (1/t of the activation), and reduce-scatters the input's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, grid, axis):
+        ctx.grid, ctx.axis, ctx.has_bias = grid, axis, bias is not None
+        ctx.save_for_backward(x, weight)
+        full = grid.all_gather(x.contiguous(), axis=axis, dim=1)
+        return F.linear(full, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        full = ctx.grid.all_gather(x.contiguous(), axis=ctx.axis, dim=1)
+        dx = ctx.grid.reduce_scatter((dy @ weight).contiguous(), axis=ctx.axis, dim=1)
+        dw = dy.reshape(-1, dy.shape[-1]).t() @ full.reshape(-1, full.shape[-1])
+        db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias else None
+        return dx, dw, db, None, None
 
 
 class ColumnParallelLinear(ParallelLinearBase):
@@ -47,8 +69,10 @@ class ColumnParallelLinear(ParallelLinearBase):
         return REPLICATED if self.gather_output else Layout((), (), (self.axis,))
 
     def forward(self, x):
-        x = gather_sequence(x, self.grid, self.axis) if self.sequence else copy_to_parallel(x, self.grid, self.axis)
-        y = F.linear(x, self.weight, self.bias)
+        if self.sequence:
+            y = _SequenceColumnLinear.apply(x, self.weight, self.bias, self.grid, self.axis)
+        else:
+            y = F.linear(copy_to_parallel(x, self.grid, self.axis), self.weight, self.bias)
         return gather_from_parallel(y, self.grid, self.axis, -1) if self.gather_output else y
 
     def load_dense(self, dense, order=None):
