@@ -39,7 +39,12 @@ def _train_parser(sub):
     m.add_argument("--rope-theta", type=float, default=d["rope_theta"].default)
     m.add_argument("--tie", action="store_true", help="tie the embedding and the head (pp 1)")
     m.add_argument("--attention", default=d["attention"].default, choices=CHOICES["attention"],
-                   help="with --sp: blockwise ring attention (zigzag) or seed 004's RSA")
+                   help="with --sp: blockwise ring attention (zigzag), seed 004's RSA, DeepSpeed-Ulysses (all-to-all "
+                        "to head shards), or USP (Ulysses inside blocks of --ulysses-degree sp ranks, the ring across)")
+    m.add_argument("--ulysses-degree", type=int, default=d["ulysses_degree"].default,
+                   help="--attention usp: the sp ranks of each Ulysses block")
+    m.add_argument("--tp-sp", action="store_true",
+                   help="with --tp row:N: Megatron's sequence parallelism (norms and residuals on sequence shards)")
     m.add_argument("--overlap", action="store_true", help="3-D: prefetch the next weights' all-gathers")
     t = p.add_argument_group("data")
     t.add_argument("--data", default=None, help="a text file or folder (default: the fortunes corpus)")

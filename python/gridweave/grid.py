@@ -30,17 +30,26 @@ AxisArg = "str | Sequence[str] | LinePart | None"
 
 class Span(enum.Enum):
     """Which members of a line a LinePart keeps."""
-    NODE = "node"  # those on this rank's node
-    ACROSS = "across"  # those at this rank's position on every node
+    WITHIN = "within"  # those of this rank's block
+    ACROSS = "across"  # those at this rank's position in every block
 
 
 @dataclass(frozen=True)
 class LinePart:
-    """Half of a line for hybrid sharding (torchtitan's HSDP, ZeRO's shard group): the line over
-    `axes` cut into blocks of consecutive members, a block a node; NODE is this rank's block,
-    ACROSS the members at its position in every block. An axis argument of every collective."""
+    """Half of a line: the line over `axes` cut into blocks of `block` consecutive members (0: a
+    node's members, each block on one node: hybrid sharding's shard group, torchtitan's HSDP);
+    WITHIN is this rank's block, ACROSS the members at its position in every block (USP's inner
+    Ulysses group and outer ring). An axis argument of every collective."""
     axes: tuple
     span: Span
+    block: int = 0
+
+    @property
+    def label(self) -> str:
+        """Its traffic's name after the line's: node / across (a node's blocks), within<B> / across<B>."""
+        if not self.block:
+            return "node" if self.span is Span.WITHIN else "across"
+        return f"{self.span.value}{self.block}"
 
 
 CheckLevel = _C.CheckLevel
@@ -234,22 +243,27 @@ class Grid:
 
     def _part(self, part: LinePart) -> tuple:
         """(the line's axes, its global ranks, the member indices of `part`), checked: the line's
-        members split into equal blocks of consecutive members, each block on one node."""
+        members split into equal blocks of consecutive members (a node's: each block on one node)."""
         got = self._parts.get(part)
         if got is not None:
             return got
         axes = self._axis_tuple(part.axes)
         line = self.placement.line(self.rank, axes)
         me = self.placement.index_in_line(self.rank, axes)
-        nodes = [self.node_of(r) for r in line]
-        q = nodes.count(nodes[0])  # member 0's node decides: the same on every member of the line
-        blocks = [nodes[k:k + q] for k in range(0, len(line), q)]
-        if len(line) % q or any(len(set(b)) != 1 for b in blocks) or len({b[0] for b in blocks}) != len(blocks):
-            raise GridError(f"the line over {tuple(axes)} ({len(line)} ranks on nodes {nodes}) does not split into "
-                            "equal blocks of consecutive members, one block a node: a shard group of a node's "
-                            f"ranks does not divide it (ranks_per_node {self.ranks_per_node})")
+        if part.block:
+            q = part.block
+            if q < 1 or len(line) % q:
+                raise GridError(f"blocks of {q} members do not divide the line over {tuple(axes)} of {len(line)}")
+        else:
+            nodes = [self.node_of(r) for r in line]
+            q = nodes.count(nodes[0])  # member 0's node decides: the same on every member of the line
+            blocks = [nodes[k:k + q] for k in range(0, len(line), q)]
+            if len(line) % q or any(len(set(b)) != 1 for b in blocks) or len({b[0] for b in blocks}) != len(blocks):
+                raise GridError(f"the line over {tuple(axes)} ({len(line)} ranks on nodes {nodes}) does not split "
+                                "into equal blocks of consecutive members, one block a node: a shard group of a "
+                                f"node's ranks does not divide it (ranks_per_node {self.ranks_per_node})")
         first = me // q * q
-        members = list(range(first, first + q)) if part.span is Span.NODE else list(range(me % q, len(line), q))
+        members = list(range(first, first + q)) if part.span is Span.WITHIN else list(range(me % q, len(line), q))
         self._parts[part] = got = (axes, line, members)
         return got
 
@@ -299,9 +313,9 @@ class Grid:
         if isinstance(axis, LinePart):
             names, _, members = self._part(axis)
             try:
-                self._comms[axis] = c = self._native.subset(names, members, axis.span.value)
+                self._comms[axis] = c = self._native.subset(names, members, axis.label)
             except CommError as e:
-                raise type(e)(f"{op} on axis '{','.join(names)}:{axis.span.value}': {e}") from e
+                raise type(e)(f"{op} on axis '{','.join(names)}:{axis.label}': {e}") from e
             return c
         names = self._axis_tuple(axis)
         try:

@@ -21,14 +21,21 @@ class Layout:
     dims: tuple  # per dim: tuple of axis names
     zigzag: int | None = None  # a dim split over its axes in zigzag order (causal ring attention)
     only: tuple | None = None  # (axis, index): only ranks there hold data (SUPER's cSub common grid)
+    ring: int | None = None  # the zigzag's ring when it is not the split's ranks (USP: the outer ring)
 
-    def __init__(self, *dims, zigzag=None, only=None):
+    def __init__(self, *dims, zigzag=None, only=None, ring=None):
         norm = tuple(tuple([d] if isinstance(d, str) else (d or ())) for d in dims)
         object.__setattr__(self, "dims", norm)
         object.__setattr__(self, "zigzag", zigzag)
         object.__setattr__(self, "only", tuple(only) if only is not None else None)
+        object.__setattr__(self, "ring", ring)
         if zigzag is not None and not (0 <= zigzag < len(norm) and norm[zigzag]):
             raise GridError(f"zigzag dim {zigzag} must be a split dim of {norm}")
+
+    def zigzag_ring(self, grid) -> int:
+        """The ranks of the zigzag's ring: the sequence is 2 x that many chunks, ring member r
+        holding chunks r and 2R-1-r (split further over its block of ranks under USP)."""
+        return self.ring or math.prod(grid.axes[a] for a in self.dims[self.zigzag])
 
     def axes(self) -> tuple:
         """Every axis that splits some dimension, in order."""
@@ -38,9 +45,9 @@ class Layout:
         out = list(shape)
         for d, axes in enumerate(self.dims):
             k = math.prod(grid.axes[a] for a in axes) if axes else 1
-            if d == self.zigzag and d < len(shape) and shape[d] % (2 * k):
-                raise GridError(f"dim {d} of size {shape[d]} does not split into {2 * k} zigzag chunks "
-                                f"over axes {axes}")
+            if d == self.zigzag and d < len(shape) and shape[d] % (2 * self.zigzag_ring(grid)):
+                raise GridError(f"dim {d} of size {shape[d]} does not split into {2 * self.zigzag_ring(grid)} "
+                                f"zigzag chunks over axes {axes}")
             if d >= len(shape):
                 raise GridError(f"layout {self} has more dims than a {len(shape)}-d tensor")
             if out[d] % k:
@@ -82,7 +89,7 @@ def scatter(full: torch.Tensor, layout: Layout, grid) -> torch.Tensor:
     layout.local_shape(full.shape, grid)  # GridError before anything moves
     if layout.zigzag is not None:
         d = layout.zigzag
-        full = full.index_select(d, zigzag_order(full.shape[d], grid.size(layout.dims[d]), full.device))
+        full = full.index_select(d, zigzag_order(full.shape[d], layout.zigzag_ring(grid), full.device))
     local = full[local_slices(full.shape, layout, grid)].contiguous()
     if layout.only is not None and grid.coords[layout.only[0]] != layout.only[1]:
         return local[:0].contiguous()
@@ -94,7 +101,7 @@ def gather(local: torch.Tensor, layout: Layout, grid, shape=None) -> torch.Tenso
     full `shape` (ranks outside hold empty shards)."""
     if layout.only is not None:
         axis, index = layout.only
-        inner = Layout(*layout.dims, zigzag=layout.zigzag)
+        inner = Layout(*layout.dims, zigzag=layout.zigzag, ring=layout.ring)
         # The owners' lines along the layout's other axes hold owners only, so the others
         # just wait for the broadcast.
         t = gather(local, inner, grid) if grid.coords[axis] == index else local.new_empty(shape)
@@ -105,7 +112,7 @@ def gather(local: torch.Tensor, layout: Layout, grid, shape=None) -> torch.Tenso
             t = grid.all_gather(t, axis=tuple(axes), dim=d)
     if layout.zigzag is not None:
         d = layout.zigzag
-        order = zigzag_order(t.shape[d], grid.size(layout.dims[d]), t.device)
+        order = zigzag_order(t.shape[d], layout.zigzag_ring(grid), t.device)
         t = t.index_select(d, torch.argsort(order))
     return t
 

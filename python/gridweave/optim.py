@@ -312,7 +312,7 @@ class _Group:
 
     def __init__(self, members, axes, data, grid, start, buf_lo, hybrid=False):
         self.members, self.axes, self.data = members, axes, data  # members: [(index, param)]
-        self.shard_axes = LinePart(data, Span.NODE) if hybrid and data else data
+        self.shard_axes = LinePart(data, Span.WITHIN) if hybrid and data else data
         across = LinePart(data, Span.ACROSS) if hybrid and data else None
         self.replica = across if across is not None and grid.size(across) > 1 else None
         self.rest = tuple(a for a in axes if a not in data)  # summed, not sharded (e.g. tensor axes)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -25,12 +26,13 @@ from typing import Callable
 import torch
 
 from . import checkpoint, data, launch, models, optim, pipeline
-from .axes import ParallelDims
+from .axes import AxesView, ParallelDims
 from .errors import Diverged, GridError
 from .generate import sample
 from .grid import Grid, init, shutdown
 from .measure import gemm_rate
 from .models import ModelConfig
+from .nn.sequence import SeqAttention
 from .modes import Mode, parse
 from .precision import LossScaler, Precision
 from .sharding import first_copy
@@ -47,7 +49,8 @@ GPU_PEAK = {"H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
 
 # The string options of TrainConfig and their values (the command line offers these).
 CHOICES = {"model": ("llama", "gpt"), "tokenizer": ("bpe", "bytes"), "device": ("auto", "cpu", "cuda"),
-           "backend": ("auto", "gloo", "nccl", "mpi"), "placement": ("topology", "naive"), "attention": ("ring", "rsa")}
+           "backend": ("auto", "gloo", "nccl", "mpi"), "placement": ("topology", "naive"),
+           "attention": tuple(a.value for a in SeqAttention)}
 
 
 @dataclass
@@ -93,6 +96,8 @@ class TrainConfig:
     placement: str = "topology"
     overlap: bool = False
     attention: str = "ring"
+    ulysses_degree: int = 1  # attention=usp: the sp ranks of each Ulysses block (the ring runs across the blocks)
+    tp_sp: bool = False  # Megatron's sequence parallelism inside 1-D (tp row:N): norms and residuals on sequence shards
     data: str | None = None
     out: str = "runs/latest"
     resume: str | None = None
@@ -112,6 +117,11 @@ class TrainConfig:
 
     def __post_init__(self):
         self.mode = self.tp if isinstance(self.tp, Mode) else parse(self.tp or "none")
+        if self.tp_sp:
+            if not hasattr(self.mode, "sequence"):
+                raise GridError(f"tp_sp is Megatron's sequence parallelism inside 1-D tensor parallelism (tp row:N); "
+                                f"tp is {self.mode.spec()}")
+            self.mode = dataclasses.replace(self.mode, sequence=True)
         self.compute = Precision.parse(self.precision)
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
@@ -175,9 +185,15 @@ class TrainConfig:
         dims = ParallelDims.for_world(world, self.mode, self.sp, self.dp, self.pp, self.layers)
         model = self.model_config(256)
         dims.check_model(self.layers, self.heads, self.hidden, self.seq, model.kv_heads,
-                         zigzag=self.attention == "ring", chunks=self.chunks)
+                         zigzag=SeqAttention(self.attention).zigzag(causal=True), chunks=self.chunks)
         dims.check_batch(self.batch, self.microbatches)
         dp, pp, sp = dims.dp, dims.pp, dims.sp
+        self.mode.check_attention(self.attention)
+        SeqAttention(self.attention).check(sp, self.ulysses_degree, self.heads // self.mode.head_groups_count())
+        # the layer's input layout: every sequence split at once (the zigzag's chunks, tp's pieces)
+        view, attn = AxesView(dict(dims.axes())), SeqAttention(self.attention)
+        self.mode.layout(view, attn.zigzag(causal=True), attn.ring(sp, self.ulysses_degree)).local_shape(
+            (self.batch // dp, self.seq, self.hidden), view)
         if self.schedule == "interleaved" and (pp < 2 or self.microbatches % pp):
             raise GridError(f"the interleaved schedule needs pp >= 2 and microbatches a multiple of pp, got pp {pp}, "
                             f"microbatches {self.microbatches}")
@@ -349,7 +365,7 @@ def build(cfg: TrainConfig, grid, model_cfg: ModelConfig) -> tuple:
     precision), then cast."""
     model = models.build(model_cfg, device=grid.device).to(cfg.compute.dtype)
     s, pp = grid.coords["pp"], grid.axes["pp"]
-    options = dict(ac=cfg.ac, overlap=cfg.overlap, attention=cfg.attention)
+    options = dict(ac=cfg.ac, overlap=cfg.overlap, attention=cfg.attention, ulysses_degree=cfg.ulysses_degree)
     stage = models.ModelChunks(model, grid, cfg.mode, s, pp, cfg.chunks, **options) \
         if cfg.schedule == "interleaved" else models.GPTStage(model, grid, cfg.mode, s, pp, **options)
     if optim.uses_distributed(cfg.zero, cfg.offload):  # ZeRO, or the state on the device

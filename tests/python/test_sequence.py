@@ -66,6 +66,107 @@ def test_ring_attention_matches_dense(pool, n, causal, algo):
             assert bwd == 6 * (n - 1) * b  # and 6(N-1)BZ(L/N)A backward
 
 
+def _ulysses(ctx, causal, L, heads):
+    import gridweave as gw
+    from gridweave.autograd.ulysses import ulysses_attention
+
+    grid = ctx.init(sp=ctx.world_size)
+    q, k, v = (full((B, heads, L, A), s).requires_grad_() for s in (1, 2, 3))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    dout = full(ref.shape, 4)
+    ref.backward(dout)
+    lay = _layout(False)  # contiguous shards: Ulysses gathers whole sequences in order
+    ql, kl, vl = (gw.scatter(t.detach(), lay, grid).requires_grad_() for t in (q, k, v))
+    grid.reset_stats()
+    out = ulysses_attention(ql, kl, vl, grid, causal=causal)
+    fwd = grid.stats().get("sp")
+    grid.reset_stats()
+    out.backward(gw.scatter(dout, lay, grid))
+    bwd = grid.stats().get("sp")
+    errs = {"out": rel(gw.gather(out, lay, grid), ref)}
+    for name, loc, ref_t in (("dq", ql, q), ("dk", kl, k), ("dv", vl, v)):
+        errs[name] = rel(gw.gather(loc.grad, lay, grid), ref_t.grad)
+    sent = [0 if s is None else s["sent_intra"]["bytes"] + s["sent_inter"]["bytes"] for s in (fwd, bwd)]
+    ops = [0 if s is None else s["ops"] for s in (fwd, bwd)]
+    return errs, sent, ops
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ulysses_attention_matches_dense(pool, n, causal):
+    """DeepSpeed-Ulysses: 4 all-to-alls a direction, each rank sending (N-1)/N of its B·(L/N)·H
+    values each time (Jacobs et al. 2023 §3.1)."""
+    L, heads = 32, 8
+    for errs, sent, ops in pool.run(_ulysses, n, causal, L, heads):
+        assert max(errs.values()) < 1e-10, errs
+        shard = B * heads * (L // n) * A * 8  # bytes of one of q, k, v, out on a rank
+        if n > 1:
+            assert ops == [4, 4], ops
+            assert sent == [4 * shard * (n - 1) // n] * 2, (sent, shard)
+
+
+def _usp(ctx, causal, L, heads, u):
+    import gridweave as gw
+    from gridweave.autograd.ulysses import usp_attention
+    from gridweave.nn.sequence import usp_positions
+
+    grid = ctx.init(sp=ctx.world_size)
+    n = ctx.world_size
+    q, k, v = (full((B, heads, L, A), s).requires_grad_() for s in (1, 2, 3))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    dout = full(ref.shape, 4)
+    ref.backward(dout)
+    # this rank's piece: the sequence in zigzag order over the n/u blocks (causal), cut in n pieces
+    pos = usp_positions(L // n, n, grid.index("sp"), n // u, causal, DEVICE)
+    ql, kl, vl = (t.detach()[:, :, pos].contiguous().requires_grad_() for t in (q, k, v))
+    inner, outer = gw.LinePart(("sp",), gw.Span.WITHIN, u), gw.LinePart(("sp",), gw.Span.ACROSS, u)
+    grid.reset_stats()
+    out = usp_attention(ql, kl, vl, grid, inner, outer, causal)
+    out.backward(dout[:, :, pos].contiguous())
+    errs = {"out": rel(out, ref[:, :, pos])}
+    for name, loc, ref_t in (("dq", ql, q), ("dk", kl, k), ("dv", vl, v)):
+        errs[name] = rel(loc.grad, ref_t.grad[:, :, pos])
+    return errs, sorted(k for k, v in grid.stats().items() if v["ops"])
+
+
+@pytest.mark.parametrize("n,u", [(4, 2), (8, 2), (8, 4), (4, 1), (4, 4)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_usp_attention_matches_dense(pool, n, u, causal):
+    """USP: Ulysses inside blocks of u sp ranks, the (zigzag) ring across the n/u blocks; u = 1 is
+    the ring alone, u = n Ulysses alone."""
+    for errs, axes in pool.run(_usp, n, causal, 32, 8, u):
+        assert max(errs.values()) < 1e-10, errs
+        assert (f"sp:within{u}" in axes) == (u > 1) and (f"sp:across{u}" in axes) == (u < n), axes
+
+
+def _ulysses_heads(ctx):
+    from gridweave.autograd.ulysses import ulysses_attention
+
+    grid = ctx.init(sp=ctx.world_size)
+    q = torch.zeros(B, 6, 4, A, device=DEVICE)
+    return grid_errors((lambda: ulysses_attention(q, q, q, grid),))
+
+
+def test_ulysses_heads_that_do_not_split_fail_clearly(pool):
+    for msgs in pool.run(_ulysses_heads, 4):
+        assert msgs[0] and "do not divide" in msgs[0], msgs
+
+
+def test_ulysses_in_the_main_job_checks_its_heads_before_anything_runs():
+    import gridweave as gw
+
+    with pytest.raises(gw.GridError, match="attention=ulysses splits each tensor group's 2 heads over 4"):
+        gw.train.TrainConfig(heads=4, hidden=32, tp="row:2", attention="ulysses", sp=4, dp=1, pp=1).grid_shape(8)
+    with pytest.raises(gw.GridError, match="attention must be one of"):
+        gw.train.TrainConfig(attention="flash")
+    with pytest.raises(gw.GridError, match="attention=usp needs ulysses_degree dividing sp 4"):
+        gw.train.TrainConfig(heads=4, hidden=32, attention="usp", ulysses_degree=3, sp=4, dp=1, pp=1).grid_shape(4)
+    with pytest.raises(gw.GridError, match="ulysses_degree is USP's"):
+        gw.train.TrainConfig(heads=4, hidden=32, ulysses_degree=2, sp=4, dp=1, pp=1).grid_shape(4)
+    with pytest.raises(gw.GridError, match="SUPER's branches run the ring"):
+        gw.train.TrainConfig(heads=4, hidden=32, tp="subgraph:2", attention="ulysses", sp=2, dp=1, pp=1).grid_shape(4)
+
+
 def test_backward_error_does_not_grow_with_n(pool):
     worst = {}
     for n in (2, 8):
@@ -108,7 +209,7 @@ def test_sequence_lengths_that_do_not_split_fail_clearly(pool):
         assert "does not split over" in msgs[0] and "zigzag" in msgs[1] and "even local sequence" in msgs[2]
 
 
-def _sp_layer(ctx, dp, attention, causal):
+def _sp_layer(ctx, dp, attention, causal, ulysses_degree=1):
     import gridweave as gw
 
     sp = ctx.world_size // dp
@@ -116,7 +217,8 @@ def _sp_layer(ctx, dp, attention, causal):
     torch.manual_seed(0)
     H, heads, Bt, L = 16, 4, 4, 16
     dense = gw.nn.DenseTransformerLayer(H, heads, causal=causal, dtype=torch.float64, device=DEVICE)
-    layer = gw.nn.TransformerLayer.from_dense(dense, grid, mode="sp", attention=attention)
+    layer = gw.nn.TransformerLayer.from_dense(dense, grid, mode="sp", attention=attention,
+                                              ulysses_degree=ulysses_degree)
     x = full((Bt, L, H), 21).requires_grad_()
     y = dense(x)
     loss = y.pow(2).sum(-1).mean()  # mean over every token of the global batch
@@ -137,9 +239,18 @@ def _sp_layer(ctx, dp, attention, causal):
 
 
 @pytest.mark.parametrize("dp,n", [(1, 4), (2, 4), (2, 8)])
-@pytest.mark.parametrize("attention,causal", [("ring", True), ("ring", False), ("rsa", True)])
+@pytest.mark.parametrize("attention,causal", [("ring", True), ("ring", False), ("rsa", True), ("ulysses", True),
+                                              ("ulysses", False)])
 def test_sequence_parallel_layer_with_dp_matches_dense(pool, dp, n, attention, causal):
     for errs in pool.run(_sp_layer, n, dp, attention, causal):
+        assert max(errs.values()) < 1e-10, {k: v for k, v in errs.items() if v >= 1e-10}
+
+
+@pytest.mark.parametrize("dp,n", [(1, 4), (2, 8)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_usp_layer_with_dp_matches_dense(pool, dp, n, causal):
+    """The layer's input in USP's layout (zigzag over the 2 blocks of 2 sp ranks when causal)."""
+    for errs in pool.run(_sp_layer, n, dp, "usp", causal, 2):
         assert max(errs.values()) < 1e-10, {k: v for k, v in errs.items() if v >= 1e-10}
 
 

@@ -129,6 +129,9 @@ def test_checkpoint_exports_a_dense_state_dict(single):
     (["--tp", "subgraph:2", "--dp", "2", "--pp", "2"], 29595),     # SUPER D&SP x dp x pipeline
     (["--tp", "square:2", "--pp", "2"], 29597),                    # SUMMA x pipeline
     (["--tp", "csub:2", "--sp", "2", "--pp", "2"], 29599),         # cSub x ring attention x pipeline
+    (["--tp", "row:2", "--sp", "2", "--pp", "2", "--attention", "ulysses"], 29681),  # Megatron x Ulysses x pipeline
+    (["--sp", "4", "--pp", "2", "--attention", "usp", "--ulysses-degree", "2"], 29683),  # USP 2 x 2 x pipeline
+    (["--tp", "row:2", "--tp-sp", "--sp", "2", "--pp", "2"], 29685),  # Megatron's sequence parallelism x ring x pp
 ])
 def test_composed_grids_train_with_one_process_losses(single, plain, tmp_path, spec, port):
     one, _ = single

@@ -106,3 +106,24 @@ def scatter_to_parallel(x, grid, axis, dim=-1):
     if torch.compiler.is_compiling():
         return ops.scatter_to_parallel(x, grid.name, axis_label(axis), dim % x.dim())
     return _ScatterToParallel.apply(x, grid, axis, dim % x.dim())
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """Megatron's sequence parallelism (Korthikanti et al. 2022, §4.2.2, ḡ): reduce-scatter the
+    row-parallel linear's partial sums to sequence shards forward; all-gather the gradient
+    backward. (Its pair, all-gather before the column-parallel linear, is fused with that linear:
+    gw.nn.tensor1d.)"""
+
+    @staticmethod
+    def forward(ctx, x, grid, axis, dim):
+        ctx.grid, ctx.axis, ctx.dim = grid, axis, dim
+        return grid.reduce_scatter(x.contiguous(), axis=axis, dim=dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.grid.all_gather(g.contiguous(), axis=ctx.axis, dim=ctx.dim), None, None, None
+
+
+def reduce_scatter_sequence(x, grid, axis, dim=1):
+    """Partial sums of the whole sequence -> this rank's sequence shard of their sum."""
+    return _ReduceScatterSequence.apply(x, grid, axis, dim % x.dim())

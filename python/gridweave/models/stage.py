@@ -29,7 +29,7 @@ def parse_tp(spec: str):
 
 def _without_dp(layout):
     dims = [tuple(a for a in d if a != "dp") for d in layout.dims]
-    return Layout(*dims, zigzag=layout.zigzag, only=layout.only)
+    return Layout(*dims, zigzag=layout.zigzag, only=layout.only, ring=layout.ring)
 
 
 class _ToLayout(torch.autograd.Function):

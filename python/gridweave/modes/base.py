@@ -43,11 +43,11 @@ class Mode(Style):
         return replicated_norm(norm or Norm.LAYER, hidden, eps, dtype, device)
 
     def attention(self, hidden, heads, grid, causal, bias, dtype, device, overlap=False, attention="ring",
-                  arch=None, **options):
+                  arch=None, ulysses_degree=1, **options):
         if options:
             raise GridError(f"{type(self).__name__} takes no attention options {sorted(options)}")
         return SelfAttention(hidden, heads, grid, self, bias, causal, overlap, dtype=dtype, attention=attention,
-                             device=device, arch=arch)
+                             device=device, arch=arch, ulysses_degree=ulysses_degree)
 
     # ---- the pipeline -----------------------------------------------------------------
     def boundary_axis(self) -> str | None:

@@ -4,15 +4,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..layout import Layout
+from ..nn.dense import Norm
+from ..nn.sequence import replicated_norm
 from ..nn.tensor1d import ColumnParallelLinear, RowParallelLinear
+from ..sharding import DATA_AXES
 from .base import Mode, register
 
 
 @register
 @dataclass(frozen=True)
 class Row(Mode):
-    """1-D tensor parallelism (Megatron-LM): one axis "tp" of n ranks."""
+    """1-D tensor parallelism (Megatron-LM): one axis "tp" of n ranks. sequence=True adds
+    Megatron's sequence parallelism (Korthikanti et al. 2022): norms and residuals on sequence
+    shards over tp, all-gather before the column-parallel linears and reduce-scatter after the
+    row-parallel ones in place of f and g (the same bytes, t times fewer activations there)."""
     n: int
+    sequence: bool = False
     name = "1d"
     keyword = "row"
     size_field, size_axis = "n", "tp"
@@ -24,12 +32,27 @@ class Row(Mode):
         return self.n
 
     def boundary_axis(self):
-        return "tp"
+        return None if self.sequence else "tp"  # sequence shards cross a stage boundary as they are
 
     def vocab_axis(self):
         return "tp"  # seed 003 §3: embedding rows and the head's columns split over tp
 
+    def layout(self, grid, zigzag=False, ring=None):
+        lay = super().layout(grid, zigzag, ring)
+        if not self.sequence:
+            return lay
+        dims = list(lay.dims)
+        dims[1] = tuple(dims[1]) + ("tp",)  # each sp shard (or the sequence) cut in tp pieces
+        zig = lay.zigzag
+        return Layout(*dims, zigzag=zig, only=lay.only, ring=(lay.ring or grid.axes.get("sp", 1)) if zig else None)
+
+    def norm(self, hidden, grid, dtype, device, eps=1e-5, norm=None):
+        if not self.sequence:
+            return super().norm(hidden, grid, dtype, device, eps, norm)
+        # on sequence shards: its gradient is partial over tp as over the data axes
+        return replicated_norm(norm or Norm.LAYER, hidden, eps, dtype, device, partial=DATA_AXES + ("tp",))
+
     def linear_pair(self, grid, bias, dtype, device, overlap=False):
-        kw = dict(dtype=dtype, device=device)
+        kw = dict(dtype=dtype, device=device, sequence=self.sequence)
         return (lambda i, o: ColumnParallelLinear(i, o, grid, bias, **kw),
                 lambda i, o: RowParallelLinear(i, o, grid, bias, **kw))

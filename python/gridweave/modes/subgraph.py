@@ -52,7 +52,8 @@ class SubGraph(Mode, Branches):
         return ("dp", "sg", "sp")
 
     def attention(self, hidden, heads, grid, causal, bias, dtype, device, overlap=False, attention="ring",
-                  arch=None, projection="branch", method="all_to_all"):
+                  arch=None, ulysses_degree=1, projection="branch", method="all_to_all"):
+        self.check_attention(attention)
         return SubGraphAttention(hidden, heads, grid, self, projection, method, causal, bias, dtype, device=device,
                                  arch=arch)
 

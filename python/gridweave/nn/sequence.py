@@ -9,10 +9,16 @@ different token counts, and off by a factor N_sp otherwise.
 """
 from __future__ import annotations
 
+import enum
+
 import torch
 from torch import nn
 
 from ..autograd.ring import positions, ring_attention, ring_self_attention
+from ..autograd.ulysses import ulysses_attention, usp_attention
+from ..errors import GridError
+from ..grid import LinePart, Span
+from ..layout import zigzag_order
 from ..sharding import DATA_AXES, place
 from .dense import GPT2, Arch, Norm, attention, linear_tensors, split_heads, values
 
@@ -94,19 +100,76 @@ def sequence_parallel(grid) -> bool:
     return grid.axes.get("sp", 1) > 1
 
 
-def attend(qkv, heads, causal, grid, algorithm="ring", kv_heads=None, arch: Arch = GPT2):
+class SeqAttention(enum.Enum):
+    """How attention runs where the grid splits the sequence over "sp"."""
+    RING = "ring"  # the blockwise ring (online softmax), zigzag when causal
+    RSA = "rsa"  # seed 004's Ring Self-Attention, as written
+    ULYSSES = "ulysses"  # DeepSpeed-Ulysses: all-to-all to head shards around the attention core
+    USP = "usp"  # Ulysses inside blocks of ulysses_degree sp ranks, the zigzag ring across the blocks
+
+    @classmethod
+    def of(cls, name) -> "SeqAttention":
+        if isinstance(name, cls):
+            return name
+        try:
+            return cls(name)
+        except ValueError:
+            raise GridError(f"attention must be one of {[a.value for a in cls]}, got {name!r}") from None
+
+    def zigzag(self, causal: bool) -> bool:
+        """Whether the sequence shards are in zigzag order: causal ring attention balances its
+        load so (RSA and Ulysses keep contiguous shards)."""
+        return self in (SeqAttention.RING, SeqAttention.USP) and causal
+
+    def ring(self, sp: int, ulysses_degree: int) -> int | None:
+        """The zigzag's ring when it is not all of sp's ranks: USP's blocks."""
+        return sp // ulysses_degree if self is SeqAttention.USP else None
+
+    def check(self, sp: int, ulysses_degree: int, local_heads: int) -> None:
+        """A GridError unless this attention splits `local_heads` heads over sp (before anything runs)."""
+        if self is SeqAttention.USP:
+            if ulysses_degree < 1 or sp % ulysses_degree:
+                raise GridError(f"attention=usp needs ulysses_degree dividing sp {sp}, got {ulysses_degree}")
+        elif ulysses_degree != 1:
+            raise GridError(f"ulysses_degree is USP's (attention=usp), got {ulysses_degree} with attention={self.value}")
+        split = sp if self is SeqAttention.ULYSSES else ulysses_degree if self is SeqAttention.USP else 1
+        if sp > 1 and local_heads % split:
+            raise GridError(f"attention={self.value} splits each tensor group's {local_heads} heads over {split} "
+                            f"sequence ranks: they do not divide (fewer sequence ranks, or attention=ring)")
+
+
+def usp_positions(length_local: int, sp: int, index: int, ring: int, causal: bool, device) -> torch.Tensor:
+    """Global positions of a rank's shard under USP: the sequence in zigzag order over the ring's
+    blocks (causal), split in sp contiguous pieces."""
+    if not causal:
+        return torch.arange(index * length_local, (index + 1) * length_local, device=device)
+    return zigzag_order(length_local * sp, ring, device)[index * length_local:(index + 1) * length_local]
+
+
+def attend(qkv, heads, causal, grid, algorithm=SeqAttention.RING, kv_heads=None, arch: Arch = GPT2,
+           ulysses_degree: int = 1):
     """Attention of the local heads of a packed [q | k | v] (heads query and kv_heads key/value
-    heads): on this rank alone, or over the "sp" ring when the grid splits the sequence
-    (blockwise, zigzag when causal; or RSA). Rotary positions are the tokens' global ones."""
+    heads): on this rank alone, or over "sp" when the grid splits the sequence (the blockwise
+    ring, zigzag when causal; RSA; Ulysses; USP with Ulysses inside blocks of ulysses_degree
+    ranks). Rotary positions are the tokens' global ones."""
     kv_heads = heads if kv_heads is None else kv_heads
     if not sequence_parallel(grid):
         return attention(qkv, heads, causal, kv_heads, arch)
-    zigzag = algorithm != "rsa" and causal
-    pos = positions(qkv.shape[1], grid.axes["sp"], grid.index("sp"), zigzag, qkv.device) \
-        if arch.rope_theta is not None else None  # only rotary embeddings need the global positions
+    algorithm = SeqAttention.of(algorithm)
+    zigzag = algorithm.zigzag(causal)
+    sp, index = grid.axes["sp"], grid.index("sp")
+    pos = None
+    if arch.rope_theta is not None:  # only rotary embeddings need the global positions
+        pos = usp_positions(qkv.shape[1], sp, index, sp // ulysses_degree, causal, qkv.device) \
+            if algorithm is SeqAttention.USP else positions(qkv.shape[1], sp, index, zigzag, qkv.device)
     q, k, v = split_heads(qkv, heads, kv_heads, arch, pos)
-    if algorithm == "rsa":
+    if algorithm is SeqAttention.RSA:
         o = ring_self_attention(q, k, v, grid, "sp", causal)
+    elif algorithm is SeqAttention.ULYSSES:
+        o = ulysses_attention(q, k, v, grid, "sp", causal)
+    elif algorithm is SeqAttention.USP:
+        o = usp_attention(q, k, v, grid, LinePart(("sp",), Span.WITHIN, ulysses_degree),
+                          LinePart(("sp",), Span.ACROSS, ulysses_degree), causal)
     else:
         o = ring_attention(q, k, v, grid, "sp", causal, zigzag)
     b, s = qkv.shape[:2]

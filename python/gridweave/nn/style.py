@@ -8,6 +8,7 @@ from __future__ import annotations
 from ..axes import TensorAxes, positive
 from ..errors import GridError
 from ..layout import Layout
+from .sequence import SeqAttention
 
 _STYLES: dict = {}  # layer-mode name -> class: written once per class at import (register), read-only after
 
@@ -45,11 +46,12 @@ class Style(TensorAxes):
         """(batch, seq, hidden) of a layer's input and output, without the sequence axis."""
         return Layout()
 
-    def layout(self, grid, zigzag: bool = False) -> Layout:
+    def layout(self, grid, zigzag: bool = False, ring: int | None = None) -> Layout:
         """The activation layout: the batch split over "dp" besides the mode's own axes, the
         sequence over "sp" when the grid has it (zigzag: the causal ring attention's load-
-        balanced order). Every parameter is partial over dp (and sp), so an input scattered
-        by this layout, then gw.reduce_gradients, gives the dense model's gradients."""
+        balanced order, over `ring` ranks when not sp's: USP's outer ring). Every parameter is
+        partial over dp (and sp), so an input scattered by this layout, then gw.reduce_gradients,
+        gives the dense model's gradients."""
         base = self.base_layout(grid)
         dims = list(base.dims) + [()] * (3 - len(base.dims))
         if "dp" not in dims[0]:
@@ -57,7 +59,8 @@ class Style(TensorAxes):
         split_sequence = grid.axes.get("sp", 1) > 1
         if split_sequence:
             dims[1] = ("sp",)
-        return Layout(*dims, zigzag=1 if zigzag and split_sequence else None, only=base.only)
+        return Layout(*dims, zigzag=1 if zigzag and split_sequence else None, only=base.only,
+                      ring=ring if zigzag and split_sequence else None)
 
     def linear_pair(self, grid, bias, dtype, device, overlap=False):
         """Constructors (in, out) -> module of a block's first (in -> wide) and second
@@ -73,6 +76,10 @@ class Style(TensorAxes):
         """The block's self-attention module."""
         raise NotImplementedError
 
+    def check_attention(self, attention) -> None:
+        """A GridError unless this style's attention can run `attention` over sp (every one here)."""
+        SeqAttention.of(attention)
+
     def vocab_axis(self) -> str | None:
         """The axis that splits the vocabulary of the embedding and head (Megatron's vocab
         parallelism), or None: they are replicated over the tensor ranks."""
@@ -82,6 +89,12 @@ class Style(TensorAxes):
 class Branches(Style):
     """A style whose attention heads are branches on sub-grids (SUPER, seed 002 §IV): the
     common tensor and the branches meet through split / sum / slice / concat."""
+
+    def check_attention(self, attention) -> None:
+        """SUPER's branches run the ring over sp themselves: Ulysses and USP are the other modes'."""
+        a = SeqAttention.of(attention)
+        if a in (SeqAttention.ULYSSES, SeqAttention.USP):
+            raise GridError(f"SUPER's branches run the ring over sp; attention={a.value} is for the other modes")
 
     def split(self, x, grid, shape=None):
         raise NotImplementedError

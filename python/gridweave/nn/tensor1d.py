@@ -6,10 +6,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..autograd.comm import copy_to_parallel, gather_from_parallel, reduce_from_parallel, scatter_to_parallel
+from ..autograd.comm import (copy_to_parallel, gather_from_parallel, reduce_from_parallel, reduce_scatter_sequence,
+                             scatter_to_parallel)
 from ..errors import GridError
 from ..layout import Layout, gather, scatter
-from ..sharding import place
+from ..sharding import DATA_AXES, place
 from .dense import ParallelLinearBase, linear_tensors, values
 
 REPLICATED = Layout()
@@ -21,13 +22,37 @@ def _split(n: int, parts: int, what: str) -> int:
     return n // parts
 
 
+class _SequenceColumnLinear(torch.autograd.Function):
+    """all-gather + linear of Megatron's sequence parallelism (Korthikanti et al. 2022, §4.2.2):
+    backward all-gathers the input again rather than keeping it, so only this rank's sequence
+    shard is saved (1/t of the activation), and reduce-scatters the input's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, grid, axis):
+        ctx.grid, ctx.axis, ctx.has_bias = grid, axis, bias is not None
+        ctx.save_for_backward(x, weight)
+        full = grid.all_gather(x.contiguous(), axis=axis, dim=1)
+        return F.linear(full, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        full = ctx.grid.all_gather(x.contiguous(), axis=ctx.axis, dim=1)
+        dx = ctx.grid.reduce_scatter((dy @ weight).contiguous(), axis=ctx.axis, dim=1)
+        dw = dy.reshape(-1, dy.shape[-1]).t() @ full.reshape(-1, full.shape[-1])
+        db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias else None
+        return dx, dw, db, None, None
+
+
 class ColumnParallelLinear(ParallelLinearBase):
-    """Y = X W^T + b with W split by output rows: f (identity fwd, all-reduce bwd) on the input."""
+    """Y = X W^T + b with W split by output rows: f (identity fwd, all-reduce bwd) on the input;
+    sequence=True (Megatron's sequence parallelism): the input is a sequence shard over the
+    axis, all-gathered forward and its gradient reduce-scattered backward."""
 
     def __init__(self, in_features, out_features, grid, bias=True, gather_output=False, axis="tp", dtype=None,
-                 device=None):
+                 device=None, sequence=False):
         super().__init__()
-        self.grid, self.axis, self.gather_output = grid, axis, gather_output
+        self.grid, self.axis, self.gather_output, self.sequence = grid, axis, gather_output, sequence
         self.in_features, self.out_features = in_features, out_features
         n = _split(out_features, grid.size(axis), "out_features")
         kw = dict(dtype=dtype, device=device or grid.device)
@@ -37,14 +62,17 @@ class ColumnParallelLinear(ParallelLinearBase):
 
     @property
     def input_layout(self):
-        return REPLICATED
+        return Layout((), (self.axis,)) if self.sequence else REPLICATED
 
     @property
     def output_layout(self):
         return REPLICATED if self.gather_output else Layout((), (), (self.axis,))
 
     def forward(self, x):
-        y = F.linear(copy_to_parallel(x, self.grid, self.axis), self.weight, self.bias)
+        if self.sequence:
+            y = _SequenceColumnLinear.apply(x, self.weight, self.bias, self.grid, self.axis)
+        else:
+            y = F.linear(copy_to_parallel(x, self.grid, self.axis), self.weight, self.bias)
         return gather_from_parallel(y, self.grid, self.axis, -1) if self.gather_output else y
 
     def load_dense(self, dense, order=None):
@@ -63,18 +91,21 @@ class ColumnParallelLinear(ParallelLinearBase):
 
 
 class RowParallelLinear(ParallelLinearBase):
-    """Y = X W^T + b with W split by input columns: g (all-reduce fwd, identity bwd) on the output."""
+    """Y = X W^T + b with W split by input columns: g (all-reduce fwd, identity bwd) on the output;
+    sequence=True: reduce-scattered to sequence shards over the axis instead (all-gather bwd)."""
 
     def __init__(self, in_features, out_features, grid, bias=True, input_is_parallel=True, axis="tp", dtype=None,
-                 device=None):
+                 device=None, sequence=False):
         super().__init__()
-        self.grid, self.axis, self.input_is_parallel = grid, axis, input_is_parallel
+        self.grid, self.axis, self.input_is_parallel, self.sequence = grid, axis, input_is_parallel, sequence
         self.in_features, self.out_features = in_features, out_features
         n = _split(in_features, grid.size(axis), "in_features")
         kw = dict(dtype=dtype, device=device or grid.device)
         self.weight = place(nn.Parameter(torch.empty(out_features, n, **kw)), Layout((), (axis,)))
-        # the bias is added after the all-reduce: identical on every tp rank
-        self.bias = place(nn.Parameter(torch.zeros(out_features, **kw))) if bias else None
+        # the bias is added after the all-reduce: identical on every tp rank (on its sequence shard
+        # with sequence parallelism, so its gradient is partial over the axis too)
+        self.bias = place(nn.Parameter(torch.zeros(out_features, **kw)),
+                          partial=DATA_AXES + ((axis,) if sequence else ())) if bias else None
         nn.init.normal_(self.weight, std=in_features ** -0.5)
 
     @property
@@ -83,12 +114,14 @@ class RowParallelLinear(ParallelLinearBase):
 
     @property
     def output_layout(self):
-        return REPLICATED
+        return Layout((), (self.axis,)) if self.sequence else REPLICATED
 
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_to_parallel(x, self.grid, self.axis, -1)
-        y = reduce_from_parallel(F.linear(x, self.weight), self.grid, self.axis)
+        y = F.linear(x, self.weight)
+        y = reduce_scatter_sequence(y, self.grid, self.axis) if self.sequence else \
+            reduce_from_parallel(y, self.grid, self.axis)
         return y + self.bias if self.bias is not None else y
 
     def load_dense(self, dense, order=None):

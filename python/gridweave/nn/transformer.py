@@ -13,7 +13,7 @@ from torch import nn
 from ..errors import GridError
 from ..sharding import group_order, set_row_order
 from .dense import GPT2, Arch, DenseMLP, DenseSelfAttention, DenseTransformerLayer
-from .sequence import attend
+from .sequence import SeqAttention, attend
 from .style import resolve
 
 
@@ -24,11 +24,10 @@ class SelfAttention(nn.Module):
     Core's rule: the groups must divide kv_heads; kv heads are not replicated)."""
 
     def __init__(self, hidden, heads, grid, mode=None, bias=True, causal=True, overlap=False, dtype=None,
-                 attention="ring", device=None, arch: Arch | None = None):
+                 attention="ring", device=None, arch: Arch | None = None, ulysses_degree: int = 1):
         super().__init__()
-        if attention not in ("ring", "rsa"):
-            raise GridError(f"attention must be 'ring' (blockwise) or 'rsa' (seed 004's), got {attention!r}")
-        self.attention = attention
+        self.attention = SeqAttention.of(attention)
+        self.ulysses_degree = ulysses_degree
         self.mode = resolve(mode, grid)
         self.groups = self.mode.head_groups_count()
         self.arch = arch = arch or GPT2
@@ -46,21 +45,23 @@ class SelfAttention(nn.Module):
         self.qkv, self.proj = first(hidden, sum(self.widths)), second(hidden, hidden)
         set_row_order(self.qkv.weight, self.widths, self.groups)
         set_row_order(self.qkv.bias, self.widths, self.groups)
+        self.attention.check(grid.axes.get("sp", 1), ulysses_degree, heads // self.groups)
 
     @property
     def input_layout(self):
-        return self.mode.layout(self.grid, self.zigzag)
+        return self.mode.layout(self.grid, self.zigzag,
+                                self.attention.ring(self.grid.axes.get("sp", 1), self.ulysses_degree))
 
     output_layout = input_layout
 
     @property
     def zigzag(self):
-        """Causal ring attention balances the load by the zigzag sequence order (RSA does not)."""
-        return self.attention == "ring" and self.causal
+        """Causal ring attention balances the load by the zigzag sequence order (RSA and Ulysses do not)."""
+        return self.attention.zigzag(self.causal)
 
     def forward(self, x):
         return self.proj(attend(self.qkv(x), self.heads // self.groups, self.causal, self.grid, self.attention,
-                                self.kv_heads // self.groups, self.arch))
+                                self.kv_heads // self.groups, self.arch, self.ulysses_degree))
 
     @classmethod
     def from_dense(cls, dense: DenseSelfAttention, grid, mode=None, **kw):
