@@ -46,6 +46,8 @@ def _train_parser(sub):
     m.add_argument("--tp-sp", action="store_true",
                    help="with --tp row:N: Megatron's sequence parallelism (norms and residuals on sequence shards)")
     m.add_argument("--overlap", action="store_true", help="3-D: prefetch the next weights' all-gathers")
+    m.add_argument("--pack-documents", action="store_true",
+                   help="packed documents: attention within each document of a window, positions restarting at each")
     t = p.add_argument_group("data")
     t.add_argument("--data", default=None, help="a text file or folder (default: the fortunes corpus)")
     t.add_argument("--tokenizer", default=d["tokenizer"].default, choices=CHOICES["tokenizer"])

@@ -27,6 +27,8 @@ DEFAULT_CORPUS = "/usr/share/games/fortunes"
 TOKENIZER_FILE = "tokenizer.json"
 TOKENS_FILE = "tokens.bin"
 TOKENS_META = "tokens.json"
+DOCUMENTS_FILE = "documents.bin"  # int64: the token index at which each document starts
+TOKENS_FORMAT = 2  # 2: with documents.bin
 EOT = "<|endoftext|>"
 
 
@@ -82,6 +84,14 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
+    def token_starts(self, text: str, char_starts: list) -> list:
+        """The index of the first token of each character offset of `text` (a byte a token)."""
+        out, pos, prev = [], 0, 0
+        for c in char_starts:  # in order: each piece's bytes counted once
+            pos, prev = pos + len(text[prev:c].encode("utf-8")), c
+            out.append(pos)
+        return out
+
     def save(self, path: Path) -> None:
         Path(path).write_text(json.dumps({"gridweave_tokenizer": "bytes"}))
 
@@ -117,6 +127,12 @@ class BPETokenizer:
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids])
 
+    def token_starts(self, text: str, char_starts: list) -> list:
+        """The index of the first token whose text starts at or after each character offset
+        (a token belongs to the document holding its first character)."""
+        offsets = [o[0] for o in self.tok.encode(text).offsets]
+        return np.searchsorted(np.asarray(offsets, dtype=np.int64), np.asarray(char_starts, dtype=np.int64)).tolist()
+
     def save(self, path: Path) -> None:
         self.tok.save(str(path))
 
@@ -148,13 +164,26 @@ def check_encodable(tokenizer, text: str, what: str) -> list:
 
 # ---- the token file --------------------------------------------------------------------
 
+def document_offsets(text: str) -> list:
+    """Character offsets where the documents of one corpus file start: the file's start, and after
+    every separator, a line holding only "%" (the fortune format) or the end-of-text marker."""
+    starts, i = [0], 0
+    for line in text.splitlines(keepends=True):
+        i += len(line)
+        if line.rstrip("\r\n") == "%" or line.rstrip().endswith(EOT):
+            starts.append(i)
+    return [c for j, c in enumerate(starts) if c < len(text) and (j == 0 or c != starts[j - 1])]
+
+
 @dataclass(frozen=True)
 class Tokens:
     """The corpus as one memory-mapped array of token ids, split at `split` into training
-    (before) and validation (after) tokens."""
+    (before) and validation (after) tokens; `documents`: the token index at which each document
+    starts (packed training masks attention across them)."""
     ids: np.ndarray
     split: int
     vocab_size: int
+    documents: np.ndarray
 
     @property
     def train(self) -> np.ndarray:
@@ -171,6 +200,7 @@ def _fingerprint(files: list, tokenizer_path: Path) -> str:
         st = f.stat()
         h.update(f"{f}:{st.st_size}:{st.st_mtime_ns}".encode())
     h.update(tokenizer_path.read_bytes())
+    h.update(f"format {TOKENS_FORMAT}".encode())
     return h.hexdigest()
 
 
@@ -202,20 +232,24 @@ def prepare(folder, data: str | None, tokenizer: str = "bpe", vocab_size: int = 
         atomic_write(tok_path, lambda p: tok.save(p))
     meta_path = folder / TOKENS_META
     fp = _fingerprint(files, tok_path)
-    if meta_path.exists() and (folder / TOKENS_FILE).exists():
+    if meta_path.exists() and (folder / TOKENS_FILE).exists() and (folder / DOCUMENTS_FILE).exists():
         meta = json.loads(meta_path.read_text())
         if meta.get("fingerprint") == fp:
             return folder
     tok = load_tokenizer(tok_path)
     texts = texts if texts is not None else read_text(data)
-    ids = []
+    ids, starts = [], []
     for f, t in zip(files, texts):
+        starts.extend(len(ids) + k for k in tok.token_starts(t, document_offsets(t)))
         ids.extend(check_encodable(tok, t, f"corpus file {f}"))
     dtype = np.uint16 if tok.vocab_size <= 65536 else np.uint32
     arr = np.asarray(ids, dtype=dtype)
+    docs = np.unique(np.asarray(starts, dtype=np.int64))  # sorted; a document of no token drops out
     split = int(len(arr) * (1 - val_fraction))
     atomic_write(folder / TOKENS_FILE, lambda p: arr.tofile(p))
+    atomic_write(folder / DOCUMENTS_FILE, lambda p: docs.tofile(p))
     meta = {"fingerprint": fp, "count": int(len(arr)), "dtype": np.dtype(dtype).name, "split": split,
+            "documents": int(len(docs)),
             "vocab_size": tok.vocab_size, "tokenizer": tok.kind, "corpus": str(data or DEFAULT_CORPUS)}
     atomic_write(meta_path, lambda p: Path(p).write_text(json.dumps(meta, indent=1)))
     return folder
@@ -228,8 +262,15 @@ def open_tokens(folder) -> Tokens:
     if not meta_path.exists():
         raise GridError(f"no token file in {folder} (gw.data.prepare makes one)")
     meta = json.loads(meta_path.read_text())
+    if meta.get("documents") is None or not (folder / DOCUMENTS_FILE).exists():
+        raise GridError(f"the token file in {folder} has no document index (made by an older gridweave): "
+                        "gw.data.prepare it again")
     ids = np.memmap(folder / TOKENS_FILE, dtype=np.dtype(meta["dtype"]), mode="r", shape=(meta["count"],))
-    return Tokens(ids, meta["split"], meta["vocab_size"])
+    docs = np.fromfile(folder / DOCUMENTS_FILE, dtype=np.int64)
+    if len(docs) != meta["documents"]:
+        raise GridError(f"{folder / DOCUMENTS_FILE} holds {len(docs)} document starts, its index says "
+                        f"{meta['documents']}: the token file is damaged; prepare it again")
+    return Tokens(ids, meta["split"], meta["vocab_size"], docs)
 
 
 def unigram_entropy(ids: np.ndarray, vocab_size: int) -> float:
@@ -268,15 +309,27 @@ class Reader:
             self._perm = {e: torch.randperm(self.n, generator=g, device="cpu").numpy()}  # one epoch at a time
         return int(self._perm[e][k % self.n])
 
+    def _windows(self) -> list:
+        """This rank's windows of the next step; advances the position by the global batch."""
+        first = self.position + self.dp_rank * self.shard
+        self.position += self.batch
+        return [self._window(first + i) for i in range(self.shard)]
+
     def next(self):
         """This rank's (inputs, targets) of the next step, int64 on the host; advances the
         position by the global batch."""
-        first = self.position + self.dp_rank * self.shard
-        rows = [self.tokens[w * self.seq:w * self.seq + self.seq + 1]
-                for w in (self._window(first + i) for i in range(self.shard))]
-        self.position += self.batch
+        rows = [self.tokens[w * self.seq:w * self.seq + self.seq + 1] for w in self._windows()]
         windows = torch.from_numpy(np.stack(rows).astype(np.int64))
         return windows[:, :-1], windows[:, 1:]
+
+    def next_packed(self, documents: np.ndarray):
+        """next() with the inputs' document ids (b, seq) int64: a window packs the documents that
+        `documents` (their starting token indices) say it holds, cut where they start."""
+        ws = self._windows()
+        rows = [self.tokens[w * self.seq:w * self.seq + self.seq + 1] for w in ws]
+        ids = [np.searchsorted(documents, np.arange(w * self.seq, (w + 1) * self.seq), side="right") for w in ws]
+        windows = torch.from_numpy(np.stack(rows).astype(np.int64))
+        return windows[:, :-1], windows[:, 1:], torch.from_numpy(np.stack(ids).astype(np.int64))
 
     def state_dict(self) -> dict:
         return {"position": self.position, "seed": self.seed, "batch": self.batch, "seq": self.seq}

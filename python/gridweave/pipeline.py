@@ -52,19 +52,19 @@ def resolve_ac(ac, layers_per_stage: int, total_layers: int) -> int:
     return ac
 
 
-def run_layers(layers, x, ac: int = 1):
+def run_layers(layers, x, ac: int = 1, documents=None):
     """x through `layers`, keeping only every ac-th output for backward (the rest are
-    recomputed: torch.utils.checkpoint)."""
+    recomputed: torch.utils.checkpoint); documents (packed documents' ids) go to every layer."""
     if ac == 1 or not torch.is_grad_enabled():
-        return _run(layers, x)
+        return _run(layers, x, documents)
     for i in range(0, len(layers), ac):
-        x = checkpoint(lambda t, g=layers[i:i + ac]: _run(g, t), x, use_reentrant=False)
+        x = checkpoint(lambda t, g=layers[i:i + ac]: _run(g, t, documents), x, use_reentrant=False)
     return x
 
 
-def _run(layers, x):
+def _run(layers, x, documents=None):
     for layer in layers:
-        x = layer(x)
+        x = layer(x) if documents is None else layer(x, documents)
     return x
 
 
@@ -159,8 +159,9 @@ class _StageCallbacks:
     c * stages + s; inputs feed stage 0's chunk 0, targets the last stage's last chunk. Each
     microbatch loss is divided by m, so gradients are the shard's mean."""
 
-    def __init__(self, chunks, pp, inputs, targets, loss_fn, m, activation_shape, dtype, device):
+    def __init__(self, chunks, pp, inputs, targets, loss_fn, m, activation_shape, dtype, device, documents=None):
         self.chunks, self.inputs, self.targets, self.loss_fn, self.m = chunks, inputs, targets, loss_fn, m
+        self.documents = documents  # per micro-batch (packed documents), given to every chunk, or None
         self.shape, self.dtype, self.device = tuple(activation_shape), dtype, device
         self.s = pp.rank
         self.first, self.last = pp.rank == 0, pp.rank == pp.size - 1
@@ -180,7 +181,7 @@ class _StageCallbacks:
     def forward(self, mb, c, addr):
         x = self.inputs[mb] if self._head(c) else \
             _tensor_at(addr, self.shape, self.dtype, self.device, self.host_messages).requires_grad_()
-        y = self.chunks[c](x)
+        y = self.chunks[c](x) if self.documents is None else self.chunks[c](x, self.documents[mb])
         if self._tail(c):
             loss = self.loss_fn(y, self.targets[mb]) / self.m
             self.losses.append(loss.detach())
@@ -215,7 +216,7 @@ class _StageCallbacks:
 
 
 def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_shape, dtype=torch.float32,
-                  schedule="message_driven", pipeline_limit=2, axis="pp", receive="auto"):
+                  schedule="message_driven", pipeline_limit=2, axis="pp", receive="auto", documents=None):
     """Forward and backward of every microbatch of this rank's batch shard.
 
     inputs: the microbatches (used on stage 0); targets: theirs (used on the last stage);
@@ -227,6 +228,8 @@ def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_s
     receive per neighbour, polled) or "announced" (each message announced on a host control
     channel, the data receive posted for exactly it: what NCCL needs). Returns (loss, stats):
     the mean microbatch loss on the last stage (None elsewhere) and the engine's PipelineStats.
+    documents: packed documents' (batch, seq) ids of every microbatch, given on every stage (each
+    chunk is called as chunk(x, documents[mb])), or None.
     """
     if schedule not in SCHEDULES:
         raise GridError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
@@ -237,13 +240,18 @@ def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_s
     pp = grid.comm(axis, "pipeline")
     if interleaved and pp.size < 2:
         raise GridError("the interleaved schedule needs at least 2 pipeline stages")
+    if documents is not None and any(b is not None and len(b) != len(documents) for b in (inputs, targets)):
+        raise GridError(f"documents: {len(documents)} micro-batches of document ids for "
+                        f"{len(inputs if inputs is not None else targets)} micro-batches")
     m = _microbatches(grid, pp, axis, inputs, targets)
     if m < 1:
         raise GridError("pipeline_step needs at least one microbatch")
     if interleaved and m % pp.size:
         raise GridError(f"the interleaved schedule needs a positive multiple of the {pp.size} stages as "
                         f"microbatches, got {m}")
-    cb = _StageCallbacks(chunks, pp, inputs, targets, loss_fn, m, activation_shape, dtype, grid.device)
+    if documents is not None and len(documents) != m:
+        raise GridError(f"documents: {len(documents)} micro-batches of document ids for {m} micro-batches")
+    cb = _StageCallbacks(chunks, pp, inputs, targets, loss_fn, m, activation_shape, dtype, grid.device, documents)
     if interleaved:
         links = stage_links(grid, axis, (pp.rank - 1) % pp.size, (pp.rank + 1) % pp.size)
         stats = _C.run_interleaved(pp, pp.rank, pp.size, len(chunks), m, cb.payload, cb.forward, cb.backward,

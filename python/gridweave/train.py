@@ -98,6 +98,7 @@ class TrainConfig:
     attention: str = "ring"
     ulysses_degree: int = 1  # attention=usp: the sp ranks of each Ulysses block (the ring runs across the blocks)
     tp_sp: bool = False  # Megatron's sequence parallelism inside 1-D (tp row:N): norms and residuals on sequence shards
+    pack_documents: bool = False  # a window's documents attend only within themselves, positions restarting at each
     data: str | None = None
     out: str = "runs/latest"
     resume: str | None = None
@@ -189,6 +190,9 @@ class TrainConfig:
         dims.check_batch(self.batch, self.microbatches)
         dp, pp, sp = dims.dp, dims.pp, dims.sp
         self.mode.check_attention(self.attention)
+        if self.pack_documents and not self.mode.packs_documents:
+            raise GridError(f"pack_documents: tp {self.mode.spec()}'s attention does not mask by documents "
+                            "(SUPER's branches); use another tensor mode")
         SeqAttention(self.attention).check(sp, self.ulysses_degree, self.heads // self.mode.head_groups_count())
         # the layer's input layout: every sequence split at once (the zigzag's chunks, tp's pieces)
         view, attn = AxesView(dict(dims.axes())), SeqAttention(self.attention)
@@ -380,15 +384,16 @@ def build(cfg: TrainConfig, grid, model_cfg: ModelConfig) -> tuple:
     return model, stage, opt, LossScaler() if cfg.compute.loss_scaling else None
 
 
-def train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y) -> tuple:
-    """One step on this rank's (batch, seq) shard of tokens x and targets y: the pipeline's
-    micro-batches forward and backward, the loss known on every rank, then (if it is finite)
-    the optimizer's update. Returns (the step's mean loss, whether the weights were updated).
-    plan.step_counters predicts this step's traffic (recorder.step_schedule)."""
+def train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y, documents=None) -> tuple:
+    """One step on this rank's (batch, seq) shard of tokens x and targets y (and, packed, their
+    document ids): the pipeline's micro-batches forward and backward, the loss known on every
+    rank, then (if it is finite) the optimizer's update. Returns (the step's mean loss, whether
+    the weights were updated). plan.step_counters predicts this step's traffic (recorder.step_schedule)."""
     m, dp, pp = cfg.microbatches, grid.axes["dp"], grid.axes["pp"]
     mb = x.shape[0] // m
     xs = [x[i * mb:(i + 1) * mb].to(grid.device) for i in range(m)]
     ys = [y[i * mb:(i + 1) * mb].to(grid.device) for i in range(m)]
+    ds = None if documents is None else [documents[i * mb:(i + 1) * mb].to(grid.device) for i in range(m)]
     opt.zero_grad()
     if hasattr(opt, "backwards_per_step"):  # gradients final after the m-th backward: buckets start then
         opt.backwards_per_step = m
@@ -399,7 +404,7 @@ def train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y) -> tuple:
 
     loss, _ = pipeline.pipeline_step(stage, grid, xs, ys, loss_fn, stage.activation_shape(mb, cfg.seq),
                                         dtype=cfg.compute.dtype, schedule=cfg.schedule,
-                                        pipeline_limit=cfg.pipeline_limit or max(pp, 2))
+                                        pipeline_limit=cfg.pipeline_limit or max(pp, 2), documents=ds)
     loss = loss / loss_scale if loss is not None else None
     # the last stage's loss, identical over its tp/sp group: count one rank of each group.
     # Known on every rank before the update, so a non-finite loss skips it everywhere.
@@ -629,9 +634,9 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
             on_step(step, StepState(grid, stage, opt, scaler))
         t0 = time.perf_counter()
         opt.lr = cfg.lr_at(step)
-        x, y = reader.next()
+        x, y, docs = reader.next_packed(tokens.documents) if cfg.pack_documents else (*reader.next(), None)
         floor = guard.at_floor()
-        loss, took = train_step(cfg, grid, stage, opt, scaler, x, y)
+        loss, took = train_step(cfg, grid, stage, opt, scaler, x, y, docs)
         history.losses.append(loss)
         guard.check(step, loss, took, floor, checkpoints)
         meter.record(time.perf_counter() - t0, opt.lr, getattr(opt, "last_grad_norm", None))

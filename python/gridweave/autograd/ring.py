@@ -17,6 +17,7 @@ import torch
 from .. import _C
 from .._buffers import engine_dtype
 from ..errors import GridError
+from ..documents import check_documents, document_mask
 
 
 def chunk_starts(length_local: int, n: int, rank: int, zigzag: bool) -> list:
@@ -45,7 +46,7 @@ def check_sequence(length_local: int, zigzag: bool):
 
 class _RingSelfAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, grid, axis, causal):
+    def forward(ctx, q, k, v, grid, axis, causal, documents):
         ring = grid.ring(axis)
         n, r = ring.size, ring.rank
         B, Z, Lq, A = q.shape
@@ -58,8 +59,11 @@ class _RingSelfAttention(torch.autograd.Function):
             scores[..., src * Lq:(src + 1) * Lq] = q @ cur.transpose(-1, -2) * scale
             if ex is not None:
                 (cur,) = ex.wait()
-        if causal:
-            qpos = positions(Lq, n, r, False, q.device)
+        qpos = positions(Lq, n, r, False, q.device)
+        if documents is not None:  # the paper's scores hold whole rows: mask them (packed documents)
+            scores.masked_fill_(~document_mask(documents, qpos, torch.arange(n * Lq, device=q.device), causal),
+                                float("-inf"))
+        elif causal:
             scores.masked_fill_(torch.arange(n * Lq, device=q.device)[None, :] > qpos[:, None], float("-inf"))
         p = torch.softmax(scores, dim=-1)
         out = torch.zeros_like(q)
@@ -108,12 +112,15 @@ class _RingSelfAttention(torch.autograd.Function):
         grid.all_reduce(dk_full, axis=ctx.axis)  # the paper's two all-reduces
         grid.all_reduce(dv_full, axis=ctx.axis)
         mine = slice(r * Lq, (r + 1) * Lq)
-        return dq, dk_full[..., mine, :].contiguous(), dv_full[..., mine, :].contiguous(), None, None, None
+        return dq, dk_full[..., mine, :].contiguous(), dv_full[..., mine, :].contiguous(), None, None, None, None
 
 
-def ring_self_attention(q, k, v, grid, axis="sp", causal=False):
-    """Seed 004's RSA on (batch, heads, L/N, head_dim) shards of contiguous sequence chunks."""
-    return _RingSelfAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), grid, axis, causal)
+def ring_self_attention(q, k, v, grid, axis="sp", causal=False, documents=None):
+    """Seed 004's RSA on (batch, heads, L/N, head_dim) shards of contiguous sequence chunks;
+    documents: the (batch, L) document ids of the whole sequence (packed documents)."""
+    if documents is not None:
+        check_documents(documents, q.shape[0], q.shape[2] * grid.size(axis))
+    return _RingSelfAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), grid, axis, causal, documents)
 
 
 # ---------------------------------------------------------------------------------------
@@ -137,6 +144,15 @@ def lse_merge_(out, lse, blk_out, blk_lse):
     lse.copy_(merged)
 
 
+def _document_bias(documents, qs, q0, ks, k0, causal, dtype):
+    """The additive mask (b, 1, lq, lk) of a block whose query rows start at sequence position q0
+    and key rows at k0: 0 within a document (and causally visible), -inf elsewhere."""
+    qpos = torch.arange(q0, q0 + qs.stop - qs.start, device=documents.device)
+    kpos = torch.arange(k0, k0 + ks.stop - ks.start, device=documents.device)
+    visible = document_mask(documents, qpos, kpos, causal)
+    return torch.zeros(visible.shape, dtype=dtype, device=documents.device).masked_fill_(~visible, float("-inf"))
+
+
 def _blocks(Lq, n, q_rank, k_rank, zigzag, causal):
     """(q slice, k slice, diagonal) of every block of scores with a visible pair. The local
     sequence is made of chunks of one partition of the positions, so two chunks overlap only
@@ -149,7 +165,7 @@ def _blocks(Lq, n, q_rank, k_rank, zigzag, causal):
         for ks, k0 in chunk_starts(Lq, n, k_rank, zigzag):
             if causal and k0 > q1:
                 continue  # nothing visible
-            out.append((qs, ks, causal and k0 == q0))
+            out.append((qs, q0, ks, k0, causal and k0 == q0))
     return out
 
 
@@ -163,27 +179,29 @@ def _blocks(Lq, n, q_rank, k_rank, zigzag, causal):
 class FusedBlocks:
     """The local block kernels of ring attention: torch's fused attention (the default).
     Another implementation with the same two methods can be passed to ring_attention (the
-    benchmarks compare it with materialised scores)."""
+    benchmarks compare it with materialised scores). bias: an additive (b, 1, Lq, Lk) mask
+    (0 or -inf: packed documents), or None."""
 
     @staticmethod
-    def forward(q, k, v, diagonal, scale):
-        return _block_forward(q, k, v, diagonal, scale)
+    def forward(q, k, v, diagonal, scale, bias=None):
+        return _block_forward(q, k, v, diagonal, scale, bias)
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, diagonal, scale):
-        return _block_backward(dout, q, k, v, out, lse, diagonal, scale)
+    def backward(dout, q, k, v, out, lse, diagonal, scale, bias=None):
+        return _block_backward(dout, q, k, v, out, lse, diagonal, scale, bias)
 
 
-def _scores_on_cuda(t):
-    # torch's CUDA memory-efficient attention takes fp32, fp16 and bf16 only
-    return t.is_cuda and t.dtype == torch.float64
+def _scores_on_cuda(t, bias=None):
+    # torch's CUDA memory-efficient attention takes fp32, fp16 and bf16 only; a document mask
+    # is applied to materialised scores there (its attn_bias wants aligned strides)
+    return t.is_cuda and (t.dtype == torch.float64 or bias is not None)
 
 
-def _block_scores(q, k, diagonal, scale):
+def _block_scores(q, k, diagonal, scale, bias=None):
     s = torch.matmul(q, k.transpose(-2, -1)) * scale
     if diagonal:  # top-left aligned, as torch's is_causal
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return s
+    return s if bias is None else s + bias
 
 
 class ScoresBlocks:
@@ -191,39 +209,44 @@ class ScoresBlocks:
     fused CUDA kernels refuse it), and the baseline the benchmarks compare FusedBlocks with."""
 
     @staticmethod
-    def forward(q, k, v, diagonal, scale):
-        s = _block_scores(q, k, diagonal, scale)
-        lse = torch.logsumexp(s, dim=-1)
-        return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v), lse
+    def forward(q, k, v, diagonal, scale, bias=None):
+        s = _block_scores(q, k, diagonal, scale, bias)
+        lse = torch.logsumexp(s, dim=-1)  # -inf on a row that sees nothing here (packed documents)
+        safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+        return torch.matmul(torch.exp(s - safe.unsqueeze(-1)), v), lse
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, diagonal, scale):
+    def backward(dout, q, k, v, out, lse, diagonal, scale, bias=None):
         # P = exp(S - lse) with the rows' final lse; dS = P * (dP - rowsum(dO * O))
-        p = torch.exp(_block_scores(q, k, diagonal, scale) - lse.to(q.dtype).unsqueeze(-1))
+        p = torch.exp(_block_scores(q, k, diagonal, scale, bias) - lse.to(q.dtype).unsqueeze(-1))
         dp = torch.matmul(dout, v.transpose(-2, -1))
         ds = p * (dp - (dout * out).sum(-1, keepdim=True)) * scale
         return torch.matmul(ds, k), torch.matmul(ds.transpose(-2, -1), q), torch.matmul(p.transpose(-2, -1), dout)
 
 
-def _block_forward(q, k, v, diagonal, scale):
+def _block_forward(q, k, v, diagonal, scale, bias=None):
     """(out, lse) of one block."""
-    if _scores_on_cuda(q):
-        return ScoresBlocks.forward(q, k, v, diagonal, scale)
+    if _scores_on_cuda(q, bias):
+        return ScoresBlocks.forward(q, k, v, diagonal, scale, bias)
     if q.is_cuda:
         o, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, k, v, None, True, 0.0, diagonal, scale=scale)
         return o, lse[..., :q.shape[-2]]  # the kernel pads lse's rows to a multiple of 32 (backward pads again)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, diagonal, scale=scale)
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, diagonal, attn_mask=bias,
+                                                                        scale=scale)
+    if bias is not None:  # a row that sees nothing in this block: the kernel says lse 0, the merge needs -inf
+        lse = torch.where(torch.isneginf(bias).all(-1), float("-inf"), lse)
+    return o, lse
 
 
 def _kernel_lse_dtype(t):
     return torch.float64 if t.dtype == torch.float64 and not t.is_cuda else torch.float32
 
 
-def _block_backward(dout, q, k, v, out, lse, diagonal, scale):
+def _block_backward(dout, q, k, v, out, lse, diagonal, scale, bias=None):
     """dQ, dK, dV of one block, given the rows' final output and log-sum-exp."""
-    if _scores_on_cuda(q):
-        return ScoresBlocks.backward(dout, q, k, v, out, lse, diagonal, scale)
+    if _scores_on_cuda(q, bias):
+        return ScoresBlocks.backward(dout, q, k, v, out, lse, diagonal, scale, bias)
     lse = lse.to(_kernel_lse_dtype(q)).contiguous()
     if q.is_cuda:
         # the kernel reads lse as its forward wrote it: rows padded to a multiple of 32
@@ -234,12 +257,12 @@ def _block_backward(dout, q, k, v, out, lse, diagonal, scale):
             dout, q, k, v, None, out, lse, empty, empty, 0.0, [True, True, True, False], diagonal, scale=scale)
         return dq, dk, dv
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, diagonal, scale=scale)
+        dout, q, k, v, out, lse, 0.0, diagonal, attn_mask=bias, scale=scale)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, grid, axis, causal, zigzag, blocks):
+    def forward(ctx, q, k, v, grid, axis, causal, zigzag, blocks, documents):
         ring = grid.ring(axis)
         n, r = ring.size, ring.rank
         B, Z, Lq, A = q.shape
@@ -252,15 +275,17 @@ class _RingAttention(torch.autograd.Function):
         kc, vc = k, v
         for s in range(n):
             ex = ring.pass_on([kc, vc], s) if s < n - 1 else None  # overlaps the block compute
-            for qs, ks, diagonal in _blocks(Lq, n, r, ring.source_at(s), zigzag, causal):
+            for qs, q0, ks, k0, diagonal in _blocks(Lq, n, r, ring.source_at(s), zigzag, causal):
+                bias = None if documents is None else _document_bias(documents, qs, q0, ks, k0, causal, q.dtype)
                 o, l = blocks.forward(q[..., qs, :].contiguous(), kc[..., ks, :].contiguous(),
-                                      vc[..., ks, :].contiguous(), diagonal, scale)
+                                      vc[..., ks, :].contiguous(), diagonal and bias is None, scale, bias)
                 o_view, l_view = out[..., qs, :], lse[..., qs]
                 lse_merge_(o_view, l_view, o, l.to(lse_dtype))
             if ex is not None:
                 kc, vc = ex.wait()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.grid, ctx.axis, ctx.causal, ctx.zigzag, ctx.blocks = grid, axis, causal, zigzag, blocks
+        ctx.documents = documents
         return out
 
     @staticmethod
@@ -278,10 +303,13 @@ class _RingAttention(torch.autograd.Function):
             # K and V leave for the next rank at once; their dK, dV accumulators follow
             # once this rank has added its share.
             ex = ring.pass_on([kc, vc], 2 * s) if s < n - 1 else None
-            for qs, ks, diagonal in _blocks(Lq, n, r, ring.source_at(s), ctx.zigzag, ctx.causal):
+            for qs, q0, ks, k0, diagonal in _blocks(Lq, n, r, ring.source_at(s), ctx.zigzag, ctx.causal):
+                bias = None if ctx.documents is None else \
+                    _document_bias(ctx.documents, qs, q0, ks, k0, ctx.causal, q.dtype)
                 dqb, dkb, dvb = ctx.blocks.backward(dout[..., qs, :].contiguous(), q[..., qs, :].contiguous(),
                                                 kc[..., ks, :].contiguous(), vc[..., ks, :].contiguous(),
-                                                out[..., qs, :].contiguous(), lse[..., qs], diagonal, scale)
+                                                out[..., qs, :].contiguous(), lse[..., qs], diagonal and bias is None,
+                                                scale, bias)
                 dq[..., qs, :] += dqb
                 dk[..., ks, :] += dkb
                 dv[..., ks, :] += dvb
@@ -289,12 +317,17 @@ class _RingAttention(torch.autograd.Function):
             if ex is not None:
                 kc, vc = ex.wait()
             dk, dv = back.wait()
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
-def ring_attention(q, k, v, grid, axis="sp", causal=False, zigzag=None, blocks=FusedBlocks):
+def ring_attention(q, k, v, grid, axis="sp", causal=False, zigzag=None, blocks=FusedBlocks, documents=None):
     """Blockwise ring attention on (batch, heads, L/N, head_dim) shards. zigzag (default:
-    when causal) expects the local sequence to be chunks rank and 2N-1-rank."""
+    when causal) expects the local sequence to be chunks rank and 2N-1-rank. documents: the
+    (batch, L) document ids of the whole sequence (packed documents: each block masked to
+    its pairs within one document; documents of any length, as ring-flash-attn's varlen)."""
     zigzag = causal if zigzag is None else zigzag
     check_sequence(q.shape[2], zigzag)
-    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), grid, axis, causal, zigzag, blocks)
+    if documents is not None:
+        check_documents(documents, q.shape[0], q.shape[2] * grid.size(axis))
+    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), grid, axis, causal, zigzag, blocks,
+                                documents)

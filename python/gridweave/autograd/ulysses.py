@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..documents import check_documents, document_mask
 from ..errors import GridError
 from .ring import ring_attention
 
@@ -55,20 +56,27 @@ class _HeadsToSeq(torch.autograd.Function):
         return _seq_to_heads(g, ctx.grid, ctx.axis), None, None
 
 
-def ulysses_attention(q, k, v, grid, axis="sp", causal=False):
+def ulysses_attention(q, k, v, grid, axis="sp", causal=False, documents=None):
     """Attention of q, k, v (b, heads, s, d): this rank's contiguous sequence shard, every head
     (key/value heads expanded to the query heads, as gw.nn.dense.split_heads gives them, so a
-    key/value head count below N needs nothing more). Returns (b, heads, s, d) of this shard."""
+    key/value head count below N needs nothing more). Returns (b, heads, s, d) of this shard.
+    documents: the (b, L) document ids of the whole sequence (packed documents)."""
     n = grid.size(axis)
     if q.shape[1] % n:
         raise GridError(f"Ulysses splits the {q.shape[1]} attention heads of a rank over the {n} ranks of "
                         f"axis {axis!r}: they do not divide")
+    if documents is not None:
+        check_documents(documents, q.shape[0], q.shape[2] * n)
     q, k, v = (_SeqToHeads.apply(t, grid, axis) for t in (q, k, v))
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # whole sequences: the fused kernel
+    if documents is None:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # whole sequences: the fused kernel
+    else:
+        pos = torch.arange(q.shape[2], device=q.device)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(documents, pos, pos, causal))
     return _HeadsToSeq.apply(o, grid, axis)
 
 
-def usp_attention(q, k, v, grid, inner, outer, causal=False):
+def usp_attention(q, k, v, grid, inner, outer, causal=False, documents=None):
     """USP (Fang & Zhao 2024; yunchang's LongContextAttention, Megatron's a2a+p2p): Ulysses over
     `inner` (a block of U consecutive sp ranks), the zigzag ring over `outer` (the blocks: R).
     This rank holds piece u of its block's chunk pair (chunks r and 2R-1-r of 2R, causal); the
@@ -80,5 +88,5 @@ def usp_attention(q, k, v, grid, inner, outer, causal=False):
                         "they do not divide")
     if u > 1:
         q, k, v = (_SeqToHeads.apply(t, grid, inner) for t in (q, k, v))
-    o = ring_attention(q, k, v, grid, outer, causal, zigzag=causal)
+    o = ring_attention(q, k, v, grid, outer, causal, zigzag=causal, documents=documents)
     return _HeadsToSeq.apply(o, grid, inner) if u > 1 else o

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..documents import check_documents, document_positions
 from ..errors import GridError
 from ..nn.dense import GPT2, LLAMA, Activation, Arch, DenseTransformerLayer, Norm
 
@@ -136,12 +137,16 @@ class Embedding(nn.Module):
         m.tok, m.pos = tok, pos
         return m
 
-    def forward(self, ids):
+    def forward(self, ids, documents=None):
+        """documents: (batch, seq) ids of packed documents: learned positions restart at each."""
         x = self.tok(ids)
         if self.pos is None:
             return x
         if ids.shape[1] > self.pos.num_embeddings:
             raise GridError(f"a sequence of {ids.shape[1]} tokens exceeds the model's {self.pos.num_embeddings} positions")
+        if documents is not None:
+            check_documents(documents, *ids.shape)
+            return x + self.pos(document_positions(documents))
         return x + self.pos(torch.arange(ids.shape[1], device=ids.device))
 
 
@@ -182,10 +187,12 @@ class GPT(nn.Module):
         if cfg.tie:
             self.head.out.weight = self.embed.tok.weight
 
-    def forward(self, ids):
-        x = self.embed(ids)
+    def forward(self, ids, documents=None):
+        """documents: (batch, seq) ids of packed documents: attention stays within each and
+        positions restart at each."""
+        x = self.embed(ids, documents)
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, documents)
         return self.head(x)
 
     @staticmethod

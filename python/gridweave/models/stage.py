@@ -141,14 +141,16 @@ class GPTStage(nn.Module):
             shape = (0,) + tuple(shape[1:])
         return tuple(shape)
 
-    def forward(self, x):
+    def forward(self, x, documents=None):
+        """documents: the (batch, seq) ids of this replica's micro-batch of packed documents (every
+        stage is given them: its attention masks by them), or None."""
         if self.embed is not None:
-            x = self.embed(x)
+            x = self.embed(x, documents)
             self._full = tuple(x.shape)
             x = _ToLayout.apply(x, self.layout, self.grid)
         elif self.boundary_axis is not None:  # 1/t from each tensor rank of the previous stage
             x = gather_from_parallel(x, self.grid, self.boundary_axis, -1)
-        x = run_layers(self.layers, x, self.ac)
+        x = run_layers(self.layers, x, self.ac, documents)
         if self.head is None and self.boundary_axis is not None:  # send only this rank's 1/t
             return scatter_to_parallel(x, self.grid, self.boundary_axis, -1)
         if self.head is not None:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..documents import check_documents, document_mask, document_positions
 from ..errors import GridError
 
 
@@ -86,7 +87,7 @@ def rotary(positions: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple
     """cos, sin (len(positions), head_dim) of rotary embeddings, computed in float32 as
     Hugging Face's Llama does (so a model exported there computes the same), then cast."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
-    freqs = positions.float()[:, None] * inv[None, :]
+    freqs = positions.float()[..., None] * inv  # (s,) or (b, s) positions: packed documents restart them
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -108,6 +109,8 @@ def split_heads(qkv: torch.Tensor, heads: int, kv_heads: int, arch: Arch, positi
     if arch.rope_theta is not None:
         pos = torch.arange(s, device=qkv.device) if positions is None else positions
         cos, sin = rotary(pos, d, arch.rope_theta, qkv.dtype)
+        if pos.dim() == 2:  # per-row positions (packed documents): broadcast over the heads
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     if kv_heads != heads:
         k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
@@ -115,10 +118,19 @@ def split_heads(qkv: torch.Tensor, heads: int, kv_heads: int, arch: Arch, positi
 
 
 def attention(qkv: torch.Tensor, heads: int, causal: bool, kv_heads: int | None = None, arch: Arch = GPT2,
-              positions=None) -> torch.Tensor:
-    """Multi-head attention on a packed [q | k | v] (b, s, width) -> (b, s, heads x d)."""
+              positions=None, documents=None) -> torch.Tensor:
+    """Multi-head attention on a packed [q | k | v] (b, s, width) -> (b, s, heads x d); with
+    `documents` (b, s) ids, each token attends within its document only, and rotary positions
+    (unless given) restart at each document."""
+    if documents is not None:
+        check_documents(documents, *qkv.shape[:2])
+        positions = document_positions(documents) if positions is None else positions
     q, k, v = split_heads(qkv, heads, heads if kv_heads is None else kv_heads, arch, positions)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    if documents is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    else:
+        pos = torch.arange(qkv.shape[1], device=qkv.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(documents, pos, pos, causal))
     b, s = qkv.shape[:2]
     return out.transpose(1, 2).reshape(b, s, -1)
 
@@ -134,8 +146,8 @@ class DenseSelfAttention(nn.Module):
         self.qkv = nn.Linear(hidden, sum(arch.qkv_widths(hidden, heads)), bias=bias, dtype=dtype, device=device)
         self.proj = nn.Linear(hidden, hidden, bias=bias, dtype=dtype, device=device)
 
-    def forward(self, x):
-        return self.proj(attention(self.qkv(x), self.heads, self.causal, self.kv_heads, self.arch))
+    def forward(self, x, documents=None):
+        return self.proj(attention(self.qkv(x), self.heads, self.causal, self.kv_heads, self.arch, documents=documents))
 
 
 class DenseMLP(nn.Module):
@@ -173,8 +185,9 @@ class DenseTransformerLayer(nn.Module):
     def ffn_hidden(self) -> int:
         return self.fc2.in_features
 
-    def forward(self, x):
-        x = x + self.proj(attention(self.qkv(self.ln1(x)), self.heads, self.causal, self.kv_heads, self.arch))
+    def forward(self, x, documents=None):
+        x = x + self.proj(attention(self.qkv(self.ln1(x)), self.heads, self.causal, self.kv_heads, self.arch,
+                                    documents=documents))
         return x + self.fc2(self.arch.act(self.fc1(self.ln2(x))))
 
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..autograd.ring import positions, ring_attention, ring_self_attention
 from ..autograd.ulysses import ulysses_attention, usp_attention
+from ..documents import check_documents, document_positions
 from ..errors import GridError
 from ..grid import LinePart, Span
 from ..layout import zigzag_order
@@ -147,30 +148,36 @@ def usp_positions(length_local: int, sp: int, index: int, ring: int, causal: boo
 
 
 def attend(qkv, heads, causal, grid, algorithm=SeqAttention.RING, kv_heads=None, arch: Arch = GPT2,
-           ulysses_degree: int = 1):
+           ulysses_degree: int = 1, documents=None):
     """Attention of the local heads of a packed [q | k | v] (heads query and kv_heads key/value
     heads): on this rank alone, or over "sp" when the grid splits the sequence (the blockwise
     ring, zigzag when causal; RSA; Ulysses; USP with Ulysses inside blocks of ulysses_degree
-    ranks). Rotary positions are the tokens' global ones."""
+    ranks). Rotary positions are the tokens' global ones. documents: the (b, L) document ids
+    of the whole sequence of this rank's rows (packed documents: attention within each, rotary
+    positions restarting at each)."""
     kv_heads = heads if kv_heads is None else kv_heads
     if not sequence_parallel(grid):
-        return attention(qkv, heads, causal, kv_heads, arch)
+        return attention(qkv, heads, causal, kv_heads, arch, documents=documents)
     algorithm = SeqAttention.of(algorithm)
     zigzag = algorithm.zigzag(causal)
     sp, index = grid.axes["sp"], grid.index("sp")
+    if documents is not None:
+        check_documents(documents, qkv.shape[0], qkv.shape[1] * sp)
     pos = None
     if arch.rope_theta is not None:  # only rotary embeddings need the global positions
         pos = usp_positions(qkv.shape[1], sp, index, sp // ulysses_degree, causal, qkv.device) \
             if algorithm is SeqAttention.USP else positions(qkv.shape[1], sp, index, zigzag, qkv.device)
+        if documents is not None:
+            pos = document_positions(documents)[:, pos]
     q, k, v = split_heads(qkv, heads, kv_heads, arch, pos)
     if algorithm is SeqAttention.RSA:
-        o = ring_self_attention(q, k, v, grid, "sp", causal)
+        o = ring_self_attention(q, k, v, grid, "sp", causal, documents)
     elif algorithm is SeqAttention.ULYSSES:
-        o = ulysses_attention(q, k, v, grid, "sp", causal)
+        o = ulysses_attention(q, k, v, grid, "sp", causal, documents)
     elif algorithm is SeqAttention.USP:
         o = usp_attention(q, k, v, grid, LinePart(("sp",), Span.WITHIN, ulysses_degree),
-                          LinePart(("sp",), Span.ACROSS, ulysses_degree), causal)
+                          LinePart(("sp",), Span.ACROSS, ulysses_degree), causal, documents)
     else:
-        o = ring_attention(q, k, v, grid, "sp", causal, zigzag)
+        o = ring_attention(q, k, v, grid, "sp", causal, zigzag, documents=documents)
     b, s = qkv.shape[:2]
     return o.transpose(1, 2).reshape(b, s, -1)

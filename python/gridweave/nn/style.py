@@ -21,6 +21,7 @@ class Style(TensorAxes):
     size_arg = True  # the constructor takes a size: the dataclass field named size_field
     size_field = ""  # the paper's name of that size (n, q, p, g)
     size_axis = ""   # the grid axis whose length is that size (from_grid reads it)
+    packs_documents = True  # its attention masks packed documents (attend() on the rows its qkv holds)
 
     def __post_init__(self):
         if self.size_arg:
@@ -89,6 +90,8 @@ class Style(TensorAxes):
 class Branches(Style):
     """A style whose attention heads are branches on sub-grids (SUPER, seed 002 §IV): the
     common tensor and the branches meet through split / sum / slice / concat."""
+
+    packs_documents = False  # the branches' rows move between sub-grids: no document masks there
 
     def check_attention(self, attention) -> None:
         """SUPER's branches run the ring over sp themselves: Ulysses and USP are the other modes'."""

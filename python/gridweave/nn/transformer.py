@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..documents import document_rows
 from ..errors import GridError
 from ..sharding import group_order, set_row_order
 from .dense import GPT2, Arch, DenseMLP, DenseSelfAttention, DenseTransformerLayer
@@ -59,9 +60,14 @@ class SelfAttention(nn.Module):
         """Causal ring attention balances the load by the zigzag sequence order (RSA and Ulysses do not)."""
         return self.attention.zigzag(self.causal)
 
-    def forward(self, x):
+    def forward(self, x, documents=None):
+        """documents: the (batch, sequence) ids of this data-parallel replica's whole batch (packed
+        documents); this rank's rows are picked by the layout its attention runs in."""
+        if documents is not None:
+            documents = document_rows(documents, getattr(self.qkv, "output_layout", None) or self.input_layout,
+                                      self.grid)
         return self.proj(attend(self.qkv(x), self.heads // self.groups, self.causal, self.grid, self.attention,
-                                self.kv_heads // self.groups, self.arch, self.ulysses_degree))
+                                self.kv_heads // self.groups, self.arch, self.ulysses_degree, documents))
 
     @classmethod
     def from_dense(cls, dense: DenseSelfAttention, grid, mode=None, **kw):
@@ -217,10 +223,17 @@ class TransformerLayer(nn.Module):
             if hasattr(lin, "prefetch"):
                 lin.prefetch()
 
-    def forward(self, x):
+    def forward(self, x, documents=None):
+        """documents: the (batch, sequence) ids of this data-parallel replica's batch of packed
+        documents (attention stays within each), or None."""
         if self.overlap:
             self.prefetch()
-        x = x + self.attn(self.ln1(x))
+        if documents is None:
+            x = x + self.attn(self.ln1(x))
+        elif not self.mode.packs_documents:
+            raise GridError(f"packed documents: {self.mode!r}'s attention does not mask by documents")
+        else:
+            x = x + self.attn(self.ln1(x), documents)
         return x + self.mlp(self.ln2(x))
 
     @classmethod
