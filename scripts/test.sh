@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The tests: ctest (math, schedules, the Gloo transport on 2-8 forked processes, the MPI
 # transport under mpirun) and pytest (every op through the Python API on a pool of rank
-# processes), twice: on the Gloo transport, then on the MPI transport (the pool and the main
-# jobs under mpirun) with torch's default device poisoned to "meta", so any tensor made
-# without an explicit device (library or test) fails loudly. Without MPI the second run
-# stays on Gloo. A third pass keeps NCCL's rules on the CPU transport (--emulate=nccl: a
-# communicator runs its ops one at a time in issue order, a send waits for its receive, no
-# receive-from-any) over every test whose correctness depends on communication order: the
-# ring and RSA, every pipeline schedule and receive strategy, the cube with overlap, sub-graph
-# parallelism, sharded checkpoints, the layers, and the main job on three composed grids.
-# The documentation site is built first, with warnings as errors.
+# processes) in three passes. First every test on the Gloo transport with torch's default device
+# poisoned to "meta" (in the pool, the main jobs' ranks and this process), so any tensor made
+# without an explicit device (library or test) fails loudly. Then, on the MPI transport (the pool
+# and the main jobs under mpirun; without MPI the pass stays on Gloo), the tests whose correctness
+# rests on the transport: the collectives and segmented collectives, the pipeline's receive
+# strategies, the attention rings, checkpoints, faults and timeouts, NCCL's rules, the ZeRO grid
+# tests and resume chain, the main job under mpirun. A third pass keeps NCCL's rules on the CPU
+# transport (--emulate=nccl: a communicator runs its ops one at a time in issue order, a send
+# waits for its receive, no receive-from-any) over every test whose correctness depends on
+# communication order: the ring and RSA, every pipeline schedule and receive strategy, the cube
+# with overlap, sub-graph parallelism, sharded checkpoints, the layers, packed documents, and the
+# main job on three composed grids. The documentation site is built first, with warnings as errors.
 # GRIDWEAVE_CUDA=ON makes a missing nvcc/NCCL an error instead of a skipped build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,15 +22,20 @@ cmake --build build/ctest -j2
 # the documentation site, warnings as errors (its reference pages read the installed package)
 python3 -m mkdocs build --strict -d build/site  # not -q: it would hide the warnings strict counts
 ctest --test-dir build/ctest --output-on-failure -j2
-python3 -m pytest -q --durations=20 tests/python --transport=gloo
-if python3 -c "import sys, gridweave.launch as l; sys.exit(0 if l.mpi_installed() else 1)"; then
-  python3 -m pytest -q --durations=20 tests/python --transport=mpi --default-device=meta
-else
-  python3 -m pytest -q --durations=20 tests/python --transport=gloo --default-device=meta
-fi
+python3 -m pytest -q --durations=20 tests/python --transport=gloo --default-device=meta
+transport=gloo
+if python3 -c "import sys, gridweave.launch as l; sys.exit(0 if l.mpi_installed() else 1)"; then transport=mpi; fi
+python3 -m pytest -q --durations=10 --transport=$transport --default-device=meta tests/python/test_mpi.py \
+  tests/python/test_collectives.py tests/python/test_segmented.py tests/python/test_pipeline.py \
+  tests/python/test_sequence.py tests/python/test_checkpoint.py tests/python/test_faults.py \
+  tests/python/test_nccl_rules.py tests/python/test_agreement.py tests/python/test_sharding.py \
+  "tests/python/test_zero.py::test_zero_equals_adamw_on_the_dense_model" \
+  "tests/python/test_zero.py::test_a_zero_checkpoint_resumes_on_any_stage_and_grid" \
+  "tests/python/test_train.py::test_the_main_job_under_mpirun_gives_one_process_losses"
 python3 -m pytest -q --timeout 300 --emulate=nccl tests/python/test_sequence.py tests/python/test_pipeline.py \
   tests/python/test_plan_counters.py tests/python/test_tensor3d.py tests/python/test_subgraph.py \
   tests/python/test_checkpoint.py tests/python/test_layers.py \
+  "tests/python/test_documents.py::test_every_mode_masks_packed_documents_like_the_dense_layer" \
   "tests/python/test_train.py::test_composed_grids_train_with_one_process_losses" \
   "tests/python/test_zero.py::test_zero_equals_adamw_on_the_dense_model" \
   "tests/python/test_zero.py::test_zero3_with_activation_checkpointing_gathers_for_the_recomputation" \

@@ -39,17 +39,6 @@ def pytest_configure(config):
         torch.set_default_device(device)
 
 
-def pytest_collection_modifyitems(config, items):
-    """Tests marked gloo_pass run in the Gloo pass only: main jobs whose MPI side (the launcher, the
-    transport, the poisoned default device) other tests already cover in the MPI pass."""
-    if config.getoption("--transport") == "gloo":
-        return
-    skip = pytest.mark.skip(reason="runs in the Gloo pass; its MPI and meta-device paths are other tests'")
-    for item in items:
-        if "gloo_pass" in item.keywords:
-            item.add_marker(skip)
-
-
 @pytest.fixture(scope="session")
 def pool():
     p = RankPool(8, transport=os.environ[TRANSPORT_ENV])

@@ -239,7 +239,6 @@ def one_process(tmp_path_factory):
     (("--zero", "3", "--dp", "4", "--pp", "2", "--no-offload", "--schedule", "interleaved", "--chunks", "2",
       "--microbatches", "2"), 29805),
     (("--zero", "2", "--tp", "row:2", "--sp", "2", "--dp", "2"), 29807)])
-@pytest.mark.gloo_pass  # the MPI pass runs the resume chain's ZeRO main jobs
 def test_the_main_job_with_each_stage_trains_like_one_process(one_process, tmp_path, extra, port):
     """gridweave train --zero 1 (hybrid, one node) / 3 (the interleaved schedule, device state) on dp 4 x pp 2
     and --zero 2 on row:2 x sp 2 x dp 2: the losses of one process (float32, 1e-5 relative), as the
@@ -293,7 +292,6 @@ def test_zero_on_a_grid_without_data_axes_is_a_clear_error():
 
 
 @pytest.mark.timeout(900)  # four runs one after the other
-@pytest.mark.gloo_pass  # the MPI pass runs the resume chain's ZeRO main jobs
 def test_memory_per_rank_follows_the_zero_paper(tmp_path):
     """metrics.json's memory_bytes (the largest rank, each storage counted once) against Fig. 1 of
     the ZeRO paper with fp32 weights: parameters 4Ψ (4Ψ/N_d at stage 3), gradients 4Ψ (4Ψ/N_d from
@@ -328,7 +326,6 @@ def test_memory_per_rank_follows_the_zero_paper(tmp_path):
 
 
 @pytest.mark.parametrize("precision,zero,port", [("bf16", 3, 29861), ("fp16", 2, 29863)])
-@pytest.mark.gloo_pass  # the MPI pass runs the resume chain's ZeRO main jobs
 def test_half_precision_with_zero_tracks_fp32(tmp_path, precision, zero, port):
     """bf16 parameter shards gathered by ZeRO-3 / fp16 (the loss scaler) at zero 2, fp32 master
     shards: 20 steps on row:2 x dp 2 x pp 2 stay within test_precision's bounds of one fp32 process."""
