@@ -356,7 +356,7 @@ def as_flags(message) -> str:
     `--lr must be` and `row:8`."""
     message = str(message)
     for cls in modes.known():  # a mode object's repr -> its --tp spelling
-        message = re.sub(rf"(?:\bgw\.)?\b{cls.__name__}\((?:\w+=)?(\d*)\)",
+        message = re.sub(rf"(?:\bgw\.)?\b{cls.__name__}\((?:\w+=)?(\d*)(?:, \w+=\w+)*\)",
                          lambda m, cls=cls: (cls(int(m.group(1))) if cls.size_arg else cls()).spec(), message)
     fields = "|".join(sorted(TrainConfig.__dataclass_fields__, key=len, reverse=True))
     return re.sub(rf"(?<![\w-])({fields})(=| must\b)",

@@ -37,6 +37,11 @@ class Layout:
         holding chunks r and 2R-1-r (split further over its block of ranks under USP)."""
         return self.ring or math.prod(grid.axes[a] for a in self.dims[self.zigzag])
 
+    def without(self, *axes) -> "Layout":
+        """This layout with `axes` no longer splitting anything (a replica's layout: without "dp")."""
+        dims = [tuple(a for a in d if a not in axes) for d in self.dims]
+        return Layout(*dims, zigzag=self.zigzag, only=self.only, ring=self.ring)
+
     def axes(self) -> tuple:
         """Every axis that splits some dimension, in order."""
         return tuple(a for d in self.dims for a in d)

@@ -26,7 +26,7 @@ from .axes import grid_axes as _grid_axes
 from .errors import GridError
 from .grid import Work
 from .models import ModelConfig, build
-from .models.stage import GPTStage, _without_dp
+from .models.stage import GPTStage
 from .nn.transformer import TransformerLayer
 from .optim import DistributedAdam, OffloadAdam, gradient_chunks, matrices_only, uses_distributed
 from .pipeline import run_layers
@@ -338,7 +338,7 @@ def record_stage(config, mode, dp, pp, sp, at, batch, per_stage, dtype=torch.bfl
     else:  # the layers alone, on the stage's (dp-free) layout
         st = torch.nn.Module()
         st.layers = torch.nn.ModuleList(TransformerLayer.from_dense(d, grid, mode=mode) for d in dense.layers[:per_stage])
-        shape = _without_dp(st.layers[0].input_layout).local_shape((batch, config.seq, config.hidden), grid)
+        shape = st.layers[0].input_layout.without("dp").local_shape((batch, config.seq, config.hidden), grid)
     params = list(st.parameters())
     saved = _Saved(params)
     with Census() as census, (FusedAttention() if fused_attention else contextlib.nullcontext()):

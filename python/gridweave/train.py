@@ -194,10 +194,11 @@ class TrainConfig:
             raise GridError(f"pack_documents: tp {self.mode.spec()}'s attention does not mask by documents "
                             "(SUPER's branches); use another tensor mode")
         SeqAttention(self.attention).check(sp, self.ulysses_degree, self.heads // self.mode.head_groups_count())
-        # the layer's input layout: every sequence split at once (the zigzag's chunks, tp's pieces)
+        # a micro-batch in the layer's input layout: every sequence split at once (the zigzag's
+        # chunks, tp's pieces), the replica's rows split as the mode splits them
         view, attn = AxesView(dict(dims.axes())), SeqAttention(self.attention)
-        self.mode.layout(view, attn.zigzag(causal=True), attn.ring(sp, self.ulysses_degree)).local_shape(
-            (self.batch // dp, self.seq, self.hidden), view)
+        self.mode.layout(view, attn.zigzag(causal=True), attn.ring(sp, self.ulysses_degree)).without("dp").local_shape(
+            (self.batch // dp // self.microbatches, self.seq, self.hidden), view)
         if self.schedule == "interleaved" and (pp < 2 or self.microbatches % pp):
             raise GridError(f"the interleaved schedule needs pp >= 2 and microbatches a multiple of pp, got pp {pp}, "
                             f"microbatches {self.microbatches}")

@@ -27,11 +27,6 @@ def parse_tp(spec: str):
     return parse(spec)
 
 
-def _without_dp(layout):
-    dims = [tuple(a for a in d if a != "dp") for d in layout.dims]
-    return Layout(*dims, zigzag=layout.zigzag, only=layout.only, ring=layout.ring)
-
-
 class _ToLayout(torch.autograd.Function):
     """Full (dp-shard) activation -> this rank's shard; backward gathers the gradient so every
     rank of the group holds the whole, identical gradient of the replicated embedding."""
@@ -97,7 +92,7 @@ class GPTStage(nn.Module):
         self.layers = nn.ModuleList(TransformerLayer.from_dense(gpt.layers[i], grid, mode=self.mode, **layer_options)
                                     for i in self.first)
         self.ac = resolve_ac(ac, k, n)
-        self.layout = _without_dp(self.layers[0].input_layout)
+        self.layout = self.layers[0].input_layout.without("dp")
         self.hidden = gpt.head.ln.normalized_shape[0]
         axis = self.mode.boundary_axis()
         self.boundary_axis = axis if axis is not None and grid.axes.get(axis, 1) > 1 and stages > 1 else None
