@@ -10,22 +10,9 @@ import pytest
 import torch
 
 from rankpool import launcher_args
-from tp_refs import DEVICE, full, rel
+from tp_refs import DEVICE, full, packed_documents, rel
 
 H, HEADS, B, L = 32, 4, 4, 16
-
-
-def _docs(batch, length, seed):
-    """(batch, length) ids: documents of 1 to length/2 tokens, crossing every shard boundary."""
-    g = torch.Generator().manual_seed(seed)
-    out = torch.empty(batch, length, dtype=torch.int64)
-    for b in range(batch):
-        i, d = 0, 0
-        while i < length:
-            n = int(torch.randint(1, length // 2, (1,), generator=g))
-            out[b, i:i + n] = d
-            i, d = i + n, d + 1
-    return out.to(DEVICE)
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
@@ -38,7 +25,7 @@ def test_a_packed_sequence_is_its_documents_run_alone(family):
     torch.manual_seed(0)
     model = gw.models.GPT(config=cfg, dtype=torch.float64, device=DEVICE)
     ids = torch.randint(0, 64, (3, 24), device=DEVICE)
-    docs = _docs(3, 24, 1)
+    docs = packed_documents(3, 24, 1)
     out = model(ids, docs)
     for b in range(3):
         for d in docs[b].unique():
@@ -60,7 +47,7 @@ def _layer(ctx, tp, sp, dp, attention, ulysses_degree, family):
     layer = gw.nn.TransformerLayer.from_dense(dense, grid, mode=mode.name if mode.name != "sp" else "sp",
                                               attention=attention, ulysses_degree=ulysses_degree)
     x = full((B * dp, L, H), 11).requires_grad_()
-    docs = _docs(B * dp, L, 2)
+    docs = packed_documents(B * dp, L, 2)
     y = dense(x, docs)
     dy = full(y.shape, 12)
     y.backward(dy)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from refs import grid_errors
-from tp_refs import DEVICE, full, rel
+from tp_refs import DEVICE, full, packed_documents, rel
 
 B, Z, A = 2, 2, 4
 
@@ -285,20 +285,6 @@ def test_ring_attention_blocks_match_dense(pool):
 
 # ---- packed documents (issue 31): attention within each document, on every sp algorithm --------
 
-def _documents(B, L, seed):
-    """(B, L) document ids: documents of varied lengths (1 token to most of the sequence) that
-    cross the sp chunks' boundaries."""
-    g = torch.Generator().manual_seed(seed)
-    out = torch.empty(B, L, dtype=torch.int64)
-    for b in range(B):
-        i, d = 0, 0
-        while i < L:
-            n = int(torch.randint(1, L // 2, (1,), generator=g))
-            out[b, i:i + n] = d
-            i, d = i + n, d + 1
-    return out.to(DEVICE)
-
-
 def _per_document(q, k, v, documents, causal):
     """Each document's attention alone (torch's SDPA on its slice): the independent reference."""
     out = torch.empty_like(q)
@@ -318,7 +304,7 @@ def _document_attention(ctx, algo, causal, u=1):
 
     n, L, heads = ctx.world_size, 48, 4
     grid = ctx.init(sp=n)
-    docs = _documents(B, L, 7)
+    docs = packed_documents(B, L, 7)
     q, k, v = (full((B, heads, L, A), s).requires_grad_() for s in (1, 2, 3))
     ref = _per_document(q, k, v, docs, causal)
     dout = full(ref.shape, 4)

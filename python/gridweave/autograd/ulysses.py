@@ -34,26 +34,25 @@ def _heads_to_seq(x, grid, axis):
     return r.permute(1, 0, 2, 3, 4).reshape(b, n * hn, s, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """One of the two all-to-alls; its backward is the other (each is the other's inverse)."""
+
     @staticmethod
-    def forward(ctx, x, grid, axis):
-        ctx.grid, ctx.axis = grid, axis
-        return _seq_to_heads(x, grid, axis)
+    def forward(ctx, x, grid, axis, to_heads):
+        ctx.grid, ctx.axis, ctx.to_heads = grid, axis, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, grid, axis)
 
     @staticmethod
     def backward(ctx, g):
-        return _heads_to_seq(g, ctx.grid, ctx.axis), None, None
+        return (_heads_to_seq if ctx.to_heads else _seq_to_heads)(g, ctx.grid, ctx.axis), None, None, None
 
 
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, grid, axis):
-        ctx.grid, ctx.axis = grid, axis
-        return _heads_to_seq(x, grid, axis)
+def seq_to_heads(x, grid, axis):
+    return _Exchange.apply(x, grid, axis, True)
 
-    @staticmethod
-    def backward(ctx, g):
-        return _seq_to_heads(g, ctx.grid, ctx.axis), None, None
+
+def heads_to_seq(x, grid, axis):
+    return _Exchange.apply(x, grid, axis, False)
 
 
 def ulysses_attention(q, k, v, grid, axis="sp", causal=False, documents=None):
@@ -67,13 +66,13 @@ def ulysses_attention(q, k, v, grid, axis="sp", causal=False, documents=None):
                         f"axis {axis!r}: they do not divide")
     if documents is not None:
         check_documents(documents, q.shape[0], q.shape[2] * n)
-    q, k, v = (_SeqToHeads.apply(t, grid, axis) for t in (q, k, v))
+    q, k, v = (seq_to_heads(t, grid, axis) for t in (q, k, v))
     if documents is None:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # whole sequences: the fused kernel
     else:
         pos = torch.arange(q.shape[2], device=q.device)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(documents, pos, pos, causal))
-    return _HeadsToSeq.apply(o, grid, axis)
+    return heads_to_seq(o, grid, axis)
 
 
 def usp_attention(q, k, v, grid, inner, outer, causal=False, documents=None):
@@ -87,6 +86,6 @@ def usp_attention(q, k, v, grid, inner, outer, causal=False, documents=None):
         raise GridError(f"USP splits the {q.shape[1]} attention heads of a rank over its Ulysses degree {u}: "
                         "they do not divide")
     if u > 1:
-        q, k, v = (_SeqToHeads.apply(t, grid, inner) for t in (q, k, v))
+        q, k, v = (seq_to_heads(t, grid, inner) for t in (q, k, v))
     o = ring_attention(q, k, v, grid, outer, causal, zigzag=causal, documents=documents)
-    return _HeadsToSeq.apply(o, grid, inner) if u > 1 else o
+    return heads_to_seq(o, grid, inner) if u > 1 else o
