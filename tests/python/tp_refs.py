@@ -25,12 +25,12 @@ def tol(dtype) -> float:
 def packed_documents(batch, length, seed):
     """(batch, length) document ids of packed sequences: documents of 1 to length/2 - 1 tokens
     that cross every shard boundary (issue 31's tests)."""
-    g = torch.Generator().manual_seed(seed)
-    out = torch.empty(batch, length, dtype=torch.int64)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    out = torch.empty(batch, length, dtype=torch.int64, device="cpu")
     for b in range(batch):
         i, d = 0, 0
         while i < length:
-            n = int(torch.randint(1, length // 2, (1,), generator=g))
+            n = int(torch.randint(1, length // 2, (1,), generator=g, device="cpu"))
             out[b, i:i + n] = d
             i, d = i + n, d + 1
     return out.to(DEVICE)
