@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .errors import GridError
+from .layout import Layout, local_slices
 
 
 def document_positions(documents: torch.Tensor) -> torch.Tensor:
@@ -38,7 +39,5 @@ def check_documents(documents: torch.Tensor, batch: int, length: int) -> None:
 def document_rows(documents: torch.Tensor, layout, grid) -> torch.Tensor:
     """The ids of the batch rows this rank holds under `layout` (its dim 0 split over the tensor
     axes), from the ids of its data-parallel replica's whole batch (the dp axis already cut)."""
-    from .layout import Layout, local_slices  # layout imports the engine: kept out of the leaf's import
-
     rows = Layout(tuple(a for a in layout.dims[0] if a != "dp")) if layout.dims else Layout()
     return documents[local_slices(tuple(documents.shape), rows, grid)[:1]]

@@ -49,7 +49,7 @@ PKG = ROOT / "python" / "gridweave"
 # below; the package faces (__init__.py) re-export and may import their own package.
 LAYERS = (
     ("base", {"_C", "errors", "launch", "_buffers", "axes", "precision", "measure"}),
-    ("layout", {"layout"}),
+    ("layout", {"layout", "documents"}),
     ("grid", {"grid", "sharding", "ring"}),
     ("beside models (pipeline, optim, zero, checkpoint: sharding, layout and grid only)",
      {"pipeline", "optim", "zero", "checkpoint"}),
