@@ -296,7 +296,7 @@ def test_memory_per_rank_follows_the_zero_paper(tmp_path):
     """metrics.json's memory_bytes (the largest rank, each storage counted once) against Fig. 1 of
     the ZeRO paper with fp32 weights: parameters 4Ψ (4Ψ/N_d at stage 3), gradients 4Ψ (4Ψ/N_d from
     stage 2), Adam's fp32 master and two moments 12Ψ (12Ψ/N_d from stage 1; 8Ψ/N_d at stage 3, whose
-    fp32 parameter shard is the master), within 5%; dp 4 x pp 2, state on the device.
+    fp32 parameter shard is the master), within 5%; dp 4, state on the device.
     The planner's prediction for the same job (state_bytes) agrees within 5% too."""
     import json
 
@@ -306,12 +306,13 @@ def test_memory_per_rank_follows_the_zero_paper(tmp_path):
 
     n_d = 4
     for zero in (0, 1, 2, 3):
-        _, out = _train(tmp_path, f"z{zero}", "--nproc", "8", "--dp", "4", "--pp", "2", "--zero", str(zero),
-                        "--no-offload", "--steps", "2", "--schedule", "1f1b", port=29841 + 2 * zero)
+        _, out = _train(tmp_path, f"z{zero}", "--nproc", "4", "--dp", "4", "--pp", "1", "--zero", str(zero),
+                        "--no-offload", "--steps", "2", "--val-every", "0", "--sample-tokens", "0",
+                        port=29841 + 2 * zero)
         mem = json.loads((out / "metrics.json").read_text())["memory_bytes"]
         assert set(mem) == {"parameters", "gradients", "optimizer"}, mem  # DESIGN.md's keys
         if zero == 0:
-            psi = mem["parameters"] / 4  # the largest stage's parameters
+            psi = mem["parameters"] / 4  # the model's parameters
         # ZeRO-3 in fp32: the parameter shard is the master (K = 8: Adam's two moments)
         want = {"parameters": 4 * psi / (n_d if zero == 3 else 1), "gradients": 4 * psi / (n_d if zero >= 2 else 1),
                 "optimizer": (8 if zero == 3 else 12) * psi / (n_d if zero >= 1 else 1)}
@@ -319,7 +320,7 @@ def test_memory_per_rank_follows_the_zero_paper(tmp_path):
             assert abs(mem[kind] - v) <= 0.05 * v, (zero, kind, mem, want)
         # the planner predicts the same holdings for the same job (its model, grid and optimizer)
         cfg = gw.train.TrainConfig(hidden=32, layers=4, heads=4, seq=32, batch=8, tokenizer="bytes", zero=zero)
-        row = plan.predict(plan.model_of(cfg), plan.GridShape(dp=4, pp=2, zero=zero), plan.load_cluster("local"),
+        row = plan.predict(plan.model_of(cfg), plan.GridShape(dp=4, pp=1, zero=zero), plan.load_cluster("local"),
                            microbatches=cfg.microbatches)
         for kind, v in row["state_bytes"].items():
             assert abs(mem[kind] - v) <= 0.05 * mem[kind], (zero, kind, mem, row["state_bytes"])
