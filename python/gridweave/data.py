@@ -170,9 +170,9 @@ def document_offsets(text: str) -> list:
     starts, i = [0], 0
     for line in text.splitlines(keepends=True):
         i += len(line)
-        if line.rstrip("\r\n") == "%" or line.rstrip().endswith(EOT):
-            starts.append(i)
-    return [c for j, c in enumerate(starts) if c < len(text) and (j == 0 or c != starts[j - 1])]
+        if (line.rstrip("\r\n") == "%" or line.rstrip().endswith(EOT)) and i < len(text):
+            starts.append(i)  # lines are never empty: the offsets only grow
+    return starts
 
 
 @dataclass(frozen=True)
@@ -315,21 +315,22 @@ class Reader:
         self.position += self.batch
         return [self._window(first + i) for i in range(self.shard)]
 
+    def _inputs_targets(self, ws: list) -> tuple:
+        rows = [self.tokens[w * self.seq:w * self.seq + self.seq + 1] for w in ws]
+        windows = torch.from_numpy(np.stack(rows).astype(np.int64))
+        return windows[:, :-1], windows[:, 1:]
+
     def next(self):
         """This rank's (inputs, targets) of the next step, int64 on the host; advances the
         position by the global batch."""
-        rows = [self.tokens[w * self.seq:w * self.seq + self.seq + 1] for w in self._windows()]
-        windows = torch.from_numpy(np.stack(rows).astype(np.int64))
-        return windows[:, :-1], windows[:, 1:]
+        return self._inputs_targets(self._windows())
 
     def next_packed(self, documents: np.ndarray):
         """next() with the inputs' document ids (b, seq) int64: a window packs the documents that
         `documents` (their starting token indices) say it holds, cut where they start."""
         ws = self._windows()
-        rows = [self.tokens[w * self.seq:w * self.seq + self.seq + 1] for w in ws]
         ids = [np.searchsorted(documents, np.arange(w * self.seq, (w + 1) * self.seq), side="right") for w in ws]
-        windows = torch.from_numpy(np.stack(rows).astype(np.int64))
-        return windows[:, :-1], windows[:, 1:], torch.from_numpy(np.stack(ids).astype(np.int64))
+        return *self._inputs_targets(ws), torch.from_numpy(np.stack(ids).astype(np.int64))
 
     def state_dict(self) -> dict:
         return {"position": self.position, "seed": self.seed, "batch": self.batch, "seq": self.seq}

@@ -39,5 +39,5 @@ def check_documents(documents: torch.Tensor, batch: int, length: int) -> None:
 def document_rows(documents: torch.Tensor, layout, grid) -> torch.Tensor:
     """The ids of the batch rows this rank holds under `layout` (its dim 0 split over the tensor
     axes), from the ids of its data-parallel replica's whole batch (the dp axis already cut)."""
-    rows = Layout(tuple(a for a in layout.dims[0] if a != "dp")) if layout.dims else Layout()
+    rows = Layout(*layout.without("dp").dims[:1])  # dim 0 only: the rows
     return documents[local_slices(tuple(documents.shape), rows, grid)[:1]]

@@ -392,9 +392,10 @@ def train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y, documents=None)
     the weights were updated). plan.step_counters predicts this step's traffic (recorder.step_schedule)."""
     m, dp, pp = cfg.microbatches, grid.axes["dp"], grid.axes["pp"]
     mb = x.shape[0] // m
-    xs = [x[i * mb:(i + 1) * mb].to(grid.device) for i in range(m)]
-    ys = [y[i * mb:(i + 1) * mb].to(grid.device) for i in range(m)]
-    ds = None if documents is None else [documents[i * mb:(i + 1) * mb].to(grid.device) for i in range(m)]
+    def micro(t):  # t's m micro-batches, on the grid's device
+        return [t[i * mb:(i + 1) * mb].to(grid.device) for i in range(m)]
+
+    xs, ys, ds = micro(x), micro(y), None if documents is None else micro(documents)
     opt.zero_grad()
     if hasattr(opt, "backwards_per_step"):  # gradients final after the m-th backward: buckets start then
         opt.backwards_per_step = m

@@ -304,6 +304,7 @@ class _RingAttention(torch.autograd.Function):
             # once this rank has added its share.
             ex = ring.pass_on([kc, vc], 2 * s) if s < n - 1 else None
             for qs, q0, ks, k0, diagonal in _blocks(Lq, n, r, ring.source_at(s), ctx.zigzag, ctx.causal):
+                # rebuilt, not saved from forward: kept, the masks would hold (L/N)^2 per block
                 bias = None if ctx.documents is None else \
                     _document_bias(ctx.documents, qs, q0, ks, k0, ctx.causal, q.dtype)
                 dqb, dkb, dvb = ctx.blocks.backward(dout[..., qs, :].contiguous(), q[..., qs, :].contiguous(),

@@ -228,12 +228,10 @@ class TransformerLayer(nn.Module):
         documents (attention stays within each), or None."""
         if self.overlap:
             self.prefetch()
-        if documents is None:
-            x = x + self.attn(self.ln1(x))
-        elif not self.mode.packs_documents:
+        if documents is not None and not self.mode.packs_documents:
             raise GridError(f"packed documents: {self.mode!r}'s attention does not mask by documents")
-        else:
-            x = x + self.attn(self.ln1(x), documents)
+        h = self.ln1(x)
+        x = x + (self.attn(h) if documents is None else self.attn(h, documents))
         return x + self.mlp(self.ln2(x))
 
     @classmethod
