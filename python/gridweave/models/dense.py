@@ -10,7 +10,7 @@ from torch import nn
 
 from ..documents import check_documents, document_positions
 from ..errors import GridError
-from ..nn.dense import GPT2, LLAMA, Activation, Arch, DenseTransformerLayer, Norm
+from ..nn.dense import BERT, GPT2, LLAMA, Activation, Arch, DenseTransformerLayer, Norm
 
 
 # The one reader of a model config's keys: each field under gridweave's own name (to_dict:
@@ -19,15 +19,20 @@ CONFIG_KEYS = {"vocab": ("vocab", "vocab_size"), "hidden": ("hidden", "hidden_si
                "heads": ("heads", "num_attention_heads", "n_head"), "layers": ("layers", "num_hidden_layers", "n_layer"),
                "seq": ("seq", "max_position_embeddings", "n_positions"),
                "ffn_hidden": ("ffn_hidden", "intermediate_size", "n_inner"), "kv_heads": ("kv_heads", "num_key_value_heads"),
-               "eps": ("eps", "rms_norm_eps", "layer_norm_epsilon"), "tie": ("tie", "tie_word_embeddings")}
-HF_FAMILY = {"llama": "llama", "gpt2": "gpt"}  # Hugging Face's model_type -> family
+               "eps": ("eps", "rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps"),
+               "tie": ("tie", "tie_word_embeddings")}
+HF_FAMILY = {"llama": "llama", "gpt2": "gpt", "bert": "bert"}  # Hugging Face's model_type -> family
+FAMILIES = ("gpt", "llama", "bert")
+IGNORE = -100  # a target that is not predicted (the masked LM's unmasked tokens): torch's ignore_index
 HF_ACTIVATION = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}  # GPT-2's
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A decoder's sizes and architecture: what a checkpoint and an export record.
-    family: "gpt" (learned positions, LayerNorm, GeLU, biases) or "llama"."""
+    """A model's sizes and architecture: what a checkpoint and an export record. family: "gpt"
+    (learned positions, LayerNorm, GeLU, biases), "llama", or "bert" (the bidirectional encoder
+    seed 004 trains: post-norm layers, the embedding's LayerNorm, the masked-LM head).
+    linformer_k: Linformer's K (encoder only): keys and values projected from seq to K rows."""
     family: str = "gpt"
     vocab: int = 256
     hidden: int = 64
@@ -40,10 +45,13 @@ class ModelConfig:
     eps: float | None = None
     tie: bool = False
     activation: str | None = None  # gpt: "gelu" (exact) or "gelu_tanh" (GPT-2's gelu_new)
+    linformer_k: int | None = None
 
     def __post_init__(self):
-        if self.family not in ("gpt", "llama"):
-            raise GridError(f"model family must be 'gpt' or 'llama', got {self.family!r}")
+        if self.family not in FAMILIES:
+            raise GridError(f"model family must be one of {FAMILIES}, got {self.family!r}")
+        if self.linformer_k is not None and self.family != "bert":
+            raise GridError(f"Linformer is not causal: it needs the encoder (--model bert), got {self.family!r}")
         for name in ("vocab", "hidden", "heads", "layers", "seq"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -52,19 +60,27 @@ class ModelConfig:
             raise GridError(f"hidden {self.hidden} does not split into {self.heads} heads")
         if (self.hidden // self.heads) % 2 and self.family == "llama":
             raise GridError(f"rotary positions need an even head size, got {self.hidden // self.heads}")
-        self.arch.kv(self.heads)  # kv_heads divides heads
+        self.arch.kv(self.heads)  # kv_heads divides heads; Linformer's K
 
     @property
     def arch(self) -> Arch:
         if self.family == "llama":
             return Arch(Norm.RMS, Activation.SWIGLU, self.kv_heads, float(self.rope_theta),
                         LLAMA.eps if self.eps is None else self.eps)
+        if self.family == "bert":
+            return Arch(Norm.LAYER, Activation.GELU, self.kv_heads, None, BERT.eps if self.eps is None else self.eps,
+                        post_norm=True, linformer=None if self.linformer_k is None else (self.linformer_k, self.seq))
         return Arch(Norm.LAYER, Activation(self.activation or "gelu"), self.kv_heads, None,
                     GPT2.eps if self.eps is None else self.eps)
 
     @property
     def bias(self) -> bool:
-        return self.family == "gpt"
+        return self.family != "llama"
+
+    @property
+    def causal(self) -> bool:
+        """Decoders attend to the past; the encoder to the whole sequence."""
+        return self.family != "bert"
 
     @property
     def ffn(self) -> int:
@@ -124,20 +140,26 @@ class Embedding(nn.Module):
     """Token embeddings, plus learned position embeddings when the arch has no rotary ones:
     (batch, seq) ids -> (batch, seq, hidden)."""
 
-    def __init__(self, vocab, hidden, seq, dtype=None, device=None, positions=True):
+    def __init__(self, vocab, hidden, seq, dtype=None, device=None, positions=True, norm: nn.Module | None = None):
+        """norm: a LayerNorm after the sum (BERT's embedding), or None."""
         super().__init__()
         self.tok = nn.Embedding(vocab, hidden, dtype=dtype, device=device)
         self.pos = nn.Embedding(seq, hidden, dtype=dtype, device=device) if positions else None
+        self.ln = norm
 
     @classmethod
-    def of(cls, tok: nn.Module, pos: nn.Module | None) -> "Embedding":
-        """An Embedding of given token (e.g. vocab-parallel) and position modules."""
+    def of(cls, tok: nn.Module, pos: nn.Module | None, norm: nn.Module | None = None) -> "Embedding":
+        """An Embedding of given token (e.g. vocab-parallel), position and norm modules."""
         m = cls.__new__(cls)
         nn.Module.__init__(m)
-        m.tok, m.pos = tok, pos
+        m.tok, m.pos, m.ln = tok, pos, norm
         return m
 
     def forward(self, ids, documents=None):
+        x = self._sum(ids, documents)
+        return x if self.ln is None else self.ln(x)
+
+    def _sum(self, ids, documents=None):
         """documents: (batch, seq) ids of packed documents: learned positions restart at each."""
         x = self.tok(ids)
         if self.pos is None:
@@ -151,27 +173,34 @@ class Embedding(nn.Module):
 
 
 class Head(nn.Module):
-    """Final norm and the vocabulary projection."""
+    """Final norm and the vocabulary projection. masked_lm: BERT's masked-LM head, a dense
+    hidden x hidden transform and its activation before the norm, and a bias on the projection."""
 
-    def __init__(self, vocab, hidden, dtype=None, device=None, arch: Arch = GPT2):
+    def __init__(self, vocab, hidden, dtype=None, device=None, arch: Arch = GPT2, masked_lm: bool = False):
         super().__init__()
-        self.ln = arch.dense_norm(hidden, dtype=dtype, device=device)
-        self.out = nn.Linear(hidden, vocab, bias=False, dtype=dtype, device=device)
+        kw = dict(dtype=dtype, device=device)
+        self.transform = nn.Linear(hidden, hidden, **kw) if masked_lm else None
+        self.act = arch.act if masked_lm else None
+        self.ln = arch.dense_norm(hidden, **kw)
+        self.out = nn.Linear(hidden, vocab, bias=masked_lm, **kw)
 
     @classmethod
-    def of(cls, ln: nn.Module, out: nn.Module) -> "Head":
+    def of(cls, ln: nn.Module, out: nn.Module, transform: nn.Module | None = None, act=None) -> "Head":
         m = cls.__new__(cls)
         nn.Module.__init__(m)
-        m.ln, m.out = ln, out
+        m.transform, m.act, m.ln, m.out = transform, act, ln, out
         return m
 
     def forward(self, x):
+        if self.transform is not None:
+            x = self.act(self.transform(x))
         return self.out(self.ln(x))
 
 
 class GPT(nn.Module):
     """A decoder: embedding, `layers` pre-norm causal layers, head. GPT-2's architecture by
-    default; gw.models.Llama (or config=ModelConfig(family="llama")) for Llama's."""
+    default; gw.models.Llama (or config=ModelConfig(family="llama")) for Llama's; gw.models.Bert
+    (family "bert") the encoder: bidirectional post-norm layers and the masked-LM head."""
 
     def __init__(self, vocab=256, hidden=64, heads=4, layers=4, seq=32, dtype=None, device=None,
                  config: ModelConfig | None = None):
@@ -180,10 +209,13 @@ class GPT(nn.Module):
         self.config = cfg
         self.vocab, self.seq = cfg.vocab, cfg.seq
         arch, kw = cfg.arch, dict(dtype=dtype, device=device)
-        self.embed = Embedding(cfg.vocab, cfg.hidden, cfg.seq, positions=arch.rope_theta is None, **kw)
-        self.layers = nn.ModuleList(DenseTransformerLayer(cfg.hidden, cfg.heads, cfg.ffn, bias=cfg.bias, arch=arch, **kw)
+        encoder = not cfg.causal
+        self.embed = Embedding(cfg.vocab, cfg.hidden, cfg.seq, positions=arch.rope_theta is None,
+                               norm=arch.dense_norm(cfg.hidden, **kw) if encoder else None, **kw)
+        self.layers = nn.ModuleList(DenseTransformerLayer(cfg.hidden, cfg.heads, cfg.ffn, bias=cfg.bias,
+                                                          causal=cfg.causal, arch=arch, **kw)
                                     for _ in range(cfg.layers))
-        self.head = Head(cfg.vocab, cfg.hidden, arch=arch, **kw)
+        self.head = Head(cfg.vocab, cfg.hidden, arch=arch, masked_lm=encoder, **kw)
         if cfg.tie:
             self.head.out.weight = self.embed.tok.weight
 
@@ -197,7 +229,8 @@ class GPT(nn.Module):
 
     @staticmethod
     def loss(logits, targets):
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        """Mean cross-entropy over the predicted tokens (targets IGNORE are not predicted)."""
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE)
 
     def stage_layers(self, stage: int, stages: int) -> list:
         """Stage `stage` of `stages`: the embedding on the first, the head on the last, the
@@ -223,6 +256,18 @@ class Llama(GPT):
         super().__init__(dtype=dtype, device=device,
                          config=ModelConfig("llama", vocab, hidden, heads, layers, seq, ffn_hidden, kv_heads,
                                             rope_theta, eps, tie))
+
+
+class Bert(GPT):
+    """BERT's encoder for masked-LM training (Devlin et al. 2019; seed 004's model): learned
+    positions, an embedding LayerNorm, post-norm bidirectional layers, the masked-LM head (no
+    pooler); linformer_k: Linformer's self-attention (Wang et al. 2020) with K projected rows."""
+
+    def __init__(self, vocab=256, hidden=64, heads=4, layers=4, seq=32, ffn_hidden=None, eps=None, tie=False,
+                 linformer_k=None, dtype=None, device=None):
+        super().__init__(dtype=dtype, device=device,
+                         config=ModelConfig("bert", vocab, hidden, heads, layers, seq, ffn_hidden, eps=eps, tie=tie,
+                                            linformer_k=linformer_k))
 
 
 def build(config: ModelConfig, dtype=None, device=None) -> GPT:

@@ -66,13 +66,29 @@ def _gpt2_config(c) -> ModelConfig:
     return ModelConfig(**ModelConfig.fields_of(c.to_dict()))
 
 
+def _bert_config(c) -> ModelConfig:
+    if c.hidden_act != "gelu":
+        _unsupported("hidden_act", c.hidden_act, "an activation other than BERT's exact GeLU")
+    if getattr(c, "position_embedding_type", "absolute") != "absolute":
+        _unsupported("position_embedding_type", c.position_embedding_type, "relative positions")
+    if getattr(c, "is_decoder", False) or getattr(c, "add_cross_attention", False):
+        _unsupported("is_decoder", True, "BERT as a decoder")
+    drop = [f for f in ("hidden_dropout_prob", "attention_probs_dropout_prob") if getattr(c, f, 0.0)]
+    if drop:  # inference is the same model; gridweave trains without dropout
+        warnings.warn(f"BERT config {', '.join(f'{f}={getattr(c, f)}' for f in drop)}: gridweave trains without "
+                      "dropout (evaluation is unchanged)", stacklevel=3)
+    return ModelConfig(**ModelConfig.fields_of(c.to_dict()))
+
+
 def config_from_hf(c) -> ModelConfig:
     kind = getattr(c, "model_type", None)
     if kind == "llama":
         return _llama_config(c)
     if kind == "gpt2":
         return _gpt2_config(c)
-    raise GridError(f"Hugging Face model_type {kind!r}: gridweave reads 'llama' and 'gpt2'")
+    if kind == "bert":
+        return _bert_config(c)
+    raise GridError(f"Hugging Face model_type {kind!r}: gridweave reads 'llama', 'gpt2' and 'bert'")
 
 
 # One name table per family, read both ways: our name -> transformers' name(s). A layer
@@ -81,7 +97,20 @@ _TOP = {"llama": {"embed.tok.weight": "model.embed_tokens.weight", "head.ln.weig
                   "head.out.weight": "lm_head.weight"},
         "gpt": {"embed.tok.weight": "transformer.wte.weight", "embed.pos.weight": "transformer.wpe.weight",
                 "head.ln.weight": "transformer.ln_f.weight", "head.ln.bias": "transformer.ln_f.bias",
-                "head.out.weight": "lm_head.weight"}}
+                "head.out.weight": "lm_head.weight"},
+        # BertForMaskedLM; its segment embedding of type 0 is folded into the positions (_our_state)
+        "bert": {"embed.tok.weight": "bert.embeddings.word_embeddings.weight",
+                 "embed.pos.weight": "bert.embeddings.position_embeddings.weight",
+                 "embed.ln.weight": "bert.embeddings.LayerNorm.weight", "embed.ln.bias": "bert.embeddings.LayerNorm.bias",
+                 "head.transform.weight": "cls.predictions.transform.dense.weight",
+                 "head.transform.bias": "cls.predictions.transform.dense.bias",
+                 "head.ln.weight": "cls.predictions.transform.LayerNorm.weight",
+                 "head.ln.bias": "cls.predictions.transform.LayerNorm.bias",
+                 "head.out.weight": "cls.predictions.decoder.weight", "head.out.bias": "cls.predictions.decoder.bias"}}
+_BERT_LAYER = {"ln1": ["attention.output.LayerNorm"], "qkv": ["attention.self.query", "attention.self.key",
+                                                               "attention.self.value"],
+               "proj": ["attention.output.dense"], "ln2": ["output.LayerNorm"], "fc1": ["intermediate.dense"],
+               "fc2": ["output.dense"]}
 _GPT2_LAYER = {"ln_1": "ln1", "attn.c_attn": "qkv", "attn.c_proj": "proj", "ln_2": "ln2", "mlp.c_fc": "fc1",
                "mlp.c_proj": "fc2"}
 _LAYER = {"llama": {"ln1.weight": ["input_layernorm.weight"], "ln2.weight": ["post_attention_layernorm.weight"],
@@ -89,8 +118,11 @@ _LAYER = {"llama": {"ln1.weight": ["input_layernorm.weight"], "ln2.weight": ["po
                     "proj.weight": ["self_attn.o_proj.weight"],
                     "fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
                     "fc2.weight": ["mlp.down_proj.weight"]},
-          "gpt": {f"{ours}.{k}": [f"{theirs}.{k}"] for theirs, ours in _GPT2_LAYER.items() for k in ("weight", "bias")}}
-_LAYER_PREFIX = {"llama": "model.layers.{}.", "gpt": "transformer.h.{}."}
+          "gpt": {f"{ours}.{k}": [f"{theirs}.{k}"] for theirs, ours in _GPT2_LAYER.items() for k in ("weight", "bias")},
+          "bert": {f"{ours}.{k}": [f"{t}.{k}" for t in theirs] for ours, theirs in _BERT_LAYER.items()
+                   for k in ("weight", "bias")}}
+_LAYER_PREFIX = {"llama": "model.layers.{}.", "gpt": "transformer.h.{}.", "bert": "bert.encoder.layer.{}."}
+_SEGMENTS = "bert.embeddings.token_type_embeddings.weight"
 
 
 def _conv1d(cfg: ModelConfig, ours: str) -> bool:
@@ -108,6 +140,8 @@ def _our_state(sd: dict, cfg: ModelConfig) -> dict:
     top, prefix = _TOP[cfg.family], _LAYER_PREFIX[cfg.family]
     out = {ours: sd[theirs] for ours, theirs in top.items() if theirs in sd}
     out.setdefault("head.out.weight", out["embed.tok.weight"])
+    if _SEGMENTS in sd:  # every token of segment 0: its embedding is a constant added to each position's
+        out["embed.pos.weight"] = out["embed.pos.weight"] + sd[_SEGMENTS][0]
     for i in range(cfg.layers):
         for ours, theirs in _LAYER[cfg.family].items():
             w = torch.cat([sd[prefix.format(i) + t] for t in theirs])
@@ -119,6 +153,9 @@ def _hf_state(ours: dict, cfg) -> dict:
     """HF state from ours: HF tensors that ours concatenates (q|k|v, gate|up) are split back."""
     top, prefix = _TOP[cfg.family], _LAYER_PREFIX[cfg.family]
     out = {theirs: ours[o] for o, theirs in top.items() if not (cfg.tie and o == "head.out.weight")}
+    if cfg.family == "bert":  # the segment embeddings zero: ours hold segment 0's in the positions
+        out[_SEGMENTS] = ours["embed.pos.weight"].new_zeros(2, cfg.hidden)
+        out["cls.predictions.bias"] = ours["head.out.bias"]  # the decoder's, where untied they are two
     for i in range(cfg.layers):
         for o, theirs in _LAYER[cfg.family].items():
             w = ours[f"layers.{i}.{o}"]
@@ -159,12 +196,24 @@ def hf_config(cfg: ModelConfig):
                               rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
                               attention_bias=False, mlp_bias=False, hidden_act="silu")
     if cfg.kv_heads not in (None, cfg.heads):
-        raise GridError("GPT-2 has no grouped-query attention: a gpt model with kv_heads has no Hugging Face form")
+        raise GridError(f"{cfg.family} has no grouped-query attention in Hugging Face: a model with kv_heads has no "
+                        "Hugging Face form")
+    if cfg.family == "bert":
+        if cfg.linformer_k is not None:
+            raise GridError("transformers has no Linformer: a bert model with linformer_k has no Hugging Face form")
+        return tf.BertConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
+                             num_attention_heads=cfg.heads, intermediate_size=cfg.ffn, hidden_act="gelu",
+                             max_position_embeddings=cfg.seq, type_vocab_size=2, layer_norm_eps=cfg.arch.eps,
+                             tie_word_embeddings=cfg.tie, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     act = {"gelu": "gelu", "gelu_tanh": "gelu_new"}[cfg.arch.activation.value]
     return tf.GPT2Config(vocab_size=cfg.vocab, n_embd=cfg.hidden, n_layer=cfg.layers, n_head=cfg.heads,
                          n_positions=cfg.seq, n_inner=cfg.ffn, activation_function=act,
                          layer_norm_epsilon=cfg.arch.eps, tie_word_embeddings=cfg.tie,
                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+_HF_CLASS = {"llama": lambda tf: tf.LlamaForCausalLM, "gpt": lambda tf: tf.GPT2LMHeadModel,
+             "bert": lambda tf: tf.BertForMaskedLM}
 
 
 def to_hf(model: GPT):
@@ -174,9 +223,9 @@ def to_hf(model: GPT):
     ours = {k: v.detach() for k, v in model.state_dict().items()}
     w = ours["embed.tok.weight"]
     with torch.device(w.device):  # built where the weights are, whatever torch's default device
-        hf = (tf.LlamaForCausalLM if cfg.family == "llama" else tf.GPT2LMHeadModel)(hf_config(cfg)).to(w.dtype)
+        hf = _HF_CLASS[cfg.family](tf)(hf_config(cfg)).to(w.dtype)
     missing, unexpected = hf.load_state_dict(_hf_state(ours, cfg), strict=False)
-    missing = [k for k in missing if not (cfg.tie and k == "lm_head.weight")]
+    missing = [k for k in missing if not (cfg.tie and k == _TOP[cfg.family]["head.out.weight"])]
     if missing or unexpected:
         raise GridError(f"internal: Hugging Face names not covered: missing {missing}, unexpected {unexpected}")
     return hf.eval()

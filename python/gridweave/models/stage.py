@@ -4,6 +4,7 @@ the interleaved schedule."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..autograd.comm import gather_from_parallel, scatter_to_parallel
@@ -16,7 +17,7 @@ from ..nn.tensor1d import ColumnParallelLinear, VocabParallelEmbedding
 from ..nn.transformer import TransformerLayer
 from ..pipeline import resolve_ac, run_layers
 from ..sharding import place, placement_of
-from .dense import GPT, Embedding, Head
+from .dense import GPT, IGNORE, Embedding, Head
 
 # ---- the GPT on a grid: embedding and head replicated, transformer layers in a tp mode ----
 
@@ -102,14 +103,15 @@ class GPTStage(nn.Module):
             return dense.to(self.grid.device)
 
         tok = VocabParallelEmbedding.from_dense(dense.tok, self.grid, axis=self.vocab_axis, device=self.grid.device)
-        return Embedding.of(tok, dense.pos.to(self.grid.device) if dense.pos is not None else None)
+        return Embedding.of(tok, *(m.to(self.grid.device) if m is not None else None for m in (dense.pos, dense.ln)))
 
     def _head(self, dense: Head) -> Head:
         if self.vocab_axis is None:
             return dense.to(self.grid.device)
 
         out = ColumnParallelLinear.from_dense(dense.out, self.grid, axis=self.vocab_axis, device=self.grid.device)
-        return Head.of(dense.ln.to(self.grid.device), out)
+        transform = dense.transform.to(self.grid.device) if dense.transform is not None else None
+        return Head.of(dense.ln.to(self.grid.device), out, transform, dense.act)
 
     def full_logits(self, logits):
         """The last stage's output as whole logits on every rank (gathered over the vocabulary
@@ -119,13 +121,24 @@ class GPTStage(nn.Module):
 
         return gather(logits, Layout(*([()] * (logits.dim() - 1)), (self.vocab_axis,)), self.grid)
 
-    def loss(self, logits, targets):
-        """Mean cross-entropy over the tokens (the last stage's output; float32 or wider)."""
+    def loss(self, logits, targets, normalizer=None):
+        """Cross-entropy of the predicted tokens (targets IGNORE are not; the last stage's output;
+        float32 or wider): their mean, or their sum over `normalizer` (the masked LM's share of
+        the global batch's predicted tokens, train.train_step)."""
+        targets = targets.reshape(-1)
         if self.vocab_axis is None:
-            return GPT.loss(logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits, targets)
-
-        return vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), self.grid,
-                                            self.vocab_axis).mean()
+            logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+            if normalizer is None:
+                return GPT.loss(logits, targets)
+            per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets, ignore_index=IGNORE,
+                                        reduction="none")
+        else:
+            per_token = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets, self.grid,
+                                                     self.vocab_axis)
+            per_token = per_token * (targets != IGNORE)
+            if normalizer is None:
+                return per_token.sum() / (targets != IGNORE).sum().clamp(min=1)
+        return per_token.sum() / normalizer
 
     def activation_shape(self, batch: int, seq: int) -> tuple:
         """What crosses a stage boundary on this rank (1/t of the hidden dim with scatter/gather)."""

@@ -39,6 +39,8 @@ class Arch:
     kv_heads: int | None = None
     rope_theta: float | None = None
     eps: float = 1e-5
+    post_norm: bool = False  # BERT's post-LN block: x = LN(x + attn(x)), then LN(x + mlp(x))
+    linformer: tuple | None = None  # (K, L): keys and values projected from L tokens to K rows (Linformer)
 
     def __post_init__(self):
         if not isinstance(self.norm, Norm) or not isinstance(self.activation, Activation):
@@ -47,6 +49,29 @@ class Arch:
             raise GridError(f"kv_heads must be a positive integer, got {self.kv_heads!r}")
         if self.rope_theta is not None and not self.rope_theta > 0:
             raise GridError(f"rope_theta must be positive, got {self.rope_theta!r}")
+        if self.linformer is not None:
+            k, length = self.linformer
+            if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (k, length)):
+                raise GridError(f"linformer must be (K, L) positive integers, got {self.linformer!r}")
+            if self.rope_theta is not None:
+                raise GridError("Linformer projects keys along the sequence: it has no rotary form here")
+
+    def check_causal(self, causal: bool) -> None:
+        """A GridError where this block cannot be causal (Linformer mixes every token's keys)."""
+        if causal and self.linformer is not None:
+            raise GridError("Linformer is not causal (its projections mix every token's keys and values): "
+                            "use it in an encoder (causal=False, --model bert)")
+
+    def make_lowrank(self, dtype=None, device=None) -> nn.Parameter | None:
+        """Linformer's E and F of one layer, stacked (2, K, L) and shared by its heads (Wang et al.
+        2020 §4, headwise sharing), Xavier-normal as the authors' code initialises them; None
+        without Linformer."""
+        if self.linformer is None:
+            return None
+        k, length = self.linformer
+        w = torch.empty(2, k, length, dtype=dtype, device=device)
+        nn.init.normal_(w, std=(2.0 / (k + length)) ** 0.5)
+        return nn.Parameter(w)
 
     def kv(self, heads: int) -> int:
         """Key/value heads of a block with `heads` query heads (checked to divide them)."""
@@ -81,6 +106,7 @@ class Arch:
 
 GPT2 = Arch()
 LLAMA = Arch(Norm.RMS, Activation.SWIGLU, rope_theta=10000.0, eps=1e-6)
+BERT = Arch(Norm.LAYER, Activation.GELU, eps=1e-12, post_norm=True)
 
 
 def rotary(positions: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple:
@@ -117,11 +143,29 @@ def split_heads(qkv: torch.Tensor, heads: int, kv_heads: int, arch: Arch, positi
     return q, k, v
 
 
+def linformer_attention(q, k, v, lowrank: torch.Tensor, total=None) -> torch.Tensor:
+    """Linformer (Wang et al. 2020, Eq. 7): softmax(Q (E K)^T / sqrt(d)) F V, with E, F = lowrank
+    (2, K, L_local): the columns of this rank's tokens. total(t), where ranks split the sequence,
+    sums the partial products E_i K_i, F_i V_i over them (seed 004 §4.3: one all-reduce)."""
+    kv = torch.einsum("ekl,ebhld->ebhkd", lowrank, torch.stack((k, v)))
+    if total is not None:
+        kv = total(kv)
+    return F.scaled_dot_product_attention(q, kv[0], kv[1])
+
+
 def attention(qkv: torch.Tensor, heads: int, causal: bool, kv_heads: int | None = None, arch: Arch = GPT2,
-              positions=None, documents=None) -> torch.Tensor:
+              positions=None, documents=None, lowrank=None) -> torch.Tensor:
     """Multi-head attention on a packed [q | k | v] (b, s, width) -> (b, s, heads x d); with
     `documents` (b, s) ids, each token attends within its document only, and rotary positions
-    (unless given) restart at each document."""
+    (unless given) restart at each document. lowrank: Linformer's (2, K, s) E and F."""
+    if lowrank is not None:
+        if documents is not None:
+            raise GridError("Linformer projects the whole sequence: it does not mask packed documents")
+        if lowrank.shape[-1] != qkv.shape[1]:
+            raise GridError(f"this Linformer projects {lowrank.shape[-1]} tokens; the sequence has {qkv.shape[1]}")
+        q, k, v = split_heads(qkv, heads, heads if kv_heads is None else kv_heads, arch, positions)
+        b, s = qkv.shape[:2]
+        return linformer_attention(q, k, v, lowrank).transpose(1, 2).reshape(b, s, -1)
     if documents is not None:
         check_documents(documents, *qkv.shape[:2])
         positions = document_positions(documents) if positions is None else positions
@@ -141,13 +185,16 @@ class DenseSelfAttention(nn.Module):
     def __init__(self, hidden: int, heads: int, bias: bool = True, causal: bool = True, dtype=None, device=None,
                  arch: Arch = GPT2):
         super().__init__()
+        arch.check_causal(causal)
         self.heads, self.causal, self.arch = heads, causal, arch
         self.kv_heads = arch.kv(heads)
         self.qkv = nn.Linear(hidden, sum(arch.qkv_widths(hidden, heads)), bias=bias, dtype=dtype, device=device)
         self.proj = nn.Linear(hidden, hidden, bias=bias, dtype=dtype, device=device)
+        self.lowrank = arch.make_lowrank(dtype, device)
 
     def forward(self, x, documents=None):
-        return self.proj(attention(self.qkv(x), self.heads, self.causal, self.kv_heads, self.arch, documents=documents))
+        return self.proj(attention(self.qkv(x), self.heads, self.causal, self.kv_heads, self.arch, documents=documents,
+                                   lowrank=self.lowrank))
 
 
 class DenseMLP(nn.Module):
@@ -165,18 +212,21 @@ class DenseMLP(nn.Module):
 
 class DenseTransformerLayer(nn.Module):
     """Pre-norm decoder layer: x + proj(attn(qkv(ln1 x))), then x + fc2(act(fc1(ln2 x))).
-    GPT-2 by default; arch=gw.nn.LLAMA (with bias=False) is a Llama layer."""
+    GPT-2 by default; arch=gw.nn.LLAMA (with bias=False) is a Llama layer; gw.nn.BERT (with
+    causal=False) BERT's post-norm encoder layer: ln1(x + attn(x)), then ln2(x + mlp(x))."""
 
     def __init__(self, hidden: int, heads: int, ffn_hidden: int | None = None, bias: bool = True,
                  causal: bool = True, dtype=None, device=None, arch: Arch = GPT2):
         super().__init__()
         ffn_hidden = ffn_hidden or 4 * hidden
         kw = dict(dtype=dtype, device=device)
+        arch.check_causal(causal)
         self.heads, self.causal, self.arch = heads, causal, arch
         self.kv_heads = arch.kv(heads)
         self.ln1 = arch.dense_norm(hidden, **kw)
         self.qkv = nn.Linear(hidden, sum(arch.qkv_widths(hidden, heads)), bias=bias, **kw)
         self.proj = nn.Linear(hidden, hidden, bias=bias, **kw)
+        self.lowrank = arch.make_lowrank(**kw)
         self.ln2 = arch.dense_norm(hidden, **kw)
         self.fc1 = nn.Linear(hidden, sum(arch.fc1_widths(ffn_hidden)), bias=bias, **kw)
         self.fc2 = nn.Linear(ffn_hidden, hidden, bias=bias, **kw)
@@ -185,9 +235,15 @@ class DenseTransformerLayer(nn.Module):
     def ffn_hidden(self) -> int:
         return self.fc2.in_features
 
+    def _attn(self, h, documents):
+        return self.proj(attention(self.qkv(h), self.heads, self.causal, self.kv_heads, self.arch,
+                                   documents=documents, lowrank=self.lowrank))
+
     def forward(self, x, documents=None):
-        x = x + self.proj(attention(self.qkv(self.ln1(x)), self.heads, self.causal, self.kv_heads, self.arch,
-                                    documents=documents))
+        if self.arch.post_norm:
+            x = self.ln1(x + self._attn(x, documents))
+            return self.ln2(x + self.fc2(self.arch.act(self.fc1(x))))
+        x = x + self._attn(self.ln1(x), documents)
         return x + self.fc2(self.arch.act(self.fc1(self.ln2(x))))
 
 

@@ -107,6 +107,7 @@ class SeqAttention(enum.Enum):
     RSA = "rsa"  # seed 004's Ring Self-Attention, as written
     ULYSSES = "ulysses"  # DeepSpeed-Ulysses: all-to-all to head shards around the attention core
     USP = "usp"  # Ulysses inside blocks of ulysses_degree sp ranks, the zigzag ring across the blocks
+    LINFORMER = "linformer"  # seed 004 §4.3: E_i K_i, F_i V_i of each shard all-reduced over sp (a Linformer model's)
 
     @classmethod
     def of(cls, name) -> "SeqAttention":

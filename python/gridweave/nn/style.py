@@ -96,7 +96,7 @@ class Branches(Style):
     def check_attention(self, attention) -> None:
         """SUPER's branches run the ring over sp themselves: Ulysses and USP are the other modes'."""
         a = SeqAttention.of(attention)
-        if a in (SeqAttention.ULYSSES, SeqAttention.USP):
+        if a in (SeqAttention.ULYSSES, SeqAttention.USP, SeqAttention.LINFORMER):
             raise GridError(f"SUPER's branches run the ring over sp; attention={a.value} is for the other modes")
 
     def split(self, x, grid, shape=None):

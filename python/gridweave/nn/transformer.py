@@ -10,10 +10,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..autograd.comm import all_reduce_replicated
 from ..documents import document_rows
 from ..errors import GridError
-from ..sharding import group_order, set_row_order
-from .dense import GPT2, Arch, DenseMLP, DenseSelfAttention, DenseTransformerLayer
+from ..layout import Layout, scatter
+from ..sharding import DATA_AXES, group_order, place, set_row_order
+from .dense import GPT2, Arch, DenseMLP, DenseSelfAttention, DenseTransformerLayer, linformer_attention, split_heads, values
 from .sequence import SeqAttention, attend
 from .style import resolve
 
@@ -32,6 +34,13 @@ class SelfAttention(nn.Module):
         self.mode = resolve(mode, grid)
         self.groups = self.mode.head_groups_count()
         self.arch = arch = arch or GPT2
+        arch.check_causal(causal)
+        if arch.linformer is not None:  # the model decides: its attention is Linformer's
+            if self.attention not in (SeqAttention.RING, SeqAttention.LINFORMER):
+                raise GridError(f"a Linformer model's attention is attention='linformer', got {self.attention.value!r}")
+            self.attention = SeqAttention.LINFORMER
+        elif self.attention is SeqAttention.LINFORMER:
+            raise GridError("attention='linformer' needs a Linformer model (Arch(linformer=(K, L)); --linformer-k K)")
         self.kv_heads = arch.kv(heads)
         if heads % self.groups or self.kv_heads % self.groups:
             if self.kv_heads == heads:
@@ -47,6 +56,17 @@ class SelfAttention(nn.Module):
         set_row_order(self.qkv.weight, self.widths, self.groups)
         set_row_order(self.qkv.bias, self.widths, self.groups)
         self.attention.check(grid.axes.get("sp", 1), ulysses_degree, heads // self.groups)
+        self.lowrank = arch.make_lowrank(dtype, device or grid.device)
+        if self.lowrank is not None:
+            # every rank holds E and F; its gradient covers its own tokens' columns and heads, so it
+            # is partial over every axis that splits the qkv output (batch, sequence, heads)
+            split = tuple(a for axes in self._qkv_layout.dims for a in axes)
+            place(self.lowrank, partial=tuple(dict.fromkeys(DATA_AXES + split)))
+
+    @property
+    def _qkv_layout(self):
+        """The layout of the qkv output: the rows (batch, sequence) and heads this rank attends over."""
+        return getattr(self.qkv, "output_layout", None) or self.input_layout
 
     @property
     def input_layout(self):
@@ -63,18 +83,37 @@ class SelfAttention(nn.Module):
     def forward(self, x, documents=None):
         """documents: the (batch, sequence) ids of this data-parallel replica's whole batch (packed
         documents); this rank's rows are picked by the layout its attention runs in."""
+        if self.lowrank is not None:
+            if documents is not None:
+                raise GridError("Linformer projects the whole sequence: it does not mask packed documents")
+            return self.proj(self._linformer(self.qkv(x)))
         if documents is not None:
-            documents = document_rows(documents, getattr(self.qkv, "output_layout", None) or self.input_layout,
-                                      self.grid)
+            documents = document_rows(documents, self._qkv_layout, self.grid)
         return self.proj(attend(self.qkv(x), self.heads // self.groups, self.causal, self.grid, self.attention,
                                 self.kv_heads // self.groups, self.arch, self.ulysses_degree, documents))
+
+    def _linformer(self, qkv):
+        """Seed 004 §4.3 (Table 3): this rank projects its L/N keys and values with its L/N columns
+        of E and F; the partial products are summed over the axes that split the sequence."""
+        seq_axes = tuple(a for a in self._qkv_layout.dims[1] if self.grid.axes.get(a, 1) > 1)
+        length = self.arch.linformer[1]
+        columns = scatter(torch.arange(length, device=qkv.device).view(1, length, 1),
+                          Layout((), self._qkv_layout.dims[1], ()), self.grid).view(-1)
+        if len(columns) != qkv.shape[1]:
+            raise GridError(f"this Linformer projects {length} tokens; the sequence has {qkv.shape[1]} here of "
+                            f"{len(columns)} expected")
+        q, k, v = split_heads(qkv, self.heads // self.groups, self.kv_heads // self.groups, self.arch)
+        total = (lambda t: all_reduce_replicated(t, self.grid, seq_axes)) if seq_axes else None
+        o = linformer_attention(q, k, v, self.lowrank[:, :, columns], total)
+        b, s = qkv.shape[:2]
+        return o.transpose(1, 2).reshape(b, s, -1)
 
     @classmethod
     def from_dense(cls, dense: DenseSelfAttention, grid, mode=None, **kw):
         kw.setdefault("dtype", dense.qkv.weight.dtype)
         m = cls(dense.qkv.in_features, dense.heads, grid, mode, bias=dense.qkv.bias is not None, causal=dense.causal,
                 arch=dense.arch, **kw)
-        m.load_dense(dense.qkv, dense.proj)
+        m.load_dense(dense.qkv, dense.proj, dense.lowrank)
         return m
 
     def to_dense(self):
@@ -85,13 +124,18 @@ class SelfAttention(nn.Module):
             d.load_state_dict(self.dense_state())
         return d
 
-    def load_dense(self, qkv: nn.Linear, proj: nn.Linear):
+    def load_dense(self, qkv: nn.Linear, proj: nn.Linear, lowrank=None):
         self.qkv.load_dense(qkv, group_order(self.widths, self.groups, qkv.weight.device))
         self.proj.load_dense(proj)
+        if self.lowrank is not None:
+            with torch.no_grad():
+                self.lowrank.copy_(lowrank)
 
     def dense_state(self, grad=False):
         out = {f"qkv.{k}": v for k, v in self.qkv.dense_state(grad).items()}
         out.update({f"proj.{k}": v for k, v in self.proj.dense_state(grad).items()})
+        if self.lowrank is not None:
+            out["lowrank"] = values(grad)(self.lowrank).clone()
         inv = torch.argsort(group_order(self.widths, self.groups, out["qkv.weight"].device))
         for k in ("qkv.weight", "qkv.bias"):
             if k in out:
@@ -201,6 +245,8 @@ class TransformerLayer(nn.Module):
         device = device or grid.device
         self.grid, self.hidden, self.heads, self.causal = grid, hidden, heads, causal
         self.ffn_hidden, self.overlap, self.bias = ffn_hidden, overlap, bias
+        if arch.linformer is not None:
+            self.mode.check_attention(SeqAttention.LINFORMER)  # SUPER's branches have no Linformer
         self.ln1, self.ln2 = (self.mode.norm(hidden, grid, dtype, device, arch.eps, arch.norm) for _ in range(2))
         self.attn = self.mode.attention(hidden, heads, grid, causal, bias, dtype, device, overlap, attention,
                                         arch=arch, **attention_options)
@@ -230,8 +276,13 @@ class TransformerLayer(nn.Module):
             self.prefetch()
         if documents is not None and not self.mode.packs_documents:
             raise GridError(f"packed documents: {self.mode!r}'s attention does not mask by documents")
-        h = self.ln1(x)
-        x = x + (self.attn(h) if documents is None else self.attn(h, documents))
+        def attn(h):
+            return self.attn(h) if documents is None else self.attn(h, documents)
+
+        if self.arch.post_norm:  # BERT (Devlin et al. 2019): the norms after each residual sum
+            x = self.ln1(x + attn(x))
+            return self.ln2(x + self.mlp(x))
+        x = x + attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
     @classmethod
@@ -244,7 +295,10 @@ class TransformerLayer(nn.Module):
         return m
 
     def load_dense(self, dense):
-        self.attn.load_dense(dense.qkv, dense.proj)
+        if dense.lowrank is not None:
+            self.attn.load_dense(dense.qkv, dense.proj, dense.lowrank)
+        else:
+            self.attn.load_dense(dense.qkv, dense.proj)
         self.mlp.load_dense(dense.fc1, dense.fc2)
         self.ln1.load_dense(dense.ln1)
         self.ln2.load_dense(dense.ln2)
@@ -252,7 +306,7 @@ class TransformerLayer(nn.Module):
     # this layer's parameter names -> DenseTransformerLayer's (sub-graph branches keep the
     # projection's bias apart as proj_bias)
     DENSE_NAMES = {"attn.qkv.": "qkv.", "attn.proj.": "proj.", "attn.proj_bias": "proj.bias", "mlp.fc1.": "fc1.",
-                   "mlp.fc2.": "fc2."}
+                   "mlp.fc2.": "fc2.", "attn.lowrank": "lowrank"}
 
     def dense_named_parameters(self):
         """(DenseTransformerLayer's name, this rank's parameter) pairs."""
