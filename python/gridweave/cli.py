@@ -21,7 +21,8 @@ def _train_parser(sub):
     def arg(name, **kw):
         p.add_argument("--" + name.replace("_", "-"), default=d[name].default, **kw)
 
-    p = sub.add_parser("train", help="train a Llama-style model (or the GPT) on a tokenized text corpus over ranks")
+    p = sub.add_parser("train", help="train a Llama-style model (or the GPT, or BERT's masked LM) on a tokenized text "
+                                     "corpus over ranks")
     p.add_argument("--nproc", type=int, default=8, help="ranks to spawn (0: use the launcher's ranks)")
     p.add_argument("--launcher", default="auto", choices=["auto", "torchrun", "mpirun"],
                    help="how --nproc ranks are spawned: torchrun (Gloo/NCCL) or mpirun (the MPI transport); "
@@ -43,6 +44,9 @@ def _train_parser(sub):
                         "to head shards), or USP (Ulysses inside blocks of --ulysses-degree sp ranks, the ring across)")
     m.add_argument("--ulysses-degree", type=int, default=d["ulysses_degree"].default,
                    help="--attention usp: the sp ranks of each Ulysses block")
+    m.add_argument("--linformer-k", type=int, default=d["linformer_k"].default,
+                   help="--model bert --attention linformer: keys and values projected from --seq to K rows "
+                        "(seed 004 §4.3: the projections split over the sequence shards)")
     m.add_argument("--tp-sp", action="store_true",
                    help="with --tp row:N: Megatron's sequence parallelism (norms and residuals on sequence shards)")
     m.add_argument("--overlap", action="store_true", help="3-D: prefetch the next weights' all-gathers")

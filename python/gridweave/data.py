@@ -22,6 +22,7 @@ import torch
 
 from .checkpoint import atomic_write
 from .errors import GridError
+from .models.dense import IGNORE
 
 DEFAULT_CORPUS = "/usr/share/games/fortunes"
 TOKENIZER_FILE = "tokenizer.json"
@@ -309,11 +310,16 @@ class Reader:
             self._perm = {e: torch.randperm(self.n, generator=g, device="cpu").numpy()}  # one epoch at a time
         return int(self._perm[e][k % self.n])
 
-    def _windows(self) -> list:
-        """This rank's windows of the next step; advances the position by the global batch."""
+    def _samples(self) -> list:
+        """The global sample indices of this rank's share of the next step; advances the position
+        by the global batch."""
         first = self.position + self.dp_rank * self.shard
         self.position += self.batch
-        return [self._window(first + i) for i in range(self.shard)]
+        return list(range(first, first + self.shard))
+
+    def _windows(self) -> list:
+        """This rank's windows of the next step; advances the position by the global batch."""
+        return [self._window(k) for k in self._samples()]
 
     def _inputs_targets(self, ws: list) -> tuple:
         rows = [self.tokens[w * self.seq:w * self.seq + self.seq + 1] for w in ws]
@@ -332,6 +338,13 @@ class Reader:
         ids = [np.searchsorted(documents, np.arange(w * self.seq, (w + 1) * self.seq), side="right") for w in ws]
         return *self._inputs_targets(ws), torch.from_numpy(np.stack(ids).astype(np.int64))
 
+    def next_masked(self, mask_id: int, vocab: int):
+        """BERT's (inputs, targets) of this rank's next windows of seq tokens (masked_lm), each
+        masked by its global sample index: the same masks whatever the grid."""
+        ks = self._samples()
+        x, _ = self._inputs_targets([self._window(k) for k in ks])
+        return masked_lm(x, ks, self.seed, mask_id, vocab)
+
     def state_dict(self) -> dict:
         return {"position": self.position, "seed": self.seed, "batch": self.batch, "seq": self.seq}
 
@@ -340,6 +353,30 @@ class Reader:
             if state[k] != getattr(self, k):
                 raise GridError(f"the checkpoint's reader has {k} {state[k]}, this run {getattr(self, k)}")
         self.position = int(state["position"])
+
+
+MASKED, REPLACED_BY_MASK, REPLACED_BY_RANDOM = 0.15, 0.8, 0.1  # Devlin et al. 2019 §3.1 (Task #1)
+
+
+def masked_lm(windows: torch.Tensor, keys, seed: int, mask_id: int, vocab: int) -> tuple:
+    """BERT's masked-LM (inputs, targets) of (b, seq) token windows: 15% of the tokens are
+    predicted, of those 80% replaced by mask_id, 10% by a random token of [0, vocab), 10% kept;
+    targets are IGNORE elsewhere. Row i draws from a generator seeded by (seed, keys[i]) (its
+    sample's global index), so every grid and micro-batching masks a sample alike."""
+    if not 0 <= mask_id or vocab < 1 or mask_id < vocab:
+        raise GridError(f"the mask token {mask_id} must lie outside the text's {vocab} tokens")
+    inputs, targets = windows.clone(), torch.full_like(windows, IGNORE)
+    length = windows.shape[1]
+    for i, key in enumerate(keys):
+        g = torch.Generator(device="cpu").manual_seed((seed + 1) * 2_000_003 + int(key))
+        picked = torch.rand(length, generator=g, device="cpu") < MASKED
+        how = torch.rand(length, generator=g, device="cpu")
+        random = torch.randint(0, vocab, (length,), generator=g, device="cpu")
+        targets[i, picked] = windows[i, picked]
+        inputs[i, picked & (how < REPLACED_BY_MASK)] = mask_id
+        swap = picked & (how >= REPLACED_BY_MASK) & (how < REPLACED_BY_MASK + REPLACED_BY_RANDOM)
+        inputs[i, swap] = random[swap]
+    return inputs, targets
 
 
 def validation_windows(tokens: np.ndarray, seq: int, count: int) -> torch.Tensor:

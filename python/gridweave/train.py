@@ -48,7 +48,7 @@ GPU_PEAK = {"H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
 
 
 # The string options of TrainConfig and their values (the command line offers these).
-CHOICES = {"model": ("llama", "gpt"), "tokenizer": ("bpe", "bytes"), "device": ("auto", "cpu", "cuda"),
+CHOICES = {"model": ("llama", "gpt", "bert"), "tokenizer": ("bpe", "bytes"), "device": ("auto", "cpu", "cuda"),
            "backend": ("auto", "gloo", "nccl", "mpi"), "placement": ("topology", "naive"),
            "attention": tuple(a.value for a in SeqAttention)}
 
@@ -97,6 +97,7 @@ class TrainConfig:
     overlap: bool = False
     attention: str = "ring"
     ulysses_degree: int = 1  # attention=usp: the sp ranks of each Ulysses block (the ring runs across the blocks)
+    linformer_k: int = 0  # attention=linformer (model bert): keys and values projected from seq to K rows
     tp_sp: bool = False  # Megatron's sequence parallelism inside 1-D (tp row:N): norms and residuals on sequence shards
     pack_documents: bool = False  # a window's documents attend only within themselves, positions restarting at each
     data: str | None = None
@@ -133,7 +134,7 @@ class TrainConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise GridError(f"{name} must be a positive integer, got {v!r}")
         for name in ("dp", "pp", "checkpoint_every", "kv_heads", "ffn_hidden", "warmup", "val_every",
-                     "pipeline_limit", "sample_tokens"):
+                     "pipeline_limit", "sample_tokens", "linformer_k"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise GridError(f"{name} must be a non-negative integer, got {v!r}")
@@ -166,17 +167,30 @@ class TrainConfig:
             raise GridError(f"zero_shard_group={self.zero_shard_group} is hybrid sharding: it needs zero 1, 2 or 3")
         if self.chunks > 1 and self.schedule != "interleaved":
             raise GridError(f"chunks={self.chunks} needs schedule=interleaved")
+        if (self.attention == SeqAttention.LINFORMER.value) != bool(self.linformer_k):
+            raise GridError("attention=linformer and linformer_k go together (Linformer's K rows; model bert), got "
+                            f"attention={self.attention}, linformer_k={self.linformer_k}")
+        if self.pack_documents and self.masked_lm:
+            raise GridError("pack_documents is the decoders': the masked LM (model bert) trains on whole windows")
         if self.tokenizer == "bytes":
             self.vocab = 256
-        self.model_config(self.vocab)  # the model's own checks (heads vs hidden, kv heads)
+        self.model_config(self.vocab)  # the model's own checks (heads vs hidden, kv heads, Linformer)
+
+    @property
+    def masked_lm(self) -> bool:
+        """The encoder's objective (model bert): predict the masked tokens (data.masked_lm)."""
+        return self.model == "bert"
 
     def model_config(self, vocab: int) -> ModelConfig:
-        """The model of this run for a tokenizer of `vocab` tokens, padded to a multiple of
-        PAD_VOCAB and of the vocabulary axis (so the vocab-parallel head always splits)."""
+        """The model of this run for a tokenizer of `vocab` tokens (and, for the masked LM, its mask
+        token, id `vocab`), padded to a multiple of PAD_VOCAB and of the vocabulary axis (so the
+        vocab-parallel head always splits)."""
         kv = self.kv_heads or (self.heads // 2 if self.model == "llama" and self.heads % 2 == 0 else self.heads)
         pad = math.lcm(PAD_VOCAB, self.mode.size if self.mode.vocab_axis() else 1)
+        vocab += self.masked_lm
         return ModelConfig(self.model, -(-vocab // pad) * pad, self.hidden, self.heads, self.layers,
-                           self.seq, self.ffn_hidden or None, kv, self.rope_theta, None, self.tie)
+                           self.seq, self.ffn_hidden or None, kv, self.rope_theta, None, self.tie,
+                           linformer_k=self.linformer_k or None)
 
     def grid_shape(self, world: int) -> dict:
         """The grid's axes on `world` ranks: the ones not given derived from the ones given (pp
@@ -185,8 +199,9 @@ class TrainConfig:
         run() again on every rank: one rule, one message."""
         dims = ParallelDims.for_world(world, self.mode, self.sp, self.dp, self.pp, self.layers)
         model = self.model_config(256)
+        attn = SeqAttention(self.attention)
         dims.check_model(self.layers, self.heads, self.hidden, self.seq, model.kv_heads,
-                         zigzag=SeqAttention(self.attention).zigzag(causal=True), chunks=self.chunks)
+                         zigzag=attn.zigzag(model.causal), chunks=self.chunks)
         dims.check_batch(self.batch, self.microbatches)
         dp, pp, sp = dims.dp, dims.pp, dims.sp
         self.mode.check_attention(self.attention)
@@ -196,8 +211,8 @@ class TrainConfig:
         SeqAttention(self.attention).check(sp, self.ulysses_degree, self.heads // self.mode.head_groups_count())
         # a micro-batch in the layer's input layout: every sequence split at once (the zigzag's
         # chunks, tp's pieces), the replica's rows split as the mode splits them
-        view, attn = AxesView(dict(dims.axes())), SeqAttention(self.attention)
-        self.mode.layout(view, attn.zigzag(causal=True), attn.ring(sp, self.ulysses_degree)).without("dp").local_shape(
+        view = AxesView(dict(dims.axes()))
+        self.mode.layout(view, attn.zigzag(model.causal), attn.ring(sp, self.ulysses_degree)).without("dp").local_shape(
             (self.batch // dp // self.microbatches, self.seq, self.hidden), view)
         if self.schedule == "interleaved" and (pp < 2 or self.microbatches % pp):
             raise GridError(f"the interleaved schedule needs pp >= 2 and microbatches a multiple of pp, got pp {pp}, "
@@ -343,19 +358,23 @@ def peak_flops(grid, precision: str) -> tuple:
     return rate, "measured GEMM (float32, 256^3, all ranks at once)"
 
 
-def evaluate(stage, grid, windows: torch.Tensor, cfg: TrainConfig, mb: int) -> float:
-    """Mean validation loss over `windows` (the same on every grid): each dp rank takes its
-    share in microbatches of `mb`, the pipeline runs forward only."""
+def evaluate(stage, grid, inputs: torch.Tensor, targets: torch.Tensor, cfg: TrainConfig, mb: int) -> float:
+    """Mean validation loss over the predicted tokens of (inputs, targets) (the same on every
+    grid): each dp rank takes its share in microbatches of `mb`, the pipeline runs forward only."""
     dp = grid.axes["dp"]
-    per_rank = len(windows) // dp // mb * mb
+    per_rank = len(inputs) // dp // mb * mb
     if per_rank < 1:
-        raise GridError(f"{len(windows)} validation windows do not give each of {dp} dp ranks a microbatch of {mb}")
-    mine = windows[grid.coords["dp"] * per_rank:(grid.coords["dp"] + 1) * per_rank]
-    xs = [mine[i:i + mb, :-1].to(grid.device) for i in range(0, len(mine), mb)]
-    ys = [mine[i:i + mb, 1:].to(grid.device) for i in range(0, len(mine), mb)]
+        raise GridError(f"{len(inputs)} validation windows do not give each of {dp} dp ranks a microbatch of {mb}")
+    rows = slice(grid.coords["dp"] * per_rank, (grid.coords["dp"] + 1) * per_rank)
+    mine, mine_y = inputs[rows], targets[rows]
+    xs = [mine[i:i + mb].to(grid.device) for i in range(0, len(mine), mb)]
+    ys = [mine_y[i:i + mb].to(grid.device) for i in range(0, len(mine), mb)]
+    # the masked LM: each micro-batch's sum over the predicted tokens of every rank's windows
+    normalizer = float((targets[:dp * per_rank] != models.IGNORE).sum().clamp(min=1)) * mb / (dp * per_rank) \
+        if cfg.masked_lm else None
     stage.eval()
-    loss = pipeline.pipeline_forward(stage, grid, xs, ys, stage.loss, stage.activation_shape(mb, cfg.seq),
-                                        dtype=cfg.compute.dtype)
+    loss = pipeline.pipeline_forward(stage, grid, xs, ys, lambda out, t: stage.loss(out, t, normalizer),
+                                     stage.activation_shape(mb, cfg.seq), dtype=cfg.compute.dtype)
     stage.train()
     mine_counts = loss is not None and first_copy(grid, distinct=("dp",))  # each dp rank's own windows
     total = torch.tensor([loss.item() * len(mine) if mine_counts else 0.0, len(mine) if mine_counts else 0.0],
@@ -396,13 +415,18 @@ def train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y, documents=None)
         return [t[i * mb:(i + 1) * mb].to(grid.device) for i in range(m)]
 
     xs, ys, ds = micro(x), micro(y), None if documents is None else micro(documents)
+    normalizer = None
+    if cfg.masked_lm:  # the mean over the global batch's predicted tokens: their count summed over dp
+        count = torch.tensor([float((y != models.IGNORE).sum())], dtype=torch.float64, device=grid.device)
+        grid.all_reduce(count, axis="dp")
+        normalizer = max(count.item(), 1.0) / (m * dp)
     opt.zero_grad()
     if hasattr(opt, "backwards_per_step"):  # gradients final after the m-th backward: buckets start then
         opt.backwards_per_step = m
     loss_scale = scaler.scale_value if scaler is not None else 1.0
 
     def loss_fn(logits, targets):  # in fp32 or wider whatever the model computes in; fp16 scaled up
-        return stage.loss(logits, targets) * loss_scale
+        return stage.loss(logits, targets, normalizer) * loss_scale
 
     loss, _ = pipeline.pipeline_step(stage, grid, xs, ys, loss_fn, stage.activation_shape(mb, cfg.seq),
                                         dtype=cfg.compute.dtype, schedule=cfg.schedule,
@@ -538,16 +562,20 @@ class DivergenceGuard:
 
 class Validation:
     """The validation loss every val_every steps and at the last, on the same windows whatever
-    the grid (evaluate)."""
+    the grid (evaluate); the masked LM's masked the same way on every grid too."""
 
     def __init__(self, cfg: TrainConfig, tokens, mb: int):
         self.cfg, self.mb = cfg, mb
         self.windows = data.validation_windows(tokens.val, cfg.seq, cfg.val_samples)
+        self.inputs, self.targets = self.windows[:, :-1], self.windows[:, 1:]
+        if cfg.masked_lm:
+            self.inputs, self.targets = data.masked_lm(self.inputs, range(len(self.inputs)), cfg.seed,
+                                                       tokens.vocab_size, tokens.vocab_size)
 
     def after_step(self, step: int, stage, grid, history: History) -> None:
         cfg = self.cfg
         if cfg.val_every and ((step + 1) % cfg.val_every == 0 or step + 1 == cfg.steps):
-            history.val.append([step + 1, evaluate(stage, grid, self.windows, cfg, self.mb)])
+            history.val.append([step + 1, evaluate(stage, grid, self.inputs, self.targets, cfg, self.mb)])
 
 
 class Meter:
@@ -636,7 +664,10 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
             on_step(step, StepState(grid, stage, opt, scaler))
         t0 = time.perf_counter()
         opt.lr = cfg.lr_at(step)
-        x, y, docs = reader.next_packed(tokens.documents) if cfg.pack_documents else (*reader.next(), None)
+        if cfg.masked_lm:  # the mask token is the first id past the tokenizer's
+            x, y, docs = *reader.next_masked(tokens.vocab_size, tokens.vocab_size), None
+        else:
+            x, y, docs = reader.next_packed(tokens.documents) if cfg.pack_documents else (*reader.next(), None)
         floor = guard.at_floor()
         loss, took = train_step(cfg, grid, stage, opt, scaler, x, y, docs)
         history.losses.append(loss)
@@ -661,7 +692,7 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
 def report(cfg: TrainConfig, out: Path, metrics: dict, tokens, tokenizer, windows, model_cfg: ModelConfig) -> None:
     """Rank 0, after the grid is gone: a sample from the saved model, metrics.json, the loss plot
     and the closing line."""
-    if cfg.sample_tokens:
+    if cfg.sample_tokens and model_cfg.causal:  # the encoder does not generate
         dense, tok, _ = load_model(out)
         prompt = cfg.prompt or tokenizer.decode(windows[0, :8].tolist())
         ids = data.check_encodable(tok, prompt, "the prompt")

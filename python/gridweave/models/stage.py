@@ -250,8 +250,8 @@ class ModelChunks(nn.Module):
         self.chunks = nn.ModuleList(GPTStage(gpt, grid, mode, c * stages + stage, chunks * stages, **stage_options)
                                     for c in range(chunks))
 
-    def loss(self, logits, targets):
-        return self.chunks[-1].loss(logits, targets)
+    def loss(self, logits, targets, normalizer=None):
+        return self.chunks[-1].loss(logits, targets, normalizer)
 
     def activation_shape(self, batch: int, seq: int) -> tuple:
         return self.chunks[0].activation_shape(batch, seq)

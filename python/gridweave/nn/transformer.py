@@ -58,10 +58,9 @@ class SelfAttention(nn.Module):
         self.attention.check(grid.axes.get("sp", 1), ulysses_degree, heads // self.groups)
         self.lowrank = arch.make_lowrank(dtype, device or grid.device)
         if self.lowrank is not None:
-            # every rank holds E and F; its gradient covers its own tokens' columns and heads, so it
-            # is partial over every axis that splits the qkv output (batch, sequence, heads)
-            split = tuple(a for axes in self._qkv_layout.dims for a in axes)
-            place(self.lowrank, partial=tuple(dict.fromkeys(DATA_AXES + split)))
+            # every rank holds E and F; its gradient covers its own rows' columns and its own heads,
+            # so it is partial over the data axes and every tensor axis (they split rows or heads)
+            place(self.lowrank, partial=DATA_AXES + tuple(a for a, _ in self.mode.axes()))
 
     @property
     def _qkv_layout(self):
@@ -95,10 +94,17 @@ class SelfAttention(nn.Module):
     def _linformer(self, qkv):
         """Seed 004 §4.3 (Table 3): this rank projects its L/N keys and values with its L/N columns
         of E and F; the partial products are summed over the axes that split the sequence."""
-        seq_axes = tuple(a for a in self._qkv_layout.dims[1] if self.grid.axes.get(a, 1) > 1)
+        def seq(layout):
+            return tuple(layout.dims[1]) if len(layout.dims) > 1 else ()
+
+        # the axes that split the sequence the attention sees: the layer's, less those its qkv
+        # gathers (Megatron's sequence parallelism gathers tp's pieces of each sp shard)
+        gathered = seq(getattr(self.qkv, "input_layout", Layout()))
+        seq_axes = tuple(a for a in seq(self.input_layout) if a not in gathered)
         length = self.arch.linformer[1]
-        columns = scatter(torch.arange(length, device=qkv.device).view(1, length, 1),
-                          Layout((), self._qkv_layout.dims[1], ()), self.grid).view(-1)
+        columns = scatter(torch.arange(length, device=qkv.device).view(1, length, 1), Layout((), seq_axes, ()),
+                          self.grid).view(-1)
+        seq_axes = tuple(a for a in seq_axes if self.grid.axes.get(a, 1) > 1)
         if len(columns) != qkv.shape[1]:
             raise GridError(f"this Linformer projects {length} tokens; the sequence has {qkv.shape[1]} here of "
                             f"{len(columns)} expected")
