@@ -77,6 +77,8 @@ class Model:
     # output and the log-sum-exp kept), else materialised scores kept for backward (Megatron's
     # 2022 runs, which selective recomputation was made for)
     fused_attention: bool = True
+    attention: str = "ring"  # how attention runs over sp (a gw.nn.sequence.SeqAttention value)
+    ulysses_degree: int = 1  # attention "usp": the sp ranks of each Ulysses block
 
     hidden = property(lambda self: self.config.hidden)
     layers = property(lambda self: self.config.layers)
@@ -92,7 +94,8 @@ class Model:
 def model_of(cfg) -> Model:
     """The planner's Model of a gw.train.TrainConfig: the model `gridweave train` builds from
     it, in its precision, at its global batch."""
-    return Model(cfg.model_config(cfg.vocab), cfg.batch, cfg.compute.dtype.itemsize)
+    return Model(cfg.model_config(cfg.vocab), cfg.batch, cfg.compute.dtype.itemsize,
+                 attention=cfg.attention, ulysses_degree=cfg.ulysses_degree)
 
 
 def model_from(source, batch: int, seq: int | None = None, **sizes) -> Model:
@@ -291,7 +294,8 @@ def schedule_of(model: Model, grid: GridShape, microbatches: int, stage: int = 0
     b = model.batch // grid.dp
     return step_schedule(model.config, grid.tp, grid.dp, grid.pp, grid.sp, (("pp", stage),), microbatches,
                          b / microbatches, _dtype(model), bsize, coarsening, clip, False, bool(model.vocab),
-                         model.fused_attention, zero=grid.zero if model.vocab else 0)
+                         model.fused_attention, zero=grid.zero if model.vocab else 0,
+                         attention=(model.attention, model.ulysses_degree))
 
 
 def work_ops(micro) -> list:

@@ -320,24 +320,26 @@ def collectives_at(mode, hidden, heads, seq, sp, batch: float) -> list:
 
 
 def record_stage(config, mode, dp, pp, sp, at, batch, per_stage, dtype=torch.bfloat16, ends=True,
-                 fused_attention=True) -> tuple:
+                 fused_attention=True, attention=("ring", 1)) -> tuple:
     """Forward and backward of one micro-batch of `batch` sequences through gw.models.GPTStage
     (embedding, loss, vocab-parallel pieces and the stage boundary's scatter / gather included)
     on the rank at coordinates `at` ((axis, index) pairs, the others 0; its stage at["pp"]), the
     model `config` with `per_stage` layers a stage; ends=False: its layers alone.
     fused_attention: the attention core as a fused kernel (FusedAttention), else torch's math
-    path with the scores kept (as Megatron ran before flash attention). Returns (schedule,
-    pipeline payload bytes)."""
+    path with the scores kept (as Megatron ran before flash attention). attention: how it runs
+    over sp (a SeqAttention value and the Ulysses degree). Returns (schedule, pipeline payload bytes)."""
     axes = _grid_axes(dp, pp, sp, mode)
     grid = RecordingGrid(axes, mode, _recorded_at(mode, axes, at))
     stage = grid.coords["pp"]
     dense = _dense(config, pp * per_stage, dtype)
+    options = dict(attention=attention[0], ulysses_degree=attention[1])
     if ends:
-        st = GPTStage(dense, grid, mode, stage, pp)
+        st = GPTStage(dense, grid, mode, stage, pp, **options)
         shape = st.activation_shape(batch, config.seq)
     else:  # the layers alone, on the stage's (dp-free) layout
         st = torch.nn.Module()
-        st.layers = torch.nn.ModuleList(TransformerLayer.from_dense(d, grid, mode=mode) for d in dense.layers[:per_stage])
+        st.layers = torch.nn.ModuleList(TransformerLayer.from_dense(d, grid, mode=mode, **options)
+                                        for d in dense.layers[:per_stage])
         shape = st.layers[0].input_layout.without("dp").local_shape((batch, config.seq, config.hidden), grid)
     params = list(st.parameters())
     saved = _Saved(params)
@@ -406,10 +408,10 @@ def _difference(a, b) -> list:
 
 
 @lru_cache(maxsize=256)
-def _stage_recordings(config, mode, dp, pp, sp, at, dtype, ends, fused_attention) -> tuple:
+def _stage_recordings(config, mode, dp, pp, sp, at, dtype, ends, fused_attention, attention=("ring", 1)) -> tuple:
     """record_stage with one and two layers a stage, at the mode's smallest batch b0 and 2 b0."""
     b0 = batch_unit(mode, sp)
-    return {(k, b): record_stage(config, mode, dp, pp, sp, at, b, k, dtype, ends, fused_attention)
+    return {(k, b): record_stage(config, mode, dp, pp, sp, at, b, k, dtype, ends, fused_attention, attention)
             for k in (1, 2) for b in (b0, 2 * b0)}, b0
 
 
@@ -427,7 +429,7 @@ def _lerp(a: LayerSchedule, b: LayerSchedule, f: float) -> LayerSchedule:
 @lru_cache(maxsize=1024)
 def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch.bfloat16, bsize=1 << 14,
                   coarsening=4, clip=True, loss_scaling=False, ends=True, fused_attention=True,
-                  announced=False, zero=0, offload=True) -> StepSchedule:
+                  announced=False, zero=0, offload=True, attention=("ring", 1)) -> StepSchedule:
     """The collectives of one gw.train step on the rank at coordinates `at` ((axis, index) pairs,
     the others 0; its pipeline stage at["pp"]): `microbatches` micro-batches of `batch`
     sequences through the stage (recorded: gw.models.GPTStage on a RecordingGrid, its layers
@@ -438,8 +440,8 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
     announced: the transport has no receive-from-any (NCCL), so each pipeline message is first
     announced on the host control channel (its header, cpp/pipeline.cpp's Outbox). zero (a ZeRO
     stage) or offload=False: gw.optim.DistributedAdam's reductions, norm and all-gathers, recorded
-    from its own code."""
-    rec, b0 = _stage_recordings(config, mode, dp, pp, sp, at, dtype, ends, fused_attention)
+    from its own code. attention: (SeqAttention value, Ulysses degree) of the layers over sp."""
+    rec, b0 = _stage_recordings(config, mode, dp, pp, sp, at, dtype, ends, fused_attention, attention)
     f = (batch - b0) / b0  # every byte and FLOP is affine in the batch: two recordings give any batch
     one, two = (_lerp(rec[(k, b0)][0], rec[(k, 2 * b0)][0], f) for k in (1, 2))
     payload = round(rec[(1, b0)][1] + (rec[(1, 2 * b0)][1] - rec[(1, b0)][1]) * f)

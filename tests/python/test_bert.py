@@ -146,6 +146,8 @@ def _model(ctx, tp, sp, dp, attention, linformer_k, ulysses_degree):
     stage.loss(mine, y[rows], normalizer=float((y != gw.models.IGNORE).sum())).backward()
     gw.reduce_gradients(stage, grid)
     errs = {"logits": rel(stage.full_logits(mine), logits[rows])}
+    if linformer_k:  # E and F split by columns as the sequence is: L/N of them on each rank
+        errs["columns"] = float(stage.layers[0].attn.lowrank.shape[-1] != L // sp)
     grads = stage.dense_state(pick=True)
     for name, p in dense.named_parameters():
         errs[name] = rel(grads[name], p.grad)

@@ -13,7 +13,7 @@ from torch import nn
 from ..autograd.comm import all_reduce_replicated
 from ..documents import document_rows
 from ..errors import GridError
-from ..layout import Layout, scatter
+from ..layout import Layout, gather, scatter
 from ..sharding import DATA_AXES, group_order, place, set_row_order
 from .dense import GPT2, Arch, DenseMLP, DenseSelfAttention, DenseTransformerLayer, linformer_attention, split_heads, values
 from .sequence import SeqAttention, attend
@@ -56,11 +56,28 @@ class SelfAttention(nn.Module):
         set_row_order(self.qkv.weight, self.widths, self.groups)
         set_row_order(self.qkv.bias, self.widths, self.groups)
         self.attention.check(grid.axes.get("sp", 1), ulysses_degree, heads // self.groups)
-        self.lowrank = arch.make_lowrank(dtype, device or grid.device)
-        if self.lowrank is not None:
-            # every rank holds E and F; its gradient covers its own rows' columns and its own heads,
-            # so it is partial over the data axes and every tensor axis (they split rows or heads)
-            place(self.lowrank, partial=DATA_AXES + tuple(a for a, _ in self.mode.axes()))
+        self.lowrank = None
+        if arch.linformer is not None:
+            # E and F split by columns as the sequence is (seed 004 §4.3: every term in L over N);
+            # a rank's gradient covers its rows and its heads, so it is partial over the other
+            # data and tensor axes
+            seq = self._linformer_layout
+            dense = arch.make_lowrank(dtype, device or grid.device)
+            self.lowrank = nn.Parameter(scatter(dense.detach(), seq, grid))
+            split = set(seq.axes())
+            place(self.lowrank, seq, partial=tuple(a for a in DATA_AXES + tuple(a for a, _ in self.mode.axes())
+                                                   if a not in split))
+
+    @property
+    def _linformer_layout(self) -> Layout:
+        """How E and F (2, K, L) split: their columns over the axes that split the sequence the
+        attention sees (the layer's, less those its qkv gathers: Megatron's sequence parallelism
+        gathers tp's pieces of each sp shard)."""
+        def seq(layout):
+            return tuple(layout.dims[1]) if len(layout.dims) > 1 else ()
+
+        gathered = seq(getattr(self.qkv, "input_layout", Layout()))
+        return Layout((), (), tuple(a for a in seq(self.input_layout) if a not in gathered))
 
     @property
     def _qkv_layout(self):
@@ -94,23 +111,13 @@ class SelfAttention(nn.Module):
     def _linformer(self, qkv):
         """Seed 004 §4.3 (Table 3): this rank projects its L/N keys and values with its L/N columns
         of E and F; the partial products are summed over the axes that split the sequence."""
-        def seq(layout):
-            return tuple(layout.dims[1]) if len(layout.dims) > 1 else ()
-
-        # the axes that split the sequence the attention sees: the layer's, less those its qkv
-        # gathers (Megatron's sequence parallelism gathers tp's pieces of each sp shard)
-        gathered = seq(getattr(self.qkv, "input_layout", Layout()))
-        seq_axes = tuple(a for a in seq(self.input_layout) if a not in gathered)
-        length = self.arch.linformer[1]
-        columns = scatter(torch.arange(length, device=qkv.device).view(1, length, 1), Layout((), seq_axes, ()),
-                          self.grid).view(-1)
-        seq_axes = tuple(a for a in seq_axes if self.grid.axes.get(a, 1) > 1)
-        if len(columns) != qkv.shape[1]:
-            raise GridError(f"this Linformer projects {length} tokens; the sequence has {qkv.shape[1]} here of "
-                            f"{len(columns)} expected")
+        if self.lowrank.shape[-1] != qkv.shape[1]:
+            raise GridError(f"this Linformer projects {self.arch.linformer[1]} tokens ({self.lowrank.shape[-1]} "
+                            f"here); the sequence has {qkv.shape[1]} here")
         q, k, v = split_heads(qkv, self.heads // self.groups, self.kv_heads // self.groups, self.arch)
+        seq_axes = tuple(a for a in self._linformer_layout.axes() if self.grid.axes.get(a, 1) > 1)
         total = (lambda t: all_reduce_replicated(t, self.grid, seq_axes)) if seq_axes else None
-        o = linformer_attention(q, k, v, self.lowrank[:, :, columns], total)
+        o = linformer_attention(q, k, v, self.lowrank, total)
         b, s = qkv.shape[:2]
         return o.transpose(1, 2).reshape(b, s, -1)
 
@@ -135,13 +142,13 @@ class SelfAttention(nn.Module):
         self.proj.load_dense(proj)
         if self.lowrank is not None:
             with torch.no_grad():
-                self.lowrank.copy_(lowrank)
+                self.lowrank.copy_(scatter(lowrank.detach(), self._linformer_layout, self.grid))
 
     def dense_state(self, grad=False):
         out = {f"qkv.{k}": v for k, v in self.qkv.dense_state(grad).items()}
         out.update({f"proj.{k}": v for k, v in self.proj.dense_state(grad).items()})
         if self.lowrank is not None:
-            out["lowrank"] = values(grad)(self.lowrank).clone()
+            out["lowrank"] = gather(values(grad)(self.lowrank).contiguous(), self._linformer_layout, self.grid)
         inv = torch.argsort(group_order(self.widths, self.groups, out["qkv.weight"].device))
         for k in ("qkv.weight", "qkv.bias"):
             if k in out:

@@ -1,0 +1,266 @@
+"""Seed 004's memory results (§4.2 Fig. 3, §4.3 Fig. 5, Table 4) as ratios on this machine (issue 31).
+
+    python benchmarks/bench_seq_memory.py      # writes results/seq_memory.json and .png
+
+Under one per-rank memory budget, the longest sequence (batch fixed) and the largest batch
+(sequence fixed at 512) that 1-D tensor parallelism (Megatron, seed 003), sequence parallelism
+with the zigzag ring, with DeepSpeed-Ulysses and with seed 004's own RSA, and (BERT only)
+Linformer with sequence parallelism (seed 004 §4.3) fit at N = 2, 4, 8 ranks, for a BERT-Base-
+like and a Llama-like model scaled down (hidden 128, 8 heads, 2 layers, byte vocabulary: the
+layers dominate as in BERT-Base, whose 30k vocabulary is 18% of its parameters).
+
+How a maximum is found: the planner's memory model (gw.plan.predict: parameters, gradients,
+Adam's states on the device, and the activations of one micro-batch recorded from the code that
+runs it, for the attention the grid runs) is searched for the largest length / batch within the
+budget. The model is then validated where it matters, at those maxima: every such grid is built and
+trained for real on N CPU ranks (gw.train.build / train_step, as bench_plan measures: each rank's
+peak resident memory over its resident memory before the build, glibc's mmap threshold fixed so
+that freed tensors leave the resident set), and the prediction's error is reported beside each
+maximum. Table 4's weak scaling (the batch, or the sequence, grown with N) is predicted and
+measured the same way.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from launch import bench_parser, results_dir, run_ranks, save, start_worker
+
+BUDGET = 64 << 20  # bytes per rank (seed 004: 16 GB P100s; scaled with the model)
+MODEL = dict(hidden=128, heads=8, layers=2, kv_heads=8, tokenizer="bytes")
+FAMILIES = ("bert", "llama")
+METHODS = ("tp", "ring", "ulysses", "rsa", "linformer")  # linformer: BERT only (it is not causal)
+LINFORMER_K = 128
+RANKS = (2, 4, 8)
+SEARCH_BATCH, BATCH_SEQ = 4, 512  # Fig. 5 fixes the batch (64 in the paper), Fig. 3 the length (512)
+PAPER = {"max_seq_sp_over_tp": {16: 1.4, 64: 3.0}, "max_batch_sp_over_tp": {64: 13.7},
+         "linformer_tokens_32_gpus": 114_000,
+         "weak_batch_memory_mb": {"tp": [8477.28, 9520.47, 12232.52, None], "sp": [8477.53, 8478.76, 8481.26, 8490.75]},
+         "weak_seq_memory_mb": {"tp": [3707.39, 4993.43, 8175.93, 14862.09], "sp": [3707.01, 4670.64, 6601.88, 10536.38]}}
+WARMUP = 2
+
+
+def job(family: str, method: str, n: int, seq: int, batch: int):
+    """The main job's TrainConfig of one grid: fp32, Adam's states on the device, one micro-batch."""
+    import gridweave as gw
+
+    grid = dict(tp=f"row:{n}", sp=1) if method == "tp" else dict(tp="none", sp=n)
+    attention = "ring" if method == "tp" else method
+    return gw.train.TrainConfig(model=family, seq=seq, batch=batch, microbatches=1, dp=1, pp=1, offload=False,
+                                attention=attention, linformer_k=LINFORMER_K if method == "linformer" else 0,
+                                **grid, **MODEL)
+
+
+def predicted(family, method, n, seq, batch) -> float:
+    """The planner's peak bytes per rank of a training step (gw.plan.predict)."""
+    from gridweave import plan
+
+    cfg = job(family, method, n, seq, batch)
+    grid = plan.GridShape(tp=cfg.mode, sp=cfg.sp)
+    p = plan.predict(plan.model_of(cfg), grid, plan.load_cluster("local"), microbatches=1, offload_bsize=0)
+    return p["memory_bytes"] + p["host_bytes"]
+
+
+def fits(family, method, n, seq, batch) -> bool:
+    import gridweave as gw
+
+    try:
+        job(family, method, n, seq, batch).grid_shape(n)
+    except gw.GridError:
+        return False
+    return predicted(family, method, n, seq, batch) <= BUDGET
+
+
+def largest(ok, unit: int, cap: int) -> int:
+    """The largest multiple of `unit` (up to cap) with ok(x), memory growing with x: doubling, then bisection."""
+    if not ok(unit):
+        return 0
+    lo, hi = unit, 2 * unit
+    while hi <= cap and ok(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > unit:
+        mid = (lo + hi) // 2 // unit * unit
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def maxima() -> list:
+    rows = []
+    for family in FAMILIES:
+        for method in METHODS:
+            if method == "linformer" and family != "bert":
+                continue
+            for n in RANKS:
+                unit = 2 * n * 8  # the zigzag's 2N chunks, and whole blocks of 8 tokens
+                seq = largest(lambda s: fits(family, method, n, s, SEARCH_BATCH), unit, 1 << 17)
+                batch = largest(lambda b: fits(family, method, n, BATCH_SEQ, b), 1, 1 << 12)
+                rows.append(dict(family=family, method=method, ranks=n, max_seq=seq, max_batch=batch,
+                                 predicted_at_max_seq=predicted(family, method, n, seq, SEARCH_BATCH) if seq else None))
+                print(f"{family:5s} {method:9s} N={n}: longest {seq:6d} tokens (batch {SEARCH_BATCH}), "
+                      f"largest batch {batch:4d} (seq {BATCH_SEQ})", flush=True)
+    return rows
+
+
+def weak_points() -> list:
+    """Table 4 scaled down: (kind, method, N, seq, batch) with the batch, or the length, grown with N."""
+    out = []
+    for n in (1, 2, 4, 8):
+        for method in ("tp", "ring"):
+            if n == 1 and method == "ring":
+                continue  # N = 1: one grid for both
+            out.append(("weak_batch", method, n, 256, 4 * n))
+            out.append(("weak_seq", method, n, 256 * n, 4))
+    return out
+
+
+def worker(spec_path: str, out_path: str) -> None:
+    """Each case of the spec on this job's ranks: the model built and trained as gridweave train
+    does, each rank's peak resident growth (bench_plan's accounting)."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    import gridweave as gw
+    from gridweave import calibrate
+
+    n, rank, store = start_worker()
+    cases = json.loads(Path(spec_path).read_text())
+    results = []
+    for i, (family, method, seq, batch) in enumerate(cases):
+        cfg = job(family, method, n, seq, batch)
+        grid = gw.init(dp=1, pp=1, tp=cfg.mode, sp=cfg.sp, store=store, prefix=f"seqmem-{i}")
+        model_cfg = cfg.model_config(256)
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, 256, (batch, seq), generator=g)
+        x, y = gw.data.masked_lm(ids, range(batch), 0, 256, 256) if cfg.masked_lm else (ids, ids.roll(1, 1))
+        built = []
+
+        def build():
+            torch.manual_seed(0)
+            built[:] = gw.train.build(cfg, grid, model_cfg)[1:]
+
+        def step():
+            gw.train.train_step(cfg, grid, *built, x, y)
+
+        with calibrate.resident_accounting():
+            build()
+            step()
+            built.clear()
+            gc.collect()
+            calibrate.restart_peak()
+            base = calibrate.resident_bytes()
+            build()
+            for _ in range(WARMUP):
+                step()
+            mem = torch.tensor([float(calibrate.peak_resident_bytes() - base)], dtype=torch.float64)
+        built.clear()
+        gc.collect()
+        every = [torch.zeros(1, dtype=torch.float64) for _ in range(n)]
+        dist.all_gather(every, mem)
+        results.append(max(float(v) for v in every))
+        grid.shutdown()
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(results))
+    gw.shutdown()
+    dist.destroy_process_group()
+
+
+def measure(cases_by_n: dict, out: Path) -> dict:
+    """{(n, case): measured peak bytes} over one job of n ranks per n."""
+    found = {}
+    for n, cases in sorted(cases_by_n.items()):
+        spec = out / f".seqmem_spec_{n}.json"
+        spec.write_text(json.dumps(cases))
+        got = run_ranks(__file__, n, 29561 + n, out, f"seqmem_{n}", str(spec))
+        spec.unlink()
+        for case, m in zip(cases, got):
+            found[(n, tuple(case))] = m
+    return found
+
+
+def plot(data, png):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(22, 4.8))
+    for col, (key, label) in enumerate((("max_seq", f"longest sequence (batch {SEARCH_BATCH})"),
+                                        ("max_batch", f"largest batch (sequence {BATCH_SEQ})"))):
+        for row_i, family in enumerate(FAMILIES):
+            ax = axes[2 * col + row_i] if False else axes[col * 2 + row_i]
+            for method in METHODS:
+                rs = [r for r in data["maxima"] if r["family"] == family and r["method"] == method]
+                if rs:
+                    ax.plot([r["ranks"] for r in rs], [r[key] for r in rs], "o-", label=method)
+            ax.set(xscale="log", yscale="log", xlabel="ranks N", ylabel=key.replace("_", " "),
+                   title=f"{family}: {label}, {BUDGET >> 20} MiB per rank")
+            ax.set_xticks(RANKS, [str(n) for n in RANKS])
+            ax.legend(fontsize=8)
+    fig.suptitle("seed 004 on CPU ranks: sequence parallelism (ring, Ulysses, RSA, Linformer) vs 1-D tensor "
+                 f"parallelism; planner's model validated against peak RSS (median |error| "
+                 f"{100 * data['summary']['median_abs_memory_error']:.0f}%)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def main():
+    ap = bench_parser(__file__)
+    ap.add_argument("spec", nargs="?")
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.spec, args.out)
+        return
+    out = results_dir(args)
+    rows = maxima()
+    weak = weak_points()
+    cases = {}
+    for r in rows:  # the model validated at the maxima it found
+        if r["max_seq"]:
+            cases.setdefault(r["ranks"], []).append([r["family"], r["method"], r["max_seq"], SEARCH_BATCH])
+    for kind, method, n, seq, batch in weak:
+        cases.setdefault(n, []).append(["bert", method, seq, batch])
+    measured = measure(cases, out)
+    errors = []
+    for r in rows:
+        if r["max_seq"]:
+            m = measured[(r["ranks"], (r["family"], r["method"], r["max_seq"], SEARCH_BATCH))]
+            r["measured_at_max_seq"] = m
+            r["memory_error"] = r["predicted_at_max_seq"] / m - 1
+            errors.append(abs(r["memory_error"]))
+    weak_rows = []
+    for kind, method, n, seq, batch in weak:
+        m = measured[(n, ("bert", method, seq, batch))]
+        p = predicted("bert", method, n, seq, batch)
+        weak_rows.append(dict(kind=kind, method=method, ranks=n, seq=seq, batch=batch, measured=m, predicted=p,
+                              memory_error=p / m - 1))
+        errors.append(abs(p / m - 1))
+
+    def ratio(family, method, n, key):
+        a = next(r for r in rows if r["family"] == family and r["method"] == method and r["ranks"] == n)
+        b = next(r for r in rows if r["family"] == family and r["method"] == "tp" and r["ranks"] == n)
+        return a[key] / b[key] if b[key] else None
+
+    ratios = {f"{family}/{method}/N={n}": {"max_seq_over_tp": ratio(family, method, n, "max_seq"),
+                                           "max_batch_over_tp": ratio(family, method, n, "max_batch")}
+              for family in FAMILIES for method in METHODS[1:] for n in RANKS
+              if not (method == "linformer" and family != "bert")}
+    data = {"budget_bytes": BUDGET, "model": MODEL, "linformer_k": LINFORMER_K, "search_batch": SEARCH_BATCH,
+            "batch_seq": BATCH_SEQ, "maxima": rows, "weak_scaling": weak_rows, "ratios": ratios, "paper": PAPER,
+            "summary": {"median_abs_memory_error": statistics.median(errors), "worst_abs_memory_error": max(errors),
+                        "validated_points": len(errors)}}
+    save(out, "seq_memory", data, plot)
+    for k, v in ratios.items():
+        print(f"{k}: longest x{v['max_seq_over_tp']:.2f}, batch x{v['max_batch_over_tp']:.2f} of tp")
+    for w in weak_rows:
+        print(f"{w['kind']} {w['method']} N={w['ranks']} seq {w['seq']} batch {w['batch']}: measured "
+              f"{w['measured'] / 2 ** 20:.1f} MiB, predicted {w['predicted'] / 2 ** 20:.1f} ({100 * w['memory_error']:+.0f}%)")
+    print(f"memory model vs peak RSS: median |error| {100 * data['summary']['median_abs_memory_error']:.1f}%, "
+          f"worst {100 * data['summary']['worst_abs_memory_error']:.1f}% over {len(errors)} points")
+
+
+if __name__ == "__main__":
+    main()
