@@ -9,6 +9,11 @@ Linformer with sequence parallelism (seed 004 §4.3) fit at N = 2, 4, 8 ranks, f
 like and a Llama-like model scaled down (hidden 128, 8 heads, 2 layers, byte vocabulary: the
 layers dominate as in BERT-Base, whose 30k vocabulary is 18% of its parameters).
 
+Two scopes. "model": the whole model as gridweave trains it, whose embedding, head and loss every
+sequence rank computes on the whole sequence (only the transformer layers split it). "layers":
+the transformer layers alone (and their parameters, gradients and Adam's states), the part seed
+004's Table 3 accounts and its ColossalAI implementation splits end to end: the paper's trend.
+
 How a maximum is found: the planner's memory model (gw.plan.predict: parameters, gradients,
 Adam's states on the device, and the activations of one micro-batch recorded from the code that
 runs it, for the attention the grid runs) is searched for the largest length / batch within the
@@ -21,6 +26,7 @@ measured the same way.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -52,24 +58,29 @@ def job(family: str, method: str, n: int, seq: int, batch: int):
                                 **grid, **MODEL)
 
 
-def predicted(family, method, n, seq, batch) -> float:
-    """The planner's peak bytes per rank of a training step (gw.plan.predict)."""
+SCOPES = ("model", "layers")
+
+
+def predicted(family, method, n, seq, batch, scope="model") -> float:
+    """The planner's peak bytes per rank of a training step (gw.plan.predict); scope "layers": the
+    transformer layers alone (plan.Model(embedding=False))."""
     from gridweave import plan
 
     cfg = job(family, method, n, seq, batch)
     grid = plan.GridShape(tp=cfg.mode, sp=cfg.sp)
-    p = plan.predict(plan.model_of(cfg), grid, plan.load_cluster("local"), microbatches=1, offload_bsize=0)
+    model = dataclasses.replace(plan.model_of(cfg), embedding=scope == "model")
+    p = plan.predict(model, grid, plan.load_cluster("local"), microbatches=1, offload_bsize=0)
     return p["memory_bytes"] + p["host_bytes"]
 
 
-def fits(family, method, n, seq, batch) -> bool:
+def fits(family, method, n, seq, batch, scope) -> bool:
     import gridweave as gw
 
     try:
         job(family, method, n, seq, batch).grid_shape(n)
     except gw.GridError:
         return False
-    return predicted(family, method, n, seq, batch) <= BUDGET
+    return predicted(family, method, n, seq, batch, scope) <= BUDGET
 
 
 def largest(ok, unit: int, cap: int) -> int:
@@ -85,7 +96,7 @@ def largest(ok, unit: int, cap: int) -> int:
     return lo
 
 
-def maxima() -> list:
+def maxima(scope: str) -> list:
     rows = []
     for family in FAMILIES:
         for method in METHODS:
@@ -93,11 +104,12 @@ def maxima() -> list:
                 continue
             for n in RANKS:
                 unit = 2 * n * 8  # the zigzag's 2N chunks, and whole blocks of 8 tokens
-                seq = largest(lambda s: fits(family, method, n, s, SEARCH_BATCH), unit, 1 << 17)
-                batch = largest(lambda b: fits(family, method, n, BATCH_SEQ, b), 1, 1 << 12)
-                rows.append(dict(family=family, method=method, ranks=n, max_seq=seq, max_batch=batch,
-                                 predicted_at_max_seq=predicted(family, method, n, seq, SEARCH_BATCH) if seq else None))
-                print(f"{family:5s} {method:9s} N={n}: longest {seq:6d} tokens (batch {SEARCH_BATCH}), "
+                seq = largest(lambda s: fits(family, method, n, s, SEARCH_BATCH, scope), unit, 1 << 17)
+                batch = largest(lambda b: fits(family, method, n, BATCH_SEQ, b, scope), 1, 1 << 12)
+                rows.append(dict(scope=scope, family=family, method=method, ranks=n, max_seq=seq, max_batch=batch,
+                                 predicted_at_max_seq=predicted(family, method, n, seq, SEARCH_BATCH, scope)
+                                 if seq else None))
+                print(f"{scope:6s} {family:5s} {method:9s} N={n}: longest {seq:6d} tokens (batch {SEARCH_BATCH}), "
                       f"largest batch {batch:4d} (seq {BATCH_SEQ})", flush=True)
     return rows
 
@@ -128,7 +140,7 @@ def worker(spec_path: str, out_path: str) -> None:
     n, rank, store = start_worker()
     cases = json.loads(Path(spec_path).read_text())
     results = []
-    for i, (family, method, seq, batch) in enumerate(cases):
+    for i, (scope, family, method, seq, batch) in enumerate(cases):
         cfg = job(family, method, n, seq, batch)
         grid = gw.init(dp=1, pp=1, tp=cfg.mode, sp=cfg.sp, store=store, prefix=f"seqmem-{i}")
         model_cfg = cfg.model_config(256)
@@ -139,10 +151,25 @@ def worker(spec_path: str, out_path: str) -> None:
 
         def build():
             torch.manual_seed(0)
-            built[:] = gw.train.build(cfg, grid, model_cfg)[1:]
+            if scope == "model":
+                built[:] = gw.train.build(cfg, grid, model_cfg)[1:]
+                return
+            dense = gw.models.build(model_cfg, device=grid.device)  # the layers alone, Adam on the device
+            layers = torch.nn.ModuleList(gw.nn.TransformerLayer.from_dense(d, grid, mode=cfg.mode, attention=cfg.attention)
+                                         for d in dense.layers)
+            del dense
+            built[:] = [layers, gw.optim.DistributedAdam(layers.parameters(), grid, lr=1e-3, zero=0, offload=False)]
 
         def step():
-            gw.train.train_step(cfg, grid, *built, x, y)
+            if scope == "model":
+                gw.train.train_step(cfg, grid, *built, x, y)
+                return
+            layers, opt = built
+            shape = layers[0].input_layout.without("dp").local_shape((batch, seq, cfg.hidden), grid)
+            h = torch.randn(shape, generator=torch.Generator().manual_seed(1), requires_grad=True)
+            out = gw.pipeline.run_layers(layers, h, 1, None)
+            out.backward(torch.ones_like(out))
+            opt.step()
 
         with calibrate.resident_accounting():
             build()
@@ -186,24 +213,28 @@ def plot(data, png):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(22, 4.8))
-    for col, (key, label) in enumerate((("max_seq", f"longest sequence (batch {SEARCH_BATCH})"),
-                                        ("max_batch", f"largest batch (sequence {BATCH_SEQ})"))):
-        for row_i, family in enumerate(FAMILIES):
-            ax = axes[2 * col + row_i] if False else axes[col * 2 + row_i]
+    fig, axes = plt.subplots(1, 4, figsize=(23, 5))
+    panels = [(scope, key) for scope in SCOPES for key in ("max_seq", "max_batch")]
+    colors = dict(zip(METHODS, ("C0", "C1", "C2", "C3", "C4")))
+    for ax, (scope, key) in zip(axes, panels):
+        for family, style in zip(FAMILIES, ("o-", "s--")):
             for method in METHODS:
-                rs = [r for r in data["maxima"] if r["family"] == family and r["method"] == method]
+                rs = [r for r in data["maxima"] if (r["scope"], r["family"], r["method"]) == (scope, family, method)]
                 if rs:
-                    ax.plot([r["ranks"] for r in rs], [r[key] for r in rs], "o-", label=method)
-            ax.set(xscale="log", yscale="log", xlabel="ranks N", ylabel=key.replace("_", " "),
-                   title=f"{family}: {label}, {BUDGET >> 20} MiB per rank")
-            ax.set_xticks(RANKS, [str(n) for n in RANKS])
-            ax.legend(fontsize=8)
-    fig.suptitle("seed 004 on CPU ranks: sequence parallelism (ring, Ulysses, RSA, Linformer) vs 1-D tensor "
-                 f"parallelism; planner's model validated against peak RSS (median |error| "
-                 f"{100 * data['summary']['median_abs_memory_error']:.0f}%)")
+                    ax.plot([r["ranks"] for r in rs], [r[key] for r in rs], style, color=colors[method],
+                            label=f"{family} {method}")
+        what = f"longest sequence (batch {SEARCH_BATCH})" if key == "max_seq" else f"largest batch (seq {BATCH_SEQ})"
+        ax.set(xscale="log", yscale="log", xlabel="ranks N", ylabel=what,
+               title=f"{'whole model' if scope == 'model' else 'transformer layers alone'}: {what}")
+        ax.set_xticks(RANKS, [str(n) for n in RANKS])
+        ax.legend(fontsize=7, ncol=2)
+    s = data["summary"]
+    fig.suptitle(f"seed 004 on CPU ranks, {BUDGET >> 20} MiB per rank: sequence parallelism (ring, Ulysses, RSA, "
+                 f"Linformer) vs 1-D tensor parallelism (tp); the planner's memory model against peak RSS at "
+                 f"{s['validated_points']} points: median |error| {100 * s['median_abs_memory_error']:.0f}%, "
+                 f"worst {100 * s['worst_abs_memory_error']:.0f}%")
     fig.tight_layout()
-    fig.savefig(png, dpi=100)
+    fig.savefig(png, dpi=95)
     plt.close(fig)
 
 
@@ -215,38 +246,39 @@ def main():
         worker(args.spec, args.out)
         return
     out = results_dir(args)
-    rows = maxima()
+    rows = [r for scope in SCOPES for r in maxima(scope)]
     weak = weak_points()
     cases = {}
     for r in rows:  # the model validated at the maxima it found
         if r["max_seq"]:
-            cases.setdefault(r["ranks"], []).append([r["family"], r["method"], r["max_seq"], SEARCH_BATCH])
+            cases.setdefault(r["ranks"], []).append([r["scope"], r["family"], r["method"], r["max_seq"], SEARCH_BATCH])
     for kind, method, n, seq, batch in weak:
-        cases.setdefault(n, []).append(["bert", method, seq, batch])
+        cases.setdefault(n, []).append(["model", "bert", method, seq, batch])
     measured = measure(cases, out)
     errors = []
     for r in rows:
         if r["max_seq"]:
-            m = measured[(r["ranks"], (r["family"], r["method"], r["max_seq"], SEARCH_BATCH))]
+            m = measured[(r["ranks"], (r["scope"], r["family"], r["method"], r["max_seq"], SEARCH_BATCH))]
             r["measured_at_max_seq"] = m
             r["memory_error"] = r["predicted_at_max_seq"] / m - 1
             errors.append(abs(r["memory_error"]))
     weak_rows = []
     for kind, method, n, seq, batch in weak:
-        m = measured[(n, ("bert", method, seq, batch))]
+        m = measured[(n, ("model", "bert", method, seq, batch))]
         p = predicted("bert", method, n, seq, batch)
         weak_rows.append(dict(kind=kind, method=method, ranks=n, seq=seq, batch=batch, measured=m, predicted=p,
                               memory_error=p / m - 1))
         errors.append(abs(p / m - 1))
 
-    def ratio(family, method, n, key):
-        a = next(r for r in rows if r["family"] == family and r["method"] == method and r["ranks"] == n)
-        b = next(r for r in rows if r["family"] == family and r["method"] == "tp" and r["ranks"] == n)
+    def ratio(scope, family, method, n, key):
+        def row(m):
+            return next(r for r in rows if (r["scope"], r["family"], r["method"], r["ranks"]) == (scope, family, m, n))
+        a, b = row(method), row("tp")
         return a[key] / b[key] if b[key] else None
 
-    ratios = {f"{family}/{method}/N={n}": {"max_seq_over_tp": ratio(family, method, n, "max_seq"),
-                                           "max_batch_over_tp": ratio(family, method, n, "max_batch")}
-              for family in FAMILIES for method in METHODS[1:] for n in RANKS
+    ratios = {f"{scope}/{family}/{method}/N={n}": {"max_seq_over_tp": ratio(scope, family, method, n, "max_seq"),
+                                                   "max_batch_over_tp": ratio(scope, family, method, n, "max_batch")}
+              for scope in SCOPES for family in FAMILIES for method in METHODS[1:] for n in RANKS
               if not (method == "linformer" and family != "bert")}
     data = {"budget_bytes": BUDGET, "model": MODEL, "linformer_k": LINFORMER_K, "search_batch": SEARCH_BATCH,
             "batch_seq": BATCH_SEQ, "maxima": rows, "weak_scaling": weak_rows, "ratios": ratios, "paper": PAPER,

@@ -495,10 +495,13 @@ class Checkpointer:
             return History()
         manifest = load_checkpoint(Path(cfg.resume))
         mine = cfg.run_config(self.model_cfg)
-        differ = [k for k in RESUME_KEYS if manifest["config"].get(k) != mine[k]]
+        theirs = dict(manifest["config"])
+        # the model as a ModelConfig: a field added since the checkpoint was written takes its default
+        theirs["model"] = ModelConfig.from_dict(theirs.get("model") or {}).to_dict()
+        differ = [k for k in RESUME_KEYS if theirs.get(k) != mine[k]]
         if differ:
             raise GridError(f"checkpoint {cfg.resume} differs from this run in {differ}: "
-                            f"{ {k: manifest['config'].get(k) for k in differ} } vs { {k: mine[k] for k in differ} }")
+                            f"{ {k: theirs.get(k) for k in differ} } vs { {k: mine[k] for k in differ} }")
         _, local = checkpoint.load(Path(cfg.resume) / "checkpoint", self.stage.sharded_items(), self.grid,
                                    ("param",) + opt.STATE_KEYS)
         with torch.no_grad(), opt.whole_parameters(writeback=True):  # zero 3: the shards taken from them
