@@ -12,7 +12,7 @@
 # waits for its receive, no receive-from-any) over every test whose correctness depends on
 # communication order: the ring and RSA, every pipeline schedule and receive strategy, the cube
 # with overlap, sub-graph parallelism, sharded checkpoints, the layers, packed documents, and the
-# main job on three composed grids. The documentation site is built first, with warnings as errors.
+# main job on three composed grids, BERT and Linformer on every mode. The documentation site is built first, with warnings as errors.
 # GRIDWEAVE_CUDA=ON makes a missing nvcc/NCCL an error instead of a skipped build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +35,7 @@ python3 -m pytest -q --timeout 300 --emulate=nccl tests/python/test_sequence.py 
   tests/python/test_plan_counters.py tests/python/test_tensor3d.py tests/python/test_subgraph.py \
   tests/python/test_checkpoint.py tests/python/test_layers.py \
   "tests/python/test_documents.py::test_every_mode_masks_packed_documents_like_the_dense_layer" \
+  "tests/python/test_bert.py::test_bert_on_every_mode_equals_the_dense_model" \
   "tests/python/test_train.py::test_composed_grids_train_with_one_process_losses" \
   "tests/python/test_zero.py::test_zero_equals_adamw_on_the_dense_model" \
   "tests/python/test_zero.py::test_zero3_with_activation_checkpointing_gathers_for_the_recomputation" \
