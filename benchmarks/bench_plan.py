@@ -29,7 +29,7 @@ import statistics
 import time
 from pathlib import Path
 
-from launch import bench_parser, results_dir, run_ranks, save, start_worker, stem
+from launch import bench_parser, peak_growth_per_rank, results_dir, run_ranks, save, start_worker, stem
 
 STEPS, WARMUP = 5, 2
 
@@ -108,24 +108,8 @@ def worker(out_path: str) -> None:
             grid.shutdown()
 
     def memory(build, step, drop):  # the build and the warm-up steps, glibc's mmap threshold fixed
-        # First a throwaway build and step: what a process makes once per code path and shape
-        # (kernel scratch, the transport's buffers, the heap's first growth) is not the model's
-        # memory, and otherwise lands on whichever grid comes first (measured: the same grid
-        # grew 70 MiB a rank run first after another grid, 36-39 MiB run again); under the
-        # allocator settings of the measured build (outside them it left 17 MiB a rank more)
-        with calibrate.resident_accounting():
-            build()
-            step()
-            drop()
-            calibrate.restart_peak()
-            base = calibrate.resident_bytes()
-            build()
-            for _ in range(WARMUP):
-                step()
-            mem = torch.tensor([float(calibrate.peak_resident_bytes() - base)], dtype=torch.float64)
-        every = [torch.zeros(1, dtype=torch.float64) for _ in range(n)]
-        dist.all_gather(every, mem)
-        return {"measured_peak_bytes": max(float(v) for v in every), "peak_bytes_per_rank": [float(v) for v in every]}
+        every = peak_growth_per_rank(build, step, drop, WARMUP)
+        return {"measured_peak_bytes": max(every), "peak_bytes_per_rank": every}
 
     def timing(build, step, drop):  # glibc reusing freed memory, as in any job
         build()

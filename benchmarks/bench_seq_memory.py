@@ -31,7 +31,7 @@ import json
 import statistics
 from pathlib import Path
 
-from launch import bench_parser, results_dir, run_ranks, save, start_worker
+from launch import bench_parser, peak_growth_per_rank, results_dir, run_ranks, save, start_worker
 
 BUDGET = 64 << 20  # bytes per rank (seed 004: 16 GB P100s; scaled with the model)
 MODEL = dict(hidden=128, heads=8, layers=2, kv_heads=8, tokenizer="bytes")
@@ -135,7 +135,6 @@ def worker(spec_path: str, out_path: str) -> None:
     import torch.distributed as dist
 
     import gridweave as gw
-    from gridweave import calibrate
 
     n, rank, store = start_worker()
     cases = json.loads(Path(spec_path).read_text())
@@ -171,22 +170,12 @@ def worker(spec_path: str, out_path: str) -> None:
             out.backward(torch.ones_like(out))
             opt.step()
 
-        with calibrate.resident_accounting():
-            build()
-            step()
+        def drop():
             built.clear()
             gc.collect()
-            calibrate.restart_peak()
-            base = calibrate.resident_bytes()
-            build()
-            for _ in range(WARMUP):
-                step()
-            mem = torch.tensor([float(calibrate.peak_resident_bytes() - base)], dtype=torch.float64)
-        built.clear()
-        gc.collect()
-        every = [torch.zeros(1, dtype=torch.float64) for _ in range(n)]
-        dist.all_gather(every, mem)
-        results.append(max(float(v) for v in every))
+
+        results.append(max(peak_growth_per_rank(build, step, drop, WARMUP)))
+        drop()
         grid.shutdown()
     if rank == 0:
         Path(out_path).write_text(json.dumps(results))

@@ -96,3 +96,31 @@ def saved_bytes(fn, exclude=()):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
     return out, sum(seen.values())
+
+
+def peak_growth_per_rank(build, step, drop, warmup: int) -> list:
+    """Every rank's peak resident memory over its resident memory before build(), over the build
+    and `warmup` calls of step(), glibc's mmap threshold fixed (freed tensors leave the resident
+    set: calibrate.resident_accounting). First a throwaway build, step and drop(): what a process
+    makes once per code path and shape (kernel scratch, the transport's buffers, the heap's first
+    growth) is not the model's memory, and otherwise lands on whichever grid comes first (measured:
+    the same grid grew 70 MiB a rank run first after another grid, 36-39 MiB run again); under the
+    allocator settings of the measured build (outside them it left 17 MiB a rank more)."""
+    import torch
+    import torch.distributed as dist
+
+    from gridweave import calibrate
+
+    with calibrate.resident_accounting():
+        build()
+        step()
+        drop()
+        calibrate.restart_peak()
+        base = calibrate.resident_bytes()
+        build()
+        for _ in range(warmup):
+            step()
+        mem = torch.tensor([float(calibrate.peak_resident_bytes() - base)], dtype=torch.float64)
+    every = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mem)
+    return [float(v) for v in every]
