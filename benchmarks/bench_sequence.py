@@ -3,7 +3,8 @@
     python benchmarks/bench_sequence.py      # writes results/sequence.json and .png
 
 memory: per-rank activation bytes saved for backward by one attention (B=1, Z=8, A=32,
-  L=2048) vs N = 1, 2, 4, 8: RSA keeps its (L/N x L) probabilities, blockwise keeps O(L/N).
+  L=2048) vs N = 1, 2, 4, 8: RSA keeps its (L/N x L) probabilities, blockwise keeps O(L/N),
+  Linformer with sequence parallelism (K=256, seed 004 Table 3) keeps O(L K / N).
 longest: the longest sequence whose layer activations fit a per-rank budget, sequence
   parallel (blockwise ring, and RSA) vs 1-D tensor parallel, at N = 4 and 8.
 overlap: blockwise ring attention forward+backward vs its compute alone (the ring
@@ -21,6 +22,7 @@ from pathlib import Path
 from launch import bench_parser, results_dir, run_ranks, saved_bytes, start_worker, stem
 
 MEM = dict(B=1, Z=8, A=32, L=2048)
+LINFORMER_K = 256
 LAYER = dict(hidden=256, heads=8, batch=1)
 BUDGET = 24 << 20  # bytes of activations per rank
 
@@ -73,6 +75,17 @@ def worker(part, out_path):
             out, saved = saved_bytes(fn, (q, k, v))
             result[algo] = saved
             out.sum().backward()
+        # seed 004 Table 3: Linformer with sequence parallelism, this rank's L/N columns of E and F,
+        # the (K x A) products all-reduced over sp: every term in L divided by N
+        from gridweave.autograd.comm import all_reduce_replicated
+        from gridweave.nn.dense import linformer_attention
+
+        q, k, v = (torch.randn(B, Z, L // n, A, requires_grad=True) for _ in range(3))
+        lowrank = torch.randn(2, LINFORMER_K, L // n, requires_grad=True)
+        total = (lambda t: all_reduce_replicated(t, grid, "sp")) if n > 1 else None
+        out, saved = saved_bytes(lambda: linformer_attention(q, k, v, lowrank, total), (q, k, v, lowrank))
+        result["linformer"] = saved
+        out.sum().backward()
     elif part == "longest":
         grid_sp = gw.init(sp=n, store=store, prefix="seq-long-sp")
         grid_tp = gw.init(tp=gw.Row(n), store=store, prefix="seq-long-tp")
@@ -165,8 +178,10 @@ def plot(data, png):
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
     ax = axes[0]
     ns = [r["ranks"] for r in data["memory"]]
-    for algo in ("rsa", "ring"):
-        ax.plot(ns, [r[algo] / 2 ** 20 for r in data["memory"]], "o-", label=algo)
+    for algo in ("rsa", "ring", "linformer"):
+        if all(algo in r for r in data["memory"]):
+            ax.plot(ns, [r[algo] / 2 ** 20 for r in data["memory"]], "o-",
+                    label=f"linformer K={LINFORMER_K}" if algo == "linformer" else algo)
     ax.plot(ns, [data["memory"][0]["ring"] / 2 ** 20 / x for x in ns], "k--", lw=1, label="1/N")
     ax.set(xscale="log", yscale="log", title=f"attention activations per rank, L={MEM['L']}", xlabel="N",
            ylabel="MiB")
@@ -211,7 +226,7 @@ def main():
     if all(k in data for k in ranks):  # the figure needs every part
         plot(data, out / f"{name}.png")
     for r in data.get("memory", []):
-        print(f"memory N={r['ranks']}: RSA {r['rsa']} B, blockwise {r['ring']} B")
+        print(f"memory N={r['ranks']}: RSA {r['rsa']} B, blockwise {r['ring']} B, Linformer {r.get('linformer')} B")
     for r in data.get("longest", []):
         print(f"longest N={r['ranks']}: " + ", ".join(f"{k} {r[k]['longest']}" for k in ("sp-ring", "sp-rsa", "tp-1d")))
     for r in data.get("overlap", []):
