@@ -363,7 +363,7 @@ def masked_lm(windows: torch.Tensor, keys, seed: int, mask_id: int, vocab: int) 
     predicted, of those 80% replaced by mask_id, 10% by a random token of [0, vocab), 10% kept;
     targets are IGNORE elsewhere. Row i draws from a generator seeded by (seed, keys[i]) (its
     sample's global index), so every grid and micro-batching masks a sample alike."""
-    if not 0 <= mask_id or vocab < 1 or mask_id < vocab:
+    if vocab < 1 or mask_id < vocab:
         raise GridError(f"the mask token {mask_id} must lie outside the text's {vocab} tokens")
     inputs, targets = windows.clone(), torch.full_like(windows, IGNORE)
     length = windows.shape[1]

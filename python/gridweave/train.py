@@ -179,7 +179,7 @@ class TrainConfig:
     @property
     def masked_lm(self) -> bool:
         """The encoder's objective (model bert): predict the masked tokens (data.masked_lm)."""
-        return self.model == "bert"
+        return self.model in models.dense.ENCODERS
 
     def model_config(self, vocab: int) -> ModelConfig:
         """The model of this run for a tokenizer of `vocab` tokens (and, for the masked LM, its mask
@@ -358,6 +358,13 @@ def peak_flops(grid, precision: str) -> tuple:
     return rate, "measured GEMM (float32, 256^3, all ranks at once)"
 
 
+def token_share(predicted: float, losses: int) -> float:
+    """The masked LM's normaliser: the count of the global batch's predicted tokens over the
+    micro-batch losses summed to the reported mean (micro-batches a rank x dp ranks), so each
+    micro-batch's sum over it averages to the mean over every predicted token."""
+    return max(predicted, 1.0) / losses
+
+
 def evaluate(stage, grid, inputs: torch.Tensor, targets: torch.Tensor, cfg: TrainConfig, mb: int) -> float:
     """Mean validation loss over the predicted tokens of (inputs, targets) (the same on every
     grid): each dp rank takes its share in microbatches of `mb`, the pipeline runs forward only."""
@@ -370,7 +377,7 @@ def evaluate(stage, grid, inputs: torch.Tensor, targets: torch.Tensor, cfg: Trai
     xs = [mine[i:i + mb].to(grid.device) for i in range(0, len(mine), mb)]
     ys = [mine_y[i:i + mb].to(grid.device) for i in range(0, len(mine), mb)]
     # the masked LM: each micro-batch's sum over the predicted tokens of every rank's windows
-    normalizer = float((targets[:dp * per_rank] != models.IGNORE).sum().clamp(min=1)) * mb / (dp * per_rank) \
+    normalizer = token_share(float((targets[:dp * per_rank] != models.IGNORE).sum()), dp * per_rank // mb) \
         if cfg.masked_lm else None
     stage.eval()
     loss = pipeline.pipeline_forward(stage, grid, xs, ys, lambda out, t: stage.loss(out, t, normalizer),
@@ -419,7 +426,7 @@ def train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y, documents=None)
     if cfg.masked_lm:  # the mean over the global batch's predicted tokens: their count summed over dp
         count = torch.tensor([float((y != models.IGNORE).sum())], dtype=torch.float64, device=grid.device)
         grid.all_reduce(count, axis="dp")
-        normalizer = max(count.item(), 1.0) / (m * dp)
+        normalizer = token_share(count.item(), m * dp)
     opt.zero_grad()
     if hasattr(opt, "backwards_per_step"):  # gradients final after the m-th backward: buckets start then
         opt.backwards_per_step = m

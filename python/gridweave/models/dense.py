@@ -23,6 +23,7 @@ CONFIG_KEYS = {"vocab": ("vocab", "vocab_size"), "hidden": ("hidden", "hidden_si
                "tie": ("tie", "tie_word_embeddings")}
 HF_FAMILY = {"llama": "llama", "gpt2": "gpt", "bert": "bert"}  # Hugging Face's model_type -> family
 FAMILIES = ("gpt", "llama", "bert")
+ENCODERS = ("bert",)  # bidirectional, trained on the masked LM; the others are causal decoders
 IGNORE = -100  # a target that is not predicted (the masked LM's unmasked tokens): torch's ignore_index
 HF_ACTIVATION = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}  # GPT-2's
 
@@ -50,7 +51,7 @@ class ModelConfig:
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise GridError(f"model family must be one of {FAMILIES}, got {self.family!r}")
-        if self.linformer_k is not None and self.family != "bert":
+        if self.linformer_k is not None and self.family not in ENCODERS:
             raise GridError(f"Linformer is not causal: it needs the encoder (--model bert), got {self.family!r}")
         for name in ("vocab", "hidden", "heads", "layers", "seq"):
             v = getattr(self, name)
@@ -80,7 +81,7 @@ class ModelConfig:
     @property
     def causal(self) -> bool:
         """Decoders attend to the past; the encoder to the whole sequence."""
-        return self.family != "bert"
+        return self.family not in ENCODERS
 
     @property
     def ffn(self) -> int:
@@ -156,20 +157,18 @@ class Embedding(nn.Module):
         return m
 
     def forward(self, ids, documents=None):
-        x = self._sum(ids, documents)
-        return x if self.ln is None else self.ln(x)
-
-    def _sum(self, ids, documents=None):
         """documents: (batch, seq) ids of packed documents: learned positions restart at each."""
         x = self.tok(ids)
-        if self.pos is None:
-            return x
-        if ids.shape[1] > self.pos.num_embeddings:
-            raise GridError(f"a sequence of {ids.shape[1]} tokens exceeds the model's {self.pos.num_embeddings} positions")
-        if documents is not None:
-            check_documents(documents, *ids.shape)
-            return x + self.pos(document_positions(documents))
-        return x + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        if self.pos is not None:
+            if ids.shape[1] > self.pos.num_embeddings:
+                raise GridError(f"a sequence of {ids.shape[1]} tokens exceeds the model's {self.pos.num_embeddings} "
+                                "positions")
+            if documents is not None:
+                check_documents(documents, *ids.shape)
+                x = x + self.pos(document_positions(documents))
+            else:
+                x = x + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        return x if self.ln is None else self.ln(x)
 
 
 class Head(nn.Module):

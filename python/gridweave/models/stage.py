@@ -126,6 +126,7 @@ class GPTStage(nn.Module):
         float32 or wider): their mean, or their sum over `normalizer` (the masked LM's share of
         the global batch's predicted tokens, train.train_step)."""
         targets = targets.reshape(-1)
+        predicted = targets != IGNORE
         if self.vocab_axis is None:
             logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
             if normalizer is None:
@@ -134,11 +135,8 @@ class GPTStage(nn.Module):
                                         reduction="none")
         else:
             per_token = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets, self.grid,
-                                                     self.vocab_axis)
-            per_token = per_token * (targets != IGNORE)
-            if normalizer is None:
-                return per_token.sum() / (targets != IGNORE).sum().clamp(min=1)
-        return per_token.sum() / normalizer
+                                                     self.vocab_axis) * predicted
+        return per_token.sum() / (predicted.sum().clamp(min=1) if normalizer is None else normalizer)
 
     def activation_shape(self, batch: int, seq: int) -> tuple:
         """What crosses a stage boundary on this rank (1/t of the hidden dim with scatter/gather)."""

@@ -163,14 +163,13 @@ def attention(qkv: torch.Tensor, heads: int, causal: bool, kv_heads: int | None 
             raise GridError("Linformer projects the whole sequence: it does not mask packed documents")
         if lowrank.shape[-1] != qkv.shape[1]:
             raise GridError(f"this Linformer projects {lowrank.shape[-1]} tokens; the sequence has {qkv.shape[1]}")
-        q, k, v = split_heads(qkv, heads, heads if kv_heads is None else kv_heads, arch, positions)
-        b, s = qkv.shape[:2]
-        return linformer_attention(q, k, v, lowrank).transpose(1, 2).reshape(b, s, -1)
     if documents is not None:
         check_documents(documents, *qkv.shape[:2])
         positions = document_positions(documents) if positions is None else positions
     q, k, v = split_heads(qkv, heads, heads if kv_heads is None else kv_heads, arch, positions)
-    if documents is None:
+    if lowrank is not None:
+        out = linformer_attention(q, k, v, lowrank)
+    elif documents is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     else:
         pos = torch.arange(qkv.shape[1], device=qkv.device)

@@ -102,7 +102,8 @@ class SubGraphAttention(nn.Module):
         m.load_dense(dense.qkv, dense.proj)
         return m
 
-    def load_dense(self, qkv: nn.Linear, proj: nn.Linear):
+    def load_dense(self, qkv: nn.Linear, proj: nn.Linear, lowrank=None):
+        """lowrank: Linformer's, which SUPER's branches refuse when the layer is made (always None)."""
         order = group_order(self.widths, self.g, qkv.weight.device)
         if self.projection == "common":
             self.qkv.load_dense(qkv, order)

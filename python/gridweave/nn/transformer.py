@@ -61,14 +61,14 @@ class SelfAttention(nn.Module):
             # E and F split by columns as the sequence is (seed 004 §4.3: every term in L over N);
             # a rank's gradient covers its rows and its heads, so it is partial over the other
             # data and tensor axes
-            seq = self._linformer_layout
+            self._lowrank_layout = seq = self._linformer_layout()
+            self._lowrank_axes = tuple(a for a in seq.axes() if grid.axes.get(a, 1) > 1)  # the partials' sum
             dense = arch.make_lowrank(dtype, device or grid.device)
             self.lowrank = nn.Parameter(scatter(dense.detach(), seq, grid))
             split = set(seq.axes())
             place(self.lowrank, seq, partial=tuple(a for a in DATA_AXES + tuple(a for a, _ in self.mode.axes())
                                                    if a not in split))
 
-    @property
     def _linformer_layout(self) -> Layout:
         """How E and F (2, K, L) split: their columns over the axes that split the sequence the
         attention sees (the layer's, less those its qkv gathers: Megatron's sequence parallelism
@@ -115,8 +115,8 @@ class SelfAttention(nn.Module):
             raise GridError(f"this Linformer projects {self.arch.linformer[1]} tokens ({self.lowrank.shape[-1]} "
                             f"here); the sequence has {qkv.shape[1]} here")
         q, k, v = split_heads(qkv, self.heads // self.groups, self.kv_heads // self.groups, self.arch)
-        seq_axes = tuple(a for a in self._linformer_layout.axes() if self.grid.axes.get(a, 1) > 1)
-        total = (lambda t: all_reduce_replicated(t, self.grid, seq_axes)) if seq_axes else None
+        axes = self._lowrank_axes
+        total = (lambda t: all_reduce_replicated(t, self.grid, axes)) if axes else None
         o = linformer_attention(q, k, v, self.lowrank, total)
         b, s = qkv.shape[:2]
         return o.transpose(1, 2).reshape(b, s, -1)
@@ -142,13 +142,13 @@ class SelfAttention(nn.Module):
         self.proj.load_dense(proj)
         if self.lowrank is not None:
             with torch.no_grad():
-                self.lowrank.copy_(scatter(lowrank.detach(), self._linformer_layout, self.grid))
+                self.lowrank.copy_(scatter(lowrank.detach(), self._lowrank_layout, self.grid))
 
     def dense_state(self, grad=False):
         out = {f"qkv.{k}": v for k, v in self.qkv.dense_state(grad).items()}
         out.update({f"proj.{k}": v for k, v in self.proj.dense_state(grad).items()})
         if self.lowrank is not None:
-            out["lowrank"] = gather(values(grad)(self.lowrank).contiguous(), self._linformer_layout, self.grid)
+            out["lowrank"] = gather(values(grad)(self.lowrank).contiguous(), self._lowrank_layout, self.grid)
         inv = torch.argsort(group_order(self.widths, self.groups, out["qkv.weight"].device))
         for k in ("qkv.weight", "qkv.bias"):
             if k in out:
@@ -308,10 +308,7 @@ class TransformerLayer(nn.Module):
         return m
 
     def load_dense(self, dense):
-        if dense.lowrank is not None:
-            self.attn.load_dense(dense.qkv, dense.proj, dense.lowrank)
-        else:
-            self.attn.load_dense(dense.qkv, dense.proj)
+        self.attn.load_dense(dense.qkv, dense.proj, dense.lowrank)
         self.mlp.load_dense(dense.fc1, dense.fc2)
         self.ln1.load_dense(dense.ln1)
         self.ln2.load_dense(dense.ln2)
