@@ -23,10 +23,26 @@ def _train_parser(sub):
 
     p = sub.add_parser("train", help="train a Llama-style model (or the GPT, or BERT's masked LM) on a tokenized text "
                                      "corpus over ranks")
-    p.add_argument("--nproc", type=int, default=8, help="ranks to spawn (0: use the launcher's ranks)")
+    p.add_argument("--nproc", type=int, default=8,
+                   help="ranks to spawn on this node (0, or left out under torchrun / mpirun / srun --mpi: this "
+                        "process is one of the launcher's ranks)")
     p.add_argument("--launcher", default="auto", choices=["auto", "torchrun", "mpirun"],
                    help="how --nproc ranks are spawned: torchrun (Gloo/NCCL) or mpirun (the MPI transport); "
                         "auto: mpirun on a CPU machine where gridweave has MPI, else torchrun")
+    n = p.add_argument_group("nodes (torchrun's words; the same command on every node, --node-rank apart)")
+    n.add_argument("--nnodes", type=int, default=1, help="machines in the job, each starting --nproc ranks")
+    n.add_argument("--node-rank", type=int, default=0, help="this machine's index (0: the master)")
+    n.add_argument("--master-addr", default="127.0.0.1", help="the master's address or hostname, as every node "
+                                                              "reaches it (each node finds its own address on "
+                                                              "that route; GRIDWEAVE_HOSTNAME overrides)")
+    n.add_argument("--master-port", type=int, default=None, help=f"the rendezvous port (default: ${launch.PORT_ENV} "
+                                                                 f"or {launch.DEFAULT_PORT})")
+    n.add_argument("--max-restarts", type=int, default=0,
+                   help="torchrun's: restart every node's ranks up to N times when one fails, continuing from "
+                        "the newest checkpoint (needs --resume auto)")
+    n.add_argument("--hostfile", default=None,
+                   help="--launcher mpirun: the nodes (mpirun's hostfile); mpirun, run once on the first, starts "
+                        "--nproc ranks on each of the first --nnodes")
     arg("backend", choices=CHOICES["backend"], help="the transport (mpirun implies mpi)")
     g = p.add_argument_group("grid")
     for name in ("dp", "pp", "sp"):
@@ -85,7 +101,12 @@ def _train_parser(sub):
                    help="write periodic checkpoints before the next step (default: in the background)")
     p.add_argument("--prompt", default="", help="the end-of-run sample's prompt (default: a validation snippet)")
     p.add_argument("--out", default=d["out"].default)
-    p.add_argument("--resume", default=None, help="a run folder whose checkpoint/ to continue from")
+    p.add_argument("--resume", default=None, help="a run folder whose checkpoint/ to continue from; auto: --out's "
+                                                  "newest complete checkpoint, or a fresh start when it has none")
+    p.add_argument("--data-cache", default=None,
+                   help="a node-local folder for the token file: each node's first rank tokenizes the corpus there "
+                        "('{host}' becomes the node's hostname); default: rank 0 into --out, which every node "
+                        "must share")
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -145,16 +166,20 @@ def _export(args) -> int:
     return 0
 
 
-def _without_nproc(argv):
-    """torchrun would read --nproc as its own --nproc-per-node: the spawned ranks get it
-    through GRIDWEAVE_SPAWNED instead."""
+# The launcher's own flags: torchrun would read them as its own (--nproc as --nproc-per-node),
+# and a spawned rank needs none (GRIDWEAVE_SPAWNED says it is one).
+_LAUNCHER_FLAGS = ("--nproc", "--launcher", "--nnodes", "--node-rank", "--master-addr", "--master-port",
+                   "--max-restarts", "--hostfile")
+
+
+def _without_launcher_flags(argv):
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
-        elif a in ("--nproc", "--launcher"):
+        elif a in _LAUNCHER_FLAGS:
             skip = True
-        elif not a.startswith(("--nproc=", "--launcher=")):
+        elif not a.startswith(tuple(f + "=" for f in _LAUNCHER_FLAGS)):
             out.append(a)
     return out
 
@@ -252,7 +277,7 @@ def main(argv=None) -> int:
         return _export(args)
     if args.command == "bench":
         if args.nproc > 1 and "RANK" not in os.environ:
-            argv = _without_nproc(list(sys.argv[1:] if argv is None else argv))
+            argv = _without_launcher_flags(list(sys.argv[1:] if argv is None else argv))
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
                    "--master-port", os.environ.get("GRIDWEAVE_PORT", "29651"), "-m", "gridweave.cli", *argv]
             return subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -263,21 +288,20 @@ def main(argv=None) -> int:
                   f"{preset['intra_bandwidth_Bps'] / 1e9:.2f} GB/s, GEMM {preset['gemm_flops'] / 1e9:.1f} GFLOP/s")
         return 0
     if args.command == "train":
-        launcher_side = args.nproc > 0 and "RANK" not in os.environ and not os.environ.get("GRIDWEAVE_SPAWNED")
+        launcher_side = args.nproc > 0 and not launch.started_as_rank() and not os.environ.get("GRIDWEAVE_SPAWNED")
         if launcher_side:  # the whole configuration, once, before any rank starts
             try:
+                nodes = node_spec(args)
                 cfg = train_config(args)
-                cfg.grid_shape(args.nproc)
+                cfg.grid_shape(nodes.world_size)
                 cfg.check_files()
             except (GridError, OSError) as e:
                 print(f"gridweave train: {as_flags(getattr(e, 'strerror', None) or e)}", file=sys.stderr)
                 return 2
-        if launcher_side:
-            if args.nproc == 1:
+            if nodes.world_size == 1:
                 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-            else:  # spawn the ranks, each running this command with --nproc 0
-                argv = _without_nproc(list(sys.argv[1:] if argv is None else argv))
-                return _spawn(args, argv)
+            else:  # spawn the ranks, each running this command without the launcher's flags
+                return _spawn(args, nodes, _without_launcher_flags(list(sys.argv[1:] if argv is None else argv)))
         return _train_rank(args)
     return 0
 
@@ -285,43 +309,54 @@ def main(argv=None) -> int:
 REPORTED = "gridweave-{}.reported"  # in the temp folder: the first rank to create it reports
 
 
-def _spawn(args, argv) -> int:
-    """Start args.nproc ranks of this command (--nproc 0) and wait for them. Ranks report
-    their own errors (once); the launcher adds nothing but their exit code."""
-    import logging
+def node_spec(args) -> launch.Nodes:
+    """The command line's nodes, checked against its launcher and resume."""
+    nodes = launch.Nodes(nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+                         master_addr=args.master_addr, master_port=args.master_port or launch.default_port(),
+                         max_restarts=args.max_restarts)
+    launcher = _launcher(args)
+    if launcher == "mpirun":
+        if nodes.nnodes > 1 and args.hostfile is None:
+            raise GridError("--launcher mpirun on --nnodes > 1 needs --hostfile (mpirun's list of the nodes)")
+        if nodes.node_rank != 0:
+            raise GridError("--launcher mpirun runs once, on the first node: mpirun starts every node's ranks "
+                            "(--node-rank is torchrun's)")
+        if nodes.max_restarts:
+            raise GridError("--max-restarts is torchrun's elastic agent: use --launcher torchrun")
+    elif args.hostfile is not None:
+        raise GridError("--hostfile is mpirun's: use --launcher mpirun, or --nnodes / --node-rank / --master-addr "
+                        "with torchrun")
+    if nodes.max_restarts and args.resume != "auto":
+        raise GridError("--max-restarts needs --resume auto: a restarted job continues from the newest checkpoint "
+                        "of --out")
+    return nodes
+
+
+def _launcher(args) -> str:
+    return args.launcher if args.launcher != "auto" else launch.default_launcher(args.device, args.backend)
+
+
+def _spawn(args, nodes: launch.Nodes, argv) -> int:
+    """Start this node's ranks of this command and wait for them. Ranks report their own
+    errors (once per node); the launcher adds nothing but their exit code."""
     import tempfile
     import uuid
 
-
-    run_id = uuid.uuid4().hex
+    # one id for the whole job: the nodes' agents must agree on it (static rendezvous)
+    run_id = os.environ.get("GRIDWEAVE_RUN_ID") or (uuid.uuid4().hex if nodes.nnodes == 1 else
+                                                    f"gridweave-{nodes.master_addr}-{nodes.master_port}")
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "GRIDWEAVE_SPAWNED": "1",
            "GRIDWEAVE_RUN_ID": run_id}
-    launcher = args.launcher if args.launcher != "auto" else launch.default_launcher(args.device, args.backend)
-    port = int(os.environ.get("GRIDWEAVE_PORT", "29561"))
     marker = os.path.join(tempfile.gettempdir(), REPORTED.format(run_id))
+    os.environ.update(env)  # before mpirun's command, which forwards GRIDWEAVE_* to other nodes
     try:
-        if launcher == "mpirun":  # quiet: no banner of its own when a rank fails; GRIDWEAVE_SPAWNED stops a respawn
-            cmd = launch.command(launcher, args.nproc, port, quiet=True)
+        if _launcher(args) == "mpirun":  # quiet: no banner of its own when a rank fails; GRIDWEAVE_SPAWNED stops a respawn
+            cmd = launch.mpirun_command(nodes.world_size, quiet=True, hostfile=args.hostfile,
+                                        per_node=nodes.nproc if args.hostfile else None)
             # no stdin: mpirun forwards it, and stops in a background job that reads it
-            return subprocess.call([*cmd, "-m", "gridweave.cli", *argv, "--backend", "mpi"],
-                                   env={**os.environ, **env}, stdin=subprocess.DEVNULL,
-                                   preexec_fn=launch.die_with_parent)
-        # torchrun's agent, in this process: its failure report (a traceback of its own) is not
-        # printed, the ranks have said what went wrong
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-        os.environ.update(env)
-        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=run_id,
-                              rdzv_backend="static", rdzv_endpoint=f"127.0.0.1:{port}", rdzv_configs={"rank": 0},
-                              max_restarts=0, monitor_interval=0.1)
-        try:
-            elastic_launch(config, sys.executable)("-m", "gridweave.cli", *argv)
-        except ChildFailedError as e:
-            codes = [f.exitcode for f in e.failures.values()]
-            return next((c for c in codes if c > 0), 1)
-        return 0
+            return subprocess.call([*cmd, sys.executable, "-m", "gridweave.cli", *argv, "--backend", "mpi"],
+                                   stdin=subprocess.DEVNULL, preexec_fn=launch.die_with_parent)
+        return launch.torchrun(nodes, ["gridweave.cli", *argv], run_id, args.timeout)
     finally:
         if os.path.exists(marker):
             os.unlink(marker)

@@ -206,10 +206,10 @@ def _fingerprint(files: list, tokenizer_path: Path) -> str:
 
 
 def prepare(folder, data: str | None, tokenizer: str = "bpe", vocab_size: int = 1024, val_fraction: float = 0.05,
-            tokenizer_from: str | None = None) -> Path:
+            tokenizer_from: str | None = None, tokenize: bool = True) -> Path:
     """Train (or reuse, from `tokenizer_from`) the tokenizer and tokenize the corpus once into
-    `folder`/tokens.bin (written whole, then renamed); returns `folder`. Idempotent: a token
-    file made from the same files and tokenizer is kept."""
+    `folder`/tokens.bin (written whole, then renamed; tokenize=False: the tokenizer alone);
+    returns `folder`. Idempotent: a token file made from the same files and tokenizer is kept."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     if not 0 < val_fraction < 0.5:
@@ -231,6 +231,8 @@ def prepare(folder, data: str | None, tokenizer: str = "bpe", vocab_size: int = 
         else:
             raise GridError(f"tokenizer must be 'bpe' or 'bytes', got {tokenizer!r}")
         atomic_write(tok_path, lambda p: tok.save(p))
+    if not tokenize:
+        return folder
     meta_path = folder / TOKENS_META
     fp = _fingerprint(files, tok_path)
     if meta_path.exists() and (folder / TOKENS_FILE).exists() and (folder / DOCUMENTS_FILE).exists():

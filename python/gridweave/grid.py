@@ -10,7 +10,7 @@ import enum
 import itertools
 import math
 import os
-import socket
+import threading
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,7 +22,7 @@ from . import _C, launch
 from ._buffers import empty_like_shape, host_args, reduce_code, view
 from .axes import ParallelDims
 from .ring import Ring
-from .errors import CommError, GridError
+from .errors import CommError, CommTimeout, GridError
 from .launch import _env_int
 
 AxisArg = "str | Sequence[str] | LinePart | None"
@@ -69,21 +69,53 @@ def check_level() -> CheckLevel:
 
 
 class _TorchStore(_C.Store):
-    """Adapter: torch's TCPStore (or any torch.distributed.Store) as the engine's Store."""
+    """Adapter: torch's TCPStore (or any torch.distributed.Store) as the engine's Store, every
+    operation bounded: torch's TCPStore client waits without end for a server that stopped
+    answering (a network partition: no reset ever comes), so each call runs on a daemon thread
+    and is given up, as a CommTimeout, SLACK_S after its own timeout (set: the grid's)."""
 
-    def __init__(self, store):
+    SLACK_S = 1.0
+
+    def __init__(self, store, timeout_s: float):
         super().__init__()
         self._store = store
+        self._timeout_s = float(timeout_s)
+        self._lost = None  # why the store stopped answering: later calls fail at once (its client is stuck)
+
+    def _bounded(self, what: str, fn, timeout_s: float):
+        if self._lost is not None:
+            raise CommTimeout(self._lost)
+        box = {}
+
+        def call():
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # handed to the caller
+                box["error"] = e
+
+        t = threading.Thread(target=call, name="gridweave-store", daemon=True)
+        t.start()
+        t.join(timeout_s + self.SLACK_S)
+        if t.is_alive():  # left blocked: a daemon thread does not keep the process alive
+            self._lost = (f"gridweave: the rendezvous store did not answer {what} within {timeout_s:.0f} s: the "
+                          "master node is unreachable (a network partition) or gone")
+            raise CommTimeout(self._lost)
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
 
     def set(self, key, value):
-        self._store.set(key, value)
+        self._bounded(f"set({key!r})", lambda: self._store.set(key, value), self._timeout_s)
 
     def get(self, key, timeout_s):
-        self._store.wait([key], timedelta(seconds=timeout_s))
-        return self._store.get(key)
+        def fn():
+            self._store.wait([key], timedelta(seconds=timeout_s))
+            return self._store.get(key)
+        return self._bounded(f"get({key!r})", fn, timeout_s)
 
     def wait(self, keys, timeout_s):
-        self._store.wait(list(keys), timedelta(seconds=timeout_s))
+        keys = list(keys)
+        self._bounded(f"wait({keys[:3]!r})", lambda: self._store.wait(keys, timedelta(seconds=timeout_s)), timeout_s)
 
 
 def emulation(value=None):
@@ -743,8 +775,8 @@ def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", 
                             "only those call gw.init")
         rank = mpi_rank
         store = store if store is not None else _mpi_store()
-    rank = _env_int("RANK") if rank is None else rank
-    world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
+    rank = launch.launched_rank() if rank is None else rank
+    world_size = (_env_int("WORLD_SIZE") or _env_int("SLURM_NTASKS")) if world_size is None else world_size
     if world_size is None:
         world_size, rank = 1, 0
     if rank is None:
@@ -778,13 +810,13 @@ def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", 
     # A given prefix names this grid alike on all its ranks (the session MPI's line handshake
     # checks); the default counts this process's grids, which ranks of a sub-world may not share.
     session = prefix if prefix is not None else ""
-    prefix = prefix if prefix is not None else f"gridweave/{_Session.generation}"
+    # a restarted job's ranks meet in the store its failed ranks wrote to: their keys apart
+    prefix = prefix if prefix is not None else f"gridweave/{launch.restart_count()}/{_Session.generation}"
     # The Python half of a Store subclass must outlive the native grid that calls it.
-    adapter = store if isinstance(store, _C.Store) else _TorchStore(store)
+    adapter = store if isinstance(store, _C.Store) else _TorchStore(store, timeout)
     native_store = _C.prefix_store(prefix, adapter)
     keep = (store, adapter)
-    hostname = os.environ.get("GRIDWEAVE_HOSTNAME") or (
-        "127.0.0.1" if (local or world_size) >= world_size else socket.gethostname())
+    hostname = launch.advertised_address(all_local=(local or world_size) >= world_size)
     grid = Grid(dims, rank=rank, backend=backend, placement=placement, ranks_per_node=rpn, timeout=timeout,
                 store=native_store, hostname=hostname, device_index=device_index, device=device,
                 session=session, check=check, emulate=emulate)

@@ -1,11 +1,15 @@
-"""How ranks are spawned on one machine: torchrun (Gloo, NCCL) or mpirun (the MPI transport),
-and which is the default. The CLI, the benchmarks and the tests ask here."""
+"""How ranks are spawned, on one machine or many: torchrun (Gloo, NCCL) or mpirun (the MPI
+transport), which is the default, and what a rank reads from the launcher that started it.
+The CLI, the benchmarks and the tests ask here."""
 from __future__ import annotations
 
+import math
 import os
 import shutil
+import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 
 from . import _C
 from .errors import GridError
@@ -13,6 +17,12 @@ from .errors import GridError
 LAUNCHERS = ("torchrun", "mpirun")
 # What mpirun (OpenMPI, MPICH/Hydra, PMIx) and srun put in a rank's environment.
 _MPI_LAUNCHED = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_PROCID")
+# ... of which those that make this process one rank of many (srun without --mpi sets only
+# SLURM_PROCID, also for one launcher task per node)
+_RANK_OF_MANY = ("RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
+DEFAULT_PORT = 29561
+PORT_ENV = "GRIDWEAVE_PORT"
+HOSTNAME_ENV = "GRIDWEAVE_HOSTNAME"
 
 
 def _env_int(name: str):
@@ -28,6 +38,73 @@ def mpi_installed() -> bool:
 def mpi_launched() -> bool:
     """An MPI launcher (mpirun, srun) started this process."""
     return any(k in os.environ for k in _MPI_LAUNCHED)
+
+
+def started_as_rank() -> bool:
+    """A launcher (torchrun, mpirun, srun --mpi) started this process as one rank of a job, so
+    `gridweave train` trains here instead of spawning ranks."""
+    return any(k in os.environ for k in _RANK_OF_MANY)
+
+
+def default_port() -> int:
+    return _env_int(PORT_ENV) or DEFAULT_PORT
+
+
+def address_towards(host: str, port: int = 9) -> str:
+    """This node's address on the route to `host` (the master): what the other nodes can reach
+    this one at, found by the kernel's routing (a UDP connect sends nothing)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))
+            return s.getsockname()[0]
+    except OSError as e:
+        raise GridError(f"no route from this node ({socket.gethostname()}) to the master {host}: {e} (set "
+                        f"{HOSTNAME_ENV} to the address other nodes reach this one at)") from None
+
+
+def advertised_address(all_local: bool) -> str:
+    """The address this rank's transport listens on and tells its peers: GRIDWEAVE_HOSTNAME when
+    set; loopback when every rank is on this node; else the address on the route to
+    MASTER_ADDR (a node with several networks picks the one that reaches the master); the
+    hostname when there is no master address (MPI)."""
+    given = os.environ.get(HOSTNAME_ENV)
+    if given:
+        return given
+    if all_local:
+        return "127.0.0.1"
+    master = os.environ.get("MASTER_ADDR")
+    return address_towards(master, _env_int("MASTER_PORT") or 9) if master else socket.gethostname()
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """Where a job's ranks run, in torchrun's words: nnodes machines, this one node_rank, each
+    starting nproc ranks; the master (node 0) at master_addr:master_port serves the
+    rendezvous store; a rank lost restarts every node's ranks up to max_restarts times."""
+    nproc: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = DEFAULT_PORT
+    max_restarts: int = 0
+
+    def __post_init__(self):
+        for name in ("nproc", "nnodes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise GridError(f"{name} must be a positive integer, got {v!r}")
+        if not (isinstance(self.node_rank, int) and 0 <= self.node_rank < self.nnodes):
+            raise GridError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank!r}")
+        if not (isinstance(self.master_port, int) and 0 < self.master_port < 65536):
+            raise GridError(f"master_port must be a TCP port (1-65535), got {self.master_port!r}")
+        if not (isinstance(self.max_restarts, int) and self.max_restarts >= 0):
+            raise GridError(f"max_restarts must be a non-negative integer, got {self.max_restarts!r}")
+        if not self.master_addr:
+            raise GridError("master_addr must name the master node (its address or hostname)")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
 
 
 def local_world_size():
@@ -59,10 +136,22 @@ def mpi_world() -> tuple:
 
 def launched_world_size(backend: str = "auto") -> int:
     """How many ranks the launcher started: MPI's world under mpirun/srun for backend "mpi",
-    else torchrun's WORLD_SIZE (1 when there is none)."""
+    else torchrun's WORLD_SIZE (srun's SLURM_NTASKS; 1 when there is none)."""
     if backend == "mpi" and _C.mpi_available and mpi_launched():
         return mpi_world()[1]
-    return _env_int("WORLD_SIZE") or 1
+    return _env_int("WORLD_SIZE") or _env_int("SLURM_NTASKS") or 1
+
+
+def launched_rank():
+    """This process's rank as its launcher says: torchrun's RANK, else srun's SLURM_PROCID."""
+    rank = _env_int("RANK")
+    return rank if rank is not None else _env_int("SLURM_PROCID")
+
+
+def restart_count() -> int:
+    """How many times torchrun's agent has restarted this job's ranks (0: the first start): a
+    restarted rank's rendezvous keys must not meet those its predecessor left in the store."""
+    return _env_int("TORCHELASTIC_RESTART_COUNT") or 0
 
 
 def default_launcher(device: str = "auto", backend: str = "auto") -> str:
@@ -94,9 +183,16 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def mpirun_command(n: int, quiet: bool = False) -> list:
+# What a rank started on another node by mpirun must see of the launcher's environment
+# (OpenMPI forwards nothing over rsh/ssh unless told): gridweave's settings and Python's paths.
+_FORWARD = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "OMP_NUM_THREADS", "VIRTUAL_ENV")
+
+
+def mpirun_command(n: int, quiet: bool = False, hostfile: str | None = None, per_node: int | None = None) -> list:
     """mpirun -np n, with what OpenMPI needs as root and with more ranks than cores; quiet:
-    without OpenMPI's own banner when a rank fails (the ranks say what went wrong)."""
+    without OpenMPI's own banner when a rank fails (the ranks say what went wrong); hostfile:
+    the ranks over its nodes, per_node on each in order (ranks of a node consecutive, as
+    torchrun numbers them), with gridweave's environment forwarded to them."""
     exe = shutil.which("mpirun")
     if exe is None:
         raise GridError("the mpirun launcher: no mpirun on PATH (apt-get install openmpi-bin libopenmpi-dev)")
@@ -104,7 +200,41 @@ def mpirun_command(n: int, quiet: bool = False) -> list:
     openmpi = "Open MPI" in version  # OpenMPI refuses root and more ranks than cores without these
     flags = ((["--allow-run-as-root"] if os.geteuid() == 0 else []) + ["--oversubscribe"] +
              (["-q"] if quiet else [])) if openmpi else []
+    if hostfile is not None:
+        if not os.path.isfile(hostfile):
+            raise GridError(f"hostfile={hostfile} is not a file (mpirun's list of nodes, one per line)")
+        names = sorted(k for k in os.environ if k in _FORWARD or k.startswith("GRIDWEAVE_"))
+        if openmpi:
+            flags += ["--hostfile", hostfile] + (["--map-by", f"ppr:{per_node}:node"] if per_node else [])
+            flags += [x for k in names for x in ("-x", k)]
+        else:  # MPICH / Hydra
+            flags += ["-f", hostfile] + (["-ppn", str(per_node)] if per_node else []) + \
+                     (["-genvlist", ",".join(names)] if names else [])
     return [exe, *flags, "-np", str(n)]
+
+
+def torchrun(nodes: Nodes, module_argv: list, run_id: str, timeout: float) -> int:
+    """This node's share of a job through torchrun's elastic agent, in this process: nodes.nproc
+    ranks of `python -m <module_argv>`, a static rendezvous at the master (node ranks as given,
+    so node k holds ranks k*nproc ... as the placement assumes), restarts as nodes says. Returns
+    the first failed rank's exit code (0: all finished). The agent's own failure report is not
+    printed: the ranks have said what went wrong."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    config = LaunchConfig(min_nodes=nodes.nnodes, max_nodes=nodes.nnodes, nproc_per_node=nodes.nproc, run_id=run_id,
+                          rdzv_backend="static", rdzv_endpoint=f"{nodes.master_addr}:{nodes.master_port}",
+                          rdzv_configs={"rank": nodes.node_rank, "timeout": int(math.ceil(timeout))},
+                          max_restarts=nodes.max_restarts, monitor_interval=0.1)
+    try:
+        elastic_launch(config, sys.executable)("-m", *module_argv)
+    except ChildFailedError as e:
+        codes = [f.exitcode for f in e.failures.values()]
+        return next((c for c in codes if c > 0), 1)
+    return 0
 
 
 def torchrun_command(n: int, port: int) -> list:

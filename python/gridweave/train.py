@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 import time
 import dataclasses
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from .sharding import first_copy
 
 # What a resumed run must share with its checkpoint (the model, the data order).
 RESUME_KEYS = ("model", "tokenizer", "seq", "batch", "seed")
+AUTO = "auto"  # resume=auto: the newest complete checkpoint of out, if any
 PAD_VOCAB = 64  # the model's vocabulary is the tokenizer's rounded up (Megatron's divisible-by)
 
 # Nominal dense peak FLOP/s per GPU and compute dtype (vendor data sheets), for MFU.
@@ -101,8 +103,9 @@ class TrainConfig:
     tp_sp: bool = False  # Megatron's sequence parallelism inside 1-D (tp row:N): norms and residuals on sequence shards
     pack_documents: bool = False  # a window's documents attend only within themselves, positions restarting at each
     data: str | None = None
+    data_cache: str | None = None  # a node-local folder ('{host}': the hostname): each node's first rank tokenizes there
     out: str = "runs/latest"
-    resume: str | None = None
+    resume: str | None = None  # a run folder, or "auto": out's newest complete checkpoint (none: a fresh start)
     schedule: str = "message_driven"
     chunks: int = 1  # model chunks per pipeline stage (the interleaved schedule)
     precision: str = "fp32"
@@ -249,7 +252,7 @@ class TrainConfig:
                 codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
             except UnicodeDecodeError as e:
                 raise GridError(f"data={f} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-        if self.resume:
+        if self.resume and self.resume != AUTO:
             load_checkpoint(Path(self.resume))  # a clear GridError when there is none
         out = Path(self.out).absolute()
         if out.exists() and not out.is_dir():
@@ -467,13 +470,55 @@ def setup_grid(cfg: TrainConfig) -> Grid:
                 backend=cfg.backend, placement=cfg.placement)
 
 
+def resolve_resume(cfg: TrainConfig, grid) -> TrainConfig:
+    """cfg with resume=auto decided, once for every rank: out when it holds a complete checkpoint
+    (rank 0 looks; every rank must then see the same step, i.e. share out), else a fresh start."""
+    if cfg.resume != AUTO:
+        return cfg
+    out = Path(cfg.out)
+
+    def newest() -> int:
+        try:
+            return int(load_checkpoint(out)["step"])
+        except GridError:  # none yet (or none complete)
+            return -1
+
+    mine = newest()
+    step = grid.broadcast_ints([mine], axis=None)[0]
+    if grid.any(mine != step):
+        raise GridError(f"resume=auto: rank 0 found {'step ' + str(step) if step >= 0 else 'no checkpoint'} in "
+                        f"{out / 'checkpoint'} but another rank did not see the same (out must be one folder every "
+                        "node shares)")
+    return dataclasses.replace(cfg, resume=str(out) if step >= 0 else None)
+
+
 def prepare_data(cfg: TrainConfig, grid, out: Path) -> tuple:
-    """(token file, tokenizer): made once by rank 0 (from the resumed run's tokenizer), opened by all."""
-    if grid.rank == 0:
-        tok_from = str(Path(cfg.resume) / data.TOKENIZER_FILE) if cfg.resume else None
-        data.prepare(out, cfg.data, cfg.tokenizer, cfg.vocab, tokenizer_from=tok_from)
-    grid.barrier()
-    return data.open_tokens(out), data.load_tokenizer(out / data.TOKENIZER_FILE)
+    """(token file, tokenizer): the tokenizer made once by rank 0 into out (from the resumed run's);
+    the token file by rank 0 into out too, or with data_cache by each node's first rank into that
+    node-local folder. Every wait is a grid collective (bounded by the grid's timeout) that also
+    tells every rank whether a maker failed: no rank waits on a maker that gave up, and no two
+    processes write one file."""
+    tok_from = str(Path(cfg.resume) / data.TOKENIZER_FILE) if cfg.resume else None
+    cache = Path(cfg.data_cache.replace("{host}", socket.gethostname())) if cfg.data_cache else None
+
+    def made_by(maker: bool, folder: Path, tokenizer_from, tokenize=True) -> None:
+        failed = None
+        if maker:
+            try:
+                data.prepare(folder, cfg.data, cfg.tokenizer, cfg.vocab, tokenizer_from=tokenizer_from,
+                             tokenize=tokenize)
+            except (GridError, OSError) as e:
+                failed = e
+        if grid.any(failed is not None):
+            if failed is not None:
+                raise failed
+            raise GridError(f"the data could not be prepared in {folder} (the rank that made it says why)")
+
+    made_by(grid.rank == 0, out, tok_from, tokenize=cache is None)
+    if cache is None:
+        return data.open_tokens(out), data.load_tokenizer(out / data.TOKENIZER_FILE)
+    made_by(launch.local_rank() == 0, cache, str(out / data.TOKENIZER_FILE))
+    return data.open_tokens(cache), data.load_tokenizer(cache / data.TOKENIZER_FILE)
 
 
 @dataclass
@@ -659,6 +704,7 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
     if not isinstance(cfg, TrainConfig):
         raise GridError(f"train.run takes a TrainConfig, got {type(cfg).__name__}")
     grid, out = setup_grid(cfg), Path(cfg.out)
+    cfg = resolve_resume(cfg, grid)
     tokens, tokenizer = prepare_data(cfg, grid, out)
     model_cfg = cfg.model_config(tokens.vocab_size)
     torch.manual_seed(cfg.seed)
