@@ -142,8 +142,9 @@ case "$cmd" in
     host=${1:?rsh HOST CMD}; shift
     while [ $# -gt 0 ] && [[ "$1" == -* ]]; do shift; done  # ssh flags OpenMPI may add (-x)
     [[ "$host" =~ ^$PREFIX-node([0-9]+)$ ]] || die "rsh: $host is not a node of cluster '$PREFIX'"
-    need_node "${BASH_REMATCH[1]}"
+    k=${BASH_REMATCH[1]}
+    need_node "$k"
     # OpenMPI passes one shell command line, as ssh would
-    run_on "${BASH_REMATCH[1]}" /bin/sh -c "$*" ;;
+    run_on "$k" /bin/sh -c "$*" ;;
   *) sed -n '2,18p' "$0" >&2; exit 2 ;;
 esac

@@ -649,6 +649,18 @@ class Grid:
         self.broadcast(t, axis=axis, src=src)
         return [int(v) for v in t.tolist()]
 
+    def all_gather_json(self, value, axis: AxisArg = None) -> list:
+        """Every member's JSON-encodable `value`, in line order, on every member of `axis` (torch's
+        all_gather_object without pickle: nothing a peer sends is executed)."""
+        import json
+
+        mine = json.dumps(value).encode()
+        sizes = self.all_gather(torch.tensor([len(mine)], dtype=torch.int64, device=self.device), axis=axis).tolist()
+        buf = torch.zeros(max(sizes), dtype=torch.int32, device="cpu")  # bytes as int32: every transport has it
+        buf[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+        every = self.all_gather(buf.to(self.device).reshape(1, -1), axis=axis).cpu()
+        return [json.loads(bytes(every[k, :n].tolist())) for k, n in enumerate(sizes)]
+
     def barrier(self, axis: AxisArg = None):
         self._run(self.comm(axis, "barrier").barrier(False), False, ())
 

@@ -229,11 +229,19 @@ def torchrun(nodes: Nodes, module_argv: list, run_id: str, timeout: float) -> in
                           rdzv_backend="static", rdzv_endpoint=f"{nodes.master_addr}:{nodes.master_port}",
                           rdzv_configs={"rank": nodes.node_rank, "timeout": int(math.ceil(timeout))},
                           max_restarts=nodes.max_restarts, monitor_interval=0.1)
+    from torch.distributed import DistError
+    from torch.distributed.elastic.rendezvous import RendezvousError
+
     try:
         elastic_launch(config, sys.executable)("-m", *module_argv)
     except ChildFailedError as e:
         codes = [f.exitcode for f in e.failures.values()]
         return next((c for c in codes if c > 0), 1)
+    except (DistError, RendezvousError) as e:  # the rendezvous: a node that never came, a master gone
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"gridweave train: node {nodes.node_rank}: the rendezvous at {nodes.master_addr}:{nodes.master_port} "
+              f"failed: {first}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

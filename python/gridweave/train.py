@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import socket
+import sys
 import time
 import dataclasses
 from dataclasses import dataclass, field
@@ -570,6 +571,10 @@ class Checkpointer:
             self.reader.load_state_dict(manifest["reader"])
         if self.scaler is not None and manifest.get("loss_scaler"):
             self.scaler.load_state_dict(manifest["loss_scaler"])
+        if self.grid.rank == 0:  # a restarted job says where it continues (and when: the time to recover)
+            again = f" (restart {launch.restart_count()})" if launch.restart_count() else ""
+            print(f"gridweave train: resumed from step {manifest['step']} of {cfg.resume}{again}", file=sys.stderr,
+                  flush=True)
         return History(list(manifest["losses"]), list(manifest.get("val", [])), manifest["step"])
 
     def land(self) -> None:
@@ -698,6 +703,22 @@ def memory_per_rank(grid, stage, opt) -> dict:
             "memory_bytes": held}
 
 
+def traffic_by_node(grid) -> dict:
+    """The engine's traffic counters summed over every rank (bytes sent per axis label, intra- and
+    inter-node), each rank's hostname and the node the placement assumed it on (rank //
+    ranks per node): on a cluster the two must group ranks alike for the counters to be true."""
+    sent = {label: [c["sent_intra"]["bytes"], c["sent_inter"]["bytes"]] for label, c in grid.stats().items()}
+    every = grid.all_gather_json([socket.gethostname(), sent])
+    total = {}
+    for _, mine in every:
+        for label, (intra, inter) in mine.items():
+            t = total.setdefault(label, {"intra": 0, "inter": 0})
+            t["intra"] += intra
+            t["inter"] += inter
+    return {"sent_bytes": total, "hosts": [h for h, _ in every],
+            "assumed_node": [grid.node_of(r) for r in range(grid.world_size)]}
+
+
 def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = None) -> dict:
     """Train as `cfg` says; on_step(step, state), if given, is called at the start of each step
     (progress hooks, profilers; the tests' fault injection)."""
@@ -738,7 +759,8 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
     metrics = {"loss": history.losses, "val_loss": history.val,
                "unigram_entropy_val": data.unigram_entropy(tokens.val, tokens.vocab_size), **meter.as_dict(),
                "config": cfg.run_config(model_cfg), "grid": dict(grid.axes), "backend": grid.backend,
-               "device": str(grid.device), "precision": cfg.compute.name, **memory_per_rank(grid, stage, opt)}
+               "device": str(grid.device), "precision": cfg.compute.name, "traffic": traffic_by_node(grid),
+               **memory_per_rank(grid, stage, opt)}
     shutdown()
     if grid.rank == 0:
         report(cfg, out, metrics, tokens, tokenizer, validation.windows, model_cfg)
