@@ -306,7 +306,15 @@ def main(argv=None) -> int:
     return 0
 
 
-REPORTED = "gridweave-{}.reported"  # in the temp folder: the first rank to create it reports
+def _reported_marker(run_id: str) -> str:
+    """In the temp folder: the first rank of this node to create it reports (named after the host
+    too: nodes that share a temp folder still say one line each; and the restart: a restarted
+    job's failure is news)."""
+    import socket
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(),
+                        f"gridweave-{run_id}-{socket.gethostname()}-{launch.restart_count()}.reported")
 
 
 def node_spec(args) -> launch.Nodes:
@@ -339,7 +347,6 @@ def _launcher(args) -> str:
 def _spawn(args, nodes: launch.Nodes, argv) -> int:
     """Start this node's ranks of this command and wait for them. Ranks report their own
     errors (once per node); the launcher adds nothing but their exit code."""
-    import tempfile
     import uuid
 
     # one id for the whole job: the nodes' agents must agree on it (static rendezvous)
@@ -347,7 +354,6 @@ def _spawn(args, nodes: launch.Nodes, argv) -> int:
                                                     f"gridweave-{nodes.master_addr}-{nodes.master_port}")
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "GRIDWEAVE_SPAWNED": "1",
            "GRIDWEAVE_RUN_ID": run_id}
-    marker = os.path.join(tempfile.gettempdir(), REPORTED.format(run_id))
     os.environ.update(env)  # before mpirun's command, which forwards GRIDWEAVE_* to other nodes
     try:
         if _launcher(args) == "mpirun":  # quiet: no banner of its own when a rank fails; GRIDWEAVE_SPAWNED stops a respawn
@@ -358,15 +364,15 @@ def _spawn(args, nodes: launch.Nodes, argv) -> int:
                                    stdin=subprocess.DEVNULL, preexec_fn=launch.die_with_parent)
         return launch.torchrun(nodes, ["gridweave.cli", *argv], run_id, args.timeout)
     finally:
-        if os.path.exists(marker):
+        import glob
+
+        for marker in glob.glob(_reported_marker(run_id).rsplit("-", 1)[0] + "-*.reported"):  # every restart's
             os.unlink(marker)
 
 
 def _train_rank(args) -> int:
     """One rank of `gridweave train`: an error ends it with one line on stderr, written by
     the first rank that meets it (the others' errors are its consequences)."""
-    import tempfile
-
     launch.die_with_parent()  # no orphan keeps training when its launcher dies
     try:
         train.run(train_config(args))
@@ -375,7 +381,7 @@ def _train_rank(args) -> int:
         first = True  # under another launcher nobody coordinates: every rank says its line
         if run_id:
             try:
-                os.close(os.open(os.path.join(tempfile.gettempdir(), REPORTED.format(run_id)),
+                os.close(os.open(_reported_marker(run_id),
                                  os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             except FileExistsError:
                 first = False
