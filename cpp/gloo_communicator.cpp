@@ -102,11 +102,11 @@ void GlooCommunicator::rethrow(const Fingerprint& fp, const std::exception& e, i
   bool timeout = msg.find("Timed out") != std::string::npos || msg.find("timed out") != std::string::npos ||
                  msg.find("Application timeout") != std::string::npos;
   // Members that disagree never exchange data (the fingerprint is the tag): they time out,
-  // about together give or take their skew, so wait a while for the others' notes: 5 s (the
-  // timeout when shorter), so a failed rank still ends within its timeout plus 10 s whatever
-  // the timeout. A peer that closed the connection wrote its note before it did.
+  // about together give or take their skew, so wait a while for the others' notes: 5 s whatever
+  // the timeout, so a failed rank still ends within its timeout plus 10 s. A peer that closed
+  // the connection wrote its note before it did.
   using std::chrono::milliseconds;
-  const milliseconds window = timeout ? std::min(info_.timeout, milliseconds(5000)) : milliseconds(1000);
+  const milliseconds window = timeout ? milliseconds(5000) : milliseconds(1000);
   // Only the failure that broke the communicator publishes a note: a later op's (the Detail
   // level's answer to a failed receive) must not overwrite what this member passed.
   const std::string notes = first ? compare_notes(store_.get(), fp, window) : "";

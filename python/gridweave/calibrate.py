@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from . import plan
-from .grid import init, shutdown
+from .grid import LinePart, Span, init, shutdown
 from .measure import call_rate, gemm_rate, vector_bandwidth
 from .models import ModelConfig
 from .nn.dense import DenseTransformerLayer
@@ -112,22 +112,31 @@ def restart_peak() -> None:
         f.write("5")
 
 
-def ring_all_gather(grid, sizes=(1 << 13, 1 << 16, 1 << 18, 1 << 20, 1 << 22), reps: int = 21) -> dict:
-    """Seconds of the engine's ring all-gather over all ranks, per output size (bytes): the
-    usual alpha-beta calibration, t = (g-1) alpha + (g-1)/g n beta (plan.collective_time)."""
+def ring_all_gather(grid, sizes=(1 << 13, 1 << 16, 1 << 18, 1 << 20, 1 << 22), reps: int = 21, axis="dp",
+                    active: bool = True) -> dict:
+    """Seconds of the engine's ring all-gather over `axis` (default: all ranks), per output size
+    (bytes): the usual alpha-beta calibration, t = (g-1) alpha + (g-1)/g n beta
+    (plan.collective_time). Ranks not `active` only keep the barriers (their lines stay idle)."""
     out = {}
-    g = grid.world_size
+    g = grid.size(axis)
     for nbytes in sizes:
         part = torch.zeros(max(1, nbytes // 4 // g), device=grid.device)
-        grid.all_gather(part, "dp")
+        if active:
+            grid.all_gather(part, axis)
         ts = []
         for _ in range(reps):
             grid.barrier()
             t0 = time.perf_counter()
-            grid.all_gather(part, "dp")
+            if active:
+                grid.all_gather(part, axis)
             ts.append(time.perf_counter() - t0)
         out[nbytes] = statistics.median(ts)
     return out
+
+
+def fit_ring(times: dict, g: int) -> tuple:
+    """(alpha, beta) of one ring step, alpha + (n / g) beta, from a g-member ring's times."""
+    return fit_alpha_beta({n / max(g, 2): t / max(g - 1, 1) for n, t in times.items()})
 
 
 def fit_alpha_beta(times: dict) -> tuple:
@@ -142,10 +151,18 @@ def fit_alpha_beta(times: dict) -> tuple:
 def measure(grid, fixed: bool = True) -> dict:
     """Every rank of `grid` measures at once; the medians over ranks, as a cluster preset.
     fixed: also fit the per-kernel and per-collective costs on small training steps."""
-    g = grid.world_size
+    g, per_node = grid.world_size, grid.ranks_per_node
     times = ring_all_gather(grid) if g > 1 else {8: 1e-5, 1 << 20: 1e-3}
-    # per ring step: alpha + (n / g) beta
-    alpha, beta = fit_alpha_beta({n / max(g, 2): t / max(g - 1, 1) for n, t in times.items()})
+    alpha, beta = fit_ring(times, g)
+    inter_alpha, inter_beta = alpha, beta
+    if per_node < g:  # several nodes: the links inside a node, and between nodes, apart
+        times = ring_all_gather(grid, axis=LinePart(("dp",), Span.WITHIN))  # every node at once
+        alpha, beta = fit_ring(times, per_node)
+        # between nodes: one ring, of each node's first rank: one flow on each link, which is what
+        # the planner's link bandwidth means (it shares a node's links among the lines that cross)
+        across = ring_all_gather(grid, axis=LinePart(("dp",), Span.ACROSS), active=grid.rank % per_node == 0)
+        inter_alpha, inter_beta = fit_ring(across, g // per_node)
+        times = {"within_node": times, "across_nodes": across}
     local = []
     probes = (gemm_rate, vector_bandwidth, launch_overhead, attention_rate)
     for probe in probes:
@@ -157,10 +174,10 @@ def measure(grid, fixed: bool = True) -> dict:
     preset = {"name": "local", "about": f"measured by gridweave bench --calibrate with {grid.world_size} ranks at once",
             "gpus_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", grid.world_size)),
             "intra_alpha_s": alpha, "intra_bandwidth_Bps": 1 / beta,
-            "inter_alpha_s": alpha, "inter_bandwidth_Bps": 1 / beta, "nics_per_node": 1,
+            "inter_alpha_s": inter_alpha, "inter_bandwidth_Bps": 1 / inter_beta, "nics_per_node": 1,
             "gemm_flops": gemm, "vector_bandwidth_Bps": vector, "launch_s": launch, "attention_flops": attention,
             "memory_bytes": 24 * 2 ** 30, "ranks": grid.world_size, "cores_per_node": len(os.sched_getaffinity(0)),
-            "measured_all_gather_s": {str(k): v for k, v in times.items()}}
+            "measured_all_gather_s": json.loads(json.dumps(times))}  # keys as strings
     if fixed and g > 1:
         preset["launch_s"], preset["collective_s"] = fixed_costs(grid, preset)
     return preset

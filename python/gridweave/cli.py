@@ -32,9 +32,10 @@ def _train_parser(sub):
     n = p.add_argument_group("nodes (torchrun's words; the same command on every node, --node-rank apart)")
     n.add_argument("--nnodes", type=int, default=1, help="machines in the job, each starting --nproc ranks")
     n.add_argument("--node-rank", type=int, default=0, help="this machine's index (0: the master)")
-    n.add_argument("--master-addr", default="127.0.0.1", help="the master's address or hostname, as every node "
+    n.add_argument("--master-addr", default=None, help="the master's address or hostname, as every node "
                                                               "reaches it (each node finds its own address on "
-                                                              "that route; GRIDWEAVE_HOSTNAME overrides)")
+                                                              "that route; GRIDWEAVE_HOSTNAME overrides); "
+                                                              "default with one node: 127.0.0.1")
     n.add_argument("--master-port", type=int, default=None, help=f"the rendezvous port (default: ${launch.PORT_ENV} "
                                                                  f"or {launch.DEFAULT_PORT})")
     n.add_argument("--max-restarts", type=int, default=0,
@@ -319,9 +320,11 @@ def _reported_marker(run_id: str) -> str:
 
 def node_spec(args) -> launch.Nodes:
     """The command line's nodes, checked against its launcher and resume."""
+    if args.nnodes > 1 and args.master_addr is None and _launcher(args) == "torchrun":
+        raise GridError(f"--nnodes {args.nnodes} needs --master-addr: the address every node reaches node 0 at")
     nodes = launch.Nodes(nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
-                         master_addr=args.master_addr, master_port=args.master_port or launch.default_port(),
-                         max_restarts=args.max_restarts)
+                         master_addr=args.master_addr or "127.0.0.1",
+                         master_port=args.master_port or launch.default_port(), max_restarts=args.max_restarts)
     launcher = _launcher(args)
     if launcher == "mpirun":
         if nodes.nnodes > 1 and args.hostfile is None:
@@ -396,14 +399,15 @@ def _train_rank(args) -> int:
 
 
 def as_flags(message) -> str:
-    """A library error in the command line's words: the library names TrainConfig's fields
+    """A library error in the command line's words: the library names TrainConfig's (and Nodes') fields
     (`dp=4`, `lr must be`) and mode objects (`Row(n=8)`); the command line says `--dp 4`,
     `--lr must be` and `row:8`."""
     message = str(message)
     for cls in modes.known():  # a mode object's repr -> its --tp spelling
         message = re.sub(rf"(?:\bgw\.)?\b{cls.__name__}\((?:\w+=)?(\d*)(?:, \w+=\w+)*\)",
                          lambda m, cls=cls: (cls(int(m.group(1))) if cls.size_arg else cls()).spec(), message)
-    fields = "|".join(sorted(TrainConfig.__dataclass_fields__, key=len, reverse=True))
+    names = set(TrainConfig.__dataclass_fields__) | set(launch.Nodes.__dataclass_fields__)
+    fields = "|".join(sorted(names, key=len, reverse=True))
     return re.sub(rf"(?<![\w-])({fields})(=| must\b)",
                   lambda m: "--" + m.group(1).replace("_", "-") + (" " if m.group(2) == "=" else " must"), message)
 

@@ -19,7 +19,7 @@ from gridweave import checkpoint
 sys.path.insert(0, os.path.dirname(__file__))
 import cluster as cl  # noqa: E402
 
-pytestmark = pytest.mark.skipif(cl.unavailable() is not None, reason=str(cl.unavailable()))
+needs_cluster = pytest.mark.skipif(cl.unavailable() is not None, reason=str(cl.unavailable()))
 
 MODEL = ["--hidden", "64", "--layers", "2", "--heads", "4", "--seq", "32", "--batch", "8", "--sample-tokens", "0",
          "--quiet"]
@@ -28,8 +28,16 @@ ARGS = [*MODEL, "--steps", "6", "--val-every", "3"]
 
 @pytest.fixture(scope="module")
 def two():
+    if cl.unavailable():
+        pytest.skip(cl.unavailable())
     with cl.Cluster(2) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def one_args(tmp_path_factory):
+    """One process's metrics of ARGS, shared by the tests that compare with it."""
+    return _one(tmp_path_factory.mktemp("one"), ARGS, 29610)
 
 
 def _one(tmp, args, port):
@@ -68,11 +76,14 @@ def _check_traffic(c, metrics, tx=None):
     return t["sent_bytes"]
 
 
-def test_two_nodes_through_torchrun_give_one_process_losses(two, tmp_path):
+@needs_cluster
+def test_two_nodes_through_torchrun_give_one_process_losses(two, tmp_path, one_args):
     """2 nodes x 4 ranks, dp 2 x pp 2 x tp row:2 (topology placement: tp and pp inside a node, dp
-    across): one process's losses; SUPER §V eq. (7): the lines it keeps inside a node cross none."""
-    spec = ["--dp", "2", "--pp", "2", "--tp", "row:2", "--placement", "topology"]
-    one = _one(tmp_path, ARGS, 29611)
+    across): one process's losses; SUPER §V eq. (7): the lines it keeps inside a node cross none.
+    The token file in a node-local cache: each node's first rank made its own, rank 0 the tokenizer."""
+    cache = tmp_path / "cache-{host}"
+    spec = ["--dp", "2", "--pp", "2", "--tp", "row:2", "--placement", "topology", "--data-cache", cache]
+    one = one_args
     before = sum(two.tx_bytes(k) for k in range(2))
     procs, logs = _on_nodes(two, tmp_path, 4, [*ARGS, *spec, "--out", tmp_path / "run", "--timeout", "60"], 29612,
                             "node")
@@ -85,6 +96,12 @@ def test_two_nodes_through_torchrun_give_one_process_losses(two, tmp_path):
     sent = _check_traffic(two, m, tx)
     assert sent["tp"]["inter"] == 0 and sent["pp"]["inter"] == 0 and sent["tp"]["intra"] > 0, sent
     assert sent["dp"]["intra"] == 0 and sent["dp"]["inter"] > 0, sent
+    run = tmp_path / "run"
+    assert (run / "tokenizer.json").exists() and not (run / "tokens.bin").exists()
+    for k in range(2):
+        folder = Path(str(cache).replace("{host}", two.host(k)))
+        assert (folder / "tokens.bin").exists()
+        assert (folder / "tokenizer.json").read_bytes() == (run / "tokenizer.json").read_bytes()
 
 
 def _super_inter_fraction(n, n_node, g, placement):
@@ -98,13 +115,15 @@ def _super_inter_fraction(n, n_node, g, placement):
     return inter / (intra + inter - n)
 
 
+@needs_cluster
 @pytest.mark.skipif(not gw.launch.mpi_installed(), reason="needs gridweave built with MPI and mpirun")
-@pytest.mark.parametrize("placement", ["naive", "topology"])
-def test_two_nodes_through_mpirun_give_one_process_losses(two, tmp_path, placement):
+def test_two_nodes_through_mpirun_give_one_process_losses(two, tmp_path, one_args):
     """mpirun once on node 0 with a hostfile (its rsh agent enters the other node): the MPI
-    transport across nodes; sub-graph parallelism's sg lines cross nodes as SUPER's eqs. say."""
+    transport across nodes; sub-graph parallelism's sg lines, placed naively (SUPER numbers
+    sub-grids contiguously: a line's members 4 ranks apart), cross nodes as SUPER's eqs. say."""
+    placement = "naive"
     spec = ["--dp", "2", "--pp", "2", "--tp", "subgraph:2", "--placement", placement]
-    one = _one(tmp_path, ARGS, 29613)
+    one = one_args
     hostfile = tmp_path / "hosts"
     hostfile.write_text(two.sh("hostfile", 2, "--slots", 4))
     log = tmp_path / "mpirun.log"
@@ -145,6 +164,7 @@ def _errors(log: Path) -> list:
     return [line for line in log.read_text(errors="replace").splitlines() if line.startswith("gridweave train:")]
 
 
+@needs_cluster
 @pytest.mark.parametrize("fault", ["node", "master", "partition", "trickle"])
 def test_a_failure_ends_every_surviving_rank_within_the_timeout(fault, tmp_path):
     """A node killed (its processes), the master's node killed, a network partition (node 1's
@@ -181,6 +201,7 @@ def test_a_failure_ends_every_surviving_rank_within_the_timeout(fault, tmp_path)
         assert index["step"] >= 2 and index["step"] % 2 == 0
 
 
+@needs_cluster
 def test_a_lost_rank_restarts_from_the_newest_checkpoint(tmp_path):
     """--max-restarts 1 --resume auto: one rank killed (SIGKILL) after the first checkpoints; every
     node's ranks restart, continue from the newest complete checkpoint and finish with the losses
@@ -211,14 +232,52 @@ def test_a_lost_rank_restarts_from_the_newest_checkpoint(tmp_path):
 
 def test_resume_auto_starts_fresh_without_a_checkpoint_and_continues_with_one(tmp_path):
     """--resume auto on one machine: no checkpoint in --out trains from step 0; a finished run's
-    folder continues from its last step (here: more steps)."""
+    folder continues from its last step (here: more steps). The first run under the user's own
+    torchrun (no --nproc: the ranks see torchrun's environment), the second through gridweave's."""
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GRIDWEAVE_PORT": "29640"}
     base = [sys.executable, "-m", "gridweave.cli", "train", "--nproc", "2", "--launcher", "torchrun", "--pp", "2",
             *MODEL, "--val-every", "0", "--resume", "auto", "--out", str(out)]
-    r = subprocess.run([*base, "--steps", "3"], capture_output=True, text=True, timeout=300, env=env)
+    own = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29642",
+           "-m", "gridweave.cli", "train", "--pp", "2", *MODEL, "--val-every", "0", "--resume", "auto", "--out",
+           str(out)]
+    r = subprocess.run([*own, "--steps", "3"], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0 and "resumed" not in r.stderr, r.stderr[-2000:]
     r = subprocess.run([*base, "--steps", "5"], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0 and "resumed from step 3" in r.stderr, r.stderr[-2000:]
     one = _one(tmp_path, [*MODEL, "--val-every", "0", "--steps", "5"], 29641)
     assert _close(json.loads((out / "metrics.json").read_text())["loss"], one["loss"])
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--nnodes", "2", "--node-rank", "1", "--launcher", "torchrun"], "needs --master-addr"),
+    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "10.0.0.1", "--launcher", "torchrun"],
+     "--node-rank must be in [0, --nnodes 2)"),
+    (["--nnodes", "0", "--launcher", "torchrun"], "--nnodes must be a positive integer"),
+    (["--master-port", "70000", "--launcher", "torchrun"], "--master-port must be a TCP port"),
+    (["--max-restarts", "2", "--launcher", "torchrun"], "--max-restarts needs --resume auto"),
+    (["--max-restarts", "1", "--resume", "auto", "--launcher", "mpirun"], "--max-restarts is torchrun's"),
+    (["--nnodes", "2", "--launcher", "mpirun"], "needs --hostfile"),
+    (["--nnodes", "2", "--node-rank", "1", "--hostfile", "h", "--launcher", "mpirun"], "runs once, on the first"),
+    (["--hostfile", "h", "--launcher", "torchrun"], "--hostfile is mpirun's"),
+])
+def test_bad_node_flags_are_one_clear_error_before_anything_starts(tmp_path, flags, needle):
+    r = subprocess.run([sys.executable, "-m", "gridweave.cli", "train", "--nproc", "2", "--pp", "2", *flags,
+                        "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_srun_ranks_read_slurm_and_the_route_to_the_master(monkeypatch):
+    """A rank srun started (no torchrun variables) takes its rank and world from Slurm; a node's
+    advertised address is its address on the route to MASTER_ADDR (here loopback's own)."""
+    for k in ("RANK", "WORLD_SIZE", "GRIDWEAVE_HOSTNAME"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    assert gw.launch.launched_rank() == 3 and gw.launch.launched_world_size() == 8
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert gw.launch.advertised_address(all_local=False) == "127.0.0.1"
+    monkeypatch.setenv("GRIDWEAVE_HOSTNAME", "10.1.2.3")
+    assert gw.launch.advertised_address(all_local=False) == "10.1.2.3"
+    assert not gw.launch.started_as_rank()  # srun without --mpi: a launcher task per node may run here
