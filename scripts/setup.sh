@@ -6,10 +6,11 @@ cd "$(dirname "$0")/.."
 SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 # fortunes: a real English text corpus for the main job (byte-level tokens).
 # OpenMPI: the MPI transport (mpi/) is built and tested when it is present.
-if ! dpkg -s libgloo-dev libgtest-dev libbenchmark-dev fortunes openmpi-bin libopenmpi-dev >/dev/null 2>&1; then
+# iproute2: the emulated cluster of the tests (scripts/cluster.sh: ip netns, tc).
+if ! dpkg -s libgloo-dev libgtest-dev libbenchmark-dev fortunes openmpi-bin libopenmpi-dev iproute2 >/dev/null 2>&1; then
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq libgloo-dev libgtest-dev libbenchmark-dev cmake fortunes openmpi-bin libopenmpi-dev \
-    >/dev/null
+    iproute2 >/dev/null
 fi
 PIP="python3 -m pip install -q --disable-pip-version-check"
 # The CPU wheel of torch first, so nothing later pulls a CUDA build.

@@ -13,6 +13,9 @@
 # communication order: the ring and RSA, every pipeline schedule and receive strategy, the cube
 # with overlap, sub-graph parallelism, sharded checkpoints, the layers, packed documents, and the
 # main job on three composed grids, BERT and Linformer on every mode. The documentation site is built first, with warnings as errors.
+# The first pass includes the emulated cluster (tests/python/test_cluster.py: two network-namespace
+# nodes; Linux as root, skipped with its reason elsewhere): the main job through torchrun and
+# mpirun across nodes, failures ending within the timeout, elastic restart.
 # GRIDWEAVE_CUDA=ON makes a missing nvcc/NCCL an error instead of a skipped build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
