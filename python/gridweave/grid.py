@@ -857,7 +857,7 @@ def _resolve_backend(backend: str, local_ranks: int, device=None) -> str:
         enough = has_gpu and torch.cuda.device_count() >= local_ranks
         if enough and _C.nccl_available and not cpu:
             return "nccl"
-        return "mpi" if (_C.mpi_available and launch.mpi_launched()) else "gloo"
+        return "mpi" if (_C.mpi_available and launch.mpi_ranks()) else "gloo"
     if backend == "nccl":
         if not _C.nccl_available:
             raise GridError("backend 'nccl' requested but gridweave was built without the NCCL transport "

@@ -40,6 +40,12 @@ def mpi_launched() -> bool:
     return any(k in os.environ for k in _MPI_LAUNCHED)
 
 
+def mpi_ranks() -> bool:
+    """This process is a rank an MPI launcher started itself, not one torchrun started (under
+    `srun gridweave train --nnodes ...` a node's torchrun ranks still see srun's variables)."""
+    return mpi_launched() and "RANK" not in os.environ
+
+
 def started_as_rank() -> bool:
     """A launcher (torchrun, mpirun, srun --mpi) started this process as one rank of a job, so
     `gridweave train` trains here instead of spawning ranks."""

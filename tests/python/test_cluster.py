@@ -281,3 +281,7 @@ def test_srun_ranks_read_slurm_and_the_route_to_the_master(monkeypatch):
     monkeypatch.setenv("GRIDWEAVE_HOSTNAME", "10.1.2.3")
     assert gw.launch.advertised_address(all_local=False) == "10.1.2.3"
     assert not gw.launch.started_as_rank()  # srun without --mpi: a launcher task per node may run here
+    assert gw.launch.mpi_ranks() == gw.launch.mpi_launched()  # srun's own ranks: MPI's when built with it
+    monkeypatch.setenv("RANK", "5")  # ... but torchrun's ranks under a per-node srun task keep Gloo / NCCL
+    assert gw.launch.started_as_rank() and not gw.launch.mpi_ranks()
+    assert gw.grid._resolve_backend("auto", 4, "cpu") == "gloo"
