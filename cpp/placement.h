@@ -16,7 +16,7 @@ struct Axis {
 enum class PlacementPolicy : int { Naive = 0, Topology = 1 };
 
 // Relative traffic of an axis, heaviest first: tensor / sub-graph axes move
-// activations in blocking collectives every layer; sp is a ring of p2p steps that
+// activations in blocking collectives every layer (the cube's z, then y, most); sp is a ring of p2p steps that
 // overlap with compute; pp sends activations only at stage boundaries; dp reduces
 // gradients once per step, overlapped with backward.
 int axis_traffic_weight(const std::string& name);
