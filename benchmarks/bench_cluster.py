@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -138,7 +139,8 @@ def main() -> None:
     if why:
         sys.exit(f"bench_cluster: {why}")
     work = Path("/tmp/gridweave-bench-cluster")
-    work.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(work, ignore_errors=True)  # --resume auto must not find an earlier run's checkpoint
+    work.mkdir(parents=True)
     data = {"rate": args.rate, "model": MODEL, "steps": STEPS, "warmup": WARMUP, "runs": {}}
     with cl.Cluster(2, prefix="gwb", subnet="10.231.81", rate=args.rate) as c:
         data["preset"] = calibrate(c, work, 29660)

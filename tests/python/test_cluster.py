@@ -187,6 +187,7 @@ def test_a_failure_ends_every_surviving_rank_within_the_timeout(fault, tmp_path)
             codes.update({k: procs[k].poll() for k in survivors if procs[k].poll() is not None})
             time.sleep(0.1)
         took = time.monotonic() - t0
+        print(f"{fault}: every surviving node ended {took:.1f} s after the fault (timeout {TIMEOUT} s)")
         left = c.wait_empty(5)
         text = [log.read_text(errors="replace")[-1500:] for log in logs]
         assert len(codes) == len(survivors), (fault, took, text)
