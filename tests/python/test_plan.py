@@ -40,6 +40,23 @@ def test_topology_keeps_subgraph_lines_inside_a_node():
         assert (t["inter_messages"] == 0) == (where == "intra")
 
 
+def test_topology_puts_the_cubes_most_loaded_axes_inside_a_node():
+    """Seed 000's cube on 8 GPUs, 4 a node: the axes the recorded step loads most (every
+    collective of the real code, at two sizes) vary fastest, so only the lightest crosses nodes."""
+    import dataclasses
+
+    cluster = dataclasses.replace(plan.load_cluster("v100-ib"), gpus_per_node=4)
+    for hidden, seq in ((256, 128), (1024, 512)):
+        cfg = gw.train.TrainConfig(hidden=hidden, heads=8, kv_heads=8, layers=2, seq=seq, batch=16, microbatches=1,
+                                   tp="cube:2", dp=1, pp=1)
+        r = plan.predict(plan.model_of(cfg), plan.GridShape(tp=cfg.mode), cluster, microbatches=1)
+        load = {a: v["intra"] + v["inter"] for a, v in r["bytes_per_axis"].items()}
+        _, placement = plan._links(plan.GridShape(tp=cfg.mode), cluster)
+        assert [a for a in placement.physical_order if a in "xyz"] == sorted("xyz", key=load.get), load
+        crossing = [a for a, v in r["bytes_per_axis"].items() if v["inter"]]
+        assert crossing == [min("xyz", key=load.get)], r["bytes_per_axis"]
+
+
 def test_memory_follows_axonn_accounting():
     cluster = plan.load_cluster("a100-ib")
     m = plan.Model(ModelConfig("gpt", 51200, hidden=1024, heads=16, layers=8, seq=256), batch=32)
