@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import subprocess
 import sys
 
-from . import calibrate, data, launch, modes, plan, train
+from pathlib import Path
+
+from . import calibrate, checkpoint, configfile, data, launch, modes, plan, train
 from .errors import CommError, Diverged, GridError
 from .generate import sample
 from .hf import save_hf
@@ -109,6 +112,14 @@ def _train_parser(sub):
                         "('{host}' becomes the node's hostname); default: rank 0 into --out, which every node "
                         "must share")
     p.add_argument("--quiet", action="store_true")
+    c = p.add_argument_group("configuration file")
+    c.add_argument("--config", default=None,
+                   help="a TOML file of sections (model, parallelism, training, optimizer, data, checkpoint, logging, "
+                        "launch) whose keys are these flags' names; flags given as well override it")
+    c.add_argument("--print-config", action="store_true", help="print the resolved configuration as TOML and exit")
+    c.add_argument("--dry-run", action="store_true",
+                   help="build the model on meta tensors, print its parameters, the grid and the memory per rank "
+                        "(the planner's model), and exit without starting a rank")
     return p
 
 
@@ -142,9 +153,6 @@ def _export_parser(sub):
 
 
 def _export(args) -> int:
-    from pathlib import Path
-
-
     model, _, _ = load_model(args.run)  # one process, shard by shard: any grid's checkpoint
     if args.format == "hf":
         save_hf(model, args.out)
@@ -264,7 +272,7 @@ def _bench_parser(sub):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="gridweave")
     sub = ap.add_subparsers(dest="command", required=True)
-    _train_parser(sub)
+    train_parser = _train_parser(sub)
     _generate_parser(sub)
     _export_parser(sub)
     _plan_parser(sub)
@@ -289,12 +297,24 @@ def main(argv=None) -> int:
                   f"{preset['intra_bandwidth_Bps'] / 1e9:.2f} GB/s, GEMM {preset['gemm_flops'] / 1e9:.1f} GFLOP/s")
         return 0
     if args.command == "train":
+        argv = list(sys.argv[1:] if argv is None else argv)
+        try:
+            args = with_config_file(args, train_parser, argv[argv.index("train") + 1:])
+        except GridError as e:
+            print(f"gridweave train: {e}", file=sys.stderr)
+            return 2
         launcher_side = args.nproc > 0 and not launch.started_as_rank() and not os.environ.get("GRIDWEAVE_SPAWNED")
-        if launcher_side:  # the whole configuration, once, before any rank starts
+        if launcher_side or args.print_config or args.dry_run:  # the whole configuration, before any rank starts
             try:
                 nodes = node_spec(args)
                 cfg = train_config(args)
-                cfg.grid_shape(nodes.world_size)
+                shape = cfg.grid_shape(nodes.world_size)
+                if args.print_config:  # the grid's degrees as this world resolves them
+                    resolved = dataclasses.replace(cfg, dp=shape["dp"], pp=shape["pp"])
+                    print(configfile.dump(resolved, launch_fields(args)), end="")
+                    return 0
+                if args.dry_run:
+                    return dry_run(cfg, nodes, shape)
                 cfg.check_files()
             except (GridError, OSError) as e:
                 print(f"gridweave train: {as_flags(getattr(e, 'strerror', None) or e)}", file=sys.stderr)
@@ -302,9 +322,12 @@ def main(argv=None) -> int:
             if nodes.world_size == 1:
                 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
             else:  # spawn the ranks, each running this command without the launcher's flags
-                return _spawn(args, nodes, _without_launcher_flags(list(sys.argv[1:] if argv is None else argv)))
+                return _spawn(args, nodes, _without_launcher_flags(argv))
         return _train_rank(args)
     return 0
+
+
+CONFIG_FILE = "config.toml"  # the run folder's resolved configuration (gridweave train --config reads it back)
 
 
 def _reported_marker(run_id: str) -> str:
@@ -320,7 +343,8 @@ def _reported_marker(run_id: str) -> str:
 
 def node_spec(args) -> launch.Nodes:
     """The command line's nodes, checked against its launcher and resume."""
-    if args.nnodes > 1 and args.master_addr is None and _launcher(args) == "torchrun":
+    starts = not (args.print_config or args.dry_run)  # on paper, no master is needed
+    if starts and args.nnodes > 1 and args.master_addr is None and _launcher(args) == "torchrun":
         raise GridError(f"--nnodes {args.nnodes} needs --master-addr: the address every node reaches node 0 at")
     nodes = launch.Nodes(nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                          master_addr=args.master_addr or "127.0.0.1",
@@ -377,8 +401,22 @@ def _train_rank(args) -> int:
     """One rank of `gridweave train`: an error ends it with one line on stderr, written by
     the first rank that meets it (the others' errors are its consequences)."""
     launch.die_with_parent()  # no orphan keeps training when its launcher dies
+    cfg = train_config(args)
+    recorded = []
+
+    def record_config(step, state):  # the resolved configuration in the run folder, by rank 0, once
+        if state.grid.rank == 0 and not recorded:
+            g = state.grid
+            resolved = dataclasses.replace(cfg, dp=g.axes["dp"], pp=g.axes["pp"])
+            ran = {"nproc": g.ranks_per_node, "nnodes": g.world_size // g.ranks_per_node}  # what ran, as launched
+            if ran["nnodes"] > 1:
+                ran.update(master_addr=os.environ.get("MASTER_ADDR"), master_port=launch._env_int("MASTER_PORT"))
+            checkpoint.atomic_write(Path(cfg.out) / CONFIG_FILE,
+                                    lambda t: Path(t).write_text(configfile.dump(resolved, ran)))
+            recorded.append(step)
+
     try:
-        train.run(train_config(args))
+        train.run(cfg, on_step=record_config)
     except (GridError, CommError, Diverged, OSError) as e:
         run_id = os.environ.get("GRIDWEAVE_RUN_ID")  # set by our launcher, which removes the marker
         first = True  # under another launcher nobody coordinates: every rank says its line
@@ -419,6 +457,61 @@ def train_config(args):
 
     names = {f.name for f in fields(TrainConfig) if f.init}
     return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _explicit(parser, argv) -> set:
+    """The destinations `argv` gives itself (not defaults): the flags that override a config file."""
+    unset = object()
+    saved = {a: a.default for a in parser._actions}
+    try:
+        for a in saved:
+            a.default = unset
+        given, _ = parser.parse_known_args(argv)
+    finally:
+        for a, d in saved.items():
+            a.default = d
+    return {k for k, v in vars(given).items() if v is not unset}
+
+
+def with_config_file(args, parser, argv):
+    """args with --config's values under the flags the command line gave itself."""
+    if not args.config:
+        return args
+    fields, launch_values = configfile.load(args.config)
+    explicit = _explicit(parser, argv)
+    for k, v in {**fields, **launch_values}.items():
+        if k not in explicit:
+            setattr(args, k, v)
+    return args
+
+
+def launch_fields(args) -> dict:
+    return {k: getattr(args, k) for k in configfile.LAUNCH}
+
+
+def dry_run(cfg, nodes, shape) -> int:
+    """The job on paper: the model built on meta tensors (no memory), its parameters, the grid
+    and the planner's memory per rank; nothing starts."""
+    from . import models
+
+    model_cfg = cfg.model_config(cfg.vocab)
+    params = sum(p.numel() for p in models.build(model_cfg, device="meta").parameters())
+    cluster = plan.load_cluster("local", nodes.nproc)
+    grid = plan.GridShape(dp=shape["dp"], pp=shape["pp"], tp=cfg.mode, sp=shape["sp"], placement=cfg.placement,
+                          zero=cfg.zero)
+    # the planner recomputes every layer or none: any activation checkpointing counts as every layer
+    p = plan.predict(plan.model_of(cfg), grid, cluster, microbatches=cfg.microbatches,
+                     offload_bsize=cfg.bsize if cfg.offload else None, coarsening=cfg.coarsening, chunks=cfg.chunks,
+                     recompute=cfg.ac != 1)
+    mem = p["memory_breakdown_bytes"]
+    print(f"model: {cfg.model}, {params:,} parameters ({params / 1e9:.2f} B), vocabulary {model_cfg.vocab}, "
+          f"{cfg.compute.name}")
+    print(f"grid: {nodes.world_size} ranks ({nodes.nnodes} x {nodes.nproc}): dp {shape['dp']} x pp {shape['pp']} x "
+          f"tp {cfg.mode.spec()} x sp {shape['sp']}, placement {cfg.placement}")
+    print(f"memory per rank (planner): {p['memory_bytes'] / 2 ** 30:.2f} GiB on the device ("
+          + ", ".join(f"{k} {v / 2 ** 30:.2f}" for k, v in mem.items()) + f"), {p['host_bytes'] / 2 ** 30:.2f} GiB "
+          "in host memory")
+    return 0
 
 
 def parse_train(argv):

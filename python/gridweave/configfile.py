@@ -1,0 +1,114 @@
+"""The main job's configuration as a TOML file: sections (model, parallelism, training,
+optimizer, data, checkpoint, logging, launch) whose keys are gw.train.TrainConfig's fields (and
+the launcher's, gw.launch.Nodes'), read with tomllib and written with tomli-w. Checked against
+the dataclasses' own types: an unknown section or key, or a value of the wrong type, is one
+GridError naming the key and the file."""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from pathlib import Path
+
+from .errors import GridError
+from .modes import Mode
+from .train import TrainConfig
+
+# Every TrainConfig field in one section (tests/python/test_config.py checks none is missing).
+SECTIONS = {
+    "model": ("model", "hidden", "heads", "kv_heads", "layers", "ffn_hidden", "tie", "rope_theta", "seq", "attention",
+              "ulysses_degree", "linformer_k", "precision"),
+    "parallelism": ("dp", "pp", "tp", "sp", "tp_sp", "placement", "overlap", "schedule", "chunks", "pipeline_limit",
+                    "zero", "zero_shard_group", "backend", "device", "timeout"),
+    "training": ("steps", "batch", "microbatches", "seed", "val_every", "val_samples", "ac", "max_bad_steps",
+                 "sample_tokens", "prompt"),
+    "optimizer": ("lr", "min_lr", "warmup", "weight_decay", "max_grad_norm", "bsize", "coarsening", "offload"),
+    "data": ("data", "data_cache", "tokenizer", "vocab", "pack_documents"),
+    "checkpoint": ("out", "resume", "checkpoint_every", "async_save"),
+    "logging": ("quiet",),
+}
+# The launcher's: where the ranks run (gw.launch.Nodes), how they are started.
+LAUNCH = {"nproc": int, "nnodes": int, "node_rank": int, "master_addr": str, "master_port": int,
+          "max_restarts": int, "launcher": str, "hostfile": str}
+
+
+def _field_types() -> dict:
+    hints = typing.get_type_hints(TrainConfig, localns={"Mode": Mode})
+    return {f.name: hints[f.name] for f in dataclasses.fields(TrainConfig) if f.init}
+
+
+def _accepts(hint, value) -> bool:
+    """Whether a TOML value fits a field's annotation (ints where floats go; a mode as its spec)."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return any(_accepts(h, value) for h in typing.get_args(hint))
+    if hint is type(None):
+        return False  # TOML has no null: a key left out keeps the default
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if hint is Mode:
+        return isinstance(value, str)  # "row:4", parsed by TrainConfig
+    return isinstance(value, hint)
+
+
+def _type_name(hint) -> str:
+    args = typing.get_args(hint) if isinstance(hint, types.UnionType) else ()
+    names = [a.__name__ for a in (args or (hint,)) if a is not type(None) and a is not Mode]
+    return " or ".join(n if n != "str" else "string" for n in names)
+
+
+def load(path) -> tuple:
+    """(TrainConfig fields, launcher fields) of a TOML file, every key and type checked."""
+    path = Path(path)
+    try:
+        doc = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise GridError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise GridError(f"config file {path} is not TOML: {e}") from None
+    types_ = _field_types()
+    fields, launch = {}, {}
+    for section, keys in doc.items():
+        if not isinstance(keys, dict):
+            raise GridError(f"{path}: '{section}' must be a section ([{section}]) of keys; sections: "
+                            f"{', '.join([*SECTIONS, 'launch'])}")
+        if section == "launch":
+            known = LAUNCH
+        elif section in SECTIONS:
+            known = {k: types_[k] for k in SECTIONS[section]}
+        else:
+            raise GridError(f"{path}: unknown section [{section}]; sections: {', '.join([*SECTIONS, 'launch'])}")
+        for key, value in keys.items():
+            if key not in known:
+                where = next((s for s, ks in SECTIONS.items() if key in ks), "launch" if key in LAUNCH else None)
+                hint = f" (it belongs in [{where}])" if where else f"; [{section}] takes {', '.join(known)}"
+                raise GridError(f"{path}: unknown key {section}.{key}{hint}")
+            if not _accepts(known[key], value):
+                raise GridError(f"{path}: {section}.{key} = {value!r} must be {_type_name(known[key])}")
+            (launch if section == "launch" else fields)[key] = value
+    return fields, launch
+
+
+def dump(cfg: TrainConfig, launch: dict | None = None) -> str:
+    """cfg (and the launcher's fields) as the TOML file `load` reads back to the same config."""
+    import tomli_w
+
+    doc = {}
+    if launch:
+        doc["launch"] = {k: v for k, v in launch.items() if v is not None}
+    for section, keys in SECTIONS.items():
+        values = {}
+        for k in keys:
+            v = getattr(cfg, k) if k != "tp" else cfg.mode.spec()
+            if k == "max_grad_norm" and v is None:
+                v = 0.0  # TrainConfig reads 0 as no clipping (its None)
+            if v is not None:  # None is the default of every optional field: left out
+                values[k] = v
+        doc[section] = values
+    return tomli_w.dumps(doc)

@@ -1,0 +1,112 @@
+"""Configuration files (gw.configfile, gridweave train --config / --print-config / --dry-run):
+sections onto TrainConfig's fields, flags over the file, one clear error for a bad key or type,
+the example configs, and the resolved config in the run folder."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from gridweave import configfile, plan
+from gridweave.train import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+MAIN_JOB = ROOT / "configs" / "main_job.toml"
+LLAMA_7B = ROOT / "configs" / "llama-7b-gpu.toml"
+
+
+def _cli(*args, timeout=300, port=29650):
+    return subprocess.run([sys.executable, "-m", "gridweave.cli", "train", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "GRIDWEAVE_PORT": str(port)})
+
+
+def test_every_field_is_in_exactly_one_section():
+    fields = [f.name for f in dataclasses.fields(TrainConfig) if f.init]
+    placed = [k for keys in configfile.SECTIONS.values() for k in keys]
+    assert sorted(placed) == sorted(fields)
+
+
+def test_the_main_job_config_is_the_command_lines_defaults():
+    fields, launch = configfile.load(MAIN_JOB)
+    # the defaults, the grid resolved on 8 ranks (the file spells the mode: tp = "none")
+    assert TrainConfig(**fields) == TrainConfig(dp=4, pp=2, tp="none")
+    assert launch["nproc"] == 8
+
+
+def test_flags_override_the_file_and_print_config_reads_back(tmp_path):
+    r = _cli("--config", MAIN_JOB, "--steps", "7", "--tp", "row:2", "--dp", "2", "--pp", "2", "--print-config")
+    assert r.returncode == 0, r.stderr
+    doc = tomllib.loads(r.stdout)
+    assert doc["training"]["steps"] == 7 and doc["parallelism"]["tp"] == "row:2"
+    assert doc["model"] == tomllib.loads(MAIN_JOB.read_text())["model"]  # the rest from the file
+    path = tmp_path / "printed.toml"
+    path.write_text(r.stdout)
+    fields, _ = configfile.load(path)
+    assert TrainConfig(**fields) == TrainConfig(**{**configfile.load(MAIN_JOB)[0], "steps": 7, "tp": "row:2", "dp": 2,
+                                                   "pp": 2})
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("[model]\nhiden = 64\n", "unknown key model.hiden"),
+    ("[model]\nsteps = 64\n", "unknown key model.steps (it belongs in [training])"),
+    ("[training]\nsteps = \"300\"\n", "training.steps = '300' must be int"),
+    ("[optimizer]\nlr = true\n", "optimizer.lr = True must be float"),
+    ("[modle]\nhidden = 64\n", "unknown section [modle]"),
+    ("hidden = 64\n", "'hidden' must be a section"),
+    ("[model\nhidden = 64\n", "is not TOML"),
+    ("[launch]\nnproc = 2.5\n", "launch.nproc = 2.5 must be int"),
+])
+def test_a_bad_config_is_one_error_naming_key_and_file(tmp_path, text, needle):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(text)
+    r = _cli("--config", cfg, "--out", tmp_path / "run")
+    assert r.returncode == 2 and needle in r.stderr and str(cfg) in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_a_missing_config_file_is_one_error(tmp_path):
+    r = _cli("--config", tmp_path / "none.toml", "--out", tmp_path / "run")
+    assert r.returncode == 2 and "does not exist" in r.stderr, r.stderr
+
+
+def test_the_7b_config_dry_run_counts_what_transformers_counts():
+    """The 7B-class example on meta tensors: transformers' own LlamaForCausalLM of the same shape
+    has as many parameters; the memory per rank is the planner's for the grid on 64 ranks."""
+    import torch
+    import transformers
+
+    r = _cli("--config", LLAMA_7B, "--dry-run")
+    assert r.returncode == 0, r.stderr
+    fields, launch = configfile.load(LLAMA_7B)
+    cfg = TrainConfig(**fields)
+    hf = transformers.LlamaConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn_hidden,
+                                  num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+                                  num_key_value_heads=cfg.kv_heads, max_position_embeddings=cfg.seq)
+    with torch.device("meta"):
+        count = sum(p.numel() for p in transformers.LlamaForCausalLM(hf).parameters())
+    assert f"{count:,} parameters" in r.stdout, (count, r.stdout)
+    assert "64 ranks (8 x 8): dp 4 x pp 2 x tp row:8 x sp 1" in r.stdout, r.stdout
+    shape = plan.GridShape(dp=4, pp=2, tp=cfg.mode, zero=1)
+    p = plan.predict(plan.model_of(cfg), shape, plan.load_cluster("local", 8), microbatches=cfg.microbatches,
+                     coarsening=cfg.coarsening, recompute=True)
+    assert f"{p['memory_bytes'] / 2 ** 30:.2f} GiB on the device" in r.stdout, (p["memory_bytes"], r.stdout)
+
+
+def test_a_run_records_its_resolved_config(tmp_path):
+    """A main job started from a config writes the configuration it ran (grid resolved) into its
+    folder; that file starts the same job again."""
+    out = tmp_path / "run"
+    r = _cli("--config", MAIN_JOB, "--nproc", "2", "--launcher", "torchrun", "--steps", "2", "--hidden", "32",
+             "--heads", "4", "--layers", "2", "--seq", "32", "--batch", "4", "--val-every", "0",
+             "--sample-tokens", "0", "--quiet", "--dp", "0", "--pp", "0", "--out", out, port=29651)
+    assert r.returncode == 0, r.stderr[-2000:]
+    fields, launch = configfile.load(out / "config.toml")
+    ran = TrainConfig(**fields)
+    assert (ran.dp, ran.pp, ran.steps, ran.hidden, ran.out) == (1, 2, 2, 32, str(out))
+    assert (launch["nproc"], launch["nnodes"]) == (2, 1)  # what ran, not the file's 8
+    assert json.loads((out / "metrics.json").read_text())["grid"] == {"dp": 1, "pp": 2, "sp": 1}
