@@ -112,6 +112,10 @@ def _train_parser(sub):
                         "('{host}' becomes the node's hostname); default: rank 0 into --out, which every node "
                         "must share")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--log", default=d["log"].default,
+                   help="where the numbers go besides metrics.json: tensorboard, wandb, jsonl (a comma list), auto "
+                        "(every installed one; W&B offline without its server), none; under OUT/logs")
+    p.add_argument("--log-all-ranks", action="store_true", help="every rank logs (OUT/logs/rank<R>), not rank 0 alone")
     c = p.add_argument_group("configuration file")
     c.add_argument("--config", default=None,
                    help="a TOML file of sections (model, parallelism, training, optimizer, data, checkpoint, logging, "

@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from . import checkpoint, data, launch, models, optim, pipeline
+from . import checkpoint, data, launch, loggers, models, optim, pipeline, plan
 from .axes import AxesView, ParallelDims
 from .errors import Diverged, GridError
 from .generate import sample
@@ -118,8 +118,11 @@ class TrainConfig:
     prompt: str = ""
     timeout: float = 120.0
     quiet: bool = False
+    log: str = "auto"  # tensorboard, wandb, jsonl (a comma list), auto: every installed one, none
+    log_all_ranks: bool = False  # every rank logs (under OUT/logs/rank<R>), not rank 0 alone
     mode: Mode = field(init=False, repr=False)
     compute: Precision = field(init=False, repr=False)
+    sinks: tuple = field(init=False, repr=False)
 
     def __post_init__(self):
         self.mode = self.tp if isinstance(self.tp, Mode) else parse(self.tp or "none")
@@ -176,6 +179,7 @@ class TrainConfig:
                             f"attention={self.attention}, linformer_k={self.linformer_k}")
         if self.pack_documents and self.masked_lm:
             raise GridError("pack_documents is the decoders': the masked LM (model bert) trains on whole windows")
+        self.sinks = loggers.parse(self.log)  # an unknown or missing logger: before any rank starts
         if self.tokenizer == "bytes":
             self.vocab = 256
         self.model_config(self.vocab)  # the model's own checks (heads vs hidden, kv heads, Linformer)
@@ -360,6 +364,17 @@ def peak_flops(grid, precision: str) -> tuple:
     grid.barrier()
     rate = gemm_rate(256, 0.3, grid.device)
     return rate, "measured GEMM (float32, 256^3, all ranks at once)"
+
+
+def predicted_step_s(cfg: TrainConfig, grid) -> float:
+    """gw.plan's step time of this job on this grid, on this machine's calibrated preset
+    (`gridweave bench --calibrate`'s "local"), to log beside the measured one."""
+    shape = plan.GridShape(dp=grid.axes["dp"], pp=grid.axes["pp"], tp=cfg.mode, sp=grid.axes["sp"],
+                           placement=cfg.placement, zero=cfg.zero)
+    cluster = plan.load_cluster("local", grid.ranks_per_node)
+    return plan.predict(plan.model_of(cfg), shape, cluster, microbatches=cfg.microbatches,
+                        offload_bsize=cfg.bsize if cfg.offload else None, coarsening=cfg.coarsening,
+                        chunks=cfg.chunks, recompute=cfg.ac != 1)["step_time_s"]
 
 
 def token_share(predicted: float, losses: int) -> float:
@@ -573,8 +588,7 @@ class Checkpointer:
             self.scaler.load_state_dict(manifest["loss_scaler"])
         if self.grid.rank == 0:  # a restarted job says where it continues (and when: the time to recover)
             again = f" (restart {launch.restart_count()})" if launch.restart_count() else ""
-            print(f"gridweave train: resumed from step {manifest['step']} of {cfg.resume}{again}", file=sys.stderr,
-                  flush=True)
+            print(f"gridweave train: resumed from step {manifest['step']} of {cfg.resume}{again}", flush=True)
         return History(list(manifest["losses"]), list(manifest.get("val", [])), manifest["step"])
 
     def land(self) -> None:
@@ -655,12 +669,47 @@ class Meter:
             from tqdm import tqdm
 
             self.bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step")
+        self.run_log, self.predicted_s, self._traffic = None, None, {}
+        if cfg.sinks and (grid.rank == 0 or cfg.log_all_ranks):
+            self.predicted_s = predicted_step_s(cfg, grid)
+            config = {**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init},
+                      "tp": cfg.mode.spec(), "grid": dict(grid.axes), "backend": grid.backend, "device": str(grid.device)}
+            self.run_log = loggers.RunLog(cfg.sinks, Path(cfg.out), grid.rank, config, Path(cfg.out).name)
+            if grid.rank == 0 and not cfg.quiet:
+                print(f"gridweave train: logging to {', '.join(s.value for s in cfg.sinks)} in {self.run_log.folder}",
+                      flush=True)
 
     def record(self, seconds: float, lr: float, grad_norm) -> None:
         self.tokens_per_s.append(self.cfg.batch * self.cfg.seq / seconds)
         self.mfu.append(self.tokens_per_s[-1] * self.flops_token / self.peak_total)
         self.lr.append(lr)
         self.grad_norm.append(grad_norm)
+
+    def log(self, step: int, history: History, grid, scaler) -> None:
+        """This rank's numbers of `step` to its loggers: the training state, speed beside the
+        planner's prediction, memory, and the bytes and messages its engine moved per axis."""
+        if self.run_log is None:
+            return
+        import resource
+
+        values = {"train/loss": history.losses[-1], "train/lr": self.lr[-1], "train/grad_norm": self.grad_norm[-1],
+                  "train/loss_scale": scaler.scale_value if scaler is not None else None,
+                  "perf/tokens_per_s": self.tokens_per_s[-1], "perf/mfu": self.mfu[-1],
+                  "perf/step_time_s": self.cfg.batch * self.cfg.seq / self.tokens_per_s[-1],
+                  "perf/predicted_step_time_s": self.predicted_s,
+                  "memory/max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0}
+        if grid.device.type == "cuda":
+            values["memory/device_max_allocated_bytes"] = torch.cuda.max_memory_allocated(grid.device)
+        if history.val and history.val[-1][0] == step + 1:
+            values["val/loss"] = history.val[-1][1]
+        for label, c in grid.stats().items():  # this step's traffic: the counters' growth
+            now = (c["sent_intra"]["bytes"] + c["sent_inter"]["bytes"] + c["recv_intra"]["bytes"] +
+                   c["recv_inter"]["bytes"], c["sent_intra"]["messages"] + c["sent_inter"]["messages"] +
+                   c["recv_intra"]["messages"] + c["recv_inter"]["messages"])
+            before = self._traffic.get(label, (0, 0))
+            values[f"comm/{label}/bytes"], values[f"comm/{label}/messages"] = now[0] - before[0], now[1] - before[1]
+            self._traffic[label] = now
+        self.run_log.step(step + 1, values)
 
     def show(self, history: History) -> None:
         if self.bar is None:
@@ -675,6 +724,8 @@ class Meter:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+        if self.run_log is not None:
+            self.run_log.close()
 
     def as_dict(self) -> dict:
         return {"lr": self.lr, "grad_norm": self.grad_norm, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
@@ -751,6 +802,7 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
         guard.check(step, loss, took, floor, checkpoints)
         meter.record(time.perf_counter() - t0, opt.lr, getattr(opt, "last_grad_norm", None))
         validation.after_step(step, stage, grid, history)
+        meter.log(step, history, grid, scaler)
         meter.show(history)
         checkpoints.after_step(step, history)
     meter.close()

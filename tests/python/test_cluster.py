@@ -243,9 +243,9 @@ def test_resume_auto_starts_fresh_without_a_checkpoint_and_continues_with_one(tm
            "-m", "gridweave.cli", "train", "--pp", "2", *MODEL, "--val-every", "0", "--resume", "auto", "--out",
            str(out)]
     r = subprocess.run([*own, "--steps", "3"], capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0 and "resumed" not in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 0 and "resumed" not in r.stdout, r.stderr[-2000:]
     r = subprocess.run([*base, "--steps", "5"], capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0 and "resumed from step 3" in r.stderr, r.stderr[-2000:]
+    assert r.returncode == 0 and "resumed from step 3" in r.stdout, r.stderr[-2000:]
     one = _one(tmp_path, [*MODEL, "--val-every", "0", "--steps", "5"], 29641)
     assert _close(json.loads((out / "metrics.json").read_text())["loss"], one["loss"])
 

@@ -1,0 +1,113 @@
+"""Where the main job's numbers go besides metrics.json: TensorBoard (torch.utils.tensorboard),
+Weights & Biases (its own offline mode when it cannot reach its server) and a JSON-lines file.
+One RunLog per logging rank: the configuration once, then a dict of scalars per step."""
+from __future__ import annotations
+
+import enum
+import importlib.util
+import json
+import os
+import socket
+from pathlib import Path
+
+from .errors import GridError
+
+
+class Sink(enum.Enum):
+    TENSORBOARD = "tensorboard"
+    WANDB = "wandb"
+    JSONL = "jsonl"
+
+
+# the module each sink needs (None: nothing beyond gridweave)
+_NEEDS = {Sink.TENSORBOARD: "tensorboard", Sink.WANDB: "wandb", Sink.JSONL: None}
+AUTO, NONE = "auto", "none"
+
+
+def installed() -> tuple:
+    return tuple(s for s in Sink if _NEEDS[s] is None or importlib.util.find_spec(_NEEDS[s]) is not None)
+
+
+def wandb_configured() -> bool:
+    """The user set W&B up (an API key, or a mode asked for): auto then logs there too."""
+    return bool(os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE"))
+
+
+def parse(spec: str) -> tuple:
+    """The sinks of a --log value: "auto" (TensorBoard and JSON lines when installed, W&B when it
+    is installed and configured), "none", or a comma list; a sink that is unknown or not
+    installed is a GridError."""
+    if spec == AUTO:
+        return tuple(s for s in installed() if s is not Sink.WANDB or wandb_configured())
+    if spec == NONE:
+        return ()
+    out = []
+    for name in (s.strip() for s in spec.split(",") if s.strip()):
+        try:
+            sink = Sink(name)
+        except ValueError:
+            raise GridError(f"log={name!r} is not a logger; use any of {', '.join(s.value for s in Sink)}, "
+                            f"'{AUTO}' or '{NONE}'") from None
+        if sink not in installed():
+            raise GridError(f"log={name}: {_NEEDS[sink]} is not installed (pip install {_NEEDS[sink]})")
+        out.append(sink)
+    return tuple(dict.fromkeys(out))
+
+
+def _wandb_mode() -> str:
+    """WANDB_MODE when set; else online only with an API key and W&B's server reachable (3 s),
+    offline otherwise (wandb sync uploads the run later)."""
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if not os.environ.get("WANDB_API_KEY"):
+        return "offline"
+    try:
+        socket.create_connection(("api.wandb.ai", 443), timeout=3).close()
+        return "online"
+    except OSError:
+        return "offline"
+
+
+class RunLog:
+    """The sinks of one rank: folder out/logs (rank 0) or out/logs/rank<R> (the others, when
+    every rank logs)."""
+
+    def __init__(self, sinks, out: Path, rank: int, config: dict, name: str):
+        self.sinks = tuple(sinks)
+        self.folder = Path(out) / "logs" / ("" if rank == 0 else f"rank{rank}")
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._tb = self._wandb = self._jsonl = None
+        if Sink.TENSORBOARD in self.sinks:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.folder / "tensorboard"))
+            self._tb.add_text("config", "```\n" + json.dumps(config, indent=1) + "\n```", 0)
+        if Sink.WANDB in self.sinks:
+            import wandb
+
+            self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "gridweave"), dir=str(self.folder),
+                                     name=name if rank == 0 else f"{name}-rank{rank}", config=config,
+                                     mode=_wandb_mode(), reinit="create_new",
+                                     settings=wandb.Settings(silent=True, console="off"))  # gridweave says where
+        if Sink.JSONL in self.sinks:
+            self._jsonl = open(self.folder / "log.jsonl", "a")
+            self._jsonl.write(json.dumps({"config": config}) + "\n")
+
+    def step(self, step: int, values: dict) -> None:
+        values = {k: float(v) for k, v in values.items() if v is not None}
+        if self._tb is not None:
+            for k, v in values.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(values, step=step)
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"step": step, **values}) + "\n")
+            self._jsonl.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        if self._jsonl is not None:
+            self._jsonl.close()

@@ -1,0 +1,96 @@
+"""The main job's loggers (gw.loggers, --log): TensorBoard's event files, the offline W&B run and
+the JSON lines read back hold metrics.json's numbers; a logger that is unknown or not installed is
+one error before anything starts."""
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gridweave import loggers
+
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("logged") / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GRIDWEAVE_PORT": "29670", "WANDB_MODE": "offline"}
+    r = subprocess.run([sys.executable, "-m", "gridweave.cli", "train", "--nproc", "2", "--launcher", "torchrun",
+                        "--pp", "2", "--steps", str(STEPS), "--hidden", "32", "--heads", "4", "--layers", "2", "--seq",
+                        "32", "--batch", "4", "--val-every", "3", "--sample-tokens", "0", "--log",
+                        "tensorboard,wandb,jsonl", "--out", str(out)], capture_output=True, text=True, timeout=300,
+                       env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"logging to tensorboard, wandb, jsonl in {out / 'logs'}" in r.stdout, r.stdout[-2000:]
+    return out, json.loads((out / "metrics.json").read_text())
+
+
+def _close(a, b, rel=1e-6):
+    return len(a) == len(b) and all(abs(x - y) <= rel * max(1.0, abs(y)) for x, y in zip(a, b))
+
+
+def test_tensorboard_holds_the_metrics(run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, m = run
+    ev = EventAccumulator(str(out / "logs" / "tensorboard"))
+    ev.Reload()
+
+    def series(tag):
+        return [(e.step, e.value) for e in ev.Scalars(tag)]
+
+    assert [s for s, _ in series("train/loss")] == list(range(1, STEPS + 1))
+    assert _close([v for _, v in series("train/loss")], m["loss"])  # float32 in the event file
+    assert _close([v for _, v in series("train/lr")], m["lr"])
+    assert _close([v for _, v in series("perf/tokens_per_s")], m["tokens_per_s"])
+    assert _close([v for _, v in series("perf/mfu")], m["mfu"])
+    assert series("val/loss") == [(s, pytest.approx(v, rel=1e-6)) for s, v in m["val_loss"]]
+    assert all(v > 0 for _, v in series("comm/pp/bytes")) and all(v > 0 for _, v in series("comm/pp/messages"))
+    assert all(v > 0 for _, v in series("perf/predicted_step_time_s"))
+    assert "config" in ev.Tags()["tensors"] or "config/text_summary" in ev.Tags()["tensors"]
+
+
+def test_jsonl_holds_the_metrics_exactly(run):
+    out, m = run
+    lines = [json.loads(x) for x in (out / "logs" / "log.jsonl").read_text().splitlines()]
+    assert lines[0]["config"]["steps"] == STEPS and lines[0]["config"]["grid"] == {"dp": 1, "pp": 2, "sp": 1}
+    steps = lines[1:]
+    assert [x["step"] for x in steps] == list(range(1, STEPS + 1))
+    assert [x["train/loss"] for x in steps] == m["loss"]
+    assert [x["train/grad_norm"] for x in steps] == m["grad_norm"]
+    assert [[x["step"], x["val/loss"]] for x in steps if "val/loss" in x] == m["val_loss"]
+
+
+def test_the_offline_wandb_run_holds_the_metrics(run):
+    """W&B's own offline mode (no network here): its run file records every logged value (the
+    history items carry their values as JSON text) and the config."""
+    out, m = run
+    files = glob.glob(str(out / "logs" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert len(files) == 1, files
+    raw = open(files[0], "rb").read()
+    for key in ("train/loss", "val/loss", "perf/tokens_per_s", "comm/pp/bytes"):
+        assert key.encode() in raw, key
+    for v in m["loss"] + [v for _, v in m["val_loss"]]:
+        assert json.dumps(v).encode() in raw, v
+
+
+def test_auto_logs_to_wandb_only_where_it_is_configured(monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    assert loggers.Sink.WANDB not in loggers.parse("auto")
+    assert loggers.Sink.JSONL in loggers.parse("auto") and loggers.parse("none") == ()
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert (loggers.Sink.WANDB in loggers.parse("auto")) == (loggers.Sink.WANDB in loggers.installed())
+
+
+def test_a_missing_logger_is_one_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(loggers, "installed", lambda: (loggers.Sink.JSONL,))
+    with pytest.raises(loggers.GridError, match=r"log=tensorboard: tensorboard is not installed \(pip install"):
+        loggers.parse("jsonl,tensorboard")
+    r = subprocess.run([sys.executable, "-m", "gridweave.cli", "train", "--nproc", "2", "--log", "tensorboard,visdom",
+                        "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--log 'visdom' is not a logger" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
