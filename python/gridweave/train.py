@@ -671,7 +671,11 @@ class Meter:
             self.bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step")
         self.run_log, self.predicted_s, self._traffic = None, None, {}
         if cfg.sinks and (grid.rank == 0 or cfg.log_all_ranks):
-            self.predicted_s = predicted_step_s(cfg, grid)
+            try:
+                self.predicted_s = predicted_step_s(cfg, grid)
+            except Exception as e:  # noqa: BLE001 (the logs' optional prediction never stops training)
+                print(f"gridweave train: the planner cannot predict this job ({type(e).__name__}: {e}); the logs "
+                      "carry no predicted step time", flush=True)
             config = {**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init},
                       "tp": cfg.mode.spec(), "grid": dict(grid.axes), "backend": grid.backend, "device": str(grid.device)}
             self.run_log = loggers.RunLog(cfg.sinks, Path(cfg.out), grid.rank, config, Path(cfg.out).name)
@@ -778,6 +782,9 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
     grid, out = setup_grid(cfg), Path(cfg.out)
     cfg = resolve_resume(cfg, grid)
     tokens, tokenizer = prepare_data(cfg, grid, out)
+    if grid.rank == 0:  # the run folder records what ran
+        checkpoint.atomic_write(out / "environment.json",
+                                lambda t: t.write_text(json.dumps(environment(grid), indent=1)))
     model_cfg = cfg.model_config(tokens.vocab_size)
     torch.manual_seed(cfg.seed)
     _, stage, opt, scaler = build(cfg, grid, model_cfg)  # initialised in fp32, then cast
@@ -831,6 +838,7 @@ def report(cfg: TrainConfig, out: Path, metrics: dict, tokens, tokenizer, window
                              "text": tok.decode(sample(dense, ids, n, 0.8, 40, cfg.seed, tok.vocab_size))}
     checkpoint.atomic_write(out / "metrics.json", lambda t: t.write_text(json.dumps(metrics, indent=1)))
     _plot(metrics, out / "loss.png")
+    _plot_run(metrics, out / "run.png")
     if not cfg.quiet:
         val = metrics["val_loss"]
         print(f"validation loss {val[-1][1]:.3f} nats/token vs unigram entropy {metrics['unigram_entropy_val']:.3f} "
@@ -856,6 +864,76 @@ def _plot(metrics, png):
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
+
+
+def _plot_run(metrics, png):
+    """The run at a glance: the losses, speed (tokens/s and MFU), each rank's peak memory, and the
+    bytes each axis moved inside and across nodes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(2, 2, figsize=(11, 7))
+    losses, val = metrics["loss"], metrics["val_loss"]
+    ax[0, 0].plot(range(1, len(losses) + 1), losses, label="training")
+    if val:
+        ax[0, 0].plot([v[0] for v in val], [v[1] for v in val], "o-", label="validation")
+    ax[0, 0].set(xlabel="step", ylabel="nats/token", title="loss")
+    ax[0, 0].legend()
+    steps = range(1, len(metrics["tokens_per_s"]) + 1)
+    ax[0, 1].plot(steps, metrics["tokens_per_s"], color="tab:blue")
+    ax[0, 1].set(xlabel="step", ylabel="tokens/s", title="speed")
+    mfu = ax[0, 1].twinx()
+    mfu.plot(steps, [100 * m for m in metrics["mfu"]], color="tab:orange")
+    mfu.set_ylabel("MFU %", color="tab:orange")
+    rss = metrics["max_rss_bytes_per_rank"]
+    ax[1, 0].bar(range(len(rss)), [r / 2 ** 20 for r in rss])
+    ax[1, 0].set_xticks(range(len(rss)))
+    ax[1, 0].set(xlabel="rank", ylabel="MiB", title="peak resident memory per rank")
+    sent = metrics["traffic"]["sent_bytes"]
+    labels = sorted(sent)
+    ax[1, 1].bar(labels, [sent[k]["intra"] / 2 ** 20 for k in labels], label="inside a node")
+    ax[1, 1].bar(labels, [sent[k]["inter"] / 2 ** 20 for k in labels],
+                 bottom=[sent[k]["intra"] / 2 ** 20 for k in labels], label="across nodes")
+    ax[1, 1].set(ylabel="MiB sent (all ranks)", title="bytes per axis")
+    ax[1, 1].legend()
+    fig.suptitle(f"gridweave train: {metrics['grid']} on {metrics['backend']}")
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
+
+
+def environment(grid) -> dict:
+    """What ran: the packages' versions, the checkout gridweave was installed from (pip's
+    direct_url.json names it) with its HEAD when the run started and whether it had uncommitted
+    changes, the machine, the command and the grid."""
+    import importlib.metadata as md
+    import platform
+    import subprocess
+
+    versions = {}
+    for name in ("gridweave", "torch", "numpy", "tokenizers", "safetensors", "transformers", "tensorboard", "wandb"):
+        try:
+            versions[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    source = None
+    try:
+        url = json.loads(md.distribution("gridweave").read_text("direct_url.json") or "{}").get("url", "")
+        if url.startswith("file://"):
+            path = url[len("file://"):]
+            git = ["git", "-C", path]
+            head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+            if head.returncode == 0:
+                dirty = subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True, timeout=10)
+                source = {"path": path, "commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+    except (md.PackageNotFoundError, OSError, subprocess.SubprocessError, json.JSONDecodeError):
+        source = None
+    return {"versions": versions, "gridweave_source": source, "python": platform.python_version(),
+            "platform": platform.platform(), "host": socket.gethostname(), "cuda": torch.version.cuda,
+            "argv": sys.argv, "grid": dict(grid.axes), "world_size": grid.world_size,
+            "ranks_per_node": grid.ranks_per_node, "backend": grid.backend, "device": str(grid.device)}
 
 
 def export_dense(path) -> dict:

@@ -94,3 +94,20 @@ def test_a_missing_logger_is_one_error(monkeypatch, tmp_path):
                         "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--log 'visdom' is not a logger" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_the_run_folder_records_what_ran(run):
+    """One folder: the resolved config, the logs, metrics, plots, checkpoints and the environment
+    (versions, the commit gridweave was installed from, the grid)."""
+    import torch
+
+    out, m = run
+    for name in ("config.toml", "environment.json", "metrics.json", "loss.png", "run.png", "tokenizer.json",
+                 "logs/log.jsonl", "checkpoint/latest"):
+        assert (out / name).exists(), name
+    env = json.loads((out / "environment.json").read_text())
+    assert env["versions"]["torch"] == torch.__version__ and env["grid"] == m["grid"] and env["world_size"] == 2
+    source = env["gridweave_source"]
+    if source is not None:  # installed from a git checkout (pip's direct_url.json): its HEAD then
+        head = subprocess.run(["git", "-C", source["path"], "rev-parse", "HEAD"], capture_output=True, text=True)
+        assert source["commit"] == head.stdout.strip()
