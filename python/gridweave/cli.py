@@ -157,9 +157,9 @@ def _export_parser(sub):
 
 
 def _export(args) -> int:
-    model, _, _ = load_model(args.run)  # one process, shard by shard: any grid's checkpoint
+    model, tok, _ = load_model(args.run)  # one process, shard by shard: any grid's checkpoint
     if args.format == "hf":
-        save_hf(model, args.out)
+        save_hf(model, args.out, tok.special_ids())
     else:
         import json
 

@@ -85,6 +85,10 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
+    def special_ids(self) -> dict:
+        """Hugging Face's special token ids this tokenizer has: none."""
+        return {}
+
     def token_starts(self, text: str, char_starts: list) -> list:
         """The index of the first token of each character offset of `text` (a byte a token)."""
         out, pos, prev = [], 0, 0
@@ -127,6 +131,12 @@ class BPETokenizer:
 
     def decode(self, ids) -> str:
         return self.tok.decode([int(i) for i in ids])
+
+    def special_ids(self) -> dict:
+        """Hugging Face's special token ids: the end-of-text token opens and ends a text (GPT-2's
+        convention); none for a tokenizer without it."""
+        eot = self.tok.token_to_id(EOT)
+        return {} if eot is None else {"bos_token_id": eot, "eos_token_id": eot}
 
     def token_starts(self, text: str, char_starts: list) -> list:
         """The index of the first token whose text starts at or after each character offset

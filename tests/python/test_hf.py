@@ -157,3 +157,18 @@ def _hf_on_grid(ctx, tp_spec, sp):
 def test_hf_llama_on_grids_equals_transformers(pool, tp, sp, n):
     for err in pool.run(_hf_on_grid, n, tp, sp):
         assert err < LLAMA_TOL, err
+
+
+def test_exported_special_tokens_are_the_tokenizers_or_none():
+    """transformers' defaults (GPT-2's eos 50256, Llama's 1 and 2) belong to other tokenizers: the
+    export carries the ids it is given, None otherwise, and refuses ids outside the vocabulary."""
+    import gridweave as gw
+
+    for family in ("gpt", "llama"):
+        cfg = gw.models.ModelConfig(family, 96, 32, 4, 2, 16, kv_heads=4 if family == "llama" else None)
+        none = gw.hf.hf_config(cfg)
+        assert (none.bos_token_id, none.eos_token_id, none.pad_token_id) == (None, None, None)
+        given = gw.hf.hf_config(cfg, {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 95})
+        assert (given.bos_token_id, given.eos_token_id, given.pad_token_id) == (0, 0, 95)
+        with pytest.raises(gw.GridError, match="within the vocabulary of 96"):
+            gw.hf.hf_config(cfg, {"eos_token_id": 50256})

@@ -204,6 +204,12 @@ def test_exported_run_gives_the_same_validation_loss_in_transformers(bpe_run, tm
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1))
     m = json.loads((bpe_run / "metrics.json").read_text())
     assert abs(loss.item() - m["val_loss"][-1][1]) < 1e-4, (loss.item(), m["val_loss"][-1])
+    # the special tokens are the run's tokenizer's (issue 33: GPT-2's 50256 outside a small vocabulary)
+    from tokenizers import Tokenizer
+
+    eot = Tokenizer.from_file(str(bpe_run / "tokenizer.json")).token_to_id("<|endoftext|>")
+    assert eot is not None and hf.config.eos_token_id == eot == hf.config.bos_token_id < hf.config.vocab_size
+    assert hf.generation_config.eos_token_id == eot
 
 
 def _scatter_gather(ctx):

@@ -186,10 +186,19 @@ def from_hf(model_or_config, dtype=None) -> GPT:
     raise GridError(f"from_hf takes a transformers model or config, got {type(model_or_config).__name__}")
 
 
-def hf_config(cfg: ModelConfig):
+def hf_config(cfg: ModelConfig, special: dict | None = None):
+    """transformers' config of `cfg`; special: the tokenizer's bos/eos/pad token ids (a decoder's
+    are None without one: transformers' defaults, GPT-2's 50256 or Llama's 1 and 2, are another
+    tokenizer's and may lie outside this vocabulary)."""
     tf = _transformers()
+    special = special or {}
+    bad = {k: v for k, v in special.items() if k not in ("bos_token_id", "eos_token_id", "pad_token_id")
+           or not (isinstance(v, int) and 0 <= v < cfg.vocab)}
+    if bad:
+        raise GridError(f"special token ids must be bos/eos/pad_token_id within the vocabulary of {cfg.vocab}: {bad}")
+    ids = {k: special.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     if cfg.family == "llama":
-        return tf.LlamaConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
+        return tf.LlamaConfig(**ids, vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
                               num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
                               num_key_value_heads=cfg.kv_heads or cfg.heads, max_position_embeddings=cfg.seq,
                               rms_norm_eps=cfg.arch.eps, tie_word_embeddings=cfg.tie,
@@ -201,12 +210,12 @@ def hf_config(cfg: ModelConfig):
     if cfg.family == "bert":
         if cfg.linformer_k is not None:
             raise GridError("transformers has no Linformer: a bert model with linformer_k has no Hugging Face form")
-        return tf.BertConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
+        return tf.BertConfig(**{k: v for k, v in ids.items() if v is not None}, vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
                              num_attention_heads=cfg.heads, intermediate_size=cfg.ffn, hidden_act="gelu",
                              max_position_embeddings=cfg.seq, type_vocab_size=2, layer_norm_eps=cfg.arch.eps,
                              tie_word_embeddings=cfg.tie, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     act = {"gelu": "gelu", "gelu_tanh": "gelu_new"}[cfg.arch.activation.value]
-    return tf.GPT2Config(vocab_size=cfg.vocab, n_embd=cfg.hidden, n_layer=cfg.layers, n_head=cfg.heads,
+    return tf.GPT2Config(**ids, vocab_size=cfg.vocab, n_embd=cfg.hidden, n_layer=cfg.layers, n_head=cfg.heads,
                          n_positions=cfg.seq, n_inner=cfg.ffn, activation_function=act,
                          layer_norm_epsilon=cfg.arch.eps, tie_word_embeddings=cfg.tie,
                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -216,14 +225,15 @@ _HF_CLASS = {"llama": lambda tf: tf.LlamaForCausalLM, "gpt": lambda tf: tf.GPT2L
              "bert": lambda tf: tf.BertForMaskedLM}
 
 
-def to_hf(model: GPT):
-    """The transformers model with `model`'s weights (same dtype and device), in eval mode."""
+def to_hf(model: GPT, special: dict | None = None):
+    """The transformers model with `model`'s weights (same dtype and device), in eval mode;
+    special: its tokenizer's special token ids (hf_config)."""
     tf = _transformers()
     cfg = model.config
     ours = {k: v.detach() for k, v in model.state_dict().items()}
     w = ours["embed.tok.weight"]
     with torch.device(w.device):  # built where the weights are, whatever torch's default device
-        hf = _HF_CLASS[cfg.family](tf)(hf_config(cfg)).to(w.dtype)
+        hf = _HF_CLASS[cfg.family](tf)(hf_config(cfg, special)).to(w.dtype)
     missing, unexpected = hf.load_state_dict(_hf_state(ours, cfg), strict=False)
     missing = [k for k in missing if not (cfg.tie and k == _TOP[cfg.family]["head.out.weight"])]
     if missing or unexpected:
@@ -231,9 +241,10 @@ def to_hf(model: GPT):
     return hf.eval()
 
 
-def save_hf(model: GPT, folder) -> None:
-    """config.json + model.safetensors that transformers' from_pretrained loads."""
-    to_hf(model).save_pretrained(str(folder), safe_serialization=True)
+def save_hf(model: GPT, folder, special: dict | None = None) -> None:
+    """config.json + model.safetensors (+ generation_config.json) that transformers'
+    from_pretrained loads; special: the tokenizer's special token ids."""
+    to_hf(model, special).save_pretrained(str(folder), safe_serialization=True)
 
 
 # The dense model's own methods (model.to_hf(), issue 15's name; model.save_hf(folder)),
