@@ -74,7 +74,9 @@ def _train_parser(sub):
                    help="packed documents: attention within each document of a window, positions restarting at each")
     t = p.add_argument_group("data")
     t.add_argument("--data", default=None, help="a text file or folder (default: the fortunes corpus)")
-    t.add_argument("--tokenizer", default=d["tokenizer"].default, choices=CHOICES["tokenizer"])
+    t.add_argument("--tokenizer", default=d["tokenizer"].default,
+                   help="bpe (trained on the corpus, --vocab tokens), bytes, or PATH: an existing tokenizer.json "
+                        "(or a folder holding one, e.g. a local GPT-2's): the corpus is tokenized with it")
     t.add_argument("--vocab", type=int, default=d["vocab"].default, help="BPE vocabulary size")
     o = p.add_argument_group("optimisation")
     for name, typ in (("steps", int), ("batch", int), ("microbatches", int), ("lr", float), ("min_lr", float),

@@ -133,6 +133,8 @@ class TrainConfig:
             self.mode = dataclasses.replace(self.mode, sequence=True)
         self.compute = Precision.parse(self.precision)
         for name, allowed in CHOICES.items():
+            if name == "tokenizer" and isinstance(self.tokenizer, str) and self.tokenizer not in allowed:
+                continue  # a path: an existing tokenizer (tokenizer_file; check_files reads it)
             if getattr(self, name) not in allowed:
                 raise GridError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         for name in ("hidden", "heads", "layers", "seq", "batch", "microbatches", "steps", "vocab", "sp", "bsize",
@@ -183,6 +185,15 @@ class TrainConfig:
         if self.tokenizer == "bytes":
             self.vocab = 256
         self.model_config(self.vocab)  # the model's own checks (heads vs hidden, kv heads, Linformer)
+
+    @property
+    def tokenizer_file(self):
+        """The existing tokenizer this run uses (tokenizer = a tokenizer.json or a folder holding
+        one: a Llama's or GPT-2's from a local folder), or None: trained here (bpe) or bytes."""
+        if self.tokenizer in CHOICES["tokenizer"]:
+            return None
+        path = Path(self.tokenizer)
+        return path / data.TOKENIZER_FILE if path.is_dir() else path
 
     @property
     def masked_lm(self) -> bool:
@@ -259,6 +270,14 @@ class TrainConfig:
                 raise GridError(f"data={f} is not UTF-8 text ({e.reason} at byte {e.start})") from None
         if self.resume and self.resume != AUTO:
             load_checkpoint(Path(self.resume))  # a clear GridError when there is none
+        if self.tokenizer_file is not None:
+            if not self.tokenizer_file.is_file():
+                raise GridError(f"tokenizer={self.tokenizer}: no tokenizer.json there (bpe, bytes, or the path of "
+                                "an existing tokenizer.json or of a folder holding one)")
+            try:
+                data.load_tokenizer(self.tokenizer_file)
+            except Exception as e:  # noqa: BLE001 (any unreadable file: one clear error before any rank starts)
+                raise GridError(f"tokenizer={self.tokenizer} is not a tokenizers file: {e}") from None
         out = Path(self.out).absolute()
         if out.exists() and not out.is_dir():
             raise GridError(f"out={out} exists and is not a folder")
@@ -514,7 +533,8 @@ def prepare_data(cfg: TrainConfig, grid, out: Path) -> tuple:
     node-local folder. Every wait is a grid collective (bounded by the grid's timeout) that also
     tells every rank whether a maker failed: no rank waits on a maker that gave up, and no two
     processes write one file."""
-    tok_from = str(Path(cfg.resume) / data.TOKENIZER_FILE) if cfg.resume else None
+    tok_from = str(Path(cfg.resume) / data.TOKENIZER_FILE) if cfg.resume else \
+        (str(cfg.tokenizer_file) if cfg.tokenizer_file is not None else None)
     cache = Path(cfg.data_cache.replace("{host}", socket.gethostname())) if cfg.data_cache else None
 
     def made_by(maker: bool, folder: Path, tokenizer_from, tokenize=True) -> None:

@@ -174,6 +174,26 @@ def bpe_run(tmp_path_factory):
     return out
 
 
+def test_an_existing_tokenizer_tokenizes_the_corpus(bpe_run, tmp_path):
+    """--tokenizer PATH (a tokenizer.json made elsewhere: here the BPE run's, by the folder holding
+    it): the run keeps it and its token file is the one that tokenizer gives; a path without one
+    is one error before anything starts."""
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    r = subprocess.run([sys.executable, "-m", "gridweave.cli", "train", "--nproc", "1", "--steps", "1",
+                        "--tokenizer", str(bpe_run), "--hidden", "64", "--heads", "4", "--seq", "64", "--batch", "16",
+                        "--val-every", "0", "--sample-tokens", "0", "--quiet", "--log", "none", "--out", str(out)],
+                       capture_output=True, text=True, timeout=240, env=env, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (out / "tokenizer.json").read_bytes() == (bpe_run / "tokenizer.json").read_bytes()
+    assert (out / "tokens.bin").read_bytes() == (bpe_run / "tokens.bin").read_bytes()
+    r = subprocess.run([sys.executable, "-m", "gridweave.cli", "train", "--nproc", "1", "--tokenizer",
+                        str(tmp_path / "nowhere"), "--out", str(tmp_path / "bad")], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 2 and "no tokenizer.json there" in r.stderr and not (tmp_path / "bad").exists(), r.stderr
+
+
 def test_a_short_run_beats_the_unigram_entropy_and_samples(bpe_run):
     m = json.loads((bpe_run / "metrics.json").read_text())
     assert m["val_loss"][-1][1] < m["unigram_entropy_val"] - 0.3, (m["val_loss"], m["unigram_entropy_val"])
