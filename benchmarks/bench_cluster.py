@@ -77,13 +77,11 @@ def calibrate(c, work: Path, port: int) -> dict:
 def predict(preset: dict, flags: list) -> float:
     import gridweave as gw
     from gridweave import plan
+    from gridweave.cli import parse_train
 
     cluster = plan.Cluster(**{k: v for k, v in preset.items() if k in plan.Cluster.__dataclass_fields__})
-    cfg = gw.train.TrainConfig(**MODEL, tp=flags[flags.index("--tp") + 1], dp=int(flags[flags.index("--dp") + 1]))
-    shape = plan.GridShape(dp=cfg.dp, tp=cfg.mode, placement=flags[flags.index("--placement") + 1]
-                           if "--placement" in flags else "topology")
-    return plan.predict(plan.model_of(cfg), shape, cluster, microbatches=cfg.microbatches, offload_bsize=cfg.bsize,
-                        coarsening=cfg.coarsening)["step_time_s"]
+    cfg = parse_train([*model_flags(), *flags])  # the job as the command line makes it
+    return gw.train.plan_job(cfg, cfg.grid_shape(8), cluster)["step_time_s"]
 
 
 def recovery(c, work: Path, port: int) -> dict:

@@ -349,13 +349,13 @@ def _reported_marker(run_id: str) -> str:
 
 def node_spec(args) -> launch.Nodes:
     """The command line's nodes, checked against its launcher and resume."""
+    launcher = _launcher(args)
     starts = not (args.print_config or args.dry_run)  # on paper, no master is needed
-    if starts and args.nnodes > 1 and args.master_addr is None and _launcher(args) == "torchrun":
+    if starts and args.nnodes > 1 and args.master_addr is None and launcher == "torchrun":
         raise GridError(f"--nnodes {args.nnodes} needs --master-addr: the address every node reaches node 0 at")
     nodes = launch.Nodes(nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                          master_addr=args.master_addr or "127.0.0.1",
                          master_port=args.master_port or launch.default_port(), max_restarts=args.max_restarts)
-    launcher = _launcher(args)
     if launcher == "mpirun":
         if nodes.nnodes > 1 and args.hostfile is None:
             raise GridError("--launcher mpirun on --nnodes > 1 needs --hostfile (mpirun's list of the nodes)")
@@ -502,13 +502,7 @@ def dry_run(cfg, nodes, shape) -> int:
 
     model_cfg = cfg.model_config(cfg.vocab)
     params = sum(p.numel() for p in models.build(model_cfg, device="meta").parameters())
-    cluster = plan.load_cluster("local", nodes.nproc)
-    grid = plan.GridShape(dp=shape["dp"], pp=shape["pp"], tp=cfg.mode, sp=shape["sp"], placement=cfg.placement,
-                          zero=cfg.zero)
-    # the planner recomputes every layer or none: any activation checkpointing counts as every layer
-    p = plan.predict(plan.model_of(cfg), grid, cluster, microbatches=cfg.microbatches,
-                     offload_bsize=cfg.bsize if cfg.offload else None, coarsening=cfg.coarsening, chunks=cfg.chunks,
-                     recompute=cfg.ac != 1)
+    p = train.plan_job(cfg, shape, plan.load_cluster("local", nodes.nproc))
     mem = p["memory_breakdown_bytes"]
     print(f"model: {cfg.model}, {params:,} parameters ({params / 1e9:.2f} B), vocabulary {model_cfg.vocab}, "
           f"{cfg.compute.name}")

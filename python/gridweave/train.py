@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import socket
-import sys
 import time
 import dataclasses
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from . import checkpoint, data, launch, loggers, models, optim, pipeline, plan
+from . import checkpoint, data, launch, loggers, models, optim, pipeline, plan, runfolder
 from .axes import AxesView, ParallelDims
 from .errors import Diverged, GridError
 from .generate import sample
@@ -385,15 +384,21 @@ def peak_flops(grid, precision: str) -> tuple:
     return rate, "measured GEMM (float32, 256^3, all ranks at once)"
 
 
-def predicted_step_s(cfg: TrainConfig, grid) -> float:
-    """gw.plan's step time of this job on this grid, on this machine's calibrated preset
-    (`gridweave bench --calibrate`'s "local"), to log beside the measured one."""
-    shape = plan.GridShape(dp=grid.axes["dp"], pp=grid.axes["pp"], tp=cfg.mode, sp=grid.axes["sp"],
+def plan_job(cfg: TrainConfig, degrees: dict, cluster) -> dict:
+    """gw.plan's prediction of this job (time, memory, bytes per axis) with the grid's degrees
+    ({"dp", "pp", "sp"}) on `cluster`. The planner recomputes every layer or none: any activation
+    checkpointing counts as every layer."""
+    shape = plan.GridShape(dp=degrees["dp"], pp=degrees["pp"], tp=cfg.mode, sp=degrees["sp"],
                            placement=cfg.placement, zero=cfg.zero)
-    cluster = plan.load_cluster("local", grid.ranks_per_node)
     return plan.predict(plan.model_of(cfg), shape, cluster, microbatches=cfg.microbatches,
                         offload_bsize=cfg.bsize if cfg.offload else None, coarsening=cfg.coarsening,
-                        chunks=cfg.chunks, recompute=cfg.ac != 1)["step_time_s"]
+                        chunks=cfg.chunks, recompute=cfg.ac != 1)
+
+
+def predicted_step_s(cfg: TrainConfig, grid) -> float:
+    """The planner's step time of this job on this grid, on this machine's calibrated preset
+    (`gridweave bench --calibrate`'s "local"), to log beside the measured one."""
+    return plan_job(cfg, grid.axes, plan.load_cluster("local", grid.ranks_per_node))["step_time_s"]
 
 
 def token_share(predicted: float, losses: int) -> float:
@@ -804,7 +809,7 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
     tokens, tokenizer = prepare_data(cfg, grid, out)
     if grid.rank == 0:  # the run folder records what ran
         checkpoint.atomic_write(out / "environment.json",
-                                lambda t: t.write_text(json.dumps(environment(grid), indent=1)))
+                                lambda t: t.write_text(json.dumps(runfolder.environment(grid), indent=1)))
     model_cfg = cfg.model_config(tokens.vocab_size)
     torch.manual_seed(cfg.seed)
     _, stage, opt, scaler = build(cfg, grid, model_cfg)  # initialised in fp32, then cast
@@ -857,103 +862,14 @@ def report(cfg: TrainConfig, out: Path, metrics: dict, tokens, tokenizer, window
         metrics["sample"] = {"prompt": prompt,
                              "text": tok.decode(sample(dense, ids, n, 0.8, 40, cfg.seed, tok.vocab_size))}
     checkpoint.atomic_write(out / "metrics.json", lambda t: t.write_text(json.dumps(metrics, indent=1)))
-    _plot(metrics, out / "loss.png")
-    _plot_run(metrics, out / "run.png")
+    runfolder.plot_loss(metrics, out / "loss.png")
+    runfolder.plot_run(metrics, out / "run.png")
     if not cfg.quiet:
         val = metrics["val_loss"]
         print(f"validation loss {val[-1][1]:.3f} nats/token vs unigram entropy {metrics['unigram_entropy_val']:.3f} "
               f"({tokenizer.kind}, {tokens.vocab_size} tokens)" if val else "")
         if "sample" in metrics:
             print(f"sample: {metrics['sample']['text']!r}")
-
-
-def _plot(metrics, png):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    losses, val = metrics["loss"], metrics["val_loss"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(range(1, len(losses) + 1), losses, label="training")
-    if val:
-        ax.plot([v[0] for v in val], [v[1] for v in val], "o-", label="validation")
-    ax.axhline(metrics["unigram_entropy_val"], color="gray", ls=":", lw=1, label="unigram entropy (validation)")
-    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title="gridweave train")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
-
-
-def _plot_run(metrics, png):
-    """The run at a glance: the losses, speed (tokens/s and MFU), each rank's peak memory, and the
-    bytes each axis moved inside and across nodes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(2, 2, figsize=(11, 7))
-    losses, val = metrics["loss"], metrics["val_loss"]
-    ax[0, 0].plot(range(1, len(losses) + 1), losses, label="training")
-    if val:
-        ax[0, 0].plot([v[0] for v in val], [v[1] for v in val], "o-", label="validation")
-    ax[0, 0].set(xlabel="step", ylabel="nats/token", title="loss")
-    ax[0, 0].legend()
-    steps = range(1, len(metrics["tokens_per_s"]) + 1)
-    ax[0, 1].plot(steps, metrics["tokens_per_s"], color="tab:blue")
-    ax[0, 1].set(xlabel="step", ylabel="tokens/s", title="speed")
-    mfu = ax[0, 1].twinx()
-    mfu.plot(steps, [100 * m for m in metrics["mfu"]], color="tab:orange")
-    mfu.set_ylabel("MFU %", color="tab:orange")
-    rss = metrics["max_rss_bytes_per_rank"]
-    ax[1, 0].bar(range(len(rss)), [r / 2 ** 20 for r in rss])
-    ax[1, 0].set_xticks(range(len(rss)))
-    ax[1, 0].set(xlabel="rank", ylabel="MiB", title="peak resident memory per rank")
-    sent = metrics["traffic"]["sent_bytes"]
-    labels = sorted(sent)
-    ax[1, 1].bar(labels, [sent[k]["intra"] / 2 ** 20 for k in labels], label="inside a node")
-    ax[1, 1].bar(labels, [sent[k]["inter"] / 2 ** 20 for k in labels],
-                 bottom=[sent[k]["intra"] / 2 ** 20 for k in labels], label="across nodes")
-    ax[1, 1].set(ylabel="MiB sent (all ranks)", title="bytes per axis")
-    ax[1, 1].legend()
-    fig.suptitle(f"gridweave train: {metrics['grid']} on {metrics['backend']}")
-    fig.tight_layout()
-    fig.savefig(png, dpi=90)
-    plt.close(fig)
-
-
-def environment(grid) -> dict:
-    """What ran: the packages' versions, the checkout gridweave was installed from (pip's
-    direct_url.json names it) with its HEAD when the run started and whether it had uncommitted
-    changes, the machine, the command and the grid."""
-    import importlib.metadata as md
-    import platform
-    import subprocess
-
-    versions = {}
-    for name in ("gridweave", "torch", "numpy", "tokenizers", "safetensors", "transformers", "tensorboard", "wandb"):
-        try:
-            versions[name] = md.version(name)
-        except md.PackageNotFoundError:
-            pass
-    source = None
-    try:
-        url = json.loads(md.distribution("gridweave").read_text("direct_url.json") or "{}").get("url", "")
-        if url.startswith("file://"):
-            path = url[len("file://"):]
-            git = ["git", "-C", path]
-            head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-            if head.returncode == 0:
-                dirty = subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True, timeout=10)
-                source = {"path": path, "commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
-    except (md.PackageNotFoundError, OSError, subprocess.SubprocessError, json.JSONDecodeError):
-        source = None
-    return {"versions": versions, "gridweave_source": source, "python": platform.python_version(),
-            "platform": platform.platform(), "host": socket.gethostname(), "cuda": torch.version.cuda,
-            "argv": sys.argv, "grid": dict(grid.axes), "world_size": grid.world_size,
-            "ranks_per_node": grid.ranks_per_node, "backend": grid.backend, "device": str(grid.device)}
 
 
 def export_dense(path) -> dict:

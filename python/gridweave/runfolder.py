@@ -1,0 +1,101 @@
+"""What a run leaves in its folder besides checkpoints and logs: the environment it ran in and the
+plots of metrics.json (the loss curves; the run at a glance)."""
+from __future__ import annotations
+
+import json
+import socket
+import sys
+
+import torch
+
+
+def environment(grid) -> dict:
+    """What ran: the packages' versions, the checkout gridweave was installed from (pip's
+    direct_url.json names it) with its HEAD when the run started and whether it had uncommitted
+    changes, the machine, the command and the grid."""
+    import importlib.metadata as md
+    import platform
+    import subprocess
+
+    versions = {}
+    for name in ("gridweave", "torch", "numpy", "tokenizers", "safetensors", "transformers", "tensorboard", "wandb"):
+        try:
+            versions[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    source = None
+    try:
+        url = json.loads(md.distribution("gridweave").read_text("direct_url.json") or "{}").get("url", "")
+        if url.startswith("file://"):
+            path = url[len("file://"):]
+            git = ["git", "-C", path]
+            head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+            if head.returncode == 0:
+                dirty = subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True, timeout=10)
+                source = {"path": path, "commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+    except (md.PackageNotFoundError, OSError, subprocess.SubprocessError, json.JSONDecodeError):
+        source = None
+    return {"versions": versions, "gridweave_source": source, "python": platform.python_version(),
+            "platform": platform.platform(), "host": socket.gethostname(), "cuda": torch.version.cuda,
+            "argv": sys.argv, "grid": dict(grid.axes), "world_size": grid.world_size,
+            "ranks_per_node": grid.ranks_per_node, "backend": grid.backend, "device": str(grid.device)}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _losses(ax, metrics) -> None:
+    """Training and validation loss over steps, beside the validation split's unigram entropy."""
+    losses, val = metrics["loss"], metrics["val_loss"]
+    ax.plot(range(1, len(losses) + 1), losses, label="training")
+    if val:
+        ax.plot([v[0] for v in val], [v[1] for v in val], "o-", label="validation")
+    ax.axhline(metrics["unigram_entropy_val"], color="gray", ls=":", lw=1, label="unigram entropy (validation)")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)")
+    ax.legend()
+
+
+def plot_loss(metrics, png) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    _losses(ax, metrics)
+    ax.set_title("gridweave train")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def plot_run(metrics, png) -> None:
+    """The run at a glance: the losses, speed (tokens/s and MFU), each rank's peak memory, and the
+    bytes each axis moved inside and across nodes."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(2, 2, figsize=(11, 7))
+    _losses(ax[0, 0], metrics)
+    ax[0, 0].set_title("loss")
+    steps = range(1, len(metrics["tokens_per_s"]) + 1)
+    ax[0, 1].plot(steps, metrics["tokens_per_s"], color="tab:blue")
+    ax[0, 1].set(xlabel="step", ylabel="tokens/s", title="speed")
+    mfu = ax[0, 1].twinx()
+    mfu.plot(steps, [100 * m for m in metrics["mfu"]], color="tab:orange")
+    mfu.set_ylabel("MFU %", color="tab:orange")
+    rss = metrics["max_rss_bytes_per_rank"]
+    ax[1, 0].bar(range(len(rss)), [r / 2 ** 20 for r in rss])
+    ax[1, 0].set_xticks(range(len(rss)))
+    ax[1, 0].set(xlabel="rank", ylabel="MiB", title="peak resident memory per rank")
+    sent = metrics["traffic"]["sent_bytes"]
+    labels = sorted(sent)
+    intra = [sent[k]["intra"] / 2 ** 20 for k in labels]
+    ax[1, 1].bar(labels, intra, label="inside a node")
+    ax[1, 1].bar(labels, [sent[k]["inter"] / 2 ** 20 for k in labels], bottom=intra, label="across nodes")
+    ax[1, 1].set(ylabel="MiB sent (all ranks)", title="bytes per axis")
+    ax[1, 1].legend()
+    fig.suptitle(f"gridweave train: {metrics['grid']} on {metrics['backend']}")
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+    plt.close(fig)
