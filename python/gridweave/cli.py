@@ -10,7 +10,7 @@ import sys
 
 from pathlib import Path
 
-from . import calibrate, checkpoint, configfile, data, launch, modes, plan, train
+from . import calibrate, checkpoint, configfile, data, launch, models, modes, plan, train
 from .errors import CommError, Diverged, GridError
 from .generate import sample
 from .hf import save_hf
@@ -498,8 +498,6 @@ def launch_fields(args) -> dict:
 def dry_run(cfg, nodes, shape) -> int:
     """The job on paper: the model built on meta tensors (no memory), its parameters, the grid
     and the planner's memory per rank; nothing starts."""
-    from . import models
-
     model_cfg = cfg.model_config(cfg.vocab)
     params = sum(p.numel() for p in models.build(model_cfg, device="meta").parameters())
     p = train.plan_job(cfg, shape, plan.load_cluster("local", nodes.nproc))

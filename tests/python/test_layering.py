@@ -58,7 +58,8 @@ LAYERS = (
     ("modes", {"modes"}),
     ("models", {"models", "hf"}),
     ("plan", {"plan", "recorder"}),
-    ("jobs", {"train", "calibrate", "generate", "data"}),
+    ("jobs (the run's logs and record beside the jobs that write them)",
+     {"train", "calibrate", "generate", "data", "loggers", "runfolder", "configfile"}),
     ("cli", {"cli", "__main__"}),
 )
 LEVEL = {top: i for i, (_, tops) in enumerate(LAYERS) for top in tops}
