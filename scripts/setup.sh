@@ -16,9 +16,9 @@ PIP="python3 -m pip install -q --disable-pip-version-check"
 # The CPU wheel of torch first, so nothing later pulls a CUDA build.
 python3 -c "import torch" 2>/dev/null || $PIP torch==2.13.0
 $PIP numpy "scikit-build-core>=0.10" "pybind11>=2.12" ninja pytest pytest-timeout matplotlib tqdm mpi4py \
-  safetensors tokenizers tomli-w transformers tensorboard wandb "mkdocs==1.6.1" "mkdocstrings-python>=2"
-# transformers: the optional hf extra, which the tests check against; tensorboard, wandb: the loggers
-# (the optional log extra); mkdocs: the documentation site
+  safetensors tokenizers tomli-w transformers datasets tensorboard wandb "mkdocs==1.6.1" "mkdocstrings-python>=2"
+# transformers: the optional hf extra, which the tests check against; datasets: JSON Lines, Parquet and
+# Arrow data (the data extra); tensorboard, wandb: the loggers (the log extra); mkdocs: the documentation site
 # NCCL headers and library, so the NCCL transport compiles wherever nvcc is found.
 if command -v nvcc >/dev/null 2>&1; then $PIP nvidia-nccl-cu13; fi
 $PIP --no-build-isolation .

@@ -73,7 +73,13 @@ def _train_parser(sub):
     m.add_argument("--pack-documents", action="store_true",
                    help="packed documents: attention within each document of a window, positions restarting at each")
     t = p.add_argument_group("data")
-    t.add_argument("--data", default=None, help="a text file or folder (default: the fortunes corpus)")
+    t.add_argument("--data", default=None,
+                   help="a text file or folder (default: the fortunes corpus); JSON Lines, Parquet or Arrow files or "
+                        "folders (read through the datasets library, streamed); pre-tokenized nanoGPT .bin files "
+                        "(a .bin, or a folder with train.bin and val.bin; --token-dtype)")
+    t.add_argument("--text-field", default=d["text_field"].default, help="the records' field holding the text")
+    t.add_argument("--token-dtype", default=None, choices=data.TOKEN_DTYPES,
+                   help="the dtype of pre-tokenized .bin files (nanoGPT: uint16)")
     t.add_argument("--tokenizer", default=d["tokenizer"].default,
                    help="bpe (trained on the corpus, --vocab tokens), bytes, or PATH: an existing tokenizer.json "
                         "(or a folder holding one, e.g. a local GPT-2's): the corpus is tokenized with it")

@@ -24,7 +24,7 @@ SECTIONS = {
     "training": ("steps", "batch", "microbatches", "seed", "val_every", "val_samples", "ac", "max_bad_steps",
                  "sample_tokens", "prompt"),
     "optimizer": ("lr", "min_lr", "warmup", "weight_decay", "max_grad_norm", "bsize", "coarsening", "offload"),
-    "data": ("data", "data_cache", "tokenizer", "vocab", "pack_documents"),
+    "data": ("data", "text_field", "token_dtype", "data_cache", "tokenizer", "vocab", "pack_documents"),
     "checkpoint": ("out", "resume", "checkpoint_every", "async_save"),
     "logging": ("quiet", "log", "log_all_ranks"),
 }

@@ -1,8 +1,10 @@
 """Text data for the main job: a corpus (Debian's `fortunes` by default, or any text file or
-folder given with --data), a tokenizer (byte-level BPE trained on the corpus with the
-`tokenizers` library, or raw bytes), the corpus tokenized once into a memory-mapped token
-file with a train / validation split, and a reader that gives each data-parallel rank only
-its own samples and whose position is saved in checkpoints.
+folder given with --data; JSON Lines, Parquet or Arrow records read through the `datasets`
+library; or nanoGPT's pre-tokenized .bin files), a tokenizer (byte-level BPE trained on the
+corpus with the `tokenizers` library, raw bytes, or an existing tokenizer.json), the corpus
+tokenized once, streaming, into a memory-mapped token file with a train / validation split, and
+a reader that gives each data-parallel rank only its own samples and whose position is saved in
+checkpoints.
 
 Samples are the non-overlapping windows of seq + 1 tokens of the training split, visited in
 a fresh permutation every epoch (seeded): sample k of the run is fixed by (seed, k), so a
@@ -11,7 +13,9 @@ uninterrupted one would, on any grid.
 """
 from __future__ import annotations
 
+import enum
 import hashlib
+import itertools
 import json
 import os
 from dataclasses import dataclass
@@ -20,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import atomic_write
+from .checkpoint import TMP_MARK, atomic_write
 from .errors import GridError
 from .models.dense import IGNORE
 
@@ -46,21 +50,118 @@ def corpus_files(path: str | None = None) -> list:
     return files
 
 
+def text_of(f: Path) -> str:
+    """One corpus file's text; a file that is not UTF-8 text is an error naming it."""
+    raw = f.read_bytes()
+    if b"\x00" in raw:
+        raise GridError(f"{f} is not text (it holds NUL bytes); data takes text files")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GridError(f"{f} is not UTF-8 text ({e.reason} at byte {e.start}); the tokenizer reads UTF-8") from None
+
+
 def read_text(path: str | None = None) -> list:
-    """Each corpus file's text; a file that is not UTF-8 text is an error naming it."""
-    out = []
-    for f in corpus_files(path):
-        raw = f.read_bytes()
-        if b"\x00" in raw:
-            raise GridError(f"{f} is not text (it holds NUL bytes); data takes text files")
-        try:
-            out.append(raw.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            raise GridError(f"{f} is not UTF-8 text ({e.reason} at byte {e.start}); the tokenizer reads UTF-8") from None
+    """Each corpus file's text (text_of)."""
+    out = [text_of(f) for f in corpus_files(path)]
     total = sum(len(t) for t in out)
     if total < 1024:
         raise GridError(f"the corpus at {path or DEFAULT_CORPUS} holds only {total} characters")
     return out
+
+
+class Format(enum.Enum):
+    """What --data holds."""
+    TEXT = "text"  # UTF-8 text files: documents split at "%" lines (fortunes) or the end-of-text marker
+    JSON = "json"  # records (JSON Lines), one document each, read through `datasets`
+    PARQUET = "parquet"
+    ARROW = "arrow"  # Arrow stream files (what Dataset.save_to_disk writes)
+    TOKENS = "tokens"  # token ids already made (nanoGPT's flat uint16 / uint32 .bin files)
+
+    @property
+    def records(self) -> bool:
+        return self in (Format.JSON, Format.PARQUET, Format.ARROW)
+
+
+SUFFIXES = {".jsonl": Format.JSON, ".json": Format.JSON, ".parquet": Format.PARQUET, ".arrow": Format.ARROW,
+            ".bin": Format.TOKENS}
+TOKEN_DTYPES = ("uint16", "uint32")
+
+
+@dataclass(frozen=True)
+class Source:
+    """The corpus a run reads: its format and files (TOKENS: train.bin and, if there is one,
+    val.bin; or one .bin split like text), the records' text field, the token files' dtype."""
+    path: str
+    format: Format
+    files: tuple
+    text_field: str = "text"
+    token_dtype: str | None = None
+
+    def records(self):
+        """The records' texts, streamed by `datasets` from the local files (no cache is written,
+        nothing is fetched); a record without the text field, or whose field is not text, is an
+        error naming it."""
+        import datasets
+
+        with torch.device("cpu"):  # datasets makes a torch tensor (its epoch counter) on the default device
+            stream = datasets.load_dataset(self.format.value, data_files=[str(f) for f in self.files], split="train",
+                                           streaming=True)
+        for i, row in enumerate(stream):
+            if self.text_field not in row:
+                raise GridError(f"data={self.path}: record {i} has no field {self.text_field!r} (its fields: "
+                                f"{', '.join(sorted(row))}); choose the text with --text-field")
+            text = row[self.text_field]
+            if not isinstance(text, str):
+                raise GridError(f"data={self.path}: record {i}'s field {self.text_field!r} is "
+                                f"{type(text).__name__}, not text")
+            yield text
+
+    def check(self) -> None:
+        """What the launcher checks before any rank starts: the first record has the text field;
+        a token file is whole tokens of its dtype."""
+        if self.format.records:
+            if next(self.records(), None) is None:
+                raise GridError(f"data={self.path}: no records")
+        elif self.format is Format.TOKENS:
+            size = np.dtype(self.token_dtype).itemsize
+            for f in self.files:
+                if f.stat().st_size % size or f.stat().st_size < 2 * size:
+                    raise GridError(f"data={f}: {f.stat().st_size} bytes is not a file of {self.token_dtype} tokens")
+
+    def size(self) -> int:
+        return sum(os.path.getsize(f) for f in self.files)
+
+
+def source(path: str | None = None, text_field: str = "text", token_dtype: str | None = None) -> Source:
+    """The Source of --data `path` (default: the fortunes corpus): a file by its suffix; a folder
+    holding train.bin is nanoGPT's layout, one holding .arrow or .parquet files (beside
+    save_to_disk's JSON metadata) or only .json / .jsonl files is those records, any other
+    folder text files."""
+    root = Path(path or DEFAULT_CORPUS)
+    if root.is_dir() and (root / "train.bin").is_file():
+        fmt, files = Format.TOKENS, tuple(root / n for n in ("train.bin", "val.bin") if (root / n).is_file())
+    elif root.is_file() and root.suffix in SUFFIXES:
+        fmt, files = SUFFIXES[root.suffix], (root,)
+    elif root.is_dir():
+        found = {}
+        for f in sorted(root.rglob("*")):
+            if f.is_file() and SUFFIXES.get(f.suffix, Format.TEXT).records:
+                found.setdefault(SUFFIXES[f.suffix], []).append(f)
+        columnar = [fmt for fmt in (Format.PARQUET, Format.ARROW) if fmt in found]
+        if len(columnar) > 1:
+            raise GridError(f"data={root} holds both Parquet and Arrow files: give one folder per format")
+        fmt = columnar[0] if columnar else (Format.JSON if Format.JSON in found else Format.TEXT)
+        files = tuple(found[fmt]) if fmt.records else tuple(corpus_files(path))
+    else:
+        fmt, files = Format.TEXT, tuple(corpus_files(path))
+    if (fmt is Format.TOKENS) != (token_dtype is not None):
+        raise GridError(f"data={root} is pre-tokenized: give its dtype (token_dtype {' or '.join(TOKEN_DTYPES)})"
+                        if fmt is Format.TOKENS else
+                        f"token_dtype={token_dtype} is for pre-tokenized .bin files; data={root} is {fmt.value}")
+    if token_dtype is not None and token_dtype not in TOKEN_DTYPES:
+        raise GridError(f"token_dtype must be one of {', '.join(TOKEN_DTYPES)}, got {token_dtype!r}")
+    return Source(str(root), fmt, files, text_field, token_dtype)
 
 
 def load_corpus(path: str | None = None) -> torch.Tensor:
@@ -105,11 +206,13 @@ class BPETokenizer:
     """Byte-level BPE (GPT-2's scheme) from the `tokenizers` library: any UTF-8 text encodes."""
     kind = "bpe"
 
-    def __init__(self, tok):
+    def __init__(self, tok, special: dict | None = None):
         self.tok = tok
+        self.special = special or {}  # bos / eos / pad: their tokens' text (tokenizer_config.json)
 
     @classmethod
-    def train(cls, texts: list, vocab_size: int) -> "BPETokenizer":
+    def train(cls, texts, vocab_size: int) -> "BPETokenizer":
+        """Trained on `texts` (any iterable of strings: records stream through)."""
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
         if vocab_size < 257:
@@ -133,8 +236,12 @@ class BPETokenizer:
         return self.tok.decode([int(i) for i in ids])
 
     def special_ids(self) -> dict:
-        """Hugging Face's special token ids: the end-of-text token opens and ends a text (GPT-2's
-        convention); none for a tokenizer without it."""
+        """Hugging Face's special token ids: those its tokenizer_config.json names (a Llama's <s>,
+        </s>), else the end-of-text token opening and ending a text (GPT-2's convention); none for
+        a tokenizer without either."""
+        if self.special:
+            ids = {f"{k}_id": self.tok.token_to_id(v) for k, v in self.special.items()}
+            return {k: v for k, v in ids.items() if v is not None}
         eot = self.tok.token_to_id(EOT)
         return {} if eot is None else {"bos_token_id": eot, "eos_token_id": eot}
 
@@ -148,8 +255,30 @@ class BPETokenizer:
         self.tok.save(str(path))
 
 
+# Hugging Face's files beside a tokenizer.json that say what its special tokens are (and how a
+# chat is written): kept with it wherever a run copies its tokenizer.
+TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+SPECIAL = ("bos_token", "eos_token", "pad_token")
+
+
+def _special_tokens(folder: Path) -> dict:
+    """bos / eos / pad token texts from tokenizer_config.json (else special_tokens_map.json)."""
+    out = {}
+    for name in reversed(TOKENIZER_FILES[:2]):  # tokenizer_config.json wins
+        f = folder / name
+        if f.is_file():
+            d = json.loads(f.read_text())
+            for k in SPECIAL:
+                v = d.get(k)
+                v = v.get("content") if isinstance(v, dict) else v  # the older AddedToken form
+                if isinstance(v, str):
+                    out[k] = v
+    return out
+
+
 def load_tokenizer(path: Path):
-    """The tokenizer saved at `path` (tokenizer.json): byte-level or BPE."""
+    """The tokenizer saved at `path` (tokenizer.json): byte-level or BPE, its special tokens read
+    from tokenizer_config.json beside it."""
     path = Path(path)
     if not path.exists():
         raise GridError(f"no tokenizer at {path}")
@@ -158,7 +287,15 @@ def load_tokenizer(path: Path):
         return ByteTokenizer()
     from tokenizers import Tokenizer
 
-    return BPETokenizer(Tokenizer.from_file(str(path)))
+    return BPETokenizer(Tokenizer.from_file(str(path)), _special_tokens(path.parent))
+
+
+def copy_tokenizer(src: Path, folder: Path) -> None:
+    """tokenizer.json `src` and the Hugging Face files beside it into `folder` (each written whole)."""
+    src = Path(src)
+    for s, d in [(src, folder / TOKENIZER_FILE)] + [(src.parent / n, folder / n) for n in TOKENIZER_FILES]:
+        if s.is_file() and s.resolve() != d.resolve():
+            atomic_write(d, lambda t, s=s: t.write_bytes(s.read_bytes()))
 
 
 def check_encodable(tokenizer, text: str, what: str) -> list:
@@ -188,88 +325,144 @@ def document_offsets(text: str) -> list:
 
 @dataclass(frozen=True)
 class Tokens:
-    """The corpus as one memory-mapped array of token ids, split at `split` into training
-    (before) and validation (after) tokens; `documents`: the token index at which each document
-    starts (packed training masks attention across them)."""
-    ids: np.ndarray
-    split: int
+    """The corpus as memory-mapped arrays of token ids, training and validation; `documents`:
+    the training token index at which each document starts (packed training masks attention
+    across them)."""
+    train: np.ndarray
+    val: np.ndarray
     vocab_size: int
     documents: np.ndarray
 
-    @property
-    def train(self) -> np.ndarray:
-        return self.ids[:self.split]
 
-    @property
-    def val(self) -> np.ndarray:
-        return self.ids[self.split:]
-
-
-def _fingerprint(files: list, tokenizer_path: Path) -> str:
+def _fingerprint(src: Source, tokenizer_path: Path) -> str:
     h = hashlib.sha256()
-    for f in files:
+    for f in src.files:
         st = f.stat()
         h.update(f"{f}:{st.st_size}:{st.st_mtime_ns}".encode())
     h.update(tokenizer_path.read_bytes())
-    h.update(f"format {TOKENS_FORMAT}".encode())
+    h.update(f"format {TOKENS_FORMAT} {src.format.value} {src.text_field} {src.token_dtype}".encode())
     return h.hexdigest()
 
 
-def prepare(folder, data: str | None, tokenizer: str = "bpe", vocab_size: int = 1024, val_fraction: float = 0.05,
-            tokenizer_from: str | None = None, tokenize: bool = True) -> Path:
+CHUNK = 1 << 10  # records (or text files) tokenized at once: memory stays bounded whatever the corpus
+
+
+def _documents(src: Source, tok, texts):
+    """(token ids, document starts within them) of each chunk of the corpus: a text file's
+    documents by document_offsets; a record a document, ending with the tokenizer's
+    end-of-sequence token when it has one (nanoGPT's, Megatron's --append-eod)."""
+    if not src.format.records:
+        for f, t in zip(src.files, texts):
+            yield check_encodable(tok, t, f"corpus file {f}"), tok.token_starts(t, document_offsets(t))
+        return
+    eos = tok.special_ids().get("eos_token_id")
+    it = iter(texts)
+    while chunk := list(itertools.islice(it, CHUNK)):
+        ids, starts = [], []
+        for t in chunk:
+            if not t:
+                continue  # an empty record is no document
+            starts.append(len(ids))
+            ids.extend(check_encodable(tok, t, f"a record of {src.path}"))
+            if eos is not None:
+                ids.append(eos)
+        yield ids, starts
+
+
+def _write_streaming(folder: Path, dtype, pieces) -> tuple:
+    """tokens.bin and documents.bin written piece by piece into temporary files, then renamed:
+    (token count, document count). A failure leaves neither temporary file."""
+    tmp = {name: folder / f"{name}{TMP_MARK}{os.getpid()}" for name in (TOKENS_FILE, DOCUMENTS_FILE)}
+    count = docs = 0
+    try:
+        with open(tmp[TOKENS_FILE], "wb") as t, open(tmp[DOCUMENTS_FILE], "wb") as d:
+            for ids, starts in pieces:
+                (np.unique(np.asarray(starts, dtype=np.int64)) + count).tofile(d)  # sorted; an empty document drops out
+                np.asarray(ids, dtype=dtype).tofile(t)
+                count, docs = count + len(ids), docs + len(np.unique(starts))
+        for name, path in tmp.items():
+            os.replace(path, folder / name)
+    except BaseException:
+        for path in tmp.values():
+            path.unlink(missing_ok=True)
+        raise
+    return count, docs
+
+
+def _scan_tokens(src: Source, vocab: int, eos) -> np.ndarray:
+    """Pre-tokenized files checked chunk by chunk (every id within the tokenizer's vocabulary);
+    the training file's document starts: its first token and each token after an eos."""
+    starts = [np.zeros(1, dtype=np.int64)]
+    for f in src.files:
+        ids = np.memmap(f, dtype=np.dtype(src.token_dtype), mode="r")
+        for i in range(0, len(ids), 1 << 24):
+            chunk = ids[i:i + (1 << 24)]
+            if len(chunk) and int(chunk.max()) >= vocab:
+                raise GridError(f"data={f} holds token id {int(chunk.max())}, outside the tokenizer's {vocab} tokens "
+                                "(is token_dtype right, and the tokenizer the one its ids come from?)")
+            if eos is not None and f == src.files[0]:
+                starts.append(np.flatnonzero(chunk == eos).astype(np.int64) + i + 1)
+    first = np.unique(np.concatenate(starts))
+    return first[first < len(np.memmap(src.files[0], dtype=np.dtype(src.token_dtype), mode="r"))]
+
+
+def prepare(folder, data: str | Source | None, tokenizer: str = "bpe", vocab_size: int = 1024,
+            val_fraction: float = 0.05, tokenizer_from: str | None = None, tokenize: bool = True) -> Path:
     """Train (or reuse, from `tokenizer_from`) the tokenizer and tokenize the corpus once into
-    `folder`/tokens.bin (written whole, then renamed; tokenize=False: the tokenizer alone);
-    returns `folder`. Idempotent: a token file made from the same files and tokenizer is kept."""
+    `folder`/tokens.bin, streaming (tokenize=False: the tokenizer alone); returns `folder`.
+    Pre-tokenized files are not copied: tokens.json points at them. Idempotent: a token file made
+    from the same files and tokenizer is kept."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     if not 0 < val_fraction < 0.5:
         raise GridError(f"val_fraction must be in (0, 0.5), got {val_fraction}")
-    files = corpus_files(data)
+    src = data if isinstance(data, Source) else source(data)
     tok_path = folder / TOKENIZER_FILE
-    texts = None  # read once, when needed
     if tokenizer_from is not None:
-        src = Path(tokenizer_from)
-        load_tokenizer(src)  # a clear error if it is not one
-        if src.resolve() != tok_path.resolve():
-            atomic_write(tok_path, lambda t: t.write_bytes(src.read_bytes()))
+        load_tokenizer(Path(tokenizer_from))  # a clear error if it is not one
+        copy_tokenizer(Path(tokenizer_from), folder)
+    elif src.format is Format.TOKENS and tokenizer != "bytes":
+        raise GridError(f"data={src.path} is pre-tokenized: give the tokenizer its ids come from (tokenizer = a "
+                        "tokenizer.json or its folder, or bytes)")
     elif not tok_path.exists():
-        texts = read_text(data)
         if tokenizer == "bytes":
             tok = ByteTokenizer()
         elif tokenizer == "bpe":
-            tok = BPETokenizer.train(texts, vocab_size)
+            tok = BPETokenizer.train(src.records() if src.format.records else read_text(src.path), vocab_size)
         else:
             raise GridError(f"tokenizer must be 'bpe' or 'bytes', got {tokenizer!r}")
         atomic_write(tok_path, lambda p: tok.save(p))
     if not tokenize:
         return folder
     meta_path = folder / TOKENS_META
-    fp = _fingerprint(files, tok_path)
-    if meta_path.exists() and (folder / TOKENS_FILE).exists() and (folder / DOCUMENTS_FILE).exists():
+    fp = _fingerprint(src, tok_path)
+    if meta_path.exists() and (folder / DOCUMENTS_FILE).exists():
         meta = json.loads(meta_path.read_text())
-        if meta.get("fingerprint") == fp:
+        if meta.get("fingerprint") == fp and (meta.get("files") or (folder / TOKENS_FILE).exists()):
             return folder
     tok = load_tokenizer(tok_path)
-    texts = texts if texts is not None else read_text(data)
-    ids, starts = [], []
-    for f, t in zip(files, texts):
-        starts.extend(len(ids) + k for k in tok.token_starts(t, document_offsets(t)))
-        ids.extend(check_encodable(tok, t, f"corpus file {f}"))
-    dtype = np.uint16 if tok.vocab_size <= 65536 else np.uint32
-    arr = np.asarray(ids, dtype=dtype)
-    docs = np.unique(np.asarray(starts, dtype=np.int64))  # sorted; a document of no token drops out
-    split = int(len(arr) * (1 - val_fraction))
-    atomic_write(folder / TOKENS_FILE, lambda p: arr.tofile(p))
-    atomic_write(folder / DOCUMENTS_FILE, lambda p: docs.tofile(p))
-    meta = {"fingerprint": fp, "count": int(len(arr)), "dtype": np.dtype(dtype).name, "split": split,
-            "documents": int(len(docs)),
-            "vocab_size": tok.vocab_size, "tokenizer": tok.kind, "corpus": str(data or DEFAULT_CORPUS)}
+    meta = {"fingerprint": fp, "vocab_size": tok.vocab_size, "tokenizer": tok.kind, "corpus": src.path,
+            "format": src.format.value}
+    if src.format is Format.TOKENS:  # read where they are: nanoGPT's train.bin (and val.bin), or one file split
+        docs = _scan_tokens(src, tok.vocab_size, tok.special_ids().get("eos_token_id"))
+        atomic_write(folder / DOCUMENTS_FILE, lambda p: docs.tofile(p))
+        count = os.path.getsize(src.files[0]) // np.dtype(src.token_dtype).itemsize
+        meta.update(files=[str(f.resolve()) for f in src.files], dtype=src.token_dtype, count=count,
+                    documents=len(docs), split=count if len(src.files) > 1 else int(count * (1 - val_fraction)))
+    else:
+        dtype = np.uint16 if tok.vocab_size <= 65536 else np.uint32
+        texts = src.records() if src.format.records else (text_of(f) for f in src.files)
+        count, ndocs = _write_streaming(folder, dtype, _documents(src, tok, texts))
+        if count < 2:
+            raise GridError(f"data={src.path} holds no text to train on")
+        meta.update(count=count, dtype=np.dtype(dtype).name, documents=ndocs, split=int(count * (1 - val_fraction)))
     atomic_write(meta_path, lambda p: Path(p).write_text(json.dumps(meta, indent=1)))
     return folder
 
 
 def open_tokens(folder) -> Tokens:
-    """The token file of `folder`, memory-mapped (read-only)."""
+    """The token file of `folder` (or the pre-tokenized files it points at), memory-mapped
+    (read-only)."""
     folder = Path(folder)
     meta_path = folder / TOKENS_META
     if not meta_path.exists():
@@ -278,12 +471,15 @@ def open_tokens(folder) -> Tokens:
     if meta.get("documents") is None or not (folder / DOCUMENTS_FILE).exists():
         raise GridError(f"the token file in {folder} has no document index (made by an older gridweave): "
                         "gw.data.prepare it again")
-    ids = np.memmap(folder / TOKENS_FILE, dtype=np.dtype(meta["dtype"]), mode="r", shape=(meta["count"],))
+    dtype, files = np.dtype(meta["dtype"]), meta.get("files") or [folder / TOKENS_FILE]
+    ids = np.memmap(files[0], dtype=dtype, mode="r", shape=(meta["count"],))
+    train, val = (ids, np.memmap(files[1], dtype=dtype, mode="r")) if len(files) > 1 else \
+        (ids[:meta["split"]], ids[meta["split"]:])
     docs = np.fromfile(folder / DOCUMENTS_FILE, dtype=np.int64)
     if len(docs) != meta["documents"]:
         raise GridError(f"{folder / DOCUMENTS_FILE} holds {len(docs)} document starts, its index says "
                         f"{meta['documents']}: the token file is damaged; prepare it again")
-    return Tokens(ids, meta["split"], meta["vocab_size"], docs)
+    return Tokens(train, val, meta["vocab_size"], docs)
 
 
 def unigram_entropy(ids: np.ndarray, vocab_size: int) -> float:
@@ -409,9 +605,7 @@ def batch(corpus: torch.Tensor, step: int, seed: int, batch_size: int, seq: int)
     return windows[:, :-1], windows[:, 1:]
 
 
-def corpus_size(path: str | None = None) -> int:
-    return sum(os.path.getsize(p) for p in corpus_files(path))
 
 
-__all__ = ["ByteTokenizer", "BPETokenizer", "Reader", "Tokens", "prepare", "open_tokens", "load_tokenizer",
-           "unigram_entropy", "validation_windows", "load_corpus", "batch", "corpus_size"]
+__all__ = ["ByteTokenizer", "BPETokenizer", "Reader", "Tokens", "Format", "Source", "source", "prepare", "open_tokens", "load_tokenizer",
+           "unigram_entropy", "validation_windows", "load_corpus", "batch"]

@@ -102,7 +102,9 @@ class TrainConfig:
     linformer_k: int = 0  # attention=linformer (model bert): keys and values projected from seq to K rows
     tp_sp: bool = False  # Megatron's sequence parallelism inside 1-D (tp row:N): norms and residuals on sequence shards
     pack_documents: bool = False  # a window's documents attend only within themselves, positions restarting at each
-    data: str | None = None
+    data: str | None = None  # text file or folder; JSON Lines / Parquet / Arrow records; nanoGPT .bin tokens
+    text_field: str = "text"  # the records' field holding the text
+    token_dtype: str | None = None  # pre-tokenized .bin files: uint16 or uint32
     data_cache: str | None = None  # a node-local folder ('{host}': the hostname): each node's first rank tokenizes there
     out: str = "runs/latest"
     resume: str | None = None  # a run folder, or "auto": out's newest complete checkpoint (none: a fresh start)
@@ -195,6 +197,11 @@ class TrainConfig:
         return path / data.TOKENIZER_FILE if path.is_dir() else path
 
     @property
+    def source(self) -> "data.Source":
+        """What data holds (text, records, pre-tokenized ids): decided once, from the path."""
+        return data.source(self.data, self.text_field, self.token_dtype)
+
+    @property
     def masked_lm(self) -> bool:
         """The encoder's objective (model bert): predict the masked tokens (data.masked_lm)."""
         return self.model in models.dense.ENCODERS
@@ -258,7 +265,12 @@ class TrainConfig:
         import os
         import shutil
 
-        for f in data.corpus_files(self.data):
+        src = self.source
+        src.check()  # records: the text field is there; tokens: whole tokens of their dtype
+        if src.format is data.Format.TOKENS and self.tokenizer == "bpe":
+            raise GridError(f"data={src.path} is pre-tokenized: give the tokenizer its ids come from (tokenizer = a "
+                            "tokenizer.json or its folder, or bytes)")
+        for f in src.files if src.format is data.Format.TEXT else ():
             with open(f, "rb") as fh:
                 head = fh.read(1 << 16)
             if b"\x00" in head:
@@ -288,7 +300,7 @@ class TrainConfig:
         model = models.build(self.model_config(self.vocab), device="meta")
         params = sum(p.numel() for p in model.parameters())
         # a checkpoint: the parameters and OffloadAdam's fp32 master, exp_avg, exp_avg_sq
-        need = 2 * params * (self.compute.dtype.itemsize + 12) + 8 * data.corpus_size(self.data)
+        need = 2 * params * (self.compute.dtype.itemsize + 12) + 8 * (0 if src.format is data.Format.TOKENS else src.size())
         free = shutil.disk_usage(near).free
         if free < need:
             raise OSError(28, f"out={out}: {free / 2 ** 20:.0f} MiB free on its disk, this run needs about "
@@ -546,7 +558,7 @@ def prepare_data(cfg: TrainConfig, grid, out: Path) -> tuple:
         failed = None
         if maker:
             try:
-                data.prepare(folder, cfg.data, cfg.tokenizer, cfg.vocab, tokenizer_from=tokenizer_from,
+                data.prepare(folder, cfg.source, cfg.tokenizer, cfg.vocab, tokenizer_from=tokenizer_from,
                              tokenize=tokenize)
             except (GridError, OSError) as e:
                 failed = e

@@ -69,7 +69,7 @@ def test_reader_gives_each_dp_rank_its_rows_and_resumes_exactly(tmp_path):
     assert torch.equal(resumed.next()[0], batches[2][0])
     # windows are whole, non-overlapping slices of the training split, none from validation
     w = batches[0][0][0].numpy()
-    start = [i for i in range(0, tokens.split - 16, 16) if (tokens.train[i:i + 16] == w).all()]
+    start = [i for i in range(0, len(tokens.train) - 16, 16) if (tokens.train[i:i + 16] == w).all()]
     assert start and start[0] % 16 == 0
 
 
@@ -80,16 +80,16 @@ def test_bpe_tokenizer_round_trips_and_compresses(tmp_path):
     assert tok.vocab_size == 512 and meta["tokenizer"] == "bpe"
     text = "The quick brown fox -- jumps over the lazy dog. Ünïcödé ☃"
     assert tok.decode(tok.encode(text)) == text
-    assert meta["count"] < 0.6 * gw.data.corpus_size(None)  # 512 BPE tokens: about 1.9 bytes per token here
+    assert meta["count"] < 0.6 * gw.data.source(None).size()  # 512 BPE tokens: about 1.9 bytes per token here
     mtime = (tmp_path / "tokens.bin").stat().st_mtime_ns
     gw.data.prepare(tmp_path, None, "bpe", 512)  # the same files and tokenizer: kept, not redone
     assert (tmp_path / "tokens.bin").stat().st_mtime_ns == mtime
-    ids = gw.data.open_tokens(tmp_path).ids
-    assert int(ids.max()) < 512
+    tokens = gw.data.open_tokens(tmp_path)
+    assert int(tokens.train.max()) < 512 and int(tokens.val.max()) < 512
 
 
 def test_a_corpus_that_is_not_text_is_a_clear_error(tmp_path):
-    bad = tmp_path / "blob.bin"
+    bad = tmp_path / "blob.txt"
     bad.write_bytes(bytes(range(256)) * 40)
     with pytest.raises(gw.GridError, match="is not text"):
         gw.data.prepare(tmp_path / "out", str(bad), "bpe", 512)
