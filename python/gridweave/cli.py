@@ -55,6 +55,9 @@ def _train_parser(sub):
     g.add_argument("--placement", default=d["placement"].default, choices=CHOICES["placement"])
     m = p.add_argument_group("model")
     m.add_argument("--model", default=d["model"].default, choices=CHOICES["model"])
+    m.add_argument("--init-from", default=None,
+                   help="a local Hugging Face model folder (Llama or GPT-2: config.json, safetensors, tokenizer.json): "
+                        "its model, weights and tokenizer, on any grid; --steps 0 converts it to a checkpoint")
     for name in ("hidden", "heads", "kv_heads", "layers", "ffn_hidden", "seq"):
         m.add_argument("--" + name.replace("_", "-"), type=int, default=d[name].default)
     m.add_argument("--rope-theta", type=float, default=d["rope_theta"].default)
@@ -166,8 +169,9 @@ def _export_parser(sub):
 
 def _export(args) -> int:
     model, tok, _ = load_model(args.run)  # one process, shard by shard: any grid's checkpoint
-    if args.format == "hf":
-        save_hf(model, args.out, tok.special_ids())
+    source = Path(args.run) / train.HF_SOURCE
+    if args.format == "hf":  # a run from --init-from writes back the config and generation config it read
+        save_hf(model, args.out, tok.special_ids(), source=source if (source / "config.json").is_file() else None)
     else:
         import json
 
@@ -180,9 +184,11 @@ def _export(args) -> int:
             state.pop("head.out.weight", None)  # the same tensor as embed.tok.weight
         save_file(state, str(out / "model.safetensors"))
         (out / "model_config.json").write_text(json.dumps(model.config.to_dict(), indent=1))
-    tok = Path(args.run) / "tokenizer.json"
-    if tok.exists():
-        (Path(args.out) / "tokenizer.json").write_bytes(tok.read_bytes())
+    run_tok = Path(args.run) / data.TOKENIZER_FILE
+    if args.format == "hf" and tok.kind == "bpe" and not (Path(args.run) / data.TOKENIZER_FILES[0]).exists():
+        tok.save_hf(Path(args.out))  # a tokenizer trained here: its special tokens named for AutoTokenizer
+    elif run_tok.exists():  # with its Hugging Face files (special tokens, chat template)
+        data.copy_tokenizer(run_tok, Path(args.out))
     print(f"wrote {args.out}")
     return 0
 

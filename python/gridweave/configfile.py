@@ -17,7 +17,7 @@ from .train import TrainConfig
 
 # Every TrainConfig field in one section (tests/python/test_config.py checks none is missing).
 SECTIONS = {
-    "model": ("model", "hidden", "heads", "kv_heads", "layers", "ffn_hidden", "tie", "rope_theta", "seq", "attention",
+    "model": ("model", "init_from", "hidden", "heads", "kv_heads", "layers", "ffn_hidden", "tie", "rope_theta", "seq", "attention",
               "ulysses_degree", "linformer_k", "precision"),
     "parallelism": ("dp", "pp", "tp", "sp", "tp_sp", "placement", "overlap", "schedule", "chunks", "pipeline_limit",
                     "zero", "zero_shard_group", "backend", "device", "timeout"),

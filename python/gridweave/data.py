@@ -245,6 +245,14 @@ class BPETokenizer:
         eot = self.tok.token_to_id(EOT)
         return {} if eot is None else {"bos_token_id": eot, "eos_token_id": eot}
 
+    def save_hf(self, folder: Path) -> None:
+        """tokenizer.json with Hugging Face's tokenizer_config.json naming its special tokens (what
+        AutoTokenizer loads), written by transformers."""
+        from transformers import PreTrainedTokenizerFast
+
+        names = {k[:-3]: self.tok.id_to_token(v) for k, v in self.special_ids().items()}
+        PreTrainedTokenizerFast(tokenizer_object=self.tok, **names).save_pretrained(str(folder))
+
     def token_starts(self, text: str, char_starts: list) -> list:
         """The index of the first token whose text starts at or after each character offset
         (a token belongs to the document holding its first character)."""

@@ -94,7 +94,8 @@ class Model:
 def model_of(cfg) -> Model:
     """The planner's Model of a gw.train.TrainConfig: the model `gridweave train` builds from
     it, in its precision, at its global batch."""
-    return Model(cfg.model_config(cfg.vocab), cfg.batch, cfg.compute.dtype.itemsize,
+    # the trained sequence (an imported model's config holds its longest)
+    return Model(dataclasses.replace(cfg.model_config(cfg.vocab), seq=cfg.seq), cfg.batch, cfg.compute.dtype.itemsize,
                  attention=cfg.attention, ulysses_degree=cfg.ulysses_degree)
 
 

@@ -102,6 +102,7 @@ class TrainConfig:
     linformer_k: int = 0  # attention=linformer (model bert): keys and values projected from seq to K rows
     tp_sp: bool = False  # Megatron's sequence parallelism inside 1-D (tp row:N): norms and residuals on sequence shards
     pack_documents: bool = False  # a window's documents attend only within themselves, positions restarting at each
+    init_from: str | None = None  # a local Hugging Face folder (Llama, GPT-2): its model, weights and tokenizer
     data: str | None = None  # text file or folder; JSON Lines / Parquet / Arrow records; nanoGPT .bin tokens
     text_field: str = "text"  # the records' field holding the text
     token_dtype: str | None = None  # pre-tokenized .bin files: uint16 or uint32
@@ -124,6 +125,7 @@ class TrainConfig:
     mode: Mode = field(init=False, repr=False)
     compute: Precision = field(init=False, repr=False)
     sinks: tuple = field(init=False, repr=False)
+    imported: ModelConfig | None = field(init=False, repr=False)  # init_from's model
 
     def __post_init__(self):
         self.mode = self.tp if isinstance(self.tp, Mode) else parse(self.tp or "none")
@@ -138,12 +140,12 @@ class TrainConfig:
                 continue  # a path: an existing tokenizer (tokenizer_file; check_files reads it)
             if getattr(self, name) not in allowed:
                 raise GridError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        for name in ("hidden", "heads", "layers", "seq", "batch", "microbatches", "steps", "vocab", "sp", "bsize",
+        for name in ("hidden", "heads", "layers", "seq", "batch", "microbatches", "vocab", "sp", "bsize",
                      "coarsening", "val_samples", "chunks", "max_bad_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise GridError(f"{name} must be a positive integer, got {v!r}")
-        for name in ("dp", "pp", "checkpoint_every", "kv_heads", "ffn_hidden", "warmup", "val_every",
+        for name in ("steps", "dp", "pp", "checkpoint_every", "kv_heads", "ffn_hidden", "warmup", "val_every",
                      "pipeline_limit", "sample_tokens", "linformer_k"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -185,12 +187,42 @@ class TrainConfig:
         self.sinks = loggers.parse(self.log)  # an unknown or missing logger: before any rank starts
         if self.tokenizer == "bytes":
             self.vocab = 256
+        self.imported = self._imported_model() if self.init_from is not None else None
         self.model_config(self.vocab)  # the model's own checks (heads vs hidden, kv heads, Linformer)
+
+    def _imported_model(self) -> ModelConfig:
+        """init_from's model (its config.json), which sets this run's model fields: one given here
+        as well must agree. Its vocabulary is kept (no padding), so it must split over the
+        vocabulary axis; the run's sequence fits its positions."""
+        m = models.hf.read_config(self.init_from, models.hf.DECODERS)[0]  # init_from: the decoders (Llama, GPT-2)
+        theirs = {"model": m.family, "hidden": m.hidden, "heads": m.heads, "kv_heads": m.kv_heads or m.heads,
+                  "layers": m.layers, "ffn_hidden": m.ffn_hidden or 0, "tie": m.tie, "rope_theta": m.rope_theta}
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in theirs}
+        for name, v in theirs.items():
+            if getattr(self, name) not in (defaults[name], v):
+                raise GridError(f"init_from={self.init_from} sets the model: its {name} is {v}, this run asks "
+                                f"{getattr(self, name)} (leave {name} out)")
+            setattr(self, name, v)
+        if self.seq > m.seq:
+            raise GridError(f"seq={self.seq} exceeds init_from's {m.seq} positions ({self.init_from})")
+        if self.mode.vocab_axis() and m.vocab % self.mode.size:
+            raise GridError(f"init_from={self.init_from}: its vocabulary of {m.vocab} does not split over tp "
+                            f"{self.mode.spec()}'s {self.mode.size} vocabulary shards (gridweave pads no imported "
+                            "vocabulary: padded logits would change its distribution)")
+        return m
+
+    def check_vocab(self, tokenizer_vocab: int) -> None:
+        """A tokenizer of `tokenizer_vocab` ids fits the imported model's vocabulary."""
+        if self.imported is not None and tokenizer_vocab > self.imported.vocab:
+            raise GridError(f"the tokenizer ({self.tokenizer_file}) has {tokenizer_vocab} tokens, the model of "
+                            f"init_from={self.init_from} {self.imported.vocab}: not the tokenizer it was trained with")
 
     @property
     def tokenizer_file(self):
         """The existing tokenizer this run uses (tokenizer = a tokenizer.json or a folder holding
         one: a Llama's or GPT-2's from a local folder), or None: trained here (bpe) or bytes."""
+        if self.tokenizer == "bpe" and self.init_from is not None:
+            return Path(self.init_from) / data.TOKENIZER_FILE  # the imported model's own
         if self.tokenizer in CHOICES["tokenizer"]:
             return None
         path = Path(self.tokenizer)
@@ -209,7 +241,9 @@ class TrainConfig:
     def model_config(self, vocab: int) -> ModelConfig:
         """The model of this run for a tokenizer of `vocab` tokens (and, for the masked LM, its mask
         token, id `vocab`), padded to a multiple of PAD_VOCAB and of the vocabulary axis (so the
-        vocab-parallel head always splits)."""
+        vocab-parallel head always splits); init_from's model as it is."""
+        if self.imported is not None:
+            return self.imported
         kv = self.kv_heads or (self.heads // 2 if self.model == "llama" and self.heads % 2 == 0 else self.heads)
         pad = math.lcm(PAD_VOCAB, self.mode.size if self.mode.vocab_axis() else 1)
         vocab += self.masked_lm
@@ -282,13 +316,17 @@ class TrainConfig:
         if self.resume and self.resume != AUTO:
             load_checkpoint(Path(self.resume))  # a clear GridError when there is none
         if self.tokenizer_file is not None:
+            if not self.tokenizer_file.is_file() and self.tokenizer == "bpe":
+                raise GridError(f"init_from={self.init_from} holds no tokenizer.json: give the model's tokenizer "
+                                "(tokenizer = a tokenizer.json or its folder)")
             if not self.tokenizer_file.is_file():
                 raise GridError(f"tokenizer={self.tokenizer}: no tokenizer.json there (bpe, bytes, or the path of "
                                 "an existing tokenizer.json or of a folder holding one)")
             try:
-                data.load_tokenizer(self.tokenizer_file)
+                tok = data.load_tokenizer(self.tokenizer_file)
             except Exception as e:  # noqa: BLE001 (any unreadable file: one clear error before any rank starts)
                 raise GridError(f"tokenizer={self.tokenizer} is not a tokenizers file: {e}") from None
+            self.check_vocab(tok.vocab_size)
         out = Path(self.out).absolute()
         if out.exists() and not out.is_dir():
             raise GridError(f"out={out} exists and is not a folder")
@@ -449,7 +487,9 @@ def build(cfg: TrainConfig, grid, model_cfg: ModelConfig) -> tuple:
     """This rank's part of the run's model: (dense model, stage, optimizer, loss scaler or None),
     the model initialised in fp32 from the current seed (the same weights whatever the
     precision), then cast."""
-    model = models.build(model_cfg, device=grid.device).to(cfg.compute.dtype)
+    model = models.build(model_cfg, device=grid.device) if cfg.init_from is None else \
+        models.hf.from_pretrained(cfg.init_from, dtype=torch.float32).to(grid.device)  # its weights, on every rank
+    model = model.to(cfg.compute.dtype)
     s, pp = grid.coords["pp"], grid.axes["pp"]
     options = dict(ac=cfg.ac, overlap=cfg.overlap, attention=cfg.attention, ulysses_degree=cfg.ulysses_degree)
     stage = models.ModelChunks(model, grid, cfg.mode, s, pp, cfg.chunks, **options) \
@@ -695,7 +735,7 @@ class Meter:
 
     def __init__(self, cfg: TrainConfig, grid, model_cfg: ModelConfig, start: int):
         self.cfg = cfg
-        self.flops_token = model_flops_per_token(model_cfg)
+        self.flops_token = model_flops_per_token(dataclasses.replace(model_cfg, seq=cfg.seq))  # the trained length
         peak, self.peak_source = peak_flops(grid, cfg.compute.name)
         total = torch.tensor([peak], dtype=torch.float64, device=grid.device)
         grid.all_reduce(total, axis=None)
@@ -811,6 +851,20 @@ def traffic_by_node(grid) -> dict:
             "assumed_node": [grid.node_of(r) for r in range(grid.world_size)]}
 
 
+HF_SOURCE = "hf"  # OUT/hf: the Hugging Face files a run started from (models.hf.SOURCE_FILES)
+
+
+def keep_source(cfg: TrainConfig, out: Path) -> None:
+    """init_from's config and generation config into OUT/hf (a resumed run's come along), for export."""
+    src = Path(cfg.init_from) if cfg.init_from else Path(cfg.resume) / HF_SOURCE if cfg.resume else None
+    if src is None or not src.is_dir() or src.resolve() == (out / HF_SOURCE).resolve():
+        return
+    (out / HF_SOURCE).mkdir(parents=True, exist_ok=True)
+    for name in models.hf.SOURCE_FILES:
+        if (src / name).is_file():
+            checkpoint.atomic_write(out / HF_SOURCE / name, lambda t, f=src / name: t.write_bytes(f.read_bytes()))
+
+
 def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = None) -> dict:
     """Train as `cfg` says; on_step(step, state), if given, is called at the start of each step
     (progress hooks, profilers; the tests' fault injection)."""
@@ -823,6 +877,9 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
         checkpoint.atomic_write(out / "environment.json",
                                 lambda t: t.write_text(json.dumps(runfolder.environment(grid), indent=1)))
     model_cfg = cfg.model_config(tokens.vocab_size)
+    cfg.check_vocab(tokens.vocab_size)
+    if grid.rank == 0:  # what an export writes back: the imported (or resumed run's) config and generation config
+        keep_source(cfg, out)
     torch.manual_seed(cfg.seed)
     _, stage, opt, scaler = build(cfg, grid, model_cfg)  # initialised in fp32, then cast
     reader = data.Reader(tokens.train, cfg.seq, cfg.batch, cfg.seed, grid.coords["dp"], grid.axes["dp"])

@@ -230,6 +230,11 @@ def test_exported_run_gives_the_same_validation_loss_in_transformers(bpe_run, tm
     eot = Tokenizer.from_file(str(bpe_run / "tokenizer.json")).token_to_id("<|endoftext|>")
     assert eot is not None and hf.config.eos_token_id == eot == hf.config.bos_token_id < hf.config.vocab_size
     assert hf.generation_config.eos_token_id == eot
+    # and AutoTokenizer reads the same tokenizer with that token as its bos and eos (tokenizer_config.json)
+    tok = tf.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert tok.bos_token_id == tok.eos_token_id == eot
+    text = gw.data.read_text(None)[0][:100]
+    assert tok(text)["input_ids"] == gw.data.load_tokenizer(bpe_run / "tokenizer.json").encode(text)
 
 
 def _scatter_gather(ctx):

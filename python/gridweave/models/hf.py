@@ -8,11 +8,12 @@ field gridweave does not implement is a GridError naming it, never a different m
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import torch
 
 from ..errors import GridError
-from .dense import GPT, HF_ACTIVATION, ModelConfig, build
+from .dense import FAMILIES, GPT, HF_ACTIVATION, HF_FAMILY, ModelConfig, build
 
 
 def _transformers():
@@ -225,15 +226,56 @@ _HF_CLASS = {"llama": lambda tf: tf.LlamaForCausalLM, "gpt": lambda tf: tf.GPT2L
              "bert": lambda tf: tf.BertForMaskedLM}
 
 
-def to_hf(model: GPT, special: dict | None = None):
+# What a Hugging Face folder holds besides its weights and tokenizer, kept by a run that starts
+# from one (OUT/hf) and written back by its export.
+SOURCE_FILES = ("config.json", "generation_config.json")
+DECODERS = ("llama", "gpt")  # the families --init-from reads (Llama, GPT-2)
+
+
+def read_config(folder, families=FAMILIES):
+    """(ModelConfig, transformers' config) of a local Hugging Face model folder of one of `families`."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise GridError(f"{folder} is not a Hugging Face model folder (no config.json)")
+    c = _transformers().AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    if HF_FAMILY.get(c.model_type) not in families:
+        raise GridError(f"{folder}: a {c.model_type} model; this reads {', '.join(families)}")
+    return config_from_hf(c), c
+
+
+def from_pretrained(folder, dtype=torch.float32) -> GPT:
+    """The dense model of a local Hugging Face folder (config.json and safetensors weights, read
+    by transformers' own from_pretrained), in `dtype` on the host."""
+    folder = Path(folder)
+    cfg, c = read_config(folder)
+    if not any(folder.glob("*.safetensors")):
+        raise GridError(f"{folder} holds no safetensors weights (gridweave loads no pickled .bin)")
+    tf = _transformers()
+    bar = tf.utils.logging.is_progress_bar_enabled()
+    tf.utils.logging.disable_progress_bar()  # every rank loads: one bar each would flood the job's stderr
+    try:
+        with torch.device("cpu"):  # host memory, whatever torch's default device
+            hf = _HF_CLASS[cfg.family](tf).from_pretrained(str(folder), local_files_only=True, dtype=dtype,
+                                                           use_safetensors=True)
+    finally:
+        if bar:
+            tf.utils.logging.enable_progress_bar()
+    return from_hf(hf, dtype=dtype)
+
+
+def to_hf(model: GPT, special: dict | None = None, config=None):
     """The transformers model with `model`'s weights (same dtype and device), in eval mode;
-    special: its tokenizer's special token ids (hf_config)."""
+    special: its tokenizer's special token ids (hf_config); config: the transformers config it was
+    imported with (kept whole: fields gridweave does not model travel back unchanged)."""
     tf = _transformers()
     cfg = model.config
+    if config is not None and config_from_hf(config) != cfg:
+        raise GridError(f"the Hugging Face config it came from describes another model: {config_from_hf(config)} "
+                        f"vs {cfg}")
     ours = {k: v.detach() for k, v in model.state_dict().items()}
     w = ours["embed.tok.weight"]
     with torch.device(w.device):  # built where the weights are, whatever torch's default device
-        hf = _HF_CLASS[cfg.family](tf)(hf_config(cfg, special)).to(w.dtype)
+        hf = _HF_CLASS[cfg.family](tf)(config if config is not None else hf_config(cfg, special)).to(w.dtype)
     missing, unexpected = hf.load_state_dict(_hf_state(ours, cfg), strict=False)
     missing = [k for k in missing if not (cfg.tie and k == _TOP[cfg.family]["head.out.weight"])]
     if missing or unexpected:
@@ -241,10 +283,15 @@ def to_hf(model: GPT, special: dict | None = None):
     return hf.eval()
 
 
-def save_hf(model: GPT, folder, special: dict | None = None) -> None:
+def save_hf(model: GPT, folder, special: dict | None = None, source=None) -> None:
     """config.json + model.safetensors (+ generation_config.json) that transformers'
-    from_pretrained loads; special: the tokenizer's special token ids."""
-    to_hf(model, special).save_pretrained(str(folder), safe_serialization=True)
+    from_pretrained loads; special: the tokenizer's special token ids; source: the folder of
+    SOURCE_FILES the model was imported from, whose config and generation config are written back."""
+    config = read_config(source)[1] if source is not None else None
+    hf = to_hf(model, special, config)
+    if source is not None and (Path(source) / "generation_config.json").is_file():
+        hf.generation_config = _transformers().GenerationConfig.from_pretrained(str(source), local_files_only=True)
+    hf.save_pretrained(str(folder), safe_serialization=True)
 
 
 # The dense model's own methods (model.to_hf(), issue 15's name; model.save_hf(folder)),
