@@ -21,35 +21,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from launch import bench_parser, results_dir, run_ranks, save, start_worker  # noqa: E402
+from launch import bench_parser, results_dir, run_ranks, save, start_worker, torch_held_bytes  # noqa: E402
 
 SIZES = dict(model="llama", hidden=256, heads=8, layers=4, seq=128, batch=16, microbatches=1, tokenizer="bytes",
              lr=1e-3, weight_decay=0.1, max_grad_norm=1.0)
 ROUNDS, WARMUP = 8, 2
-
-
-def _held_torch(model, opt) -> dict:
-    """FSDP2's holdings: the DTensor parameters' and gradients' local shards, AdamW's states."""
-    import torch
-
-    seen = set()
-
-    def size(ts):
-        total = 0
-        for t in ts:
-            if t is None:
-                continue
-            t = t.to_local() if hasattr(t, "to_local") else t
-            st = t.untyped_storage()
-            if st.data_ptr() not in seen:
-                seen.add(st.data_ptr())
-                total += st.nbytes()
-        return total
-
-    params = list(model.parameters())
-    return {"parameters": size(params), "gradients": size(p.grad for p in params),
-            "optimizer": size(v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)),
-            "optimizer_buffers": 0}
 
 
 def worker(args):
@@ -105,7 +81,7 @@ def worker(args):
         dist.all_reduce(t)
         return t.item() / n
 
-    variants["torch FSDP2 (fully_shard)"] = (fsdp_step, lambda: _held_torch(dense, adamw))
+    variants["torch FSDP2 (fully_shard)"] = (fsdp_step, lambda: torch_held_bytes(dense, adamw))
 
     times = {k: [] for k in variants}
     losses = {k: [] for k in variants}

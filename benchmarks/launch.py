@@ -80,6 +80,31 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t  # DTensor parameters
 
 
+def torch_held_bytes(model, opt) -> dict:
+    """A torch model's holdings (gw.optim.held_bytes' accounting): its parameters' and gradients'
+    local shards (DTensor's too: FSDP2, tensor parallelism), the optimizer's states; each storage once."""
+    import torch
+
+    seen = set()
+
+    def size(ts):
+        total = 0
+        for t in ts:
+            if t is None:
+                continue
+            t = _local(t)
+            st = t.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+        return total
+
+    params = list(model.parameters())
+    return {"parameters": size(params), "gradients": size(p.grad for p in params),
+            "optimizer": size(v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)),
+            "optimizer_buffers": 0}
+
+
 def saved_bytes(fn, exclude=()):
     """(fn(), bytes of the distinct tensors autograd saves for backward in it, except `exclude`)."""
     import torch
