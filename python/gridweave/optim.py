@@ -36,14 +36,17 @@ def adamw_(w, m, v, g, lr, betas, eps, weight_decay, t, decay=None) -> None:
     w.addcdiv_(m, denom, value=-step_size)
 
 
-def gradient_chunks(params, grid, bsize: int, coarsening: int) -> tuple:
+def gradient_chunks(params, grid, bsize: int, coarsening: int, backward: bool = False) -> tuple:
     """OffloadAdam's flat layout and its gradient all-reduces (the planner costs the same ones):
     the parameters grouped by the axes their gradients are summed over (gw.reduce_gradients'
     rule), so that each chunk's all-reduce has one set of axes. Returns (order, offset of each
-    parameter, chunks (lo, hi, axes)), a chunk being k x bsize elements (seed 001 §V-B)."""
+    parameter, chunks (lo, hi, axes)), a chunk being k x bsize elements (seed 001 §V-B).
+    backward: each group in the order the backward completes it (the last parameters first),
+    so that overlapped chunks are ready in the order they start."""
     axes_of = [placement_of(p).reduce_axes(grid) if grid is not None else () for p in params]
-    groups = list(dict.fromkeys(axes_of))
-    order = sorted(range(len(params)), key=lambda i: groups.index(axes_of[i]))
+    first = range(len(params) - 1, -1, -1) if backward else range(len(params))
+    groups = list(dict.fromkeys(axes_of[i] for i in first))
+    order = sorted(first, key=lambda i: groups.index(axes_of[i]))
     offset, off, chunks = {}, 0, []
     for axes in groups:
         lo = off
@@ -106,10 +109,19 @@ class OffloadAdam:
     its own shard), so half-precision sums do not overflow. With max_grad_norm, the global
     norm (every element once) is taken after the sum and the update is scaled as
     torch.nn.utils.clip_grad_norm_ would; the reduction then finishes before any update.
+
+    overlap: each chunk's all-reduce starts during the backward that completes its gradients (the
+    last of `backwards_per_step` passes: the pipeline's micro-batches), chunks in one order on
+    every rank (NCCL's rule), as torch DDP's buckets do; the gradient layout is then the backward's
+    order. staged: the update goes through the bsize device buckets (seed 001, where the host
+    memory holding the states is not the device's); default: only when it is not, since a model on
+    the CPU would copy every element into a bucket and back for nothing. Unstaged, each chunk is
+    updated in place in one pass over the flat buffers (the same arithmetic, bit for bit).
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, bsize=1 << 20,
-                 grid=None, coarsening=4, average_dp=True, max_grad_norm=None, decay=None):
+                 grid=None, coarsening=4, average_dp=True, max_grad_norm=None, decay=None, overlap=False,
+                 staged=None):
         """decay(p) -> bool: whether weight decay applies to p (default: every parameter;
         gw.optim.matrices_only leaves norms and biases undecayed, as Megatron and nanoGPT)."""
         self.params = [p for p in params if p.requires_grad]
@@ -126,7 +138,9 @@ class OffloadAdam:
         self.bsize, self.k, self.grid = int(bsize), int(coarsening), grid
         self.average_dp, self.max_grad_norm = average_dp, max_grad_norm
         self.numel = sum(p.numel() for p in self.params)
-        self._order, self._offset, self._chunks = gradient_chunks(self.params, grid, self.bsize, self.k)
+        self.overlap = bool(overlap) and grid is not None
+        self._order, self._offset, self._chunks = gradient_chunks(self.params, grid, self.bsize, self.k,
+                                                                  backward=self.overlap)
         host = torch.device("cpu")
         pin = torch.cuda.is_available()
         flat = torch.empty(self.numel, dtype=torch.float32, device=host)
@@ -143,9 +157,20 @@ class OffloadAdam:
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.step_count = 0
         dev = self.params[0].device
+        self.staged = self.master.device != dev if staged is None else bool(staged)
         # Device buffers reused across buckets: weights, two states, descaled gradients.
         kinds = ("w", "m", "v", "g") + (("d",) if self._decay is not None else ())
-        self._buf = {k: torch.empty(self.bsize, dtype=torch.float32, device=dev) for k in kinds}
+        self._buf = {k: torch.empty(self.bsize, dtype=torch.float32, device=dev) for k in kinds} if self.staged else {}
+        self.backwards_per_step = 1  # the pipeline's micro-batches: gw.train.train_step sets it
+        self._grads = None  # the flat gradient the hooks fill (overlap)
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        # the chunks each parameter's elements fall in, and each chunk's parameter count
+        self._chunks_of = [[c for c, (lo, hi, _) in enumerate(self._chunks)
+                            if lo < self._offset[i] + p.numel() and self._offset[i] < hi]
+                           for i, p in enumerate(self.params)]
+        self._reset_reduction()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params] \
+            if self.overlap else []
 
     # ---- memory accounting (bytes on the device) ------------------------------------
     def device_bytes(self) -> dict:
@@ -161,6 +186,60 @@ class OffloadAdam:
     def zero_grad(self):
         for p in self.params:
             p.grad = None
+        for work in self._work.values():  # a step abandoned after its backward: finish what was sent
+            work.wait()
+        self._reset_reduction()
+
+    def _reset_reduction(self):
+        self._accumulated = [0] * len(self.params)
+        self._copied = [False] * len(self.params)
+        self._waiting = [0] * len(self._chunks)
+        for chunks in self._chunks_of:
+            for c in chunks:
+                self._waiting[c] += 1
+        self._work: dict = {}  # chunk -> its all-reduce in flight
+        self._next = 0  # the next chunk to start: in order on every rank
+
+    def _copy_grad(self, i):
+        """Parameter i's final gradient into the flat buffer (zeros without one), counted off its chunks."""
+        p, o = self.params[i], self._offset[i]
+        dst = self._grads[o:o + p.numel()]
+        if p.grad is not None:
+            dst.copy_(p.grad.reshape(-1))
+        else:
+            dst.zero_()
+        self._copied[i] = True
+        for c in self._chunks_of[i]:
+            self._waiting[c] -= 1
+
+    def _grad_ready(self, p):
+        """A parameter's gradient was accumulated: after its last backward of the step it joins the
+        flat buffer, and every chunk now complete starts its all-reduce, in chunk order."""
+        i = self._index[id(p)]
+        self._accumulated[i] += 1
+        if self._accumulated[i] > self.backwards_per_step:
+            raise GridError(f"a parameter's gradient was accumulated {self._accumulated[i]} times in one step; "
+                            f"OffloadAdam.backwards_per_step is {self.backwards_per_step} (set it to the "
+                            "backward passes per step, or call zero_grad between steps)")
+        if self._accumulated[i] < self.backwards_per_step:
+            return
+        if self._grads is None:
+            self._grads = torch.empty(self.numel, dtype=p.grad.dtype, device=p.grad.device)
+        self._copy_grad(i)
+        self._start_ready()
+
+    def _start_ready(self):
+        while self._next < len(self._chunks) and self._waiting[self._next] == 0:
+            self._start(self._next)
+            self._next += 1
+
+    def _start(self, c):
+        lo, hi, axes = self._chunks[c]
+        scale = self._dp_scale()
+        if scale != 1.0:  # pre-divided: the sum over dp is then the mean, and fp16 cannot overflow there
+            self._grads[lo:hi].mul_(scale)
+        if axes:
+            self._work[c] = self.grid.all_reduce(self._grads[lo:hi], axis=axes, async_op=True)
 
     def _flat_grads(self):
         grads = [None] * len(self.params)
@@ -178,26 +257,38 @@ class OffloadAdam:
         rank holds an inf or NaN after the sum, every rank skips the step and the scale
         backs off. With max_grad_norm, a non-finite norm (the same on every rank) skips the
         step too. Returns whether the step was taken."""
-        grads = self._flat_grads()
-        scale = self._dp_scale()
-        if scale != 1.0:
-            grads.mul_(scale)  # pre-divided: the sum over dp is then the mean, and fp16 cannot overflow there
         chunks = self._chunks
-        work = {}
+        if self.overlap:  # what the backward did not start (parameters without a gradient), in order
+            if self._grads is None:
+                self._grads = torch.empty(self.numel, dtype=self.params[0].dtype, device=self.params[0].device)
+            for i in range(len(self.params)):
+                if not self._copied[i]:
+                    self._copy_grad(i)
+            self._start_ready()
+            grads, work = self._grads, self._work
+            launch = None
+        else:
+            grads = self._flat_grads()
+            scale = self._dp_scale()
+            if scale != 1.0:
+                grads.mul_(scale)  # pre-divided: the sum over dp is then the mean, and fp16 cannot overflow there
+            work = {}
 
-        def launch(i):
-            if i < len(chunks) and chunks[i][2]:
-                lo, hi, axes = chunks[i]
-                work[i] = self.grid.all_reduce(grads[lo:hi], axis=axes, async_op=True)
+            def launch(i):
+                if i < len(chunks) and chunks[i][2]:
+                    lo, hi, axes = chunks[i]
+                    work[i] = self.grid.all_reduce(grads[lo:hi], axis=axes, async_op=True)
 
         coef = 1.0
-        whole = scaler is not None or self.max_grad_norm is not None
-        if whole:  # the inf check and the norm need every sum first
-            for i in range(len(chunks)):
-                launch(i)
+        whole = scaler is not None or self.max_grad_norm is not None or self.overlap
+        if whole:  # the inf check and the norm need every sum first (and overlap started them all)
+            if launch is not None:
+                for i in range(len(chunks)):
+                    launch(i)
             for w in work.values():
                 w.wait()
-            work.clear()
+            self._reset_reduction()
+            work = {}
             if scaler is not None:
                 found = not bool(torch.isfinite(grads).all())
                 if self.grid is not None:
@@ -213,15 +304,30 @@ class OffloadAdam:
         else:
             launch(0)
         self.step_count += 1
-        for i, (lo, hi, _) in enumerate(chunks):
-            if not whole:
-                launch(i + 1)  # the next chunk travels while this one is optimized
-            if i in work:
-                work.pop(i).wait()
-            for b in range(lo, hi, self.bsize):
-                self._bucket(grads, b, min(b + self.bsize, hi), coef)
+        if whole and not self.staged:  # every sum is here: one pass over the flat buffers
+            self._update(grads, 0, self.numel, coef)
+        else:
+            for i, (lo, hi, _) in enumerate(chunks):
+                if not whole:
+                    launch(i + 1)  # the next chunk travels while this one is optimized
+                if i in work:
+                    work.pop(i).wait()
+                if self.staged:
+                    for b in range(lo, hi, self.bsize):
+                        self._bucket(grads, b, min(b + self.bsize, hi), coef)
+                else:
+                    self._update(grads, lo, hi, coef)
         self._write_back()
         return True
+
+    def _update(self, grads, lo, hi, scale):
+        """AdamW in place on the flat buffers' elements [lo, hi) (unstaged: they live on the device)."""
+        g = grads[lo:hi]
+        if g.dtype != torch.float32 or scale != 1.0:
+            g = g.to(torch.float32) * scale  # descale the half-precision gradient in fp32
+        d = self._decay[lo:hi] if self._decay is not None else None
+        adamw_(self.master[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], g, self.lr, self.betas, self.eps,
+               self.weight_decay, self.step_count, d)
 
     def _clip_coefficient(self, grads, unscale: float = 1.0) -> float:
         """max_norm / (norm + 1e-6), at most 1, of the unscaled summed gradient (torch's rule)."""

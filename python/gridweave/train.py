@@ -499,10 +499,11 @@ def build(cfg: TrainConfig, grid, model_cfg: ModelConfig) -> tuple:
                                     offload=cfg.offload, bsize=cfg.bsize, max_grad_norm=cfg.max_grad_norm,
                                     decay=optim.matrices_only, units=stage.shard_units() if cfg.zero == 3 else None,
                                     shard_group=optim.ShardGroup(cfg.zero_shard_group))
-    else:  # seed 001: every replica's state offloaded, the all-reduce overlapped with the update
+    else:  # seed 001: every replica's state offloaded; the all-reduce overlapped with the backward (train_step
+        # says how many backward passes a step has)
         opt = optim.OffloadAdam(stage.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, bsize=cfg.bsize,
                                 coarsening=cfg.coarsening, grid=grid, max_grad_norm=cfg.max_grad_norm,
-                                decay=optim.matrices_only)
+                                decay=optim.matrices_only, overlap=True)
     return model, stage, opt, LossScaler() if cfg.compute.loss_scaling else None
 
 

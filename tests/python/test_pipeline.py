@@ -36,7 +36,7 @@ def _reference():
     return losses
 
 
-def _pipeline(ctx, stages, schedule, slow_stage=-1, ac=1, die_stage=-1, receive="auto"):
+def _pipeline(ctx, stages, schedule, slow_stage=-1, ac=1, die_stage=-1, receive="auto", overlap=False):
     import gridweave as gw
 
     dp = ctx.world_size // stages
@@ -61,9 +61,10 @@ def _pipeline(ctx, stages, schedule, slow_stage=-1, ac=1, die_stage=-1, receive=
     tail = [m for m in layers[1:] if not isinstance(m, gw.nn.DenseTransformerLayer)]
     stage = torch.nn.Sequential(*first, gw.pipeline.PipelineStage(blocks, total_layers=LAYERS, ac=ac), *tail)
     params = [p for m in layers for p in m.parameters()]
-    opt = gw.optim.OffloadAdam(params, lr=1e-2, bsize=97, coarsening=2, grid=grid)
+    opt = gw.optim.OffloadAdam(params, lr=1e-2, bsize=97, coarsening=2, grid=grid, overlap=overlap)
     x, y = _data()
     shard = BATCH // dp
+    opt.backwards_per_step = shard  # one backward per micro-batch
     lo = grid.coords["dp"] * shard
     micro_x = [x[lo + i:lo + i + 1] for i in range(shard)]
     micro_y = [y[lo + i:lo + i + 1] for i in range(shard)]
@@ -74,6 +75,8 @@ def _pipeline(ctx, stages, schedule, slow_stage=-1, ac=1, die_stage=-1, receive=
         opt.zero_grad()
         loss, stats = gw.pipeline.pipeline_step(stage, grid, micro_x, micro_y, model.loss, (1, SEQ, H),
                                                 schedule=schedule, pipeline_limit=2, receive=receive)
+        if overlap:  # the last backward started every chunk's all-reduce: none is left to the step
+            assert opt._next == len(opt._chunks) > 1, (opt._next, len(opt._chunks))
         opt.step()
         if loss is not None:
             t = loss.reshape(1).clone()
@@ -109,6 +112,39 @@ def test_gpt_trains_with_one_process_losses(pool, reference, stages, n, schedule
         return _refused_without_receive_from_any(pool, n, stages, schedule)
     _check(pool.run(_pipeline, n, stages, schedule, receive=receive), reference, stages, n)
     assert reference[-1] < reference[0]
+
+
+@pytest.mark.parametrize("schedule", ["message_driven", "1f1b"])
+def test_offload_adam_overlapping_the_backward_trains_with_one_process_losses(pool, reference, schedule):
+    """OffloadAdam(overlap=True): each chunk's all-reduce starts in the backward that completes it
+    (the last micro-batch's), in one order on every rank; the losses are still one process's."""
+    _check(pool.run(_pipeline, 4, 2, schedule, receive="per_peer" if schedule == "message_driven" else "auto",
+                    overlap=True), reference, 2, 4)
+
+
+def test_offload_adam_unstaged_equals_staged_bit_for_bit():
+    """On a device whose memory is the host's, OffloadAdam updates its flat buffers in place (no
+    bucket copies); the arithmetic is the staged path's, element for element: equal weights and
+    states after steps with weight-decay masks, clipping and a gradient that changes."""
+    import gridweave as gw
+
+    runs = []
+    for staged in (True, None):
+        torch.manual_seed(0)
+        model = gw.models.GPT(V, H, HEADS, 2, SEQ, device=DEVICE)
+        opt = gw.optim.OffloadAdam(model.parameters(), lr=1e-2, weight_decay=0.1, bsize=61, coarsening=3,
+                                   max_grad_norm=0.5, decay=gw.optim.matrices_only, staged=staged)
+        assert opt.staged == (staged is True) and bool(opt._buf) == opt.staged
+        x, y = _data()
+        for _ in range(3):
+            opt.zero_grad()
+            model.loss(model(x), y).backward()
+            opt.step()
+        runs.append((model.state_dict(), opt.state_dict()["state"], opt.last_grad_norm))
+    (wa, sa, na), (wb, sb, nb) = runs
+    assert na == nb
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in ("master", "exp_avg", "exp_avg_sq"))
 
 
 @pytest.mark.parametrize("receive", ["any", "per_peer", "announced"])
@@ -208,7 +244,7 @@ def test_offload_memory_accounting():
 
     model = gw.models.GPT(V, H, HEADS, 2, SEQ, dtype=torch.float16, device=DEVICE)
     phi = sum(p.numel() for p in model.parameters())
-    opt = gw.optim.OffloadAdam(model.parameters(), bsize=128)
+    opt = gw.optim.OffloadAdam(model.parameters(), bsize=128, staged=True)  # seed 001's device buckets
     x, y = _data()
     model.loss(model(x).float(), y).backward()
     held = _storages(opt)  # everything the optimizer keeps (it holds the parameters too)
