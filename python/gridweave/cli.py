@@ -127,6 +127,9 @@ def _train_parser(sub):
                    help="where the numbers go besides metrics.json: tensorboard, wandb, jsonl (a comma list), auto "
                         "(every installed one; W&B offline without its server), none; under OUT/logs")
     p.add_argument("--log-all-ranks", action="store_true", help="every rank logs (OUT/logs/rank<R>), not rank 0 alone")
+    p.add_argument("--phase-times", action="store_true",
+                   help="time each step's phases (forward, backward, reduction, optimizer, waiting, bookkeeping): "
+                        "metrics.json and the closing line; on GPUs each phase boundary synchronises the device")
     c = p.add_argument_group("configuration file")
     c.add_argument("--config", default=None,
                    help="a TOML file of sections (model, parallelism, training, optimizer, data, checkpoint, logging, "

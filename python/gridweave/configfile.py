@@ -26,7 +26,7 @@ SECTIONS = {
     "optimizer": ("lr", "min_lr", "warmup", "weight_decay", "max_grad_norm", "bsize", "coarsening", "offload"),
     "data": ("data", "text_field", "token_dtype", "data_cache", "tokenizer", "vocab", "pack_documents"),
     "checkpoint": ("out", "resume", "checkpoint_every", "async_save"),
-    "logging": ("quiet", "log", "log_all_ranks"),
+    "logging": ("quiet", "log", "log_all_ranks", "phase_times"),
 }
 # The launcher's: where the ranks run (gw.launch.Nodes), how they are started.
 LAUNCH = {"nproc": int, "nnodes": int, "node_rank": int, "master_addr": str, "master_port": int,

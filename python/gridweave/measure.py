@@ -33,3 +33,50 @@ def vector_bandwidth(numel: int = 1 << 18, window: float = 1.0, device="cpu") ->
     a, b, c = (torch.randn(numel, device=device), torch.randn(numel, device=device),
                torch.empty(numel, device=device))
     return 3 * 4 * numel * call_rate(lambda: torch.add(a, b, out=c), window, device)
+
+
+class StepPhases:
+    """Where a training step's time goes (issue 34), seconds summed over the steps it timed:
+    forward and backward (the model's own work, every micro-batch; the backward includes the
+    gradient hooks that start reductions), reduction (waiting for the gradient sums the backward
+    did not hide), optimizer (the rest of the optimizer's step: norm, update, write-back or
+    gather), waiting (the pipeline's wall time less its forward and backward: receives and the
+    schedule) and bookkeeping (the rest of the step: micro-batch cuts, the loss's reduction). On a
+    CUDA device every phase boundary synchronises it (what timing needs, and costs)."""
+
+    NAMES = ("forward", "backward", "reduction", "optimizer", "waiting", "bookkeeping")
+
+    def __init__(self, device="cpu"):
+        self._sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+        self.seconds = dict.fromkeys(self.NAMES, 0.0)
+        self.steps = 0
+
+    def clock(self) -> float:
+        """A timestamp after the device's queued work (CUDA) has finished."""
+        self._sync()
+        return time.perf_counter()
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] += seconds
+
+    def timed(self, name: str, fn, *args):
+        """fn(*args), its time added to phase `name`."""
+        t0 = self.clock()
+        try:
+            return fn(*args)
+        finally:
+            self.add(name, self.clock() - t0)
+
+    def per_step(self) -> dict:
+        """Each phase's mean seconds a step, and their sum."""
+        n = max(self.steps, 1)
+        out = {k: v / n for k, v in self.seconds.items()}
+        out["step"] = sum(out.values())
+        return out
+
+    @classmethod
+    def describe(cls, per_step: dict) -> str:
+        """One line of a per_step() dict: each phase's milliseconds a step and share of it."""
+        total = per_step["step"] or 1.0
+        return ", ".join(f"{k} {per_step[k] * 1e3:.1f} ms ({100 * per_step[k] / total:.0f}%)" for k in cls.NAMES) + \
+            f"; step {per_step['step'] * 1e3:.1f} ms"

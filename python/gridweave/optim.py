@@ -66,6 +66,11 @@ def dp_mean_scale(grid, average_dp: bool = True) -> float:
     return 1.0 / dp if average_dp and dp > 1 else 1.0
 
 
+def _reduction(phases, fn, *args):
+    """fn(*args): a wait for (or a call of) a gradient reduction, timed as one when phases is given."""
+    return fn(*args) if phases is None else phases.timed("reduction", fn, *args)
+
+
 def uses_distributed(zero: int, offload: bool) -> bool:
     """Which optimizer a job runs: ZeRO stages and on-device state take DistributedAdam; zero 0
     offloaded is seed 001's OffloadAdam (the main job's default)."""
@@ -162,6 +167,7 @@ class OffloadAdam:
         kinds = ("w", "m", "v", "g") + (("d",) if self._decay is not None else ())
         self._buf = {k: torch.empty(self.bsize, dtype=torch.float32, device=dev) for k in kinds} if self.staged else {}
         self.backwards_per_step = 1  # the pipeline's micro-batches: gw.train.train_step sets it
+        self.phases = None  # a gw.measure.StepPhases timing the reduction's waits (gw.train.train_step sets it)
         self._grads = None  # the flat gradient the hooks fill (overlap)
         self._index = {id(p): i for i, p in enumerate(self.params)}
         # the chunks each parameter's elements fall in, and each chunk's parameter count
@@ -286,7 +292,7 @@ class OffloadAdam:
                 for i in range(len(chunks)):
                     launch(i)
             for w in work.values():
-                w.wait()
+                _reduction(self.phases, w.wait)
             self._reset_reduction()
             work = {}
             if scaler is not None:
@@ -311,7 +317,7 @@ class OffloadAdam:
                 if not whole:
                     launch(i + 1)  # the next chunk travels while this one is optimized
                 if i in work:
-                    work.pop(i).wait()
+                    _reduction(self.phases, work.pop(i).wait)
                 if self.staged:
                     for b in range(lo, hi, self.bsize):
                         self._bucket(grads, b, min(b + self.bsize, hi), coef)
@@ -531,6 +537,7 @@ class DistributedAdam:
         self.padded = start
         self._bucket_of = {id(p): k for k, g in enumerate(self.groups) for _, p in g.members}
         self.backwards_per_step = 1  # the pipeline's micro-batches: gw.train.train_step sets it
+        self.phases = None  # a gw.measure.StepPhases timing the reduction (gw.train.train_step sets it)
         self._unit_of, self.overlap = unit_of, overlap
         self._reset_reduction()
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params] \
@@ -645,11 +652,11 @@ class DistributedAdam:
         shards = []
         for k, g in enumerate(self.groups):
             work, flat = self._inflight[k]
-            out = work.wait() if work is not None else flat
+            out = _reduction(self.phases, work.wait) if work is not None else flat
             if g.shard_axes and g.rest:
-                self.grid.all_reduce(out, axis=g.rest)
+                _reduction(self.phases, self.grid.all_reduce, out, g.rest)
             if g.replica is not None:  # hybrid sharding: the node's shard summed over the other nodes
-                self.grid.all_reduce(out, axis=g.replica)
+                _reduction(self.phases, self.grid.all_reduce, out, g.replica)
             shards.append(out)
         self._reset_reduction()
         return shards

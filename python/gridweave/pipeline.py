@@ -159,8 +159,10 @@ class _StageCallbacks:
     c * stages + s; inputs feed stage 0's chunk 0, targets the last stage's last chunk. Each
     microbatch loss is divided by m, so gradients are the shard's mean."""
 
-    def __init__(self, chunks, pp, inputs, targets, loss_fn, m, activation_shape, dtype, device, documents=None):
+    def __init__(self, chunks, pp, inputs, targets, loss_fn, m, activation_shape, dtype, device, documents=None,
+                 phases=None):
         self.chunks, self.inputs, self.targets, self.loss_fn, self.m = chunks, inputs, targets, loss_fn, m
+        self.phases = phases  # a gw.measure.StepPhases timing the callbacks, or None
         self.documents = documents  # per micro-batch (packed documents), given to every chunk, or None
         self.shape, self.dtype, self.device = tuple(activation_shape), dtype, device
         self.s = pp.rank
@@ -179,6 +181,16 @@ class _StageCallbacks:
         return self.last and c == len(self.chunks) - 1
 
     def forward(self, mb, c, addr):
+        if self.phases is not None:
+            return self.phases.timed("forward", self._forward, mb, c, addr)
+        return self._forward(mb, c, addr)
+
+    def backward(self, mb, c, addr):
+        if self.phases is not None:
+            return self.phases.timed("backward", self._backward, mb, c, addr)
+        return self._backward(mb, c, addr)
+
+    def _forward(self, mb, c, addr):
         x = self.inputs[mb] if self._head(c) else \
             _tensor_at(addr, self.shape, self.dtype, self.device, self.host_messages).requires_grad_()
         y = self.chunks[c](x) if self.documents is None else self.chunks[c](x, self.documents[mb])
@@ -197,7 +209,7 @@ class _StageCallbacks:
             self.keep = y = y.to("cpu")
         return y.data_ptr()
 
-    def backward(self, mb, c, addr):
+    def _backward(self, mb, c, addr):
         x, y = self.ctx.pop((mb, c))
         if self._tail(c):
             y.backward()
@@ -216,7 +228,8 @@ class _StageCallbacks:
 
 
 def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_shape, dtype=torch.float32,
-                  schedule="message_driven", pipeline_limit=2, axis="pp", receive="auto", documents=None):
+                  schedule="message_driven", pipeline_limit=2, axis="pp", receive="auto", documents=None,
+                  phases=None):
     """Forward and backward of every microbatch of this rank's batch shard.
 
     inputs: the microbatches (used on stage 0); targets: theirs (used on the last stage);
@@ -229,7 +242,8 @@ def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_s
     channel, the data receive posted for exactly it: what NCCL needs). Returns (loss, stats):
     the mean microbatch loss on the last stage (None elsewhere) and the engine's PipelineStats.
     documents: packed documents' (batch, seq) ids of every microbatch, given on every stage (each
-    chunk is called as chunk(x, documents[mb])), or None.
+    chunk is called as chunk(x, documents[mb])), or None. phases: a gw.measure.StepPhases that
+    the micro-batches' forward and backward times are added to, or None.
     """
     if schedule not in SCHEDULES:
         raise GridError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
@@ -251,7 +265,8 @@ def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_s
                         f"microbatches, got {m}")
     if documents is not None and len(documents) != m:
         raise GridError(f"documents: {len(documents)} micro-batches of document ids for {m} micro-batches")
-    cb = _StageCallbacks(chunks, pp, inputs, targets, loss_fn, m, activation_shape, dtype, grid.device, documents)
+    cb = _StageCallbacks(chunks, pp, inputs, targets, loss_fn, m, activation_shape, dtype, grid.device, documents,
+                         phases)
     if interleaved:
         links = stage_links(grid, axis, (pp.rank - 1) % pp.size, (pp.rank + 1) % pp.size)
         stats = _C.run_interleaved(pp, pp.rank, pp.size, len(chunks), m, cb.payload, cb.forward, cb.backward,

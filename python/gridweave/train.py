@@ -31,7 +31,7 @@ from .axes import AxesView, ParallelDims
 from .errors import Diverged, GridError
 from .generate import sample
 from .grid import Grid, init, shutdown
-from .measure import gemm_rate
+from .measure import StepPhases, gemm_rate
 from .models import ModelConfig
 from .nn.sequence import SeqAttention
 from .modes import Mode, parse
@@ -122,6 +122,7 @@ class TrainConfig:
     quiet: bool = False
     log: str = "auto"  # tensorboard, wandb, jsonl (a comma list), auto: every installed one, none
     log_all_ranks: bool = False  # every rank logs (under OUT/logs/rank<R>), not rank 0 alone
+    phase_times: bool = False  # time every step's phases (forward, backward, reduction, optimizer, waiting, bookkeeping): metrics.json and the closing line; on GPUs each phase boundary synchronises the device
     mode: Mode = field(init=False, repr=False)
     compute: Precision = field(init=False, repr=False)
     sinks: tuple = field(init=False, repr=False)
@@ -507,11 +508,27 @@ def build(cfg: TrainConfig, grid, model_cfg: ModelConfig) -> tuple:
     return model, stage, opt, LossScaler() if cfg.compute.loss_scaling else None
 
 
-def train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y, documents=None) -> tuple:
+def train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y, documents=None, phases=None) -> tuple:
     """One step on this rank's (batch, seq) shard of tokens x and targets y (and, packed, their
     document ids): the pipeline's micro-batches forward and backward, the loss known on every
     rank, then (if it is finite) the optimizer's update. Returns (the step's mean loss, whether
-    the weights were updated). plan.step_counters predicts this step's traffic (recorder.step_schedule)."""
+    the weights were updated). plan.step_counters predicts this step's traffic (recorder.step_schedule).
+    phases: a gw.measure.StepPhases this step's time is added to, phase by phase, or None."""
+    if phases is None:
+        return _train_step(cfg, grid, stage, opt, scaler, x, y, documents, None)
+    start, before = phases.clock(), dict(phases.seconds)
+    opt.phases = phases
+    try:
+        out = _train_step(cfg, grid, stage, opt, scaler, x, y, documents, phases)
+    finally:
+        opt.phases = None
+    spent = {k: phases.seconds[k] - before[k] for k in phases.NAMES}
+    phases.add("bookkeeping", phases.clock() - start - sum(spent.values()))  # what no phase claimed
+    phases.steps += 1
+    return out
+
+
+def _train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y, documents, phases) -> tuple:
     m, dp, pp = cfg.microbatches, grid.axes["dp"], grid.axes["pp"]
     mb = x.shape[0] // m
     def micro(t):  # t's m micro-batches, on the grid's device
@@ -531,9 +548,13 @@ def train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y, documents=None)
     def loss_fn(logits, targets):  # in fp32 or wider whatever the model computes in; fp16 scaled up
         return stage.loss(logits, targets, normalizer) * loss_scale
 
+    t0, inside = (phases.clock(), phases.seconds["forward"] + phases.seconds["backward"]) if phases is not None \
+        else (0, 0)
     loss, _ = pipeline.pipeline_step(stage, grid, xs, ys, loss_fn, stage.activation_shape(mb, cfg.seq),
                                         dtype=cfg.compute.dtype, schedule=cfg.schedule,
-                                        pipeline_limit=cfg.pipeline_limit or max(pp, 2), documents=ds)
+                                        pipeline_limit=cfg.pipeline_limit or max(pp, 2), documents=ds, phases=phases)
+    if phases is not None:  # the pipeline's wall time that was neither forward nor backward: receives, the schedule
+        phases.add("waiting", phases.clock() - t0 - (phases.seconds["forward"] + phases.seconds["backward"] - inside))
     loss = loss / loss_scale if loss is not None else None
     # the last stage's loss, identical over its tp/sp group: count one rank of each group.
     # Known on every rank before the update, so a non-finite loss skips it everywhere.
@@ -542,7 +563,12 @@ def train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y, documents=None)
     grid.all_reduce(total, axis=None)
     mean = total.item() / dp
     if math.isfinite(mean):
-        return mean, opt.step(scaler)  # sums each gradient over its partial axes (dp averaged), clips, updates
+        if phases is None:
+            return mean, opt.step(scaler)  # sums each gradient over its partial axes (dp averaged), clips, updates
+        t0, waited = phases.clock(), phases.seconds["reduction"]
+        took = opt.step(scaler)
+        phases.add("optimizer", phases.clock() - t0 - (phases.seconds["reduction"] - waited))
+        return mean, took
     if scaler is not None:
         scaler.update(True, opt.step_count + 1)
     return mean, False
@@ -888,6 +914,7 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
     history = checkpoints.resume()
     validation = Validation(cfg, tokens, cfg.batch // grid.axes["dp"] // cfg.microbatches)
     meter, guard = Meter(cfg, grid, model_cfg, history.start), DivergenceGuard(cfg, opt, scaler)
+    phases = StepPhases(grid.device) if cfg.phase_times else None
     for step in range(history.start, cfg.steps):
         checkpoints.land()
         if on_step is not None:
@@ -899,7 +926,7 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
         else:
             x, y, docs = reader.next_packed(tokens.documents) if cfg.pack_documents else (*reader.next(), None)
         floor = guard.at_floor()
-        loss, took = train_step(cfg, grid, stage, opt, scaler, x, y, docs)
+        loss, took = train_step(cfg, grid, stage, opt, scaler, x, y, docs, phases)
         history.losses.append(loss)
         guard.check(step, loss, took, floor, checkpoints)
         meter.record(time.perf_counter() - t0, opt.lr, getattr(opt, "last_grad_norm", None))
@@ -915,6 +942,8 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
                "config": cfg.run_config(model_cfg), "grid": dict(grid.axes), "backend": grid.backend,
                "device": str(grid.device), "precision": cfg.compute.name, "traffic": traffic_by_node(grid),
                **memory_per_rank(grid, stage, opt)}
+    if phases is not None:  # every rank's mean seconds a step in each phase
+        metrics["phase_seconds"] = grid.all_gather_json(phases.per_step())
     shutdown()
     if grid.rank == 0:
         report(cfg, out, metrics, tokens, tokenizer, validation.windows, model_cfg)
@@ -940,6 +969,9 @@ def report(cfg: TrainConfig, out: Path, metrics: dict, tokens, tokenizer, window
               f"({tokenizer.kind}, {tokens.vocab_size} tokens)" if val else "")
         if "sample" in metrics:
             print(f"sample: {metrics['sample']['text']!r}")
+        if "phase_seconds" in metrics:  # the slowest rank's phases (it sets the step's pace)
+            slowest = max(metrics["phase_seconds"], key=lambda p: p["step"])
+            print("step phases (slowest rank): " + StepPhases.describe(slowest))
 
 
 def export_dense(path) -> dict:

@@ -126,7 +126,7 @@ def test_checkpoint_exports_a_dense_state_dict(single):
 @pytest.mark.parametrize("spec,port", [
     (["--tp", "cube:2"], 29591),                                   # 3-D on the 2x2x2 cube
     (["--tp", "row:2", "--sp", "2", "--pp", "2"], 29593),          # Megatron x ring attention x pipeline
-    (["--tp", "subgraph:2", "--dp", "2", "--pp", "2"], 29595),     # SUPER D&SP x dp x pipeline
+    (["--tp", "subgraph:2", "--dp", "2", "--pp", "2", "--phase-times"], 29595),  # SUPER D&SP x dp x pipeline
     (["--tp", "square:2", "--pp", "2"], 29597),                    # SUMMA x pipeline
     (["--tp", "csub:2", "--sp", "2", "--pp", "2"], 29599),         # cSub x ring attention x pipeline
     (["--tp", "row:2", "--sp", "2", "--pp", "2", "--attention", "ulysses"], 29681),  # Megatron x Ulysses x pipeline
@@ -135,9 +135,19 @@ def test_checkpoint_exports_a_dense_state_dict(single):
 ])
 def test_composed_grids_train_with_one_process_losses(single, plain, tmp_path, spec, port):
     one, _ = single
-    losses, _ = _train(tmp_path, "run", "--nproc", "8", *spec, port=port)
+    losses, out = _train(tmp_path, "run", "--nproc", "8", *spec, port=port)
     assert _close(losses, one), (spec, losses, one)
     assert _close(losses, plain), (spec, losses, plain)
+    if "--phase-times" in spec:  # where each rank's step went: the phases add up to (most of) the step's wall time
+        m = json.loads((out / "metrics.json").read_text())
+        phases = m["phase_seconds"]
+        assert len(phases) == 8 and all(set(p) == set(gw.measure.StepPhases.NAMES) | {"step"} for p in phases)
+        assert all(v >= 0 for p in phases for v in p.values()), phases
+        assert all(p["forward"] > 0 and p["backward"] > 0 and p["reduction"] > 0 and p["optimizer"] > 0
+                   for p in phases), phases
+        assert all(abs(p["step"] - sum(p[k] for k in gw.measure.StepPhases.NAMES)) < 1e-9 for p in phases)
+        wall = sum(m["config"]["batch"] * m["config"]["seq"] / t for t in m["tokens_per_s"]) / len(m["tokens_per_s"])
+        assert 0.5 * wall < phases[0]["step"] <= wall, (phases[0], wall)  # train_step inside the loop's step
 
 
 @pytest.mark.skipif(not gw.launch.mpi_installed(), reason="needs gridweave built with MPI and mpirun")
