@@ -216,7 +216,7 @@ def _without_launcher_flags(argv):
 
 def _plan_parser(sub):
     p = sub.add_parser("plan", help="rank grids by predicted step time and memory (gw.plan)")
-    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--gpus", type=int, default=None, help="ranks to plan for (default with --grid: its size)")
     p.add_argument("--gpus-per-node", type=int, default=None)
     p.add_argument("--cluster", default="a100-ib", help="v100-ib | a100-ib | h100-ib | local | a JSON file")
     p.add_argument("--model", default=None,
@@ -231,6 +231,15 @@ def _plan_parser(sub):
     p.add_argument("--vocab", type=int, default=None, help="default: the config's, else train's")
     p.add_argument("--kv-heads", type=int, default=None, help="train's model: its key/value heads (default: train's)")
     p.add_argument("--precision", default=TrainConfig.precision, help="train's model: its precision")
+    p.add_argument("--grid", default=None, metavar="SPEC",
+                   help='evaluate this grid instead of ranking them all: "dp=32,pp=8,tp=row:8" (keys dp, pp, tp, sp, '
+                        "zero, placement); prints its breakdown")
+    p.add_argument("--microbatch-size", type=int, default=None,
+                   help="with --grid: sequences per micro-batch (default: the fastest that fits)")
+    p.add_argument("--recompute", default="none", choices=("none", "full", "selective"),
+                   help="with --grid: activation recomputation (full: every layer's forward again in backward; "
+                        "selective: the attention core's)")
+    p.add_argument("--chunks", type=int, default=1, help="with --grid: model chunks per stage (interleaved schedule)")
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--explain", type=int, default=None, metavar="N",
                    help="why grid N (1-based, as listed) ranks above grid N+1, part by part")
@@ -251,6 +260,10 @@ def _plan(args) -> int:
             cfg = TrainConfig(model=args.model or TrainConfig.model, batch=args.batch, precision=args.precision,
                               **given)
             model = plan.model_of(cfg)
+        if args.grid is not None:
+            return _plan_grid(args, model, cluster)
+        if args.gpus is None:
+            raise GridError("--gpus: how many ranks to plan for (or --grid, one grid to evaluate)")
         rows = plan.plan(args.gpus, model, cluster)
         if args.explain is not None and not 1 <= args.explain < len(rows):
             raise GridError(f"--explain {args.explain}: choose a grid from 1 to {len(rows) - 1} (it is compared "
@@ -278,6 +291,49 @@ def _plan(args) -> int:
     if why:
         print()
         print("\n".join(why))
+    return 0
+
+
+RECOMPUTE = {"none": False, "full": True, "selective": "selective"}  # --recompute -> plan.predict's recompute
+
+
+def _plan_grid(args, model, cluster) -> int:
+    """`gridweave plan --grid SPEC`: one grid's prediction and its breakdown (raises GridError)."""
+    import json
+
+    grid = plan.GridShape.parse(args.grid)
+    n = grid.dims().world_size
+    if args.gpus is not None and args.gpus != n:
+        raise GridError(f"--grid {args.grid} has {n} ranks, --gpus says {args.gpus}")
+    kw = dict(recompute=RECOMPUTE[args.recompute], chunks=args.chunks)
+    if args.microbatch_size is None:
+        r = plan.best_microbatching(model, grid, cluster, **kw)
+    else:
+        per_replica = model.batch // grid.dp
+        if args.microbatch_size < 1 or model.batch % grid.dp or per_replica % args.microbatch_size:
+            raise GridError(f"--microbatch-size {args.microbatch_size} does not divide the {per_replica} sequences "
+                            f"of a dp replica (batch {model.batch} over dp {grid.dp})")
+        r = plan.predict(model, grid, cluster, microbatches=per_replica // args.microbatch_size, **kw)
+    r["fits"] = r["memory_bytes"] <= cluster.memory_bytes
+    if args.json:
+        print(json.dumps(r, indent=1))
+        return 0
+    t, mem = r["time_breakdown_s"], r["memory_breakdown_bytes"]
+    print(f"{n} GPUs, {cluster.gpus_per_node} per node ({cluster.name}); {model.layers} layers, hidden {model.hidden}, "
+          f"heads {model.heads}, seq {model.seq}, batch {model.batch}, vocab {model.vocab}")
+    print(f"grid: dp {r['dp']} x pp {r['pp']} x tp {r['tp']} x sp {r['sp']}, zero {r['zero']}, {r['placement']} "
+          f"placement; {r['microbatches']} micro-batches, recompute {args.recompute}, {args.chunks} chunk(s) a stage")
+    print(f"step: {r['step_time_s'] * 1e3:.2f} ms")
+    parts = [("compute", t["compute"]), ("recomputation", t["recompute"]), ("pipeline bubble", t["bubble"])]
+    parts += [(f"communication on {k}", v) for k, v in t["communication"].items()]
+    for name, v in parts:
+        print(f"  {name:32s} {v * 1e3:10.3f} ms")
+    print(f"memory per GPU: {r['memory_bytes'] / 2 ** 30:.3f} GiB{'' if r['fits'] else ' (does not fit)'}")
+    for k, v in mem.items():
+        print(f"  {k:32s} {v / 2 ** 30:10.3f} GiB")
+    print("bytes a step per GPU, by axis (inside / across nodes):")
+    for k, v in r["bytes_per_axis"].items():
+        print(f"  {k:32s} {v['intra'] / 2 ** 20:10.2f} / {v['inter'] / 2 ** 20:.2f} MiB ({r['axis_links'][k]})")
     return 0
 
 

@@ -23,6 +23,7 @@ from .errors import GridError
 from .models import ModelConfig
 from .axes import ParallelDims
 from .modes import Mode, Sequence, known
+from .modes import parse as parse_mode
 from .recorder import optimizer_census, step_schedule
 
 PRESETS = Path(__file__).parent / "clusters"
@@ -226,6 +227,9 @@ def transformer_flops(model: Model, recompute: bool = False) -> float:
 # ---- a grid ------------------------------------------------------------------------------
 
 
+PLACEMENTS = ("topology", "naive")  # the engine's placement policies (cpp/placement.h)
+
+
 @dataclass(frozen=True)
 class GridShape:
     """A candidate grid: degrees, the tensor mode object, and the placement policy."""
@@ -246,6 +250,33 @@ class GridShape:
 
     def dims(self) -> ParallelDims:
         return ParallelDims(dp=self.dp, pp=self.pp, sp=self.sp, tp=self.tp)
+
+    @classmethod
+    def parse(cls, spec: str) -> "GridShape":
+        """A grid written as `gridweave plan --grid` takes it: comma-separated key=value of dp, pp,
+        sp, zero (integers), tp (a mode's spec: row:8, cube:4, ...) and placement, e.g.
+        "dp=32,pp=8,tp=row:8"; a key left out takes GridShape's default."""
+        fields = {}
+        for item in filter(None, (p.strip() for p in str(spec).split(","))):
+            key, eq, value = item.partition("=")
+            key = key.strip()
+            if not eq or key not in ("dp", "pp", "sp", "zero", "tp", "placement"):
+                raise GridError(f"grid {spec!r}: {item!r} is not one of dp=, pp=, sp=, zero=, tp=, placement=")
+            if key in fields:
+                raise GridError(f"grid {spec!r}: {key} given twice")
+            if key == "tp":
+                fields[key] = parse_mode(value.strip())
+            elif key == "placement":
+                if value.strip() not in PLACEMENTS:
+                    raise GridError(f"grid {spec!r}: placement must be one of {', '.join(PLACEMENTS)}, got "
+                                    f"{value.strip()!r}")
+                fields[key] = value.strip()
+            else:
+                try:
+                    fields[key] = int(value)
+                except ValueError:
+                    raise GridError(f"grid {spec!r}: {key} must be an integer, got {value.strip()!r}") from None
+        return cls(**fields)
 
     def tp_ranks(self) -> int:
         return self.tp.ranks()
@@ -491,7 +522,7 @@ def tensor_modes(n: int, model: Model) -> list:
 MIN_TOKENS_PER_SP_RANK = 64
 
 
-def enumerate_grids(n: int, model: Model, placements=("topology", "naive"), zeros=(0, 1, 2, 3)):
+def enumerate_grids(n: int, model: Model, placements=PLACEMENTS, zeros=(0, 1, 2, 3)):
     """Every grid of n ranks the model's sizes allow (ParallelDims decides; the planner adds
     only its floor of tokens per sequence-parallel rank), at each ZeRO stage where it has data axes."""
     out = []

@@ -51,7 +51,7 @@ GPU_PEAK = {"H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
 
 # The string options of TrainConfig and their values (the command line offers these).
 CHOICES = {"model": ("llama", "gpt", "bert"), "tokenizer": ("bpe", "bytes"), "device": ("auto", "cpu", "cuda"),
-           "backend": ("auto", "gloo", "nccl", "mpi"), "placement": ("topology", "naive"),
+           "backend": ("auto", "gloo", "nccl", "mpi"), "placement": plan.PLACEMENTS,
            "attention": tuple(a.value for a in SeqAttention)}
 
 

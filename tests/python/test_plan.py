@@ -87,6 +87,43 @@ def test_plan_command_json(tmp_path):
         assert x["dp"] * x["pp"] * x["sp"] * (int(n or 1) ** tp_ranks) == 8
 
 
+def test_plan_evaluates_a_given_grid_as_its_ranking_does(tmp_path):
+    """`gridweave plan --grid SPEC` (issue 34): a grid of the ranking, asked about with its micro-batch
+    size, predicts what the ranking listed; recomputation and interleaved chunks are plan.predict's;
+    a bad spec is one error."""
+    base = [sys.executable, "-m", "gridweave.cli", "plan", "--cluster", "a100-ib", "--hidden", "256", "--layers", "4",
+            "--heads", "8", "--seq", "128", "--batch", "16", "--json"]
+    r = subprocess.run(base + ["--gpus", "8", "--top", "0"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    picked = [rows[0], next(x for x in rows if x["pp"] > 1 and x["dp"] > 1), rows[-1]]
+    for x in picked:
+        spec = f"dp={x['dp']},pp={x['pp']},tp={x['tp']},sp={x['sp']},zero={x['zero']},placement={x['placement']}"
+        mbs = 16 // x["dp"] // x["microbatches"]
+        one = subprocess.run(base + ["--grid", spec, "--microbatch-size", str(mbs)], capture_output=True, text=True,
+                             timeout=120)
+        assert one.returncode == 0, one.stderr
+        got = json.loads(one.stdout)
+        assert (got["step_time_s"], got["memory_bytes"]) == (x["step_time_s"], x["memory_bytes"]), (spec, got, x)
+    model = plan.model_of(gw.train.TrainConfig(batch=16, hidden=256, layers=4, heads=8, seq=128))  # what --model leaves
+    shape = plan.GridShape.parse("dp=2,pp=2,tp=row:2")
+    assert shape == plan.GridShape(dp=2, pp=2, tp=gw.Row(2))
+    for flag, kw in ((["--recompute", "selective"], dict(recompute="selective")),
+                     (["--recompute", "full", "--chunks", "2"], dict(recompute=True, chunks=2))):
+        one = subprocess.run(base + ["--grid", "dp=2,pp=2,tp=row:2", "--microbatch-size", "2", *flag],
+                             capture_output=True, text=True, timeout=120)
+        assert one.returncode == 0, one.stderr
+        want = plan.predict(model, shape, plan.load_cluster("a100-ib"), microbatches=4, **kw)
+        assert json.loads(one.stdout)["step_time_s"] == want["step_time_s"]
+    for spec, needle in (("dp=2,foo=1", "'foo=1' is not one of"), ("dp=two", "dp must be an integer"),
+                         ("dp=2,placement=far", "placement must be one of"), ("dp=2,dp=4", "dp given twice")):
+        bad = subprocess.run(base + ["--grid", spec], capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and needle in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    bad = subprocess.run(base + ["--grid", "dp=2,pp=2", "--microbatch-size", "3"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "does not divide the 8 sequences" in bad.stderr, bad.stderr
+
+
 def test_unknown_cluster_is_a_clear_error():
     with pytest.raises(gw.GridError, match="unknown cluster"):
         plan.load_cluster("no-such-cluster")
