@@ -181,11 +181,14 @@ def torch_variant(folder: Path, dp: int, pp: int, tp: int, ddp: bool):
                 mloss = _ce(model(x[i * mb:(i + 1) * mb]), y[i * mb:(i + 1) * mb]) / MICRO
                 mloss.backward()
                 loss += mloss.item()
-        # the global norm: DTensor gradients (tensor-parallel, FSDP2) and plain ones (tensor parallelism's
-        # replicated norms) apart, as foreach kernels take one kind; then over the stages (torchtitan's
-        # clip_grad_norm_ with a pp mesh)
-        groups = [g for g in ([p for p in params if p.grad is not None and isinstance(p.grad, DTensor)],
-                              [p for p in params if p.grad is not None and not isinstance(p.grad, DTensor)]) if g]
+        # the global norm: gradients on each mesh apart (DTensors of FSDP2 and tensor parallelism; plain
+        # ones, tensor parallelism's replicated norms), as a foreach kernel takes one kind; then over the
+        # stages (torchtitan's clip_grad_norm_ with a pp mesh)
+        by_mesh = {}  # one foreach kernel per mesh (FSDP2 x TP: the norms' on dp, the projections' on dp x tp)
+        for p in params:
+            if p.grad is not None:
+                by_mesh.setdefault(id(p.grad.device_mesh) if isinstance(p.grad, DTensor) else None, []).append(p)
+        groups = list(by_mesh.values())
         sq = torch.zeros(1, dtype=torch.float32)
         for group in groups:
             norm = torch.nn.utils.get_total_norm([p.grad for p in group])
@@ -218,11 +221,15 @@ def gridweave_variant(folder: Path, store, tag: str, dp: int, pp: int, tp: int, 
     torch.manual_seed(cfg.seed)
     _, stage, opt, scaler = gw.train.build(cfg, grid, cfg.model_config(SIZES["vocab"]))
     rows, d = BATCH // dp, grid.coords["dp"]
+    phases, calls = gw.measure.StepPhases(grid.device), [0]
 
     def step(b):
         mine = b[d * rows:(d + 1) * rows]
-        return gw.train.train_step(cfg, grid, stage, opt, scaler, mine[:, :-1], mine[:, 1:])[0]
+        calls[0] += 1  # the warm-up rounds are not timed
+        return gw.train.train_step(cfg, grid, stage, opt, scaler, mine[:, :-1], mine[:, 1:],
+                                   phases=phases if calls[0] > WARMUP else None)[0]
 
+    step.phases = phases
     return step, lambda: gw.optim.held_bytes(list(stage.parameters()), opt)
 
 
@@ -258,8 +265,13 @@ def worker(args):
             losses[key].append(step(batches[r]))
             dist.barrier()
             times[key].append(time.perf_counter() - t0)
-    held = {}
-    for key, (_, measure) in variants.items():
+    held, phases = {}, {}
+    for key, (step, measure) in variants.items():
+        if hasattr(step, "phases"):  # gridweave's: every rank's phases; the slowest rank's are the step's
+            mine = step.phases.per_step()
+            every = [torch.zeros(len(mine), dtype=torch.float64) for _ in range(n)]
+            dist.all_gather(every, torch.tensor(list(mine.values()), dtype=torch.float64))
+            phases[key] = dict(zip(mine, max(every, key=lambda t: t[-1].item()).tolist()))
         mem = torch.tensor([float(v) for v in measure().values()], dtype=torch.float64)
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)  # the largest rank's holdings
         held[key] = dict(zip(("parameters", "gradients", "optimizer", "optimizer_buffers"), map(int, mem.tolist())))
@@ -270,7 +282,7 @@ def worker(args):
             step_s = statistics.median(t[WARMUP:])
             rows.append({"ranks": n, "grid": name, "variant": who, "step_s": step_s,
                          "tokens_per_s": BATCH * SIZES["seq"] / step_s, "memory_bytes": held[(name, who)],
-                         "losses": losses[(name, who)],
+                         "losses": losses[(name, who)], "phases_s": phases.get((name, who)),
                          "max_rel_loss_diff": max(abs(a - b) / abs(b) for a, b in zip(losses[(name, who)], ref))})
         Path(args.out).write_text(json.dumps({"ranks": n, "rows": rows}))
     gw.shutdown()
@@ -337,10 +349,14 @@ def main():
     data = {"sizes": SIZES, "batch": BATCH, "microbatches": MICRO, "optimizer": OPT, "rounds": ROUNDS,
             "warmup": WARMUP, "transport": args.transport, "rows": rows, "summary": summary(rows)}
     save(out, stem("vs_torch", args.transport), data, plot)
+    import gridweave as gw
+
     for r in rows:
         mem = sum(r["memory_bytes"].values()) / 2 ** 20
         print(f"{r['ranks']} {r['grid']:24s} {r['variant']:40s} {r['tokens_per_s']:8.0f} tok/s {mem:7.2f} MiB  "
               f"loss diff {r['max_rel_loss_diff']:.1e}")
+        if r["phases_s"]:
+            print("    " + gw.measure.StepPhases.describe(r["phases_s"]))
     print(json.dumps(data["summary"], indent=1))
 
 

@@ -94,7 +94,7 @@ class TrainConfig:
     zero: int = 0  # ZeRO stage: 0 every dp replica holds all optimizer state; 1 the fp32 master and Adam states sharded over the data axes; 2 the reduced gradients too; 3 the parameters too, gathered per layer
     zero_shard_group: str = "all"  # all: shard over every data rank; node: within a node, replicated across nodes (hybrid)
     offload: bool = True  # the optimizer state in host memory, updated in bsize buckets (seed 001); False: on the device
-    coarsening: int = 4
+    coarsening: int = 16  # OffloadAdam's all-reduce chunks of coarsening x bsize elements (seed 001's k): 256K, DDP's first bucket
     placement: str = "topology"
     overlap: bool = False
     attention: str = "ring"
@@ -500,11 +500,12 @@ def build(cfg: TrainConfig, grid, model_cfg: ModelConfig) -> tuple:
                                     offload=cfg.offload, bsize=cfg.bsize, max_grad_norm=cfg.max_grad_norm,
                                     decay=optim.matrices_only, units=stage.shard_units() if cfg.zero == 3 else None,
                                     shard_group=optim.ShardGroup(cfg.zero_shard_group))
-    else:  # seed 001: every replica's state offloaded; the all-reduce overlapped with the backward (train_step
-        # says how many backward passes a step has)
+    else:  # seed 001: every replica's state offloaded, the chunks' all-reduces after the backward. Not overlapped
+        # with it (overlap=True): measured no faster on CPU ranks sharing cores, and a link throttled mid-step
+        # then ended the ranks 18.8 s after the fault, over the timeout + 10 s bound (an all-reduce in flight)
         opt = optim.OffloadAdam(stage.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, bsize=cfg.bsize,
                                 coarsening=cfg.coarsening, grid=grid, max_grad_norm=cfg.max_grad_norm,
-                                decay=optim.matrices_only, overlap=True)
+                                decay=optim.matrices_only)
     return model, stage, opt, LossScaler() if cfg.compute.loss_scaling else None
 
 
