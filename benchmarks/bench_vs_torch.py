@@ -32,11 +32,11 @@ import math
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from launch import bench_parser, results_dir, run_ranks, save, start_worker, stem, torch_held_bytes  # noqa: E402
+from launch import (bench_parser, interleaved_rounds, results_dir, run_ranks, save, start_worker,  # noqa: E402
+                    stem, torch_held_bytes)
 
 SIZES = dict(hidden=256, heads=8, kv_heads=4, layers=4, seq=256, vocab=1024, ffn_hidden=688)
 BATCH, MICRO = 16, 2
@@ -256,15 +256,7 @@ def worker(args):
                              if on)
             variants[(name, f"torch {who}")] = torch_variant(folder, dp, pp, tp, ddp=False)
         variants[(name, "gridweave")] = gridweave_variant(folder, store, str(i), dp, pp, tp)
-    times = {k: [] for k in variants}
-    losses = {k: [] for k in variants}
-    for r in range(ROUNDS):
-        for key, (step, _) in variants.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            losses[key].append(step(batches[r]))
-            dist.barrier()
-            times[key].append(time.perf_counter() - t0)
+    times, losses = interleaved_rounds(variants, batches)
     held, phases = {}, {}
     for key, (step, measure) in variants.items():
         if hasattr(step, "phases"):  # gridweave's: every rank's phases; the slowest rank's are the step's

@@ -17,11 +17,11 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from launch import bench_parser, results_dir, run_ranks, save, start_worker, torch_held_bytes  # noqa: E402
+from launch import (bench_parser, interleaved_rounds, results_dir, run_ranks, save, start_worker,  # noqa: E402
+                    torch_held_bytes)
 
 SIZES = dict(model="llama", hidden=256, heads=8, layers=4, seq=128, batch=16, microbatches=1, tokenizer="bytes",
              lr=1e-3, weight_decay=0.1, max_grad_norm=1.0)
@@ -83,15 +83,7 @@ def worker(args):
 
     variants["torch FSDP2 (fully_shard)"] = (fsdp_step, lambda: torch_held_bytes(dense, adamw))
 
-    times = {k: [] for k in variants}
-    losses = {k: [] for k in variants}
-    for r in range(ROUNDS):
-        for name, (step, _) in variants.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            losses[name].append(step(mine[r]))
-            dist.barrier()
-            times[name].append(time.perf_counter() - t0)
+    times, losses = interleaved_rounds(variants, mine)
     held = {}
     for name, (_, measure) in variants.items():
         mem = torch.tensor([float(v) for v in measure().values()], dtype=torch.float64)

@@ -76,6 +76,26 @@ def start_worker():
     return dist.get_world_size(), dist.get_rank(), dist.distributed_c10d._get_default_store()
 
 
+def interleaved_rounds(variants: dict, batches: list) -> tuple:
+    """Each variant's step(batch) once a round, one variant after the other, every step between
+    two barriers, so all variants share the machine alike: ({key: seconds}, {key: losses}), a
+    round for each batch. variants: key -> (step, anything)."""
+    import time
+
+    import torch.distributed as dist
+
+    times = {k: [] for k in variants}
+    losses = {k: [] for k in variants}
+    for batch in batches:
+        for key, (step, _) in variants.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            losses[key].append(step(batch))
+            dist.barrier()
+            times[key].append(time.perf_counter() - t0)
+    return times, losses
+
+
 def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t  # DTensor parameters
 
