@@ -69,32 +69,29 @@ def grids(n: int) -> dict:
     return out
 
 
-class Part:
+def part(hf, lo: int, hi: int, first: bool, last: bool):
     """Decoder layers [lo, hi) of transformers' Llama as one module (the embedding on the first
     part, the norm and head on the last): torch's pipeline stages, and the whole model when pp is 1."""
+    import torch
 
-    @staticmethod
-    def build(hf, lo: int, hi: int, first: bool, last: bool):
-        import torch
+    class Part(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = hf.model.embed_tokens if first else None
+            self.layers = torch.nn.ModuleList(hf.model.layers[lo:hi])
+            self.rotary = hf.model.rotary_emb
+            self.norm = hf.model.norm if last else None
+            self.head = hf.lm_head if last else None
 
-        class _Part(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.embed = hf.model.embed_tokens if first else None
-                self.layers = torch.nn.ModuleList(hf.model.layers[lo:hi])
-                self.rotary = hf.model.rotary_emb
-                self.norm = hf.model.norm if last else None
-                self.head = hf.lm_head if last else None
+        def forward(self, h):
+            h = self.embed(h) if self.embed is not None else h
+            pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+            pe = self.rotary(h, pos)
+            for layer in self.layers:  # no mask: SDPA's causal path, as the whole model takes it
+                h = layer(h, position_ids=pos, position_embeddings=pe)
+            return self.head(self.norm(h)) if self.head is not None else h
 
-            def forward(self, h):
-                h = self.embed(h) if self.embed is not None else h
-                pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-                pe = self.rotary(h, pos)
-                for layer in self.layers:  # no mask: SDPA's causal path, as the whole model takes it
-                    h = layer(h, position_ids=pos, position_embeddings=pe)
-                return self.head(self.norm(h)) if self.head is not None else h
-
-        return _Part()
+    return Part()
 
 
 def _ce(logits, y):
@@ -130,25 +127,25 @@ def torch_variant(folder: Path, dp: int, pp: int, tp: int, ddp: bool):
         hf = transformers.LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
                                                            attn_implementation="sdpa")
     per = SIZES["layers"] // pp
-    part = Part.build(hf, s * per, (s + 1) * per, s == 0, s == pp - 1)
+    module = part(hf, s * per, (s + 1) * per, s == 0, s == pp - 1)
     if tp > 1:  # torchtitan's Llama plan, without sequence parallelism: the layers' own projections split
         plan = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
                 "head": ColwiseParallel(output_layouts=Replicate())}
-        plan = {k: v for k, v in plan.items() if getattr(part, k) is not None}
-        for i in range(len(part.layers)):
+        plan = {k: v for k, v in plan.items() if getattr(module, k) is not None}
+        for i in range(len(module.layers)):
             for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
                 plan[f"layers.{i}.{name}"] = ColwiseParallel()
             for name in ("self_attn.o_proj", "mlp.down_proj"):
                 plan[f"layers.{i}.{name}"] = RowwiseParallel()
-        parallelize_module(part, mesh["tp"], plan)
-    model = part
+        parallelize_module(module, mesh["tp"], plan)
+    model = module
     if ddp:
-        model = torch.nn.parallel.DistributedDataParallel(part, process_group=mesh["dp"].get_group())
+        model = torch.nn.parallel.DistributedDataParallel(module, process_group=mesh["dp"].get_group())
     elif dp > 1:
-        for layer in part.layers:
+        for layer in module.layers:
             fully_shard(layer, mesh=mesh["dp"])
-        fully_shard(part, mesh=mesh["dp"])
-    params = [p for p in part.parameters()]
+        fully_shard(module, mesh=mesh["dp"])
+    params = list(module.parameters())
     opt = _adamw(params)
     if pp > 1:
         stage = PipelineStage(model, s, pp, torch.device("cpu"), group=mesh["pp"].get_group())
@@ -204,7 +201,7 @@ def torch_variant(folder: Path, dp: int, pp: int, tp: int, ddp: bool):
         dist.all_reduce(t)  # each last-stage rank holds its replica's mean: tp copies of dp means
         return t.item() / (dp * tp)
 
-    return step, lambda: torch_held_bytes(part, opt)
+    return step, lambda: torch_held_bytes(module, opt)
 
 
 def gridweave_variant(folder: Path, store, tag: str, dp: int, pp: int, tp: int, **extra):

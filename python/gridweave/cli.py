@@ -10,7 +10,7 @@ import sys
 
 from pathlib import Path
 
-from . import calibrate, checkpoint, configfile, data, launch, models, modes, plan, train
+from . import calibrate, checkpoint, configfile, data, launch, models, modes, plan, runfolder, train
 from .errors import CommError, Diverged, GridError
 from .generate import sample
 from .hf import save_hf
@@ -172,7 +172,7 @@ def _export_parser(sub):
 
 def _export(args) -> int:
     model, tok, _ = load_model(args.run)  # one process, shard by shard: any grid's checkpoint
-    source = Path(args.run) / train.HF_SOURCE
+    source = Path(args.run) / runfolder.HF_SOURCE
     if args.format == "hf":  # a run from --init-from writes back the config and generation config it read
         save_hf(model, args.out, tok.special_ids(), source=source if (source / "config.json").is_file() else None)
     else:

@@ -56,16 +56,15 @@ class StepPhases:
         self._sync()
         return time.perf_counter()
 
-    def add(self, name: str, seconds: float) -> None:
-        self.seconds[name] += seconds
-
     def timed(self, name: str, fn, *args):
-        """fn(*args), its time added to phase `name`."""
-        t0 = self.clock()
+        """fn(*args), its wall time less what the phases timed inside it took added to phase
+        `name` (so the pipeline's wall time less its forward and backward is waiting, the step's
+        less every phase is bookkeeping)."""
+        t0, inside = self.clock(), sum(self.seconds.values())
         try:
             return fn(*args)
         finally:
-            self.add(name, self.clock() - t0)
+            self.seconds[name] += self.clock() - t0 - (sum(self.seconds.values()) - inside)
 
     def per_step(self) -> dict:
         """Each phase's mean seconds a step, and their sum."""
@@ -80,3 +79,8 @@ class StepPhases:
         total = per_step["step"] or 1.0
         return ", ".join(f"{k} {per_step[k] * 1e3:.1f} ms ({100 * per_step[k] / total:.0f}%)" for k in cls.NAMES) + \
             f"; step {per_step['step'] * 1e3:.1f} ms"
+
+
+def timed(phases: StepPhases | None, name: str, fn, *args):
+    """fn(*args), timed as phase `name` of `phases` when there is one."""
+    return fn(*args) if phases is None else phases.timed(name, fn, *args)

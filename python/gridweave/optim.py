@@ -10,6 +10,7 @@ import torch
 
 from .checkpoint import FlatSlice
 from .errors import GridError
+from .measure import timed
 from .grid import LinePart, Span
 from .sharding import DATA_AXES, grad_norm_of, placement_of
 from .zero import ParameterUnits
@@ -64,11 +65,6 @@ def dp_mean_scale(grid, average_dp: bool = True) -> float:
     (torch DDP's and Megatron's convention: each rank's loss is the mean over its own shard)."""
     dp = grid.axes.get("dp", 1) if grid is not None else 1
     return 1.0 / dp if average_dp and dp > 1 else 1.0
-
-
-def _reduction(phases, fn, *args):
-    """fn(*args): a wait for (or a call of) a gradient reduction, timed as one when phases is given."""
-    return fn(*args) if phases is None else phases.timed("reduction", fn, *args)
 
 
 def uses_distributed(zero: int, offload: bool) -> bool:
@@ -174,6 +170,7 @@ class OffloadAdam:
         self._chunks_of = [[c for c, (lo, hi, _) in enumerate(self._chunks)
                             if lo < self._offset[i] + p.numel() and self._offset[i] < hi]
                            for i, p in enumerate(self.params)]
+        self._members = [sum(c in cs for cs in self._chunks_of) for c in range(len(self._chunks))]
         self._reset_reduction()
         self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params] \
             if self.overlap else []
@@ -199,16 +196,15 @@ class OffloadAdam:
     def _reset_reduction(self):
         self._accumulated = [0] * len(self.params)
         self._copied = [False] * len(self.params)
-        self._waiting = [0] * len(self._chunks)
-        for chunks in self._chunks_of:
-            for c in chunks:
-                self._waiting[c] += 1
+        self._waiting = list(self._members)  # parameters whose gradient is not final yet, a chunk
         self._work: dict = {}  # chunk -> its all-reduce in flight
         self._next = 0  # the next chunk to start: in order on every rank
 
     def _copy_grad(self, i):
         """Parameter i's final gradient into the flat buffer (zeros without one), counted off its chunks."""
         p, o = self.params[i], self._offset[i]
+        if self._grads is None:  # the model's dtype and device, made once
+            self._grads = torch.empty(self.numel, dtype=p.dtype, device=p.device)
         dst = self._grads[o:o + p.numel()]
         if p.grad is not None:
             dst.copy_(p.grad.reshape(-1))
@@ -229,8 +225,6 @@ class OffloadAdam:
                             "backward passes per step, or call zero_grad between steps)")
         if self._accumulated[i] < self.backwards_per_step:
             return
-        if self._grads is None:
-            self._grads = torch.empty(self.numel, dtype=p.grad.dtype, device=p.grad.device)
         self._copy_grad(i)
         self._start_ready()
 
@@ -265,8 +259,6 @@ class OffloadAdam:
         step too. Returns whether the step was taken."""
         chunks = self._chunks
         if self.overlap:  # what the backward did not start (parameters without a gradient), in order
-            if self._grads is None:
-                self._grads = torch.empty(self.numel, dtype=self.params[0].dtype, device=self.params[0].device)
             for i in range(len(self.params)):
                 if not self._copied[i]:
                     self._copy_grad(i)
@@ -292,7 +284,7 @@ class OffloadAdam:
                 for i in range(len(chunks)):
                     launch(i)
             for w in work.values():
-                _reduction(self.phases, w.wait)
+                timed(self.phases, "reduction", w.wait)
             self._reset_reduction()
             work = {}
             if scaler is not None:
@@ -317,7 +309,7 @@ class OffloadAdam:
                 if not whole:
                     launch(i + 1)  # the next chunk travels while this one is optimized
                 if i in work:
-                    _reduction(self.phases, work.pop(i).wait)
+                    timed(self.phases, "reduction", work.pop(i).wait)
                 if self.staged:
                     for b in range(lo, hi, self.bsize):
                         self._bucket(grads, b, min(b + self.bsize, hi), coef)
@@ -652,11 +644,11 @@ class DistributedAdam:
         shards = []
         for k, g in enumerate(self.groups):
             work, flat = self._inflight[k]
-            out = _reduction(self.phases, work.wait) if work is not None else flat
+            out = timed(self.phases, "reduction", work.wait) if work is not None else flat
             if g.shard_axes and g.rest:
-                _reduction(self.phases, self.grid.all_reduce, out, g.rest)
+                timed(self.phases, "reduction", self.grid.all_reduce, out, g.rest)
             if g.replica is not None:  # hybrid sharding: the node's shard summed over the other nodes
-                _reduction(self.phases, self.grid.all_reduce, out, g.replica)
+                timed(self.phases, "reduction", self.grid.all_reduce, out, g.replica)
             shards.append(out)
         self._reset_reduction()
         return shards

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import _C
 from .errors import GridError
+from .measure import timed
 
 
 def optimal_ac(layers_per_stage: int, total_layers: int) -> int:
@@ -181,14 +182,10 @@ class _StageCallbacks:
         return self.last and c == len(self.chunks) - 1
 
     def forward(self, mb, c, addr):
-        if self.phases is not None:
-            return self.phases.timed("forward", self._forward, mb, c, addr)
-        return self._forward(mb, c, addr)
+        return timed(self.phases, "forward", self._forward, mb, c, addr)
 
     def backward(self, mb, c, addr):
-        if self.phases is not None:
-            return self.phases.timed("backward", self._backward, mb, c, addr)
-        return self._backward(mb, c, addr)
+        return timed(self.phases, "backward", self._backward, mb, c, addr)
 
     def _forward(self, mb, c, addr):
         x = self.inputs[mb] if self._head(c) else \

@@ -1,12 +1,31 @@
-"""What a run leaves in its folder besides checkpoints and logs: the environment it ran in and the
-plots of metrics.json (the loss curves; the run at a glance)."""
+"""What a run leaves in its folder besides checkpoints and logs: the environment it ran in, the
+Hugging Face files it started from, and the plots of metrics.json (the loss curves; the run at a
+glance)."""
 from __future__ import annotations
 
 import json
 import socket
 import sys
+from pathlib import Path
 
 import torch
+
+from . import checkpoint
+from .models.hf import SOURCE_FILES
+
+HF_SOURCE = "hf"  # OUT/hf: the Hugging Face files a run started from (SOURCE_FILES), which export writes back
+
+
+def keep_source(src, out: Path) -> None:
+    """The Hugging Face folder `src`'s config and generation config into OUT/hf (--init-from's
+    folder, or a resumed run's OUT/hf), for export; nothing when src is None or not a folder."""
+    if src is None or not Path(src).is_dir() or Path(src).resolve() == (out / HF_SOURCE).resolve():
+        return
+    (out / HF_SOURCE).mkdir(parents=True, exist_ok=True)
+    for name in SOURCE_FILES:
+        f = Path(src) / name
+        if f.is_file():
+            checkpoint.atomic_write(out / HF_SOURCE / name, lambda t, f=f: t.write_bytes(f.read_bytes()))
 
 
 def environment(grid) -> dict:

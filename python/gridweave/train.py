@@ -31,7 +31,7 @@ from .axes import AxesView, ParallelDims
 from .errors import Diverged, GridError
 from .generate import sample
 from .grid import Grid, init, shutdown
-from .measure import StepPhases, gemm_rate
+from .measure import StepPhases, gemm_rate, timed
 from .models import ModelConfig
 from .nn.sequence import SeqAttention
 from .modes import Mode, parse
@@ -517,16 +517,12 @@ def train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y, documents=None,
     phases: a gw.measure.StepPhases this step's time is added to, phase by phase, or None."""
     if phases is None:
         return _train_step(cfg, grid, stage, opt, scaler, x, y, documents, None)
-    start, before = phases.clock(), dict(phases.seconds)
     opt.phases = phases
-    try:
-        out = _train_step(cfg, grid, stage, opt, scaler, x, y, documents, phases)
+    try:  # what no phase inside claimed is bookkeeping
+        return phases.timed("bookkeeping", _train_step, cfg, grid, stage, opt, scaler, x, y, documents, phases)
     finally:
         opt.phases = None
-    spent = {k: phases.seconds[k] - before[k] for k in phases.NAMES}
-    phases.add("bookkeeping", phases.clock() - start - sum(spent.values()))  # what no phase claimed
-    phases.steps += 1
-    return out
+        phases.steps += 1
 
 
 def _train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y, documents, phases) -> tuple:
@@ -549,13 +545,10 @@ def _train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y, documents, pha
     def loss_fn(logits, targets):  # in fp32 or wider whatever the model computes in; fp16 scaled up
         return stage.loss(logits, targets, normalizer) * loss_scale
 
-    t0, inside = (phases.clock(), phases.seconds["forward"] + phases.seconds["backward"]) if phases is not None \
-        else (0, 0)
-    loss, _ = pipeline.pipeline_step(stage, grid, xs, ys, loss_fn, stage.activation_shape(mb, cfg.seq),
-                                        dtype=cfg.compute.dtype, schedule=cfg.schedule,
-                                        pipeline_limit=cfg.pipeline_limit or max(pp, 2), documents=ds, phases=phases)
-    if phases is not None:  # the pipeline's wall time that was neither forward nor backward: receives, the schedule
-        phases.add("waiting", phases.clock() - t0 - (phases.seconds["forward"] + phases.seconds["backward"] - inside))
+    # the pipeline's wall time that is neither forward nor backward is waiting: receives, the schedule
+    loss, _ = timed(phases, "waiting", lambda: pipeline.pipeline_step(
+        stage, grid, xs, ys, loss_fn, stage.activation_shape(mb, cfg.seq), dtype=cfg.compute.dtype,
+        schedule=cfg.schedule, pipeline_limit=cfg.pipeline_limit or max(pp, 2), documents=ds, phases=phases))
     loss = loss / loss_scale if loss is not None else None
     # the last stage's loss, identical over its tp/sp group: count one rank of each group.
     # Known on every rank before the update, so a non-finite loss skips it everywhere.
@@ -564,12 +557,8 @@ def _train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y, documents, pha
     grid.all_reduce(total, axis=None)
     mean = total.item() / dp
     if math.isfinite(mean):
-        if phases is None:
-            return mean, opt.step(scaler)  # sums each gradient over its partial axes (dp averaged), clips, updates
-        t0, waited = phases.clock(), phases.seconds["reduction"]
-        took = opt.step(scaler)
-        phases.add("optimizer", phases.clock() - t0 - (phases.seconds["reduction"] - waited))
-        return mean, took
+        # sums each gradient over its partial axes (dp averaged), clips, updates; its waits are the reduction's
+        return mean, timed(phases, "optimizer", opt.step, scaler)
     if scaler is not None:
         scaler.update(True, opt.step_count + 1)
     return mean, False
@@ -879,20 +868,6 @@ def traffic_by_node(grid) -> dict:
             "assumed_node": [grid.node_of(r) for r in range(grid.world_size)]}
 
 
-HF_SOURCE = "hf"  # OUT/hf: the Hugging Face files a run started from (models.hf.SOURCE_FILES)
-
-
-def keep_source(cfg: TrainConfig, out: Path) -> None:
-    """init_from's config and generation config into OUT/hf (a resumed run's come along), for export."""
-    src = Path(cfg.init_from) if cfg.init_from else Path(cfg.resume) / HF_SOURCE if cfg.resume else None
-    if src is None or not src.is_dir() or src.resolve() == (out / HF_SOURCE).resolve():
-        return
-    (out / HF_SOURCE).mkdir(parents=True, exist_ok=True)
-    for name in models.hf.SOURCE_FILES:
-        if (src / name).is_file():
-            checkpoint.atomic_write(out / HF_SOURCE / name, lambda t, f=src / name: t.write_bytes(f.read_bytes()))
-
-
 def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = None) -> dict:
     """Train as `cfg` says; on_step(step, state), if given, is called at the start of each step
     (progress hooks, profilers; the tests' fault injection)."""
@@ -907,7 +882,8 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
     model_cfg = cfg.model_config(tokens.vocab_size)
     cfg.check_vocab(tokens.vocab_size)
     if grid.rank == 0:  # what an export writes back: the imported (or resumed run's) config and generation config
-        keep_source(cfg, out)
+        resumed = Path(cfg.resume) / runfolder.HF_SOURCE if cfg.resume else None
+        runfolder.keep_source(cfg.init_from or resumed, out)
     torch.manual_seed(cfg.seed)
     _, stage, opt, scaler = build(cfg, grid, model_cfg)  # initialised in fp32, then cast
     reader = data.Reader(tokens.train, cfg.seq, cfg.batch, cfg.seed, grid.coords["dp"], grid.axes["dp"])
