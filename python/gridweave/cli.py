@@ -233,13 +233,12 @@ def _plan_parser(sub):
     p.add_argument("--precision", default=TrainConfig.precision, help="train's model: its precision")
     p.add_argument("--grid", default=None, metavar="SPEC",
                    help='evaluate this grid instead of ranking them all: "dp=32,pp=8,tp=row:8" (keys dp, pp, tp, sp, '
-                        "zero, placement); prints its breakdown")
+                        "zero, placement, schedule, chunks); prints its breakdown")
     p.add_argument("--microbatch-size", type=int, default=None,
                    help="with --grid: sequences per micro-batch (default: the fastest that fits)")
     p.add_argument("--recompute", default="none", choices=("none", "full", "selective"),
                    help="with --grid: activation recomputation (full: every layer's forward again in backward; "
                         "selective: the attention core's)")
-    p.add_argument("--chunks", type=int, default=1, help="with --grid: model chunks per stage (interleaved schedule)")
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--explain", type=int, default=None, metavar="N",
                    help="why grid N (1-based, as listed) ranks above grid N+1, part by part")
@@ -279,13 +278,15 @@ def _plan(args) -> int:
     print(f"{args.gpus} GPUs, {cluster.gpus_per_node} per node ({cluster.name}); "
           f"{model.layers} layers, hidden {model.hidden}, heads {model.heads}, seq {model.seq}, batch {model.batch}, "
           f"vocab {model.vocab}")
-    print(f"{'#':>3} {'dp':>4} {'pp':>3} {'tp':>12} {'sp':>3} {'zero':>4} {'placement':>9} {'step ms':>9} {'compute':>8} "
+    print(f"{'#':>3} {'dp':>4} {'pp':>3} {'tp':>12} {'sp':>3} {'zero':>4} {'placement':>9} {'schedule':>14} {'mb':>4} "
+          f"{'step ms':>9} {'compute':>8} "
           f"{'bubble':>7} {'comm per axis ms':<28} {'mem GiB':>8} {'(param/grad/optim/act)':<24}")
     for i, r in enumerate(rows):
         t, mem = r["time_breakdown_s"], r["memory_breakdown_bytes"]
         comm = " ".join(f"{k}={v * 1e3:.2f}" for k, v in t["communication"].items() if v)
         parts = "/".join(f"{mem[k] / 2 ** 30:.2f}" for k in ("parameters", "gradients", "optimizer", "activations"))
         print(f"{i + 1:>3} {r['dp']:>4} {r['pp']:>3} {r['tp']:>12} {r['sp']:>3} {r['zero']:>4} {r['placement']:>9} "
+              f"{r['schedule']:>14} {r['microbatches']:>4} "
               f"{r['step_time_s'] * 1e3:>9.2f} {(t['compute'] + t['recompute']) * 1e3:>8.2f} {t['bubble'] * 1e3:>7.2f} "
               f"{comm or '-':<28} {r['memory_bytes'] / 2 ** 30:>8.2f} {parts:<24}{'' if r['fits'] else ' (does not fit)'}")
     if why:
@@ -305,7 +306,7 @@ def _plan_grid(args, model, cluster) -> int:
     n = grid.dims().world_size
     if args.gpus is not None and args.gpus != n:
         raise GridError(f"--grid {args.grid} has {n} ranks, --gpus says {args.gpus}")
-    kw = dict(recompute=RECOMPUTE[args.recompute], chunks=args.chunks)
+    kw = dict(recompute=RECOMPUTE[args.recompute])
     if args.microbatch_size is None:
         r = plan.best_microbatching(model, grid, cluster, **kw)
     else:
@@ -313,6 +314,7 @@ def _plan_grid(args, model, cluster) -> int:
         if args.microbatch_size < 1 or model.batch % grid.dp or per_replica % args.microbatch_size:
             raise GridError(f"--microbatch-size {args.microbatch_size} does not divide the {per_replica} sequences "
                             f"of a dp replica (batch {model.batch} over dp {grid.dp})")
+        grid.check(model, per_replica // args.microbatch_size)  # what train would refuse
         r = plan.predict(model, grid, cluster, microbatches=per_replica // args.microbatch_size, **kw)
     r["fits"] = r["memory_bytes"] <= cluster.memory_bytes
     if args.json:
@@ -322,7 +324,8 @@ def _plan_grid(args, model, cluster) -> int:
     print(f"{n} GPUs, {cluster.gpus_per_node} per node ({cluster.name}); {model.layers} layers, hidden {model.hidden}, "
           f"heads {model.heads}, seq {model.seq}, batch {model.batch}, vocab {model.vocab}")
     print(f"grid: dp {r['dp']} x pp {r['pp']} x tp {r['tp']} x sp {r['sp']}, zero {r['zero']}, {r['placement']} "
-          f"placement; {r['microbatches']} micro-batches, recompute {args.recompute}, {args.chunks} chunk(s) a stage")
+          f"placement, schedule {r['schedule']}, {r['chunks']} chunk(s) a stage; {r['microbatches']} micro-batches, "
+          f"recompute {args.recompute}")
     print(f"step: {r['step_time_s'] * 1e3:.2f} ms")
     parts = [("compute", t["compute"]), ("recomputation", t["recompute"]), ("pipeline bubble", t["bubble"])]
     parts += [(f"communication on {k}", v) for k, v in t["communication"].items()]

@@ -17,13 +17,14 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import _C
+from . import _C, pipeline
 from .checkpoint import open_index
 from .errors import GridError
 from .models import ModelConfig
-from .axes import ParallelDims
+from .axes import AxesView, ParallelDims
 from .modes import Mode, Sequence, known
 from .modes import parse as parse_mode
+from .nn.sequence import SeqAttention
 from .recorder import optimizer_census, step_schedule
 
 PRESETS = Path(__file__).parent / "clusters"
@@ -232,51 +233,102 @@ PLACEMENTS = ("topology", "naive")  # the engine's placement policies (cpp/place
 
 @dataclass(frozen=True)
 class GridShape:
-    """A candidate grid: degrees, the tensor mode object, and the placement policy."""
+    """A candidate grid: degrees, the tensor mode object, the placement policy, the optimizer's
+    ZeRO stage and the pipeline's schedule. `check` is `gridweave train`'s rule for a grid
+    (TrainConfig.grid_shape calls it), so every grid the planner ranks is one train accepts."""
     dp: int = 1
     pp: int = 1
     tp: Mode = Sequence()
     sp: int = 1
     placement: str = "topology"
     zero: int = 0  # the ZeRO stage of the optimizer (gw.optim.DistributedAdam above 0)
+    schedule: str = "message_driven"  # the pipeline's schedule (a gw.pipeline.SCHEDULES key)
+    chunks: int = 1  # model chunks per pipeline stage (the interleaved schedule)
 
     def __post_init__(self):
         if not isinstance(self.tp, Mode):
             raise GridError(f"tp must be a mode object (gw.Row(n), gw.Cube(p), ...), got {self.tp!r}")
         self.dims()  # the degrees' own checks
-        if self.zero not in (0, 1, 2, 3) or (self.zero and self.dp * self.sp == 1):
-            raise GridError(f"zero must be 0, 1, 2 or 3, and above 0 only with data axes (dp or sp > 1): zero "
-                            f"{self.zero!r}, dp {self.dp}, sp {self.sp}")
+        if self.placement not in PLACEMENTS:
+            raise GridError(f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
+        if self.zero not in (0, 1, 2, 3):
+            raise GridError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.zero and self.dp * self.sp == 1:
+            raise GridError(f"zero={self.zero} shards the optimizer state over the data axes; this grid has dp 1 "
+                            "and sp 1 (zero=0, or more ranks for dp)")
+        if self.schedule not in pipeline.SCHEDULES:
+            raise GridError(f"schedule must be one of {sorted(pipeline.SCHEDULES)}, got {self.schedule!r}")
+        if not isinstance(self.chunks, int) or isinstance(self.chunks, bool) or self.chunks < 1:
+            raise GridError(f"chunks must be a positive integer, got {self.chunks!r}")
+        if self.chunks > 1 and self.schedule != "interleaved":
+            raise GridError(f"chunks={self.chunks} needs schedule=interleaved")
 
-    def dims(self) -> ParallelDims:
-        return ParallelDims(dp=self.dp, pp=self.pp, sp=self.sp, tp=self.tp)
+    def check(self, model: Model, microbatches: int, ac=1) -> None:
+        """A GridError unless `gridweave train` runs `model` on this grid in `microbatches`
+        micro-batches with activation checkpointing `ac`: the model's layers, heads and sequence
+        split over the degrees, the batch into dp shards of whole micro-batches in the mode's
+        layout, the attention over sp, the schedule's and ZeRO's needs. One rule: train checks
+        a job with it before any rank starts, the planner every grid it ranks."""
+        cfg, dims = model.config, self.dims()
+        attn = SeqAttention(model.attention)
+        zigzag = attn.zigzag(cfg.causal)
+        dims.check_model(cfg.layers, cfg.heads, cfg.hidden, cfg.seq, cfg.kv_heads, zigzag=zigzag, chunks=self.chunks)
+        dims.check_batch(model.batch, microbatches)
+        self.tp.check_attention(model.attention)
+        attn.check(self.sp, model.ulysses_degree, cfg.heads // self.tp.head_groups_count())
+        # a micro-batch in the layer's input layout: every sequence split at once (the zigzag's
+        # chunks, tp's pieces), the replica's rows split as the mode splits them
+        view = AxesView(dict(dims.axes()))
+        self.tp.layout(view, zigzag, attn.ring(self.sp, model.ulysses_degree)).without("dp").local_shape(
+            (model.batch // self.dp // microbatches, cfg.seq, cfg.hidden), view)
+        if self.schedule == "interleaved" and (self.pp < 2 or microbatches % self.pp):
+            raise GridError(f"the interleaved schedule needs pp >= 2 and microbatches a multiple of pp, got pp "
+                            f"{self.pp}, microbatches {microbatches}")
+        if cfg.tie and self.pp > 1:
+            raise GridError("tie needs the embedding and the head on one pipeline stage (pp 1)")
+        if self.zero == 3 and self.pp > 1 and self.schedule == "message_driven":
+            # ZeRO-3 gathers over the data axes inside each micro-batch: every replica of a stage
+            # must issue them in one order, and the message-driven order follows arrivals
+            raise GridError("zero=3 with pp > 1 needs a fixed pipeline order: schedule=1f1b or interleaved "
+                            "(the message-driven schedule runs micro-batches as messages arrive, so replicas "
+                            "would gather their parameters in different orders)")
+        pipeline.resolve_ac(ac, cfg.layers // (self.pp * self.chunks), cfg.layers)
+
+    def spec(self) -> str:
+        """The grid as `--grid` writes it (GridShape.parse reads it back)."""
+        return (f"dp={self.dp},pp={self.pp},tp={self.tp.spec()},sp={self.sp},zero={self.zero},"
+                f"placement={self.placement},schedule={self.schedule},chunks={self.chunks}")
 
     @classmethod
     def parse(cls, spec: str) -> "GridShape":
         """A grid written as `gridweave plan --grid` takes it: comma-separated key=value of dp, pp,
-        sp, zero (integers), tp (a mode's spec: row:8, cube:4, ...) and placement, e.g.
-        "dp=32,pp=8,tp=row:8"; a key left out takes GridShape's default."""
+        sp, zero, chunks (integers), tp (a mode's spec: row:8, cube:4, ...), placement and
+        schedule, e.g. "dp=32,pp=8,tp=row:8"; a key left out takes GridShape's default."""
+        keys = ("dp", "pp", "sp", "zero", "chunks", "tp", "placement", "schedule")
         fields = {}
         for item in filter(None, (p.strip() for p in str(spec).split(","))):
             key, eq, value = item.partition("=")
-            key = key.strip()
-            if not eq or key not in ("dp", "pp", "sp", "zero", "tp", "placement"):
-                raise GridError(f"grid {spec!r}: {item!r} is not one of dp=, pp=, sp=, zero=, tp=, placement=")
+            key, value = key.strip(), value.strip()
+            if not eq or key not in keys:
+                raise GridError(f"grid {spec!r}: {item!r} is not one of {', '.join(k + '=' for k in keys)}")
             if key in fields:
                 raise GridError(f"grid {spec!r}: {key} given twice")
             if key == "tp":
-                fields[key] = parse_mode(value.strip())
-            elif key == "placement":
-                if value.strip() not in PLACEMENTS:
-                    raise GridError(f"grid {spec!r}: placement must be one of {', '.join(PLACEMENTS)}, got "
-                                    f"{value.strip()!r}")
-                fields[key] = value.strip()
+                fields[key] = parse_mode(value)
+            elif key in ("placement", "schedule"):
+                fields[key] = value  # checked by the constructor
             else:
                 try:
                     fields[key] = int(value)
                 except ValueError:
-                    raise GridError(f"grid {spec!r}: {key} must be an integer, got {value.strip()!r}") from None
-        return cls(**fields)
+                    raise GridError(f"grid {spec!r}: {key} must be an integer, got {value!r}") from None
+        try:
+            return cls(**fields)
+        except GridError as e:
+            raise GridError(f"grid {spec!r}: {e}") from None
+
+    def dims(self) -> ParallelDims:
+        return ParallelDims(dp=self.dp, pp=self.pp, sp=self.sp, tp=self.tp)
 
     def tp_ranks(self) -> int:
         return self.tp.ranks()
@@ -347,22 +399,23 @@ def layer_ops(model: Model, grid: GridShape, tokens: float) -> list:
 
 def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int | None = None,
             offload_bsize: int | None = None, recompute: bool | str = False, coarsening: int = 4,
-            clip: bool = True, chunks: int = 1) -> dict:
+            clip: bool = True) -> dict:
     """Predicted step time (s), memory per GPU (bytes) and bytes per axis for one gw.train step:
     the step recorded from the code that runs it (recorder.step_schedule: every GEMM and
     its FLOPs, every other kernel and its bytes, every collective and message, the activations
     kept, the optimizer's own work), costed on `cluster` (alpha-beta links from the engine's
     placement, GEMM rate, memory bandwidth, a per-kernel and per-collective cost).
     recompute: False, True (every layer's forward again in backward) or "selective" (the
-    attention core's, Korthikanti et al. 2022); chunks: model chunks per pipeline stage
-    (Megatron's interleaved schedule: the bubble is (p-1)/(v m), v times the messages).
+    attention core's, Korthikanti et al. 2022). The grid's chunks: model chunks per pipeline
+    stage (Megatron's interleaved schedule: the bubble is (p-1)/(v m), v times the messages).
     offload_bsize: gw.optim.OffloadAdam's bsize (what gw.train runs: states in host memory,
     updated bsize elements at a time, its kernels and bytes recorded); None: a fused Adam on
     the device, its states there too (Megatron's: 20 phi with half-precision weights)."""
     if recompute not in (False, True, "selective"):
         raise GridError(f"recompute must be False, True or 'selective', got {recompute!r}")
-    if not isinstance(chunks, int) or chunks < 1 or (chunks > 1 and grid.pp < 2):
-        raise GridError(f"chunks must be a positive integer (above 1 only with pp > 1), got {chunks!r}")
+    chunks = grid.chunks
+    if chunks > 1 and grid.pp < 2:
+        raise GridError(f"chunks={chunks} needs pp > 1")
 
     e = model.bytes_per_value
     dims = grid.dims()
@@ -523,34 +576,54 @@ MIN_TOKENS_PER_SP_RANK = 64
 
 
 def enumerate_grids(n: int, model: Model, placements=PLACEMENTS, zeros=(0, 1, 2, 3)):
-    """Every grid of n ranks the model's sizes allow (ParallelDims decides; the planner adds
-    only its floor of tokens per sequence-parallel rank), at each ZeRO stage where it has data axes."""
+    """Every grid of n ranks that `gridweave train` accepts for the model (GridShape.check, train's
+    rule, at one micro-batch; the planner adds only its floor of tokens per sequence-parallel
+    rank), at each ZeRO stage where it has data axes, with the default schedule where train
+    takes it (ZeRO-3 over pipeline stages needs 1F1B's fixed order)."""
     out = []
-    kv = model.config.arch.kv(model.heads)
     for mode in tensor_modes(n, model):
         rest = n // mode.ranks()
         for sp in (d for d in range(1, rest + 1) if rest % d == 0
                    and (d == 1 or model.seq // d >= MIN_TOKENS_PER_SP_RANK)):
             for pp in (d for d in range(1, rest // sp + 1) if (rest // sp) % d == 0):
-                dims = ParallelDims(dp=rest // (sp * pp), pp=pp, sp=sp, tp=mode)
-                try:  # the planner's layer is causal ring attention: the zigzag sequence split
-                    dims.check_model(model.layers, model.heads, model.hidden, model.seq, kv, zigzag=True)
-                    dims.check_batch(model.batch)
-                except GridError:
-                    continue
+                dp = rest // (sp * pp)
                 for pl in placements:
-                    for zero in zeros if dims.dp * sp > 1 else (0,):
-                        out.append(GridShape(dp=dims.dp, pp=pp, tp=mode, sp=sp, placement=pl, zero=zero))
+                    for zero in zeros if dp * sp > 1 else (0,):
+                        grid = GridShape(dp=dp, pp=pp, tp=mode, sp=sp, placement=pl, zero=zero,
+                                         schedule="1f1b" if zero == 3 and pp > 1 else GridShape.schedule)
+                        try:
+                            grid.check(model, 1)
+                        except GridError:
+                            continue
+                        out.append(grid)
+    return out
+
+
+def microbatch_counts(model: Model, grid: GridShape, sizes=(1, 2, 4, 8, 16)) -> list:
+    """The micro-batch counts of the micro-batch sizes (sequences per micro-batch, Megatron's
+    --micro-batch-size) that `gridweave train` accepts on this grid (GridShape.check)."""
+    b = model.batch // grid.dp if grid.dp and model.batch % grid.dp == 0 else 0
+    out = []
+    for mbs in sizes:
+        if not b or b % mbs:
+            continue
+        try:
+            grid.check(model, b // mbs)
+        except GridError:
+            continue
+        out.append(b // mbs)
     return out
 
 
 def best_microbatching(model: Model, grid: GridShape, cluster: Cluster, sizes=(1, 2, 4, 8, 16), **kw) -> dict:
     """predict() at the micro-batch size (sequences per micro-batch, Megatron's
-    --micro-batch-size) that is fastest among those that fit in memory, else the smallest."""
-    b = model.batch // grid.dp if grid.dp and model.batch % grid.dp == 0 else 0
-    rows = [predict(model, grid, cluster, microbatches=b // mbs, **kw) for mbs in sizes if b and b % mbs == 0]
-    if not rows:
-        return predict(model, grid, cluster, **kw)
+    --micro-batch-size) that is fastest among those train accepts and that fit in memory, else
+    the smallest in memory. A GridError when train accepts none of them."""
+    counts = microbatch_counts(model, grid, sizes)
+    if not counts:
+        grid.check(model, 1)  # its reason
+        raise GridError(f"no micro-batch size of {sizes} splits the batch of {model.batch} on {grid.spec()}")
+    rows = [predict(model, grid, cluster, microbatches=m, **kw) for m in counts]
     fits = [r for r in rows if r["memory_bytes"] <= cluster.memory_bytes]
     return min(fits, key=lambda r: r["step_time_s"]) if fits else min(rows, key=lambda r: r["memory_bytes"])
 

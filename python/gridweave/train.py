@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from . import checkpoint, data, launch, loggers, models, optim, pipeline, plan, runfolder
-from .axes import AxesView, ParallelDims
+from .axes import ParallelDims
 from .errors import Diverged, GridError
 from .generate import sample
 from .grid import Grid, init, shutdown
@@ -255,41 +255,20 @@ class TrainConfig:
     def grid_shape(self, world: int) -> dict:
         """The grid's axes on `world` ranks: the ones not given derived from the ones given (pp
         from dp when dp is given, else 2 where it divides; dp the rest), and every check of the
-        model and batch against them. The command line calls it before spawning any rank,
-        run() again on every rank: one rule, one message."""
+        model and batch against them (plan.GridShape.check, the rule the planner ranks grids
+        by). The command line calls it before spawning any rank, run() again on every rank:
+        one rule, one message."""
         dims = ParallelDims.for_world(world, self.mode, self.sp, self.dp, self.pp, self.layers)
-        model = self.model_config(256)
-        attn = SeqAttention(self.attention)
-        dims.check_model(self.layers, self.heads, self.hidden, self.seq, model.kv_heads,
-                         zigzag=attn.zigzag(model.causal), chunks=self.chunks)
-        dims.check_batch(self.batch, self.microbatches)
-        dp, pp, sp = dims.dp, dims.pp, dims.sp
-        self.mode.check_attention(self.attention)
+        self.plan_shape(dims.dp, dims.pp).check(plan.model_of(self), self.microbatches, self.ac)
         if self.pack_documents and not self.mode.packs_documents:
             raise GridError(f"pack_documents: tp {self.mode.spec()}'s attention does not mask by documents "
                             "(SUPER's branches); use another tensor mode")
-        SeqAttention(self.attention).check(sp, self.ulysses_degree, self.heads // self.mode.head_groups_count())
-        # a micro-batch in the layer's input layout: every sequence split at once (the zigzag's
-        # chunks, tp's pieces), the replica's rows split as the mode splits them
-        view = AxesView(dict(dims.axes()))
-        self.mode.layout(view, attn.zigzag(model.causal), attn.ring(sp, self.ulysses_degree)).without("dp").local_shape(
-            (self.batch // dp // self.microbatches, self.seq, self.hidden), view)
-        if self.schedule == "interleaved" and (pp < 2 or self.microbatches % pp):
-            raise GridError(f"the interleaved schedule needs pp >= 2 and microbatches a multiple of pp, got pp {pp}, "
-                            f"microbatches {self.microbatches}")
-        if self.zero and dp * sp == 1:
-            raise GridError(f"zero={self.zero} shards the optimizer state over the data axes; this grid has dp 1 "
-                            "and sp 1 (zero=0, or more ranks for dp)")
-        if self.tie and pp > 1:
-            raise GridError("tie needs the embedding and the head on one pipeline stage (pp 1)")
-        if self.zero == 3 and pp > 1 and self.schedule == "message_driven":
-            # ZeRO-3 gathers over the data axes inside each micro-batch: every replica of a stage
-            # must issue them in one order, and the message-driven order follows arrivals
-            raise GridError("zero=3 with pp > 1 needs a fixed pipeline order: schedule=1f1b or interleaved "
-                            "(the message-driven schedule runs micro-batches as messages arrive, so replicas "
-                            "would gather their parameters in different orders)")
-        pipeline.resolve_ac(self.ac, self.layers // (pp * self.chunks), self.layers)
-        return {"dp": dp, "pp": pp, "sp": sp}
+        return {"dp": dims.dp, "pp": dims.pp, "sp": dims.sp}
+
+    def plan_shape(self, dp: int, pp: int) -> "plan.GridShape":
+        """This job's grid as the planner takes it, with dp and pp (grid_shape's)."""
+        return plan.GridShape(dp=dp, pp=pp, tp=self.mode, sp=self.sp, placement=self.placement, zero=self.zero,
+                              schedule=self.schedule, chunks=self.chunks)
 
     def check_files(self) -> None:
         """The files of this run, checked by the launcher before any rank starts: the corpus
@@ -439,11 +418,9 @@ def plan_job(cfg: TrainConfig, degrees: dict, cluster) -> dict:
     """gw.plan's prediction of this job (time, memory, bytes per axis) with the grid's degrees
     ({"dp", "pp", "sp"}) on `cluster`. The planner recomputes every layer or none: any activation
     checkpointing counts as every layer."""
-    shape = plan.GridShape(dp=degrees["dp"], pp=degrees["pp"], tp=cfg.mode, sp=degrees["sp"],
-                           placement=cfg.placement, zero=cfg.zero)
-    return plan.predict(plan.model_of(cfg), shape, cluster, microbatches=cfg.microbatches,
-                        offload_bsize=cfg.bsize if cfg.offload else None, coarsening=cfg.coarsening,
-                        chunks=cfg.chunks, recompute=cfg.ac != 1)
+    return plan.predict(plan.model_of(cfg), cfg.plan_shape(degrees["dp"], degrees["pp"]), cluster,
+                        microbatches=cfg.microbatches, offload_bsize=cfg.bsize if cfg.offload else None,
+                        coarsening=cfg.coarsening, recompute=cfg.ac != 1)
 
 
 def predicted_step_s(cfg: TrainConfig, grid) -> float:

@@ -108,15 +108,19 @@ def test_plan_evaluates_a_given_grid_as_its_ranking_does(tmp_path):
     model = plan.model_of(gw.train.TrainConfig(batch=16, hidden=256, layers=4, heads=8, seq=128))  # what --model leaves
     shape = plan.GridShape.parse("dp=2,pp=2,tp=row:2")
     assert shape == plan.GridShape(dp=2, pp=2, tp=gw.Row(2))
-    for flag, kw in ((["--recompute", "selective"], dict(recompute="selective")),
-                     (["--recompute", "full", "--chunks", "2"], dict(recompute=True, chunks=2))):
-        one = subprocess.run(base + ["--grid", "dp=2,pp=2,tp=row:2", "--microbatch-size", "2", *flag],
+    interleaved = plan.GridShape(dp=2, pp=2, tp=gw.Row(2), schedule="interleaved", chunks=2)
+    for spec, flag, grid, kw in (("dp=2,pp=2,tp=row:2", ["--recompute", "selective"], shape, dict(recompute="selective")),
+                                 (interleaved.spec(), ["--recompute", "full"], interleaved, dict(recompute=True))):
+        one = subprocess.run(base + ["--grid", spec, "--microbatch-size", "2", *flag],
                              capture_output=True, text=True, timeout=120)
         assert one.returncode == 0, one.stderr
-        want = plan.predict(model, shape, plan.load_cluster("a100-ib"), microbatches=4, **kw)
+        want = plan.predict(model, grid, plan.load_cluster("a100-ib"), microbatches=4, **kw)
         assert json.loads(one.stdout)["step_time_s"] == want["step_time_s"]
+        assert plan.GridShape.parse(grid.spec()) == grid
     for spec, needle in (("dp=2,foo=1", "'foo=1' is not one of"), ("dp=two", "dp must be an integer"),
-                         ("dp=2,placement=far", "placement must be one of"), ("dp=2,dp=4", "dp given twice")):
+                         ("dp=2,placement=far", "placement must be one of"), ("dp=2,dp=4", "dp given twice"),
+                         ("dp=2,chunks=2", "chunks=2 needs schedule=interleaved"),
+                         ("dp=4,pp=2,zero=3", "zero=3 with pp > 1 needs a fixed pipeline order")):
         bad = subprocess.run(base + ["--grid", spec], capture_output=True, text=True, timeout=120)
         assert bad.returncode == 2 and needle in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
     bad = subprocess.run(base + ["--grid", "dp=2,pp=2", "--microbatch-size", "3"], capture_output=True, text=True,
@@ -317,8 +321,8 @@ MEGATRON = [("22B", 6144, 48, 64, 1, 4, 4, 1, 1.10), ("175B", 12288, 96, 96, 8, 
 def _megatron(name, hidden, layers, heads, pp, batch, mbs, chunks, seconds):
     # 2022: no flash attention, the scores were materialised (and selectively recomputed)
     m = plan.Model(ModelConfig("gpt", 51200, hidden=hidden, heads=heads, layers=layers, seq=2048), batch=batch, fused_attention=False)
-    r = plan.predict(m, plan.GridShape(pp=pp, tp=gw.Row(8)), plan.load_cluster("a100-ib"),
-                     microbatches=batch // mbs, recompute="selective", chunks=chunks)
+    grid = plan.GridShape(pp=pp, tp=gw.Row(8), schedule="interleaved" if chunks > 1 else "1f1b", chunks=chunks)
+    r = plan.predict(m, grid, plan.load_cluster("a100-ib"), microbatches=batch // mbs, recompute="selective")
     return r["step_time_s"] / seconds - 1
 
 
@@ -373,31 +377,83 @@ def test_planner_memory_of_the_main_job_on_one_rank_against_rss():
     assert abs(out["predicted"] / out["measured"] - 1) <= 0.15, out
 
 
-def test_plan_with_trains_flags_plans_trains_model_and_its_top_grids_train(tmp_path):
-    """One model configuration (issue 29): `gridweave plan` with train's flags plans the model
-    `gridweave train` builds from them (a Llama with half as many key/value heads as heads),
-    so each of the planner's top three grids is one that train accepts and trains."""
+# train's flags of models unlike the main job's (issue 34): a narrow Llama with half as many
+# key/value heads as heads, a GPT whose 6 heads split over few modes, a deep Llama with 2
+# key/value heads of 8 and a short sequence
+PLANNED_MODELS = {"llama-narrow": ["--hidden", "64", "--heads", "4", "--layers", "4", "--seq", "64", "--batch", "16"],
+                  "gpt-6-heads": ["--model", "gpt", "--hidden", "96", "--heads", "6", "--layers", "2", "--seq", "96",
+                                  "--batch", "8"],
+                  "llama-deep": ["--hidden", "32", "--heads", "8", "--kv-heads", "2", "--layers", "8", "--seq", "32",
+                                 "--batch", "32"]}
+
+
+@pytest.mark.parametrize("name", PLANNED_MODELS)
+def test_plan_ranks_only_grids_train_accepts_and_its_top_grids_train(name, tmp_path):
+    """One rule (issues 20, 29, 34): `gridweave plan` with train's flags plans the model `gridweave
+    train` builds from them, and every grid it ranks, with its ZeRO stage, schedule and
+    micro-batch count, is one train's own check (TrainConfig.grid_shape) accepts; the first two
+    distinct grids train."""
     import math
     import os
 
+    from gridweave.cli import parse_train
     from rankpool import launcher_args
 
-    flags = ["--hidden", "64", "--heads", "4", "--layers", "4", "--seq", "64", "--batch", "16"]
+    flags = PLANNED_MODELS[name]
     r = subprocess.run([sys.executable, "-m", "gridweave.cli", "plan", "--gpus", "8", "--cluster", "local",
-                        "--json", *flags], capture_output=True, text=True, timeout=300)
+                        "--json", "--top", "0", *flags], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    cfg = gw.train.TrainConfig(hidden=64, heads=4, layers=4, seq=64, batch=16)
-    assert cfg.model_config(cfg.vocab).kv_heads == 2
-    grids = list(dict.fromkeys((g["dp"], g["pp"], g["tp"], g["sp"], g["zero"]) for g in json.loads(r.stdout)))[:3]
-    assert len(grids) == 3, grids
+    rows = json.loads(r.stdout)
+    assert len(rows) >= 4, rows
+    for x in rows:
+        cfg = parse_train([*flags, "--tokenizer", "bytes", "--dp", str(x["dp"]), "--pp", str(x["pp"]), "--tp", x["tp"],
+                           "--sp", str(x["sp"]), "--zero", str(x["zero"]), "--schedule", x["schedule"],
+                           "--microbatches", str(x["microbatches"])])
+        assert cfg.grid_shape(8) == {"dp": x["dp"], "pp": x["pp"], "sp": x["sp"]}, x
+    grids = list(dict.fromkeys((g["dp"], g["pp"], g["tp"], g["sp"], g["zero"], g["schedule"], g["microbatches"])
+                               for g in rows))[:2]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("RANK", None)
-    for i, (dp, pp, tp, sp, zero) in enumerate(grids):
+    for i, (dp, pp, tp, sp, zero, schedule, mb) in enumerate(grids):
         out = tmp_path / f"grid{i}"
         run = subprocess.run([sys.executable, "-m", "gridweave.cli", "train", *flags, "--steps", "2", "--val-every", "0",
                               "--tokenizer", "bytes", "--sample-tokens", "0", "--quiet", "--dp", str(dp), "--pp", str(pp),
-                              "--tp", tp, "--sp", str(sp), "--zero", str(zero), "--out", str(out), *launcher_args()],
+                              "--tp", tp, "--sp", str(sp), "--zero", str(zero), "--schedule", schedule,
+                              "--microbatches", str(mb), "--out", str(out), *launcher_args()],
                              capture_output=True, text=True, timeout=240, env=env, stdin=subprocess.DEVNULL)
         assert run.returncode == 0, (dp, pp, tp, sp, run.stderr[-3000:])
         losses = json.loads((out / "metrics.json").read_text())["loss"]
         assert len(losses) == 2 and all(math.isfinite(x) for x in losses), losses
+
+
+def test_a_grid_train_refuses_is_not_ranked():
+    """The grids train refuses for a model are the ones the planner leaves out: every grid of 8
+    ranks the degrees allow, checked by train (TrainConfig.grid_shape) at each micro-batch size,
+    against the planner's enumeration (its floor of tokens per sequence rank aside)."""
+    from gridweave.cli import parse_train
+
+    flags = PLANNED_MODELS["llama-narrow"]
+    model = plan.model_of(parse_train(flags))
+    ranked = {(g.dp, g.pp, g.tp.spec(), g.sp, g.zero, g.schedule) for g in plan.enumerate_grids(8, model)}
+    accepted, refused = set(), 0
+    # the modes the planner plans, and the planned kinds at sizes this model does not split over
+    extra = [m for m in (gw.modes.parse(s) for s in ("subgraph:4", "square:2", "cube:2", "row:8")) if type(m).planned]
+    for mode in plan.tensor_modes(8, model) + extra:
+        rest = 8 // mode.ranks()
+        for sp in (d for d in (1, 2, 4, 8) if rest % d == 0 and model.seq // d >= plan.MIN_TOKENS_PER_SP_RANK):
+            for pp in (d for d in (1, 2, 4, 8) if (rest // sp) % d == 0):
+                for zero in (0, 1, 2, 3):
+                    for schedule in ("message_driven", "1f1b"):
+                        try:
+                            parse_train([*flags, "--dp", str(rest // sp // pp), "--pp", str(pp), "--tp", mode.spec(),
+                                         "--sp", str(sp), "--zero", str(zero), "--schedule", schedule,
+                                         "--microbatches", "1"]).grid_shape(8)
+                        except gw.GridError:
+                            refused += 1
+                            continue
+                        accepted.add((rest // sp // pp, pp, mode.spec(), sp, zero, schedule))
+    assert refused, "every grid accepted: the comparison cannot fail"
+    assert {g for g in ranked} <= accepted, sorted(ranked - accepted)
+    # each accepted grid is ranked with the schedule the planner gives it (1F1B only where train needs it)
+    assert {g for g in accepted if g[5] == "message_driven" or (g[4] == 3 and g[1] > 1)} == ranked, \
+        sorted(accepted ^ ranked)
