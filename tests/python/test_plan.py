@@ -337,6 +337,43 @@ def test_megatron_published_step_times_on_average():
     assert sum(errors) / len(errors) <= 0.10, errors
 
 
+# A second source the planner was not fitted to (issue 34): Narayanan et al. 2021, "Efficient
+# Large-Scale Language Model Training on GPU Clusters Using Megatron-LM" (SC'21, arXiv
+# 2104.04473), Table 1: GPT models (sequence 2048, vocabulary 51200) on A100 80GB nodes (8 a
+# node, 8 InfiniBand HDR links each), every run with activation recomputation; the step time is
+# the paper's own FLOP count (its eq. 3, plan.transformer_flops with recompute) over the GPUs
+# and their achieved teraFLOP/s. (billions of parameters, heads, hidden, layers, tensor-parallel,
+# pipeline-parallel, GPUs, global batch, teraFLOP/s per GPU). The micro-batch size is not in the
+# table: the planner's fastest that fits (plan.best_microbatching), 1F1B, no flash attention (2021).
+NARAYANAN = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+             (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+             (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+             (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+             (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]
+
+
+def _narayanan(billions, heads, hidden, layers, tp, pp, gpus, batch, tflops):
+    m = plan.Model(ModelConfig("gpt", 51200, hidden=hidden, heads=heads, layers=layers, seq=2048), batch=batch,
+                   fused_attention=False)
+    assert abs(m.config.matrix_parameters() / 1e9 - billions) / billions < 0.04  # the paper's model (its sizes rounded)
+    published = plan.transformer_flops(m, recompute=True) / (gpus * tflops * 1e12)
+    grid = plan.GridShape(dp=gpus // (tp * pp), pp=pp, tp=gw.Row(tp) if tp > 1 else gw.modes.parse("none"),
+                          schedule="1f1b")
+    a100 = plan.load_cluster("a100-ib")
+    r = plan.best_microbatching(m, grid, a100, recompute=True)
+    assert r["memory_bytes"] <= a100.memory_bytes, (billions, r["memory_bytes"])  # it ran on 80 GB
+    return r["step_time_s"] / published - 1
+
+
+def test_narayanan_published_step_times():
+    """Table 1's ten points, 1.7B on 32 GPUs to 1T on 3072, from the a100 preset as it is: mean
+    |error| within 10%, each within 25%. Measured: mean 7.5%, worst +23% (1.7B: the small models'
+    element-wise work, which Megatron fuses, is costed as torch's separate kernels)."""
+    errors = {p[0]: _narayanan(*p) for p in NARAYANAN}
+    assert all(abs(e) <= 0.25 for e in errors.values()), errors
+    assert sum(abs(e) for e in errors.values()) / len(errors) <= 0.10, errors
+
+
 # One rank's resident memory over a training step of the main job, with glibc's mmap
 # threshold fixed so a freed tensor leaves the resident set (benchmarks/bench_plan.py does
 # the same): the growth over the resident set before the model was built, a first model and
