@@ -601,17 +601,21 @@ def enumerate_grids(n: int, model: Model, placements=PLACEMENTS, zeros=(0, 1, 2,
 
 def microbatch_counts(model: Model, grid: GridShape, sizes=(1, 2, 4, 8, 16)) -> list:
     """The micro-batch counts of the micro-batch sizes (sequences per micro-batch, Megatron's
-    --micro-batch-size) that `gridweave train` accepts on this grid (GridShape.check)."""
+    --micro-batch-size) that `gridweave train` accepts on this grid (GridShape.check); where it
+    accepts none of `sizes` (a mode that splits each micro-batch's rows over many ranks), the
+    smallest size it accepts."""
     b = model.batch // grid.dp if grid.dp and model.batch % grid.dp == 0 else 0
-    out = []
-    for mbs in sizes:
-        if not b or b % mbs:
-            continue
+
+    def accepted(mbs):
         try:
             grid.check(model, b // mbs)
         except GridError:
-            continue
-        out.append(b // mbs)
+            return False
+        return True
+
+    out = [b // mbs for mbs in sizes if b and b % mbs == 0 and accepted(mbs)]
+    if not out and b:
+        out = [b // mbs for mbs in range(1, b + 1) if b % mbs == 0 and accepted(mbs)][:1]
     return out
 
 

@@ -19,6 +19,7 @@ from functools import lru_cache
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import _C
 from .axes import AxesView
@@ -211,6 +212,101 @@ def _flops(name, args, out) -> float:
     return 2 * f if name.endswith("backward") else f
 
 
+class MetaOutputs:
+    """A memo of functional ops' outputs on meta tensors. On the meta device an op's outputs are
+    fixed by its inputs' shapes, strides, dtypes and offsets and its other arguments, yet torch
+    computes them in Python for many ops (its reference decompositions): most of a recording's
+    time, and a recording repeats the same calls (layers, ring steps, the grids that share a
+    mode). A call whose schema lets an output alias an input (views, in-place and out= ops),
+    one on another device, or one with an argument that is not plain data runs as it is; an
+    output is remade only where the remade tensor's shape, strides, dtype and storage match
+    the real one's. Exact by construction: the recording sees the same tensors' metadata."""
+
+    _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+    def __init__(self, size: int = 1 << 17):
+        """size: the most calls remembered (0: none, every op runs)."""
+        self.size, self.memo, self.plain_schema = size, {}, {}
+
+    # initialisers: on meta they change nothing (no data), so a recording's module construction
+    # need not run torch's Python reference for them
+    _NO_DATA = {"normal_", "uniform_", "fill_", "zero_"}
+
+    def __call__(self, func, args, kwargs):
+        if self.size and func.overloadpacket.__name__ in self._NO_DATA and isinstance(args[0], torch.Tensor) and \
+                args[0].device.type == "meta":
+            return args[0]
+        key = self._key(func, args, kwargs)
+        recipe = self.memo.get(key) if key is not None else None
+        if recipe:
+            return tree_unflatten([self._make(r) for r in recipe[1]], recipe[0])
+        out = func(*args, **kwargs)
+        if key is not None and len(self.memo) < self.size:
+            self.memo[key] = self._recipe(out)
+        return out
+
+    def _key(self, func, args, kwargs):
+        plain = self.plain_schema.get(func)
+        if plain is None:  # no argument or return may alias (views, in-place, out=)
+            schema = func._schema
+            plain = self.plain_schema[func] = not any(a.alias_info is not None for a in
+                                                      list(schema.arguments) + list(schema.returns))
+        if not plain:
+            return None
+        key = [func, self._leaf(args)]
+        if kwargs:
+            key.append(self._leaf(tuple(kwargs.items())))
+        return None if None in key else tuple(key)
+
+    def _leaf(self, x):
+        """A hashable stand-in for an argument: a tensor's metadata, plain data as it is, a list's
+        items; None where the argument is neither."""
+        if isinstance(x, torch.Tensor):
+            if x.device.type != "meta" or x.layout != torch.strided:
+                return None
+            return x.shape, x.stride(), x.dtype, x.storage_offset()
+        if isinstance(x, (tuple, list)):
+            parts = tuple(self._leaf(y) for y in x)
+            return None if None in parts else (type(x), parts)
+        return (type(x), x) if isinstance(x, self._PLAIN) else None
+
+    def _recipe(self, out):
+        """How to remake `out`, or False (not remade: not plain tensors, or a remade one differs)."""
+        leaves, spec = tree_flatten(out)
+        recipe = []
+        for x in leaves:
+            if isinstance(x, torch.Tensor):
+                if x.device.type != "meta" or x.layout != torch.strided or x.requires_grad:
+                    return False
+                r = ("T", tuple(x.shape), x.stride(), x.dtype, x.storage_offset(), x.untyped_storage().nbytes())
+                again = self._make(r)
+                if (again.untyped_storage().nbytes(), again.storage_offset()) != (r[5], r[4]):
+                    return False
+                recipe.append(r)
+            elif isinstance(x, self._PLAIN):
+                recipe.append(("V", x))
+            else:
+                return False
+        return spec, tuple(recipe)
+
+    @staticmethod
+    def _make(r):
+        if r[0] == "V":
+            return r[1]
+        _, shape, stride, dtype, offset, nbytes = r
+        return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+
+
+META = MetaOutputs()  # shared by every recording of the process: a pure memo, like the recordings' lru caches
+
+
+class MetaMemo(TorchDispatchMode):
+    """Every op on meta tensors through META (building a stage, the optimizer's recording)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return META(func, args, kwargs or {})
+
+
 class Census(TorchDispatchMode):
     """What a recorded run costs a rank: GEMM calls and FLOPs, the other kernels (views are
     not kernels) and the bytes they read and write, and the activations kept for backward."""
@@ -224,7 +320,7 @@ class Census(TorchDispatchMode):
         self.live, self.peak, self._alive = 0, 0, set()  # bytes of the tensors the run holds at once
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        out = META(func, args, kwargs or {})
         name = func.overloadpacket.__name__
         if name in _GEMMS or name.removesuffix("_backward") in _GEMMS:
             self.calls += 1
@@ -331,16 +427,17 @@ def record_stage(config, mode, dp, pp, sp, at, batch, per_stage, dtype=torch.bfl
     axes = _grid_axes(dp, pp, sp, mode)
     grid = RecordingGrid(axes, mode, _recorded_at(mode, axes, at))
     stage = grid.coords["pp"]
-    dense = _dense(config, pp * per_stage, dtype)
     options = dict(attention=attention[0], ulysses_degree=attention[1])
-    if ends:
-        st = GPTStage(dense, grid, mode, stage, pp, **options)
-        shape = st.activation_shape(batch, config.seq)
-    else:  # the layers alone, on the stage's (dp-free) layout
-        st = torch.nn.Module()
-        st.layers = torch.nn.ModuleList(TransformerLayer.from_dense(d, grid, mode=mode, **options)
-                                        for d in dense.layers[:per_stage])
-        shape = st.layers[0].input_layout.without("dp").local_shape((batch, config.seq, config.hidden), grid)
+    with MetaMemo():  # building it (its run is the Census's, which memoizes the same way)
+        dense = _dense(config, pp * per_stage, dtype)
+        if ends:
+            st = GPTStage(dense, grid, mode, stage, pp, **options)
+            shape = st.activation_shape(batch, config.seq)
+        else:  # the layers alone, on the stage's (dp-free) layout
+            st = torch.nn.Module()
+            st.layers = torch.nn.ModuleList(TransformerLayer.from_dense(d, grid, mode=mode, **options)
+                                            for d in dense.layers[:per_stage])
+            shape = st.layers[0].input_layout.without("dp").local_shape((batch, config.seq, config.hidden), grid)
     params = list(st.parameters())
     saved = _Saved(params)
     with Census() as census, (FusedAttention() if fused_attention else contextlib.nullcontext()):
@@ -407,7 +504,18 @@ def _difference(a, b) -> list:
     return out
 
 
-@lru_cache(maxsize=256)
+def stage_role(pp: int, stage: int) -> tuple:
+    """(pp, stage) of the smallest pipeline whose stage `stage` holds and does what stage `stage`
+    of `pp` does: the only stage (pp 1), the first (stage 0 of 2), the last (stage 1 of 2) or one
+    between (stage 1 of 3). A stage depends on pp only through whether it has the embedding
+    (stage 0), the head (the last) and boundaries (pp > 1), so the recordings of grids that differ
+    in pp alone are one recording (and in dp alone: a stage issues no collective over dp, its
+    gradients are reduced by the optimizer, recorded with dp as it is). Exact:
+    tests/python/test_plan.py compares them."""
+    return (1, 0) if pp == 1 else (2, 0) if stage == 0 else (2, 1) if stage == pp - 1 else (3, 1)
+
+
+@lru_cache(maxsize=1024)
 def _stage_recordings(config, mode, dp, pp, sp, at, dtype, ends, fused_attention, attention=("ring", 1)) -> tuple:
     """record_stage with one and two layers a stage, at the mode's smallest batch b0 and 2 b0."""
     b0 = batch_unit(mode, sp)
@@ -441,13 +549,16 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
     announced on the host control channel (its header, cpp/pipeline.cpp's Outbox). zero (a ZeRO
     stage) or offload=False: gw.optim.DistributedAdam's reductions, norm and all-gathers, recorded
     from its own code. attention: (SeqAttention value, Ulysses degree) of the layers over sp."""
-    rec, b0 = _stage_recordings(config, mode, dp, pp, sp, at, dtype, ends, fused_attention, attention)
+    stage = dict(at).get("pp", 0)
+    rpp, rstage = stage_role(pp, stage)  # the recordings of grids that share this stage's shapes
+    others = tuple((a, i) for a, i in at if a not in ("dp", "pp"))
+    rec, b0 = _stage_recordings(config, mode, 1, rpp, sp, others + (("pp", rstage),), dtype, ends, fused_attention,
+                                attention)
     f = (batch - b0) / b0  # every byte and FLOP is affine in the batch: two recordings give any batch
     one, two = (_lerp(rec[(k, b0)][0], rec[(k, 2 * b0)][0], f) for k in (1, 2))
     payload = round(rec[(1, b0)][1] + (rec[(1, 2 * b0)][1] - rec[(1, b0)][1]) * f)
     layer = two.minus(one)
-    stage_work = one.plus(layer, config.layers // pp - 1)
-    stage = dict(at).get("pp", 0)
+    stage_work = one.plus(layer, config.layers // pp - 1)  # the stage's layers are one layer's recording
     pipeline = []  # seed 001: each micro-batch's activation forward, its gradient backward
     message = float(payload + _C.pipeline_header_bytes)
     for peer in (stage + 1, stage - 1):
@@ -466,7 +577,12 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
     grid.all_reduce(scalar, None)  # the step's loss
     if loss_scaling:
         grid.all_reduce(scalar, None, op="max")  # the inf check (Grid.any)
-    opt = _optimizer_schedule(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, clip, zero, offload)
+    # the stage's parameters as the smallest pipeline with this stage's role and layers holds them;
+    # OffloadAdam's chunks and norm depend on dp only through whether it is an axis (size > 1)
+    odp, oat = (dp, at) if uses_distributed(zero, offload) else (min(dp, 2), tuple((a, i) for a, i in at if a != "dp"))
+    opt = _optimizer_schedule(dataclasses.replace(config, layers=config.layers // pp * rpp), mode, odp, rpp, sp,
+                              tuple((a, i) for a, i in oat if a != "pp") + (("pp", rstage),), dtype, bsize, coarsening,
+                              clip, zero, offload)
     micro = dataclasses.replace(micro, collectives=micro.collectives + opt["gathers"])
     return StepSchedule(micro, microbatches, tuple(grid.log) + opt["step"], opt["parameters"], opt["tensors"],
                         layer, config.layers // pp, opt["state"], opt["gathered"])
@@ -479,6 +595,11 @@ def _optimizer_schedule(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, 
     all-reduces or reduce-scatters, the clipping norm, the all-gathers), ZeRO-3's gathers of one
     micro-batch, the parameters, the state elements of each kind (-1: unsharded) and ZeRO-3's
     most elements gathered at once."""
+    with MetaMemo():
+        return _record_optimizer(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, clip, zero, offload)
+
+
+def _record_optimizer(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, clip, zero, offload) -> dict:
     grid = RecordingGrid(_grid_axes(dp, pp, sp, mode), mode, dict(at))
     stage = _stage(config, mode, dp, pp, sp, at, dtype)
     params_of = list(stage.parameters())

@@ -89,8 +89,8 @@ def group_order(widths, groups: int, device="cpu") -> torch.Tensor:
         if w % groups:
             raise GridError(f"a packed projection of parts {list(widths)} does not split into {groups} groups")
     starts = [sum(widths[:i]) for i in range(len(widths))]
-    idx = [s + t * (w // groups) + k for t in range(groups) for s, w in zip(starts, widths) for k in range(w // groups)]
-    return torch.tensor(idx, dtype=torch.int64, device=device)
+    return torch.cat([torch.arange(s + t * (w // groups), s + (t + 1) * (w // groups), dtype=torch.int64, device=device)
+                      for t in range(groups) for s, w in zip(starts, widths)])
 
 
 def set_row_order(param, widths, groups: int):

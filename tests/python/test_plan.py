@@ -494,3 +494,80 @@ def test_a_grid_train_refuses_is_not_ranked():
     # each accepted grid is ranked with the schedule the planner gives it (1F1B only where train needs it)
     assert {g for g in accepted if g[5] == "message_driven" or (g[4] == 3 and g[1] > 1)} == ranked, \
         sorted(accepted ^ ranked)
+
+
+# ---- planning fast, exactly (issue 34): what the planner reuses, checked against recording anew ----
+
+SMALL = ModelConfig("llama", 256, hidden=64, heads=8, layers=8, seq=64, kv_heads=4)
+
+
+@pytest.mark.parametrize("spec", ["none", "row:2", "cube:2", "subgraph:2"])
+def test_grids_that_differ_in_dp_and_pp_alone_share_one_recording(spec):
+    """recorder.stage_role: the stage recorded on the smallest grid with its role equals the
+    stage recorded on the grid itself, for every stage role, dp and its coordinate; the
+    optimizer's recording likewise, at every ZeRO stage and both optimizers."""
+    import dataclasses
+
+    import torch
+
+    from gridweave import recorder
+
+    mode = gw.modes.parse(spec)
+    for dp, pp, sp in ((3, 4, 2), (2, 4, 1), (2, 1, 2)):
+        for stage in sorted({0, min(1, pp - 1), pp - 1}):
+            at = (("dp", dp - 1), ("pp", stage))
+            rpp, rstage = recorder.stage_role(pp, stage)
+            b0 = recorder.batch_unit(mode, sp)
+            for k in (1, 2):
+                assert recorder.record_stage(SMALL, mode, dp, pp, sp, at, b0, k) == \
+                    recorder.record_stage(SMALL, mode, 1, rpp, sp, (("pp", rstage),), b0, k), (dp, pp, sp, stage, k)
+            small = dataclasses.replace(SMALL, layers=SMALL.layers // pp * rpp)
+            for zero, offload in ((0, True), (0, False), (1, True), (2, True), (3, True)):
+                args = (torch.bfloat16, 1 << 10, 4, True, zero, offload)
+                # OffloadAdam (zero 0, offloaded): dp only names the axes its chunks reduce over
+                odp, oat = (dp, (("dp", dp - 1),)) if zero or not offload else (min(dp, 2), ())
+                assert recorder._optimizer_schedule(SMALL, mode, dp, pp, sp, at, *args) == \
+                    recorder._optimizer_schedule(small, mode, odp, rpp, sp, oat + (("pp", rstage),), *args)
+
+
+@pytest.mark.parametrize("spec", ["none", "row:2", "cube:2", "subgraph:2"])
+def test_a_stage_of_many_layers_is_its_one_layer_recording_repeated(spec):
+    """The step's stage is one- and two-layer recordings extrapolated (layer = two - one): every
+    count, FLOP, byte, kept activation and peak, and the collectives, equal a stage recorded
+    with all four of its layers."""
+    from collections import Counter
+
+    from gridweave import recorder
+
+    mode = gw.modes.parse(spec)
+    for pp, sp, stage in ((2, 2, 0), (2, 1, 1), (1, 2, 0)):
+        b0 = recorder.batch_unit(mode, sp)
+        one, two, four = (recorder.record_stage(SMALL, mode, 1, pp, sp, (("pp", stage),), b0, k)[0] for k in (1, 2, 4))
+        extrapolated = one.plus(two.minus(one), 3)
+        assert Counter(extrapolated.collectives) == Counter(four.collectives)
+        for field in recorder._SUMMED:
+            assert getattr(extrapolated, field) == pytest.approx(getattr(four, field), rel=1e-12), (field, pp, sp, stage)
+
+
+def test_the_meta_memo_changes_no_recording(monkeypatch):
+    """recorder.META remakes a functional op's outputs from its inputs' metadata: recordings (fused
+    and materialised attention, every mode, ring and Ulysses over sp, each role) equal the ones
+    made with every op run, and a second pass from the memo equals them too."""
+    import torch
+
+    from gridweave import recorder
+
+    cases = []
+    for spec in ("none", "row:2", "square:2", "cube:2", "subgraph:2", "csub:2"):
+        mode = gw.modes.parse(spec)
+        for pp, sp, stage in ((2, 2, 0), (2, 4, 1), (3, 1, 1)):
+            cases += [(SMALL, mode, 1, pp, sp, (("pp", stage),), recorder.batch_unit(mode, sp), 2, torch.bfloat16, True,
+                       fused) for fused in (True, False)]
+    cases.append((SMALL, gw.modes.parse("none"), 1, 1, 4, (("pp", 0),), 1, 2, torch.float32, True, True, ("ulysses", 1)))
+    monkeypatch.setattr(recorder, "META", recorder.MetaOutputs(size=0))  # every op runs
+    every = [recorder.record_stage(*c) for c in cases]
+    memo = recorder.MetaOutputs()
+    monkeypatch.setattr(recorder, "META", memo)
+    assert [recorder.record_stage(*c) for c in cases] == every
+    assert memo.memo and all(memo.memo.values()), "the memo remade nothing: the comparison cannot fail"
+    assert [recorder.record_stage(*c) for c in cases] == every
