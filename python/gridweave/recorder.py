@@ -266,7 +266,7 @@ class MetaOutputs:
                 return None
             return x.shape, x.stride(), x.dtype, x.storage_offset()
         if isinstance(x, (tuple, list)):
-            parts = tuple(self._leaf(y) for y in x)
+            parts = tuple([self._leaf(y) for y in x])
             return None if None in parts else (type(x), parts)
         return (type(x), x) if isinstance(x, self._PLAIN) else None
 
