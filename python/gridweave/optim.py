@@ -7,6 +7,7 @@ import enum
 import math
 
 import torch
+from torch.optim.adamw import adamw as fused_adamw
 
 from .checkpoint import FlatSlice
 from .errors import GridError
@@ -21,20 +22,24 @@ def matrices_only(p) -> bool:
     return p.dim() >= 2
 
 
-def adamw_(w, m, v, g, lr, betas, eps, weight_decay, t, decay=None) -> None:
-    """One AdamW step in place on fp32 weights w and states m, v from gradient g (torch.optim.
-    AdamW's update, Loshchilov & Hutter 2019, Alg. 2); decay: a 0/1 mask of the decayed elements."""
-    b1, b2 = betas
-    if decay is None:
-        if weight_decay:
-            w.mul_(1 - lr * weight_decay)
-    else:
-        w.sub_(w * decay, alpha=lr * weight_decay)
-    m.lerp_(g, 1 - b1)
-    v.mul_(b2).addcmul_(g, g, value=1 - b2)
-    step_size = lr / (1 - b1 ** t)
-    denom = (v.sqrt() / math.sqrt(1 - b2 ** t)).add_(eps)
-    w.addcdiv_(m, denom, value=-step_size)
+def adamw_(w, m, v, g, lr, betas, eps, t) -> None:
+    """One Adam step in place on flat weights w and states m, v from gradient g (torch.optim.AdamW's
+    update less its weight decay, which decay_ applies first: Loshchilov & Hutter 2019, Alg. 2):
+    torch's fused kernel, one pass over the buffers where the element-wise form takes eight."""
+    step = torch.tensor(float(t - 1), device=w.device)  # torch's functional form counts this step itself
+    fused_adamw([w], [g], [m], [v], [], [step], fused=True, amsgrad=False, beta1=betas[0], beta2=betas[1], lr=lr,
+                weight_decay=0.0, eps=eps, maximize=False)
+
+
+def decay_(w, spans, lo: int, hi: int, factor: float) -> None:
+    """AdamW's decoupled weight decay (torch's w *= 1 - lr wd) on the decayed elements of w, which
+    holds positions [lo, hi) of a flat buffer whose decayed elements are `spans` ((a, b) ranges)."""
+    if factor == 1.0:
+        return
+    for a, b in spans:
+        a, b = max(a, lo), min(b, hi)
+        if a < b:
+            w[a - lo:b - lo].mul_(factor)
 
 
 def gradient_chunks(params, grid, bsize: int, coarsening: int, backward: bool = False) -> tuple:
@@ -148,19 +153,21 @@ class OffloadAdam:
         for i, p in enumerate(self.params):
             flat[self._offset[i]:self._offset[i] + p.numel()] = p.detach().reshape(-1).to(host, torch.float32)
         self.master = flat.pin_memory() if pin else flat
-        self._decay = None  # a 0/1 mask over the flat buffer, when some parameters are not decayed
-        if decay is not None and not all(decay(p) for p in self.params):
-            self._decay = torch.zeros(self.numel, dtype=torch.float32, device=host)
-            for i, p in enumerate(self.params):
-                if decay(p):
-                    self._decay[self._offset[i]:self._offset[i] + p.numel()] = 1.0
+        # the flat buffer's decayed elements, as ranges (each parameter's, the adjacent ones merged)
+        self._decayed = []
+        for i in sorted(range(len(self.params)), key=self._offset.__getitem__):
+            if decay is None or decay(self.params[i]):
+                a, b = self._offset[i], self._offset[i] + self.params[i].numel()
+                if self._decayed and self._decayed[-1][1] == a:
+                    a = self._decayed.pop()[0]
+                self._decayed.append((a, b))
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.step_count = 0
         dev = self.params[0].device
         self.staged = self.master.device != dev if staged is None else bool(staged)
         # Device buffers reused across buckets: weights, two states, descaled gradients.
-        kinds = ("w", "m", "v", "g") + (("d",) if self._decay is not None else ())
+        kinds = ("w", "m", "v", "g")
         self._buf = {k: torch.empty(self.bsize, dtype=torch.float32, device=dev) for k in kinds} if self.staged else {}
         self.backwards_per_step = 1  # the pipeline's micro-batches: gw.train.train_step sets it
         self.phases = None  # a gw.measure.StepPhases timing the reduction's waits (gw.train.train_step sets it)
@@ -178,8 +185,7 @@ class OffloadAdam:
     # ---- memory accounting (bytes on the device) ------------------------------------
     def device_bytes(self) -> dict:
         """Parameters + gradients in the model's dtype and the 16*bsize of bucket buffers
-        (4 phi + 16 bsize with half-precision models, seed 001 §V; 20*bsize when some
-        parameters are not decayed: the decay mask's bucket); `without_offload` is the usual
+        (4 phi + 16 bsize with half-precision models, seed 001 §V); `without_offload` is the usual
         20 phi (half weights and gradients, fp32 master, fp32 gradients, two states)."""
         model = sum(p.numel() * p.element_size() for p in self.params)
         buckets = sum(b.numel() * b.element_size() for b in self._buf.values())
@@ -323,9 +329,9 @@ class OffloadAdam:
         g = grads[lo:hi]
         if g.dtype != torch.float32 or scale != 1.0:
             g = g.to(torch.float32) * scale  # descale the half-precision gradient in fp32
-        d = self._decay[lo:hi] if self._decay is not None else None
+        decay_(self.master[lo:hi], self._decayed, lo, hi, 1 - self.lr * self.weight_decay)
         adamw_(self.master[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], g, self.lr, self.betas, self.eps,
-               self.weight_decay, self.step_count, d)
+               self.step_count)
 
     def _clip_coefficient(self, grads, unscale: float = 1.0) -> float:
         """max_norm / (norm + 1e-6), at most 1, of the unscaled summed gradient (torch's rule)."""
@@ -348,11 +354,8 @@ class OffloadAdam:
         g.copy_(grads[lo:hi])  # descale the half-precision gradient in fp32
         if scale != 1.0:
             g.mul_(scale)
-        d = None
-        if self._decay is not None:
-            d = self._buf["d"][:n]
-            d.copy_(self._decay[lo:hi])
-        adamw_(w, m, v, g, self.lr, self.betas, self.eps, self.weight_decay, self.step_count, d)
+        decay_(w, self._decayed, lo, hi, 1 - self.lr * self.weight_decay)
+        adamw_(w, m, v, g, self.lr, self.betas, self.eps, self.step_count)
         self.master[lo:hi].copy_(w)
         self.exp_avg[lo:hi].copy_(m)
         self.exp_avg_sq[lo:hi].copy_(v)
@@ -683,9 +686,9 @@ class DistributedAdam:
                 grad = s.to(self.dtype) if s.dtype != self.dtype else s.clone()
                 if coef != 1.0:
                     grad.mul_(coef)
-                self._decay_(self.master[lo:hi], k, 0, hi - lo)
+                decay_(self.master[lo:hi], self._decayed[k], 0, hi - lo, 1 - self.lr * self.weight_decay)
                 adamw_(self.master[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], grad, self.lr, self.betas,
-                       self.eps, 0.0, self.step_count)
+                       self.eps, self.step_count)
         if self.units is not None:
             self._refresh_shards()  # the next forward gathers them
         else:
@@ -738,22 +741,11 @@ class DistributedAdam:
         g.copy_(shard[lo:hi])
         if coef != 1.0:
             g.mul_(coef)
-        self._decay_(w, k, lo, hi)
-        adamw_(w, m, v, g, self.lr, self.betas, self.eps, 0.0, self.step_count)
+        decay_(w, self._decayed[k], lo, hi, 1 - self.lr * self.weight_decay)
+        adamw_(w, m, v, g, self.lr, self.betas, self.eps, self.step_count)
         self.master[base + lo:base + hi].copy_(w)
         self.exp_avg[base + lo:base + hi].copy_(m)
         self.exp_avg_sq[base + lo:base + hi].copy_(v)
-
-    def _decay_(self, w, k, lo, hi):
-        """AdamW's decoupled weight decay (torch's w *= 1 - lr wd) on the decayed elements of w,
-        which holds positions [lo, hi) of group k's shard."""
-        if not self.weight_decay:
-            return
-        f = 1 - self.lr * self.weight_decay
-        for a, b in self._decayed[k]:
-            a, b = max(a, lo), min(b, hi)
-            if a < b:
-                w[a - lo:b - lo].mul_(f)
 
     def gather_parameters(self) -> None:
         """Every rank's updated shard, in the model's dtype, gathered into its parameters."""
@@ -848,6 +840,5 @@ def held_bytes(params, optimizer) -> dict:
 
     return {"parameters": size(list(params) + list(getattr(optimizer, "param_shards", None) or [])),
             "gradients": size([p.grad for p in params] + list(getattr(optimizer, "grad_shards", None) or [])),
-            "optimizer": size([getattr(optimizer, k) for k in optimizer.STATE_KEYS] +
-                              [getattr(optimizer, "_decay", None)]),
+            "optimizer": size([getattr(optimizer, k) for k in optimizer.STATE_KEYS]),
             "optimizer_buffers": size(getattr(optimizer, "_buf", {}).values())}

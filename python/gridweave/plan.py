@@ -523,13 +523,13 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
     s_mem = max(by_stage, key=lambda k: sum(by_stage[k].values()))
     memory_breakdown = by_stage[s_mem]
     top = stages[s_mem][3]
-    # the offloaded master and states (OffloadAdam's decay mask beside them when unsharded)
-    host = (12 * top.shard if grid.zero else 16 * top.parameters) if offload_bsize else 0
+    # the offloaded fp32 master and two states
+    host = 12 * (top.shard if grid.zero else top.parameters) if offload_bsize else 0
     # the ZeRO paper's accounting after a step (Rajbhandari et al. 2020, Fig. 1), as gw.train's
     # metrics.json memory_bytes measures it: each term over N_d where the stage shards it
     held = {"parameters": e * (top.shard if grid.zero == 3 else top.parameters),
             "gradients": e * (top.shard if grid.zero >= 2 else top.parameters),
-            "optimizer": (12 - 4 * aliased) * top.shard + (4 * top.parameters if offload_bsize and not grid.zero else 0)}
+            "optimizer": (12 - 4 * aliased) * top.shard}
     return {**{k: v for k, v in asdict(grid).items() if k != "tp"}, "tp": grid.tp.spec(),
             "step_time_s": step, "compute_s": compute_paper, "bubble": bubble, "microbatches": m,
             "memory_bytes": sum(memory_breakdown.values()), "parameters": phi,

@@ -65,7 +65,7 @@ def test_memory_follows_axonn_accounting():
     phi = sum(p.numel() for p in gw.models.build(m.config, device="meta").parameters())  # torch's own count
     # AxoNN's 4 phi + 16 bsize, and the flat half-precision gradient OffloadAdam sums (2 phi)
     assert full["memory_bytes"] - off["memory_bytes"] == pytest.approx(20 * phi - (4 * phi + 16 * (1 << 20) + 2 * phi))
-    assert off["host_bytes"] == 16 * phi  # fp32 master, exp_avg, exp_avg_sq, the weight-decay mask
+    assert off["host_bytes"] == 12 * phi  # fp32 master, exp_avg, exp_avg_sq
 
 
 def test_plan_command_json(tmp_path):
