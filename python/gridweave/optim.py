@@ -22,24 +22,20 @@ def matrices_only(p) -> bool:
     return p.dim() >= 2
 
 
-def adamw_(w, m, v, g, lr, betas, eps, t) -> None:
-    """One Adam step in place on flat weights w and states m, v from gradient g (torch.optim.AdamW's
-    update less its weight decay, which decay_ applies first: Loshchilov & Hutter 2019, Alg. 2):
-    torch's fused kernel, one pass over the buffers where the element-wise form takes eight."""
-    step = torch.tensor(float(t - 1), device=w.device)  # torch's functional form counts this step itself
-    fused_adamw([w], [g], [m], [v], [], [step], fused=True, amsgrad=False, beta1=betas[0], beta2=betas[1], lr=lr,
-                weight_decay=0.0, eps=eps, maximize=False)
-
-
-def decay_(w, spans, lo: int, hi: int, factor: float) -> None:
-    """AdamW's decoupled weight decay (torch's w *= 1 - lr wd) on the decayed elements of w, which
-    holds positions [lo, hi) of a flat buffer whose decayed elements are `spans` ((a, b) ranges)."""
-    if factor == 1.0:
-        return
-    for a, b in spans:
+def adamw_(w, m, v, g, lr, betas, eps, t, weight_decay=0.0, decayed=(), lo: int = 0) -> None:
+    """One AdamW step in place on flat weights w and states m, v from gradient g (torch.optim.AdamW's
+    update, Loshchilov & Hutter 2019, Alg. 2). w holds positions [lo, lo + len(w)) of a flat buffer
+    whose decayed elements are `decayed` ((a, b) ranges): the decoupled decay (w *= 1 - lr wd)
+    there first, then torch's fused Adam kernel, one pass over the buffers where the element-wise
+    form takes eight."""
+    factor, hi = 1 - lr * weight_decay, lo + w.numel()
+    for a, b in decayed if factor != 1.0 else ():
         a, b = max(a, lo), min(b, hi)
         if a < b:
             w[a - lo:b - lo].mul_(factor)
+    step = torch.tensor(float(t - 1), device=w.device)  # torch's functional form counts this step itself
+    fused_adamw([w], [g], [m], [v], [], [step], fused=True, amsgrad=False, beta1=betas[0], beta2=betas[1], lr=lr,
+                weight_decay=0.0, eps=eps, maximize=False)
 
 
 def gradient_chunks(params, grid, bsize: int, coarsening: int, backward: bool = False) -> tuple:
@@ -329,9 +325,8 @@ class OffloadAdam:
         g = grads[lo:hi]
         if g.dtype != torch.float32 or scale != 1.0:
             g = g.to(torch.float32) * scale  # descale the half-precision gradient in fp32
-        decay_(self.master[lo:hi], self._decayed, lo, hi, 1 - self.lr * self.weight_decay)
         adamw_(self.master[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], g, self.lr, self.betas, self.eps,
-               self.step_count)
+               self.step_count, self.weight_decay, self._decayed, lo)
 
     def _clip_coefficient(self, grads, unscale: float = 1.0) -> float:
         """max_norm / (norm + 1e-6), at most 1, of the unscaled summed gradient (torch's rule)."""
@@ -354,8 +349,7 @@ class OffloadAdam:
         g.copy_(grads[lo:hi])  # descale the half-precision gradient in fp32
         if scale != 1.0:
             g.mul_(scale)
-        decay_(w, self._decayed, lo, hi, 1 - self.lr * self.weight_decay)
-        adamw_(w, m, v, g, self.lr, self.betas, self.eps, self.step_count)
+        adamw_(w, m, v, g, self.lr, self.betas, self.eps, self.step_count, self.weight_decay, self._decayed, lo)
         self.master[lo:hi].copy_(w)
         self.exp_avg[lo:hi].copy_(m)
         self.exp_avg_sq[lo:hi].copy_(v)
@@ -686,9 +680,8 @@ class DistributedAdam:
                 grad = s.to(self.dtype) if s.dtype != self.dtype else s.clone()
                 if coef != 1.0:
                     grad.mul_(coef)
-                decay_(self.master[lo:hi], self._decayed[k], 0, hi - lo, 1 - self.lr * self.weight_decay)
                 adamw_(self.master[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], grad, self.lr, self.betas,
-                       self.eps, self.step_count)
+                       self.eps, self.step_count, self.weight_decay, self._decayed[k])
         if self.units is not None:
             self._refresh_shards()  # the next forward gathers them
         else:
@@ -741,8 +734,7 @@ class DistributedAdam:
         g.copy_(shard[lo:hi])
         if coef != 1.0:
             g.mul_(coef)
-        decay_(w, self._decayed[k], lo, hi, 1 - self.lr * self.weight_decay)
-        adamw_(w, m, v, g, self.lr, self.betas, self.eps, self.step_count)
+        adamw_(w, m, v, g, self.lr, self.betas, self.eps, self.step_count, self.weight_decay, self._decayed[k], lo)
         self.master[base + lo:base + hi].copy_(w)
         self.exp_avg[base + lo:base + hi].copy_(m)
         self.exp_avg_sq[base + lo:base + hi].copy_(v)
