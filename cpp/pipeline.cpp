@@ -282,10 +282,74 @@ class AnnouncedReceiver : public Receiver {
   int cur_ = 0;
 };
 
+// A stage of several ranks (tensor or sequence parallel) runs collectives among them inside each
+// forward and backward, so its members must handle their messages in one order, or their
+// collectives pair up differently and hang (or sum the wrong tensors). The group's first member
+// takes whichever message arrives first (Algorithm 2) and tells the others which it took, two
+// words on a host channel over the stage's members; a follower then receives exactly that one
+// from its own neighbour. Each sender's messages arrive in the order it sent them, and the
+// neighbouring stages' members agreed on that order among themselves too, so the follower's next
+// message from that neighbour is the one its leader took.
+class LeadReceiver : public Receiver {
+ public:
+  LeadReceiver(std::unique_ptr<Receiver> inner, Communicator& group)
+      : inner_(std::move(inner)), group_(group), said_(0, Device::CPU) {}
+  Delivered next() override {
+    Delivered got = inner_->next();
+    said_.set(got.kind, got.mb, nullptr, 0);
+    group_.broadcast(said_.view(), 0, false)->wait_host(group_.info().timeout);
+    return got;
+  }
+
+ private:
+  std::unique_ptr<Receiver> inner_;
+  Communicator& group_;
+  StageMessage said_;
+};
+
+class FollowReceiver : public Receiver {
+ public:
+  FollowReceiver(Communicator& group, Communicator& pp, Communicator* control, std::size_t payload, const Ends& ends,
+                 void* stream)
+      : group_(group), pp_(pp), control_(control), ends_(ends), said_(0, Device::CPU), header_(0, Device::CPU) {
+    for (int k = 0; k < 2; ++k) bufs_.emplace_back(payload, pp.device(), stream);
+  }
+  Delivered next() override {
+    group_.broadcast(said_.view(), 0, false)->wait_host(group_.info().timeout);
+    const auto [kind, mb] = said_.header();
+    const int from = kind == kActivation ? ends_.prev : ends_.next;
+    GW_CHECK(from >= 0, "pipeline: the stage's leader took kind " << kind << " of microbatch " << mb
+                                                                 << ", which no neighbour of this stage sends");
+    if (control_ != nullptr)  // the announcement the sender made of it, taken from that sender
+      control_->recv(header_.view(), from, kControlTag)->wait_host(control_->info().timeout);
+    StageMessage& msg = bufs_[cur_];
+    cur_ ^= 1;
+    ends_.from(from).recv(msg.view(), kTag)->wait(pp_.info().timeout);
+    if (pp_.device() == Device::CPU) {  // a free check where the message is host memory
+      const auto got = msg.header();
+      GW_CHECK(got.first == kind && got.second == mb, "pipeline: the stage's leader took kind "
+                                                          << kind << " of microbatch " << mb << " but neighbour "
+                                                          << from << " sent kind " << got.first << " of microbatch "
+                                                          << got.second);
+    }
+    return {&msg, kind, mb};
+  }
+
+ private:
+  Communicator& group_;
+  Communicator& pp_;
+  Communicator* control_;
+  Ends ends_;
+  StageMessage said_, header_;
+  std::vector<StageMessage> bufs_;
+  int cur_ = 0;
+};
+
 }  // namespace
 
 PipelineStats run_message_driven(Communicator& pp, const PipelineConfig& cfg, const StageForward& forward,
-                                 const StageBackward& backward, Communicator* control, const StageLinks& links) {
+                                 const StageBackward& backward, Communicator* control, const StageLinks& links,
+                                 Communicator* stage_group) {
   check(cfg, pp);
   ReceiveStrategy how = cfg.receive;
   if (how == ReceiveStrategy::Auto)
@@ -328,7 +392,12 @@ PipelineStats run_message_driven(Communicator& pp, const PipelineConfig& cfg, co
   if (s > 0) peers.push_back(s - 1);
   if (s < last) peers.push_back(s + 1);
   std::unique_ptr<Receiver> in;
-  if (expected > 0) {
+  // only a stage between two others has two sources whose messages can arrive in either order
+  const bool agree = stage_group != nullptr && stage_group->size() > 1 && s > 0 && s < last;
+  if (agree && stage_group->rank() > 0) {
+    in = std::make_unique<FollowReceiver>(*stage_group, pp, how == ReceiveStrategy::Announced ? control : nullptr,
+                                          cfg.payload_bytes, ends, cfg.stream);
+  } else if (expected > 0) {
     if (how == ReceiveStrategy::Any) in = std::make_unique<AnyReceiver>(pp, cfg.payload_bytes, peers, expected, cfg.stream);
     else if (how == ReceiveStrategy::Announced)
       in = std::make_unique<AnnouncedReceiver>(pp, *control, cfg.payload_bytes, ends, peers, expected, cfg.stream);
@@ -337,6 +406,7 @@ PipelineStats run_message_driven(Communicator& pp, const PipelineConfig& cfg, co
       for (int p : peers) from.push_back(ends.from(p));
       in = std::make_unique<PerPeerReceiver>(pp, cfg.payload_bytes, from, cfg.microbatches, s, cfg.stream);
     }
+    if (agree) in = std::make_unique<LeadReceiver>(std::move(in), *stage_group);
   }
   while (expected > 0) {
     Delivered got;

@@ -72,9 +72,13 @@ struct PipelineStats {
 // re-posted before the compute of the message it delivered); whichever message arrives
 // first is processed; stage 0 keeps pipeline_limit microbatches in flight, injecting one
 // each time a backward completes; the last stage turns each forward into a backward.
+// stage_group: a host communicator over the other ranks of this stage (its tensor and
+// sequence axes), whose forward and backward run collectives together: a stage between two
+// others then takes its messages in the order its first member receives them (null or one
+// member: each rank by its own arrivals).
 PipelineStats run_message_driven(Communicator& pp, const PipelineConfig& cfg, const StageForward& forward,
                                  const StageBackward& backward, Communicator* control = nullptr,
-                                 const StageLinks& links = {});
+                                 const StageLinks& links = {}, Communicator* stage_group = nullptr);
 
 // Megatron's synchronous 1F1B with flush: warm-up forwards, one-forward-one-backward,
 // cool-down backwards, each message to a known peer.

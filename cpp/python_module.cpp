@@ -307,7 +307,8 @@ PYBIND11_MODULE(_C, m) {
                            int microbatches, int pipeline_limit, std::size_t payload_bytes,
                            std::function<std::uintptr_t(int, std::uintptr_t)> fwd,
                            std::function<std::uintptr_t(int, std::uintptr_t)> bwd, ReceiveStrategy receive,
-                           std::shared_ptr<Communicator> control, const StageLinks& links, std::uintptr_t stream) {
+                           std::shared_ptr<Communicator> control, const StageLinks& links, std::uintptr_t stream,
+                           std::shared_ptr<Communicator> stage_group) {
     PipelineConfig cfg{stage, stages, microbatches, pipeline_limit, payload_bytes, receive,
                        reinterpret_cast<void*>(stream)};
     StageForward f = [&fwd](int mb, const void* x) {
@@ -318,11 +319,11 @@ PYBIND11_MODULE(_C, m) {
     };
     py::gil_scoped_release nogil;  // callbacks take the GIL back while they run
     return schedule == PipelineSchedule::OneFOneB ? run_one_f_one_b(*pp, cfg, f, b, links)
-                                                  : run_message_driven(*pp, cfg, f, b, control.get(), links);
+                                                  : run_message_driven(*pp, cfg, f, b, control.get(), links, stage_group.get());
   }, py::arg("pp"), py::arg("schedule"), py::arg("stage"), py::arg("stages"), py::arg("microbatches"),
      py::arg("pipeline_limit"), py::arg("payload_bytes"), py::arg("forward"), py::arg("backward"),
      py::arg("receive") = ReceiveStrategy::Auto, py::arg("control") = nullptr, py::arg("links") = StageLinks{},
-     py::arg("stream") = 0);
+     py::arg("stream") = 0, py::arg("stage_group") = nullptr);
 
   m.def("run_interleaved", [](std::shared_ptr<Communicator> pp, int stage, int stages, int chunks, int microbatches,
                               std::size_t payload_bytes, std::function<std::uintptr_t(int, int, std::uintptr_t)> fwd,

@@ -279,8 +279,18 @@ def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_s
         grid, axis, pp.rank - 1 if pp.rank > 0 else None, pp.rank + 1 if pp.rank < pp.size - 1 else None)
     stats = _C.run_pipeline(pp, SCHEDULES[schedule], pp.rank, pp.size, m, pipeline_limit, cb.payload,
                             lambda mb, addr: cb.forward(mb, 0, addr), lambda mb, addr: cb.backward(mb, 0, addr),
-                            RECEIVE[receive], control, links, _stage_stream(grid, pp))
+                            RECEIVE[receive], control, links, _stage_stream(grid, pp),
+                            _stage_group(grid, axis) if schedule == "message_driven" else None)
     return cb.loss(), stats
+
+
+def _stage_group(grid, axis):
+    """A host channel over the other ranks of this rank's stage (every axis but the pipeline's
+    and dp: the tensor and sequence axes, whose collectives run inside the stage's forward and
+    backward), or None where the stage is one rank per pipeline line: the message-driven
+    schedule's members of a stage must take their messages in one order (cpp/pipeline.h)."""
+    axes = tuple(a for a, n in grid.axes.items() if a not in (axis, "dp") and n > 1)
+    return grid.control(axes, "pipeline stage") if axes else None
 
 
 def pipeline_forward(stage: nn.Module, grid, inputs, targets, loss_fn, activation_shape, dtype=torch.float32,

@@ -348,6 +348,61 @@ def test_interleaved_schedule_equals_the_dense_model(pool, tp, chunks, m):
         assert fw == bw == chunks * m
 
 
+def _stage_members_agree(ctx, tp, sp, receive):
+    import gridweave as gw
+
+    mode = gw.modes.parse(tp)
+    pp, m, mb = 3, 4, 2
+    grid = ctx.init(tp=mode, pp=pp, sp=sp, timeout=30.0)
+    torch.manual_seed(0)
+    dense = gw.models.Llama(64, 32, 4, pp, 16, kv_heads=2, ffn_hidden=40, dtype=torch.float64, device=grid.device)
+    s = grid.coords["pp"]
+    stage = gw.models.GPTStage(dense, grid, mode, s, pp)
+    first_line = all(grid.coords[a] == 0 for a in grid.axes if a not in ("pp", "dp"))
+
+    class Late(torch.nn.Module):
+        """Stage 0's first line sends its activations late: the middle stage's members then see
+        a gradient and an activation arrive in opposite orders."""
+
+        def __init__(self):
+            super().__init__()
+            self.stage = stage
+
+        def forward(self, x):
+            y = self.stage(x)
+            if s == 0 and first_line:
+                time.sleep(0.2)
+            return y
+
+    ids = torch.randint(0, 64, (m * mb, 16), generator=torch.Generator().manual_seed(1), device=CPU).to(grid.device)
+    tgt = torch.randint(0, 64, (m * mb, 16), generator=torch.Generator().manual_seed(2), device=CPU).to(grid.device)
+    dense.loss(dense(ids), tgt).backward()
+    xs, ys = [ids[i * mb:(i + 1) * mb] for i in range(m)], [tgt[i * mb:(i + 1) * mb] for i in range(m)]
+    loss, st = gw.pipeline.pipeline_step(Late(), grid, xs, ys, stage.loss, stage.activation_shape(mb, 16),
+                                         dtype=torch.float64, schedule="message_driven", pipeline_limit=2,
+                                         receive=receive)
+    gw.reduce_gradients(stage, grid)
+    ref = dict(dense.named_parameters())
+    errs = {k: rel(g, ref[k].grad) for k, g in stage.dense_state(True).items()}
+    full = dense.loss(dense(ids), tgt).item()
+    return errs, (None if loss is None else abs(loss.item() - full) / full), st.forwards, st.backwards
+
+
+@pytest.mark.parametrize("tp,sp", [("row:2", 1), ("none", 2)])
+@pytest.mark.parametrize("receive", ["auto", "announced"])  # auto: receive-from-any where the transport has it
+def test_the_ranks_of_a_stage_take_their_messages_in_one_order(pool, tp, sp, receive):
+    """Message-driven with tensor- or sequence-parallel stages: the ranks of a stage between two
+    others run collectives together inside each forward and backward, so they must handle their
+    neighbours' messages in one order even when the messages reach them in different orders (here
+    one line's activations are late); the first member decides, the others follow. Every gradient
+    and the loss equal the dense model's (without the agreement the stage's collectives pair a
+    forward with a backward and the ranks hang)."""
+    for errs, loss_err, fw, bw in pool.run(_stage_members_agree, 6, tp, sp, receive):
+        assert max(errs.values()) < 1e-10, {k: v for k, v in errs.items() if v >= 1e-10}
+        assert loss_err is None or loss_err < 1e-10
+        assert fw == bw == 4
+
+
 def test_a_stage_keeps_one_outgoing_tensor_not_one_per_microbatch():
     """The engine copies what a callback returns into its message before the next callback
     (cpp/pipeline.cpp), so a middle stage holds one outgoing gradient, not m of them (the
