@@ -379,7 +379,7 @@ def schedule_of(model: Model, grid: GridShape, microbatches: int, stage: int = 0
     return step_schedule(model.config, grid.tp, grid.dp, grid.pp, grid.sp, (("pp", stage),), microbatches,
                          b / microbatches, _dtype(model), bsize, coarsening, clip, False, bool(model.vocab),
                          model.fused_attention, zero=grid.zero if model.vocab else 0,
-                         attention=(model.attention, model.ulysses_degree))
+                         attention=(model.attention, model.ulysses_degree), agreed=grid.schedule == "message_driven")
 
 
 def work_ops(micro) -> list:
@@ -575,16 +575,17 @@ def tensor_modes(n: int, model: Model) -> list:
 MIN_TOKENS_PER_SP_RANK = 64
 
 
-def enumerate_grids(n: int, model: Model, placements=PLACEMENTS, zeros=(0, 1, 2, 3)):
+def enumerate_grids(n: int, model: Model, placements=PLACEMENTS, zeros=(0, 1, 2, 3),
+                    min_sp_tokens: int = MIN_TOKENS_PER_SP_RANK):
     """Every grid of n ranks that `gridweave train` accepts for the model (GridShape.check, train's
-    rule, at one micro-batch; the planner adds only its floor of tokens per sequence-parallel
-    rank), at each ZeRO stage where it has data axes, with the default schedule where train
-    takes it (ZeRO-3 over pipeline stages needs 1F1B's fixed order)."""
+    rule, at one micro-batch; the planner adds only its floor of min_sp_tokens tokens per
+    sequence-parallel rank), at each ZeRO stage where it has data axes, with the default schedule
+    where train takes it (ZeRO-3 over pipeline stages needs 1F1B's fixed order)."""
     out = []
     for mode in tensor_modes(n, model):
         rest = n // mode.ranks()
         for sp in (d for d in range(1, rest + 1) if rest % d == 0
-                   and (d == 1 or model.seq // d >= MIN_TOKENS_PER_SP_RANK)):
+                   and (d == 1 or model.seq // d >= min_sp_tokens)):
             for pp in (d for d in range(1, rest // sp + 1) if (rest // sp) % d == 0):
                 dp = rest // (sp * pp)
                 for pl in placements:

@@ -98,6 +98,25 @@ def _nbytes(t) -> int:
     return t.numel() * t.element_size()
 
 
+def _tensors(x) -> list:
+    """The tensors of an argument or output: itself, or those of a list (cat's, the foreach and
+    fused optimizer kernels')."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    return [t for t in x if isinstance(t, torch.Tensor)] if isinstance(x, (list, tuple)) else []
+
+
+def _kernel_bytes(func, args, out) -> int:
+    """Bytes a kernel reads and writes: its tensor arguments, and its outputs, or where it returns
+    none (torch's fused AdamW, the foreach ops) the arguments its schema says it writes."""
+    read = sum(_nbytes(t) for a in args for t in _tensors(a))
+    written = _tensors(out)
+    if not written:
+        written = [t for a, arg in zip(args, func._schema.arguments)
+                   if arg.alias_info is not None and arg.alias_info.is_write for t in _tensors(a)]
+    return read + sum(_nbytes(t) for t in written)
+
+
 def _label(axis) -> str:
     return axis if isinstance(axis, str) else ",".join(axis)
 
@@ -332,8 +351,7 @@ class Census(TorchDispatchMode):
                 self.fused_attention_flops += f
         elif not func.is_view:
             self.kernels += 1
-            outs = out if isinstance(out, (tuple, list)) else (out,)
-            self.bytes += sum(_nbytes(t) for t in list(args) + list(outs) if isinstance(t, torch.Tensor))
+            self.bytes += _kernel_bytes(func, args, out)
         if not func.is_view:
             for t in (out if isinstance(out, (tuple, list)) else (out,)):
                 if isinstance(t, torch.Tensor):
@@ -537,7 +555,7 @@ def _lerp(a: LayerSchedule, b: LayerSchedule, f: float) -> LayerSchedule:
 @lru_cache(maxsize=1024)
 def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch.bfloat16, bsize=1 << 14,
                   coarsening=4, clip=True, loss_scaling=False, ends=True, fused_attention=True,
-                  announced=False, zero=0, offload=True, attention=("ring", 1)) -> StepSchedule:
+                  announced=False, zero=0, offload=True, attention=("ring", 1), agreed=False) -> StepSchedule:
     """The collectives of one gw.train step on the rank at coordinates `at` ((axis, index) pairs,
     the others 0; its pipeline stage at["pp"]): `microbatches` micro-batches of `batch`
     sequences through the stage (recorded: gw.models.GPTStage on a RecordingGrid, its layers
@@ -548,7 +566,9 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
     announced: the transport has no receive-from-any (NCCL), so each pipeline message is first
     announced on the host control channel (its header, cpp/pipeline.cpp's Outbox). zero (a ZeRO
     stage) or offload=False: gw.optim.DistributedAdam's reductions, norm and all-gathers, recorded
-    from its own code. attention: (SeqAttention value, Ulysses degree) of the layers over sp."""
+    from its own code. attention: (SeqAttention value, Ulysses degree) of the layers over sp.
+    agreed: the message-driven schedule, whose stages between two others agree on each message
+    they take (its first member's 16-byte broadcast over the stage's axes, on a host channel)."""
     stage = dict(at).get("pp", 0)
     rpp, rstage = stage_role(pp, stage)  # the recordings of grids that share this stage's shapes
     others = tuple((a, i) for a, i in at if a not in ("dp", "pp"))
@@ -568,6 +588,10 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
                 header = float(_C.pipeline_header_bytes)
                 pipeline += [Collective("send", "pp:control", header, header, peer),
                              Collective("recv", "pp:control", 0.0, header, peer)]
+    group = tuple(a for a, n in _grid_axes(dp, pp, sp, mode) if a not in ("dp", "pp") and n > 1)
+    if agreed and group and 0 < stage < pp - 1:  # cpp/pipeline.cpp's LeadReceiver: one per message received
+        said = float(_C.pipeline_header_bytes)
+        pipeline += [Collective("broadcast", ",".join(group) + ":control", said, said, 0, 8)] * 2
     micro = dataclasses.replace(stage_work, collectives=stage_work.collectives + tuple(pipeline))
     if not ends:
         return StepSchedule(micro, microbatches, (), stage_work.parameters, 0, layer, config.layers // pp)

@@ -571,3 +571,26 @@ def test_the_meta_memo_changes_no_recording(monkeypatch):
     assert [recorder.record_stage(*c) for c in cases] == every
     assert memo.memo and all(memo.memo.values()), "the memo remade nothing: the comparison cannot fail"
     assert [recorder.record_stage(*c) for c in cases] == every
+
+
+def test_the_census_counts_list_and_fused_optimizer_kernels():
+    """A kernel's bytes are all it reads and writes, lists included: torch's fused AdamW reads
+    the parameter, gradient and both moments, and returns nothing, so what it writes is what its
+    schema marks written (the parameter, both moments, and the gradient, which it may unscale in
+    place): 8 float32 values an element, 32 bytes, and its step counters'. cat reads its pieces
+    and writes their sum."""
+    import torch
+    from torch.optim.adamw import adamw
+
+    from gridweave import recorder
+
+    n = 1000
+    p, g, m, v = (torch.zeros(n) for _ in range(4))
+    step = torch.zeros(())
+    kw = dict(fused=True, amsgrad=False, beta1=0.9, beta2=0.95, lr=1e-3, weight_decay=0.0, eps=1e-8, maximize=False)
+    with recorder.Census() as census:
+        adamw([p], [g], [m], [v], [], [step], **kw)
+        fused = census.bytes
+        torch.cat([p, g, m])
+    assert 32 * n <= fused <= 32 * n + 16 * step.element_size()  # nothing per element beyond the 8 values
+    assert census.bytes - fused == 2 * 3 * 4 * n
