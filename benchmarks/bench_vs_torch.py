@@ -230,6 +230,18 @@ def gridweave_variant(folder: Path, store, tag: str, dp: int, pp: int, tp: int, 
     return step, lambda: gw.optim.held_bytes(list(stage.parameters()), opt)
 
 
+def settings(spec: str) -> dict:
+    """--extra's "overlap=1,coarsening=64" as TrainConfig fields (integers, or booleans for flags)."""
+    import gridweave as gw
+
+    fields = gw.train.TrainConfig.__dataclass_fields__
+    out = {}
+    for item in spec.split(","):
+        key, _, value = item.partition("=")
+        out[key] = bool(int(value)) if fields[key].type in ("bool", bool) else int(value)
+    return out
+
+
 def worker(args):
     import torch
     import torch.distributed as dist
@@ -253,6 +265,9 @@ def worker(args):
                              if on)
             variants[(name, f"torch {who}")] = torch_variant(folder, dp, pp, tp, ddp=False)
         variants[(name, "gridweave")] = gridweave_variant(folder, store, str(i), dp, pp, tp)
+        for k, spec in enumerate(args.extra or ()):  # the main job's step with other settings, beside it
+            variants[(name, f"gridweave {spec}")] = gridweave_variant(folder, store, f"{i}-{k}", dp, pp, tp,
+                                                                      **settings(spec))
     times, losses = interleaved_rounds(variants, batches)
     held, phases = {}, {}
     for key, (step, measure) in variants.items():
@@ -284,7 +299,7 @@ def summary(rows: list) -> dict:
     by = {}
     for r in rows:
         by.setdefault((r["ranks"], r["grid"]), {})[r["variant"]] = r["tokens_per_s"]
-    ratios = {f"{g} ({n} ranks)": v["gridweave"] / max(t for w, t in v.items() if w != "gridweave")
+    ratios = {f"{g} ({n} ranks)": v["gridweave"] / max(t for w, t in v.items() if w.startswith("torch"))
               for (n, g), v in by.items()}
     parallel = [v for k, v in ratios.items() if not k.startswith("one process")]
     return {"gridweave_over_best_torch": ratios,
@@ -326,6 +341,7 @@ def main():
     ap = bench_parser(__file__)
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--folder", default=None, help="(the workers') the saved transformers model")
+    ap.add_argument("--extra", nargs="*", help="more gridweave variants: TrainConfig fields, e.g. overlap=1,coarsening=64")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
@@ -334,7 +350,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         save_model(Path(tmp))
         for n in args.ranks:
-            rows += run_ranks(__file__, n, 29941 + n, out, f"vs{n}", "--folder", tmp, transport=args.transport)["rows"]
+            rows += run_ranks(__file__, n, 29941 + n, out, f"vs{n}", "--folder", tmp,
+                              *(["--extra", *args.extra] if args.extra else []), transport=args.transport)["rows"]
     data = {"sizes": SIZES, "batch": BATCH, "microbatches": MICRO, "optimizer": OPT, "rounds": ROUNDS,
             "warmup": WARMUP, "transport": args.transport, "rows": rows, "summary": summary(rows)}
     save(out, stem("vs_torch", args.transport), data, plot)
