@@ -134,6 +134,20 @@ def ring_all_gather(grid, sizes=(1 << 13, 1 << 16, 1 << 18, 1 << 20, 1 << 22), r
     return out
 
 
+def scalar_all_reduce(grid, reps: int = 21) -> float:
+    """Seconds of a one-element float64 all-reduce over every rank (the step's loss, its gradient
+    norm): the median of reps, each between barriers."""
+    t = torch.zeros(1, dtype=torch.float64, device=grid.device)
+    grid.all_reduce(t, None)
+    ts = []
+    for _ in range(reps):
+        grid.barrier()
+        t0 = time.perf_counter()
+        grid.all_reduce(t, None)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
 def fit_ring(times: dict, g: int) -> tuple:
     """(alpha, beta) of one ring step, alpha + (n / g) beta, from a g-member ring's times."""
     return fit_alpha_beta({n / max(g, 2): t / max(g - 1, 1) for n, t in times.items()})
@@ -163,6 +177,7 @@ def measure(grid, fixed: bool = True) -> dict:
         across = ring_all_gather(grid, axis=LinePart(("dp",), Span.ACROSS), active=grid.rank % per_node == 0)
         inter_alpha, inter_beta = fit_ring(across, g // per_node)
         times = {"within_node": times, "across_nodes": across}
+    scalar = scalar_all_reduce(grid) if g > 1 else 0.0
     local = []
     probes = (gemm_rate, vector_bandwidth, launch_overhead, attention_rate)
     for probe in probes:
@@ -176,7 +191,7 @@ def measure(grid, fixed: bool = True) -> dict:
             "intra_alpha_s": alpha, "intra_bandwidth_Bps": 1 / beta,
             "inter_alpha_s": inter_alpha, "inter_bandwidth_Bps": 1 / inter_beta, "nics_per_node": 1,
             "gemm_flops": gemm, "vector_bandwidth_Bps": vector, "launch_s": launch, "attention_flops": attention,
-            "memory_bytes": 24 * 2 ** 30, "ranks": grid.world_size, "cores_per_node": len(os.sched_getaffinity(0)),
+            "scalar_all_reduce_s": scalar, "memory_bytes": 24 * 2 ** 30, "ranks": grid.world_size, "cores_per_node": len(os.sched_getaffinity(0)),
             "measured_all_gather_s": json.loads(json.dumps(times))}  # keys as strings
     if fixed and g > 1:
         preset["launch_s"], preset["collective_s"] = fixed_costs(grid, preset)

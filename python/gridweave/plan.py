@@ -47,6 +47,10 @@ class Cluster:
     cores_per_node: int = 0  # CPU ranks: the cores they share (0: each rank has its own device)
     collective_s: float = 0.0  # fixed cost of each collective or message beyond alpha (threads handing off)
     attention_flops: float = 0.0  # FLOP/s of the fused attention kernels, forward and backward (0: gemm_flops)
+    # measured seconds of a one-element all-reduce (the loss, the norm, the micro-batch count) over
+    # every rank, its fixed costs included (0: alpha-beta). Gloo's ring sends only the non-empty
+    # chunks: one element over 8 CPU ranks took 0.7 ms where alpha-beta says 2 (g - 1) alpha = 11
+    scalar_all_reduce_s: float = 0.0
 
 
 def load_cluster(name_or_path: str, gpus_per_node: int | None = None) -> Cluster:
@@ -338,25 +342,43 @@ class GridShape:
 
 
 def _links(grid: GridShape, cluster: Cluster):
-    """For each axis: (alpha, effective bandwidth, nodes a line spans, the share of its bytes
-    that cross nodes), from the engine's placement and its SUPER traffic model (eqs. 4-7)."""
+    """For each line a collective runs on, by its label (an axis, axes joined by commas: the
+    optimizer's gradient chunks over dp and sp, or "world"): (alpha, effective bandwidth, nodes
+    the line spans, the share of its bytes that cross nodes, its size), from the engine's
+    placement and its SUPER traffic model (eqs. 4-7); lines of one rank are left out. A lazy
+    mapping: a label's line is worked out when first asked for."""
     placement = _C.Placement(grid.axes(), grid.placement, cluster.gpus_per_node)
-    out = {}
-    for name, size in grid.axes():
-        if size == 1:
-            continue
-        line = placement.line(0, [name])
+    return _Lines(placement, dict(grid.axes()), cluster), placement
+
+
+class _Lines(dict):
+    def __init__(self, placement, sizes: dict, cluster: Cluster):
+        super().__init__()
+        self.placement, self.sizes, self.cluster = placement, sizes, cluster
+        for name, size in sizes.items():
+            if size > 1:
+                self[name] = self._line([name])
+
+    def __missing__(self, label):
+        names = [a for a, n in self.sizes.items() if n > 1] if label == "world" else label.split(",")
+        if ":" in label or any(a not in self.sizes for a in names) or math.prod(self.sizes[a] for a in names) == 1:
+            return None  # a host control channel (a few bytes, uncosted), or a line of one rank
+        self[label] = line = self._line(names)
+        return line
+
+    def _line(self, names: list) -> tuple:
+        placement, cluster = self.placement, self.cluster
+        line = placement.line(0, names)
         nodes = {placement.node_of(r) for r in line}
-        t = placement.traffic([name], "all_gather", 1 << 10)
+        t = placement.traffic(names, "all_gather", 1 << 10)
         inter = t["inter_bytes"] / t["bytes"]
         if len(nodes) == 1:
-            out[name] = (cluster.intra_alpha_s, cluster.intra_bandwidth_Bps, 1, inter)
-        else:  # the node's network link is shared by every line leaving it
-            here = sum(1 for r in line if placement.node_of(r) == 0)
-            flows = max(1, min(placement.world_size, cluster.gpus_per_node) // max(here, 1))
-            share = max(1, -(-flows // cluster.nics_per_node))
-            out[name] = (cluster.inter_alpha_s, cluster.inter_bandwidth_Bps / share, len(nodes), inter)
-    return out, placement
+            return cluster.intra_alpha_s, cluster.intra_bandwidth_Bps, 1, inter, len(line)
+        # the node's network link is shared by every line leaving it
+        here = sum(1 for r in line if placement.node_of(r) == 0)
+        flows = max(1, min(placement.world_size, cluster.gpus_per_node) // max(here, 1))
+        share = max(1, -(-flows // cluster.nics_per_node))
+        return cluster.inter_alpha_s, cluster.inter_bandwidth_Bps / share, len(nodes), inter, len(line)
 
 
 # Gradient all-reduce bucket (elements) of a fused device optimizer (Megatron's DDP buckets are
@@ -424,7 +446,6 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
     b = model.batch // grid.dp  # sequences per data-parallel replica
     m = microbatches or (min(b, 4 * grid.pp) if grid.pp > 1 else 1)
     links, _ = _links(grid, cluster)
-    sizes = dict(grid.axes())
     launch = cluster.launch_s
     vector = (lambda n: n / cluster.vector_bandwidth_Bps) if cluster.vector_bandwidth_Bps else (lambda n: 0.0)
 
@@ -432,9 +453,13 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
         """Seconds of the collectives in `ops` (each issued `repeat` times); per axis too."""
         t = 0.0
         for op in ops:
-            if op[0] in ("gemm", "vector") or op[1] not in links:
+            line = None if op[0] in ("gemm", "vector") else links[op[1]]
+            if line is None:
                 continue
-            c = launch + cluster.collective_s + collective_time(op[0], sizes[op[1]], op[2], links[op[1]][:2], cluster)
+            if op[0] == "all_reduce" and op[2] <= 8 and cluster.scalar_all_reduce_s:
+                c = cluster.scalar_all_reduce_s
+            else:
+                c = launch + cluster.collective_s + collective_time(op[0], line[4], op[2], line[:2], cluster)
             acc = per_axis.setdefault(op[1], [0.0, 0.0])
             acc[0] += c * repeat
             acc[1] += op[2] * repeat

@@ -53,7 +53,7 @@ def test_topology_puts_the_cubes_most_loaded_axes_inside_a_node():
         load = {a: v["intra"] + v["inter"] for a, v in r["bytes_per_axis"].items()}
         _, placement = plan._links(plan.GridShape(tp=cfg.mode), cluster)
         assert [a for a in placement.physical_order if a in "xyz"] == sorted("xyz", key=load.get), load
-        crossing = [a for a, v in r["bytes_per_axis"].items() if v["inter"]]
+        crossing = [a for a, v in r["bytes_per_axis"].items() if a in ("x", "y", "z") and v["inter"]]  # one axis's lines
         assert crossing == [min("xyz", key=load.get)], r["bytes_per_axis"]
 
 

@@ -1,0 +1,223 @@
+"""gw.plan off its training ground (issue 34, deliverable 3): calibrate once, then measure a
+full training step of several model shapes unlike the main job's on every grid of 8 ranks that
+`gridweave train` accepts, and compare each with the planner's prediction.
+
+    python benchmarks/bench_plan_models.py                  # writes results/plan_models.json and .png
+    python benchmarks/bench_plan_models.py --from-json F    # re-predict a saved run (no ranks)
+
+One job of 8 CPU ranks (torchrun, Gloo). The ranks calibrate once (gridweave.calibrate.measure,
+what `gridweave bench --calibrate` writes); then for each model and each grid they build the
+model as `gridweave train` does (gw.train.build) and time gw.train.train_step (the median over
+steps of the slowest rank's step). The parent predicts every grid from the calibrated preset
+alone (plan.predict at the job's micro-batch count, OffloadAdam as train builds it) and reports,
+per model and over the models: median and worst |error|, Kendall's tau between predicted and
+measured times, and the regret of the planner's first choice (its measured time over the
+fastest grid's). The models are split before anything is looked at: FIT holds the shapes any
+term of the model may be tuned on (the main job's, and one more); every other shape is
+reported only.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import time
+from pathlib import Path
+
+from launch import bench_parser, results_dir, run_ranks, save, start_worker, stem
+
+STEPS, WARMUP = 4, 2
+
+# name -> TrainConfig fields. Narrow and wide, shallow and deep, short and long sequences, small
+# and large batches, Llama with grouped key/value heads and GPT without them.
+MODELS = {
+    "main": {},  # the main job's (hidden 128, 8 heads, 4 layers, sequence 128, batch 32 in 2)
+    "gpt-mid": dict(model="gpt", hidden=192, heads=6, layers=6, seq=96, batch=24, microbatches=3),
+    "narrow": dict(hidden=64, heads=4, kv_heads=2, layers=4, seq=64, batch=16),
+    "wide": dict(hidden=512, heads=8, layers=2, seq=64, batch=16),
+    "deep": dict(model="gpt", hidden=96, heads=6, layers=16, seq=64, batch=16, microbatches=4),
+    "long": dict(hidden=128, heads=4, layers=2, seq=1024, batch=8),
+    "big-batch": dict(hidden=128, heads=8, kv_heads=2, layers=4, seq=32, batch=128, microbatches=8),
+    "small-batch": dict(model="gpt", hidden=256, heads=8, layers=4, seq=128, batch=8, microbatches=1),
+}
+FIT = ("main", "gpt-mid")  # the only shapes a term of the model may be tuned on
+
+
+def job_config(name: str, **grid):
+    import gridweave as gw
+
+    return gw.train.TrainConfig(**MODELS[name], **grid)
+
+
+def grids(name: str) -> list:
+    """Every grid of 8 ranks `gridweave train` accepts for the model at ZeRO 0 (its default), as
+    (dp, pp, tp spec, sp): the planner's enumeration without its floor of tokens per sequence rank,
+    each grid checked by train's own TrainConfig.grid_shape."""
+    import gridweave as gw
+    from gridweave import plan
+
+    out = []
+    model = plan.model_of(job_config(name))
+    for g in plan.enumerate_grids(8, model, placements=("topology",), zeros=(0,), min_sp_tokens=1):
+        try:
+            job_config(name, dp=g.dp, pp=g.pp, tp=g.tp.spec(), sp=g.sp).grid_shape(8)
+        except gw.GridError:
+            continue
+        out.append((g.dp, g.pp, g.tp.spec(), g.sp))
+    return out
+
+
+def worker(out_path: str, names: list) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import gridweave as gw
+    from gridweave import calibrate
+
+    n, rank, store = start_worker()
+    world = gw.init(dp=n, store=store, prefix="planm-world")
+    preset = calibrate.measure(world)
+    rows = []
+    for name in names:
+        for i, (dp, pp, tp, sp) in enumerate(grids(name)):
+            cfg = job_config(name, dp=dp, pp=pp, tp=tp, sp=sp)
+            grid = gw.init(dp=dp, pp=pp, tp=cfg.mode, sp=sp, store=store, prefix=f"planm-{name}-{i}")
+            model_cfg = cfg.model_config(cfg.vocab)
+            g = torch.Generator().manual_seed(grid.coords["dp"])
+            x = torch.randint(0, model_cfg.vocab, (cfg.batch // dp, cfg.seq), generator=g)
+            torch.manual_seed(cfg.seed)
+            built = gw.train.build(cfg, grid, model_cfg)[1:]  # the dense model is not kept
+            times = []
+            for _ in range(WARMUP + STEPS):
+                dist.barrier()
+                t0 = time.perf_counter()
+                gw.train.train_step(cfg, grid, *built, x, x.roll(1, 1))
+                t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+                times.append(float(t))
+            del built
+            gc.collect()
+            grid.shutdown()
+            times = times[WARMUP:]
+            rows.append({"model": name, "dp": dp, "pp": pp, "tp": tp, "sp": sp,
+                         "measured_s": statistics.median(times), "steps_s": times})
+            if rank == 0:  # what is measured so far survives an interrupted run
+                Path(out_path).write_text(json.dumps({"ranks": n, "backend": str(world.backend), "preset": preset,
+                                                      "models": {k: MODELS[k] for k in names}, "fit": FIT,
+                                                      "rows": rows}, indent=1))
+    gw.shutdown()
+    dist.destroy_process_group()
+
+
+def predict(data: dict) -> dict:
+    """Each grid's prediction from the calibrated preset alone; per model and overall: median
+    and worst |error|, Kendall's tau, and the regret of the first choice (the measured grid the
+    planner ranks first: the fastest predicted at the job's micro-batch count)."""
+    from scipy.stats import kendalltau
+
+    import gridweave as gw
+    from gridweave import plan
+
+    preset = data["preset"]
+    cluster = plan.Cluster(**{k: v for k, v in preset.items() if k in plan.Cluster.__dataclass_fields__})
+    summary = {}
+    for name in data["models"]:
+        rows = [r for r in data["rows"] if r["model"] == name]
+        if not rows:
+            continue
+        cfg = job_config(name)
+        model = plan.model_of(cfg)
+        for r in rows:
+            shape = plan.GridShape(dp=r["dp"], pp=r["pp"], tp=gw.modes.parse(r["tp"]), sp=r["sp"])
+            p = plan.predict(model, shape, cluster, microbatches=cfg.microbatches, offload_bsize=cfg.bsize,
+                             coarsening=cfg.coarsening)
+            r["predicted_s"] = p["step_time_s"]
+            r["error"] = p["step_time_s"] / r["measured_s"] - 1
+            r["breakdown_s"] = p["time_breakdown_s"]
+        first = min(rows, key=lambda r: r["predicted_s"])
+        fastest = min(rows, key=lambda r: r["measured_s"])
+        errors = [abs(r["error"]) for r in rows]
+        summary[name] = {
+            "fit": name in data["fit"], "grids": len(rows),
+            "median_abs_error": statistics.median(errors), "worst_abs_error": max(errors),
+            "worst_grid": label(max(rows, key=lambda r: abs(r["error"]))),
+            "kendall_tau": kendalltau([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]).statistic
+            if len(rows) > 1 else 1.0,
+            "planner_first": label(first), "fastest": label(fastest),
+            "regret": first["measured_s"] / fastest["measured_s"] - 1}
+    reported = [r for r in data["rows"] if r["model"] not in data["fit"] and "error" in r]
+    per = [s for s in summary.values() if not s["fit"]]
+    if reported:
+        summary["reported"] = {
+            "models": len(per), "grids": len(reported),
+            "median_abs_error": statistics.median(abs(r["error"]) for r in reported),
+            "worst_abs_error": max(abs(r["error"]) for r in reported),
+            "median_kendall_tau": statistics.median(s["kendall_tau"] for s in per),
+            "worst_regret": max(s["regret"] for s in per)}
+    data["summary"] = summary
+    return data
+
+
+def label(r) -> str:
+    parts = [f"dp{r['dp']}"] + ([f"pp{r['pp']}"] if r["pp"] > 1 else []) + \
+        ([r["tp"].replace(":", "")] if r["tp"] != "none" else []) + ([f"sp{r['sp']}"] if r["sp"] > 1 else [])
+    return "·".join(parts)
+
+
+def plot(data: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [k for k in data["models"] if k in data["summary"]]
+    fig, axes = plt.subplots(2, (len(names) + 1) // 2, figsize=(4 * ((len(names) + 1) // 2), 8.5))
+    for ax, name in zip(axes.flat, names):
+        rows, s = [r for r in data["rows"] if r["model"] == name], data["summary"][name]
+        for r in rows:
+            first = label(r) == s["planner_first"]
+            ax.scatter(r["measured_s"] * 1e3, r["predicted_s"] * 1e3, marker="*" if first else "o",
+                       s=140 if first else 20, color="C3" if first else ("C1" if s["fit"] else "C0"))
+            ax.annotate(label(r), (r["measured_s"] * 1e3, r["predicted_s"] * 1e3), fontsize=5)
+        lo = min(min(r["measured_s"], r["predicted_s"]) for r in rows) * 1e3 / 1.3
+        hi = max(max(r["measured_s"], r["predicted_s"]) for r in rows) * 1e3 * 1.3
+        ax.plot([lo, hi], [lo, hi], "k-", lw=1)
+        ax.fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="gray", alpha=0.2)
+        ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="measured step (ms)",
+               ylabel="predicted (ms)")
+        ax.set_title(f"{name}{' (fit)' if s['fit'] else ''}: {s['grids']} grids, median |err| "
+                     f"{100 * s['median_abs_error']:.0f}%, worst {100 * s['worst_abs_error']:.0f}%\n"
+                     f"tau {s['kendall_tau']:.2f}, first choice (star) regret {100 * s['regret']:.0f}%", fontsize=8)
+    for ax in list(axes.flat)[len(names):]:
+        ax.axis("off")
+    r = data["summary"].get("reported")
+    if r:
+        fig.suptitle(f"gw.plan on {r['models']} model shapes it was not fitted to ({r['grids']} grids of 8 CPU ranks): "
+                     f"median |error| {100 * r['median_abs_error']:.0f}%, worst {100 * r['worst_abs_error']:.0f}%, "
+                     f"worst regret {100 * r['worst_regret']:.0f}%", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def main() -> None:
+    ap = bench_parser(__file__)
+    ap.add_argument("--from-json", help="re-predict a saved run (no ranks)")
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated names of MODELS")
+    args = ap.parse_args()
+    names = [m for m in args.models.split(",") if m]
+    if args.worker:
+        worker(args.out, names)
+        return
+    out = results_dir(args)
+    data = json.loads(Path(args.from_json).read_text()) if args.from_json else \
+        run_ranks(__file__, 8, 29581, out, "8", "--models", ",".join(names), transport=args.transport)
+    data = predict(data)
+    save(out, stem("plan_models", args.transport), data, plot)
+    for r in data["rows"]:
+        print(f"{r['model']:12s} {label(r):24s} measured {r['measured_s'] * 1e3:8.1f} ms  predicted "
+              f"{r['predicted_s'] * 1e3:8.1f} ms ({100 * r['error']:+5.0f}%)")
+    print(json.dumps(data["summary"], indent=1))
+
+
+if __name__ == "__main__":
+    main()
