@@ -144,6 +144,7 @@ def test_calibrate_writes_a_usable_local_preset(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     c = plan.load_cluster(str(out))
     assert c.intra_alpha_s > 0 and c.intra_bandwidth_Bps > 1e6 and c.gemm_flops > 1e8
+    assert 0 < c.scalar_all_reduce_s < 1.0  # a one-element all-reduce, measured
     rows = plan.plan(2, plan.Model(ModelConfig("gpt", 51200, hidden=64, heads=4, layers=2, seq=32), batch=4), c)
     assert rows and rows[0]["step_time_s"] > 0
 
@@ -594,3 +595,32 @@ def test_the_census_counts_list_and_fused_optimizer_kernels():
         torch.cat([p, g, m])
     assert 32 * n <= fused <= 32 * n + 16 * step.element_size()  # nothing per element beyond the 8 values
     assert census.bytes - fused == 2 * 3 * 4 * n
+
+
+def test_collectives_over_several_axes_and_the_world_are_costed():
+    """The optimizer's gradient chunks over dp and sp together (the parameters are replicated over
+    both) and the step's loss and norm over every rank run on lines of their own: each is costed
+    alpha-beta over that line's size; a one-element all-reduce costs the calibrated
+    scalar_all_reduce_s where the preset has it."""
+    import dataclasses
+
+    cluster = dataclasses.replace(plan.load_cluster("v100-ib"), gpus_per_node=8)
+    model = plan.Model(ModelConfig("llama", 256, hidden=64, heads=4, layers=2, seq=64), batch=8, bytes_per_value=4)
+    grid = plan.GridShape(dp=4, sp=2)
+    kw = dict(microbatches=1, offload_bsize=512, coarsening=4)
+    sched = plan.schedule_of(model, grid, 1, 0, 512, 4)
+    link = (cluster.intra_alpha_s, cluster.intra_bandwidth_Bps)
+
+    def alpha_beta(label, g):
+        return sum(cluster.launch_s + cluster.collective_s + plan.collective_time(c.op, g, c.nbytes, link, cluster)
+                   for c in sched.step if c.axis == label)
+
+    r = plan.predict(model, grid, cluster, **kw)
+    assert sum(c.axis == "dp,sp" for c in sched.step) > 1
+    assert r["seconds_per_axis"]["dp,sp"] == pytest.approx(alpha_beta("dp,sp", 8)) and alpha_beta("dp,sp", 8) > 0
+    assert r["seconds_per_axis"]["world"] == pytest.approx(alpha_beta("world", 8)) and alpha_beta("world", 8) > 0
+    scalars = [c for c in sched.step if c.axis == "world"]
+    assert scalars and all(c.op == "all_reduce" and c.nbytes <= 8 for c in scalars)  # the loss and the norm
+    measured = plan.predict(model, grid, dataclasses.replace(cluster, scalar_all_reduce_s=1e-3), **kw)
+    assert measured["seconds_per_axis"]["world"] == pytest.approx(len(scalars) * 1e-3)
+    assert measured["seconds_per_axis"]["dp,sp"] == r["seconds_per_axis"]["dp,sp"]  # chunks are not scalars
