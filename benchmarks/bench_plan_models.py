@@ -24,6 +24,7 @@ import statistics
 import time
 from pathlib import Path
 
+from bench_plan import name as label
 from launch import bench_parser, results_dir, run_ranks, save, start_worker, stem
 
 STEPS, WARMUP = 4, 2
@@ -156,12 +157,6 @@ def predict(data: dict) -> dict:
             "worst_regret": max(s["regret"] for s in per)}
     data["summary"] = summary
     return data
-
-
-def label(r) -> str:
-    parts = [f"dp{r['dp']}"] + ([f"pp{r['pp']}"] if r["pp"] > 1 else []) + \
-        ([r["tp"].replace(":", "")] if r["tp"] != "none" else []) + ([f"sp{r['sp']}"] if r["sp"] > 1 else [])
-    return "·".join(parts)
 
 
 def plot(data: dict, png: Path) -> None:

@@ -97,6 +97,7 @@ class TrainConfig:
     coarsening: int = 16  # OffloadAdam's all-reduce chunks of coarsening x bsize elements (seed 001's k): 256K, DDP's first bucket
     placement: str = "topology"
     overlap: bool = False
+    overlap_grad_reduce: bool = False  # OffloadAdam: each gradient chunk's all-reduce starts in the backward that completes it
     attention: str = "ring"
     ulysses_degree: int = 1  # attention=usp: the sp ranks of each Ulysses block (the ring runs across the blocks)
     linformer_k: int = 0  # attention=linformer (model bert): keys and values projected from seq to K rows
@@ -477,12 +478,13 @@ def build(cfg: TrainConfig, grid, model_cfg: ModelConfig) -> tuple:
                                     offload=cfg.offload, bsize=cfg.bsize, max_grad_norm=cfg.max_grad_norm,
                                     decay=optim.matrices_only, units=stage.shard_units() if cfg.zero == 3 else None,
                                     shard_group=optim.ShardGroup(cfg.zero_shard_group))
-    else:  # seed 001: every replica's state offloaded, the chunks' all-reduces after the backward. Not overlapped
-        # with it (overlap=True): measured no faster on CPU ranks sharing cores, and a link throttled mid-step
-        # then ended the ranks 18.8 s after the fault, over the timeout + 10 s bound (an all-reduce in flight)
+    else:  # seed 001: every replica's state offloaded, the chunks' all-reduces after the backward, or started in
+        # the backward that completes them (overlap_grad_reduce). bench_vs_torch, 8 ranks: dp 8 1.07x DDP with
+        # both overlap and 1M-element chunks, 0.84x with the defaults; not the default: with either, a link
+        # throttled or cut mid-step ends the ranks 19.4-19.7 s after the fault, over the timeout + 10 s bound
         opt = optim.OffloadAdam(stage.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, bsize=cfg.bsize,
                                 coarsening=cfg.coarsening, grid=grid, max_grad_norm=cfg.max_grad_norm,
-                                decay=optim.matrices_only)
+                                decay=optim.matrices_only, overlap=cfg.overlap_grad_reduce)
     return model, stage, opt, LossScaler() if cfg.compute.loss_scaling else None
 
 
