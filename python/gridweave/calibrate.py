@@ -191,7 +191,8 @@ def measure(grid, fixed: bool = True) -> dict:
             "intra_alpha_s": alpha, "intra_bandwidth_Bps": 1 / beta,
             "inter_alpha_s": inter_alpha, "inter_bandwidth_Bps": 1 / inter_beta, "nics_per_node": 1,
             "gemm_flops": gemm, "vector_bandwidth_Bps": vector, "launch_s": launch, "attention_flops": attention,
-            "scalar_all_reduce_s": scalar, "memory_bytes": 24 * 2 ** 30, "ranks": grid.world_size, "cores_per_node": len(os.sched_getaffinity(0)),
+            "scalar_all_reduce_s": scalar, "memory_bytes": 24 * 2 ** 30, "ranks": grid.world_size,
+            "cores_per_node": len(os.sched_getaffinity(0)),
             "measured_all_gather_s": json.loads(json.dumps(times))}  # keys as strings
     if fixed and g > 1:
         preset["launch_s"], preset["collective_s"] = fixed_costs(grid, preset)

@@ -352,6 +352,8 @@ def _links(grid: GridShape, cluster: Cluster):
 
 
 class _Lines(dict):
+    """plan._links' mapping: label -> the line's (alpha, bandwidth, nodes, inter share, size), or None."""
+
     def __init__(self, placement, sizes: dict, cluster: Cluster):
         super().__init__()
         self.placement, self.sizes, self.cluster = placement, sizes, cluster
