@@ -480,8 +480,8 @@ def build(cfg: TrainConfig, grid, model_cfg: ModelConfig) -> tuple:
                                     shard_group=optim.ShardGroup(cfg.zero_shard_group))
     else:  # seed 001: every replica's state offloaded, the chunks' all-reduces after the backward, or started in
         # the backward that completes them (overlap_grad_reduce). bench_vs_torch, 8 ranks: dp 8 1.07x DDP with
-        # both overlap and 1M-element chunks, 0.84x with the defaults; not the default: with either, a link
-        # throttled or cut mid-step ends the ranks 19.4-19.7 s after the fault, over the timeout + 10 s bound
+        # both overlap and 1M-element chunks, 0.84x with the defaults; not the default yet: the planner records
+        # the chunks in the after-backward layout (recorder._record_optimizer), the overlapped one is backward's
         opt = optim.OffloadAdam(stage.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, bsize=cfg.bsize,
                                 coarsening=cfg.coarsening, grid=grid, max_grad_norm=cfg.max_grad_norm,
                                 decay=optim.matrices_only, overlap=cfg.overlap_grad_reduce)
