@@ -140,10 +140,13 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // Thrown by every op once the communicator has failed (a peer died or timed out).
   bool broken() const { return broken_; }
   // Cancels pending point-to-point waits (their Work fails with CommError) and refuses
-  // new ops; queued collectives still drain. Called by Grid::shutdown.
+  // new ops; ops already queued fail when their turn comes (Gloo; elsewhere they drain).
+  // Called by Grid::shutdown and by the watchdog when an op fails.
   virtual void close() { broken_ = true; }
 
  protected:
+  // Throws the failure that aborted the grid, or that this communicator failed earlier.
+  void check_usable(OpKind op) const;
   std::string describe(OpKind op, int peer = -1) const;
   // After a failed op: publish what this member passed under `store` and read what the
   // others did, waiting up to `window` for them. Returns "" when no member reported a
@@ -181,7 +184,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
  private:
   void check_buffer(const BufferView& b, const char* what, OpKind op) const;
   void check_root(int root, OpKind op) const;
-  void check_usable(OpKind op) const;
+
   // The checks of a send to / receive from `peers` with `tag`, before anything is posted.
   void check_p2p(OpKind op, const BufferView& buf, const std::vector<int>& peers, int tag) const;
   // Detail level, CPU memory: the receiver of a message answers with what it passed, and a

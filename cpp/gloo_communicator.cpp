@@ -19,7 +19,6 @@
 #include <vector>
 
 #include "error.h"
-#include "watchdog.h"
 
 namespace gridweave {
 
@@ -149,9 +148,7 @@ void GlooCommunicator::run_on_worker(OpKind op, const BufferView& in, const Buff
   // An op queued behind one that failed: the watchdog closed the grid, so it fails now rather
   // than wait out its own timeout on a peer that is gone (a step's queued gradient chunks would
   // otherwise keep a failed rank alive one timeout each)
-  if (info_.watchdog) info_.watchdog->check();  // the failure that aborted the grid, by name
-  if (broken())
-    throw Error(ErrorKind::Comm, "gridweave: " + describe(op) + " refused: this communicator failed earlier; build a new grid");
+  check_usable(op);
   const auto timeout = info_.timeout;
   const uint32_t tag = fp.hash();  // members that passed different ops never match a message
   auto reduce_fn = [dtype = in.dtype, rop](void* o, const void* a, const void* b, size_t n) {

@@ -107,6 +107,20 @@ Ends ends_of(Communicator& pp, const StageLinks& links, int prev, int next) {
   return e;
 }
 
+// Receives the next message from stage `from` into msg, known to be kind `kind` of microbatch
+// `mb` (announced, or agreed on by the stage), and checks it where the message is host memory
+// (for free: a device message's header would cost a copy).
+void receive_expected(const Communicator& pp, const Ends& ends, int from, StageMessage& msg, std::int64_t kind,
+                      int mb) {
+  ends.from(from).recv(msg.view(), kTag)->wait(pp.info().timeout);
+  if (pp.device() == Device::CPU) {
+    const auto got = msg.header();
+    GW_CHECK(got.first == kind && got.second == mb, "pipeline: expected kind " << kind << " of microbatch " << mb
+                                                        << " from neighbour " << from << ", it sent kind "
+                                                        << got.first << " of microbatch " << got.second);
+  }
+}
+
 // Outgoing messages stay alive until their send completes: activations to the next stage,
 // gradients to the previous one. With a control channel, each message is first announced
 // there (its 16-byte header, host memory, to the stage's index on pp), then sent.
@@ -260,13 +274,7 @@ class AnnouncedReceiver : public Receiver {
     if (--left_ > 0) post();  // the next announcement is awaited while this message is used
     // stream-ordered where the transport is (the stage's stream waits for the message, the host
     // goes on); its buffer is filled again only after that stream has used it (two messages on)
-    ends_.from(from).recv(msg.view(), kTag)->wait(pp_.info().timeout);
-    if (pp_.device() == Device::CPU) {  // a free check where the message is host memory
-      const auto got = msg.header();
-      GW_CHECK(got.first == kind && got.second == mb, "pipeline: neighbour " << from << " announced kind " << kind
-                                                          << " of microbatch " << mb << " but sent kind " << got.first
-                                                          << " of microbatch " << got.second);
-    }
+    receive_expected(pp_, ends_, from, msg, kind, mb);
     return {&msg, kind, mb};
   }
 
@@ -324,14 +332,7 @@ class FollowReceiver : public Receiver {
       control_->recv(header_.view(), from, kControlTag)->wait_host(control_->info().timeout);
     StageMessage& msg = bufs_[cur_];
     cur_ ^= 1;
-    ends_.from(from).recv(msg.view(), kTag)->wait(pp_.info().timeout);
-    if (pp_.device() == Device::CPU) {  // a free check where the message is host memory
-      const auto got = msg.header();
-      GW_CHECK(got.first == kind && got.second == mb, "pipeline: the stage's leader took kind "
-                                                          << kind << " of microbatch " << mb << " but neighbour "
-                                                          << from << " sent kind " << got.first << " of microbatch "
-                                                          << got.second);
-    }
+    receive_expected(pp_, ends_, from, msg, kind, mb);
     return {&msg, kind, mb};
   }
 

@@ -64,6 +64,13 @@ def grid_axes(dp: int, pp: int, sp: int, tp) -> list:
     return tp.axes() + outer if tp.outer else outer + tp.axes()
 
 
+def stage_axes(axes, pipeline: str = "pp") -> tuple:
+    """The axes a pipeline stage's ranks span (every axis of more than one rank but the
+    pipeline's and dp): they run collectives together inside the stage's forward and backward,
+    so the message-driven schedule makes them take their messages in one order."""
+    return tuple(a for a, n in dict(axes).items() if a not in (pipeline, "dp") and n > 1)
+
+
 def sequence_chunks(sp: int, zigzag: bool) -> int:
     """The pieces a sequence splits into over sp, the one sequence-split rule: 2 sp for causal
     ring attention's zigzag order (rank r holds chunks r and 2 sp - 1 - r), sp otherwise."""

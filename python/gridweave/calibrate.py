@@ -121,16 +121,7 @@ def ring_all_gather(grid, sizes=(1 << 13, 1 << 16, 1 << 18, 1 << 20, 1 << 22), r
     g = grid.size(axis)
     for nbytes in sizes:
         part = torch.zeros(max(1, nbytes // 4 // g), device=grid.device)
-        if active:
-            grid.all_gather(part, axis)
-        ts = []
-        for _ in range(reps):
-            grid.barrier()
-            t0 = time.perf_counter()
-            if active:
-                grid.all_gather(part, axis)
-            ts.append(time.perf_counter() - t0)
-        out[nbytes] = statistics.median(ts)
+        out[nbytes] = _median_seconds(grid, (lambda: grid.all_gather(part, axis)) if active else (lambda: None), reps)
     return out
 
 
@@ -138,12 +129,18 @@ def scalar_all_reduce(grid, reps: int = 21) -> float:
     """Seconds of a one-element float64 all-reduce over every rank (the step's loss, its gradient
     norm): the median of reps, each between barriers."""
     t = torch.zeros(1, dtype=torch.float64, device=grid.device)
-    grid.all_reduce(t, None)
+    return _median_seconds(grid, lambda: grid.all_reduce(t, None), reps)
+
+
+def _median_seconds(grid, op, reps: int) -> float:
+    """The median seconds of op() over reps runs, each started on every rank at once (a barrier
+    first), after one untimed run (connections made, buffers allocated)."""
+    op()
     ts = []
     for _ in range(reps):
         grid.barrier()
         t0 = time.perf_counter()
-        grid.all_reduce(t, None)
+        op()
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
 

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from . import _C
+from .axes import stage_axes
 from .errors import GridError
 from .measure import timed
 
@@ -285,11 +286,10 @@ def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_s
 
 
 def _stage_group(grid, axis):
-    """A host channel over the other ranks of this rank's stage (every axis but the pipeline's
-    and dp: the tensor and sequence axes, whose collectives run inside the stage's forward and
-    backward), or None where the stage is one rank per pipeline line: the message-driven
-    schedule's members of a stage must take their messages in one order (cpp/pipeline.h)."""
-    axes = tuple(a for a, n in grid.axes.items() if a not in (axis, "dp") and n > 1)
+    """A host channel over the other ranks of this rank's stage (axes.stage_axes), or None where
+    the stage is one rank per pipeline line: the message-driven schedule's members of a stage
+    must take their messages in one order (cpp/pipeline.h)."""
+    axes = stage_axes(grid.axes, axis)
     return grid.control(axes, "pipeline stage") if axes else None
 
 

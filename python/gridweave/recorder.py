@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from . import _C
 from .axes import AxesView
 from .axes import grid_axes as _grid_axes
+from .axes import stage_axes
 from .errors import GridError
 from .grid import Work
 from .models import ModelConfig, build
@@ -588,7 +589,7 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
                 header = float(_C.pipeline_header_bytes)
                 pipeline += [Collective("send", "pp:control", header, header, peer),
                              Collective("recv", "pp:control", 0.0, header, peer)]
-    group = tuple(a for a, n in _grid_axes(dp, pp, sp, mode) if a not in ("dp", "pp") and n > 1)
+    group = stage_axes(_grid_axes(dp, pp, sp, mode))
     if agreed and group and 0 < stage < pp - 1:  # cpp/pipeline.cpp's LeadReceiver: one per message received
         said = float(_C.pipeline_header_bytes)
         pipeline += [Collective("broadcast", ",".join(group) + ":control", said, said, 0, 8)] * 2
