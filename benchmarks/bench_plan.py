@@ -140,8 +140,7 @@ def predict(data: dict) -> dict:
     cfg = job_config()
     for r in data["rows"]:
         shape = plan.GridShape(dp=r["dp"], pp=r["pp"], tp=gw.modes.parse(r["tp"]), sp=r["sp"])
-        p = plan.predict(model, shape, cluster, microbatches=cfg.microbatches, offload_bsize=cfg.bsize,
-                         coarsening=cfg.coarsening)
+        p = plan.predict(model, shape, cluster, microbatches=cfg.microbatches, **cfg.planned_optimizer())
         r["predicted_s"] = p["step_time_s"]
         r["error"] = p["step_time_s"] / r["measured_s"] - 1
         r["predicted_peak_bytes"] = p["memory_bytes"] + p["host_bytes"]
@@ -150,8 +149,7 @@ def predict(data: dict) -> dict:
     rows = data["rows"]
     key = lambda r: (r["dp"], r["pp"], r["tp"], r["sp"])  # noqa: E731
     measured = {key(r): r for r in rows}
-    ranked = [key(r) for r in plan.plan(8, model, cluster, microbatches=cfg.microbatches, offload_bsize=cfg.bsize,
-                                        coarsening=cfg.coarsening) if key(r) in measured]
+    ranked = [key(r) for r in plan.plan(8, model, cluster, microbatches=cfg.microbatches, **cfg.planned_optimizer()) if key(r) in measured]
     first, fastest = measured[ranked[0]], min(rows, key=lambda r: r["measured_s"])
     tau = kendalltau([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]).statistic
     errors = [abs(r["error"]) for r in rows]

@@ -57,7 +57,7 @@ def main() -> None:
     for name, sizes in JOBS.items():
         cfg = gw.train.TrainConfig(device="cuda", **sizes)
         p = plan.predict(plan.model_of(cfg), plan.GridShape(), cluster, microbatches=cfg.microbatches,
-                         offload_bsize=cfg.bsize, coarsening=cfg.coarsening)
+                         **cfg.planned_optimizer())
         row = {**measure(grid, cfg), "predicted_s": p["step_time_s"], "predicted_bytes": p["memory_bytes"],
                "time_breakdown_s": p["time_breakdown_s"], "memory_breakdown_bytes": p["memory_breakdown_bytes"]}
         row["error"] = row["predicted_s"] / row["measured_s"] - 1

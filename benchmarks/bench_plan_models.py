@@ -130,8 +130,7 @@ def predict(data: dict) -> dict:
         model = plan.model_of(cfg)
         for r in rows:
             shape = plan.GridShape(dp=r["dp"], pp=r["pp"], tp=gw.modes.parse(r["tp"]), sp=r["sp"])
-            p = plan.predict(model, shape, cluster, microbatches=cfg.microbatches, offload_bsize=cfg.bsize,
-                             coarsening=cfg.coarsening)
+            p = plan.predict(model, shape, cluster, microbatches=cfg.microbatches, **cfg.planned_optimizer())
             r["predicted_s"] = p["step_time_s"]
             r["error"] = p["step_time_s"] / r["measured_s"] - 1
             r["breakdown_s"] = p["time_breakdown_s"]

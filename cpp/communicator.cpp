@@ -123,13 +123,13 @@ std::string Communicator::compare_notes(Store* store, const Fingerprint& mine, s
   if (!store) return "";
   const std::string key = "gw_notes/" + info_.session + "/";
   auto encode = [](const Fingerprint& f) { return std::to_string(f.hash()) + "|" + f.str(); };
+  const auto deadline = std::chrono::steady_clock::now() + window;  // the set's and the gets' together
   try {
     const std::string me = encode(mine);
-    store->set(key + std::to_string(rank()), std::vector<char>(me.begin(), me.end()));
+    store->set_within(key + std::to_string(rank()), std::vector<char>(me.begin(), me.end()), window);
   } catch (const std::exception&) {
-    return "";  // the store is gone too: nothing to compare
+    return "";  // the store is gone or behind the failing link too: nothing to compare
   }
-  const auto deadline = std::chrono::steady_clock::now() + window;
   std::ostringstream os;
   bool differ = false;
   for (int k = 0; k < size(); ++k) {

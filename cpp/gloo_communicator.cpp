@@ -26,6 +26,26 @@ namespace {
 
 constexpr uint8_t kP2PSlotPrefix = 0x40;
 constexpr uint8_t kReduceScatterSlotPrefix = 0x41;
+constexpr uint8_t kAllReduceSlotPrefix = 0x42;
+
+// Elements [first, first + size) of chunk c when `count` elements are cut into n chunks, the
+// first count % n one element larger (traffic.cpp's chunk_bytes).
+std::pair<std::size_t, std::size_t> ring_chunk(std::size_t count, int n, int c) {
+  const std::size_t base = count / n, extra = count % n, k = static_cast<std::size_t>(c);
+  return {k * base + std::min(k, extra), base + (k < extra ? 1 : 0)};
+}
+
+// A wait's share of the op's deadline (at least 1 ms, so an expired deadline still polls once).
+std::chrono::milliseconds time_left(std::chrono::steady_clock::time_point deadline) {
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+  return std::max(ms, std::chrono::milliseconds(1));
+}
+
+// An unbound buffer's wait within the op's deadline; false: close() aborted it.
+void wait_or_abort(gloo::transport::UnboundBuffer& ub, bool recv, std::chrono::steady_clock::time_point deadline) {
+  const bool done = recv ? ub.waitRecv(time_left(deadline)) : ub.waitSend(time_left(deadline));
+  if (!done) throw std::runtime_error("aborted: the communicator was closed (the grid shut down)");
+}
 
 // Gloo's typed option setters only use sizeof(T); reductions go through our own
 // dtype-aware function, so any type of the right width will do.
@@ -150,6 +170,7 @@ void GlooCommunicator::run_on_worker(OpKind op, const BufferView& in, const Buff
   // otherwise keep a failed rank alive one timeout each)
   check_usable(op);
   const auto timeout = info_.timeout;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;  // the whole op's (the rings keep it)
   const uint32_t tag = fp.hash();  // members that passed different ops never match a message
   auto reduce_fn = [dtype = in.dtype, rop](void* o, const void* a, const void* b, size_t n) {
     reduce_into(o, a, b, n, dtype, rop);
@@ -168,19 +189,10 @@ void GlooCommunicator::run_on_worker(OpKind op, const BufferView& in, const Buff
         });
         break;
       case OpKind::ReduceScatter:
-        ring_reduce_scatter(in, out, rop, tag);
+        ring_reduce_scatter(in, out, rop, tag, deadline);
         break;
       case OpKind::AllReduce:
-        with_width(in.dtype, [&](auto t) {
-          using T = decltype(t);
-          gloo::AllreduceOptions opts(context_);
-          opts.setAlgorithm(gloo::AllreduceOptions::Algorithm::RING);
-          opts.setOutput(as<T>(out), out.count);
-          opts.setReduceFunction(reduce_fn);
-          opts.setTag(tag);
-          opts.setTimeout(timeout);
-          gloo::allreduce(opts);
-        });
+        ring_all_reduce(in, out, rop, tag, deadline);
         break;
       case OpKind::Broadcast:
         with_width(in.dtype, [&](auto t) {
@@ -267,7 +279,15 @@ void GlooCommunicator::run_on_worker(OpKind op, const BufferView& in, const Buff
 // at step s member i sends chunk i-s-1 to i+1 and adds chunk i-s-2 from i-1
 // (the schedule in traffic.cpp). Step 0 sends straight from the input; partial sums
 // alternate between two chunk buffers; the last one lands in `out`.
-void GlooCommunicator::ring_reduce_scatter(const BufferView& in, const BufferView& out, ReduceOp rop, uint32_t tag) {
+void GlooCommunicator::track(const std::shared_ptr<gloo::transport::UnboundBuffer>& ub) {
+  std::lock_guard<std::mutex> lock(pending_mu_);
+  pending_.erase(std::remove_if(pending_.begin(), pending_.end(), [](auto& w) { return w.expired(); }),
+                 pending_.end());
+  pending_.push_back(ub);
+}
+
+void GlooCommunicator::ring_reduce_scatter(const BufferView& in, const BufferView& out, ReduceOp rop, uint32_t tag,
+                                           std::chrono::steady_clock::time_point deadline) {
   const int g = size(), i = rank();
   const std::size_t chunk = out.count, cb = out.nbytes();
   const char* src = static_cast<const char*>(in.ptr);
@@ -275,8 +295,12 @@ void GlooCommunicator::ring_reduce_scatter(const BufferView& in, const BufferVie
   char* partial[2] = {scratch.data(), scratch.data() + cb};
   char* tmp = scratch.data() + 2 * cb;
   // Gloo sends from registered buffers: the input for step 0, the scratch after.
-  auto in_buf = context_->createUnboundBuffer(const_cast<char*>(src), in.nbytes());
-  auto scratch_buf = context_->createUnboundBuffer(scratch.data(), scratch.size());
+  std::shared_ptr<gloo::transport::UnboundBuffer> in_buf =
+      context_->createUnboundBuffer(const_cast<char*>(src), in.nbytes());
+  std::shared_ptr<gloo::transport::UnboundBuffer> scratch_buf =
+      context_->createUnboundBuffer(scratch.data(), scratch.size());
+  track(in_buf);
+  track(scratch_buf);
   const uint64_t slot = gloo::Slot::build(kReduceScatterSlotPrefix, tag);
   const int right = (i + 1) % g, left = (i + g - 1) % g;
   auto idx = [g](int c) { return ((c % g) + g) % g; };
@@ -284,11 +308,48 @@ void GlooCommunicator::ring_reduce_scatter(const BufferView& in, const BufferVie
     if (s == 0) in_buf->send(right, slot, idx(i - 1) * cb, cb);
     else scratch_buf->send(right, slot, ((s - 1) % 2) * cb, cb);
     scratch_buf->recv(left, slot, 2 * cb, cb);
-    scratch_buf->waitRecv(info_.timeout);
-    if (s == 0) in_buf->waitSend(info_.timeout);
-    else scratch_buf->waitSend(info_.timeout);
+    wait_or_abort(*scratch_buf, true, deadline);
+    wait_or_abort(s == 0 ? *in_buf : *scratch_buf, false, deadline);
     char* dst = s == g - 2 ? static_cast<char*>(out.ptr) : partial[s % 2];
     reduce_into(dst, src + idx(i - s - 2) * cb, tmp, chunk, in.dtype, rop);
+  }
+}
+
+// Ring all-reduce in place (traffic.cpp's schedule): chunk c is count / g elements, the first
+// count % g one larger. Reduce-scatter: at step s member i sends chunk i-s-1 to i+1 and adds
+// chunk i-s-2 from i-1, ending with chunk i reduced; all-gather: at step s it sends chunk i-s
+// and takes chunk i-s-1. Empty chunks are not sent (a scalar is one message a step).
+void GlooCommunicator::ring_all_reduce(const BufferView& in, const BufferView& out, ReduceOp rop, uint32_t tag,
+                                       std::chrono::steady_clock::time_point deadline) {
+  if (in.ptr != out.ptr && in.nbytes()) std::memcpy(out.ptr, in.ptr, out.nbytes());
+  const int g = size(), i = rank();
+  const std::size_t es = dtype_size(out.dtype);
+  const std::size_t largest = ring_chunk(out.count, g, 0).second;
+  if (g == 1 || out.count == 0) return;
+  std::vector<char> received(largest * es);
+  char* data = static_cast<char*>(out.ptr);
+  std::shared_ptr<gloo::transport::UnboundBuffer> data_buf = context_->createUnboundBuffer(data, out.nbytes());
+  std::shared_ptr<gloo::transport::UnboundBuffer> recv_buf =
+      context_->createUnboundBuffer(received.data(), std::max<std::size_t>(received.size(), 1));
+  track(data_buf);
+  track(recv_buf);
+  const uint64_t slot = gloo::Slot::build(kAllReduceSlotPrefix, tag);
+  const int right = (i + 1) % g, left = (i + g - 1) % g;
+  auto idx = [g](int c) { return ((c % g) + g) % g; };
+  for (int s = 0; s < 2 * (g - 1); ++s) {
+    const bool reducing = s < g - 1;
+    const int t = reducing ? s : s - (g - 1);
+    const auto [send_at, send_n] = ring_chunk(out.count, g, idx(reducing ? i - t - 1 : i - t));
+    const auto [recv_at, recv_n] = ring_chunk(out.count, g, idx(reducing ? i - t - 2 : i - t - 1));
+    if (send_n) data_buf->send(right, slot, send_at * es, send_n * es);
+    if (recv_n) {
+      if (reducing) recv_buf->recv(left, slot, 0, recv_n * es);
+      else data_buf->recv(left, slot, recv_at * es, recv_n * es);
+      wait_or_abort(reducing ? *recv_buf : *data_buf, true, deadline);
+    }
+    if (send_n) wait_or_abort(*data_buf, false, deadline);
+    if (reducing && recv_n)
+      reduce_into(data + recv_at * es, data + recv_at * es, received.data(), recv_n, out.dtype, rop);
   }
 }
 

@@ -2,6 +2,7 @@
 // thread (so they overlap with compute), point-to-point on unbound buffers.
 #pragma once
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <mutex>
 
@@ -41,7 +42,14 @@ class GlooCommunicator : public Communicator {
  private:
   void run_on_worker(OpKind op, const BufferView& in, const BufferView& out, ReduceOp rop, int root,
                      const Fingerprint& fp);
-  void ring_reduce_scatter(const BufferView& in, const BufferView& out, ReduceOp rop, uint32_t tag);
+  // The rings run on unbound buffers so the whole op, not each of its waits, ends within the
+  // timeout (Gloo's own collectives time out per wait), and close() aborts them mid-flight.
+  void ring_reduce_scatter(const BufferView& in, const BufferView& out, ReduceOp rop, uint32_t tag,
+                           std::chrono::steady_clock::time_point deadline);
+  void ring_all_reduce(const BufferView& in, const BufferView& out, ReduceOp rop, uint32_t tag,
+                       std::chrono::steady_clock::time_point deadline);
+  // Registers a buffer whose waits close() aborts.
+  void track(const std::shared_ptr<gloo::transport::UnboundBuffer>& ub);
   // A transport error as a CommError (CommTimeout); after a timeout the members compare
   // notes over the store, so a disagreement names what each passed.
   [[noreturn]] void rethrow(const Fingerprint& fp, const std::exception& e, int peer = -1);
@@ -50,7 +58,7 @@ class GlooCommunicator : public Communicator {
   std::shared_ptr<Store> store_;  // the rendezvous store, kept to compare notes after a timeout
   std::unique_ptr<Worker> worker_;
   std::mutex pending_mu_;
-  std::vector<std::weak_ptr<gloo::transport::UnboundBuffer>> pending_;  // posted p2p buffers
+  std::vector<std::weak_ptr<gloo::transport::UnboundBuffer>> pending_;  // posted p2p and ring buffers
 };
 
 }  // namespace gridweave

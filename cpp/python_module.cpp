@@ -34,6 +34,13 @@ class PyStore : public Store {
     py::gil_scoped_acquire gil;
     call("set", key, py::bytes(value.data(), value.size()));
   }
+  void set_within(const std::string& key, const std::vector<char>& value, std::chrono::milliseconds timeout) override {
+    py::gil_scoped_acquire gil;
+    if (py::get_override(static_cast<const Store*>(this), "set_within"))
+      call("set_within", key, py::bytes(value.data(), value.size()), timeout.count() / 1000.0);
+    else  // a store of the user's: its own set
+      call("set", key, py::bytes(value.data(), value.size()));
+  }
   std::vector<char> get(const std::string& key, std::chrono::milliseconds timeout) override {
     py::gil_scoped_acquire gil;
     std::string s = call("get", key, timeout.count() / 1000.0).cast<std::string>();

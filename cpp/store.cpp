@@ -36,6 +36,9 @@ class PrefixStore : public Store {
   PrefixStore(std::string prefix, std::shared_ptr<Store> inner)
       : prefix_(std::move(prefix) + "/"), inner_(std::move(inner)) {}
   void set(const std::string& key, const std::vector<char>& value) override { inner_->set(prefix_ + key, value); }
+  void set_within(const std::string& key, const std::vector<char>& value, std::chrono::milliseconds timeout) override {
+    inner_->set_within(prefix_ + key, value, timeout);
+  }
   std::vector<char> get(const std::string& key, std::chrono::milliseconds timeout) override {
     return inner_->get(prefix_ + key, timeout);
   }

@@ -17,6 +17,13 @@ class Store {
   // Blocks until the key exists or the timeout passes (then throws CommTimeout).
   virtual std::vector<char> get(const std::string& key, std::chrono::milliseconds timeout) = 0;
   virtual void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) = 0;
+  // A set that gives up (CommTimeout) after `timeout`, for the failure path's notes: a store
+  // behind a failing link must not hold a failed op longer than its window. Stores whose set
+  // never blocks need not override it.
+  virtual void set_within(const std::string& key, const std::vector<char>& value, std::chrono::milliseconds timeout) {
+    (void)timeout;
+    set(key, value);
+  }
 };
 
 // A store over files in a shared directory (gloo's FileStore underneath).

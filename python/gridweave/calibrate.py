@@ -239,7 +239,7 @@ def fixed_costs(grid, preset: dict, steps: int = 5) -> tuple:
             times.append(float(t))
         g.shutdown()
         shape_ = plan.GridShape(dp=shape["dp"], tp=cfg.mode, sp=shape["sp"])
-        r = plan.predict(plan.model_of(cfg), shape_, base, microbatches=1, offload_bsize=cfg.bsize, coarsening=cfg.coarsening)
+        r = plan.predict(plan.model_of(cfg), shape_, base, microbatches=1, **cfg.planned_optimizer())
         rows.append((r["kernels"], r["collectives"], statistics.median(times[2:]) - r["step_time_s"]))
     a = np.array([[k, c] for k, c, _ in rows], dtype=float)
     y = np.array([t for _, _, t in rows])

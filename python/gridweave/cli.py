@@ -101,9 +101,10 @@ def _train_parser(sub):
     o.add_argument("--zero-shard-group", default=d["zero_shard_group"].default, choices=["all", "node"],
                    help="ZeRO's shard group: all data ranks, or those of one node with a replica per node "
                         "(hybrid sharding)")
-    o.add_argument("--overlap-grad-reduce", action="store_true",
+    o.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction,
+                   default=d["overlap_grad_reduce"].default,
                    help="OffloadAdam: start each gradient chunk's all-reduce in the backward that completes it "
-                        "(torch DDP's buckets), not after the backward")
+                        "(torch DDP's buckets; the default), or after it (--no-overlap-grad-reduce)")
     o.add_argument("--no-offload", dest="offload", action="store_false",
                    help="keep the optimizer state on the device (default: host memory, seed 001's buckets)")
     o.add_argument("--ac", default="none", help="activation checkpointing: none | auto (seed 001's optimal) | N")

@@ -107,6 +107,9 @@ class _TorchStore(_C.Store):
     def set(self, key, value):
         self._bounded(f"set({key!r})", lambda: self._store.set(key, value), self._timeout_s)
 
+    def set_within(self, key, value, timeout_s):
+        self._bounded(f"set({key!r})", lambda: self._store.set(key, value), min(timeout_s, self._timeout_s))
+
     def get(self, key, timeout_s):
         def fn():
             self._store.wait([key], timedelta(seconds=timeout_s))

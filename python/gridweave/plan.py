@@ -395,7 +395,7 @@ def _dtype(model: Model):
 
 
 def schedule_of(model: Model, grid: GridShape, microbatches: int, stage: int = 0, bsize: int = 1 << 14,
-                coarsening: int = 4, clip: bool = True):
+                coarsening: int = 4, clip: bool = True, overlap: bool = False):
     """The recorded step (recorder.step_schedule) of `model` on `grid`, on a rank of
     pipeline stage `stage`; a model of vocab 0 is its layer stack alone (seed 000's and SUPER's
     measurements: no embedding, head, loss or optimizer)."""
@@ -403,7 +403,8 @@ def schedule_of(model: Model, grid: GridShape, microbatches: int, stage: int = 0
     return step_schedule(model.config, grid.tp, grid.dp, grid.pp, grid.sp, (("pp", stage),), microbatches,
                          b / microbatches, _dtype(model), bsize, coarsening, clip, False, bool(model.vocab),
                          model.fused_attention, zero=grid.zero if model.vocab else 0,
-                         attention=(model.attention, model.ulysses_degree), agreed=grid.schedule == "message_driven")
+                         attention=(model.attention, model.ulysses_degree), agreed=grid.schedule == "message_driven",
+                         overlap=overlap and bool(model.vocab))
 
 
 def work_ops(micro) -> list:
@@ -423,7 +424,7 @@ def layer_ops(model: Model, grid: GridShape, tokens: float) -> list:
 
 def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int | None = None,
             offload_bsize: int | None = None, recompute: bool | str = False, coarsening: int = 4,
-            clip: bool = True) -> dict:
+            clip: bool = True, overlap_grad_reduce: bool = False) -> dict:
     """Predicted step time (s), memory per GPU (bytes) and bytes per axis for one gw.train step:
     the step recorded from the code that runs it (recorder.step_schedule: every GEMM and
     its FLOPs, every other kernel and its bytes, every collective and message, the activations
@@ -434,7 +435,9 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
     stage (Megatron's interleaved schedule: the bubble is (p-1)/(v m), v times the messages).
     offload_bsize: gw.optim.OffloadAdam's bsize (what gw.train runs: states in host memory,
     updated bsize elements at a time, its kernels and bytes recorded); None: a fused Adam on
-    the device, its states there too (Megatron's: 20 phi with half-precision weights)."""
+    the device, its states there too (Megatron's: 20 phi with half-precision weights).
+    overlap_grad_reduce: OffloadAdam's chunks start in the last micro-batch's backward (gw.train's
+    default); only what outlasts that backward is exposed, at least the last chunk."""
     if recompute not in (False, True, "selective"):
         raise GridError(f"recompute must be False, True or 'selective', got {recompute!r}")
     chunks = grid.chunks
@@ -470,7 +473,8 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
 
     stages = {}
     for s in sorted({0, grid.pp - 1}):  # the middle stages do what these do, without embedding or head
-        sched = schedule_of(model, grid, m, s, offload_bsize or FUSED_BUCKET, coarsening, clip)
+        sched = schedule_of(model, grid, m, s, offload_bsize or FUSED_BUCKET, coarsening, clip,
+                            overlap_grad_reduce and bool(offload_bsize))
         def busy(w):  # GEMMs at the GEMM rate (fused attention at its own), the other kernels at memory
             # bandwidth, each a launch
             return ((w.flops - w.fused_attention_flops) / cluster.gemm_flops
@@ -496,6 +500,17 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
     share = max(1.0, cluster.gpus_per_node / cluster.cores_per_node) if cluster.cores_per_node else 1.0
     pipeline = m * t_stage * max(1.0, (1 + bubble) / share)
     step_comm = comm([(c.op, c.axis, c.nbytes) for c in sched.step], per_axis, 1)
+    if sched.in_backward:  # overlapped chunks (DDP's buckets): they travel during the last backward (2/3 of a
+        # micro-batch's work), the last chunk after it; each axis is charged its share of what is exposed
+        ops = [(c.op, c.axis, c.nbytes) for c in sched.in_backward]
+        alone = {}
+        reduce_s = comm(ops, alone, 1)
+        exposed = max(comm(ops[-1:], {}, 1), reduce_s - 2 / 3 * compute)
+        for k, (sec, nbytes) in alone.items():
+            acc = per_axis.setdefault(k, [0.0, 0.0])
+            acc[0] += sec * exposed / reduce_s
+            acc[1] += nbytes
+        step_comm += exposed
     phi_local = sched.shard  # the elements this rank updates: its parameters, or its ZeRO shard of them
     if model.vocab and offload_bsize:  # OffloadAdam's own work (seed 001 §V-B: bsize-element buckets)
         census = optimizer_census(offload_bsize, coarsening, clip, True)
@@ -565,7 +580,7 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
             # what the critical rank issues in the step: kernels and collectives (with messages)
             "kernels": m * (sched.microbatch.kernels + sched.microbatch.gemm_calls),
             "collectives": m * sum(1 for op in work_ops(sched.microbatch) if op[0] not in ("gemm", "vector")) +
-            len(sched.step),
+            len(sched.step) + len(sched.in_backward),
             # where the step time goes (they add up to step_time_s) and the memory (to memory_bytes)
             "time_breakdown_s": {"compute": compute * m + optimizer_s, "recompute": redo * m,
                                  "communication": {k: v[0] for k, v in per_axis.items()},

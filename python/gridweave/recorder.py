@@ -497,6 +497,7 @@ class StepSchedule:
     layers: int           # the stage's layers
     state_elements: int = -1  # elements of optimizer state per kind on this rank (-1: parameters, unsharded)
     gathered: int = 0  # ZeRO-3: the most parameter elements gathered whole at once (units beside the shards)
+    in_backward: tuple = ()  # of Collective: started in the last micro-batch's backward (overlapped chunks)
 
     @property
     def shard(self) -> int:
@@ -506,7 +507,8 @@ class StepSchedule:
     @property
     def collectives(self) -> tuple:
         """(Collective, times issued in the step)."""
-        return tuple((c, self.microbatches) for c in self.microbatch.collectives) + tuple((c, 1) for c in self.step)
+        return tuple((c, self.microbatches) for c in self.microbatch.collectives) + \
+            tuple((c, 1) for c in self.in_backward + self.step)
 
 
 def _difference(a, b) -> list:
@@ -556,7 +558,8 @@ def _lerp(a: LayerSchedule, b: LayerSchedule, f: float) -> LayerSchedule:
 @lru_cache(maxsize=1024)
 def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch.bfloat16, bsize=1 << 14,
                   coarsening=4, clip=True, loss_scaling=False, ends=True, fused_attention=True,
-                  announced=False, zero=0, offload=True, attention=("ring", 1), agreed=False) -> StepSchedule:
+                  announced=False, zero=0, offload=True, attention=("ring", 1), agreed=False,
+                  overlap=False) -> StepSchedule:
     """The collectives of one gw.train step on the rank at coordinates `at` ((axis, index) pairs,
     the others 0; its pipeline stage at["pp"]): `microbatches` micro-batches of `batch`
     sequences through the stage (recorded: gw.models.GPTStage on a RecordingGrid, its layers
@@ -569,7 +572,9 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
     stage) or offload=False: gw.optim.DistributedAdam's reductions, norm and all-gathers, recorded
     from its own code. attention: (SeqAttention value, Ulysses degree) of the layers over sp.
     agreed: the message-driven schedule, whose stages between two others agree on each message
-    they take (its first member's 16-byte broadcast over the stage's axes, on a host channel)."""
+    they take (its first member's 16-byte broadcast over the stage's axes, on a host channel).
+    overlap: OffloadAdam's overlap (gw.train's overlap_grad_reduce): its chunks in the backward's
+    layout, each started in the last backward (StepSchedule.in_backward)."""
     stage = dict(at).get("pp", 0)
     rpp, rstage = stage_role(pp, stage)  # the recordings of grids that share this stage's shapes
     others = tuple((a, i) for a, i in at if a not in ("dp", "pp"))
@@ -607,29 +612,30 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
     odp, oat = (dp, at) if uses_distributed(zero, offload) else (min(dp, 2), tuple((a, i) for a, i in at if a != "dp"))
     opt = _optimizer_schedule(dataclasses.replace(config, layers=config.layers // pp * rpp), mode, odp, rpp, sp,
                               tuple((a, i) for a, i in oat if a != "pp") + (("pp", rstage),), dtype, bsize, coarsening,
-                              clip, zero, offload)
+                              clip, zero, offload, overlap)
     micro = dataclasses.replace(micro, collectives=micro.collectives + opt["gathers"])
     return StepSchedule(micro, microbatches, tuple(grid.log) + opt["step"], opt["parameters"], opt["tensors"],
-                        layer, config.layers // pp, opt["state"], opt["gathered"])
+                        layer, config.layers // pp, opt["state"], opt["gathered"], opt["in_backward"])
 
 
 @lru_cache(maxsize=1024)
-def _optimizer_schedule(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, clip, zero, offload) -> dict:
+def _optimizer_schedule(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, clip, zero, offload,
+                        overlap=False) -> dict:
     """The optimizer's part of a step, recorded from its own code over the stage's parameters as
     its modules place them (the same for every micro-batch count): its step collectives (gradient
     all-reduces or reduce-scatters, the clipping norm, the all-gathers), ZeRO-3's gathers of one
     micro-batch, the parameters, the state elements of each kind (-1: unsharded) and ZeRO-3's
     most elements gathered at once."""
     with MetaMemo():
-        return _record_optimizer(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, clip, zero, offload)
+        return _record_optimizer(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, clip, zero, offload, overlap)
 
 
-def _record_optimizer(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, clip, zero, offload) -> dict:
+def _record_optimizer(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, clip, zero, offload, overlap) -> dict:
     grid = RecordingGrid(_grid_axes(dp, pp, sp, mode), mode, dict(at))
     stage = _stage(config, mode, dp, pp, sp, at, dtype)
     params_of = list(stage.parameters())
     out = {"parameters": sum(p.numel() for p in params_of), "tensors": len(params_of), "state": -1,
-           "gathers": (), "gathered": 0}
+           "gathers": (), "gathered": 0, "in_backward": ()}
     if uses_distributed(zero, offload):  # the distributed optimizer's own calls, in its order
         opt = DistributedAdam(params_of, grid, zero=zero, decay=matrices_only, overlap=False,
                               units=stage.shard_units() if zero == 3 else None)
@@ -644,10 +650,12 @@ def _record_optimizer(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, cl
         out["state"] = opt.master.numel()
     else:
         size = params_of[0].element_size()
-        for lo, hi, axes in gradient_chunks(params_of, grid, bsize, coarsening)[2]:
+        for lo, hi, axes in gradient_chunks(params_of, grid, bsize, coarsening, backward=overlap)[2]:
             if axes:
                 n = float((hi - lo) * size)
                 grid.log.append(Collective("all_reduce", grid.label(axes), n, n, 0, size))
+        if overlap:  # OffloadAdam(overlap=True): started by the backward's hooks, before the step's own
+            out["in_backward"], grid.log = tuple(grid.log), []
         if clip:
             grad_norm_of([(p, placement_of(p)) for p in params_of], grid)
     out["step"] = tuple(grid.log)

@@ -94,10 +94,10 @@ class TrainConfig:
     zero: int = 0  # ZeRO stage: 0 every dp replica holds all optimizer state; 1 the fp32 master and Adam states sharded over the data axes; 2 the reduced gradients too; 3 the parameters too, gathered per layer
     zero_shard_group: str = "all"  # all: shard over every data rank; node: within a node, replicated across nodes (hybrid)
     offload: bool = True  # the optimizer state in host memory, updated in bsize buckets (seed 001); False: on the device
-    coarsening: int = 16  # OffloadAdam's all-reduce chunks of coarsening x bsize elements (seed 001's k): 256K, DDP's first bucket
+    coarsening: int = 64  # OffloadAdam's all-reduce chunks of coarsening x bsize elements (seed 001's k): 1M, 4 MB in fp32
     placement: str = "topology"
     overlap: bool = False
-    overlap_grad_reduce: bool = False  # OffloadAdam: each gradient chunk's all-reduce starts in the backward that completes it
+    overlap_grad_reduce: bool = True  # OffloadAdam: each gradient chunk's all-reduce starts in the backward that completes it
     attention: str = "ring"
     ulysses_degree: int = 1  # attention=usp: the sp ranks of each Ulysses block (the ring runs across the blocks)
     linformer_k: int = 0  # attention=linformer (model bert): keys and values projected from seq to K rows
@@ -266,6 +266,11 @@ class TrainConfig:
                             "(SUPER's branches); use another tensor mode")
         return {"dp": dims.dp, "pp": dims.pp, "sp": dims.sp}
 
+    def planned_optimizer(self) -> dict:
+        """plan.predict's arguments for the optimizer build() makes of this config."""
+        return dict(offload_bsize=self.bsize if self.offload else None, coarsening=self.coarsening,
+                    overlap_grad_reduce=self.overlap_grad_reduce)
+
     def plan_shape(self, dp: int, pp: int) -> "plan.GridShape":
         """This job's grid as the planner takes it, with dp and pp (grid_shape's)."""
         return plan.GridShape(dp=dp, pp=pp, tp=self.mode, sp=self.sp, placement=self.placement, zero=self.zero,
@@ -420,8 +425,7 @@ def plan_job(cfg: TrainConfig, degrees: dict, cluster) -> dict:
     ({"dp", "pp", "sp"}) on `cluster`. The planner recomputes every layer or none: any activation
     checkpointing counts as every layer."""
     return plan.predict(plan.model_of(cfg), cfg.plan_shape(degrees["dp"], degrees["pp"]), cluster,
-                        microbatches=cfg.microbatches, offload_bsize=cfg.bsize if cfg.offload else None,
-                        coarsening=cfg.coarsening, recompute=cfg.ac != 1)
+                        microbatches=cfg.microbatches, recompute=cfg.ac != 1, **cfg.planned_optimizer())
 
 
 def predicted_step_s(cfg: TrainConfig, grid) -> float:
@@ -478,10 +482,8 @@ def build(cfg: TrainConfig, grid, model_cfg: ModelConfig) -> tuple:
                                     offload=cfg.offload, bsize=cfg.bsize, max_grad_norm=cfg.max_grad_norm,
                                     decay=optim.matrices_only, units=stage.shard_units() if cfg.zero == 3 else None,
                                     shard_group=optim.ShardGroup(cfg.zero_shard_group))
-    else:  # seed 001: every replica's state offloaded, the chunks' all-reduces after the backward, or started in
-        # the backward that completes them (overlap_grad_reduce). bench_vs_torch, 8 ranks: dp 8 1.07x DDP with
-        # both overlap and 1M-element chunks, 0.84x with the defaults; not the default yet: the planner records
-        # the chunks in the after-backward layout (recorder._record_optimizer), the overlapped one is backward's
+    else:  # seed 001: every replica's state offloaded, the chunks' all-reduces started in the backward that
+        # completes them (overlap_grad_reduce, as DDP's buckets), or after the backward
         opt = optim.OffloadAdam(stage.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, bsize=cfg.bsize,
                                 coarsening=cfg.coarsening, grid=grid, max_grad_norm=cfg.max_grad_norm,
                                 decay=optim.matrices_only, overlap=cfg.overlap_grad_reduce)

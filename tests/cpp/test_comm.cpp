@@ -28,6 +28,7 @@ namespace {
 
 BufferView view_of(std::vector<double>& v) { return {v.data(), v.size(), DType::Float64}; }
 BufferView view_of(std::vector<int64_t>& v) { return {v.data(), v.size(), DType::Int64}; }
+BufferView view_of(std::vector<float>& v) { return {v.data(), v.size(), DType::Float32}; }
 
 // Runs body(comm) on n forked ranks; returns the number of ranks that failed.
 int run_ranks(int n, const std::function<void(GlooCommunicator&)>& body, milliseconds timeout = milliseconds(20000),
@@ -105,6 +106,11 @@ TEST_P(Comm, AllGatherReduceScatterAllReduce) {
     c.all_reduce(view_of(w), ReduceOp::Min)->wait(kWait);
     EXPECT_EQ(w[0], 0);
     EXPECT_EQ(w[1], -(n - 1));
+    // a count no group size divides: the ring's chunks differ by one element
+    std::vector<float> u(1003);
+    for (int k = 0; k < 1003; ++k) u[k] = float(r) + 0.5f * float(k);
+    c.all_reduce(view_of(u), ReduceOp::Sum)->wait(kWait);
+    for (int k = 0; k < 1003; ++k) ASSERT_EQ(u[k], n * (n - 1) / 2.0f + 0.5f * float(k) * float(n)) << k;
   }), 0);
 }
 

@@ -624,3 +624,32 @@ def test_collectives_over_several_axes_and_the_world_are_costed():
     measured = plan.predict(model, grid, dataclasses.replace(cluster, scalar_all_reduce_s=1e-3), **kw)
     assert measured["seconds_per_axis"]["world"] == pytest.approx(len(scalars) * 1e-3)
     assert measured["seconds_per_axis"]["dp,sp"] == r["seconds_per_axis"]["dp,sp"]  # chunks are not scalars
+
+
+def test_overlapped_gradient_chunks_hide_behind_the_last_backward():
+    """gw.train's default (overlap_grad_reduce): OffloadAdam's chunks of k x bsize elements (seed 001
+    §V-B), started by its hooks, travel during the last micro-batch's backward; the prediction
+    charges what outlasts 2/3 of a micro-batch's work, at least the last chunk, and the breakdown
+    still adds up."""
+    import dataclasses
+
+    model = plan.Model(ModelConfig("llama", 256, hidden=64, heads=4, layers=2, seq=64), batch=8, bytes_per_value=4)
+    grid = plan.GridShape(dp=8)
+    kw = dict(microbatches=1, offload_bsize=512, coarsening=4)
+    n = sum(p.numel() for p in gw.models.build(model.config, device="cpu").parameters())
+    sched = plan.schedule_of(model, grid, 1, 0, 512, 4, overlap=True)
+    assert [c.nbytes for c in sched.in_backward] == [4.0 * min(2048, n - a) for a in range(0, n, 2048)]
+    assert not any(c.axis == "dp" and c.nbytes > 8 for c in sched.step)  # only the scalars stay after the backward
+
+    base = dataclasses.replace(plan.load_cluster("v100-ib"), gpus_per_node=8)  # one node: the intra link
+    link = (base.intra_alpha_s, base.intra_bandwidth_Bps)
+    each = [base.collective_s + plan.collective_time("all_reduce", 8, c.nbytes, link, base) for c in sched.in_backward]
+    # a free backward hides nothing; a backward longer than every chunk hides all but the last
+    for gemm, hidden in ((float("inf"), 0.0), (1e3, sum(each) - each[-1])):
+        cluster = dataclasses.replace(base, gemm_flops=gemm, vector_bandwidth_Bps=0.0, launch_s=0.0)
+        after, over = (plan.predict(model, grid, cluster, overlap_grad_reduce=o, **kw) for o in (False, True))
+        assert after["step_time_s"] - over["step_time_s"] == pytest.approx(hidden, rel=1e-9, abs=1e-15)
+        t = over["time_breakdown_s"]
+        total = t["compute"] + t["recompute"] + t["bubble"] + sum(t["communication"].values())
+        assert total == pytest.approx(over["step_time_s"], rel=1e-12)
+        assert over["bytes_per_axis"] == after["bytes_per_axis"]

@@ -11,14 +11,15 @@ GRIDS = [("none", 2, 2, 1), ("row:4", 1, 2, 1), ("row:2", 2, 2, 1), ("square:2",
          ("row:2", 1, 4, 1)]  # pp 4: middle stages of two ranks, which agree on their messages' order
 
 
-def _step(ctx, tp, dp, pp, sp, family, precision, zero=0, offload=True):
+def _step(ctx, tp, dp, pp, sp, family, precision, zero=0, offload=True, overlap=False):
     import gridweave as gw
     from gridweave import plan
     from gridweave.recorder import step_schedule
 
     cfg = gw.train.TrainConfig(model=family, hidden=64, heads=8, layers=4, seq=32, batch=8, microbatches=2,
                                tokenizer="bytes", tp=tp, dp=dp, pp=pp, sp=sp, precision=precision, bsize=512,
-                               coarsening=2, zero=zero, offload=offload, schedule="1f1b" if zero == 3 else "message_driven")
+                               coarsening=2, zero=zero, offload=offload, overlap_grad_reduce=overlap,
+                               schedule="1f1b" if zero == 3 else "message_driven")
     grid = ctx.init(dp=dp, pp=pp, tp=cfg.mode, sp=sp)
     model_cfg = cfg.model_config(256)
     torch.manual_seed(0)
@@ -35,7 +36,7 @@ def _step(ctx, tp, dp, pp, sp, family, precision, zero=0, offload=True):
                              cfg.max_grad_norm is not None, scaler is not None,
                              announced=pp > 1 and cfg.schedule == "message_driven"  # the other schedules announce nothing
                              and not grid.capabilities("pp")["recv_any"], zero=zero, offload=offload,
-                             agreed=cfg.schedule == "message_driven")
+                             agreed=cfg.schedule == "message_driven", overlap=overlap)
     return ran, plan.step_counters(schedule, grid.axes, grid.placement, grid.rank)
 
 
@@ -48,8 +49,10 @@ def test_planned_step_traffic_is_the_engines(pool, tp, dp, pp, sp):
         assert ran == planned, (rank, {k: (ran.get(k), planned.get(k)) for k in set(ran) | set(planned) if ran.get(k) != planned.get(k)})
 
 
-def test_planned_step_traffic_gpt_bf16(pool):
-    for rank, (ran, planned) in enumerate(pool.run(_step, 8, "row:2", 2, 2, 1, "gpt", "bf16", timeout=240)):
+@pytest.mark.parametrize("overlap", [False, True])  # True: the chunks' all-reduces started in the backward
+def test_planned_step_traffic_gpt_bf16(pool, overlap):
+    for rank, (ran, planned) in enumerate(pool.run(_step, 8, "row:2", 2, 2, 1, "gpt", "bf16", 0, True, overlap,
+                                                   timeout=240)):
         assert ran == planned, (rank, {k: (ran.get(k), planned.get(k)) for k in set(ran) | set(planned) if ran.get(k) != planned.get(k)})
 
 
