@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from . import _C, pipeline
@@ -346,9 +347,16 @@ def _links(grid: GridShape, cluster: Cluster):
     optimizer's gradient chunks over dp and sp, or "world"): (alpha, effective bandwidth, nodes
     the line spans, the share of its bytes that cross nodes, its size), from the engine's
     placement and its SUPER traffic model (eqs. 4-7); lines of one rank are left out. A lazy
-    mapping: a label's line is worked out when first asked for."""
-    placement = _C.Placement(grid.axes(), grid.placement, cluster.gpus_per_node)
-    return _Lines(placement, dict(grid.axes()), cluster), placement
+    mapping: a label's line is worked out when first asked for, once for every grid of these
+    axes, placement and cluster (the engine's traffic model over thousands of ranks is most of
+    a large plan's costing otherwise)."""
+    return _lines_of(tuple(grid.axes()), grid.placement, cluster)
+
+
+@lru_cache(maxsize=256)
+def _lines_of(axes: tuple, placement_name: str, cluster: Cluster):
+    placement = _C.Placement(list(axes), placement_name, cluster.gpus_per_node)
+    return _Lines(placement, dict(axes), cluster), placement
 
 
 class _Lines(dict):
