@@ -275,10 +275,6 @@ void GlooCommunicator::run_on_worker(OpKind op, const BufferView& in, const Buff
   }
 }
 
-// Gloo has no reduce-scatter that leaves chunk k on member k, so it is a ring here:
-// at step s member i sends chunk i-s-1 to i+1 and adds chunk i-s-2 from i-1
-// (the schedule in traffic.cpp). Step 0 sends straight from the input; partial sums
-// alternate between two chunk buffers; the last one lands in `out`.
 void GlooCommunicator::track(const std::shared_ptr<gloo::transport::UnboundBuffer>& ub) {
   std::lock_guard<std::mutex> lock(pending_mu_);
   pending_.erase(std::remove_if(pending_.begin(), pending_.end(), [](auto& w) { return w.expired(); }),
@@ -286,6 +282,10 @@ void GlooCommunicator::track(const std::shared_ptr<gloo::transport::UnboundBuffe
   pending_.push_back(ub);
 }
 
+// Gloo has no reduce-scatter that leaves chunk k on member k, so it is a ring here:
+// at step s member i sends chunk i-s-1 to i+1 and adds chunk i-s-2 from i-1
+// (the schedule in traffic.cpp). Step 0 sends straight from the input; partial sums
+// alternate between two chunk buffers; the last one lands in `out`.
 void GlooCommunicator::ring_reduce_scatter(const BufferView& in, const BufferView& out, ReduceOp rop, uint32_t tag,
                                            std::chrono::steady_clock::time_point deadline) {
   const int g = size(), i = rank();
@@ -323,10 +323,9 @@ void GlooCommunicator::ring_all_reduce(const BufferView& in, const BufferView& o
                                        std::chrono::steady_clock::time_point deadline) {
   if (in.ptr != out.ptr && in.nbytes()) std::memcpy(out.ptr, in.ptr, out.nbytes());
   const int g = size(), i = rank();
-  const std::size_t es = dtype_size(out.dtype);
-  const std::size_t largest = ring_chunk(out.count, g, 0).second;
   if (g == 1 || out.count == 0) return;
-  std::vector<char> received(largest * es);
+  const std::size_t es = dtype_size(out.dtype);
+  std::vector<char> received(ring_chunk(out.count, g, 0).second * es);  // the largest chunk
   char* data = static_cast<char*>(out.ptr);
   std::shared_ptr<gloo::transport::UnboundBuffer> data_buf = context_->createUnboundBuffer(data, out.nbytes());
   std::shared_ptr<gloo::transport::UnboundBuffer> recv_buf =
