@@ -1,7 +1,6 @@
 #include "gloo_communicator.h"
 
 #include <gloo/allgather.h>
-#include <gloo/allreduce.h>
 #include <gloo/alltoall.h>
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>

@@ -105,7 +105,7 @@ class _TorchStore(_C.Store):
         return box.get("value")
 
     def set(self, key, value):
-        self._bounded(f"set({key!r})", lambda: self._store.set(key, value), self._timeout_s)
+        self.set_within(key, value, self._timeout_s)
 
     def set_within(self, key, value, timeout_s):
         self._bounded(f"set({key!r})", lambda: self._store.set(key, value), min(timeout_s, self._timeout_s))

@@ -412,7 +412,7 @@ def schedule_of(model: Model, grid: GridShape, microbatches: int, stage: int = 0
                          b / microbatches, _dtype(model), bsize, coarsening, clip, False, bool(model.vocab),
                          model.fused_attention, zero=grid.zero if model.vocab else 0,
                          attention=(model.attention, model.ulysses_degree), agreed=grid.schedule == "message_driven",
-                         overlap=overlap and bool(model.vocab))
+                         overlap=overlap)
 
 
 def work_ops(micro) -> list:
