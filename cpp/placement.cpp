@@ -133,19 +133,28 @@ TrafficModel segmented_traffic(const Placement& p, const std::vector<std::string
   } else {
     GW_CHECK(false, "traffic model: unknown op '" << op << "'");
   }
+  // Each line once, from its member of index 0: the pairs within it that share a node are
+  // sum over nodes of (members there)^2 (every member talks with every member), or, rooted, the
+  // members on member 0's node; O(world) rather than O(world x g).
   TrafficModel t;
+  std::vector<long long> on_node(p.world_size(), 0);
   for (int r = 0; r < p.world_size(); ++r) {
+    if (p.index_in_line(r, line_axes) != 0) continue;
     auto members = p.line(r, line_axes);
-    // Rooted ops: member 0 of each line talks with every member (itself included).
-    if (rooted && p.index_in_line(r, line_axes) != 0) continue;
-    for (int m : members) {
-      bool intra = p.node_of(r) == p.node_of(m);
-      long long msgs = rooted ? 1 : per_pair;
-      t.messages += msgs;
-      t.bytes += msgs * bytes_per_msg;
-      (intra ? t.intra_messages : t.inter_messages) += msgs;
-      (intra ? t.intra_bytes : t.inter_bytes) += msgs * bytes_per_msg;
+    long long n = static_cast<long long>(members.size()), pairs = rooted ? n : n * n, intra = 0;
+    if (rooted) {
+      for (int m : members) intra += p.node_of(m) == p.node_of(r);
+    } else {
+      for (int m : members) intra += 2 * on_node[p.node_of(m)]++ + 1;  // (c + 1)^2 - c^2
+      for (int m : members) on_node[p.node_of(m)] = 0;
     }
+    long long msgs = rooted ? 1 : per_pair;
+    t.messages += msgs * pairs;
+    t.bytes += msgs * pairs * bytes_per_msg;
+    t.intra_messages += msgs * intra;
+    t.inter_messages += msgs * (pairs - intra);
+    t.intra_bytes += msgs * intra * bytes_per_msg;
+    t.inter_bytes += msgs * (pairs - intra) * bytes_per_msg;
   }
   return t;
 }
