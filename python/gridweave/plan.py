@@ -26,7 +26,7 @@ from .axes import AxesView, ParallelDims
 from .modes import Mode, Sequence, known
 from .modes import parse as parse_mode
 from .nn.sequence import SeqAttention
-from .recorder import optimizer_census, step_schedule
+from .recorder import optimizer_census, step_schedule, tally_of
 
 PRESETS = Path(__file__).parent / "clusters"
 
@@ -462,21 +462,22 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
     launch = cluster.launch_s
     vector = (lambda n: n / cluster.vector_bandwidth_Bps) if cluster.vector_bandwidth_Bps else (lambda n: 0.0)
 
-    def comm(ops, per_axis, repeat):
-        """Seconds of the collectives in `ops` (each issued `repeat` times); per axis too."""
+    def comm(tally, per_axis, repeat):
+        """Seconds of the collectives of `tally` (((op, axis, nbytes), times issued), each of them
+        issued `repeat` times again); per axis too. Each distinct collective is costed once."""
         t = 0.0
-        for op in ops:
-            line = None if op[0] in ("gemm", "vector") else links[op[1]]
+        for (op, axis, nbytes), n in tally:
+            line = links[axis]
             if line is None:
                 continue
-            if op[0] == "all_reduce" and op[2] <= 8 and cluster.scalar_all_reduce_s:
+            if op == "all_reduce" and nbytes <= 8 and cluster.scalar_all_reduce_s:
                 c = cluster.scalar_all_reduce_s
             else:
-                c = launch + cluster.collective_s + collective_time(op[0], line[4], op[2], line[:2], cluster)
-            acc = per_axis.setdefault(op[1], [0.0, 0.0])
-            acc[0] += c * repeat
-            acc[1] += op[2] * repeat
-            t += c
+                c = launch + cluster.collective_s + collective_time(op, line[4], nbytes, line[:2], cluster)
+            acc = per_axis.setdefault(axis, [0.0, 0.0])
+            acc[0] += c * n * repeat
+            acc[1] += nbytes * n * repeat
+            t += c * n
         return t
 
     stages = {}
@@ -495,9 +496,8 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
         redo = sched.layers * (busy(sched.layer) / 3 if recompute is True else
                                sched.layer.attention_flops / cluster.gemm_flops if recompute else 0.0)
         per_axis = {}
-        ops = work_ops(mb)
-        ops += [op for op in ops if op[0] == "send"] * (chunks - 1)  # each chunk's boundary
-        t = compute + redo + comm(ops, per_axis, m)
+        tally = mb.tally + tuple((k, n * (chunks - 1)) for k, n in mb.tally if k[0] == "send" and chunks > 1)
+        t = compute + redo + comm(tally, per_axis, m)  # the sends again: each chunk's boundary
         stages[s] = (t, compute, redo, sched, per_axis)
     s_star = max(stages, key=lambda k: stages[k][0])
     t_stage, compute, redo, sched, per_axis = stages[s_star]
@@ -507,13 +507,12 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
     # the bubble costs only what the shared cores cannot absorb
     share = max(1.0, cluster.gpus_per_node / cluster.cores_per_node) if cluster.cores_per_node else 1.0
     pipeline = m * t_stage * max(1.0, (1 + bubble) / share)
-    step_comm = comm([(c.op, c.axis, c.nbytes) for c in sched.step], per_axis, 1)
+    step_comm = comm(sched.step_tally, per_axis, 1)
     if sched.in_backward:  # overlapped chunks (DDP's buckets): they travel during the last backward (2/3 of a
         # micro-batch's work), the last chunk after it; each axis is charged its share of what is exposed
-        ops = [(c.op, c.axis, c.nbytes) for c in sched.in_backward]
         alone = {}
-        reduce_s = comm(ops, alone, 1)
-        exposed = max(comm(ops[-1:], {}, 1), reduce_s - 2 / 3 * compute)
+        reduce_s = comm(tally_of(sched.in_backward), alone, 1)
+        exposed = max(comm(tally_of(sched.in_backward[-1:]), {}, 1), reduce_s - 2 / 3 * compute)
         for k, (sec, nbytes) in alone.items():
             acc = per_axis.setdefault(k, [0.0, 0.0])
             acc[0] += sec * exposed / reduce_s
@@ -587,7 +586,7 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
             "pipeline_s": pipeline,
             # what the critical rank issues in the step: kernels and collectives (with messages)
             "kernels": m * (sched.microbatch.kernels + sched.microbatch.gemm_calls),
-            "collectives": m * sum(1 for op in work_ops(sched.microbatch) if op[0] not in ("gemm", "vector")) +
+            "collectives": m * sum(n for _, n in sched.microbatch.tally) +
             len(sched.step) + len(sched.in_backward),
             # where the step time goes (they add up to step_time_s) and the memory (to memory_bytes)
             "time_breakdown_s": {"compute": compute * m + optimizer_s, "recompute": redo * m,

@@ -14,7 +14,7 @@ import dataclasses
 import math
 import weakref
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -70,6 +70,13 @@ class LayerSchedule:
     attention_flops: float = 0.0  # of the forward attention core (QK^T, softmax-weighted values)
     peak_bytes: float = 0.0    # most bytes held at once (activations, their gradients, temporaries, gradients)
     fused_attention_flops: float = 0.0  # of the fused attention kernels, forward and backward (within flops)
+
+    @cached_property
+    def tally(self) -> tuple:
+        """The collectives that cost time (receives cost nothing: their time is the send's) as
+        ((op, axis, nbytes), times issued), in first-issue order: a stage's layers issue one layer's
+        collectives again and again, so the planner costs each distinct one once."""
+        return tally_of(self.collectives)
 
     def minus(self, other: "LayerSchedule") -> "LayerSchedule":
         """What this recording has beyond `other` (one layer: a two-layer stage minus a one-layer one)."""
@@ -499,6 +506,11 @@ class StepSchedule:
     gathered: int = 0  # ZeRO-3: the most parameter elements gathered whole at once (units beside the shards)
     in_backward: tuple = ()  # of Collective: started in the last micro-batch's backward (overlapped chunks)
 
+    @cached_property
+    def step_tally(self) -> tuple:
+        """The once-a-step collectives as LayerSchedule.tally counts them."""
+        return tally_of(self.step)
+
     @property
     def shard(self) -> int:
         """Elements of each optimizer state (master, exp_avg, exp_avg_sq) this rank keeps."""
@@ -509,6 +521,16 @@ class StepSchedule:
         """(Collective, times issued in the step)."""
         return tuple((c, self.microbatches) for c in self.microbatch.collectives) + \
             tuple((c, 1) for c in self.in_backward + self.step)
+
+
+def tally_of(collectives) -> tuple:
+    """((op, axis, nbytes), times issued) of the collectives but receives, in first-issue order."""
+    counts: dict = {}
+    for c in collectives:
+        if c.op != "recv":
+            k = (c.op, c.axis, c.nbytes)
+            counts[k] = counts.get(k, 0) + 1
+    return tuple(counts.items())
 
 
 def _difference(a, b) -> list:
