@@ -654,7 +654,7 @@ def _optimizer_schedule(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, 
 
 def _record_optimizer(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, clip, zero, offload, overlap) -> dict:
     grid = RecordingGrid(_grid_axes(dp, pp, sp, mode), mode, dict(at))
-    stage = _stage(config, mode, dp, pp, sp, at, dtype)
+    stage = _stand_in(config, mode, pp, sp, tuple((a, i) for a, i in at if a != "dp"), dtype)
     params_of = list(stage.parameters())
     out = {"parameters": sum(p.numel() for p in params_of), "tensors": len(params_of), "state": -1,
            "gathers": (), "gathered": 0, "in_backward": ()}
@@ -708,6 +708,44 @@ def _stage(config, mode, dp, pp, sp, at, dtype):
     """The stage (meta) without running it: its modules place its parameters."""
     grid = RecordingGrid(_grid_axes(dp, pp, sp, mode), mode, dict(at))
     return GPTStage(_dense(config, config.layers, dtype), grid, mode, grid.coords["pp"], pp)
+
+
+@lru_cache(maxsize=256)
+def _one_layer_stage(config, mode, pp, sp, at, dtype):
+    """_stage with one layer a stage (dp 1: a stage's parameters do not depend on dp, only on
+    the mode, sp and its role); the model's tied embedding kept as the whole model ties it."""
+    return _stage(dataclasses.replace(config, layers=pp), mode, 1, pp, sp, at, dtype)
+
+
+class _Copies(torch.nn.Module):
+    """A module's parameters as new meta tensors (shape, dtype, requires_grad and placement
+    alike), in its order; `seen` maps the parameters already copied (a tied weight stays one)."""
+
+    def __init__(self, module, seen: dict):
+        super().__init__()
+        for i, p in enumerate(module.parameters()):
+            if id(p) not in seen:
+                seen[id(p)] = q = torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+                q.__dict__.update(p.__dict__)
+            self.register_parameter(f"p{i}", seen[id(p)])
+
+
+def _stand_in(config, mode, pp, sp, at, dtype):
+    """What the optimizer sees of a stage of config.layers // pp layers: its parameters in
+    stage.parameters()' order (embedding, head, then layer by layer) and its ZeRO-3 units
+    (shard_units: embedding, each layer, head), each a copy of a one-layer stage's modules, the
+    layer's repeated. Exact: the stage's layers are one dense layer converted alike
+    (_dense), so they hold equal parameters; the optimizer reads only the parameters, their
+    order and the units (tests/python/test_plan.py compares the recordings with the full
+    stage's). Building a 1T model's 128-layer stage took most of its planning time."""
+    one = _one_layer_stage(config, mode, pp, sp, at, dtype)
+    seen: dict = {}
+    stand = torch.nn.Module()
+    stand.embed = _Copies(one.embed, seen) if one.embed is not None else None
+    stand.head = _Copies(one.head, seen) if one.head is not None else None
+    stand.layers = torch.nn.ModuleList(_Copies(one.layers[0], {}) for _ in range(config.layers // pp))
+    stand.shard_units = lambda: [m for m in (stand.embed, *stand.layers, stand.head) if m is not None]
+    return stand
 
 
 @lru_cache(maxsize=16)

@@ -653,3 +653,32 @@ def test_overlapped_gradient_chunks_hide_behind_the_last_backward():
         total = t["compute"] + t["recompute"] + t["bubble"] + sum(t["communication"].values())
         assert total == pytest.approx(over["step_time_s"], rel=1e-12)
         assert over["bytes_per_axis"] == after["bytes_per_axis"]
+
+
+@pytest.mark.parametrize("spec", ["none", "row:2", "square:2", "cube:2", "subgraph:2", "csub:2"])
+def test_the_optimizer_recorded_on_a_stand_in_equals_the_whole_stage(spec, monkeypatch):
+    """recorder._stand_in (a one-layer stage's parameters copied once a layer) gives the optimizer
+    the recording the whole stage gives: every ZeRO stage and both optimizers, overlapped chunks,
+    every stage role, dp and sp, and a tied embedding (pp 1)."""
+    import dataclasses
+
+    import torch
+
+    from gridweave import recorder
+
+    mode = gw.modes.parse(spec)
+    tied = dataclasses.replace(SMALL, tie=True)
+    six = dataclasses.replace(SMALL, layers=6)
+    cases = [(six, 3, 3, 2, s) for s in (0, 1, 2)] + [(SMALL, 2, 2, 1, 1), (tied, 2, 1, 2, 0), (SMALL, 4, 1, 1, 0)]
+    for config, dp, pp, sp, stage in cases:
+        at = (("dp", dp - 1), ("pp", stage))
+        for zero, offload, overlap in ((0, True, False), (0, True, True), (0, False, False), (1, True, False),
+                                       (2, True, False), (3, True, False)):
+            args = (config, mode, dp, pp, sp, at, torch.bfloat16, 1 << 10, 4, True, zero, offload, overlap)
+            with recorder.MetaMemo():
+                stand_in = recorder._record_optimizer(*args)
+                with monkeypatch.context() as m:
+                    m.setattr(recorder, "_stand_in", lambda c, mo, p, s, a, d: recorder._stage(c, mo, dp, p, s, at, d))
+                    whole = recorder._record_optimizer(*args)
+            assert stand_in == whole, (spec, dp, pp, sp, stage, zero, offload, overlap)
+            assert stand_in["step"], "nothing recorded: the comparison cannot fail"
