@@ -243,6 +243,8 @@ def _plan_parser(sub):
     p.add_argument("--recompute", default="none", choices=("none", "full", "selective"),
                    help="with --grid: activation recomputation (full: every layer's forward again in backward; "
                         "selective: the attention core's)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes that predict the grids (default: one per core for a large plan, else one)")
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--explain", type=int, default=None, metavar="N",
                    help="why grid N (1-based, as listed) ranks above grid N+1, part by part")
@@ -267,7 +269,7 @@ def _plan(args) -> int:
             return _plan_grid(args, model, cluster)
         if args.gpus is None:
             raise GridError("--gpus: how many ranks to plan for (or --grid, one grid to evaluate)")
-        rows = plan.plan(args.gpus, model, cluster)
+        rows = plan.plan(args.gpus, model, cluster, workers=args.workers)
         if args.explain is not None and not 1 <= args.explain < len(rows):
             raise GridError(f"--explain {args.explain}: choose a grid from 1 to {len(rows) - 1} (it is compared "
                             "with the next)")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -682,18 +683,49 @@ def best_microbatching(model: Model, grid: GridShape, cluster: Cluster, sizes=(1
     return min(fits, key=lambda r: r["step_time_s"]) if fits else min(rows, key=lambda r: r["memory_bytes"])
 
 
-def plan(n: int, model: Model, cluster: Cluster, top: int | None = None, microbatches: int | None = None,
-         **kw) -> list:
-    """Grids (with their ZeRO stage) ranked by predicted step time, the ones that fit in memory
-    first, then by memory; of two placements that predict the same, the first. microbatches: the job's count (default: the
-    fastest micro-batch size that fits, per grid)."""
+def _predicted(grids: list, model: Model, cluster: Cluster, microbatches: int | None, kw: dict) -> list:
+    """plan's rows of `grids` (those train accepts), in their order."""
     rows = []
-    for g in enumerate_grids(n, model):
+    for g in grids:
         try:
             rows.append(predict(model, g, cluster, microbatches=microbatches, **kw) if microbatches
                         else best_microbatching(model, g, cluster, **kw))
         except GridError:
             continue
+    return rows
+
+
+# Grids a worker process takes at a time: consecutive grids share their recordings (the same
+# mode, sp and pp under the other placement and ZeRO stages), so a worker keeps them together.
+GRIDS_PER_TASK = 32
+WORKERS_FROM_TASKS = 8
+
+
+def plan(n: int, model: Model, cluster: Cluster, top: int | None = None, microbatches: int | None = None,
+         workers: int | None = None, **kw) -> list:
+    """Grids (with their ZeRO stage) ranked by predicted step time, the ones that fit in memory
+    first, then by memory; of two placements that predict the same, the first. microbatches: the job's count (default: the
+    fastest micro-batch size that fits, per grid). workers: processes that predict the grids
+    (consecutive runs of GRIDS_PER_TASK each, the rows taken back in order: the same ranking as one
+    process); None: one per core this process may use where there are more than
+    WORKERS_FROM_TASKS runs (a worker takes seconds to start), else this process alone."""
+    if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
+        raise GridError(f"workers must be a positive integer (or None: one per core), got {workers!r}")
+    grids = enumerate_grids(n, model)
+    tasks = -(-len(grids) // GRIDS_PER_TASK)
+    if workers is None:
+        workers = min(len(os.sched_getaffinity(0)), tasks) if tasks > WORKERS_FROM_TASKS else 1
+    if workers == 1:
+        rows = _predicted(grids, model, cluster, microbatches, kw)
+    else:
+        import concurrent.futures
+        import multiprocessing
+
+        tasks = [grids[i:i + GRIDS_PER_TASK] for i in range(0, len(grids), GRIDS_PER_TASK)]
+        # spawned, not forked: a forked child would inherit torch's thread pools mid-state
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            rows = [r for part in pool.map(_predicted, tasks, *([x] * len(tasks) for x in (model, cluster, microbatches, kw)))
+                    for r in part]
     seen, unique = set(), []
     for r in rows:  # a placement that changes nothing (one node) is listed once
         key = (r["dp"], r["pp"], r["tp"], r["sp"], r["zero"], r["step_time_s"], r["memory_bytes"])

@@ -659,7 +659,7 @@ def test_overlapped_gradient_chunks_hide_behind_the_last_backward():
 def test_the_optimizer_recorded_on_a_stand_in_equals_the_whole_stage(spec, monkeypatch):
     """recorder._stand_in (a one-layer stage's parameters copied once a layer) gives the optimizer
     the recording the whole stage gives: every ZeRO stage and both optimizers, overlapped chunks,
-    every stage role, dp and sp, and a tied embedding (pp 1)."""
+    every stage role, dp and sp, and a tied embedding (pp 1); ZeRO-2's equals ZeRO-1's."""
     import dataclasses
 
     import torch
@@ -682,3 +682,19 @@ def test_the_optimizer_recorded_on_a_stand_in_equals_the_whole_stage(spec, monke
                     whole = recorder._record_optimizer(*args)
             assert stand_in == whole, (spec, dp, pp, sp, stage, zero, offload, overlap)
             assert stand_in["step"], "nothing recorded: the comparison cannot fail"
+            if zero == 2:  # step_schedule records ZeRO-2 as ZeRO-1: the same collectives and shards
+                with recorder.MetaMemo():
+                    assert recorder._record_optimizer(*args[:10], 1, *args[11:]) == stand_in
+
+
+def test_workers_rank_as_one_process_does():
+    """plan(workers=2): the grids predicted in two spawned processes, the same rows in the same
+    order as in this one; a bad count is one clear error."""
+    model = plan.Model(ModelConfig("llama", 1000, hidden=128, heads=8, layers=4, seq=128, kv_heads=4), batch=32)
+    a100 = plan.load_cluster("a100-ib", 8)
+    alone = plan.plan(32, model, a100, workers=1)
+    assert len(alone) > 2 * plan.GRIDS_PER_TASK  # several tasks, so the order of their rows matters
+    assert plan.plan(32, model, a100, workers=2) == alone
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(gw.GridError, match="workers"):
+            plan.plan(32, model, a100, workers=bad)
