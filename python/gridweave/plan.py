@@ -695,10 +695,57 @@ def _predicted(grids: list, model: Model, cluster: Cluster, microbatches: int | 
     return rows
 
 
+def _in_workers(grids: list, model: Model, cluster: Cluster, microbatches: int | None, kw: dict, workers: int) -> list:
+    """_predicted over `workers` processes (python -m gridweave._plan_worker), each given runs of
+    GRIDS_PER_TASK consecutive grids, run i to worker i mod workers, as JSON (grids as their specs);
+    the rows taken back in the grids' order. Each worker is its own Python (spawned, not forked:
+    a fork would inherit torch's thread pools mid-state)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    runs = [[g.spec() for g in grids[i:i + GRIDS_PER_TASK]] for i in range(0, len(grids), GRIDS_PER_TASK)]
+    job = {"model": dataclasses.asdict(model), "cluster": dataclasses.asdict(cluster), "microbatches": microbatches,
+           "kw": kw}
+    done, failed = [None] * len(runs), []
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for w in range(workers):  # outputs to files: no pipe fills while another worker is read
+            out, err = (open(Path(tmp) / f"{w}.{k}", "w+") for k in ("out", "err"))
+            p = subprocess.Popen([sys.executable, "-m", "gridweave._plan_worker"], stdin=subprocess.PIPE,
+                                 stdout=out, stderr=err, text=True)
+            p.stdin.write(json.dumps(dict(job, runs=runs[w::workers])))
+            p.stdin.close()
+            procs.append((p, out, err))
+        for w, (p, out, err) in enumerate(procs):
+            p.wait()  # no timeout: a worker only computes (no peer to wait for) and ends with its runs
+            out.seek(0)
+            err.seek(0)
+            if p.returncode != 0:
+                failed.append(f"worker {w} exited {p.returncode}: {err.read().strip()[-2000:]}")
+            else:
+                done[w::workers] = json.load(out)["rows"]
+            out.close()
+            err.close()
+    if failed:
+        raise GridError("plan's workers failed: " + "; ".join(failed))
+    return [r for run in done for r in run]
+
+
+def _worker_main(job: dict) -> dict:
+    """_plan_worker's job: {"model", "cluster", "microbatches", "kw", "runs": lists of grid specs}
+    -> {"rows": _predicted's rows of each run}."""
+    m = dict(job["model"])
+    model = Model(ModelConfig(**m.pop("config")), **m)
+    cluster = Cluster(**job["cluster"])
+    return {"rows": [_predicted([GridShape.parse(s) for s in run], model, cluster, job["microbatches"], job["kw"])
+                     for run in job["runs"]]}
+
+
 # Grids a worker process takes at a time: consecutive grids share their recordings (the same
 # mode, sp and pp under the other placement and ZeRO stages), so a worker keeps them together.
 GRIDS_PER_TASK = 32
-WORKERS_FROM_TASKS = 8
+WORKERS_FROM_TASKS = 8  # runs; below, one process (a worker takes seconds to start: torch's import)
 
 
 def plan(n: int, model: Model, cluster: Cluster, top: int | None = None, microbatches: int | None = None,
@@ -718,14 +765,7 @@ def plan(n: int, model: Model, cluster: Cluster, top: int | None = None, microba
     if workers == 1:
         rows = _predicted(grids, model, cluster, microbatches, kw)
     else:
-        import concurrent.futures
-        import multiprocessing
-
-        tasks = [grids[i:i + GRIDS_PER_TASK] for i in range(0, len(grids), GRIDS_PER_TASK)]
-        # spawned, not forked: a forked child would inherit torch's thread pools mid-state
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            rows = [r for part in pool.map(_predicted, tasks, *([x] * len(tasks) for x in (model, cluster, microbatches, kw)))
-                    for r in part]
+        rows = _in_workers(grids, model, cluster, microbatches, kw, workers)
     seen, unique = set(), []
     for r in rows:  # a placement that changes nothing (one node) is listed once
         key = (r["dp"], r["pp"], r["tp"], r["sp"], r["zero"], r["step_time_s"], r["memory_bytes"])
