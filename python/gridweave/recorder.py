@@ -630,8 +630,9 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
     if loss_scaling:
         grid.all_reduce(scalar, None, op="max")  # the inf check (Grid.any)
     # the stage's parameters as the smallest pipeline with this stage's role and layers holds them;
-    # OffloadAdam's chunks and norm depend on dp only through whether it is an axis (size > 1)
-    odp, oat = (dp, at) if uses_distributed(zero, offload) else (min(dp, 2), tuple((a, i) for a, i in at if a != "dp"))
+    # unsharded (zero 0: OffloadAdam's chunks, or DistributedAdam's unpadded buckets all-reduced), the
+    # optimizer depends on dp only through whether it is an axis (size > 1); sharded, on its size
+    odp, oat = (dp, at) if zero else (min(dp, 2), tuple((a, i) for a, i in at if a != "dp"))
     # ZeRO-2 differs from ZeRO-1 only in dropping the whole gradients once reduced (DistributedAdam._launch):
     # the same recording (test_plan checks it), made once
     opt = _optimizer_schedule(dataclasses.replace(config, layers=config.layers // pp * rpp), mode, odp, rpp, sp,

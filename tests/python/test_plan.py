@@ -525,8 +525,8 @@ def test_grids_that_differ_in_dp_and_pp_alone_share_one_recording(spec):
             small = dataclasses.replace(SMALL, layers=SMALL.layers // pp * rpp)
             for zero, offload in ((0, True), (0, False), (1, True), (2, True), (3, True)):
                 args = (torch.bfloat16, 1 << 10, 4, True, zero, offload)
-                # OffloadAdam (zero 0, offloaded): dp only names the axes its chunks reduce over
-                odp, oat = (dp, (("dp", dp - 1),)) if zero or not offload else (min(dp, 2), ())
+                # zero 0 (OffloadAdam, or DistributedAdam unsharded): dp only names the axes it reduces over
+                odp, oat = (dp, (("dp", dp - 1),)) if zero else (min(dp, 2), ())
                 assert recorder._optimizer_schedule(SMALL, mode, dp, pp, sp, at, *args) == \
                     recorder._optimizer_schedule(small, mode, odp, rpp, sp, oat + (("pp", rstage),), *args)
 
