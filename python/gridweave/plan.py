@@ -597,7 +597,9 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
             "bytes_per_axis": {k: {"intra": v[1] * (1 - links[k][3]), "inter": v[1] * links[k][3]}
                                for k, v in per_axis.items()},
             "seconds_per_axis": {k: v[0] for k, v in per_axis.items()},
-            "axis_links": {k: ("intra" if v[2] == 1 else f"inter ({v[2]} nodes)") for k, v in links.items()}}
+            # the grid's axes and the lines this step uses (the lines' cache holds other grids' too)
+            "axis_links": {k: ("intra" if v[2] == 1 else f"inter ({v[2]} nodes)") for k, v in links.items()
+                           if k in per_axis or k in dict(grid.axes())}}
 
 
 def tensor_modes(n: int, model: Model) -> list:

@@ -57,7 +57,7 @@ LAYERS = (
     ("nn", {"nn"}),
     ("modes", {"modes"}),
     ("models", {"models", "hf"}),
-    ("plan", {"plan", "recorder"}),
+    ("plan", {"plan", "recorder", "_plan_worker"}),
     ("jobs (the run's logs and record beside the jobs that write them)",
      {"train", "calibrate", "generate", "data", "loggers", "runfolder", "configfile"}),
     ("cli", {"cli", "__main__"}),

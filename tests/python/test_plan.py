@@ -689,8 +689,9 @@ def test_the_optimizer_recorded_on_a_stand_in_equals_the_whole_stage(spec, monke
 
 def test_workers_rank_as_one_process_does():
     """plan(workers=2): the grids predicted in two spawned processes, the same rows in the same
-    order as in this one; a bad count is one clear error."""
-    model = plan.Model(ModelConfig("llama", 1000, hidden=128, heads=8, layers=4, seq=128, kv_heads=4), batch=32)
+    order as in this one (a row holds only what its own grid decides: its lines once listed
+    whatever other grids had added to the lines' cache); a bad count is one clear error."""
+    model = plan.Model(ModelConfig("gpt", 1000, hidden=256, heads=8, layers=4, seq=256), batch=64)
     a100 = plan.load_cluster("a100-ib", 8)
     alone = plan.plan(32, model, a100, workers=1)
     assert len(alone) > 2 * plan.GRIDS_PER_TASK  # several tasks, so the order of their rows matters
