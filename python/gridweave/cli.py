@@ -244,7 +244,7 @@ def _plan_parser(sub):
                    help="with --grid: activation recomputation (full: every layer's forward again in backward; "
                         "selective: the attention core's)")
     p.add_argument("--workers", type=int, default=None,
-                   help="processes that predict the grids (default: one per core for a large plan, else one)")
+                   help="processes that predict the grids (default: one per core, each given 256 grids or more)")
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--explain", type=int, default=None, metavar="N",
                    help="why grid N (1-based, as listed) ranks above grid N+1, part by part")

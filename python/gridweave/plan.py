@@ -747,23 +747,23 @@ def _worker_main(job: dict) -> dict:
 # Grids a worker process takes at a time: consecutive grids share their recordings (the same
 # mode, sp and pp under the other placement and ZeRO stages), so a worker keeps them together.
 GRIDS_PER_TASK = 32
-WORKERS_FROM_TASKS = 8  # runs; below, one process (a worker takes seconds to start: torch's import)
+RUNS_PER_WORKER = 8  # the fewest runs worth a worker (it takes seconds to start: torch's import)
 
 
 def plan(n: int, model: Model, cluster: Cluster, top: int | None = None, microbatches: int | None = None,
          workers: int | None = None, **kw) -> list:
     """Grids (with their ZeRO stage) ranked by predicted step time, the ones that fit in memory
-    first, then by memory; of two placements that predict the same, the first. microbatches: the job's count (default: the
-    fastest micro-batch size that fits, per grid). workers: processes that predict the grids
+    first, then by memory; of two placements that predict the same, the first. microbatches: the
+    job's count (default: the fastest micro-batch size that fits, per grid). workers: processes that predict the grids
     (consecutive runs of GRIDS_PER_TASK each, the rows taken back in order: the same ranking as one
-    process); None: one per core this process may use where there are more than
-    WORKERS_FROM_TASKS runs (a worker takes seconds to start), else this process alone."""
+    process); None: one per core this process may use, as long as each has RUNS_PER_WORKER runs
+    (a worker takes seconds to start and holds its own recordings), else this process alone."""
     if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
         raise GridError(f"workers must be a positive integer (or None: one per core), got {workers!r}")
     grids = enumerate_grids(n, model)
     tasks = -(-len(grids) // GRIDS_PER_TASK)
     if workers is None:
-        workers = min(len(os.sched_getaffinity(0)), tasks) if tasks > WORKERS_FROM_TASKS else 1
+        workers = max(1, min(len(os.sched_getaffinity(0)), tasks // RUNS_PER_WORKER))
     if workers == 1:
         rows = _predicted(grids, model, cluster, microbatches, kw)
     else:
