@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -194,6 +195,72 @@ class MpiWork : public Work {
   std::string error_;
 };
 
+// MPI advances a nonblocking op only inside MPI calls, and a reduction of several rounds
+// (SplitReduction) posts each round from test(): an async op started in the backward
+// (overlap_grad_reduce's chunks, ZeRO's buckets) would otherwise move only once waited for,
+// after the backward. While any is in flight this thread tests them every kProgressEvery; it
+// sleeps otherwise. Its tests take mpi_mutex() like every MPI call (MPI_THREAD_SERIALIZED).
+constexpr std::chrono::microseconds kProgressEvery{200};
+
+class Progress {
+ public:
+  static Progress& get() {
+    static Progress p;
+    return p;
+  }
+  void add(const std::shared_ptr<MpiWork>& w) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped_) return;  // after mpi_finalize: its waiter drives it
+    if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+    works_.push_back(w);
+    cv_.notify_one();
+  }
+  void stop() {  // before MPI_Finalize, and at exit
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopped_ = true;
+      works_.clear();
+    }
+    cv_.notify_one();
+    if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+  }
+  ~Progress() { stop(); }
+
+ private:
+  void run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stopped_) {
+      if (works_.empty()) {
+        cv_.wait(lock, [this] { return stopped_ || !works_.empty(); });
+        continue;
+      }
+      std::vector<std::weak_ptr<MpiWork>> now;
+      now.swap(works_);
+      lock.unlock();
+      std::vector<std::weak_ptr<MpiWork>> left;
+      for (auto& w : now) {
+        auto p = w.lock();
+        if (!p) continue;  // its owner is done with it
+        bool done = true;
+        try {
+          done = p->test();
+        } catch (const std::exception&) {
+          done = true;  // its waiter's own test() reports the error
+        }
+        if (!done) left.push_back(w);
+      }
+      std::this_thread::sleep_for(kProgressEvery);
+      lock.lock();
+      works_.insert(works_.end(), left.begin(), left.end());
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::weak_ptr<MpiWork>> works_;
+  std::thread thread_;
+  bool stopped_ = false;
+};
+
 // From chunks (a member's share) of this many bytes the reductions run on gridweave's
 // schedules of point-to-point messages instead of libnbc's nonblocking collectives, which
 // reduce the whole buffer along a binomial tree (MPI_Ireduce_scatter_block always;
@@ -345,6 +412,7 @@ std::pair<int, int> mpi_world() {
 }
 
 void mpi_finalize() {
+  Progress::get().stop();
   std::lock_guard<std::recursive_mutex> lock(mpi_mutex());
   int ready = 0, done = 0;
   MPI_Initialized(&ready);
@@ -458,8 +526,14 @@ void MpiCommunicator::close() {
 }
 
 std::shared_ptr<Work> MpiCommunicator::run_collective(OpKind op, const BufferView& in, const BufferView& out,
-                                                      ReduceOp rop, int root, bool /*async_op*/,
-                                                      const Fingerprint& fp) {
+                                                      ReduceOp rop, int root, bool async_op, const Fingerprint& fp) {
+  auto work = post_collective(op, in, out, rop, root, fp);
+  if (async_op) Progress::get().add(std::static_pointer_cast<MpiWork>(work));  // moves while the caller computes
+  return work;
+}
+
+std::shared_ptr<Work> MpiCommunicator::post_collective(OpKind op, const BufferView& in, const BufferView& out,
+                                                       ReduceOp rop, int root, const Fingerprint& fp) {
   const std::string what = describe(op);
   // Reductions of large chunks are gridweave's own schedules (kSplitChunkBytes)
   const std::size_t esize = dtype_size(in.dtype);

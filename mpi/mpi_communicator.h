@@ -47,6 +47,8 @@ class MpiCommunicator : public Communicator {
 
  private:
   void handshake(std::uint64_t token, int tag);
+  std::shared_ptr<Work> post_collective(OpKind op, const BufferView& in, const BufferView& out, ReduceOp rop,
+                                        int root, const Fingerprint& fp);
   std::shared_ptr<Work> split(const BufferView& in, char* out, char* buf, std::size_t chunk, ReduceOp rop,
                               const Fingerprint& fp, const std::string& what);
   MPI_Comm comm_ = MPI_COMM_NULL;
