@@ -431,6 +431,11 @@ def layer_ops(model: Model, grid: GridShape, tokens: float) -> list:
     return work_ops(schedule_of(one, dataclasses.replace(grid, pp=1), 1).microbatch)
 
 
+def _check_recompute(recompute) -> None:
+    if recompute not in (False, True, "selective"):
+        raise GridError(f"recompute must be False, True or 'selective', got {recompute!r}")
+
+
 def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int | None = None,
             offload_bsize: int | None = None, recompute: bool | str = False, coarsening: int = 4,
             clip: bool = True, overlap_grad_reduce: bool = False) -> dict:
@@ -447,8 +452,7 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
     the device, its states there too (Megatron's: 20 phi with half-precision weights).
     overlap_grad_reduce: OffloadAdam's chunks start in the last micro-batch's backward (gw.train's
     default); only what outlasts that backward is exposed, at least the last chunk."""
-    if recompute not in (False, True, "selective"):
-        raise GridError(f"recompute must be False, True or 'selective', got {recompute!r}")
+    _check_recompute(recompute)
     chunks = grid.chunks
     if chunks > 1 and grid.pp < 2:
         raise GridError(f"chunks={chunks} needs pp > 1")
@@ -709,26 +713,32 @@ def _in_workers(grids: list, model: Model, cluster: Cluster, microbatches: int |
     runs = [[g.spec() for g in grids[i:i + GRIDS_PER_TASK]] for i in range(0, len(grids), GRIDS_PER_TASK)]
     job = {"model": dataclasses.asdict(model), "cluster": dataclasses.asdict(cluster), "microbatches": microbatches,
            "kw": kw}
+    texts = [json.dumps(dict(job, runs=runs[w::workers])) for w in range(workers)]  # bad options fail here
     done, failed = [None] * len(runs), []
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
-        for w in range(workers):  # outputs to files: no pipe fills while another worker is read
-            out, err = (open(Path(tmp) / f"{w}.{k}", "w+") for k in ("out", "err"))
-            p = subprocess.Popen([sys.executable, "-m", "gridweave._plan_worker"], stdin=subprocess.PIPE,
-                                 stdout=out, stderr=err, text=True)
-            p.stdin.write(json.dumps(dict(job, runs=runs[w::workers])))
-            p.stdin.close()
-            procs.append((p, out, err))
-        for w, (p, out, err) in enumerate(procs):
-            p.wait()  # no timeout: a worker only computes (no peer to wait for) and ends with its runs
-            out.seek(0)
-            err.seek(0)
-            if p.returncode != 0:
-                failed.append(f"worker {w} exited {p.returncode}: {err.read().strip()[-2000:]}")
-            else:
-                done[w::workers] = json.load(out)["rows"]
-            out.close()
-            err.close()
+        try:
+            for w, text in enumerate(texts):  # outputs to files: no pipe fills while another worker is read
+                out, err = (open(Path(tmp) / f"{w}.{k}", "w+") for k in ("out", "err"))
+                procs.append((subprocess.Popen([sys.executable, "-m", "gridweave._plan_worker"], stdin=subprocess.PIPE,
+                                               stdout=out, stderr=err, text=True), out, err))
+                procs[-1][0].stdin.write(text)
+                procs[-1][0].stdin.close()
+            for w, (p, out, err) in enumerate(procs):
+                p.wait()  # no timeout: a worker only computes (no peer to wait for) and ends with its runs
+                out.seek(0)
+                err.seek(0)
+                if p.returncode != 0:
+                    failed.append(f"worker {w} exited {p.returncode}: {err.read().strip()[-2000:]}")
+                else:
+                    done[w::workers] = json.load(out)["rows"]
+        finally:  # an error here (or ^C) leaves no worker behind
+            for p, out, err in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+                out.close()
+                err.close()
     if failed:
         raise GridError("plan's workers failed: " + "; ".join(failed))
     return [r for run in done for r in run]
@@ -760,6 +770,7 @@ def plan(n: int, model: Model, cluster: Cluster, top: int | None = None, microba
     (a worker takes seconds to start and holds its own recordings), else this process alone."""
     if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
         raise GridError(f"workers must be a positive integer (or None: one per core), got {workers!r}")
+    _check_recompute(kw.get("recompute", False))  # predict's GridErrors below only skip a grid
     grids = enumerate_grids(n, model)
     tasks = -(-len(grids) // GRIDS_PER_TASK)
     if workers is None:

@@ -699,3 +699,5 @@ def test_workers_rank_as_one_process_does():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(gw.GridError, match="workers"):
             plan.plan(32, model, a100, workers=bad)
+    with pytest.raises(gw.GridError, match="recompute"):  # not every grid skipped in silence
+        plan.plan(32, model, a100, recompute="full")
