@@ -405,6 +405,24 @@ class ShardGroup(enum.Enum):
     NODE = "node"  # those on one node, replicated across nodes (hybrid sharding: torchtitan's HSDP)
 
 
+# DistributedAdam's elements per reduce-scatter bucket (whole parameters)
+BUCKET = 1 << 22
+
+
+def bucket_starts(sizes: list, bucket: int, units: list | None = None) -> list:
+    """Where DistributedAdam's buckets start among one reduction's parameters (their sizes, in
+    backward order): a new bucket where the current one holds something and the next parameter
+    would take it past `bucket` elements; with units (ZeRO-3), where the next parameter is
+    another unit's. A pure function, so the planner can tell when a stage's layers cut alike."""
+    starts, fill = ([0] if sizes else []), 0
+    for i, n in enumerate(sizes):
+        if i and (units[i] != units[i - 1] if units is not None else fill + n > bucket):
+            starts.append(i)
+            fill = 0
+        fill += n
+    return starts
+
+
 class _Group:
     """The parameters whose gradients are summed over the same axes, laid out flat and padded
     so that the shard axes split them into equal shards: this rank's shard is [lo, hi) of the
@@ -457,9 +475,9 @@ class DistributedAdam:
     STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
 
     def __init__(self, params, grid, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, zero=1,
-                 offload=False, bsize=1 << 20, average_dp=True, max_grad_norm=None, decay=None, bucket=1 << 22,
+                 offload=False, bsize=1 << 20, average_dp=True, max_grad_norm=None, decay=None, bucket=None,
                  overlap=True, units=None, prefetch=True, shard_group=ShardGroup.ALL):
-        """bucket: elements per reduce-scatter (whole parameters, in backward order); overlap: each
+        """bucket: elements per reduce-scatter (whole parameters, in backward order; None: BUCKET); overlap: each
         bucket's reduction starts during the backward that completes its gradients (the last of
         `backwards_per_step` passes: the pipeline's micro-batches), in bucket order on every rank.
         units (zero=3): the modules whose parameters are gathered together, in forward order
@@ -495,6 +513,7 @@ class DistributedAdam:
         if zero and all(grid.axes.get(a, 1) == 1 for a in DATA_AXES):
             raise GridError(f"zero={zero} shards over the data axes (dp, sp); this grid has none of size > 1: "
                             f"{dict(grid.axes) if grid is not None else None}")
+        bucket = BUCKET if bucket is None else bucket
         if bsize < 1 or bucket < 1:
             raise GridError(f"bsize and bucket must be >= 1, got {bsize!r}, {bucket!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -507,13 +526,10 @@ class DistributedAdam:
             by_axes.setdefault(placement_of(p).reduce_axes(grid), []).append((i, p))
         parts = []  # (axes, members): a bucket, its members in backward order
         for axes, members in by_axes.items():
-            members, cut = members[::-1], [[]]  # backward order: the last parameters' gradients come first
-            for m in members:
-                full = sum(q.numel() for _, q in cut[-1]) + m[1].numel() > bucket
-                if cut[-1] and (unit_of[id(m[1])] != unit_of[id(cut[-1][-1][1])] if zero == 3 else full):
-                    cut.append([])
-                cut[-1].append(m)
-            parts += [(axes, part) for part in cut]
+            members = members[::-1]  # backward order: the last parameters' gradients come first
+            starts = bucket_starts([p.numel() for _, p in members], bucket,
+                                   [unit_of[id(p)] for _, p in members] if zero == 3 else None)
+            parts += [(axes, members[a:b]) for a, b in zip(starts, starts[1:] + [len(members)])]
         if zero == 3:  # a unit's buckets in the order its backward completes them: the last unit's first
             parts.sort(key=lambda ap: -unit_of[id(ap[1][0][1])])
         self.groups, start, shard_lo = [], 0, 0

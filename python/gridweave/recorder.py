@@ -30,7 +30,8 @@ from .grid import Work
 from .models import ModelConfig, build
 from .models.stage import GPTStage
 from .nn.transformer import TransformerLayer
-from .optim import DistributedAdam, OffloadAdam, gradient_chunks, matrices_only, uses_distributed
+from . import optim
+from .optim import DistributedAdam, OffloadAdam, bucket_starts, gradient_chunks, matrices_only, uses_distributed
 from .pipeline import run_layers
 from .sharding import grad_norm_of, placement_of
 
@@ -656,6 +657,11 @@ def _optimizer_schedule(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, 
 
 
 def _record_optimizer(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, clip, zero, offload, overlap) -> dict:
+    k = config.layers // pp
+    if k > 3 and uses_distributed(zero, offload) and _layers_cut_alike(config, mode, dp, pp, sp, at, dtype, zero):
+        two, three = (_record_optimizer(dataclasses.replace(config, layers=j * pp), mode, dp, pp, sp, at, dtype, bsize,
+                                        coarsening, clip, zero, offload, overlap) for j in (2, 3))
+        return _repeated(two, three, k)
     grid = RecordingGrid(_grid_axes(dp, pp, sp, mode), mode, dict(at))
     stage = _stand_in(config, mode, pp, sp, tuple((a, i) for a, i in at if a != "dp"), dtype)
     params_of = list(stage.parameters())
@@ -684,6 +690,53 @@ def _record_optimizer(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, cl
         if clip:
             grad_norm_of([(p, placement_of(p)) for p in params_of], grid)
     out["step"] = tuple(grid.log)
+    return out
+
+
+def _layers_cut_alike(config, mode, dp, pp, sp, at, dtype, zero) -> bool:
+    """Whether DistributedAdam's buckets over a stage's layers repeat layer by layer: for each set
+    of reduction axes, its open bucket holds as much where the second layer ends as where the
+    first does (optim.bucket_starts over two layers' parameters, in backward order, the first to
+    come). The packing is greedy, so from equal states alike layers are packed alike, and by
+    induction every further layer adds the same buckets; the embedding and head are then met in
+    the same state whatever the layer count. At ZeRO-3 a bucket never spans two units, and each
+    layer is one."""
+    if zero == 3:
+        return True
+    grid = RecordingGrid(_grid_axes(dp, pp, sp, mode), mode, dict(at))
+    layer = _one_layer_stage(config, mode, pp, sp, tuple((a, i) for a, i in at if a != "dp"), dtype).layers[0]
+    by_axes: dict = {}
+    for p in reversed([p for p in layer.parameters() if p.requires_grad]):
+        by_axes.setdefault(placement_of(p).reduce_axes(grid), []).append(p.numel())
+
+    def open_at(sizes, starts, t):  # elements in the bucket open after the first t parameters
+        return sum(sizes[max(a for a in starts if a < t):t])
+    for sizes in by_axes.values():
+        two = sizes * 2
+        starts = bucket_starts(two, optim.BUCKET)
+        if open_at(two, starts, len(sizes)) != open_at(two, starts, len(two)):
+            return False
+    return True
+
+
+def _repeated(two: dict, three: dict, k: int) -> dict:
+    """The optimizer's recording of a stage of k layers from its recordings with two and three
+    (_layers_cut_alike): from the second layer on each layer adds the same buckets (the first
+    starts from an empty bucket, the last meets the head), so every bucket's collectives, the
+    state and the parameters grow by what the third layer added, k - 3 times; the norm's
+    collectives are three layers' (this rank's shard of each repeated bucket holds the same kinds
+    of parameters); ZeRO-3's most elements gathered at once too (the units
+    held together are of the same kinds from two layers on: a unit and the next, prefetched).
+    Collectives as a multiset (the planner costs their tally)."""
+    out = dict(three)
+    for key in ("step", "gathers"):
+        added = _difference(two[key], three[key])
+        if len(added) != len(three[key]) - len(two[key]):
+            raise GridError(f"the optimizer's {key} of three layers does not hold two layers': it cannot be repeated")
+        out[key] = tuple(three[key]) + tuple(added) * (k - 3)
+    for key in ("parameters", "tensors"):
+        out[key] = three[key] + (three[key] - two[key]) * (k - 3)
+    out["state"] = three["state"] + (three["state"] - two["state"]) * (k - 3) if three["state"] >= 0 else -1
     return out
 
 

@@ -500,6 +500,7 @@ def test_a_grid_train_refuses_is_not_ranked():
 # ---- planning fast, exactly (issue 34): what the planner reuses, checked against recording anew ----
 
 SMALL = ModelConfig("llama", 256, hidden=64, heads=8, layers=8, seq=64, kv_heads=4)
+GPT_SMALL = ModelConfig("gpt", 256, hidden=64, heads=8, layers=8, seq=64)
 
 
 @pytest.mark.parametrize("spec", ["none", "row:2", "cube:2", "subgraph:2"])
@@ -701,3 +702,45 @@ def test_workers_rank_as_one_process_does():
             plan.plan(32, model, a100, workers=bad)
     with pytest.raises(gw.GridError, match="recompute"):  # not every grid skipped in silence
         plan.plan(32, model, a100, recompute="full")
+
+
+@pytest.mark.parametrize("spec", ["none", "row:2", "cube:2", "subgraph:2"])
+def test_a_distributed_optimizer_of_many_layers_is_three_layers_repeated(spec, monkeypatch):
+    """recorder._repeated: where two layers' buckets cut where the first ends (_layers_cut_alike),
+    DistributedAdam's recording of k layers (its collectives as a multiset, parameters, tensors,
+    state, ZeRO-3's gathers and most gathered) equals the one made with all k, at ZeRO 0 (on the
+    device), 1 and 3, on buckets small enough to cut inside a layer and between layers; where
+    they do not cut alike, the whole stage is recorded. GPT's layers end with small biases and
+    norms, so a bucket spans each pair of layers and repeats from the second on."""
+    import dataclasses
+    import itertools
+    from collections import Counter
+
+    import torch
+
+    from gridweave import optim, recorder
+
+    mode = gw.modes.parse(spec)
+    cut, whole = 0, 0
+    for bucket in (3000, 10 ** 5, optim.BUCKET):
+        monkeypatch.setattr(optim, "BUCKET", bucket)
+        for zero, offload in ((0, False), (1, True), (3, True)):
+            for (dp, pp, sp, stage), base in itertools.product(((2, 1, 1, 0), (3, 2, 2, 1), (2, 3, 1, 1)),
+                                                               (SMALL, GPT_SMALL)):
+                layers = 12 if pp == 3 else 14 // pp * pp
+                config = dataclasses.replace(base, layers=layers)
+                at = (("dp", dp - 1), ("pp", stage))
+                args = (config, mode, dp, pp, sp, at, torch.bfloat16, 1 << 10, 4, True, zero, offload, False)
+                alike = recorder._layers_cut_alike(config, mode, dp, pp, sp, at, torch.bfloat16, zero)
+                with recorder.MetaMemo():
+                    repeated = recorder._record_optimizer(*args)
+                    with monkeypatch.context() as m:
+                        m.setattr(recorder, "_layers_cut_alike", lambda *a: False)
+                        full = recorder._record_optimizer(*args)
+                for key in ("step", "gathers"):
+                    assert Counter(repeated[key]) == Counter(full[key]), (spec, bucket, zero, dp, pp, sp, key)
+                for key in ("parameters", "tensors", "state", "gathered"):
+                    assert repeated[key] == full[key], (spec, bucket, zero, dp, pp, sp, key)
+                cut += alike
+                whole += not alike
+    assert cut and (whole or spec == "none"), (cut, whole)  # both branches ran
