@@ -756,8 +756,8 @@ def _worker_main(job: dict) -> dict:
 
 # Grids a worker process takes at a time: consecutive grids share their recordings (the same
 # mode, sp and pp under the other placement and ZeRO stages), so a worker keeps them together.
-GRIDS_PER_TASK = 32
-RUNS_PER_WORKER = 8  # the fewest runs worth a worker (it takes seconds to start: torch's import)
+GRIDS_PER_TASK = 256
+RUNS_PER_WORKER = 1  # the fewest runs worth a worker (it takes seconds to start: torch's import)
 
 
 def plan(n: int, model: Model, cluster: Cluster, top: int | None = None, microbatches: int | None = None,

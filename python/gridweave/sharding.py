@@ -154,7 +154,8 @@ def grad_norm_of(pieces, grid, norm_type: float = 2.0) -> torch.Tensor:
     if norm_type <= 0:
         raise GridError(f"norm_type must be positive, got {norm_type}")
     acc = torch.zeros(1, dtype=torch.float64, device=grid.device)
-    for g, placement, *sharded in pieces:  # (gradient, placement[, axes it is a shard over])
+    # on meta (the planner's recordings) no piece has a value: only the all-reduce is recorded
+    for g, placement, *sharded in pieces if not acc.is_meta else ():  # (gradient, placement[, shard axes])
         if g.numel() == 0 or not placement.counted_here(grid, *sharded):
             continue
         g = g.detach().to(device=grid.device, dtype=torch.float64).abs()
