@@ -661,7 +661,9 @@ def _record_optimizer(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, cl
     if k > 3 and uses_distributed(zero, offload) and _layers_cut_alike(config, mode, dp, pp, sp, at, dtype, zero):
         two, three = (_record_optimizer(dataclasses.replace(config, layers=j * pp), mode, dp, pp, sp, at, dtype, bsize,
                                         coarsening, clip, zero, offload, overlap) for j in (2, 3))
-        return _repeated(two, three, k)
+        out = _repeated(two, three, k)
+        if out is not None:
+            return out
     grid = RecordingGrid(_grid_axes(dp, pp, sp, mode), mode, dict(at))
     stage = _stand_in(config, mode, pp, sp, tuple((a, i) for a, i in at if a != "dp"), dtype)
     params_of = list(stage.parameters())
@@ -719,7 +721,7 @@ def _layers_cut_alike(config, mode, dp, pp, sp, at, dtype, zero) -> bool:
     return True
 
 
-def _repeated(two: dict, three: dict, k: int) -> dict:
+def _repeated(two: dict, three: dict, k: int) -> dict | None:
     """The optimizer's recording of a stage of k layers from its recordings with two and three
     (_layers_cut_alike): from the second layer on each layer adds the same buckets (the first
     starts from an empty bucket, the last meets the head), so every bucket's collectives, the
@@ -727,12 +729,13 @@ def _repeated(two: dict, three: dict, k: int) -> dict:
     collectives are three layers' (this rank's shard of each repeated bucket holds the same kinds
     of parameters); ZeRO-3's most elements gathered at once too (the units
     held together are of the same kinds from two layers on: a unit and the next, prefetched).
-    Collectives as a multiset (the planner costs their tally)."""
+    Collectives as a multiset (the planner costs their tally). None where three layers' do not
+    hold two layers' (then the whole stage is recorded)."""
     out = dict(three)
     for key in ("step", "gathers"):
         added = _difference(two[key], three[key])
         if len(added) != len(three[key]) - len(two[key]):
-            raise GridError(f"the optimizer's {key} of three layers does not hold two layers': it cannot be repeated")
+            return None
         out[key] = tuple(three[key]) + tuple(added) * (k - 3)
     for key in ("parameters", "tensors"):
         out[key] = three[key] + (three[key] - two[key]) * (k - 3)
