@@ -633,7 +633,7 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
     # the stage's parameters as the smallest pipeline with this stage's role and layers holds them;
     # unsharded (zero 0: OffloadAdam's chunks, or DistributedAdam's unpadded buckets all-reduced), the
     # optimizer depends on dp only through whether it is an axis (size > 1); sharded, on its size
-    odp, oat = (dp, at) if zero else (min(dp, 2), tuple((a, i) for a, i in at if a != "dp"))
+    odp, oat = (dp, at) if zero else (min(dp, 2), _without_dp(at))
     # ZeRO-2 differs from ZeRO-1 only in dropping the whole gradients once reduced (DistributedAdam._launch):
     # the same recording (test_plan checks it), made once
     opt = _optimizer_schedule(dataclasses.replace(config, layers=config.layers // pp * rpp), mode, odp, rpp, sp,
@@ -665,7 +665,7 @@ def _record_optimizer(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, cl
         if out is not None:
             return out
     grid = RecordingGrid(_grid_axes(dp, pp, sp, mode), mode, dict(at))
-    stage = _stand_in(config, mode, pp, sp, tuple((a, i) for a, i in at if a != "dp"), dtype)
+    stage = _stand_in(config, mode, pp, sp, _without_dp(at), dtype)
     params_of = list(stage.parameters())
     out = {"parameters": sum(p.numel() for p in params_of), "tensors": len(params_of), "state": -1,
            "gathers": (), "gathered": 0, "in_backward": ()}
@@ -706,7 +706,7 @@ def _layers_cut_alike(config, mode, dp, pp, sp, at, dtype, zero) -> bool:
     if zero == 3:
         return True
     grid = RecordingGrid(_grid_axes(dp, pp, sp, mode), mode, dict(at))
-    layer = _one_layer_stage(config, mode, pp, sp, tuple((a, i) for a, i in at if a != "dp"), dtype).layers[0]
+    layer = _one_layer_stage(config, mode, pp, sp, _without_dp(at), dtype).layers[0]
     by_axes: dict = {}
     for p in reversed([p for p in layer.parameters() if p.requires_grad]):
         by_axes.setdefault(placement_of(p).reduce_axes(grid), []).append(p.numel())
@@ -767,6 +767,12 @@ def _stage(config, mode, dp, pp, sp, at, dtype):
     """The stage (meta) without running it: its modules place its parameters."""
     grid = RecordingGrid(_grid_axes(dp, pp, sp, mode), mode, dict(at))
     return GPTStage(_dense(config, config.layers, dtype), grid, mode, grid.coords["pp"], pp)
+
+
+def _without_dp(at) -> tuple:
+    """Coordinates without the dp one: a stage's parameters and an unsharded optimizer are the same
+    on every data-parallel replica."""
+    return tuple((a, i) for a, i in at if a != "dp")
 
 
 @lru_cache(maxsize=256)
