@@ -49,8 +49,10 @@ def main() -> None:
 
     args = bench_parser(__file__).parse_args()
     grid = gw.init(backend="gloo", device="cuda")
-    a = torch.ones(64, 64, device=grid.device)
-    (a @ a).sum().item()  # cuBLAS's workspace: the library's, as the CUDA context is
+    # cuBLAS's workspaces (one per thread and stream: forward's and autograd's backward thread's)
+    # are the library's, as the CUDA context is
+    a = torch.ones(64, 64, device=grid.device, requires_grad=True)
+    (a @ a).sum().backward()
     preset = calibrate.measure(grid)
     cluster = plan.Cluster(**{k: v for k, v in preset.items() if k in plan.Cluster.__dataclass_fields__})
     rows = {}

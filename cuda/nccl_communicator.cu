@@ -85,13 +85,13 @@ NcclCommunicator::NcclCommunicator(CommInfo info, std::shared_ptr<Store> store, 
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+  stream_ = acquire_stream(device_index_);
   check_cuda(cudaMalloc(&scratch_, sizeof(int)), "cudaMalloc");
 }
 
 NcclCommunicator::~NcclCommunicator() {
   if (comm_) ncclCommDestroy(comm_);
-  if (stream_) cudaStreamDestroy(stream_);
+  if (stream_) release_stream(device_index_, stream_);
   if (scratch_) cudaFree(scratch_);
 }
 

@@ -15,15 +15,37 @@ void check_cuda(cudaError_t status, const char* what) {
 }
 
 namespace {
-struct EventPool {
+struct Pool {
   std::mutex mu;
   std::map<int, std::vector<cudaEvent_t>> free;
+  std::map<int, std::vector<cudaStream_t>> streams;
 };
-EventPool& pool() {
-  static EventPool* p = new EventPool;  // never destroyed: events may be released at exit
+Pool& pool() {
+  static Pool* p = new Pool;  // never destroyed: events may be released at exit
   return *p;
 }
 }  // namespace
+
+cudaStream_t acquire_stream(int device) {
+  {
+    std::lock_guard<std::mutex> lock(pool().mu);
+    auto& f = pool().streams[device];
+    if (!f.empty()) {
+      cudaStream_t s = f.back();
+      f.pop_back();
+      return s;
+    }
+  }
+  cudaStream_t s;
+  check_cuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+  return s;
+}
+
+void release_stream(int device, cudaStream_t stream) {
+  // Never destroyed: a freed tensor may still name it (record_stream) after its grid shut down.
+  std::lock_guard<std::mutex> lock(pool().mu);
+  pool().streams[device].push_back(stream);
+}
 
 cudaEvent_t acquire_event(int device) {
   {

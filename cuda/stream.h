@@ -16,6 +16,14 @@ void check_cuda(cudaError_t status, const char* what);
 // Makes `engine` wait for everything queued on `caller` so far.
 void order_after(cudaStream_t engine, cudaStream_t caller);
 
+// Engine streams come from a pool that lives as long as the process, as torch's ProcessGroupNCCL
+// takes its streams from torch's stream pool: a tensor the engine used records the engine's
+// stream (Tensor.record_stream), and torch's allocator records an event on that stream when the
+// tensor is freed, which may be after the grid shut down (seen on an H100: a tensor freed after
+// gw.shutdown() met a destroyed stream, "context is destroyed", and the process aborted).
+cudaStream_t acquire_stream(int device);
+void release_stream(int device, cudaStream_t stream);
+
 // Events come from a pool (one per device): no cudaEventCreate / Destroy per op.
 cudaEvent_t acquire_event(int device);
 void release_event(int device, cudaEvent_t event);

@@ -4,10 +4,15 @@
 # Gloo's Debian packages carried in beside the tree. Fetch them where apt works:
 #   mkdir -p .gpu/debs && (cd .gpu/debs && apt-get download libgloo0 libgloo-dev \
 #     libhiredis0.14 libibverbs1 libnl-3-200 libnl-route-3-200)
+# and the pure-Python dependencies the image lacks (seen on the H100 image: tomli-w, which the
+# trainer writes its resolved config with):
+#   python3 -m pip download --no-deps --only-binary=:all: -d .gpu/wheels tomli_w
 # then run this there, and scripts/test_gpu.sh after it. Idempotent: skips a working install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEBS=${DEBS:-.gpu/debs}
+WHEELS=${WHEELS:-.gpu/wheels}
+if compgen -G "$WHEELS/*.whl" >/dev/null; then python3 -m pip install -q --no-index --no-deps "$WHEELS"/*.whl; fi
 python3 -c "import gridweave._C" 2>/dev/null && exit 0
 T0=$(date +%s)
 X=$(mktemp -d)

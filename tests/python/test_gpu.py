@@ -265,8 +265,11 @@ def test_planner_memory_of_the_main_job_on_one_gpu():
 
     cfg = gw.train.TrainConfig(device="cuda")
     grid = gw.init(backend="gloo", device="cuda")
-    a = torch.ones(64, 64, device="cuda")
-    (a @ a).sum().item()  # cuBLAS's workspace is the library's, as the CUDA context is: not counted
+    # cuBLAS's workspaces are the library's, as the CUDA context is: not counted. torch keeps one
+    # per thread and stream, and backward runs on autograd's device thread: a product forward and
+    # backward makes both (the H100 measured the backward thread's 32 MiB otherwise).
+    a = torch.ones(64, 64, device="cuda", requires_grad=True)
+    (a @ a).sum().backward()
     del a
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()

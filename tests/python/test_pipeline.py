@@ -131,6 +131,11 @@ def test_offload_adam_unstaged_equals_staged():
     (the key bias) into a whole step."""
     import gridweave as gw
 
+    if DEVICE.type != "cpu":  # on a GPU the automatic choice is staged: both runs would be one path
+        torch.manual_seed(0)
+        opt = gw.optim.OffloadAdam(gw.models.GPT(V, H, HEADS, 2, SEQ, device=DEVICE).parameters(), bsize=61)
+        assert opt.staged and opt._buf
+        pytest.skip("the unstaged path is for a device whose memory is the host's (CPU)")
     runs = []
     for staged in (True, None):
         torch.manual_seed(0)
