@@ -46,6 +46,7 @@ def measure(grid, cfg) -> dict:
 def main() -> None:
     import gridweave as gw
     from gridweave import calibrate, plan
+    from gridweave.precision import Precision
 
     args = bench_parser(__file__).parse_args()
     grid = gw.init(backend="gloo", device="cuda")
@@ -53,11 +54,15 @@ def main() -> None:
     # are the library's, as the CUDA context is
     a = torch.ones(64, 64, device=grid.device, requires_grad=True)
     (a @ a).sum().backward()
-    preset = calibrate.measure(grid)
-    cluster = plan.Cluster(**{k: v for k, v in preset.items() if k in plan.Cluster.__dataclass_fields__})
+    presets = {}  # one calibration per compute dtype: the planner has one GEMM rate
     rows = {}
     for name, sizes in JOBS.items():
         cfg = gw.train.TrainConfig(device="cuda", **sizes)
+        dtype = Precision.parse(cfg.precision).dtype
+        if dtype not in presets:
+            presets[dtype] = calibrate.measure(grid, dtype=dtype)
+        preset = presets[dtype]
+        cluster = plan.Cluster(**{k: v for k, v in preset.items() if k in plan.Cluster.__dataclass_fields__})
         p = plan.predict(plan.model_of(cfg), plan.GridShape(), cluster, microbatches=cfg.microbatches,
                          **cfg.planned_optimizer())
         row = {**measure(grid, cfg), "predicted_s": p["step_time_s"], "predicted_bytes": p["memory_bytes"],
@@ -69,7 +74,8 @@ def main() -> None:
                                          "memory_error")}, flush=True)
     gw.shutdown()
     device = torch.cuda.get_device_name(0)
-    save(results_dir(args), f"plan_gpu_{device.replace(' ', '_')}", {"device": device, "preset": preset, "rows": rows})
+    save(results_dir(args), f"plan_gpu_{device.replace(' ', '_')}",
+         {"device": device, "presets": {str(d).removeprefix("torch."): p for d, p in presets.items()}, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -18,22 +18,24 @@ import torch
 
 from . import plan
 from .grid import LinePart, Span, init, shutdown
-from .measure import call_rate, gemm_rate, vector_bandwidth
+from .measure import call_rate, gemm_rate, probe_size, vector_bandwidth
 from .models import ModelConfig
 from .nn.dense import DenseTransformerLayer
 from .recorder import Census
 from .train import TrainConfig, build, train_step
 
 
-def attention_rate(window: float = 1.0, device="cpu", batch: int = 4) -> float:
+def attention_rate(window: float = 1.0, device="cpu", batch: int | None = None, dtype=torch.float32) -> float:
     """FLOP/s of torch's fused causal attention, forward and backward (the flash or
     memory-efficient kernel the device picks), counted as the planner counts it: 4 b h s^2 d
     forward, twice that backward. Heads, head size and sequence are the main job's
     (gw.train.TrainConfig): a fused kernel's rate depends on the head size far more than a GEMM's."""
     job = TrainConfig()
     heads, seq, head_dim = job.heads, job.seq, job.hidden // job.heads
-    q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, requires_grad=True) for _ in range(3))
-    grad = torch.randn(batch, heads, seq, head_dim, device=device)
+    batch = batch or probe_size(device, "attention_batch")
+    shape = (batch, heads, seq, head_dim)
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(shape, device=device, dtype=dtype)
 
     def step():
         torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
@@ -41,14 +43,15 @@ def attention_rate(window: float = 1.0, device="cpu", batch: int = 4) -> float:
     return 3 * 4.0 * batch * heads * seq * seq * head_dim * call_rate(step, window, device)
 
 
-def launch_overhead(window: float = 1.0, device="cpu") -> float:
+def launch_overhead(window: float = 1.0, device="cpu", dtype=torch.float32) -> float:
     """Seconds each kernel costs beyond its work, in a real layer: a tiny Llama layer of
     gridweave's (no work to speak of) forward and backward, over its kernels as the planner
     counts them (recorder.Census). It holds what a kernel alone does not: Python,
     module and autograd bookkeeping between kernels."""
     cfg = ModelConfig("llama", 64, 16, 2, 1, 8)
-    layer = DenseTransformerLayer(cfg.hidden, cfg.heads, cfg.ffn, bias=cfg.bias, arch=cfg.arch, device=device)
-    x = torch.randn(1, cfg.seq, cfg.hidden, device=device, requires_grad=True)
+    layer = DenseTransformerLayer(cfg.hidden, cfg.heads, cfg.ffn, bias=cfg.bias, arch=cfg.arch, device=device,
+                                  dtype=dtype)
+    x = torch.randn(1, cfg.seq, cfg.hidden, device=device, dtype=dtype, requires_grad=True)
 
     def step():
         layer(x).sum().backward()
@@ -159,9 +162,11 @@ def fit_alpha_beta(times: dict) -> tuple:
     return alpha, max(beta, 1e-12)
 
 
-def measure(grid, fixed: bool = True) -> dict:
+def measure(grid, fixed: bool = True, dtype=torch.float32) -> dict:
     """Every rank of `grid` measures at once; the medians over ranks, as a cluster preset.
-    fixed: also fit the per-kernel and per-collective costs on small training steps."""
+    fixed: also fit the per-kernel and per-collective costs on small training steps.
+    dtype: the compute dtype of the jobs the preset will plan (the planner has one GEMM rate:
+    a GPU's bf16 rate is many times its fp32 one)."""
     g, per_node = grid.world_size, grid.ranks_per_node
     times = ring_all_gather(grid) if g > 1 else {8: 1e-5, 1 << 20: 1e-3}
     alpha, beta = fit_ring(times, g)
@@ -179,11 +184,12 @@ def measure(grid, fixed: bool = True) -> dict:
     probes = (gemm_rate, vector_bandwidth, launch_overhead, attention_rate)
     for probe in probes:
         grid.barrier()
-        local.append(probe(device=grid.device))
+        local.append(probe(device=grid.device, dtype=dtype))
     local = torch.tensor(local, dtype=torch.float64, device=grid.device)
     every = grid.all_gather(local.unsqueeze(0), "dp", dim=0) if grid.world_size > 1 else local.unsqueeze(0)
     gemm, vector, launch, attention = (statistics.median(every[:, k].tolist()) for k in range(len(probes)))
-    preset = {"name": "local", "about": f"measured by gridweave bench --calibrate with {grid.world_size} ranks at once",
+    preset = {"name": "local", "about": f"measured by gridweave bench --calibrate with {grid.world_size} ranks at once"
+                                        f" in {str(dtype).removeprefix('torch.')}",
             "gpus_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", grid.world_size)),
             "intra_alpha_s": alpha, "intra_bandwidth_Bps": 1 / beta,
             "inter_alpha_s": inter_alpha, "inter_bandwidth_Bps": 1 / inter_beta, "nics_per_node": 1,
@@ -253,11 +259,11 @@ def init_like(grid, shape: dict, cfg, prefix: str):
                    prefix=prefix, backend=grid.backend, timeout=grid.timeout)
 
 
-def run(out: Path) -> dict:
-    """Run inside 2+ ranks (torchrun): rank 0 writes the preset."""
+def run(out: Path, dtype=torch.float32) -> dict:
+    """Run inside 2+ ranks (torchrun): rank 0 writes the preset, measured in `dtype`."""
     torch.set_num_threads(1)
     grid = init(dp=int(os.environ.get("WORLD_SIZE", "1")))
-    preset = measure(grid)
+    preset = measure(grid, dtype=dtype)
     if grid.rank == 0:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(preset, indent=1))

@@ -15,6 +15,7 @@ from .errors import CommError, Diverged, GridError
 from .generate import sample
 from .hf import save_hf
 from .pipeline import SCHEDULES
+from .precision import PRECISIONS
 from .train import CHOICES, TrainConfig, load_model
 
 
@@ -111,7 +112,7 @@ def _train_parser(sub):
     o.add_argument("--schedule", default=d["schedule"].default, choices=sorted(SCHEDULES))
     o.add_argument("--chunks", type=int, default=d["chunks"].default,
                    help="model chunks per pipeline stage (--schedule interleaved: Megatron's virtual stages)")
-    o.add_argument("--precision", default=d["precision"].default, choices=["fp32", "bf16", "fp16"],
+    o.add_argument("--precision", default=d["precision"].default, choices=sorted(PRECISIONS),
                    help="compute dtype; fp16 with dynamic loss scaling; fp32 master weights always")
     o.add_argument("--device", default=d["device"].default, choices=CHOICES["device"],
                    help="auto: cuda when every rank can have a GPU; cuda with fewer GPUs than ranks shares them "
@@ -352,6 +353,9 @@ def _bench_parser(sub):
                    help="measure alpha, beta and the GEMM rate into a 'local' cluster preset")
     p.add_argument("--nproc", type=int, default=8, help="ranks measuring at once (as many as your job runs)")
     p.add_argument("--out", default="runs/local.json")
+    p.add_argument("--precision", default="fp32", choices=sorted(PRECISIONS),
+                   help="the compute precision of the jobs the preset will plan (a GPU's bf16 GEMM is many times "
+                        "its fp32 one)")
     return p
 
 
@@ -377,7 +381,7 @@ def main(argv=None) -> int:
                    "--master-port", os.environ.get("GRIDWEAVE_PORT", "29651"), "-m", "gridweave.cli", *argv]
             return subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
-        preset = calibrate.run(args.out)
+        preset = calibrate.run(args.out, PRECISIONS[args.precision].dtype)
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"wrote {args.out}: alpha {preset['intra_alpha_s']:.2e} s, "
                   f"{preset['intra_bandwidth_Bps'] / 1e9:.2f} GB/s, GEMM {preset['gemm_flops'] / 1e9:.1f} GFLOP/s")

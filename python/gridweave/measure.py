@@ -22,17 +22,30 @@ def call_rate(fn, window: float, device="cpu") -> float:
     return calls / (time.perf_counter() - t0)
 
 
-def gemm_rate(n: int = 256, window: float = 1.0, device="cpu") -> float:
-    """FLOP/s of an n x n float32 matmul on this process's threads."""
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+# The probes' sizes where a device's rate is reached: a CPU reaches its GEMM rate at 256^3 and
+# its memory bandwidth at 1 MiB a tensor; on a GPU those sizes are launch-bound (an H100
+# measured 1.1 TFLOP/s at 256^3 fp32), so there the probes are large enough to fill it.
+PROBE_SIZES = {"cpu": {"gemm": 256, "vector": 1 << 18, "attention_batch": 4},
+               "cuda": {"gemm": 4096, "vector": 1 << 26, "attention_batch": 64}}
+
+
+def probe_size(device, what: str) -> int:
+    """The size the rate probes use on `device` (PROBE_SIZES; other devices as the CPU)."""
+    return PROBE_SIZES.get(torch.device(device).type, PROBE_SIZES["cpu"])[what]
+
+
+def gemm_rate(n: int | None = None, window: float = 1.0, device="cpu", dtype=torch.float32) -> float:
+    """FLOP/s of an n x n matmul in `dtype` on this process's device (n: the device's probe size)."""
+    n = n or probe_size(device, "gemm")
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     return 2 * n ** 3 * call_rate(lambda: a @ b, window, device)
 
 
-def vector_bandwidth(numel: int = 1 << 18, window: float = 1.0, device="cpu") -> float:
-    """Bytes/s of an element-wise add (two reads, one write) on tensors of `numel` floats."""
-    a, b, c = (torch.randn(numel, device=device), torch.randn(numel, device=device),
-               torch.empty(numel, device=device))
-    return 3 * 4 * numel * call_rate(lambda: torch.add(a, b, out=c), window, device)
+def vector_bandwidth(numel: int | None = None, window: float = 1.0, device="cpu", dtype=torch.float32) -> float:
+    """Bytes/s of an element-wise add (two reads, one write) on tensors of `numel` elements."""
+    numel = numel or probe_size(device, "vector")
+    a, b, c = (torch.randn(numel, device=device, dtype=dtype) for _ in range(3))
+    return 3 * a.element_size() * numel * call_rate(lambda: torch.add(a, b, out=c), window, device)
 
 
 class StepPhases:

@@ -149,6 +149,38 @@ def test_calibrate_writes_a_usable_local_preset(tmp_path):
     assert rows and rows[0]["step_time_s"] > 0
 
 
+def test_calibration_probes_measure_in_the_dtype_asked():
+    """The planner has one GEMM rate, so a calibration measures in the jobs' compute dtype (a
+    GPU's bf16 GEMM is many times its fp32 one): every probe computes in it, on the grid's device,
+    and the preset says which; on a GPU the probes are larger than the CPU's, which are
+    launch-bound there (an H100 measured 1.1 TFLOP/s at 256^3)."""
+    import torch
+
+    from gridweave import calibrate, measure
+
+    seen = []
+
+    class Dtypes(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ in ("mm", "add", "_scaled_dot_product_flash_attention_for_cpu"):
+                seen.append((func.overloadpacket.__name__, out[0].dtype if isinstance(out, tuple) else out.dtype))
+            return out
+
+    grid = gw.init()
+    try:
+        with Dtypes():
+            preset = calibrate.measure(grid, fixed=False, dtype=torch.bfloat16)
+    finally:
+        gw.shutdown()
+    assert {"mm", "add", "_scaled_dot_product_flash_attention_for_cpu"} <= {name for name, _ in seen}
+    # the products and attention in bf16 only (a norm may add in float32 inside the layer)
+    assert {d for n, d in seen if n != "add"} == {torch.bfloat16}, sorted({(n, str(d)) for n, d in seen})
+    assert ("add", torch.bfloat16) in seen
+    assert "bfloat16" in preset["about"] and preset["gemm_flops"] > 0 and preset["vector_bandwidth_Bps"] > 0
+    assert measure.probe_size("cuda", "gemm") ** 3 >= 4096 * measure.probe_size("cpu", "gemm") ** 3
+
+
 # ---- validation against the seeds ------------------------------------------------------------
 
 FREE = dict(intra_alpha_s=0.0, intra_bandwidth_Bps=float("inf"), inter_alpha_s=0.0,
