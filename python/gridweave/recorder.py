@@ -399,7 +399,7 @@ class FusedAttention(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func is torch.nn.functional.scaled_dot_product_attention:
             kwargs.update(zip(self._NAMES, args[3:]))
-            if kwargs.get("attn_mask") is None and not kwargs.get("enable_gqa"):
+            if kwargs.get("attn_mask") is None:  # the fused kernels group key/value heads themselves
                 q, k, v = args[:3]
                 return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     q, k, v, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False), scale=kwargs.get("scale"))[0]

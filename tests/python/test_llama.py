@@ -125,3 +125,34 @@ def test_dense_llama_layer_is_rope_gqa_rmsnorm_swiglu():
     g, u = (rms(x1, d.ln2.weight) @ d.fc1.weight.T).split([24, 24], -1)
     y = x1 + (torch.nn.functional.silu(g) * u) @ d.fc2.weight.T
     assert rel(d(x), y) < 1e-7  # the rotary angles are float32, as Hugging Face computes them
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_grouped_heads_go_to_the_fused_kernel_unrepeated(causal):
+    """Grouped-query attention without a mask hands torch's kernel the key/value heads as they
+    are (enable_gqa, as transformers' Llama does): forward and backward equal repeating them to
+    the query heads (float64), and what autograd keeps for backward is smaller by the copies."""
+    import gridweave as gw
+    from gridweave.nn.dense import attention
+
+    torch.manual_seed(0)
+    heads, kv, d, s = 8, 2, 4, 6
+    arch = gw.nn.Arch(gw.nn.Norm.RMS, gw.nn.Activation.SWIGLU, kv_heads=kv, rope_theta=100.0)
+    qkv = torch.randn(2, s, (heads + 2 * kv) * d, dtype=torch.float64, device="cpu", requires_grad=True)
+    grad = torch.randn(2, s, heads * d, dtype=torch.float64, device="cpu")
+
+    def reference(t):
+        q, k, v = gw.nn.dense.split_heads(t, heads, kv, arch)  # repeated to the query heads
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return o.transpose(1, 2).reshape(2, s, -1)
+
+    saved = {}
+    for name, f in (("gqa", lambda t: attention(t, heads, causal, kv, arch)), ("repeated", reference)):
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.untyped_storage()) or t, lambda t: t):
+            out = f(qkv)
+        saved[name] = sum({st.data_ptr(): st.nbytes() for st in kept}.values())
+        saved[name + "_out"], saved[name + "_grad"] = out, torch.autograd.grad(out, qkv, grad)[0]
+    assert rel(saved["gqa_out"], saved["repeated_out"]) < 1e-12
+    assert rel(saved["gqa_grad"], saved["repeated_grad"]) < 1e-12
+    assert saved["gqa"] < saved["repeated"]

@@ -124,10 +124,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def split_heads(qkv: torch.Tensor, heads: int, kv_heads: int, arch: Arch, positions=None) -> tuple:
+def split_heads(qkv: torch.Tensor, heads: int, kv_heads: int, arch: Arch, positions=None,
+                repeat_kv: bool = True) -> tuple:
     """Packed local [q | k | v] (b, s, (heads + 2 kv_heads) d) -> q, k, v of (b, heads, s, d),
     rotated at `positions` (the tokens' global positions) when the arch has rotary embeddings.
-    k and v are repeated to the query heads (grouped-query attention)."""
+    k and v are repeated to the query heads (grouped-query attention) unless repeat_kv is False
+    (then (b, kv_heads, s, d), for a kernel that groups the heads itself)."""
     b, s, width = qkv.shape
     d = width // (heads + 2 * kv_heads)
     q, k, v = (t.reshape(b, s, n, d).transpose(1, 2)
@@ -138,7 +140,7 @@ def split_heads(qkv: torch.Tensor, heads: int, kv_heads: int, arch: Arch, positi
         if pos.dim() == 2:  # per-row positions (packed documents): broadcast over the heads
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    if kv_heads != heads:
+    if kv_heads != heads and repeat_kv:
         k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
     return q, k, v
 
@@ -166,11 +168,17 @@ def attention(qkv: torch.Tensor, heads: int, causal: bool, kv_heads: int | None 
     if documents is not None:
         check_documents(documents, *qkv.shape[:2])
         positions = document_positions(documents) if positions is None else positions
-    q, k, v = split_heads(qkv, heads, heads if kv_heads is None else kv_heads, arch, positions)
+    kv_heads = heads if kv_heads is None else kv_heads
+    # Grouped heads in the fused kernel (torch's enable_gqa, as transformers' Llama calls it) where
+    # no mask is given: no repeated keys and values kept for backward, no sum over the copies
+    # there (the one-process step 2-4% behind transformers'); with a mask torch would fall back
+    # to its math kernel, so there they are repeated
+    gqa = kv_heads != heads and lowrank is None and documents is None
+    q, k, v = split_heads(qkv, heads, kv_heads, arch, positions, repeat_kv=not gqa)
     if lowrank is not None:
         out = linformer_attention(q, k, v, lowrank)
     elif documents is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
     else:
         pos = torch.arange(qkv.shape[1], device=qkv.device)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(documents, pos, pos, causal))
