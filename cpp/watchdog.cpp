@@ -51,7 +51,10 @@ void Watchdog::loop() {
     std::vector<Entry> now;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait_for(lock, poll_, [&] { return stop_ || !entries_.empty(); });
+      // Idle, it sleeps until an op is watched; with ops outstanding it polls them every poll_
+      // (waiting on "entries not empty" then would return at once: a core spun while an op ran)
+      cv_.wait(lock, [&] { return stop_ || !entries_.empty(); });
+      cv_.wait_for(lock, poll_, [&] { return stop_; });
       if (stop_) return;
       now.swap(entries_);  // polled outside the lock: test() may call into the driver
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import math
+import weakref
 
 import torch
 from torch.optim.adamw import adamw as fused_adamw
@@ -99,6 +100,24 @@ def checked_state(owner: str, state_dict: dict, params, keys) -> tuple:
     return entries, groups[0], steps.pop() if steps else 0
 
 
+def _grad_hooks(opt, params) -> list:
+    """Post-accumulate hooks calling opt._grad_ready while the optimizer lives, removed when it
+    goes. A hook holds the optimizer weakly: torch does not traverse the hooks of a tensor that
+    C++ also holds (a parameter that is a view of a flat buffer), so a strong hook would make the
+    cycle parameter -> hook -> optimizer -> parameter that gc never collects, and with it the
+    grid, its communicators and their threads (seen: 200 threads a rank after 100 grids)."""
+    ref = weakref.ref(opt)
+
+    def ready(p):
+        o = ref()
+        if o is not None:
+            o._grad_ready(p)
+
+    handles = [p.register_post_accumulate_grad_hook(ready) for p in params]
+    weakref.finalize(opt, lambda hs=tuple(handles): [h.remove() for h in hs])
+    return handles
+
+
 class OffloadAdam:
     """AdamW with fp32 master weights and Adam states in host memory, updated `bsize`
     elements at a time; the model keeps its own (fp16/bf16/fp32) weights and gradients.
@@ -175,8 +194,7 @@ class OffloadAdam:
                            for i, p in enumerate(self.params)]
         self._members = [sum(c in cs for cs in self._chunks_of) for c in range(len(self._chunks))]
         self._reset_reduction()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params] \
-            if self.overlap else []
+        self._hooks = _grad_hooks(self, self.params) if self.overlap else []
 
     # ---- memory accounting (bytes on the device) ------------------------------------
     def device_bytes(self) -> dict:
@@ -545,8 +563,7 @@ class DistributedAdam:
         self.phases = None  # a gw.measure.StepPhases timing the reduction (gw.train.train_step sets it)
         self._unit_of, self.overlap = unit_of, overlap
         self._reset_reduction()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.params] \
-            if overlap or zero == 3 else []
+        self._hooks = _grad_hooks(self, self.params) if overlap or zero == 3 else []
         dev, dtype = self.params[0].device, self.params[0].dtype
         if any(p.dtype != dtype or p.device != dev for p in self.params):
             raise GridError("DistributedAdam takes parameters of one dtype on one device (its all-gathers carry the "

@@ -468,3 +468,26 @@ TEST(Watchdog, AbortsOnceOnATimeoutOrATransportErrorAndNamesTheOp) {
   EXPECT_EQ(errors.load(), 1);
   EXPECT_THROW(dog.check(), Error);
 }
+
+// The watchdog sleeps between polls: idle, until an op is watched; with an op outstanding, a
+// poll interval between looks (it spun a core while any op was outstanding). What it costs is
+// this process's CPU time over a window the test thread sleeps through, as a share of the window.
+TEST(Watchdog, SleepsBetweenPolls) {
+  auto cpu = [] {
+    timespec t{};
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+  };
+  Watchdog dog([](const Error&) {}, milliseconds(2));
+  for (bool outstanding : {false, true}) {
+    auto op = std::make_shared<ManualWork>("recv on axis 'pp'");
+    if (outstanding) dog.watch(op, Watchdog::Clock::now() + milliseconds(60000));
+    const double c0 = cpu();
+    const auto t0 = std::chrono::steady_clock::now();
+    std::this_thread::sleep_for(milliseconds(300));
+    const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_LT((cpu() - c0) / wall, 0.25) << (outstanding ? "an op outstanding" : "idle");
+    op->done = true;
+  }
+  EXPECT_FALSE(dog.failed());
+}
