@@ -517,7 +517,10 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
         # micro-batch's work), the last chunk after it; each axis is charged its share of what is exposed
         alone = {}
         reduce_s = comm(tally_of(sched.in_backward), alone, 1)
-        exposed = max(comm(tally_of(sched.in_backward[-1:]), {}, 1), reduce_s - 2 / 3 * compute)
+        # where ranks share cores the chunks' transport threads take the cores the backward computes
+        # on: nothing is hidden (the overlap then only saves the wait for the last chunk's peers)
+        hidden = 2 / 3 * compute if share <= 1.0 else 0.0
+        exposed = max(comm(tally_of(sched.in_backward[-1:]), {}, 1), reduce_s - hidden)
         for k, (sec, nbytes) in alone.items():
             acc = per_axis.setdefault(k, [0.0, 0.0])
             acc[0] += sec * exposed / reduce_s
