@@ -15,58 +15,59 @@ void check_cuda(cudaError_t status, const char* what) {
 }
 
 namespace {
+// Per-device free lists of CUDA handles, never destroyed: events may be released at exit, and
+// a freed tensor may still name an engine stream (record_stream) after its grid shut down.
 struct Pool {
   std::mutex mu;
-  std::map<int, std::vector<cudaEvent_t>> free;
+  std::map<int, std::vector<cudaEvent_t>> events;
   std::map<int, std::vector<cudaStream_t>> streams;
 };
 Pool& pool() {
-  static Pool* p = new Pool;  // never destroyed: events may be released at exit
+  static Pool* p = new Pool;
   return *p;
+}
+
+template <class Handle, class Make>
+Handle take(std::map<int, std::vector<Handle>> Pool::*list, int device, Make make) {
+  {
+    std::lock_guard<std::mutex> lock(pool().mu);
+    auto& f = (pool().*list)[device];
+    if (!f.empty()) {
+      Handle h = f.back();
+      f.pop_back();
+      return h;
+    }
+  }
+  return make();
+}
+
+template <class Handle>
+void give(std::map<int, std::vector<Handle>> Pool::*list, int device, Handle h) {
+  std::lock_guard<std::mutex> lock(pool().mu);
+  (pool().*list)[device].push_back(h);
 }
 }  // namespace
 
 cudaStream_t acquire_stream(int device) {
-  {
-    std::lock_guard<std::mutex> lock(pool().mu);
-    auto& f = pool().streams[device];
-    if (!f.empty()) {
-      cudaStream_t s = f.back();
-      f.pop_back();
-      return s;
-    }
-  }
-  cudaStream_t s;
-  check_cuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
-  return s;
+  return take(&Pool::streams, device, [] {
+    cudaStream_t s;
+    check_cuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+    return s;
+  });
 }
 
-void release_stream(int device, cudaStream_t stream) {
-  // Never destroyed: a freed tensor may still name it (record_stream) after its grid shut down.
-  std::lock_guard<std::mutex> lock(pool().mu);
-  pool().streams[device].push_back(stream);
-}
+void release_stream(int device, cudaStream_t stream) { give(&Pool::streams, device, stream); }
 
 cudaEvent_t acquire_event(int device) {
-  {
-    std::lock_guard<std::mutex> lock(pool().mu);
-    auto& f = pool().free[device];
-    if (!f.empty()) {
-      cudaEvent_t e = f.back();
-      f.pop_back();
-      return e;
-    }
-  }
-  cudaEvent_t e;
-  check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
-  return e;
+  return take(&Pool::events, device, [] {
+    cudaEvent_t e;
+    check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+    return e;
+  });
 }
 
-void release_event(int device, cudaEvent_t event) {
-  // A recorded event may be re-recorded at once: a later record replaces the pending one.
-  std::lock_guard<std::mutex> lock(pool().mu);
-  pool().free[device].push_back(event);
-}
+// A recorded event may be re-recorded at once: a later record replaces the pending one.
+void release_event(int device, cudaEvent_t event) { give(&Pool::events, device, event); }
 
 void order_after(cudaStream_t engine, cudaStream_t caller) {
   int device = 0;
