@@ -79,7 +79,7 @@ def predict(preset: dict, flags: list) -> float:
     from gridweave import plan
     from gridweave.cli import parse_train
 
-    cluster = plan.Cluster(**{k: v for k, v in preset.items() if k in plan.Cluster.__dataclass_fields__})
+    cluster = plan.Cluster.of(preset)
     cfg = parse_train([*model_flags(), *flags])  # the job as the command line makes it
     return gw.train.plan_job(cfg, cfg.grid_shape(8), cluster)["step_time_s"]
 

@@ -135,7 +135,7 @@ def predict(data: dict) -> dict:
     from gridweave import plan
 
     preset = data["preset"]
-    cluster = plan.Cluster(**{k: v for k, v in preset.items() if k in plan.Cluster.__dataclass_fields__})
+    cluster = plan.Cluster.of(preset)
     model = planner_model()
     cfg = job_config()
     for r in data["rows"]:

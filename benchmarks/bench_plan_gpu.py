@@ -46,23 +46,19 @@ def measure(grid, cfg) -> dict:
 def main() -> None:
     import gridweave as gw
     from gridweave import calibrate, plan
-    from gridweave.precision import Precision
 
     args = bench_parser(__file__).parse_args()
     grid = gw.init(backend="gloo", device="cuda")
-    # cuBLAS's workspaces (one per thread and stream: forward's and autograd's backward thread's)
-    # are the library's, as the CUDA context is
-    a = torch.ones(64, 64, device=grid.device, requires_grad=True)
-    (a @ a).sum().backward()
+    calibrate.make_cublas_workspaces(grid.device)
     presets = {}  # one calibration per compute dtype: the planner has one GEMM rate
     rows = {}
     for name, sizes in JOBS.items():
         cfg = gw.train.TrainConfig(device="cuda", **sizes)
-        dtype = Precision.parse(cfg.precision).dtype
+        dtype = cfg.compute.dtype
         if dtype not in presets:
             presets[dtype] = calibrate.measure(grid, dtype=dtype)
         preset = presets[dtype]
-        cluster = plan.Cluster(**{k: v for k, v in preset.items() if k in plan.Cluster.__dataclass_fields__})
+        cluster = plan.Cluster.of(preset)
         p = plan.predict(plan.model_of(cfg), plan.GridShape(), cluster, microbatches=cfg.microbatches,
                          **cfg.planned_optimizer())
         row = {**measure(grid, cfg), "predicted_s": p["step_time_s"], "predicted_bytes": p["memory_bytes"],

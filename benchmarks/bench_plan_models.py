@@ -120,7 +120,7 @@ def predict(data: dict) -> dict:
     from gridweave import plan
 
     preset = data["preset"]
-    cluster = plan.Cluster(**{k: v for k, v in preset.items() if k in plan.Cluster.__dataclass_fields__})
+    cluster = plan.Cluster.of(preset)
     summary = {}
     for name in data["models"]:
         rows = [r for r in data["rows"] if r["model"] == name]

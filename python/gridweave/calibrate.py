@@ -43,6 +43,15 @@ def attention_rate(window: float = 1.0, device="cpu", batch: int | None = None, 
     return 3 * 4.0 * batch * heads * seq * seq * head_dim * call_rate(step, window, device)
 
 
+def make_cublas_workspaces(device) -> None:
+    """Makes cuBLAS's workspaces before device memory is measured: they are the library's, as the
+    CUDA context is. torch keeps one per thread and stream, and backward runs on autograd's
+    device thread, so a product forward and backward makes both (an H100 counted the backward
+    thread's 32 MiB in a step otherwise)."""
+    a = torch.ones(64, 64, device=device, requires_grad=True)
+    (a @ a).sum().backward()
+
+
 def launch_overhead(window: float = 1.0, device="cpu", dtype=torch.float32) -> float:
     """Seconds each kernel costs beyond its work, in a real layer: a tiny Llama layer of
     gridweave's (no work to speak of) forward and backward, over its kernels as the planner
@@ -221,7 +230,7 @@ def fixed_costs(grid, preset: dict, steps: int = 5) -> tuple:
 
 
     n = grid.world_size
-    base = plan.Cluster(**{k: v for k, v in preset.items() if k in plan.Cluster.__dataclass_fields__})
+    base = plan.Cluster.of(preset)
     base = dataclasses.replace(base, launch_s=0.0, collective_s=0.0)
     rows = []
     for i, extra in enumerate(_SMALL_GRIDS):

@@ -54,6 +54,11 @@ class Cluster:
     # chunks: one element over 8 CPU ranks took 0.7 ms where alpha-beta says 2 (g - 1) alpha = 11
     scalar_all_reduce_s: float = 0.0
 
+    @classmethod
+    def of(cls, preset: dict) -> "Cluster":
+        """The cluster of a preset's fields (a calibration's extra keys, its measurements, left out)."""
+        return cls(**{k: v for k, v in preset.items() if k in cls.__dataclass_fields__})
+
 
 def load_cluster(name_or_path: str, gpus_per_node: int | None = None) -> Cluster:
     """A preset by name (clusters/NAME.json) or a JSON file of the same fields."""
@@ -66,11 +71,10 @@ def load_cluster(name_or_path: str, gpus_per_node: int | None = None) -> Cluster
     d = json.loads(p.read_text())
     if gpus_per_node:
         d["gpus_per_node"] = gpus_per_node
-    fields = set(Cluster.__dataclass_fields__)
     missing = {f.name for f in dataclasses.fields(Cluster) if f.default is dataclasses.MISSING} - set(d)
     if missing:
         raise GridError(f"cluster file {p} lacks {sorted(missing)}")
-    return Cluster(**{k: v for k, v in d.items() if k in fields})  # extra keys (measurements) are kept out
+    return Cluster.of(d)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from .axes import ParallelDims
 from .errors import Diverged, GridError
 from .generate import sample
 from .grid import Grid, init, shutdown
-from .measure import StepPhases, gemm_rate, timed
+from .measure import StepPhases, gemm_rate, probe_size, timed
 from .models import ModelConfig
 from .nn.sequence import SeqAttention
 from .modes import Mode, parse
@@ -416,8 +416,9 @@ def peak_flops(grid, precision: str) -> tuple:
                 return peaks[precision], f"nominal {key} {precision}"
 
     grid.barrier()
-    rate = gemm_rate(256, 0.3, grid.device)
-    return rate, "measured GEMM (float32, 256^3, all ranks at once)"
+    rate = gemm_rate(None, 0.3, grid.device)
+    n = probe_size(grid.device, "gemm")
+    return rate, f"measured GEMM (float32, {n}^3, all ranks at once)"
 
 
 def plan_job(cfg: TrainConfig, degrees: dict, cluster) -> dict:

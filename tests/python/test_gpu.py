@@ -261,16 +261,11 @@ def test_planner_memory_of_the_main_job_on_one_gpu():
     gradients, OffloadAdam's buckets, the recorded activations) against torch's own count,
     max_memory_allocated over a step, within 15%."""
     import gridweave as gw
-    from gridweave import plan
+    from gridweave import calibrate, plan
 
     cfg = gw.train.TrainConfig(device="cuda")
     grid = gw.init(backend="gloo", device="cuda")
-    # cuBLAS's workspaces are the library's, as the CUDA context is: not counted. torch keeps one
-    # per thread and stream, and backward runs on autograd's device thread: a product forward and
-    # backward makes both (the H100 measured the backward thread's 32 MiB otherwise).
-    a = torch.ones(64, 64, device="cuda", requires_grad=True)
-    (a @ a).sum().backward()
-    del a
+    calibrate.make_cublas_workspaces("cuda")  # not counted
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.manual_seed(cfg.seed)
