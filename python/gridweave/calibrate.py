@@ -124,8 +124,12 @@ def restart_peak() -> None:
         f.write("5")
 
 
-def ring_all_gather(grid, sizes=(1 << 13, 1 << 16, 1 << 18, 1 << 20, 1 << 22), reps: int = 21, axis="dp",
-                    active: bool = True) -> dict:
+# up to 16 MiB: below a few MiB alpha (milliseconds where ranks share cores) hides beta; above
+# tens of MiB a CPU ring leaves the caches and its bandwidth falls off a line (64 MiB: 7x 16 MiB's time)
+RING_SIZES = tuple(1 << k for k in (13, 16, 18, 20, 22, 24))
+
+
+def ring_all_gather(grid, sizes=RING_SIZES, reps: int = 21, axis="dp", active: bool = True) -> dict:
     """Seconds of the engine's ring all-gather over `axis` (default: all ranks), per output size
     (bytes): the usual alpha-beta calibration, t = (g-1) alpha + (g-1)/g n beta
     (plan.collective_time). Ranks not `active` only keep the barriers (their lines stay idle)."""
@@ -207,7 +211,7 @@ def measure(grid, fixed: bool = True, dtype=torch.float32) -> dict:
             "cores_per_node": len(os.sched_getaffinity(0)),
             "measured_all_gather_s": json.loads(json.dumps(times))}  # keys as strings
     if fixed and g > 1:
-        preset["launch_s"], preset["collective_s"] = fixed_costs(grid, preset)
+        preset["collective_s"], preset["fixed_cost_steps"] = fixed_costs(grid, preset)
     return preset
 
 
@@ -218,20 +222,22 @@ _SMALL_GRIDS = ({}, {"tp": "row:2"}, {"sp": 2}, {"tp": "square:2"})
 
 
 def fixed_costs(grid, preset: dict, steps: int = 5) -> tuple:
-    """What each kernel and each collective costs beyond its FLOPs, bytes, alpha and beta, on
-    this machine under this many ranks: small training steps on a few grids (the main job's
-    code, a tiny Llama), each timed (the slowest rank, the median step) and recorded
-    (gw.plan.predict's kernel and collective counts), then a least-squares fit of the time
-    the rates leave unexplained. Where ranks share cores, a collective's thread handoffs
-    wait for a core; that, not alpha, is what makes many small collectives expensive."""
+    """What each collective costs beyond its alpha and beta on this machine under this many
+    ranks: small training steps on a few grids (the main job's code, a tiny Llama), each timed
+    (the slowest rank, the median step) and recorded (gw.plan.predict's kernel and collective
+    counts); the time the rates and the per-kernel cost (launch_overhead, measured directly)
+    leave unexplained, fitted as collectives x collective_s (least squares through zero).
+    Where ranks share cores, a collective's thread handoffs wait for a core; that, not alpha,
+    is what makes many small collectives expensive. The kernel cost is the probe's, not a second
+    unknown of the fit: kernels and collectives grow together over these grids, so a fit of both
+    traded one for the other from run to run (4 to 33 us a kernel on one machine).
+    Returns (collective_s, the steps as measured and recorded)."""
     import dataclasses
 
     import numpy as np
 
-
     n = grid.world_size
-    base = plan.Cluster.of(preset)
-    base = dataclasses.replace(base, launch_s=0.0, collective_s=0.0)
+    base = dataclasses.replace(plan.Cluster.of(preset), collective_s=0.0)
     rows = []
     for i, extra in enumerate(_SMALL_GRIDS):
         cfg = TrainConfig(**_SMALL, **extra, pp=1)
@@ -255,11 +261,12 @@ def fixed_costs(grid, preset: dict, steps: int = 5) -> tuple:
         g.shutdown()
         shape_ = plan.GridShape(dp=shape["dp"], tp=cfg.mode, sp=shape["sp"])
         r = plan.predict(plan.model_of(cfg), shape_, base, microbatches=1, **cfg.planned_optimizer())
-        rows.append((r["kernels"], r["collectives"], statistics.median(times[2:]) - r["step_time_s"]))
-    a = np.array([[k, c] for k, c, _ in rows], dtype=float)
-    y = np.array([t for _, _, t in rows])
-    (launch, coll), *_ = np.linalg.lstsq(a, y, rcond=None)
-    return max(float(launch), 0.0), max(float(coll), 0.0)
+        measured = statistics.median(times[2:])
+        rows.append(dict(grid=extra, kernels=r["kernels"], collectives=r["collectives"], measured_s=measured,
+                         unexplained_s=measured - r["step_time_s"]))
+    c = np.array([r["collectives"] for r in rows], dtype=float)
+    y = np.array([r["unexplained_s"] for r in rows])
+    return max(float(c @ y / (c @ c)), 0.0), rows
 
 
 def init_like(grid, shape: dict, cfg, prefix: str):

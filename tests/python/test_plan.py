@@ -145,6 +145,17 @@ def test_calibrate_writes_a_usable_local_preset(tmp_path):
     c = plan.load_cluster(str(out))
     assert c.intra_alpha_s > 0 and c.intra_bandwidth_Bps > 1e6 and c.gemm_flops > 1e8
     assert 0 < c.scalar_all_reduce_s < 1.0  # a one-element all-reduce, measured
+    # the per-kernel cost is the probe's; the per-collective cost the least-squares slope, through
+    # zero, of what the steps it records leave unexplained against their collective counts
+    import numpy as np
+
+    preset = json.loads(out.read_text())
+    steps = preset["fixed_cost_steps"]
+    assert len(steps) >= 2 and all(s["kernels"] > 0 and s["measured_s"] > 0 for s in steps)
+    a = np.array([[s["collectives"]] for s in steps], dtype=float)
+    (slope,), *_ = np.linalg.lstsq(a, np.array([s["unexplained_s"] for s in steps]), rcond=None)
+    assert c.collective_s == pytest.approx(max(slope, 0.0), rel=1e-9, abs=1e-15)
+    assert c.launch_s > 0  # launch_overhead, measured
     rows = plan.plan(2, plan.Model(ModelConfig("gpt", 51200, hidden=64, heads=4, layers=2, seq=32), batch=4), c)
     assert rows and rows[0]["step_time_s"] > 0
 
