@@ -1,0 +1,220 @@
+"""Mixture of experts: the sparse MLP of Mixtral, Qwen-MoE and DeepSeek-MoE (issue 35).
+
+A router scores every token against every expert (softmax over router logits), keeps the
+top-k, optionally renormalises their weights (Mixtral: yes; Qwen2-MoE: norm_topk_prob);
+the token slots are sorted by expert (dispatch), each expert runs a SwiGLU MLP on its
+contiguous rows (a grouped GEMM as a loop of torch products over the groups), and the
+results, weighted, are summed back per token (combine). Dropless by default; with a
+capacity factor each expert keeps at most ceil(cf x tokens x k / experts) slots, the most
+probable ones (Megatron-Core's drop policy "probs"); a dropped slot adds nothing, so a token
+whose slots all drop passes through the layer's residual unchanged.
+
+Two auxiliary losses, attached to the block's output (Megatron-Core's MoEAuxLossAutoScaler:
+the backward of whatever loss the output reaches also back-propagates them, so pipeline
+stages need no second loss): the load-balancing loss of Switch / Mixtral, E sum_e f_e P_e
+(f_e: the share of the tokens routed to expert e, counting every top-k slot; P_e: the mean
+router probability of e; transformers' load_balancing_loss_func, per layer), and the router
+z-loss of ST-MoE, mean over tokens of logsumexp(logits)^2. Experts' weights are stacked as
+transformers' MixtralExperts holds them, gate_up (E, 2F, H) rows [gate | up] and down
+(E, H, F): an expert axis splits dim 0.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import GridError
+
+
+@dataclass(frozen=True)
+class MoE:
+    """What a sparse MLP computes. experts: routed experts; top_k: experts per token; ffn: each
+    expert's hidden width; normalize: renormalise the k weights to sum to 1 (Mixtral);
+    capacity_factor: None for dropless; aux_coef, z_coef: the coefficients of the
+    load-balancing and router z losses; shared_ffn: the hidden width of the always-on shared
+    expert (Qwen2-MoE, DeepSeek; None: none), shared_gate: its output scaled by
+    sigmoid(w . x) per token (Qwen2-MoE's shared_expert_gate)."""
+    experts: int = 8
+    top_k: int = 2
+    ffn: int = 128
+    normalize: bool = True
+    capacity_factor: float | None = None
+    aux_coef: float = 0.0
+    z_coef: float = 0.0
+    shared_ffn: int | None = None
+    shared_gate: bool = False
+
+    def __post_init__(self):
+        for name in ("experts", "top_k", "ffn"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise GridError(f"MoE {name} must be a positive integer, got {v!r}")
+        if self.top_k > self.experts:
+            raise GridError(f"MoE top_k {self.top_k} is above the expert count {self.experts}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise GridError(f"MoE capacity_factor must be positive (or None: dropless), got {self.capacity_factor!r}")
+        if not (self.aux_coef >= 0 and self.z_coef >= 0):
+            raise GridError(f"MoE loss coefficients must be >= 0, got aux {self.aux_coef!r}, z {self.z_coef!r}")
+        if self.shared_ffn is not None and (not isinstance(self.shared_ffn, int) or self.shared_ffn < 1):
+            raise GridError(f"MoE shared_ffn must be a positive integer or None, got {self.shared_ffn!r}")
+        if self.shared_gate and self.shared_ffn is None:
+            raise GridError("MoE shared_gate needs a shared expert (shared_ffn)")
+
+    def capacity(self, tokens: int) -> int | None:
+        """Slots each expert keeps of `tokens` tokens' top-k (None: all, dropless)."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(self.capacity_factor * tokens * self.top_k / self.experts)
+
+
+@dataclass
+class Routing:
+    """One batch's routing. weights, experts: (T, k) the kept experts' weights and ids; probs,
+    logits: (T, E) the router's (float32 or wider); order: the kept slots (flat t * k + j)
+    sorted by expert, a stable order; counts: (E,) slots each expert runs."""
+    weights: torch.Tensor
+    experts: torch.Tensor
+    probs: torch.Tensor
+    logits: torch.Tensor
+    order: torch.Tensor
+    counts: torch.Tensor
+
+
+def route(logits: torch.Tensor, moe: MoE) -> Routing:
+    """Top-k of softmax(logits) per token (softmax in float32 or wider, as transformers' and
+    Megatron's routers), renormalised if moe.normalize; the slots sorted by expert, each expert
+    capped at moe.capacity (the most probable slots kept; ties: the earlier token)."""
+    wide = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    probs = torch.softmax(wide, dim=-1)
+    top, experts = torch.topk(probs, moe.top_k, dim=-1)
+    if moe.normalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    flat = experts.reshape(-1)
+    cap = moe.capacity(logits.shape[0])
+    if cap is None:
+        order = torch.sort(flat, stable=True).indices
+    else:  # by probability within each expert: sort by -p, then (stably) by expert
+        by_p = torch.sort(-probs.gather(1, experts).reshape(-1), stable=True).indices
+        order = by_p[torch.sort(flat[by_p], stable=True).indices]
+        counts = torch.bincount(flat, minlength=moe.experts)
+        start = torch.cumsum(counts, 0) - counts
+        rank = torch.arange(order.numel(), device=order.device) - start[flat[order]]
+        order = torch.sort(order[rank < cap]).values  # the kept slots in token order, then by expert
+        order = order[torch.sort(flat[order], stable=True).indices]
+    counts = torch.bincount(flat[order], minlength=moe.experts)
+    return Routing(top, experts, probs, logits, order, counts)
+
+
+def load_balancing_loss(r: Routing, experts: int) -> torch.Tensor:
+    """Switch Transformer eq. (4)-(6) as Mixtral trains it: E sum_e f_e P_e, f_e the share of
+    tokens with e among their top-k (before any capacity drop), P_e the mean probability of e."""
+    t = r.probs.shape[0]
+    f = torch.bincount(r.experts.reshape(-1), minlength=experts).to(r.probs.dtype) / t
+    return experts * (f * r.probs.mean(dim=0)).sum()
+
+
+def z_loss(r: Routing) -> torch.Tensor:
+    """ST-MoE eq. (5): the mean over tokens of logsumexp(router logits)^2."""
+    wide = r.logits.float() if r.logits.dtype in (torch.float16, torch.bfloat16) else r.logits
+    return torch.logsumexp(wide, dim=-1).square().mean()
+
+
+def swiglu_experts(x: torch.Tensor, counts: list, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The grouped GEMM: rows of x sorted by expert, counts[e] rows for expert e (of the experts
+    gate_up, down hold); each group through down_e silu(gate_e x) * (up_e x)."""
+    outs = []
+    for e, rows in enumerate(torch.split(x, counts)):
+        if rows.shape[0] == 0:
+            continue
+        gate, up = (rows @ gate_up[e].t()).chunk(2, dim=-1)
+        outs.append((F.silu(gate) * up) @ down[e].t())
+    return torch.cat(outs) if outs else x.new_zeros(0, down.shape[1])
+
+
+class _AttachAux(torch.autograd.Function):
+    """Megatron-Core's MoEAuxLossAutoScaler: the output unchanged; its backward also gives the
+    auxiliary loss the gradient `scale` (1: as if added to the loss the output reaches)."""
+
+    @staticmethod
+    def forward(ctx, out, aux, scale):
+        ctx.save_for_backward(aux)
+        ctx.scale = scale
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, g):
+        (aux,) = ctx.saved_tensors
+        return g, torch.full_like(aux, ctx.scale), None
+
+
+class SwiGLU(nn.Module):
+    """A dense SwiGLU MLP as transformers' Mixtral / Qwen-MoE write it (a shared expert)."""
+
+    def __init__(self, hidden: int, ffn: int, dtype=None, device=None):
+        super().__init__()
+        kw = dict(bias=False, dtype=dtype, device=device)
+        self.gate_proj, self.up_proj = nn.Linear(hidden, ffn, **kw), nn.Linear(hidden, ffn, **kw)
+        self.down_proj = nn.Linear(ffn, hidden, **kw)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DenseMoE(nn.Module):
+    """The sparse MLP on one process (the reference the expert-parallel block is checked
+    against). Parameters as transformers names them: gate (the router, E x H), gate_up
+    (E, 2F, H), down (E, H, F), shared_expert, shared_expert_gate. After each forward:
+    tokens_per_expert (E,) the slots each expert ran, aux_loss the weighted auxiliary losses
+    (a detached tensor, for logging; None without them); aux_grad_scale scales their gradient (the training step sets
+    1 / micro-batches, times a loss scaler's scale)."""
+
+    def __init__(self, hidden: int, moe: MoE, dtype=None, device=None):
+        super().__init__()
+        kw = dict(dtype=dtype, device=device)
+        self.moe, self.hidden = moe, hidden
+        self.gate = nn.Linear(hidden, moe.experts, bias=False, **kw)
+        self.gate_up = nn.Parameter(torch.empty(moe.experts, 2 * moe.ffn, hidden, **kw))
+        self.down = nn.Parameter(torch.empty(moe.experts, hidden, moe.ffn, **kw))
+        bound = 1 / math.sqrt(hidden)  # nn.Linear's default, per expert
+        nn.init.uniform_(self.gate_up, -bound, bound)
+        nn.init.uniform_(self.down, -1 / math.sqrt(moe.ffn), 1 / math.sqrt(moe.ffn))
+        self.shared_expert = SwiGLU(hidden, moe.shared_ffn, **kw) if moe.shared_ffn else None
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, **kw) if moe.shared_gate else None
+        self.register_buffer("tokens_per_expert", torch.zeros(moe.experts, dtype=torch.int64, device=device),
+                             persistent=False)
+        self.aux_loss = None
+        self.aux_grad_scale = 1.0
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, self.hidden)
+        r = route(self.gate(x), self.moe)
+        k = self.moe.top_k
+        rows = x[r.order // k]  # dispatch: each kept slot's token, grouped by expert
+        y = swiglu_experts(rows, r.counts.tolist(), self.gate_up, self.down)
+        w = r.weights.reshape(-1)[r.order].to(y.dtype)
+        out = torch.zeros_like(x).index_add(0, r.order // k, y * w[:, None])  # combine
+        if self.shared_expert is not None:
+            s = self.shared_expert(x)
+            out = out + (torch.sigmoid(self.shared_expert_gate(x)) * s if self.shared_expert_gate is not None else s)
+        self.tokens_per_expert = r.counts.detach()
+        out = self._attach_losses(out, r)
+        return out.reshape(shape)
+
+    def _attach_losses(self, out, r: Routing):
+        m = self.moe
+        terms = []
+        if m.aux_coef:
+            terms.append(m.aux_coef * load_balancing_loss(r, m.experts))
+        if m.z_coef:
+            terms.append(m.z_coef * z_loss(r))
+        if not terms:
+            self.aux_loss = None
+            return out
+        aux = torch.stack(terms).sum()
+        self.aux_loss = aux.detach()  # a tensor: reading it is the caller's host sync, not every step's
+        return _AttachAux.apply(out, aux, self.aux_grad_scale) if torch.is_grad_enabled() else out

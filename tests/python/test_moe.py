@@ -1,0 +1,201 @@
+"""The mixture-of-experts block (issue 35) against transformers' own MoE blocks and its
+load-balancing loss (float32: transformers' routers take the softmax in float32 whatever the
+model's dtype), and in float64 against a per-token loop, dropless and with a capacity limit."""
+import math
+
+import pytest
+import torch
+
+from gridweave.errors import GridError
+from gridweave.nn.moe import DenseMoE, MoE, route, z_loss
+
+transformers = pytest.importorskip("transformers")
+DEV = "cpu"
+
+
+F32 = dict(rtol=1e-5, atol=1e-5)
+
+
+def mixtral_block(experts=4, top_k=2, hidden=32, ffn=16):
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    cfg = MixtralConfig(hidden_size=hidden, intermediate_size=ffn, num_local_experts=experts,
+                        num_experts_per_tok=top_k, router_jitter_noise=0.0)
+    torch.manual_seed(0)
+    with torch.device(DEV):  # transformers' modules are made on the default device (poisoned in CI)
+        hf = MixtralSparseMoeBlock(cfg).float()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.3)
+    return hf
+
+
+def ours_from(hf, moe: MoE):
+    ours = DenseMoE(hf.experts.gate_up_proj.shape[2], moe, dtype=torch.float32, device=DEV)
+    with torch.no_grad():
+        ours.gate.weight.copy_(hf.gate.weight)
+        ours.gate_up.copy_(hf.experts.gate_up_proj)
+        ours.down.copy_(hf.experts.down_proj)
+        if moe.shared_ffn:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(ours.shared_expert, name).weight.copy_(getattr(hf.shared_expert, name).weight)
+            if moe.shared_gate:
+                ours.shared_expert_gate.weight.copy_(hf.shared_expert_gate.weight)
+    return ours
+
+
+def grads(module, x, extra=None):
+    x = x.clone().requires_grad_(True)
+    out = module(x)
+    loss = (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=DEV).reshape(out.shape)).sum()
+    if extra is not None:
+        loss = loss + extra(x)
+    loss.backward()
+    return out.detach(), x.grad, {n: p.grad.clone() for n, p in module.named_parameters()}
+
+
+def test_mixtral_block_equals_transformers_forward_and_backward():
+    hf = mixtral_block()
+    ours = ours_from(hf, MoE(experts=4, top_k=2, ffn=16))
+    x = torch.randn(3, 10, 32, dtype=torch.float32, device=DEV)
+    out_hf, gx_hf, g_hf = grads(hf, x)
+    out, gx, g = grads(ours, x)
+    torch.testing.assert_close(out, out_hf, **F32)
+    torch.testing.assert_close(gx, gx_hf, **F32)
+    for ours_name, hf_name in (("gate.weight", "gate.weight"), ("gate_up", "experts.gate_up_proj"),
+                               ("down", "experts.down_proj")):
+        torch.testing.assert_close(g[ours_name], g_hf[hf_name], **F32)
+    # the tokens each expert ran: transformers' router's choices, counted
+    _, _, chosen = hf.gate(x.reshape(-1, 32))  # float32, as the block ran
+    assert ours.tokens_per_expert.tolist() == torch.bincount(chosen.reshape(-1), minlength=4).tolist()
+
+
+def test_qwen_moe_block_with_a_gated_shared_expert_equals_transformers():
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    cfg = Qwen2MoeConfig(hidden_size=24, moe_intermediate_size=8, shared_expert_intermediate_size=20, num_experts=6,
+                         num_experts_per_tok=3, norm_topk_prob=False)
+    torch.manual_seed(1)
+    with torch.device(DEV):
+        hf = Qwen2MoeSparseMoeBlock(cfg).float()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.3)
+    ours = ours_from(hf, MoE(experts=6, top_k=3, ffn=8, normalize=False, shared_ffn=20, shared_gate=True))
+    x = torch.randn(2, 9, 24, dtype=torch.float32, device=DEV)
+    out_hf, gx_hf, g_hf = grads(hf, x)
+    out, gx, g = grads(ours, x)
+    torch.testing.assert_close(out, out_hf, **F32)
+    torch.testing.assert_close(gx, gx_hf, **F32)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        torch.testing.assert_close(g[f"shared_expert.{name}.weight"], g_hf[f"shared_expert.{name}.weight"], **F32)
+    torch.testing.assert_close(g["shared_expert_gate.weight"], g_hf["shared_expert_gate.weight"], **F32)
+    torch.testing.assert_close(g["gate_up"], g_hf["experts.gate_up_proj"], **F32)
+
+
+def test_auxiliary_losses_are_transformers_and_st_moe_and_back_propagate_with_the_output():
+    """The load-balancing loss is transformers' load_balancing_loss_func of the layer's router
+    logits; the z-loss ST-MoE's mean logsumexp^2 (numpy); both reach the router's gradient
+    through the output's backward as if added to the loss."""
+    import numpy as np
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    hf = mixtral_block(experts=5, top_k=2)
+    aux, zc = 0.02, 0.003
+    ours = ours_from(hf, MoE(experts=5, top_k=2, ffn=16, aux_coef=aux, z_coef=zc))
+    x = torch.randn(4, 7, 32, dtype=torch.float32, device=DEV)
+
+    def reference_losses(x):
+        logits = hf.gate(x.reshape(-1, 32))[0]
+        lse = torch.logsumexp(logits, dim=-1)
+        return aux * load_balancing_loss_func((logits,), 5, 2) + zc * (lse * lse).mean()
+
+    out_hf, gx_hf, g_hf = grads(hf, x, extra=reference_losses)
+    out, gx, g = grads(ours, x)
+    torch.testing.assert_close(out, out_hf, **F32)
+    torch.testing.assert_close(g["gate.weight"], g_hf["gate.weight"], **F32)
+    torch.testing.assert_close(gx, gx_hf, **F32)
+    logits = (x.reshape(-1, 32) @ hf.gate.weight.t()).detach().double().numpy()
+    m = logits.max(-1, keepdims=True)
+    lse = (m[:, 0] + np.log(np.exp(logits - m).sum(-1)))
+    lb = float(load_balancing_loss_func((torch.from_numpy(logits),), 5, 2))
+    assert float(ours.aux_loss) == pytest.approx(aux * lb + zc * float((lse ** 2).mean()), rel=1e-5)
+    assert float(z_loss(route(torch.from_numpy(logits), ours.moe))) == pytest.approx(float((lse ** 2).mean()), rel=1e-12)
+
+
+def loop_reference(x, gate, gate_up, down, moe: MoE):
+    """Per token and per expert in Python: the top-k, renormalised, each expert keeping its
+    `capacity` most probable slots (ties: the earlier token)."""
+    t = x.shape[0]
+    probs = torch.softmax(x @ gate.t(), dim=-1)
+    top, idx = torch.topk(probs, moe.top_k, dim=-1)
+    if moe.normalize:
+        top = top / top.sum(-1, keepdim=True)
+    cap = t * moe.top_k if moe.capacity_factor is None else math.ceil(moe.capacity_factor * t * moe.top_k / moe.experts)
+    kept = set()
+    for e in range(moe.experts):
+        slots = [(-float(probs[i, e].detach()), i, j) for i in range(t) for j in range(moe.top_k) if int(idx[i, j]) == e]
+        kept |= {(i, j) for _, i, j in sorted(slots)[:cap]}
+    rows = []
+    for i in range(t):
+        acc = torch.zeros_like(x[i])
+        for j in range(moe.top_k):
+            if (i, j) in kept:
+                e = int(idx[i, j])
+                g, u = (gate_up[e] @ x[i]).chunk(2)
+                acc = acc + top[i, j] * (down[e] @ (torch.nn.functional.silu(g) * u))
+        rows.append(acc)
+    return torch.stack(rows), kept
+
+
+@pytest.mark.parametrize("cf,normalize", [(None, True), (None, False), (0.5, True), (1.0, False), (1.25, True)])
+def test_block_equals_a_per_token_loop_dropless_and_with_a_capacity(cf, normalize):
+    """float64 within 1e-10, forward and backward; with a capacity each expert keeps its most
+    probable slots (Megatron's drop policy) and a token whose slots all drop gets nothing."""
+    moe = MoE(experts=4, top_k=2, ffn=8, capacity_factor=cf, normalize=normalize)
+    torch.manual_seed(2)
+    ours = DenseMoE(16, moe, dtype=torch.float64, device=DEV)
+    with torch.no_grad():
+        ours.gate.weight.normal_(0, 1.0)  # uneven routing: some experts over capacity
+    x = torch.randn(24, 16, dtype=torch.float64, device=DEV)
+    xr = x.clone().requires_grad_(True)
+    params = [p.detach().clone().requires_grad_(True) for p in (ours.gate.weight, ours.gate_up, ours.down)]
+    ref, kept = loop_reference(xr, *params, moe)
+    out, gx, g = grads(ours, x)
+    torch.testing.assert_close(out, ref.detach(), rtol=0, atol=1e-10)
+    w = torch.linspace(-1, 1, ref.numel(), dtype=ref.dtype, device=DEV).reshape(ref.shape)
+    (ref * w).sum().backward()
+    torch.testing.assert_close(gx, xr.grad, rtol=0, atol=1e-10)
+    for name, p in zip(("gate.weight", "gate_up", "down"), params):
+        torch.testing.assert_close(g[name], p.grad, rtol=0, atol=1e-10)
+    cap = moe.capacity(24) or 48
+    assert ours.tokens_per_expert.max() <= cap and int(ours.tokens_per_expert.sum()) == len(kept)
+    if cf is not None and cf < 1:
+        assert len(kept) < 24 * 2  # something was dropped
+    dropped = [i for i in range(24) if not any((i, j) in kept for j in range(2))]
+    for i in dropped:  # a token with every slot dropped passes through: the block adds nothing
+        assert torch.count_nonzero(out[i]) == 0
+
+
+def test_dropless_equals_a_capacity_nobody_reaches():
+    moe = MoE(experts=4, top_k=2, ffn=8)
+    torch.manual_seed(3)
+    a = DenseMoE(16, moe, dtype=torch.float64, device=DEV)
+    b = DenseMoE(16, MoE(experts=4, top_k=2, ffn=8, capacity_factor=2.0), dtype=torch.float64, device=DEV)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(2, 12, 16, dtype=torch.float64, device=DEV)
+    torch.testing.assert_close(a(x), b(x), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(experts=4, top_k=5), "top_k 5 is above the expert count 4"),
+    (dict(experts=0), "experts must be a positive integer"),
+    (dict(capacity_factor=0.0), "capacity_factor must be positive"),
+    (dict(aux_coef=-1.0), "loss coefficients"),
+    (dict(shared_gate=True), "shared_gate needs a shared expert"),
+])
+def test_bad_moe_configs_are_one_clear_error(kw, match):
+    with pytest.raises(GridError, match=match):
+        MoE(**kw)
