@@ -47,7 +47,7 @@ def forward_cached(model: GPT, ids: torch.Tensor, cache: KVCache) -> torch.Tenso
         mask = torch.ones(n, start + n, dtype=torch.bool, device=ids.device).tril(start)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         x = x + layer.proj(o.transpose(1, 2).reshape(x.shape[0], n, -1))
-        x = x + layer.fc2(layer.arch.act(layer.fc1(layer.ln2(x))))
+        x = x + layer.feed_forward(layer.ln2(x))
     cache.length = start + n
     return model.head(x)
 

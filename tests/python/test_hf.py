@@ -35,14 +35,16 @@ def _gpt2(tie=True):
 LLAMA_TOL, GPT2_TOL = 1e-6, 1e-10
 
 
-def _compare(hf, ours, tol):
+def _compare(hf, ours, tol, aux=None):
+    """aux(router_logits): the reference's auxiliary loss from transformers' per-layer router
+    logits (gridweave's reaches the gradients through the layers' outputs, not the loss value)."""
     ids = torch.randint(0, V, (3, S), generator=torch.Generator().manual_seed(1), device=CPU)
     out = hf(ids, labels=ids)
     logits = ours(ids)
     loss = ours.loss(logits[:, :-1], ids[:, 1:])  # HF shifts the labels inside
     # HF's loss upcasts to float32: its gradients are taken from torch's float64 loss on its logits
     ref = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))
-    ref.backward()
+    (ref if aux is None else ref + aux(hf(ids, output_router_logits=True).router_logits)).backward()
     loss.backward()
     errs = {"logits": rel(logits, out.logits), "loss": rel(loss, ref)}
     assert rel(loss, out.loss) < 1e-6
@@ -67,6 +69,46 @@ def test_llama_from_hf_equals_transformers(kv, tie):
     _compare(hf, ours, LLAMA_TOL)
 
 
+def _mixtral(**kw):
+    torch.manual_seed(0)
+    c = tf.MixtralConfig(vocab_size=V, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=S, num_local_experts=4, num_experts_per_tok=2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+                         experts_implementation="eager", **kw)  # its grouped_mm has no float64
+    with CPU:
+        hf = tf.MixtralForCausalLM(c).double().eval()
+    with torch.no_grad():  # routers away from their near-uniform start: experts of unequal load
+        for layer in hf.model.layers:
+            layer.mlp.gate.weight.normal_(0, 0.5)
+    return hf
+
+
+@pytest.mark.parametrize("coef", [0.0, 0.02])
+def test_mixtral_from_hf_equals_transformers(coef):
+    """Logits, loss and every gradient; the load-balancing loss (per layer, Megatron's and
+    Switch's, summed over layers) against transformers' load_balancing_loss_func of each
+    layer's router logits."""
+    import gridweave as gw
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    hf = _mixtral(router_aux_loss_coef=coef)
+    ours = gw.models.from_hf(hf)
+    assert ours.config.moe == gw.nn.MoE(experts=4, top_k=2, ffn=24, aux_coef=coef)
+
+    def aux(router_logits):  # routed in float32, as both routers do
+        return coef * sum(load_balancing_loss_func((rl.float(),), 4, 2) for rl in router_logits)
+
+    # with the loss, the routers' gradients carry its float32 arithmetic (both routers softmax in
+    # float32): float32's bound there
+    _compare(hf, ours, LLAMA_TOL if not coef else 1e-5, aux=aux if coef else None)
+    # the tokens each expert ran, as transformers' routers chose them
+    ids = torch.randint(0, V, (3, S), generator=torch.Generator().manual_seed(1), device=CPU)
+    router_logits = hf(ids, output_router_logits=True).router_logits
+    for layer, rl in zip(ours.layers, router_logits):
+        chosen = torch.topk(torch.softmax(rl.float(), -1), 2, -1).indices
+        assert layer.moe.tokens_per_expert.tolist() == torch.bincount(chosen.reshape(-1), minlength=4).tolist()
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_gpt2_from_hf_equals_transformers(tie):
     import gridweave as gw
@@ -75,29 +117,37 @@ def test_gpt2_from_hf_equals_transformers(tie):
     _compare(hf, gw.models.from_hf(hf), GPT2_TOL)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral"])
 def test_export_folder_loads_in_from_pretrained(tmp_path, family):
     import gridweave as gw
     from gridweave.hf import save_hf
 
     torch.manual_seed(4)
-    ours = (gw.models.Llama(V, 32, 4, 2, S, kv_heads=2, ffn_hidden=40, device=CPU) if family == "llama"
-            else gw.models.GPT(V, 32, 4, 2, S, device=CPU)).double()
+    if family == "mixtral":
+        cfg = gw.models.ModelConfig("llama", V, 32, 4, 2, S, kv_heads=2, moe=gw.nn.MoE(experts=4, top_k=2, ffn=16))
+        ours = gw.models.build(cfg, device=CPU).double()
+    else:
+        ours = (gw.models.Llama(V, 32, 4, 2, S, kv_heads=2, ffn_hidden=40, device=CPU) if family == "llama"
+                else gw.models.GPT(V, 32, 4, 2, S, device=CPU)).double()
     with torch.no_grad():
         for p in ours.parameters():
             p.add_(0.05 * torch.randn_like(p))
     save_hf(ours, tmp_path)
     assert (tmp_path / "config.json").exists() and (tmp_path / "model.safetensors").exists()
+    eager = {"experts_implementation": "eager"} if family == "mixtral" else {}  # grouped_mm has no float64
     with CPU:
-        hf = tf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
+        hf = tf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64, **eager).eval()
     ids = torch.randint(0, V, (2, S), generator=torch.Generator().manual_seed(5), device=CPU)
-    tol = LLAMA_TOL if family == "llama" else GPT2_TOL
+    tol = GPT2_TOL if family == "gpt2" else LLAMA_TOL
     assert rel(ours(ids), hf(ids).logits) < tol
     back = gw.models.from_hf(hf)
     for k, v in ours.state_dict().items():
         assert torch.equal(back.state_dict()[k], v), k
     # the model's own method is the same conversion (issue 15's model.to_hf())
-    assert rel(ours.to_hf()(ids).logits, hf(ids).logits) == 0
+    exported = ours.to_hf()
+    if eager:
+        exported.set_experts_implementation("eager")
+    assert rel(exported(ids).logits, hf(ids).logits) == 0
     # one reader of config keys: the planner reads the saved config.json as from_hf reads transformers' config
     assert gw.plan.model_from(str(tmp_path), batch=4).config == gw.hf.config_from_hf(hf.config)
 

@@ -1,6 +1,7 @@
 """The mixture-of-experts block (issue 35) against transformers' own MoE blocks and its
 load-balancing loss (float32: transformers' routers take the softmax in float32 whatever the
 model's dtype), and in float64 against a per-token loop, dropless and with a capacity limit."""
+import dataclasses
 import math
 
 import pytest
@@ -122,7 +123,8 @@ def test_auxiliary_losses_are_transformers_and_st_moe_and_back_propagate_with_th
     lse = (m[:, 0] + np.log(np.exp(logits - m).sum(-1)))
     lb = float(load_balancing_loss_func((torch.from_numpy(logits),), 5, 2))
     assert float(ours.aux_loss) == pytest.approx(aux * lb + zc * float((lse ** 2).mean()), rel=1e-5)
-    assert float(z_loss(route(torch.from_numpy(logits), ours.moe))) == pytest.approx(float((lse ** 2).mean()), rel=1e-12)
+    wide = dataclasses.replace(ours.moe, router_fp32=False)  # float64 logits, routed in float64
+    assert float(z_loss(route(torch.from_numpy(logits), wide))) == pytest.approx(float((lse ** 2).mean()), rel=1e-12)
 
 
 def loop_reference(x, gate, gate_up, down, moe: MoE):
@@ -154,7 +156,7 @@ def loop_reference(x, gate, gate_up, down, moe: MoE):
 def test_block_equals_a_per_token_loop_dropless_and_with_a_capacity(cf, normalize):
     """float64 within 1e-10, forward and backward; with a capacity each expert keeps its most
     probable slots (Megatron's drop policy) and a token whose slots all drop gets nothing."""
-    moe = MoE(experts=4, top_k=2, ffn=8, capacity_factor=cf, normalize=normalize)
+    moe = MoE(experts=4, top_k=2, ffn=8, capacity_factor=cf, normalize=normalize, router_fp32=False)
     torch.manual_seed(2)
     ours = DenseMoE(16, moe, dtype=torch.float64, device=DEV)
     with torch.no_grad():
@@ -180,10 +182,10 @@ def test_block_equals_a_per_token_loop_dropless_and_with_a_capacity(cf, normaliz
 
 
 def test_dropless_equals_a_capacity_nobody_reaches():
-    moe = MoE(experts=4, top_k=2, ffn=8)
+    moe = MoE(experts=4, top_k=2, ffn=8, router_fp32=False)
     torch.manual_seed(3)
     a = DenseMoE(16, moe, dtype=torch.float64, device=DEV)
-    b = DenseMoE(16, MoE(experts=4, top_k=2, ffn=8, capacity_factor=2.0), dtype=torch.float64, device=DEV)
+    b = DenseMoE(16, MoE(experts=4, top_k=2, ffn=8, capacity_factor=2.0, router_fp32=False), dtype=torch.float64, device=DEV)
     b.load_state_dict(a.state_dict())
     x = torch.randn(2, 12, 16, dtype=torch.float64, device=DEV)
     torch.testing.assert_close(a(x), b(x), rtol=0, atol=1e-12)

@@ -11,6 +11,7 @@ from torch import nn
 from ..documents import check_documents, document_positions
 from ..errors import GridError
 from ..nn.dense import BERT, GPT2, LLAMA, Activation, Arch, DenseTransformerLayer, Norm
+from ..nn.moe import MoE
 
 
 # The one reader of a model config's keys: each field under gridweave's own name (to_dict:
@@ -21,7 +22,7 @@ CONFIG_KEYS = {"vocab": ("vocab", "vocab_size"), "hidden": ("hidden", "hidden_si
                "ffn_hidden": ("ffn_hidden", "intermediate_size", "n_inner"), "kv_heads": ("kv_heads", "num_key_value_heads"),
                "eps": ("eps", "rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps"),
                "tie": ("tie", "tie_word_embeddings")}
-HF_FAMILY = {"llama": "llama", "gpt2": "gpt", "bert": "bert"}  # Hugging Face's model_type -> family
+HF_FAMILY = {"llama": "llama", "mixtral": "llama", "gpt2": "gpt", "bert": "bert"}  # model_type -> family
 FAMILIES = ("gpt", "llama", "bert")
 ENCODERS = ("bert",)  # bidirectional, trained on the masked LM; the others are causal decoders
 IGNORE = -100  # a target that is not predicted (the masked LM's unmasked tokens): torch's ignore_index
@@ -33,7 +34,9 @@ class ModelConfig:
     """A model's sizes and architecture: what a checkpoint and an export record. family: "gpt"
     (learned positions, LayerNorm, GeLU, biases), "llama", or "bert" (the bidirectional encoder
     seed 004 trains: post-norm layers, the embedding's LayerNorm, the masked-LM head).
-    linformer_k: Linformer's K (encoder only): keys and values projected from seq to K rows."""
+    linformer_k: Linformer's K (encoder only): keys and values projected from seq to K rows.
+    moe: every layer's MLP a mixture of experts (llama only: Mixtral; a dict is read as MoE's
+    fields, as a checkpoint index or export records it)."""
     family: str = "gpt"
     vocab: int = 256
     hidden: int = 64
@@ -47,8 +50,13 @@ class ModelConfig:
     tie: bool = False
     activation: str | None = None  # gpt: "gelu" (exact) or "gelu_tanh" (GPT-2's gelu_new)
     linformer_k: int | None = None
+    moe: MoE | None = None
 
     def __post_init__(self):
+        if isinstance(self.moe, dict):
+            object.__setattr__(self, "moe", MoE(**self.moe))
+        if self.moe is not None and self.family != "llama":
+            raise GridError(f"mixture-of-experts layers are Llama-family (Mixtral), got {self.family!r}")
         if self.family not in FAMILIES:
             raise GridError(f"model family must be one of {FAMILIES}, got {self.family!r}")
         if self.linformer_k is not None and self.family not in ENCODERS:
@@ -67,7 +75,7 @@ class ModelConfig:
     def arch(self) -> Arch:
         if self.family == "llama":
             return Arch(Norm.RMS, Activation.SWIGLU, self.kv_heads, float(self.rope_theta),
-                        LLAMA.eps if self.eps is None else self.eps)
+                        LLAMA.eps if self.eps is None else self.eps, moe=self.moe)
         if self.family == "bert":
             return Arch(Norm.LAYER, Activation.GELU, self.kv_heads, None, BERT.eps if self.eps is None else self.eps,
                         post_norm=True, linformer=None if self.linformer_k is None else (self.linformer_k, self.seq))
@@ -91,11 +99,17 @@ class ModelConfig:
             return -(-8 * self.hidden // 3 // 8) * 8
         return 4 * self.hidden
 
-    def matrix_parameters(self, embedding: bool = True) -> int:
+    def matrix_parameters(self, embedding: bool = True, active: bool = False) -> int:
         """Parameters of the weight matrices (norms and biases left out): q, k, v, the output
-        projection and the MLP per layer, and the vocab x hidden embedding (tied or not, once)."""
+        projection and the MLP per layer, and the vocab x hidden embedding (tied or not, once).
+        A mixture of experts: the router, every expert (active: the top-k a token runs) and the
+        shared expert with its gate."""
         kv = self.arch.kv(self.heads) * (self.hidden // self.heads)
         mlp = self.hidden * self.ffn * (3 if self.family == "llama" else 2)
+        if self.moe is not None:
+            m = self.moe
+            mlp = self.hidden * (m.experts + 3 * m.ffn * (m.top_k if active else m.experts)
+                                 + 3 * (m.shared_ffn or 0) + m.shared_gate)
         per_layer = self.hidden * (self.hidden + 2 * kv) + self.hidden * self.hidden + mlp
         return self.layers * per_layer + (self.vocab * self.hidden if embedding else 0)
 
@@ -103,7 +117,7 @@ class ModelConfig:
         """Training FLOPs per token (forward + backward, no recomputation): 6 x the matrices'
         parameters plus the attention scores and values, 12 x layers x hidden x seq (PaLM's MFU
         convention, Chowdhery et al. 2022, App. B)."""
-        return 6 * self.matrix_parameters() + 12 * self.layers * self.hidden * self.seq
+        return 6 * self.matrix_parameters(active=True) + 12 * self.layers * self.hidden * self.seq
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -127,6 +141,11 @@ class ModelConfig:
         activation = d.get("activation") or HF_ACTIVATION.get(d.get("activation_function"))
         if activation:
             out["activation"] = activation
+        if d.get("moe"):
+            out["moe"] = d["moe"]
+        elif d.get("num_local_experts"):  # Mixtral's: its intermediate_size is each expert's
+            out["moe"] = MoE(experts=d["num_local_experts"], top_k=d["num_experts_per_tok"], ffn=d["intermediate_size"],
+                             aux_coef=float(d.get("router_aux_loss_coef") or 0.0))
         return out
 
     @classmethod

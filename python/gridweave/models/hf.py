@@ -1,6 +1,7 @@
 """Hugging Face interop (transformers is optional: pip install gridweave[hf]).
 
-from_hf: a LlamaForCausalLM / GPT2LMHeadModel (or its config) -> gridweave's dense model,
+from_hf: a LlamaForCausalLM / MixtralForCausalLM / GPT2LMHeadModel / BertForMaskedLM (or
+its config) -> gridweave's dense model,
 weights copied; to_hf: the dense model -> the transformers model with the same weights;
 save_hf: a folder (config.json + model.safetensors) that from_pretrained loads. A config
 field gridweave does not implement is a GridError naming it, never a different model.
@@ -81,15 +82,23 @@ def _bert_config(c) -> ModelConfig:
     return ModelConfig(**ModelConfig.fields_of(c.to_dict()))
 
 
+def _mixtral_config(c) -> ModelConfig:
+    if getattr(c, "router_jitter_noise", 0.0):
+        _unsupported("router_jitter_noise", c.router_jitter_noise, "router jitter")
+    return _llama_config(c)
+
+
 def config_from_hf(c) -> ModelConfig:
     kind = getattr(c, "model_type", None)
     if kind == "llama":
         return _llama_config(c)
+    if kind == "mixtral":
+        return _mixtral_config(c)
     if kind == "gpt2":
         return _gpt2_config(c)
     if kind == "bert":
         return _bert_config(c)
-    raise GridError(f"Hugging Face model_type {kind!r}: gridweave reads 'llama', 'gpt2' and 'bert'")
+    raise GridError(f"Hugging Face model_type {kind!r}: gridweave reads 'llama', 'mixtral', 'gpt2' and 'bert'")
 
 
 # One name table per family, read both ways: our name -> transformers' name(s). A layer
@@ -122,8 +131,21 @@ _LAYER = {"llama": {"ln1.weight": ["input_layernorm.weight"], "ln2.weight": ["po
           "gpt": {f"{ours}.{k}": [f"{theirs}.{k}"] for theirs, ours in _GPT2_LAYER.items() for k in ("weight", "bias")},
           "bert": {f"{ours}.{k}": [f"{t}.{k}" for t in theirs] for ours, theirs in _BERT_LAYER.items()
                    for k in ("weight", "bias")}}
+# transformers' MixtralSparseMoeBlock (version 5: experts stacked as ours are)
+_MOE_LAYER = {"moe.gate.weight": ["mlp.gate.weight"], "moe.gate_up": ["mlp.experts.gate_up_proj"],
+              "moe.down": ["mlp.experts.down_proj"]}
 _LAYER_PREFIX = {"llama": "model.layers.{}.", "gpt": "transformer.h.{}.", "bert": "bert.encoder.layer.{}."}
 _SEGMENTS = "bert.embeddings.token_type_embeddings.weight"
+
+
+def _layer_names(cfg: ModelConfig) -> dict:
+    """Our layer tensor names -> transformers' (the MLP's a mixture of experts' where it is one)."""
+    if cfg.moe is None:
+        return _LAYER[cfg.family]
+    if cfg.moe.shared_ffn or cfg.moe.capacity_factor is not None or not cfg.moe.normalize:
+        raise GridError("transformers' Mixtral has no shared expert, no capacity limit and renormalises the top-k "
+                        f"weights: {cfg.moe} has no Hugging Face form")
+    return {**{k: v for k, v in _LAYER["llama"].items() if not k.startswith("fc")}, **_MOE_LAYER}
 
 
 def _conv1d(cfg: ModelConfig, ours: str) -> bool:
@@ -144,7 +166,7 @@ def _our_state(sd: dict, cfg: ModelConfig) -> dict:
     if _SEGMENTS in sd:  # every token of segment 0: its embedding is a constant added to each position's
         out["embed.pos.weight"] = out["embed.pos.weight"] + sd[_SEGMENTS][0]
     for i in range(cfg.layers):
-        for ours, theirs in _LAYER[cfg.family].items():
+        for ours, theirs in _layer_names(cfg).items():
             w = torch.cat([sd[prefix.format(i) + t] for t in theirs])
             out[f"layers.{i}.{ours}"] = w.t() if _conv1d(cfg, ours) else w
     return out
@@ -158,7 +180,7 @@ def _hf_state(ours: dict, cfg) -> dict:
         out[_SEGMENTS] = ours["embed.pos.weight"].new_zeros(2, cfg.hidden)
         out["cls.predictions.bias"] = ours["head.out.bias"]  # the decoder's, where untied they are two
     for i in range(cfg.layers):
-        for o, theirs in _LAYER[cfg.family].items():
+        for o, theirs in _layer_names(cfg).items():
             w = ours[f"layers.{i}.{o}"]
             w = w.t().contiguous() if _conv1d(cfg, o) else w
             parts = w.split(_row_widths(cfg, o)) if len(theirs) > 1 else [w]
@@ -198,6 +220,16 @@ def hf_config(cfg: ModelConfig, special: dict | None = None):
     if bad:
         raise GridError(f"special token ids must be bos/eos/pad_token_id within the vocabulary of {cfg.vocab}: {bad}")
     ids = {k: special.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    if cfg.moe is not None:
+        _layer_names(cfg)  # a form transformers has
+        return tf.MixtralConfig(**ids, vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.moe.ffn,
+                                num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+                                num_key_value_heads=cfg.kv_heads or cfg.heads, max_position_embeddings=cfg.seq,
+                                rms_norm_eps=cfg.arch.eps, tie_word_embeddings=cfg.tie,
+                                rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+                                num_local_experts=cfg.moe.experts, num_experts_per_tok=cfg.moe.top_k,
+                                router_aux_loss_coef=cfg.moe.aux_coef, router_jitter_noise=0.0, sliding_window=None,
+                                hidden_act="silu")
     if cfg.family == "llama":
         return tf.LlamaConfig(**ids, vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
                               num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
@@ -224,6 +256,10 @@ def hf_config(cfg: ModelConfig, special: dict | None = None):
 
 _HF_CLASS = {"llama": lambda tf: tf.LlamaForCausalLM, "gpt": lambda tf: tf.GPT2LMHeadModel,
              "bert": lambda tf: tf.BertForMaskedLM}
+
+
+def _hf_class(cfg: ModelConfig, tf):
+    return tf.MixtralForCausalLM if cfg.moe is not None else _HF_CLASS[cfg.family](tf)
 
 
 # What a Hugging Face folder holds besides its weights and tokenizer, kept by a run that starts
@@ -255,7 +291,7 @@ def from_pretrained(folder, dtype=torch.float32) -> GPT:
     tf.utils.logging.disable_progress_bar()  # every rank loads: one bar each would flood the job's stderr
     try:
         with torch.device("cpu"):  # host memory, whatever torch's default device
-            hf = _HF_CLASS[cfg.family](tf).from_pretrained(str(folder), local_files_only=True, dtype=dtype,
+            hf = _hf_class(cfg, tf).from_pretrained(str(folder), local_files_only=True, dtype=dtype,
                                                            use_safetensors=True)
     finally:
         if bar:
@@ -275,7 +311,7 @@ def to_hf(model: GPT, special: dict | None = None, config=None):
     ours = {k: v.detach() for k, v in model.state_dict().items()}
     w = ours["embed.tok.weight"]
     with torch.device(w.device):  # built where the weights are, whatever torch's default device
-        hf = _HF_CLASS[cfg.family](tf)(config if config is not None else hf_config(cfg, special)).to(w.dtype)
+        hf = _hf_class(cfg, tf)(config if config is not None else hf_config(cfg, special)).to(w.dtype)
     missing, unexpected = hf.load_state_dict(_hf_state(ours, cfg), strict=False)
     missing = [k for k in missing if not (cfg.tie and k == _TOP[cfg.family]["head.out.weight"])]
     if missing or unexpected:

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..documents import check_documents, document_mask, document_positions
 from ..errors import GridError
+from .moe import MoE, DenseMoE
 
 
 class Norm(enum.Enum):
@@ -41,6 +42,7 @@ class Arch:
     eps: float = 1e-5
     post_norm: bool = False  # BERT's post-LN block: x = LN(x + attn(x)), then LN(x + mlp(x))
     linformer: tuple | None = None  # (K, L): keys and values projected from L tokens to K rows (Linformer)
+    moe: MoE | None = None  # the MLP a mixture of SwiGLU experts (Mixtral, Qwen-MoE)
 
     def __post_init__(self):
         if not isinstance(self.norm, Norm) or not isinstance(self.activation, Activation):
@@ -55,6 +57,8 @@ class Arch:
                 raise GridError(f"linformer must be (K, L) positive integers, got {self.linformer!r}")
             if self.rope_theta is not None:
                 raise GridError("Linformer projects keys along the sequence: it has no rotary form here")
+        if self.moe is not None and (self.activation is not Activation.SWIGLU or self.post_norm):
+            raise GridError("mixture-of-experts layers are Llama's (pre-norm, SwiGLU experts): use the llama family")
 
     def check_causal(self, causal: bool) -> None:
         """A GridError where this block cannot be causal (Linformer mixes every token's keys)."""
@@ -235,12 +239,20 @@ class DenseTransformerLayer(nn.Module):
         self.proj = nn.Linear(hidden, hidden, bias=bias, **kw)
         self.lowrank = arch.make_lowrank(**kw)
         self.ln2 = arch.dense_norm(hidden, **kw)
-        self.fc1 = nn.Linear(hidden, sum(arch.fc1_widths(ffn_hidden)), bias=bias, **kw)
-        self.fc2 = nn.Linear(ffn_hidden, hidden, bias=bias, **kw)
+        if arch.moe is None:
+            self.fc1 = nn.Linear(hidden, sum(arch.fc1_widths(ffn_hidden)), bias=bias, **kw)
+            self.fc2 = nn.Linear(ffn_hidden, hidden, bias=bias, **kw)
+        else:
+            self.moe = DenseMoE(hidden, arch.moe, **kw)
+        self._ffn_hidden = ffn_hidden
 
     @property
     def ffn_hidden(self) -> int:
-        return self.fc2.in_features
+        return self._ffn_hidden
+
+    def feed_forward(self, h):
+        """The MLP: fc2(act(fc1 h)), or the mixture of experts."""
+        return self.moe(h) if self.arch.moe is not None else self.fc2(self.arch.act(self.fc1(h)))
 
     def _attn(self, h, documents):
         return self.proj(attention(self.qkv(h), self.heads, self.causal, self.kv_heads, self.arch,
@@ -249,9 +261,9 @@ class DenseTransformerLayer(nn.Module):
     def forward(self, x, documents=None):
         if self.arch.post_norm:
             x = self.ln1(x + self._attn(x, documents))
-            return self.ln2(x + self.fc2(self.arch.act(self.fc1(x))))
+            return self.ln2(x + self.feed_forward(x))
         x = x + self._attn(self.ln1(x), documents)
-        return x + self.fc2(self.arch.act(self.fc1(self.ln2(x))))
+        return x + self.feed_forward(self.ln2(x))
 
 
 def dense_linear(state: dict, in_features: int, out_features: int) -> nn.Linear:

@@ -37,7 +37,9 @@ class MoE:
     capacity_factor: None for dropless; aux_coef, z_coef: the coefficients of the
     load-balancing and router z losses; shared_ffn: the hidden width of the always-on shared
     expert (Qwen2-MoE, DeepSeek; None: none), shared_gate: its output scaled by
-    sigmoid(w . x) per token (Qwen2-MoE's shared_expert_gate)."""
+    sigmoid(w . x) per token (Qwen2-MoE's shared_expert_gate); router_fp32: the softmax and
+    the k weights in float32 whatever the activations' dtype (transformers' and Megatron's
+    routers; False: in theirs, float32 at least)."""
     experts: int = 8
     top_k: int = 2
     ffn: int = 128
@@ -47,6 +49,7 @@ class MoE:
     z_coef: float = 0.0
     shared_ffn: int | None = None
     shared_gate: bool = False
+    router_fp32: bool = True
 
     def __post_init__(self):
         for name in ("experts", "top_k", "ffn"):
@@ -88,8 +91,7 @@ def route(logits: torch.Tensor, moe: MoE) -> Routing:
     """Top-k of softmax(logits) per token (softmax in float32 or wider, as transformers' and
     Megatron's routers), renormalised if moe.normalize; the slots sorted by expert, each expert
     capped at moe.capacity (the most probable slots kept; ties: the earlier token)."""
-    wide = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-    probs = torch.softmax(wide, dim=-1)
+    probs = torch.softmax(_router_dtype(logits, moe), dim=-1)
     top, experts = torch.topk(probs, moe.top_k, dim=-1)
     if moe.normalize:
         top = top / top.sum(dim=-1, keepdim=True)
@@ -109,6 +111,11 @@ def route(logits: torch.Tensor, moe: MoE) -> Routing:
     return Routing(top, experts, probs, logits, order, counts)
 
 
+def _router_dtype(logits: torch.Tensor, moe: MoE) -> torch.Tensor:
+    narrow = logits.dtype in (torch.float16, torch.bfloat16)
+    return logits.float() if moe.router_fp32 or narrow else logits
+
+
 def load_balancing_loss(r: Routing, experts: int) -> torch.Tensor:
     """Switch Transformer eq. (4)-(6) as Mixtral trains it: E sum_e f_e P_e, f_e the share of
     tokens with e among their top-k (before any capacity drop), P_e the mean probability of e."""
@@ -118,9 +125,9 @@ def load_balancing_loss(r: Routing, experts: int) -> torch.Tensor:
 
 
 def z_loss(r: Routing) -> torch.Tensor:
-    """ST-MoE eq. (5): the mean over tokens of logsumexp(router logits)^2."""
-    wide = r.logits.float() if r.logits.dtype in (torch.float16, torch.bfloat16) else r.logits
-    return torch.logsumexp(wide, dim=-1).square().mean()
+    """ST-MoE eq. (5): the mean over tokens of logsumexp(router logits)^2 (in the probabilities'
+    dtype)."""
+    return torch.logsumexp(r.logits.to(r.probs.dtype), dim=-1).square().mean()
 
 
 def swiglu_experts(x: torch.Tensor, counts: list, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
