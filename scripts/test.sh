@@ -7,11 +7,11 @@
 # and the main jobs under mpirun; without MPI the pass stays on Gloo), the tests whose correctness
 # rests on the transport: the collectives and segmented collectives, the pipeline's receive
 # strategies, the attention rings, checkpoints, faults and timeouts, NCCL's rules, the ZeRO grid
-# tests, the main job under mpirun. A third pass keeps NCCL's rules on the CPU
+# tests, MoE's variable all-to-all and expert parallelism, the main job under mpirun. A third pass keeps NCCL's rules on the CPU
 # transport (--emulate=nccl: a communicator runs its ops one at a time in issue order, a send
 # waits for its receive, no receive-from-any) over every test whose correctness depends on
 # communication order: the ring and RSA, every pipeline schedule and receive strategy, the cube
-# with overlap, sub-graph parallelism, sharded checkpoints, the layers, packed documents, and the
+# with overlap, sub-graph parallelism, sharded checkpoints, the layers, expert parallelism, packed documents, and the
 # main job on three composed grids, BERT and Linformer on every mode. The documentation site is built first, with warnings as errors.
 # The first pass includes the emulated cluster (tests/python/test_cluster.py: two network-namespace
 # nodes; Linux as root, skipped with its reason elsewhere): the main job through torchrun and
@@ -32,11 +32,12 @@ python3 -m pytest -q --durations=10 --transport=$transport --default-device=meta
   tests/python/test_collectives.py tests/python/test_segmented.py tests/python/test_pipeline.py \
   tests/python/test_sequence.py tests/python/test_checkpoint.py tests/python/test_faults.py \
   tests/python/test_nccl_rules.py tests/python/test_agreement.py tests/python/test_sharding.py \
+  tests/python/test_moe.py \
   "tests/python/test_zero.py::test_zero_equals_adamw_on_the_dense_model" \
   "tests/python/test_train.py::test_the_main_job_under_mpirun_gives_one_process_losses"
 python3 -m pytest -q --timeout 300 --emulate=nccl tests/python/test_sequence.py tests/python/test_pipeline.py \
   tests/python/test_plan_counters.py tests/python/test_tensor3d.py tests/python/test_subgraph.py \
-  tests/python/test_checkpoint.py tests/python/test_layers.py \
+  tests/python/test_checkpoint.py tests/python/test_layers.py tests/python/test_moe.py \
   "tests/python/test_documents.py::test_every_mode_masks_packed_documents_like_the_dense_layer" \
   "tests/python/test_bert.py::test_bert_on_every_mode_equals_the_dense_model" \
   "tests/python/test_train.py::test_composed_grids_train_with_one_process_losses" \

@@ -559,6 +559,39 @@ class Grid:
         out = empty_like_shape(t, tuple(t.shape))
         return self._run(c.all_to_all(view(src, "all_to_all input"), view(out), async_op), async_op, (src, out), lambda: out)
 
+    def all_to_all_v(self, t, send_counts, recv_counts, axis: AxisArg, tag: int = 0):
+        """Rows of `t` (dim 0) in member order: send_counts[k] rows go to member k, and the
+        result holds recv_counts[j] rows from member j, in member order (torch's
+        all_to_all_single with splits; MoE's token dispatch). The counts are the caller's, so
+        every size is known before anything moves (exchange them first, e.g. all_to_all of
+        the per-expert counts). One group of sends and receives (on NCCL grouped sends and
+        receives, as ProcessGroupNCCL runs an uneven all-to-all); this rank's own rows are
+        copied, not sent; the messages count as the axis's sends and receives."""
+        c = self.comm(axis, "all_to_all_v")
+        n, me = c.size, c.rank
+        counts = [list(send_counts), list(recv_counts)]
+        if any(len(x) != n for x in counts) or any(not isinstance(v, int) or v < 0 for x in counts for v in x):
+            raise GridError(f"all_to_all_v on axis {axis!r}: send and receive counts must be {n} non-negative "
+                            f"integers (one per member), got {send_counts!r}, {recv_counts!r}")
+        if sum(counts[0]) != t.shape[0]:
+            raise GridError(f"all_to_all_v on axis {axis!r}: the send counts add up to {sum(counts[0])} rows; "
+                            f"the tensor has {t.shape[0]}")
+        src = _contig(t)
+        out = empty_like_shape(t, (sum(counts[1]),) + tuple(t.shape[1:]))
+        starts = [list(itertools.accumulate(x, initial=0)) for x in counts]
+        ops = []
+        for k in range(n):
+            if k == me:
+                out[starts[1][k]:starts[1][k + 1]] = src[starts[0][k]:starts[0][k + 1]]
+                continue
+            if counts[0][k]:
+                ops.append(P2POp("isend", src[starts[0][k]:starts[0][k + 1]], k, axis, tag))
+            if counts[1][k]:
+                ops.append(P2POp("irecv", out[starts[1][k]:starts[1][k + 1]], k, axis, tag))
+        for w in self.batch_isend_irecv(ops):
+            w.wait()
+        return out
+
     def send(self, t, dst: int, axis: AxisArg = None, tag: int = 0, async_op: bool = False):
         """Send to `dst` (an index along `axis`; a global rank when axis is None)."""
         c = self.comm(axis, "send")

@@ -201,3 +201,150 @@ def test_dropless_equals_a_capacity_nobody_reaches():
 def test_bad_moe_configs_are_one_clear_error(kw, match):
     with pytest.raises(GridError, match=match):
         MoE(**kw)
+
+
+# ---- on a grid: the variable all-to-all and expert parallelism ---------------------------------
+
+
+def _all_to_all_v(ctx):
+    """Member r sends (r + k) % 3 rows to member k (none to some), each row naming its
+    sender, receiver and position; every member checks what arrived against that rule."""
+    grid = ctx.init(dp=ctx.world_size)
+    n, r = ctx.world_size, ctx.rank
+    send = [(r + k) % 3 for k in range(n)]
+    recv = [(j + r) % 3 for j in range(n)]
+    rows = torch.tensor([[r, k, i] for k in range(n) for i in range(send[k])], dtype=torch.float64,
+                        device="cpu").reshape(-1, 3)
+    grid.reset_stats()
+    got = grid.all_to_all_v(rows, send, recv, "dp")
+    want = torch.tensor([[j, r, i] for j in range(n) for i in range(recv[j])], dtype=torch.float64,
+                        device="cpu").reshape(-1, 3)
+    sent = grid.stats()["dp"]
+    errors = []
+    try:
+        grid.all_to_all_v(rows, send[:-1] + [send[-1] + 1], recv, "dp")  # before anything moves
+    except Exception as e:  # noqa: BLE001
+        errors.append(str(e))
+    return torch.equal(got, want), sent, sum(send) - send[r], errors
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_all_to_all_v_delivers_every_row_and_counts_its_bytes(pool, n):
+    for ok, sent, rows_out, errors in pool.run(_all_to_all_v, n):
+        assert ok
+        # 3 float64 per row to every other member, one message per non-empty pair
+        assert sent["sent_intra"]["bytes"] + sent["sent_inter"]["bytes"] == rows_out * 3 * 8
+        assert errors and "send counts add up to" in errors[0]
+
+
+def _expert_parallel(ctx, shape, ep_spec, token_axes, capacity):
+    """The expert-parallel block on this grid against DenseMoE on the whole batch (float64):
+    every rank's output rows, its input gradient, the router's and its experts' gradients
+    (summed over the ranks that hold them), the auxiliary loss and the tokens per expert."""
+    import gridweave as gw
+    from gridweave.grid import LinePart, Span
+    from gridweave.nn.moe import DenseMoE, ExpertParallelMoE
+
+    grid = ctx.init(**shape)
+    ep = LinePart(tuple(ep_spec[0]), Span.WITHIN, ep_spec[1]) if isinstance(ep_spec, list) else ep_spec
+    moe = MoE(experts=8, top_k=2, ffn=6, aux_coef=0.05, z_coef=0.01, router_fp32=False, shared_ffn=5,
+              capacity_factor=capacity)
+    torch.manual_seed(0)
+    dense = DenseMoE(12, moe, dtype=torch.float64, device="cpu")
+    with torch.no_grad():
+        dense.gate.weight.normal_(0, 1.0)
+    shards = grid.size(token_axes)
+    x = torch.randn(shards, 2, 5, 12, dtype=torch.float64, device="cpu")  # (shard, batch, seq, hidden)
+    w = torch.randn(x.shape, dtype=torch.float64, device="cpu")
+    me = grid.index(token_axes)
+    block = ExpertParallelMoE.from_dense(dense, grid, ep, token_axes)
+    xr = x.clone().requires_grad_(True)
+    if capacity is None:
+        ref = dense(xr.reshape(-1, 5, 12))  # one process, the whole micro-batch
+        (ref * w.reshape(ref.shape)).sum().backward()
+        ref_out, ref_gx = ref.reshape(x.shape)[me], xr.grad[me]
+    else:  # Megatron's capacity: each rank drops among its own tokens; the losses stay the batch's
+        plain = DenseMoE(12, dataclasses.replace(moe, aux_coef=0.0, z_coef=0.0), dtype=torch.float64, device="cpu")
+        plain.load_state_dict(dense.state_dict())
+        dense = plain  # its gradients are the reference's
+        outs = [plain(xr[s]) for s in range(shards)]
+        logits = xr.reshape(-1, 12) @ plain.gate.weight.t()
+        probs = torch.softmax(logits, -1)
+        chosen = torch.nn.functional.one_hot(torch.topk(probs, 2, -1).indices, 8).sum((0, 1)).double()
+        t = logits.shape[0]
+        aux = 0.05 * 8 * ((chosen / t) * probs.mean(0)).sum() + 0.01 * torch.logsumexp(logits, -1).square().mean()
+        ((torch.stack(outs) * w).sum() + aux).backward()
+        ref_out, ref_gx = outs[me], xr.grad[me]
+    mine = x[me].clone().requires_grad_(True)
+    out = block(mine)
+    (out * w[me]).sum().backward()
+    first = grid.index(ep) * block.local_experts
+    across = LinePart(ep.axes, Span.ACROSS, ep.block) if isinstance(ep, LinePart) else \
+        tuple(a for a in token_axes if a not in ((ep,) if isinstance(ep, str) else ep))
+    g = {k: p.grad.clone() for k, p in block.named_parameters()}
+    for k in ("gate.weight", "shared_expert.gate_proj.weight", "shared_expert.down_proj.weight"):
+        grid.all_reduce(g[k], token_axes)
+    for k in ("gate_up", "down"):
+        if across and grid.size(across) > 1:
+            grid.all_reduce(g[k], across)
+    counts = block.tokens_per_expert.clone()
+    if across and grid.size(across) > 1:
+        grid.all_reduce(counts, across)
+    ref_g = dict(dense.named_parameters())
+    errs = {"out": (out - ref_out).abs().max().item(), "x.grad": (mine.grad - ref_gx).abs().max().item()}
+    for k in ("gate.weight", "shared_expert.gate_proj.weight", "shared_expert.down_proj.weight"):
+        errs[k] = (g[k] - ref_g[k].grad).abs().max().item()
+    for k in ("gate_up", "down"):
+        errs[k] = (g[k] - ref_g[k].grad[first:first + block.local_experts]).abs().max().item()
+    same_aux = abs(float(block.aux_loss) - float(dense.aux_loss)) if capacity is None else 0.0
+    dense_counts = dense.tokens_per_expert[first:first + block.local_experts]
+    state = block.dense_state()
+    whole = torch.equal(state["gate_up"], dense.gate_up.detach()) and torch.equal(state["down"], dense.down.detach())
+    return errs, same_aux, counts.tolist() == dense_counts.tolist() or capacity is not None, whole
+
+
+@pytest.mark.parametrize("shape,ep,token_axes,capacity", [
+    (dict(dp=4), "dp", ("dp",), None),  # every expert-parallel member a data-parallel one
+    (dict(dp=4), [("dp",), 2], ("dp",), None),  # ep 2 carved out of dp 4: two copies of each expert
+    (dict(dp=2, sp=2), "sp", ("dp", "sp"), None),  # ep over the sequence ranks
+    (dict(dp=2, sp=2), ("dp", "sp"), ("dp", "sp"), None),  # ep 4 over dp x sp
+    (dict(dp=4), [("dp",), 2], ("dp",), 0.75),  # with a capacity limit
+])
+def test_expert_parallel_block_equals_one_process(pool, shape, ep, token_axes, capacity):
+    for errs, aux, counts, whole in pool.run(_expert_parallel, 4, shape, ep, token_axes, capacity):
+        assert max(errs.values()) < 1e-10, errs
+        assert aux < 1e-12 and counts and whole
+
+
+def _dispatch_bytes(ctx, ep_spec):
+    """The bytes one forward sends over ep: its rows to the other members' experts and the
+    rows it ran for them back (hidden float64 values each), and the counts exchanged first."""
+    from gridweave.grid import LinePart, Span
+    from gridweave.nn.moe import DenseMoE, ExpertParallelMoE
+
+    grid = ctx.init(dp=ctx.world_size)
+    ep = LinePart(("dp",), Span.WITHIN, ep_spec) if ep_spec else "dp"
+    moe = MoE(experts=8, top_k=2, ffn=6, router_fp32=False)
+    torch.manual_seed(0)
+    dense = DenseMoE(12, moe, dtype=torch.float64, device="cpu")
+    block = ExpertParallelMoE.from_dense(dense, grid, ep, ("dp",))
+    x = torch.randn(ctx.world_size, 3, 4, 12, dtype=torch.float64, device="cpu")[grid.index("dp")]
+    n, e, me = grid.size(ep), block.local_experts, grid.index(ep)
+    # the measured token counts: this rank's slots per member (the dense router's choice), and
+    # every member's, gathered
+    chosen = torch.topk(torch.softmax(x.reshape(-1, 12) @ dense.gate.weight.t(), -1), 2, -1).indices
+    send = torch.bincount(chosen.reshape(-1) // e, minlength=n)
+    every = grid.all_gather(send.unsqueeze(0), ep, dim=0)  # every[j, k]: member j's slots for member k
+    grid.reset_stats()
+    block(x)
+    stats = grid.stats()
+    label = next(k for k in stats if k != "dp" or not ep_spec)
+    s = stats[label]
+    rows = int(send.sum() - send[me]) + int(every[:, me].sum() - every[me, me])
+    return s["sent_intra"]["bytes"] + s["sent_inter"]["bytes"], rows * 12 * 8 + (n - 1) * e * 8, label
+
+
+@pytest.mark.parametrize("ep", [0, 2])
+def test_dispatch_bytes_equal_the_formula_for_the_token_counts(pool, ep):
+    for sent, formula, label in pool.run(_dispatch_bytes, 4, ep):
+        assert sent == formula, (label, sent, formula)

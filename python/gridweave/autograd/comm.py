@@ -127,3 +127,22 @@ class _ReduceScatterSequence(torch.autograd.Function):
 def reduce_scatter_sequence(x, grid, axis, dim=1):
     """Partial sums of the whole sequence -> this rank's sequence shard of their sum."""
     return _ReduceScatterSequence.apply(x, grid, axis, dim % x.dim())
+
+
+class _AllToAllV(torch.autograd.Function):
+    """grid.all_to_all_v forward; backward the same exchange reversed (the gradients of the
+    rows received go back to their senders)."""
+
+    @staticmethod
+    def forward(ctx, x, grid, axis, send, recv):
+        ctx.grid, ctx.axis, ctx.send, ctx.recv = grid, axis, send, recv
+        return grid.all_to_all_v(x, send, recv, axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.grid.all_to_all_v(g.contiguous(), ctx.recv, ctx.send, ctx.axis), None, None, None, None
+
+
+def all_to_all_v(x, grid, axis, send_counts, recv_counts):
+    """Differentiable grid.all_to_all_v (MoE's dispatch and combine)."""
+    return _AllToAllV.apply(x, grid, axis, list(send_counts), list(recv_counts))

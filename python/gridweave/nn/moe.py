@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..autograd.comm import all_to_all_v, reduce_from_parallel
 from ..errors import GridError
 
 
@@ -116,18 +117,22 @@ def _router_dtype(logits: torch.Tensor, moe: MoE) -> torch.Tensor:
     return logits.float() if moe.router_fp32 or narrow else logits
 
 
-def load_balancing_loss(r: Routing, experts: int) -> torch.Tensor:
+def load_balancing_loss(chosen: torch.Tensor, prob_sum: torch.Tensor, tokens: int) -> torch.Tensor:
     """Switch Transformer eq. (4)-(6) as Mixtral trains it: E sum_e f_e P_e, f_e the share of
-    tokens with e among their top-k (before any capacity drop), P_e the mean probability of e."""
-    t = r.probs.shape[0]
-    f = torch.bincount(r.experts.reshape(-1), minlength=experts).to(r.probs.dtype) / t
-    return experts * (f * r.probs.mean(dim=0)).sum()
+    tokens with e among their top-k (chosen: those counts, before any capacity drop), P_e the
+    mean probability of e (prob_sum: the probabilities summed over the tokens)."""
+    experts = prob_sum.shape[0]
+    return experts * ((chosen.to(prob_sum.dtype) / tokens) * (prob_sum / tokens)).sum()
 
 
 def z_loss(r: Routing) -> torch.Tensor:
     """ST-MoE eq. (5): the mean over tokens of logsumexp(router logits)^2 (in the probabilities'
     dtype)."""
-    return torch.logsumexp(r.logits.to(r.probs.dtype), dim=-1).square().mean()
+    return _lse_squared(r).sum() / r.probs.shape[0]
+
+
+def _lse_squared(r: Routing) -> torch.Tensor:
+    return torch.logsumexp(r.logits.to(r.probs.dtype), dim=-1).square()
 
 
 def swiglu_experts(x: torch.Tensor, counts: list, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -179,19 +184,21 @@ class DenseMoE(nn.Module):
     (a detached tensor, for logging; None without them); aux_grad_scale scales their gradient (the training step sets
     1 / micro-batches, times a loss scaler's scale)."""
 
-    def __init__(self, hidden: int, moe: MoE, dtype=None, device=None):
+    def __init__(self, hidden: int, moe: MoE, dtype=None, device=None, experts_here: int | None = None):
+        """experts_here: the experts this module holds (an expert-parallel member's share)."""
         super().__init__()
         kw = dict(dtype=dtype, device=device)
         self.moe, self.hidden = moe, hidden
+        here = experts_here or moe.experts
         self.gate = nn.Linear(hidden, moe.experts, bias=False, **kw)
-        self.gate_up = nn.Parameter(torch.empty(moe.experts, 2 * moe.ffn, hidden, **kw))
-        self.down = nn.Parameter(torch.empty(moe.experts, hidden, moe.ffn, **kw))
+        self.gate_up = nn.Parameter(torch.empty(here, 2 * moe.ffn, hidden, **kw))
+        self.down = nn.Parameter(torch.empty(here, hidden, moe.ffn, **kw))
         bound = 1 / math.sqrt(hidden)  # nn.Linear's default, per expert
         nn.init.uniform_(self.gate_up, -bound, bound)
         nn.init.uniform_(self.down, -1 / math.sqrt(moe.ffn), 1 / math.sqrt(moe.ffn))
         self.shared_expert = SwiGLU(hidden, moe.shared_ffn, **kw) if moe.shared_ffn else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, **kw) if moe.shared_gate else None
-        self.register_buffer("tokens_per_expert", torch.zeros(moe.experts, dtype=torch.int64, device=device),
+        self.register_buffer("tokens_per_expert", torch.zeros(here, dtype=torch.int64, device=device),
                              persistent=False)
         self.aux_loss = None
         self.aux_grad_scale = 1.0
@@ -200,28 +207,107 @@ class DenseMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, self.hidden)
         r = route(self.gate(x), self.moe)
-        k = self.moe.top_k
-        rows = x[r.order // k]  # dispatch: each kept slot's token, grouped by expert
-        y = swiglu_experts(rows, r.counts.tolist(), self.gate_up, self.down)
+        y = self._run_experts(x, r)  # each kept slot's expert output, in r.order
         w = r.weights.reshape(-1)[r.order].to(y.dtype)
-        out = torch.zeros_like(x).index_add(0, r.order // k, y * w[:, None])  # combine
+        out = torch.zeros_like(x).index_add(0, r.order // self.moe.top_k, y * w[:, None])  # combine
         if self.shared_expert is not None:
             s = self.shared_expert(x)
             out = out + (torch.sigmoid(self.shared_expert_gate(x)) * s if self.shared_expert_gate is not None else s)
-        self.tokens_per_expert = r.counts.detach()
         out = self._attach_losses(out, r)
         return out.reshape(shape)
 
+    def _run_experts(self, x, r: Routing):
+        """Dispatch (each kept slot's token, grouped by expert), the grouped GEMM."""
+        self.tokens_per_expert = r.counts.detach()
+        return swiglu_experts(x[r.order // self.moe.top_k], r.counts.tolist(), self.gate_up, self.down)
+
+    def _statistics(self, r: Routing) -> tuple:
+        """(top-k counts per expert, probabilities summed per expert, log-sum-exp^2 summed,
+        tokens) of the tokens the losses average over: this module's."""
+        chosen = torch.bincount(r.experts.reshape(-1), minlength=self.moe.experts)
+        return chosen, r.probs.sum(dim=0), _lse_squared(r).sum(), r.probs.shape[0]
+
     def _attach_losses(self, out, r: Routing):
         m = self.moe
-        terms = []
-        if m.aux_coef:
-            terms.append(m.aux_coef * load_balancing_loss(r, m.experts))
-        if m.z_coef:
-            terms.append(m.z_coef * z_loss(r))
-        if not terms:
+        if not (m.aux_coef or m.z_coef):
             self.aux_loss = None
             return out
-        aux = torch.stack(terms).sum()
+        chosen, prob_sum, lse2, tokens = self._statistics(r)
+        aux = prob_sum.new_zeros(())
+        if m.aux_coef:
+            aux = aux + m.aux_coef * load_balancing_loss(chosen, prob_sum, tokens)
+        if m.z_coef:
+            aux = aux + m.z_coef * lse2 / tokens
         self.aux_loss = aux.detach()  # a tensor: reading it is the caller's host sync, not every step's
         return _AttachAux.apply(out, aux, self.aux_grad_scale) if torch.is_grad_enabled() else out
+
+
+class ExpertParallelMoE(DenseMoE):
+    """The sparse MLP with its experts split over `ep` (a grid axis, axes or LinePart): member
+    i holds experts [i E/ep, (i+1) E/ep) (gate_up, down: that slice). Every rank routes its own
+    tokens; the slots travel to their experts' ranks and back (GShard's dispatch and combine,
+    Megatron-Core's all-to-all dispatcher): the per-expert counts first (an all-to-all), then
+    the rows (all_to_all_v, sizes known on both sides). token_axes: the axes one micro-batch's
+    tokens are split over; the auxiliary losses' statistics are summed over them, so the losses
+    are the micro-batch's, as on one process. A capacity limit applies to each rank's own
+    tokens (Megatron-Core's drop before dispatch)."""
+
+    def __init__(self, hidden: int, moe: MoE, grid, ep, token_axes=("dp", "sp"), dtype=None, device=None):
+        n = grid.size(ep)
+        if moe.experts % n:
+            raise GridError(f"{moe.experts} experts do not split over ep {n}")
+        super().__init__(hidden, moe, dtype=dtype, device=device or grid.device, experts_here=moe.experts // n)
+        self.local_experts = moe.experts // n
+        self.grid, self.ep, self.ep_size = grid, ep, n
+        self.token_axes = tuple(a for a in token_axes if grid.axes.get(a, 1) > 1)
+
+    @classmethod
+    def from_dense(cls, dense: DenseMoE, grid, ep, token_axes=("dp", "sp")):
+        w = dense.gate_up
+        m = cls(dense.hidden, dense.moe, grid, ep, token_axes, dtype=w.dtype, device=grid.device)
+        first = grid.index(ep) * m.local_experts
+        with torch.no_grad():
+            m.gate.weight.copy_(dense.gate.weight)
+            m.gate_up.copy_(dense.gate_up[first:first + m.local_experts])
+            m.down.copy_(dense.down[first:first + m.local_experts])
+            if dense.shared_expert is not None:
+                m.shared_expert.load_state_dict(dense.shared_expert.state_dict())
+            if dense.shared_expert_gate is not None:
+                m.shared_expert_gate.weight.copy_(dense.shared_expert_gate.weight)
+        return m
+
+    def dense_state(self) -> dict:
+        """The dense block's state: every expert, gathered over ep."""
+        out = {k: v.detach().clone() for k, v in self.state_dict().items()}
+        for name in ("gate_up", "down"):
+            out[name] = self.grid.all_gather(getattr(self, name).detach().contiguous(), self.ep, dim=0)
+        return out
+
+    def _run_experts(self, x, r: Routing):
+        n, e = self.ep_size, self.local_experts
+        rows = x[r.order // self.moe.top_k]  # grouped by expert: by destination member, then its experts
+        counts = r.counts.reshape(n, e)
+        got = self.grid.all_to_all(counts.contiguous(), self.ep)  # got[j, i]: member j's rows for my expert i
+        send, got = counts.sum(dim=1).tolist(), got.tolist()  # one host sync for every size
+        arrived = all_to_all_v(rows, self.grid, self.ep, send, [sum(g) for g in got])
+        # member-major (j, i) blocks -> expert-major (i, j): each expert's rows contiguous
+        blocks = arrived.split([c for g in got for c in g])
+        by_expert = [blocks[j * e + i] for i in range(e) for j in range(n)]
+        per_expert = [sum(got[j][i] for j in range(n)) for i in range(e)]
+        self.tokens_per_expert = torch.tensor(per_expert, dtype=torch.int64, device=x.device)
+        y = swiglu_experts(torch.cat(by_expert), per_expert, self.gate_up, self.down)
+        out = y.split([got[j][i] for i in range(e) for j in range(n)])
+        back = torch.cat([out[i * n + j] for j in range(n) for i in range(e)])
+        return all_to_all_v(back, self.grid, self.ep, [sum(g) for g in got], send)
+
+    def _statistics(self, r: Routing) -> tuple:
+        chosen, prob_sum, lse2, tokens = super()._statistics(r)
+        if not self.token_axes:
+            return chosen, prob_sum, lse2, tokens
+        # counts and the token total carry no gradient; the sums do, and each rank's share of
+        # their gradient is its own tokens' (Megatron's g: all-reduce forward, identity backward)
+        self.grid.all_reduce(chosen, self.token_axes)
+        total = torch.tensor([tokens], dtype=torch.int64, device=chosen.device)
+        self.grid.all_reduce(total, self.token_axes)
+        sums = reduce_from_parallel(torch.cat([prob_sum, lse2.reshape(1)]), self.grid, self.token_axes)
+        return chosen, sums[:-1], sums[-1], int(total.item())
