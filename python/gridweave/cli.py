@@ -71,6 +71,17 @@ def _train_parser(sub):
     m.add_argument("--linformer-k", type=int, default=d["linformer_k"].default,
                    help="--model bert --attention linformer: keys and values projected from --seq to K rows "
                         "(seed 004 §4.3: the projections split over the sequence shards)")
+    e = p.add_argument_group("mixture of experts (--model mixtral)")
+    for name, typ, what in (("experts", int, "routed experts per layer"), ("top_k", int, "experts per token"),
+                            ("moe_ffn", int, "each expert's hidden width (0: --ffn-hidden's default)"),
+                            ("ep", int, "expert parallelism: experts split over ep data-parallel ranks (dp x sp, "
+                                        "sp fastest), tokens dispatched and combined with all-to-all"),
+                            ("capacity_factor", float, "each expert's slots, as a multiple of an even share "
+                                                       "(0: dropless)"),
+                            ("aux_coef", float, "load-balancing loss coefficient (Switch, Mixtral)"),
+                            ("z_coef", float, "router z-loss coefficient (ST-MoE)"),
+                            ("shared_ffn", int, "an always-on shared expert of this width (Qwen-MoE, DeepSeek)")):
+        e.add_argument("--" + name.replace("_", "-"), type=typ, default=d[name].default, help=what)
     m.add_argument("--tp-sp", action="store_true",
                    help="with --tp row:N: Megatron's sequence parallelism (norms and residuals on sequence shards)")
     m.add_argument("--overlap", action="store_true", help="3-D: prefetch the next weights' all-gathers")

@@ -502,20 +502,24 @@ def unigram_entropy(ids: np.ndarray, vocab_size: int) -> float:
 
 class Reader:
     """Batches of the training split: global sample k is window perm_e[k mod n] of epoch
-    e = k // n (perm_e seeded by (seed, e)); a step takes `batch` samples, and dp rank r reads
-    only rows [r * batch/dp, (r+1) * batch/dp) of them from the memory map. `position` (the
-    samples consumed) is all a checkpoint needs to resume exactly."""
+    e = k // n (perm_e seeded by (seed, e)); a step takes `batch` samples in `microbatches`
+    consecutive micro-batches, and dp rank r reads only its r-th share of each from the memory
+    map (one micro-batch: rows [r * batch/dp, (r+1) * batch/dp)). So the step's micro-batch i
+    is the same samples on every grid: what a per-micro-batch statistic (a mixture of experts'
+    load-balancing loss) sees does not depend on dp. `position` (the samples consumed) is all a
+    checkpoint needs to resume exactly."""
 
     def __init__(self, tokens: np.ndarray, seq: int, batch: int, seed: int, dp_rank: int = 0, dp: int = 1,
-                 position: int = 0):
+                 position: int = 0, microbatches: int = 1):
         self.tokens, self.seq, self.batch, self.seed = tokens, seq, batch, seed
         self.n = (len(tokens) - 1) // seq  # windows of seq + 1 tokens at stride seq
         if self.n < batch:
             raise GridError(f"the training split holds {self.n} windows of {seq + 1} tokens, fewer than a batch "
                             f"of {batch}: use a larger corpus or a shorter seq=")
-        if batch % dp:
-            raise GridError(f"batch {batch} does not split over {dp} data-parallel ranks")
-        self.dp_rank, self.shard = dp_rank, batch // dp
+        if batch % (dp * microbatches):
+            raise GridError(f"batch {batch} does not split over {dp} data-parallel ranks x {microbatches} "
+                            "micro-batches")
+        self.dp_rank, self.shard, self.microbatches = dp_rank, batch // dp, microbatches
         self.position = position
         self._perm = {}
 
@@ -529,9 +533,11 @@ class Reader:
     def _samples(self) -> list:
         """The global sample indices of this rank's share of the next step; advances the position
         by the global batch."""
-        first = self.position + self.dp_rank * self.shard
+        m = self.microbatches
+        mb, per = self.shard // m, self.batch // m  # this rank's rows of a micro-batch, a micro-batch's
+        first = self.position + self.dp_rank * mb
         self.position += self.batch
-        return list(range(first, first + self.shard))
+        return [first + i * per + j for i in range(m) for j in range(mb)]
 
     def _windows(self) -> list:
         """This rank's windows of the next step; advances the position by the global batch."""

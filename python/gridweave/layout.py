@@ -3,7 +3,8 @@
 A Layout lists, for each tensor dimension, the axes that split it (outermost first);
 dimensions past the list, and every axis not named, are replicated. Chunk k of a
 dimension split by (u, v) lives on the rank whose index over (u, v) is k, the same
-row-major order in which grid.all_gather over (u, v) concatenates.
+row-major order in which grid.all_gather over (u, v) concatenates. A dimension may instead
+be split by one LinePart (experts over an expert-parallel part of the data axes).
 """
 from __future__ import annotations
 
@@ -14,6 +15,24 @@ import torch
 
 from . import _C
 from .errors import GridError
+
+
+def _ranks(grid, axes) -> int:
+    """Ranks a dim split over `axes` has: axis names (read from grid.axes: a grid, or just its
+    sizes), or one LinePart (a grid's)."""
+    if all(isinstance(a, str) for a in axes):
+        return math.prod(grid.axes[a] for a in axes)
+    return grid.size(axes)
+
+
+def _index(grid, axes) -> int:
+    """This rank's block of a dim split over `axes` (row-major over them)."""
+    if all(isinstance(a, str) for a in axes):
+        index = 0
+        for a in axes:
+            index = index * grid.axes[a] + grid.coords[a]
+        return index
+    return grid.index(axes)
 
 
 @dataclass(frozen=True)
@@ -35,7 +54,7 @@ class Layout:
     def zigzag_ring(self, grid) -> int:
         """The ranks of the zigzag's ring: the sequence is 2 x that many chunks, ring member r
         holding chunks r and 2R-1-r (split further over its block of ranks under USP)."""
-        return self.ring or math.prod(grid.axes[a] for a in self.dims[self.zigzag])
+        return self.ring or _ranks(grid, self.dims[self.zigzag])
 
     def without(self, *axes) -> "Layout":
         """This layout with `axes` no longer splitting anything (a replica's layout: without "dp")."""
@@ -49,7 +68,7 @@ class Layout:
     def local_shape(self, shape, grid) -> tuple:
         out = list(shape)
         for d, axes in enumerate(self.dims):
-            k = math.prod(grid.axes[a] for a in axes) if axes else 1
+            k = _ranks(grid, axes)
             if d == self.zigzag and d < len(shape) and shape[d] % (2 * self.zigzag_ring(grid)):
                 raise GridError(f"dim {d} of size {shape[d]} does not split into {2 * self.zigzag_ring(grid)} "
                                 f"zigzag chunks over axes {axes}")
@@ -62,21 +81,20 @@ class Layout:
 
     def global_shape(self, local_shape, grid) -> tuple:
         """The full shape whose shard on a rank is `local_shape` (the inverse of local_shape)."""
-        return tuple(n * (math.prod(grid.axes[a] for a in self.dims[d]) if d < len(self.dims) else 1)
+        return tuple(n * (_ranks(grid, self.dims[d]) if d < len(self.dims) else 1)
                      for d, n in enumerate(local_shape))
 
     def __repr__(self):
-        return "Layout(" + ", ".join("(" + ",".join(d) + ")" for d in self.dims) + ")"
+        return "Layout(" + ", ".join("(" + ",".join(map(str, d)) + ")" for d in self.dims) + ")"
 
 
 def local_slices(shape, layout: Layout, grid) -> tuple:
     """This rank's slice of a full tensor of `shape` under `layout` (the engine's block math)."""
     layout.local_shape(shape, grid)  # GridError if a dim does not split
-    coords = grid.coords
     sl = []
     for d in range(len(shape)):
         axes = layout.dims[d] if d < len(layout.dims) else ()
-        begin, end = _C.block_range(shape[d], [grid.axes[a] for a in axes], [coords[a] for a in axes])
+        begin, end = _C.block_range(shape[d], [_ranks(grid, axes)], [_index(grid, axes)])
         sl.append(slice(begin, end))
     return tuple(sl)
 
@@ -113,7 +131,7 @@ def gather(local: torch.Tensor, layout: Layout, grid, shape=None) -> torch.Tenso
         return grid.broadcast(t.contiguous(), axis=axis, src=index)
     t = local.detach().contiguous()
     for d, axes in enumerate(layout.dims):
-        if axes and math.prod(grid.axes[a] for a in axes) > 1:
+        if _ranks(grid, axes) > 1:
             t = grid.all_gather(t, axis=tuple(axes), dim=d)
     if layout.zigzag is not None:
         d = layout.zigzag

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .errors import GridError
+from .grid import LinePart
 from .layout import Layout
 
 # Axes that split the tokens: a replica's gradient there is a partial sum of the batch's.
@@ -27,9 +28,20 @@ DATA_AXES = ("dp", "sp")
 def first_copy(grid, distinct=()) -> bool:
     """Whether this rank holds the copy that counts of a value that differs along the axes in
     `distinct` and along pp (each stage holds its own) and is identical along every other axis:
-    member 0 of each of those. The one rule for what a norm, a checkpoint or a loss counts."""
-    skip = set(distinct) | {"pp"}
+    member 0 of each of those. The one rule for what a norm, a checkpoint or a loss counts. A
+    LinePart in `distinct` (experts over an expert-parallel part of the data axes) differs
+    along its part of its line and is identical along the other part."""
+    skip = {a for a in distinct if isinstance(a, str)} | {"pp"}
+    for part in (a for a in distinct if isinstance(a, LinePart)):
+        skip |= set(part.axes)
+        if grid.index(part.complement()) != 0:
+            return False
     return all(c == 0 for a, c in grid.coords.items() if a not in skip)
+
+
+def axis_size(grid, axis) -> int:
+    """Ranks along an axis name (1 where the grid lacks it) or a LinePart."""
+    return grid.size(axis) if isinstance(axis, LinePart) else grid.axes.get(axis, 1)
 
 
 @dataclass(frozen=True)
@@ -53,7 +65,7 @@ class ParamPlacement:
 
     def reduce_axes(self, grid) -> tuple:
         """The partial axes this grid has (size > 1): the gradient's all-reduce."""
-        return tuple(a for a in self.partial if grid.axes.get(a, 1) > 1)
+        return tuple(a for a in self.partial if axis_size(grid, a) > 1)
 
     def counted_here(self, grid, sharded=()) -> bool:
         """Whether this rank's copy is the one that counts (norms, checkpoints): it holds the
@@ -79,6 +91,14 @@ def place(param: torch.nn.Parameter, layout: Layout | None = None, partial=DATA_
                                      tuple(diagonal) if diagonal else None, bool(transposed),
                                      (tuple(order[0]), int(order[1])) if order else None)
     return param
+
+
+def values(grad):
+    """Picks, for dense_state(), a parameter's value (False), its gradient (True), or any
+    tensor shaped like it (a callable param -> tensor, e.g. an optimizer state)."""
+    if callable(grad):
+        return grad
+    return (lambda t: t.grad) if grad else (lambda t: t.detach())
 
 
 def group_order(widths, groups: int, device="cpu") -> torch.Tensor:

@@ -30,13 +30,14 @@ from . import checkpoint, data, launch, loggers, models, optim, pipeline, plan, 
 from .axes import ParallelDims
 from .errors import Diverged, GridError
 from .generate import sample
-from .grid import Grid, init, shutdown
+from .grid import Grid, LinePart, Span, init, shutdown
 from .measure import StepPhases, gemm_rate, probe_size, timed
 from .models import ModelConfig
+from .nn.moe import MoE, set_aux_grad_scale
 from .nn.sequence import SeqAttention
 from .modes import Mode, parse
 from .precision import LossScaler, Precision
-from .sharding import first_copy
+from .sharding import DATA_AXES, first_copy
 
 # What a resumed run must share with its checkpoint (the model, the data order).
 RESUME_KEYS = ("model", "tokenizer", "seq", "batch", "seed")
@@ -50,7 +51,7 @@ GPU_PEAK = {"H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
 
 
 # The string options of TrainConfig and their values (the command line offers these).
-CHOICES = {"model": ("llama", "gpt", "bert"), "tokenizer": ("bpe", "bytes"), "device": ("auto", "cpu", "cuda"),
+CHOICES = {"model": ("llama", "mixtral", "gpt", "bert"), "tokenizer": ("bpe", "bytes"), "device": ("auto", "cpu", "cuda"),
            "backend": ("auto", "gloo", "nccl", "mpi"), "placement": plan.PLACEMENTS,
            "attention": tuple(a.value for a in SeqAttention)}
 
@@ -123,6 +124,14 @@ class TrainConfig:
     quiet: bool = False
     log: str = "auto"  # tensorboard, wandb, jsonl (a comma list), auto: every installed one, none
     log_all_ranks: bool = False  # every rank logs (under OUT/logs/rank<R>), not rank 0 alone
+    experts: int = 8  # model mixtral: routed experts per layer
+    top_k: int = 2  # model mixtral: experts per token
+    moe_ffn: int = 0  # model mixtral: each expert's hidden width (0: ffn_hidden's default)
+    ep: int = 1  # model mixtral: expert parallelism, carved out of dp x sp (sp fastest; attention stays data parallel)
+    capacity_factor: float = 0.0  # model mixtral: each expert's slots per token share (0: dropless)
+    aux_coef: float = 0.01  # model mixtral: the load-balancing loss's coefficient (Switch's 0.01)
+    z_coef: float = 0.0  # model mixtral: the router z-loss's coefficient (ST-MoE's 0.001)
+    shared_ffn: int = 0  # model mixtral: an always-on shared expert of this width (Qwen / DeepSeek; 0: none)
     phase_times: bool = False  # time every step's phases (forward, backward, reduction, optimizer, waiting, bookkeeping): metrics.json and the closing line; on GPUs each phase boundary synchronises the device
     mode: Mode = field(init=False, repr=False)
     compute: Precision = field(init=False, repr=False)
@@ -143,15 +152,21 @@ class TrainConfig:
             if getattr(self, name) not in allowed:
                 raise GridError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         for name in ("hidden", "heads", "layers", "seq", "batch", "microbatches", "vocab", "sp", "bsize",
-                     "coarsening", "val_samples", "chunks", "max_bad_steps"):
+                     "coarsening", "val_samples", "chunks", "max_bad_steps", "experts", "top_k", "ep"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise GridError(f"{name} must be a positive integer, got {v!r}")
         for name in ("steps", "dp", "pp", "checkpoint_every", "kv_heads", "ffn_hidden", "warmup", "val_every",
-                     "pipeline_limit", "sample_tokens", "linformer_k"):
+                     "pipeline_limit", "sample_tokens", "linformer_k", "moe_ffn", "shared_ffn"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise GridError(f"{name} must be a non-negative integer, got {v!r}")
+        for name in ("capacity_factor", "aux_coef", "z_coef"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise GridError(f"{name} must be a finite number >= 0, got {v!r}")
+        if self.ep > 1 and self.model != "mixtral":
+            raise GridError(f"ep={self.ep} splits a mixture of experts: it needs model mixtral, got {self.model}")
         for name in ("lr", "timeout"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
@@ -246,12 +261,26 @@ class TrainConfig:
         vocab-parallel head always splits); init_from's model as it is."""
         if self.imported is not None:
             return self.imported
-        kv = self.kv_heads or (self.heads // 2 if self.model == "llama" and self.heads % 2 == 0 else self.heads)
+        llama = self.model in ("llama", "mixtral")
+        kv = self.kv_heads or (self.heads // 2 if llama and self.heads % 2 == 0 else self.heads)
         pad = math.lcm(PAD_VOCAB, self.mode.size if self.mode.vocab_axis() else 1)
         vocab += self.masked_lm
-        return ModelConfig(self.model, -(-vocab // pad) * pad, self.hidden, self.heads, self.layers,
-                           self.seq, self.ffn_hidden or None, kv, self.rope_theta, None, self.tie,
-                           linformer_k=self.linformer_k or None)
+        cfg = ModelConfig("llama" if llama else self.model, -(-vocab // pad) * pad, self.hidden, self.heads,
+                          self.layers, self.seq, self.ffn_hidden or None, kv, self.rope_theta, None, self.tie,
+                          linformer_k=self.linformer_k or None)
+        if self.model != "mixtral":
+            return cfg
+        moe = MoE(experts=self.experts, top_k=self.top_k, ffn=self.moe_ffn or cfg.ffn,
+                  capacity_factor=self.capacity_factor or None, aux_coef=self.aux_coef, z_coef=self.z_coef,
+                  shared_ffn=self.shared_ffn or None)
+        return dataclasses.replace(cfg, moe=moe)
+
+    def expert_axis(self, grid):
+        """The line part of the data axes (dp x sp, sp fastest) that model mixtral's experts split
+        over: blocks of ep consecutive ranks (Megatron's and torchtitan's expert-parallel group,
+        carved out of the data-parallel ranks; the other part of the line holds the copies)."""
+        axes = tuple(a for a in DATA_AXES if grid.axes.get(a, 1) > 1) or ("dp",)
+        return LinePart(axes, Span.WITHIN, self.ep)
 
     def grid_shape(self, world: int) -> dict:
         """The grid's axes on `world` ranks: the ones not given derived from the ones given (pp
@@ -261,6 +290,15 @@ class TrainConfig:
         one rule, one message."""
         dims = ParallelDims.for_world(world, self.mode, self.sp, self.dp, self.pp, self.layers)
         self.plan_shape(dims.dp, dims.pp).check(plan.model_of(self), self.microbatches, self.ac)
+        if self.model == "mixtral":
+            if self.mode.moe_token_axes() is None:
+                raise GridError(f"model mixtral: tp {self.mode.spec()}{' with tp_sp' if self.tp_sp else ''} splits each "
+                                "token's hidden vector at the MLP; experts run whole tokens (tp none or row:N)")
+            if (dims.dp * dims.sp) % self.ep:
+                raise GridError(f"ep={self.ep} does not divide dp x sp = {dims.dp} x {dims.sp} (experts are split over "
+                                "data-parallel ranks)")
+            if self.experts % self.ep:
+                raise GridError(f"{self.experts} experts do not split over ep={self.ep}")
         if self.pack_documents and not self.mode.packs_documents:
             raise GridError(f"pack_documents: tp {self.mode.spec()}'s attention does not mask by documents "
                             "(SUPER's branches); use another tensor mode")
@@ -476,6 +514,8 @@ def build(cfg: TrainConfig, grid, model_cfg: ModelConfig) -> tuple:
     model = model.to(cfg.compute.dtype)
     s, pp = grid.coords["pp"], grid.axes["pp"]
     options = dict(ac=cfg.ac, overlap=cfg.overlap, attention=cfg.attention, ulysses_degree=cfg.ulysses_degree)
+    if model_cfg.moe is not None:
+        options["ep"] = cfg.expert_axis(grid)
     stage = models.ModelChunks(model, grid, cfg.mode, s, pp, cfg.chunks, **options) \
         if cfg.schedule == "interleaved" else models.GPTStage(model, grid, cfg.mode, s, pp, **options)
     if optim.uses_distributed(cfg.zero, cfg.offload):  # ZeRO, or the state on the device
@@ -523,6 +563,9 @@ def _train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y, documents, pha
     if hasattr(opt, "backwards_per_step"):  # gradients final after the m-th backward: buckets start then
         opt.backwards_per_step = m
     loss_scale = scaler.scale_value if scaler is not None else 1.0
+    # the experts' auxiliary losses reach the gradients as the micro-batch losses do: over m,
+    # scaled, and summed over the data ranks where the optimizer averages over dp
+    set_aux_grad_scale(stage, loss_scale / m / optim.dp_mean_scale(grid))
 
     def loss_fn(logits, targets):  # in fp32 or wider whatever the model computes in; fp16 scaled up
         return stage.loss(logits, targets, normalizer) * loss_scale
@@ -868,7 +911,8 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
         runfolder.keep_source(cfg.init_from or resumed, out)
     torch.manual_seed(cfg.seed)
     _, stage, opt, scaler = build(cfg, grid, model_cfg)  # initialised in fp32, then cast
-    reader = data.Reader(tokens.train, cfg.seq, cfg.batch, cfg.seed, grid.coords["dp"], grid.axes["dp"])
+    reader = data.Reader(tokens.train, cfg.seq, cfg.batch, cfg.seed, grid.coords["dp"], grid.axes["dp"],
+                         microbatches=cfg.microbatches)
     checkpoints = Checkpointer(cfg, grid, out, model_cfg, stage, opt, scaler, reader)
     history = checkpoints.resume()
     validation = Validation(cfg, tokens, cfg.batch // grid.axes["dp"] // cfg.microbatches)

@@ -64,6 +64,10 @@ def test_reader_gives_each_dp_rank_its_rows_and_resumes_exactly(tmp_path):
             rd = gw.data.Reader(tokens.train, 16, 8, seed=3, dp_rank=r, dp=4, position=8 * step)
             parts.append(rd.next()[0])
         assert torch.equal(torch.cat(parts), x)  # the dp ranks' rows are the global batch, in order
+        # in micro-batches: each micro-batch of the global batch is its ranks' rows of it, in order
+        parts = [gw.data.Reader(tokens.train, 16, 8, seed=3, dp_rank=r, dp=2, position=8 * step,
+                                microbatches=2).next()[0] for r in range(2)]
+        assert torch.equal(torch.cat([parts[0][:2], parts[1][:2], parts[0][2:], parts[1][2:]]), x)
     resumed = gw.data.Reader(tokens.train, 16, 8, seed=3)
     resumed.load_state_dict({**whole.state_dict(), "position": 16})
     assert torch.equal(resumed.next()[0], batches[2][0])

@@ -151,6 +151,42 @@ def test_composed_grids_train_with_one_process_losses(single, plain, tmp_path, s
         assert 0.5 * wall < phases[0]["step"] <= wall, (phases[0], wall)  # train_step inside the loop's step
 
 
+# A Mixtral-style model: 4 experts top-2 in every layer, both auxiliary losses on
+MIXTRAL = ["--model", "mixtral", "--experts", "4", "--aux-coef", "0.02", "--z-coef", "0.001"]
+
+
+@pytest.fixture(scope="module")
+def mixtral_single(tmp_path_factory):
+    """One process: the dropless run and one with a capacity limit."""
+    tmp = tmp_path_factory.mktemp("mixtral")
+    return {cap: _train(tmp, f"one-{cap}", "--nproc", "1", *MIXTRAL, "--capacity-factor", cap, port=29701)[0]
+            for cap in ("0", "1.0")}
+
+
+@pytest.mark.parametrize("spec,cap,port", [
+    (["--dp", "4", "--pp", "2", "--ep", "2"], "0", 29703),          # ep 2 carved out of dp 4, x pipeline
+    (["--tp", "row:2", "--dp", "4", "--pp", "1", "--ep", "2"], "0", 29705),  # Megatron 1-D x dp 4 with ep 2
+    (["--dp", "2", "--sp", "4", "--pp", "1", "--ep", "4"], "0", 29707),  # ep 4 over dp x sp (ring attention)
+    (["--dp", "4", "--pp", "2", "--ep", "2"], "1.0", 29709),        # with a capacity limit
+])
+def test_mixtral_trains_on_composed_grids_with_one_process_losses(mixtral_single, tmp_path, spec, cap, port):
+    """Expert parallelism composed with pipeline, tensor and sequence parallelism: the same
+    losses as one process (the auxiliary losses' gradients through the same scale), dropless and
+    with a capacity (ranked over the micro-batch on every grid). A capacity's drop is a step
+    function of the router's probabilities: where a grid's float32 rounding differs from one
+    process's (ring attention over sp: 1e-7 in the probabilities), a slot that ties another at an
+    expert's boundary can go either way (seen: 7 of 256 slots in one layer of a dp 2 x sp 4 run;
+    the byte-level model's windows that start alike tie exactly). So the capacity runs here are on
+    a grid whose forward is one process's to the bit (dp x pp), for three steps (once the weights
+    moved apart by reduction order: 2.5e-5 at step 4); the drop rule over dp x sp is exact in
+    float64 in test_moe.py."""
+    one = mixtral_single[cap]
+    losses, out = _train(tmp_path, "run", "--nproc", "8", *MIXTRAL, "--capacity-factor", cap, *spec, port=port)
+    assert one[-1] < one[0]
+    steps = 4 if cap == "0" else 3
+    assert _close(losses[:steps], one[:steps], tol=1e-5), (spec, losses, one)
+
+
 @pytest.mark.skipif(not gw.launch.mpi_installed(), reason="needs gridweave built with MPI and mpirun")
 def test_the_main_job_under_mpirun_gives_one_process_losses(single, tmp_path):
     """--launcher mpirun: the ranks are MPI's, the transport is MPI (no torchrun, no TCP store)."""

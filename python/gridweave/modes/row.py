@@ -37,6 +37,12 @@ class Row(Mode):
     def vocab_axis(self):
         return "tp"  # seed 003 §3: embedding rows and the head's columns split over tp
 
+    def moe_token_axes(self):
+        # every tp rank holds the layer's tokens whole: its experts run them all (each tp rank
+        # the same: experts split inside over tp are not built); with tp_sp they are sequence
+        # shards over tp, which the experts' placements cannot name yet
+        return None if self.sequence else DATA_AXES
+
     def layout(self, grid, zigzag=False, ring=None):
         lay = super().layout(grid, zigzag, ring)
         if not self.sequence:

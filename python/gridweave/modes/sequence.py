@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..layout import Layout
 from ..nn.sequence import ReplicatedLinear
+from ..sharding import DATA_AXES
 from .base import Mode, register
 
 
@@ -26,6 +27,9 @@ class Sequence(Mode):
 
     def linear_pair(self, grid, bias, dtype, device, overlap=False):
         return (lambda i, o: ReplicatedLinear(i, o, bias, dtype=dtype, device=device),) * 2
+
+    def moe_token_axes(self):
+        return DATA_AXES
 
     def __repr__(self):
         return "gw.Sequence()"

@@ -17,7 +17,8 @@ from torch import nn
 
 from ..documents import check_documents, document_mask, document_positions
 from ..errors import GridError
-from .moe import MoE, DenseMoE
+from ..sharding import values
+from .moe import DenseMoE, MoE
 
 
 class Norm(enum.Enum):
@@ -307,14 +308,6 @@ def normalize(x: torch.Tensor, norm: Norm, eps: float, hidden: int, total) -> to
         xs = xs - total(xs.sum(-1, keepdim=True)) / hidden
     var = total((xs * xs).sum(-1, keepdim=True)) / hidden
     return (xs * torch.rsqrt(var + eps)).to(x.dtype)
-
-
-def values(grad):
-    """Picks, for dense_state(), a parameter's value (False), its gradient (True), or any
-    tensor shaped like it (a callable param -> tensor, e.g. an optimizer state)."""
-    if callable(grad):
-        return grad
-    return (lambda t: t.grad) if grad else (lambda t: t.detach())
 
 
 def linear_tensors(dense: nn.Linear, order=None):

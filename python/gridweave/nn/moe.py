@@ -29,6 +29,9 @@ from torch import nn
 
 from ..autograd.comm import all_to_all_v, reduce_from_parallel
 from ..errors import GridError
+from ..grid import LinePart
+from ..layout import Layout
+from ..sharding import DATA_AXES, place, values
 
 
 @dataclass(frozen=True)
@@ -88,28 +91,46 @@ class Routing:
     counts: torch.Tensor
 
 
-def route(logits: torch.Tensor, moe: MoE) -> Routing:
+def route(logits: torch.Tensor, moe: MoE, kept=None) -> Routing:
     """Top-k of softmax(logits) per token (softmax in float32 or wider, as transformers' and
     Megatron's routers), renormalised if moe.normalize; the slots sorted by expert, each expert
-    capped at moe.capacity (the most probable slots kept; ties: the earlier token)."""
+    capped at moe.capacity. kept(probs, experts) -> (T k,) bool: which slots a capacity keeps
+    (default kept_slots: among these tokens)."""
     probs = torch.softmax(_router_dtype(logits, moe), dim=-1)
     top, experts = torch.topk(probs, moe.top_k, dim=-1)
+    chosen = probs.gather(1, experts)  # before renormalising: what a capacity ranks slots by
     if moe.normalize:
         top = top / top.sum(dim=-1, keepdim=True)
     flat = experts.reshape(-1)
-    cap = moe.capacity(logits.shape[0])
-    if cap is None:
+    if moe.capacity_factor is None:
         order = torch.sort(flat, stable=True).indices
-    else:  # by probability within each expert: sort by -p, then (stably) by expert
-        by_p = torch.sort(-probs.gather(1, experts).reshape(-1), stable=True).indices
-        order = by_p[torch.sort(flat[by_p], stable=True).indices]
-        counts = torch.bincount(flat, minlength=moe.experts)
-        start = torch.cumsum(counts, 0) - counts
-        rank = torch.arange(order.numel(), device=order.device) - start[flat[order]]
-        order = torch.sort(order[rank < cap]).values  # the kept slots in token order, then by expert
+    else:
+        order = torch.nonzero((kept or kept_slots)(chosen, experts, moe)).reshape(-1)  # token order
         order = order[torch.sort(flat[order], stable=True).indices]
     counts = torch.bincount(flat[order], minlength=moe.experts)
     return Routing(top, experts, probs, logits, order, counts)
+
+
+def kept_slots(chosen: torch.Tensor, experts: torch.Tensor, moe: MoE) -> torch.Tensor:
+    """(T k,) bool: the slots each expert keeps under moe.capacity(T), its most probable ones
+    (Megatron-Core's drop policy "probs"). Slots of equal probability that straddle an expert's
+    boundary are all dropped (identical tokens, e.g. the same first token of two windows, tie
+    exactly): which ones were kept would otherwise depend on the tokens' order, and so on the
+    grid. chosen, experts: (T, k)."""
+    flat, p = experts.reshape(-1), chosen.reshape(-1)
+    by_p = torch.sort(-p, stable=True).indices  # by probability, then by expert
+    order = by_p[torch.sort(flat[by_p], stable=True).indices]
+    counts = torch.bincount(flat, minlength=moe.experts)
+    start = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=order.device) - start[flat[order]]
+    cap = moe.capacity(chosen.shape[0])
+    keep = rank < cap
+    over = torch.nonzero(counts > cap).reshape(-1)  # the experts that drop
+    last, first_out = p[order[start[over] + cap - 1]], p[order[start[over] + cap]]
+    floor = torch.full((moe.experts,), -torch.inf, dtype=p.dtype, device=p.device)
+    floor[over] = torch.where(last == first_out, last, -torch.inf)  # a tie across the boundary: above it only
+    return keep & (p > floor[flat])
 
 
 def _router_dtype(logits: torch.Tensor, moe: MoE) -> torch.Tensor:
@@ -206,7 +227,7 @@ class DenseMoE(nn.Module):
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, self.hidden)
-        r = route(self.gate(x), self.moe)
+        r = route(self.gate(x), self.moe, self._kept)
         y = self._run_experts(x, r)  # each kept slot's expert output, in r.order
         w = r.weights.reshape(-1)[r.order].to(y.dtype)
         out = torch.zeros_like(x).index_add(0, r.order // self.moe.top_k, y * w[:, None])  # combine
@@ -215,6 +236,8 @@ class DenseMoE(nn.Module):
             out = out + (torch.sigmoid(self.shared_expert_gate(x)) * s if self.shared_expert_gate is not None else s)
         out = self._attach_losses(out, r)
         return out.reshape(shape)
+
+    _kept = None  # route's default: a capacity among this module's tokens
 
     def _run_experts(self, x, r: Routing):
         """Dispatch (each kept slot's token, grouped by expert), the grouped GEMM."""
@@ -250,9 +273,17 @@ class ExpertParallelMoE(DenseMoE):
     the rows (all_to_all_v, sizes known on both sides). token_axes: the axes one micro-batch's
     tokens are split over; the auxiliary losses' statistics are summed over them, so the losses
     are the micro-batch's, as on one process. A capacity limit applies to each rank's own
-    tokens (Megatron-Core's drop before dispatch)."""
+    tokens: a capacity limit ranks each expert's slots over the whole micro-batch (the token
+    axes'), so what drops does not depend on the grid (Megatron-Core drops among each rank's
+    own tokens).
 
-    def __init__(self, hidden: int, moe: MoE, grid, ep, token_axes=("dp", "sp"), dtype=None, device=None):
+    Placements: the router and the shared expert are replicated, their gradients partial over
+    the token axes; the experts are split over ep (dim 0), their gradients partial over the
+    rest of the token axes (the ranks holding the same experts: the other part of ep's line, or
+    the token axes ep does not name), so gw.reduce_gradients, clipping, the optimizers and
+    sharded checkpoints need nothing of their own."""
+
+    def __init__(self, hidden: int, moe: MoE, grid, ep, token_axes=DATA_AXES, dtype=None, device=None):
         n = grid.size(ep)
         if moe.experts % n:
             raise GridError(f"{moe.experts} experts do not split over ep {n}")
@@ -260,30 +291,45 @@ class ExpertParallelMoE(DenseMoE):
         self.local_experts = moe.experts // n
         self.grid, self.ep, self.ep_size = grid, ep, n
         self.token_axes = tuple(a for a in token_axes if grid.axes.get(a, 1) > 1)
+        if isinstance(ep, LinePart):
+            split, copies = (ep,), (ep.complement(),)
+        else:
+            split = (ep,) if isinstance(ep, str) else tuple(ep)
+            copies = tuple(a for a in token_axes if a not in split)
+        for p in self.parameters():
+            place(p, partial=token_axes)
+        for p in (self.gate_up, self.down):
+            place(p, Layout(split), partial=copies)
 
     @classmethod
-    def from_dense(cls, dense: DenseMoE, grid, ep, token_axes=("dp", "sp")):
-        w = dense.gate_up
-        m = cls(dense.hidden, dense.moe, grid, ep, token_axes, dtype=w.dtype, device=grid.device)
-        first = grid.index(ep) * m.local_experts
-        with torch.no_grad():
-            m.gate.weight.copy_(dense.gate.weight)
-            m.gate_up.copy_(dense.gate_up[first:first + m.local_experts])
-            m.down.copy_(dense.down[first:first + m.local_experts])
-            if dense.shared_expert is not None:
-                m.shared_expert.load_state_dict(dense.shared_expert.state_dict())
-            if dense.shared_expert_gate is not None:
-                m.shared_expert_gate.weight.copy_(dense.shared_expert_gate.weight)
+    def from_dense(cls, dense: DenseMoE, grid, ep, token_axes=DATA_AXES):
+        m = cls(dense.hidden, dense.moe, grid, ep, token_axes, dtype=dense.gate_up.dtype, device=grid.device)
+        m.load_dense(dense)
         return m
 
-    def dense_state(self) -> dict:
-        """The dense block's state: every expert, gathered over ep."""
-        out = {k: v.detach().clone() for k, v in self.state_dict().items()}
-        for name in ("gate_up", "down"):
-            out[name] = self.grid.all_gather(getattr(self, name).detach().contiguous(), self.ep, dim=0)
+    def load_dense(self, dense: DenseMoE):
+        """Copy a DenseMoE's tensors: the router and shared expert whole, this member's experts."""
+        first = self.grid.index(self.ep) * self.local_experts
+        mine = slice(first, first + self.local_experts)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                src = dense.get_parameter(name)
+                p.copy_(src[mine] if name in ("gate_up", "down") else src)
+
+    def dense_state(self, grad=False) -> dict:
+        """DenseMoE's tensors (grad=True: their gradients; see nn.dense.values): the experts
+        gathered over ep (collective over it)."""
+        pick = values(grad)
+        out = {}
+        for name, p in self.named_parameters():
+            v = pick(p).detach().contiguous()
+            out[name] = self.grid.all_gather(v, self.ep, dim=0) if name in ("gate_up", "down") and \
+                self.ep_size > 1 else v.clone()
         return out
 
     def _run_experts(self, x, r: Routing):
+        if self.ep_size == 1:
+            return super()._run_experts(x, r)
         n, e = self.ep_size, self.local_experts
         rows = x[r.order // self.moe.top_k]  # grouped by expert: by destination member, then its experts
         counts = r.counts.reshape(n, e)
@@ -300,6 +346,18 @@ class ExpertParallelMoE(DenseMoE):
         back = torch.cat([out[i * n + j] for j in range(n) for i in range(e)])
         return all_to_all_v(back, self.grid, self.ep, [sum(g) for g in got], send)
 
+    def _kept(self, chosen, experts, moe):
+        """kept_slots over the micro-batch: every data rank's slots gathered (T k values and ids
+        each), ranked, and this rank's taken back."""
+        if not self.token_axes:
+            return kept_slots(chosen, experts, moe)
+        every = self.grid.all_gather(torch.stack([chosen.detach(), experts.to(chosen.dtype)]).contiguous(),
+                                     self.token_axes, dim=1)
+        keep = kept_slots(every[0], every[1].long(), moe)
+        n = chosen.numel()
+        i = self.grid.index(self.token_axes)
+        return keep[i * n:(i + 1) * n]
+
     def _statistics(self, r: Routing) -> tuple:
         chosen, prob_sum, lse2, tokens = super()._statistics(r)
         if not self.token_axes:
@@ -311,3 +369,12 @@ class ExpertParallelMoE(DenseMoE):
         self.grid.all_reduce(total, self.token_axes)
         sums = reduce_from_parallel(torch.cat([prob_sum, lse2.reshape(1)]), self.grid, self.token_axes)
         return chosen, sums[:-1], sums[-1], int(total.item())
+
+
+def set_aux_grad_scale(module: nn.Module, scale: float) -> None:
+    """The gradient every mixture-of-experts block of `module` gives its auxiliary losses
+    (gw.train: the loss scale over the micro-batches, times the data ranks the optimizer
+    averages over)."""
+    for m in module.modules():
+        if isinstance(m, DenseMoE):
+            m.aux_grad_scale = scale

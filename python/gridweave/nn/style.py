@@ -86,6 +86,12 @@ class Style(TensorAxes):
         parallelism), or None: they are replicated over the tensor ranks."""
         return None
 
+    def moe_token_axes(self) -> tuple | None:
+        """The axes a mixture-of-experts layer's tokens are split over, where the MLP's input
+        holds each token's whole hidden vector on every rank; None where this style splits the
+        hidden dim there (experts would need its own linears: not built)."""
+        return None
+
 
 class Branches(Style):
     """A style whose attention heads are branches on sub-grids (SUPER, seed 002 §IV): the

@@ -13,9 +13,11 @@ from torch import nn
 from ..autograd.comm import all_reduce_replicated
 from ..documents import document_rows
 from ..errors import GridError
+from ..grid import LinePart, Span
 from ..layout import Layout, gather, scatter
 from ..sharding import DATA_AXES, group_order, place, set_row_order
 from .dense import GPT2, Arch, DenseMLP, DenseSelfAttention, DenseTransformerLayer, linformer_attention, split_heads, values
+from .moe import ExpertParallelMoE
 from .sequence import SeqAttention, attend
 from .style import resolve
 
@@ -250,7 +252,9 @@ class TransformerLayer(nn.Module):
     attention_options go to the mode's attention (sub-graph: projection, method)."""
 
     def __init__(self, hidden, heads, grid, mode=None, ffn_hidden=None, bias=True, causal=True, overlap=False,
-                 dtype=None, attention="ring", device=None, arch: Arch | None = None, **attention_options):
+                 dtype=None, attention="ring", device=None, arch: Arch | None = None, ep=None, **attention_options):
+        """ep: where the layer's MLP is a mixture of experts (arch.moe), the axis argument its
+        experts are split over (a LinePart of the data axes; None: every rank holds them all)."""
         super().__init__()
         self.mode = resolve(mode, grid)
         self.arch = arch = arch or GPT2
@@ -263,7 +267,15 @@ class TransformerLayer(nn.Module):
         self.ln1, self.ln2 = (self.mode.norm(hidden, grid, dtype, device, arch.eps, arch.norm) for _ in range(2))
         self.attn = self.mode.attention(hidden, heads, grid, causal, bias, dtype, device, overlap, attention,
                                         arch=arch, **attention_options)
-        self.mlp = MLP(hidden, ffn_hidden, grid, self.mode, bias, overlap, dtype, device, arch)
+        if arch.moe is None:
+            self.mlp = MLP(hidden, ffn_hidden, grid, self.mode, bias, overlap, dtype, device, arch)
+        else:
+            tokens = self.mode.moe_token_axes()
+            if tokens is None:
+                raise GridError(f"mixture-of-experts layers need each token's whole hidden vector at the MLP; "
+                                f"{self.mode!r} splits it there: use tp none (with dp, sp, pp) or row without tp_sp")
+            self.mlp = ExpertParallelMoE(hidden, arch.moe, grid, ep if ep is not None else
+                                         LinePart(("dp",), Span.WITHIN, 1), tokens, dtype, device)
 
     @property
     def input_layout(self):
@@ -272,7 +284,7 @@ class TransformerLayer(nn.Module):
     output_layout = input_layout
 
     def linears(self):
-        return (self.attn.qkv, self.attn.proj, self.mlp.fc1, self.mlp.fc2)
+        return (self.attn.qkv, self.attn.proj) + ((self.mlp.fc1, self.mlp.fc2) if self.arch.moe is None else ())
 
     def prefetch(self):
         """Start the weight gathers of this layer's linears that can run ahead (3-D: the
@@ -309,14 +321,17 @@ class TransformerLayer(nn.Module):
 
     def load_dense(self, dense):
         self.attn.load_dense(dense.qkv, dense.proj, dense.lowrank)
-        self.mlp.load_dense(dense.fc1, dense.fc2)
+        if self.arch.moe is None:
+            self.mlp.load_dense(dense.fc1, dense.fc2)
+        else:
+            self.mlp.load_dense(dense.moe)
         self.ln1.load_dense(dense.ln1)
         self.ln2.load_dense(dense.ln2)
 
     # this layer's parameter names -> DenseTransformerLayer's (sub-graph branches keep the
     # projection's bias apart as proj_bias)
     DENSE_NAMES = {"attn.qkv.": "qkv.", "attn.proj.": "proj.", "attn.proj_bias": "proj.bias", "mlp.fc1.": "fc1.",
-                   "mlp.fc2.": "fc2.", "attn.lowrank": "lowrank"}
+                   "mlp.fc2.": "fc2.", "attn.lowrank": "lowrank", "mlp.": "moe."}  # the last: a mixture of experts
 
     def dense_named_parameters(self):
         """(DenseTransformerLayer's name, this rank's parameter) pairs."""
@@ -329,7 +344,10 @@ class TransformerLayer(nn.Module):
 
     def dense_state(self, grad=False):
         """Full tensors under DenseTransformerLayer's names (grad=True: their gradients)."""
-        out = {**self.attn.dense_state(grad), **self.mlp.dense_state(grad)}
+        mlp = self.mlp.dense_state(grad)
+        if self.arch.moe is not None:
+            mlp = {f"moe.{k}": v for k, v in mlp.items()}
+        out = {**self.attn.dense_state(grad), **mlp}
         for name in ("ln1", "ln2"):
             out.update({f"{name}.{k}": v for k, v in getattr(self, name).dense_state(grad).items()})
         return out
