@@ -14,6 +14,7 @@ checkpoint is executed: safetensors and JSON only.
 from __future__ import annotations
 
 import hashlib
+import math
 import json
 import os
 import shutil
@@ -124,24 +125,25 @@ class FlatSlice:
 
 
 def flat_blocks(block, lo: int, hi: int) -> list:
-    """A flat range [lo, hi) of a 1-D or 2-D stored block (row-major) as at most three
-    rectangular blocks of it: [(block, a, b)], values [a, b) of the range's."""
-    if len(block) == 1:
-        return [([[block[0][0] + lo, block[0][0] + hi]], 0, hi - lo)]
-    if len(block) != 2:
-        raise GridError(f"internal: a flat slice of a {len(block)}-D block")
-    (r0, _), (c0, c1) = block
-    width, out = c1 - c0, []
-    a = lo
+    """A flat range [lo, hi) of a stored block (row-major, any number of dims) as rectangular
+    blocks of it: [(block, a, b)], values [a, b) of the range's. Along the first dim: the
+    partial first slab, the whole slabs between, the partial last slab (each partial one cut the
+    same way, one dim further in): at most 2 d - 1 blocks for d dims."""
+    (s0, e0), rest = block[0], block[1:]
+    if not rest:
+        return [([[s0 + lo, s0 + hi]], 0, hi - lo)]
+    inner = math.prod(e - s for s, e in rest)
+    out, a = [], lo
     while a < hi:
-        r, c = divmod(a, width)
-        if c or hi - a < width:  # a part of one row
-            b = min(hi, (r + 1) * width)
-            out.append(([[r0 + r, r0 + r + 1], [c0 + c, c0 + b - r * width]], a - lo, b - lo))
-        else:  # whole rows
-            rows = (hi - a) // width
-            b = a + rows * width
-            out.append(([[r0 + r, r0 + r + rows], [c0, c1]], a - lo, b - lo))
+        r, c = divmod(a, inner)
+        if c or hi - a < inner:  # a part of one slab: cut further in
+            b = min(hi, (r + 1) * inner)
+            out += [([[s0 + r, s0 + r + 1]] + sub, a - lo + x, a - lo + y)
+                    for sub, x, y in flat_blocks(rest, c, b - r * inner)]
+        else:  # whole slabs
+            n = (hi - a) // inner
+            b = a + n * inner
+            out.append(([[s0 + r, s0 + r + n]] + [list(d) for d in rest], a - lo, b - lo))
         a = b
     return out
 

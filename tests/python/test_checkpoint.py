@@ -111,3 +111,25 @@ def test_an_interrupted_save_leaves_the_previous_step(pool, tmp_path):
     assert step.name == "step-00000002" and index["step"] == 2
     assert (tmp_path / "ck" / "step-00000001").exists()  # the newest two complete steps are kept
     assert gw.checkpoint.export_dense(tmp_path / "ck").keys() == _dense().state_dict().keys()
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (3, 2, 2, 3)])
+def test_a_flat_slice_of_a_block_is_its_rectangular_pieces(shape):
+    """ZeRO cuts the flattened parameters anywhere: every flat range of a 1- to 4-D block (an
+    expert stack is 3-D) is the row-major concatenation of the pieces flat_blocks names (numpy)."""
+    import itertools
+
+    import numpy as np
+
+    from gridweave.checkpoint import flat_blocks
+
+    block = [[2, 2 + n] for n in shape]
+    full = np.arange(int(np.prod([n + 4 for n in shape]))).reshape([n + 4 for n in shape])
+    local = full[tuple(slice(s, e) for s, e in block)].reshape(-1)
+    for lo, hi in itertools.combinations(range(local.size + 1), 2):
+        pieces = flat_blocks(block, lo, hi)
+        assert len(pieces) <= 2 * len(shape) - 1
+        got = np.concatenate([full[tuple(slice(s, e) for s, e in b)].reshape(-1) for b, _, _ in pieces])
+        assert [(x, y) for _, x, y in pieces] == list(zip([0] + [y for _, _, y in pieces][:-1],
+                                                           [y for _, _, y in pieces]))
+        np.testing.assert_array_equal(got, local[lo:hi])

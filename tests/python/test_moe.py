@@ -353,3 +353,27 @@ def test_equal_slots_across_a_capacity_boundary_are_all_dropped():
     assert block.tokens_per_expert.tolist()[expert] == 0
     shuffled = block(x[torch.tensor([4, 0, 1, 5, 2, 3])].unsqueeze(0))[0]
     torch.testing.assert_close(shuffled, out[torch.tensor([4, 0, 1, 5, 2, 3])], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kw,world,match", [
+    (dict(experts=6, ep=4, dp=4), 4, "6 experts do not split over ep=4"),
+    (dict(experts=4, top_k=5), 1, "top_k 5 is above the expert count 4"),
+    (dict(ep=3, dp=4), 4, "ep=3 does not divide dp x sp = 4 x 1"),
+    (dict(tp="square:2"), 4, "splits each token's hidden vector"),
+    (dict(tp="row:2", tp_sp=True), 2, "splits each token's hidden vector"),
+])
+def test_bad_expert_parallel_jobs_are_one_clear_error_before_any_rank_starts(kw, world, match):
+    """What `gridweave train` checks on the launcher's side (TrainConfig and its grid_shape)."""
+    import gridweave as gw
+
+    with pytest.raises(GridError, match=match):
+        cfg = gw.train.TrainConfig(model="mixtral", hidden=32, heads=4, layers=2, seq=16, batch=8, tokenizer="bytes",
+                                   **{"pp": 1, **kw})
+        cfg.grid_shape(world)
+
+
+def test_ep_needs_a_mixture_of_experts():
+    import gridweave as gw
+
+    with pytest.raises(GridError, match="ep=2 splits a mixture of experts: it needs model mixtral"):
+        gw.train.TrainConfig(model="llama", ep=2)

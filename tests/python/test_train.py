@@ -168,9 +168,11 @@ def mixtral_single(tmp_path_factory):
     (["--tp", "row:2", "--dp", "4", "--pp", "1", "--ep", "2"], "0", 29705),  # Megatron 1-D x dp 4 with ep 2
     (["--dp", "2", "--sp", "4", "--pp", "1", "--ep", "4"], "0", 29707),  # ep 4 over dp x sp (ring attention)
     (["--dp", "4", "--pp", "2", "--ep", "2"], "1.0", 29709),        # with a capacity limit
+    (["--dp", "4", "--pp", "1", "--ep", "2", "--zero", "1"], "0", 29717),  # ZeRO-1: experts' state unsharded
+    (["--dp", "4", "--pp", "1", "--ep", "2", "--zero", "3", "--no-offload"], "0", 29719),  # ZeRO-3 on the device
 ])
 def test_mixtral_trains_on_composed_grids_with_one_process_losses(mixtral_single, tmp_path, spec, cap, port):
-    """Expert parallelism composed with pipeline, tensor and sequence parallelism: the same
+    """Expert parallelism composed with pipeline, tensor and sequence parallelism and ZeRO: the same
     losses as one process (the auxiliary losses' gradients through the same scale), dropless and
     with a capacity (ranked over the micro-batch on every grid). A capacity's drop is a step
     function of the router's probabilities: where a grid's float32 rounding differs from one
@@ -185,6 +187,17 @@ def test_mixtral_trains_on_composed_grids_with_one_process_losses(mixtral_single
     assert one[-1] < one[0]
     steps = 4 if cap == "0" else 3
     assert _close(losses[:steps], one[:steps], tol=1e-5), (spec, losses, one)
+
+
+def test_mixtral_checkpoint_moves_between_expert_grids(mixtral_single, tmp_path):
+    """Experts saved split over ep 2 (carved out of dp 4) continue split over ep 4 (dp 2 x sp 4):
+    a sharded checkpoint's blocks are read back by any grid, the experts' included."""
+    one = mixtral_single["0"]
+    _, first = _train(tmp_path, "first", "--nproc", "4", *MIXTRAL, "--dp", "4", "--pp", "1", "--ep", "2", "--steps",
+                      "2", port=29713)
+    later, _ = _train(tmp_path, "later", "--nproc", "8", *MIXTRAL, "--dp", "2", "--sp", "4", "--pp", "1", "--ep", "4",
+                      "--resume", str(first), port=29715)
+    assert _close(later, one, tol=1e-5), (later, one)
 
 
 @pytest.mark.skipif(not gw.launch.mpi_installed(), reason="needs gridweave built with MPI and mpirun")
