@@ -168,8 +168,8 @@ def mixtral_single(tmp_path_factory):
     (["--tp", "row:2", "--dp", "4", "--pp", "1", "--ep", "2"], "0", 29705),  # Megatron 1-D x dp 4 with ep 2
     (["--dp", "2", "--sp", "4", "--pp", "1", "--ep", "4"], "0", 29707),  # ep 4 over dp x sp (ring attention)
     (["--dp", "4", "--pp", "2", "--ep", "2"], "1.0", 29709),        # with a capacity limit
-    (["--dp", "4", "--pp", "1", "--ep", "2", "--zero", "1"], "0", 29717),  # ZeRO-1: experts' state unsharded
-    (["--dp", "4", "--pp", "1", "--ep", "2", "--zero", "3", "--no-offload"], "0", 29719),  # ZeRO-3 on the device
+    (["--dp", "4", "--sp", "2", "--pp", "1", "--ep", "2", "--zero", "1"], "0", 29717),  # ZeRO-1
+    (["--dp", "4", "--sp", "2", "--pp", "1", "--ep", "4", "--zero", "3", "--no-offload"], "0", 29719),  # ZeRO-3
 ])
 def test_mixtral_trains_on_composed_grids_with_one_process_losses(mixtral_single, tmp_path, spec, cap, port):
     """Expert parallelism composed with pipeline, tensor and sequence parallelism and ZeRO: the same
