@@ -118,3 +118,29 @@ def plot_run(metrics, png) -> None:
     fig.tight_layout()
     fig.savefig(png, dpi=90)
     plt.close(fig)
+
+
+def plot_experts(metrics, png) -> None:
+    """A mixture of experts' routing: the slots each layer sent each expert over the run (the
+    per-expert token histogram), and the busiest expert's load over an even share, step by step."""
+    plt = _pyplot()
+    steps = metrics["tokens_per_expert"]  # [step][layer][expert]
+    layers, experts = len(steps[0]), len(steps[0][0])
+    total = [[sum(s[l][e] for s in steps) for e in range(experts)] for l in range(layers)]
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.8 / layers
+    for l, row in enumerate(total):
+        ax[0].bar([e + l * width for e in range(experts)], row, width=width, label=f"layer {l}")
+    ax[0].axhline(sum(total[0]) / experts, color="gray", ls=":", lw=1, label="even share")
+    ax[0].set(xlabel="expert", ylabel="slots routed (whole run)", title="tokens per expert")
+    ax[0].set_xticks([e + 0.4 - width / 2 for e in range(experts)], range(experts))
+    ax[0].legend(fontsize=7, ncol=2)
+    for l in range(layers):
+        ax[1].plot(range(1, len(steps) + 1), [max(s[l]) * experts / max(sum(s[l]), 1) for s in steps],
+                   label=f"layer {l}")
+    ax[1].axhline(1.0, color="gray", ls=":", lw=1)
+    ax[1].set(xlabel="step", ylabel="busiest expert / even share", title="load imbalance")
+    fig.suptitle(f"gridweave train: {experts} experts, {metrics['grid']}")
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+    plt.close(fig)

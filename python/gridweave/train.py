@@ -33,7 +33,7 @@ from .generate import sample
 from .grid import Grid, LinePart, Span, init, shutdown
 from .measure import StepPhases, gemm_rate, probe_size, timed
 from .models import ModelConfig
-from .nn.moe import MoE, set_aux_grad_scale
+from .nn.moe import MoE, routed_tokens, set_aux_grad_scale
 from .nn.sequence import SeqAttention
 from .modes import Mode, parse
 from .precision import LossScaler, Precision
@@ -783,6 +783,7 @@ class Meter:
         grid.all_reduce(total, axis=None)
         self.peak_total = float(total.item())
         self.tokens_per_s, self.mfu, self.lr, self.grad_norm = [], [], [], []
+        self.experts = []  # a mixture of experts' slots per step: [layer][expert], every stage's layers
         self.bar = None
         if grid.rank == 0 and not cfg.quiet:
             from tqdm import tqdm
@@ -801,6 +802,16 @@ class Meter:
             if grid.rank == 0 and not cfg.quiet:
                 print(f"gridweave train: logging to {', '.join(s.value for s in cfg.sinks)} in {self.run_log.folder}",
                       flush=True)
+
+    def record_experts(self, stage, grid) -> None:
+        """This step's slots per expert of every mixture-of-experts layer (collective over the
+        data axes, and over pp to gather the stages' layers)."""
+        counts = routed_tokens(stage, grid)
+        if counts is None:
+            return
+        if grid.axes.get("pp", 1) > 1:
+            counts = [row for part in grid.all_gather_json(counts, "pp") for row in part]
+        self.experts.append(counts)
 
     def record(self, seconds: float, lr: float, grad_norm) -> None:
         self.tokens_per_s.append(self.cfg.batch * self.cfg.seq / seconds)
@@ -821,6 +832,8 @@ class Meter:
                   "perf/step_time_s": self.cfg.batch * self.cfg.seq / self.tokens_per_s[-1],
                   "perf/predicted_step_time_s": self.predicted_s,
                   "memory/max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0}
+        if self.experts:  # the busiest expert over an even share, the most unbalanced layer's
+            values["moe/max_load_over_mean"] = max(max(c) * len(c) / max(sum(c), 1) for c in self.experts[-1])
         if grid.device.type == "cuda":
             values["memory/device_max_allocated_bytes"] = torch.cuda.max_memory_allocated(grid.device)
         if history.val and history.val[-1][0] == step + 1:
@@ -851,9 +864,12 @@ class Meter:
             self.run_log.close()
 
     def as_dict(self) -> dict:
-        return {"lr": self.lr, "grad_norm": self.grad_norm, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
-                "peak_flops_total": self.peak_total, "peak_flops_source": self.peak_source,
-                "model_flops_per_token": self.flops_token}
+        out = {"lr": self.lr, "grad_norm": self.grad_norm, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
+               "peak_flops_total": self.peak_total, "peak_flops_source": self.peak_source,
+               "model_flops_per_token": self.flops_token}
+        if self.experts:
+            out["tokens_per_expert"] = self.experts
+        return out
 
 
 MEMORY_KINDS = ("parameters", "gradients", "optimizer", "optimizer_buffers")
@@ -933,6 +949,7 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
         history.losses.append(loss)
         guard.check(step, loss, took, floor, checkpoints)
         meter.record(time.perf_counter() - t0, opt.lr, getattr(opt, "last_grad_norm", None))
+        meter.record_experts(stage, grid)
         validation.after_step(step, stage, grid, history)
         meter.log(step, history, grid, scaler)
         meter.show(history)
@@ -966,6 +983,8 @@ def report(cfg: TrainConfig, out: Path, metrics: dict, tokens, tokenizer, window
     checkpoint.atomic_write(out / "metrics.json", lambda t: t.write_text(json.dumps(metrics, indent=1)))
     runfolder.plot_loss(metrics, out / "loss.png")
     runfolder.plot_run(metrics, out / "run.png")
+    if "tokens_per_expert" in metrics:
+        runfolder.plot_experts(metrics, out / "experts.png")
     if not cfg.quiet:
         val = metrics["val_loss"]
         print(f"validation loss {val[-1][1]:.3f} nats/token vs unigram entropy {metrics['unigram_entropy_val']:.3f} "

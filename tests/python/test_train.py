@@ -187,6 +187,12 @@ def test_mixtral_trains_on_composed_grids_with_one_process_losses(mixtral_single
     assert one[-1] < one[0]
     steps = 4 if cap == "0" else 3
     assert _close(losses[:steps], one[:steps], tol=1e-5), (spec, losses, one)
+    # each step's slots per expert of every layer (all stages'), counted once over the data and tensor ranks
+    routed = json.loads((out / "metrics.json").read_text())["tokens_per_expert"]
+    assert len(routed) == 4 and all(len(step) == 4 and all(len(layer) == 4 for layer in step) for step in routed)
+    slots = [sum(layer) for step in routed for layer in step]
+    assert all(n == 8 * 32 * 2 for n in slots) if cap == "0" else all(0 < n <= 8 * 32 * 2 for n in slots), slots
+    assert (out / "experts.png").stat().st_size > 0
 
 
 def test_mixtral_checkpoint_moves_between_expert_grids(mixtral_single, tmp_path):

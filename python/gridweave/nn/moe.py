@@ -221,6 +221,8 @@ class DenseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False, **kw) if moe.shared_gate else None
         self.register_buffer("tokens_per_expert", torch.zeros(here, dtype=torch.int64, device=device),
                              persistent=False)
+        # the kept slots this module's tokens sent to each expert, summed until routed_tokens reads them
+        self.register_buffer("routed", torch.zeros(moe.experts, dtype=torch.int64, device=device), persistent=False)
         self.aux_loss = None
         self.aux_grad_scale = 1.0
 
@@ -228,6 +230,8 @@ class DenseMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, self.hidden)
         r = route(self.gate(x), self.moe, self._kept)
+        if self.training:  # a training step's routing (validation's forwards are not counted)
+            self.routed += r.counts.detach()
         y = self._run_experts(x, r)  # each kept slot's expert output, in r.order
         w = r.weights.reshape(-1)[r.order].to(y.dtype)
         out = torch.zeros_like(x).index_add(0, r.order // self.moe.top_k, y * w[:, None])  # combine
@@ -378,3 +382,19 @@ def set_aux_grad_scale(module: nn.Module, scale: float) -> None:
     for m in module.modules():
         if isinstance(m, DenseMoE):
             m.aux_grad_scale = scale
+
+
+def routed_tokens(module: nn.Module, grid) -> list | None:
+    """[per mixture-of-experts block of `module`, in order: the slots routed to each expert since
+    the last call], summed over the blocks' token axes (collective over them; a tensor axis that
+    holds the same tokens counts once); the blocks' counters restart. None without such blocks."""
+    blocks = [m for m in module.modules() if isinstance(m, DenseMoE)]
+    if not blocks:
+        return None
+    counts = torch.stack([b.routed for b in blocks])
+    axes = getattr(blocks[0], "token_axes", ())
+    if axes:
+        grid.all_reduce(counts, axes)
+    for b in blocks:
+        b.routed.zero_()
+    return counts.tolist()
