@@ -377,3 +377,25 @@ def test_ep_needs_a_mixture_of_experts():
 
     with pytest.raises(GridError, match="ep=2 splits a mixture of experts: it needs model mixtral"):
         gw.train.TrainConfig(model="llama", ep=2)
+
+
+@pytest.mark.parametrize("counts", [[5, 0, 7, 4], [0, 16, 0, 0], [4, 4, 4, 4]])
+def test_torchs_grouped_gemm_equals_the_loop_over_experts(counts):
+    """The two ways of running the experts (torch's grouped_mm where it runs: float32 here; the
+    loop of products), forward and backward, empty experts included."""
+    from gridweave.nn.moe import can_group, swiglu_experts
+
+    torch.manual_seed(6)
+    x = torch.randn(sum(counts), 16, dtype=torch.float32, device=DEV)
+    gate_up = torch.randn(4, 16, 16, dtype=torch.float32, device=DEV)
+    down = torch.randn(4, 16, 8, dtype=torch.float32, device=DEV)
+    assert can_group(x, gate_up, down) and not can_group(x.double(), gate_up.double(), down.double())
+    w = torch.randn(sum(counts), 16, dtype=torch.float32, device=DEV)
+    results = []
+    for grouped in (True, False):
+        ins = [t.clone().requires_grad_(True) for t in (x, gate_up, down)]
+        out = swiglu_experts(ins[0], counts, ins[1], ins[2], grouped=grouped)
+        (out * w).sum().backward()
+        results.append([out.detach()] + [t.grad for t in ins])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

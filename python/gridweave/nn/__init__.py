@@ -1,6 +1,6 @@
 """Parallel modules: 1-D (Megatron), 2-D (SUMMA), 3-D (Bian et al.) and the layer."""
 from ..autograd.vocab import vocab_parallel_cross_entropy
-from .moe import DenseMoE, MoE
+from .moe import DenseMoE, ExpertParallelMoE, MoE
 from .dense import BERT, GPT2, LLAMA, Activation, Arch, DenseMLP, DenseSelfAttention, DenseTransformerLayer, Norm, attention
 from .tensor1d import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .tensor2d import LayerNorm2D, Linear2D
@@ -12,5 +12,5 @@ from .transformer import MLP, RingAttention, RingSelfAttention, SelfAttention, T
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
            "Linear2D", "LayerNorm2D", "Linear3D", "LayerNorm3D", "SelfAttention", "MLP", "TransformerLayer", "DenseTransformerLayer", "DenseSelfAttention", "DenseMLP",
            "RingSelfAttention", "RingAttention", "ReplicatedLinear", "ReplicatedLayerNorm", "global_token_mean", "SubGraphAttention",
-           "attention", "Arch", "Norm", "Activation", "GPT2", "LLAMA", "BERT", "MoE", "DenseMoE"]
+           "attention", "Arch", "Norm", "Activation", "GPT2", "LLAMA", "BERT", "MoE", "DenseMoE", "ExpertParallelMoE"]
 

@@ -20,6 +20,7 @@ transformers' MixtralExperts holds them, gate_up (E, 2F, H) rows [gate | up] and
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -156,9 +157,27 @@ def _lse_squared(r: Routing) -> torch.Tensor:
     return torch.logsumexp(r.logits.to(r.probs.dtype), dim=-1).square()
 
 
-def swiglu_experts(x: torch.Tensor, counts: list, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def can_group(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM (torch.nn.functional.grouped_mm: float32 / bf16 / fp16, rows
+    and buffers 16-byte aligned; on a GPU compute capability 8.0 or newer) runs these experts."""
+    if not hasattr(F, "grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    widths = (x.shape[-1], gate_up.shape[1], down.shape[2])
+    if any(w * x.element_size() % 16 for w in widths) or any(t.data_ptr() % 16 for t in (x, gate_up, down)):
+        return False
+    return x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) >= (8, 0)
+
+
+def swiglu_experts(x: torch.Tensor, counts: list, gate_up: torch.Tensor, down: torch.Tensor,
+                   grouped: bool | None = None) -> torch.Tensor:
     """The grouped GEMM: rows of x sorted by expert, counts[e] rows for expert e (of the experts
-    gate_up, down hold); each group through down_e silu(gate_e x) * (up_e x)."""
+    gate_up, down hold); each group through down_e silu(gate_e x) * (up_e x). grouped: torch's
+    grouped_mm (one kernel for every expert, as transformers' default) or a loop of products
+    over the groups (float64); None: grouped where it can run."""
+    if grouped if grouped is not None else can_group(x, gate_up, down):
+        offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=x.device)
+        gate, up = F.grouped_mm(x, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+        return F.grouped_mm(F.silu(gate) * up, down.transpose(-2, -1), offs=offs)
     outs = []
     for e, rows in enumerate(torch.split(x, counts)):
         if rows.shape[0] == 0:
