@@ -399,3 +399,11 @@ def test_torchs_grouped_gemm_equals_the_loop_over_experts(counts):
         results.append([out.detach()] + [t.grad for t in ins])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_the_planner_says_it_does_not_model_experts():
+    import gridweave as gw
+
+    cfg = gw.train.TrainConfig(model="mixtral", hidden=32, heads=4, layers=2, seq=16, batch=8, tokenizer="bytes")
+    with pytest.raises(GridError, match="does not model mixture-of-experts layers"):
+        gw.plan.predict(gw.plan.model_of(cfg), gw.plan.GridShape(dp=2), gw.plan.load_cluster("a100-ib"))
