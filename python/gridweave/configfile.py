@@ -18,8 +18,8 @@ from .train import TrainConfig
 # Every TrainConfig field in one section (tests/python/test_config.py checks none is missing).
 SECTIONS = {
     "model": ("model", "init_from", "hidden", "heads", "kv_heads", "layers", "ffn_hidden", "tie", "rope_theta", "seq", "attention",
-              "ulysses_degree", "linformer_k", "precision", "experts", "top_k", "moe_ffn", "capacity_factor",
-              "aux_coef", "z_coef", "shared_ffn"),
+              "ulysses_degree", "linformer_k", "precision"),
+    "moe": ("experts", "top_k", "moe_ffn", "capacity_factor", "aux_coef", "z_coef", "shared_ffn"),
     "parallelism": ("dp", "pp", "tp", "sp", "ep", "tp_sp", "placement", "overlap", "schedule", "chunks", "pipeline_limit",
                     "zero", "zero_shard_group", "backend", "device", "timeout"),
     "training": ("steps", "batch", "microbatches", "seed", "val_every", "val_samples", "ac", "max_bad_steps",

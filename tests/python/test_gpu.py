@@ -281,3 +281,27 @@ def test_planner_memory_of_the_main_job_on_one_gpu():
                              microbatches=cfg.microbatches, offload_bsize=cfg.bsize,
                              coarsening=cfg.coarsening)["memory_bytes"]
     assert abs(predicted / measured - 1) <= 0.15, (predicted, measured)
+
+
+def test_moe_block_on_cuda_equals_the_cpu_and_groups_its_experts():
+    """The mixture-of-experts block on the GPU: torch's grouped GEMM runs the experts (bf16 and
+    float32 on compute capability 8.0+), equal to the host's float32 block; bf16 within its
+    precision."""
+    import gridweave as gw
+    from gridweave.nn.moe import can_group
+
+    moe = gw.nn.MoE(experts=8, top_k=2, ffn=64, aux_coef=0.01)
+    torch.manual_seed(0)
+    host = gw.nn.DenseMoE(32, moe, device="cpu")
+    dev = gw.nn.DenseMoE(32, moe, device="cuda")
+    dev.load_state_dict(host.state_dict())
+    x = torch.randn(4, 64, 32)
+    out_h, out_d = host(x), dev(x.cuda())
+    assert can_group(x.cuda().reshape(-1, 32), dev.gate_up, dev.down) == (torch.cuda.get_device_capability() >= (8, 0))
+    assert rel(out_d.cpu(), out_h) < 1e-5
+    out_d.square().mean().backward()
+    out_h.square().mean().backward()
+    assert rel(dev.gate_up.grad.cpu(), host.gate_up.grad) < 1e-4
+    bf = gw.nn.DenseMoE(32, moe, device="cuda", dtype=torch.bfloat16)
+    bf.load_state_dict({k: v.to(torch.bfloat16) for k, v in host.state_dict().items()})
+    assert rel(bf(x.cuda().bfloat16()).float().cpu(), out_h.detach()) < 3e-2
