@@ -221,8 +221,8 @@ class DenseMoE(nn.Module):
     against). Parameters as transformers names them: gate (the router, E x H), gate_up
     (E, 2F, H), down (E, H, F), shared_expert, shared_expert_gate. After each forward:
     tokens_per_expert (E,) the slots each expert ran, aux_loss the weighted auxiliary losses
-    (a detached tensor, for logging; None without them); aux_grad_scale scales their gradient (the training step sets
-    1 / micro-batches, times a loss scaler's scale)."""
+    (a detached tensor, for logging; None without them); aux_grad_scale scales their gradient
+    (the training step: a loss scaler's scale over the micro-batches, times the data ranks)."""
 
     def __init__(self, hidden: int, moe: MoE, dtype=None, device=None, experts_here: int | None = None):
         """experts_here: the experts this module holds (an expert-parallel member's share)."""
@@ -295,10 +295,9 @@ class ExpertParallelMoE(DenseMoE):
     Megatron-Core's all-to-all dispatcher): the per-expert counts first (an all-to-all), then
     the rows (all_to_all_v, sizes known on both sides). token_axes: the axes one micro-batch's
     tokens are split over; the auxiliary losses' statistics are summed over them, so the losses
-    are the micro-batch's, as on one process. A capacity limit applies to each rank's own
-    tokens: a capacity limit ranks each expert's slots over the whole micro-batch (the token
-    axes'), so what drops does not depend on the grid (Megatron-Core drops among each rank's
-    own tokens).
+    are the micro-batch's, as on one process. A capacity limit ranks each expert's slots over
+    the whole micro-batch (the token axes'), so what drops does not depend on the grid
+    (Megatron-Core drops among each rank's own tokens).
 
     Placements: the router and the shared expert are replicated, their gradients partial over
     the token axes; the experts are split over ep (dim 0), their gradients partial over the
