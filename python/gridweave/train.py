@@ -165,8 +165,6 @@ class TrainConfig:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise GridError(f"{name} must be a finite number >= 0, got {v!r}")
-        if self.ep > 1 and self.model != "mixtral":
-            raise GridError(f"ep={self.ep} splits a mixture of experts: it needs model mixtral, got {self.model}")
         for name in ("lr", "timeout"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
@@ -205,6 +203,8 @@ class TrainConfig:
         if self.tokenizer == "bytes":
             self.vocab = 256
         self.imported = self._imported_model() if self.init_from is not None else None
+        if self.ep > 1 and self.model != "mixtral":
+            raise GridError(f"ep={self.ep} splits a mixture of experts: it needs model mixtral, got {self.model}")
         self.model_config(self.vocab)  # the model's own checks (heads vs hidden, kv heads, Linformer)
 
     def _imported_model(self) -> ModelConfig:
@@ -214,6 +214,9 @@ class TrainConfig:
         m = models.hf.read_config(self.init_from, models.hf.DECODERS)[0]  # init_from: the decoders (Llama, GPT-2)
         theirs = {"model": m.family, "hidden": m.hidden, "heads": m.heads, "kv_heads": m.kv_heads or m.heads,
                   "layers": m.layers, "ffn_hidden": m.ffn_hidden or 0, "tie": m.tie, "rope_theta": m.rope_theta}
+        if m.moe is not None:  # a Mixtral folder: its experts are this run's
+            theirs.update(model="mixtral", experts=m.moe.experts, top_k=m.moe.top_k, moe_ffn=m.moe.ffn,
+                          aux_coef=m.moe.aux_coef)
         defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in theirs}
         for name, v in theirs.items():
             if getattr(self, name) not in (defaults[name], v):

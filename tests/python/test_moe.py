@@ -408,3 +408,21 @@ def test_the_planner_says_it_does_not_model_experts():
     cfg = gw.train.TrainConfig(model="mixtral", hidden=32, heads=4, layers=2, seq=16, batch=8, tokenizer="bytes")
     with pytest.raises(GridError, match="does not model mixture-of-experts layers"):
         gw.plan.predict(gw.plan.model_of(cfg), gw.plan.GridShape(dp=2), gw.plan.load_cluster("a100-ib"))
+
+
+def test_init_from_a_mixtral_folder_sets_its_experts(tmp_path):
+    """--init-from a transformers Mixtral folder: the run is model mixtral with that folder's
+    experts (a field given as well must agree), and its expert-parallel checks read them."""
+    import gridweave as gw
+
+    cfg = gw.models.ModelConfig("llama", 256, 32, 4, 2, 16, kv_heads=2,
+                                moe=gw.nn.MoE(experts=4, top_k=2, ffn=16, aux_coef=0.02))
+    gw.models.build(cfg, device="cpu").save_hf(tmp_path)
+    run = gw.train.TrainConfig(init_from=str(tmp_path), tokenizer="bytes", seq=16, batch=8, pp=1)
+    assert run.model == "mixtral" and (run.experts, run.top_k, run.moe_ffn) == (4, 2, 16)
+    assert run.model_config(256).moe == cfg.moe
+    with pytest.raises(GridError, match="4 experts do not split over ep=8"):
+        gw.train.TrainConfig(init_from=str(tmp_path), tokenizer="bytes", seq=16, batch=16, pp=1, dp=8,
+                             ep=8).grid_shape(8)
+    with pytest.raises(GridError, match="its experts is 4, this run asks 6"):
+        gw.train.TrainConfig(init_from=str(tmp_path), tokenizer="bytes", seq=16, batch=8, experts=6)
