@@ -230,7 +230,7 @@ def fixed_costs(grid, preset: dict, steps: int = 5) -> tuple:
     Where ranks share cores, a collective's thread handoffs wait for a core; that, not alpha,
     is what makes many small collectives expensive. The kernel cost is the probe's, not a second
     unknown of the fit: kernels and collectives grow together over these grids, so a fit of both
-    traded one for the other from run to run (4 to 33 us a kernel on one machine).
+    traded one for the other from run to run (2 to 33 us a kernel on one machine).
     Returns (collective_s, the steps as measured and recorded)."""
     import dataclasses
 

@@ -17,22 +17,19 @@ from . import _C
 from .errors import GridError
 
 
+def _sizes(grid, axes) -> list:
+    """The sizes of the axes splitting a dim: axis names (read from grid.axes: a grid, or just its
+    sizes), or one LinePart (a grid's: one size)."""
+    return [grid.axes[a] for a in axes] if all(isinstance(a, str) for a in axes) else [grid.size(axes)]
+
+
+def _coords(grid, axes) -> list:
+    """This rank's coordinates along the axes splitting a dim (as _sizes)."""
+    return [grid.coords[a] for a in axes] if all(isinstance(a, str) for a in axes) else [grid.index(axes)]
+
+
 def _ranks(grid, axes) -> int:
-    """Ranks a dim split over `axes` has: axis names (read from grid.axes: a grid, or just its
-    sizes), or one LinePart (a grid's)."""
-    if all(isinstance(a, str) for a in axes):
-        return math.prod(grid.axes[a] for a in axes)
-    return grid.size(axes)
-
-
-def _index(grid, axes) -> int:
-    """This rank's block of a dim split over `axes` (row-major over them)."""
-    if all(isinstance(a, str) for a in axes):
-        index = 0
-        for a in axes:
-            index = index * grid.axes[a] + grid.coords[a]
-        return index
-    return grid.index(axes)
+    return math.prod(_sizes(grid, axes))
 
 
 @dataclass(frozen=True)
@@ -94,7 +91,7 @@ def local_slices(shape, layout: Layout, grid) -> tuple:
     sl = []
     for d in range(len(shape)):
         axes = layout.dims[d] if d < len(layout.dims) else ()
-        begin, end = _C.block_range(shape[d], [_ranks(grid, axes)], [_index(grid, axes)])
+        begin, end = _C.block_range(shape[d], _sizes(grid, axes), _coords(grid, axes))
         sl.append(slice(begin, end))
     return tuple(sl)
 

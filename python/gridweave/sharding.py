@@ -44,6 +44,11 @@ def axis_size(grid, axis) -> int:
     return grid.size(axis) if isinstance(axis, LinePart) else grid.axes.get(axis, 1)
 
 
+def present_axes(grid, axes) -> tuple:
+    """The axes of `axes` along which this grid has more than one rank."""
+    return tuple(a for a in axes if axis_size(grid, a) > 1)
+
+
 @dataclass(frozen=True)
 class ParamPlacement:
     """layout: how the stored full tensor is split (dims -> axes); partial: axes whose
@@ -65,7 +70,7 @@ class ParamPlacement:
 
     def reduce_axes(self, grid) -> tuple:
         """The partial axes this grid has (size > 1): the gradient's all-reduce."""
-        return tuple(a for a in self.partial if axis_size(grid, a) > 1)
+        return present_axes(grid, self.partial)
 
     def counted_here(self, grid, sharded=()) -> bool:
         """Whether this rank's copy is the one that counts (norms, checkpoints): it holds the

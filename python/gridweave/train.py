@@ -37,7 +37,7 @@ from .nn.moe import MoE, routed_tokens, set_aux_grad_scale
 from .nn.sequence import SeqAttention
 from .modes import Mode, parse
 from .precision import LossScaler, Precision
-from .sharding import DATA_AXES, first_copy
+from .sharding import DATA_AXES, first_copy, present_axes
 
 # What a resumed run must share with its checkpoint (the model, the data order).
 RESUME_KEYS = ("model", "tokenizer", "seq", "batch", "seed")
@@ -282,7 +282,7 @@ class TrainConfig:
         """The line part of the data axes (dp x sp, sp fastest) that model mixtral's experts split
         over: blocks of ep consecutive ranks (Megatron's and torchtitan's expert-parallel group,
         carved out of the data-parallel ranks; the other part of the line holds the copies)."""
-        axes = tuple(a for a in DATA_AXES if grid.axes.get(a, 1) > 1) or ("dp",)
+        axes = present_axes(grid, DATA_AXES) or ("dp",)
         return LinePart(axes, Span.WITHIN, self.ep)
 
     def grid_shape(self, world: int) -> dict:

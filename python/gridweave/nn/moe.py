@@ -32,7 +32,7 @@ from ..autograd.comm import all_to_all_v, reduce_from_parallel
 from ..errors import GridError
 from ..grid import LinePart
 from ..layout import Layout
-from ..sharding import DATA_AXES, place, values
+from ..sharding import DATA_AXES, place, present_axes, values
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def route(logits: torch.Tensor, moe: MoE, kept=None) -> Routing:
     (default kept_slots: among these tokens)."""
     probs = torch.softmax(_router_dtype(logits, moe), dim=-1)
     top, experts = torch.topk(probs, moe.top_k, dim=-1)
-    chosen = probs.gather(1, experts)  # before renormalising: what a capacity ranks slots by
+    chosen = top  # before renormalising: what a capacity ranks slots by
     if moe.normalize:
         top = top / top.sum(dim=-1, keepdim=True)
     flat = experts.reshape(-1)
@@ -312,7 +312,7 @@ class ExpertParallelMoE(DenseMoE):
         super().__init__(hidden, moe, dtype=dtype, device=device or grid.device, experts_here=moe.experts // n)
         self.local_experts = moe.experts // n
         self.grid, self.ep, self.ep_size = grid, ep, n
-        self.token_axes = tuple(a for a in token_axes if grid.axes.get(a, 1) > 1)
+        self.token_axes = present_axes(grid, token_axes)
         if isinstance(ep, LinePart):
             split, copies = (ep,), (ep.complement(),)
         else:

@@ -20,7 +20,7 @@ from ..documents import check_documents, document_positions
 from ..errors import GridError
 from ..grid import LinePart, Span
 from ..layout import zigzag_order
-from ..sharding import DATA_AXES, place
+from ..sharding import DATA_AXES, place, present_axes
 from .dense import GPT2, Arch, Norm, attention, linear_tensors, split_heads, values
 
 
@@ -84,13 +84,9 @@ def replicated_norm(norm: Norm, hidden, eps, dtype=None, device=None, partial=DA
     return cls(hidden, eps=eps, dtype=dtype, device=device, partial=partial)
 
 
-def _present(grid, axes):
-    return tuple(a for a in axes if a in grid.axes and grid.axes[a] > 1)
-
-
 def global_token_mean(local_sum: torch.Tensor, local_count: int, grid, axes=DATA_AXES) -> torch.Tensor:
     """This rank's share of the mean over every token of the global batch."""
-    axes = _present(grid, axes)
+    axes = present_axes(grid, axes)
     total = torch.tensor([float(local_count)], dtype=torch.float64, device=grid.device)
     if axes:
         grid.all_reduce(total, axis=axes)

@@ -15,7 +15,7 @@ from ..documents import document_rows
 from ..errors import GridError
 from ..grid import LinePart, Span
 from ..layout import Layout, gather, scatter
-from ..sharding import DATA_AXES, group_order, place, set_row_order
+from ..sharding import DATA_AXES, group_order, place, present_axes, set_row_order
 from .dense import GPT2, Arch, DenseMLP, DenseSelfAttention, DenseTransformerLayer, linformer_attention, split_heads, values
 from .moe import ExpertParallelMoE
 from .sequence import SeqAttention, attend
@@ -64,7 +64,7 @@ class SelfAttention(nn.Module):
             # a rank's gradient covers its rows and its heads, so it is partial over the other
             # data and tensor axes
             self._lowrank_layout = seq = self._linformer_layout()
-            self._lowrank_axes = tuple(a for a in seq.axes() if grid.axes.get(a, 1) > 1)  # the partials' sum
+            self._lowrank_axes = present_axes(grid, seq.axes())  # the partials' sum
             dense = arch.make_lowrank(dtype, device or grid.device)
             self.lowrank = nn.Parameter(scatter(dense.detach(), seq, grid))
             split = set(seq.axes())
