@@ -288,7 +288,7 @@ def test_moe_block_on_cuda_equals_the_cpu_and_groups_its_experts():
     float32 on compute capability 8.0+), equal to the host's float32 block; bf16 within its
     precision."""
     import gridweave as gw
-    from gridweave.nn.moe import can_group
+    from gridweave.nn.moe import can_group, route
 
     moe = gw.nn.MoE(experts=8, top_k=2, ffn=64, aux_coef=0.01)
     torch.manual_seed(0)
@@ -304,4 +304,11 @@ def test_moe_block_on_cuda_equals_the_cpu_and_groups_its_experts():
     assert rel(dev.gate_up.grad.cpu(), host.gate_up.grad) < 1e-4
     bf = gw.nn.DenseMoE(32, moe, device="cuda", dtype=torch.bfloat16)
     bf.load_state_dict({k: v.to(torch.bfloat16) for k, v in host.state_dict().items()})
-    assert rel(bf(x.cuda().bfloat16()).float().cpu(), out_h.detach()) < 3e-2
+    xb = x.cuda().bfloat16()
+    out_b = bf(xb).float().cpu().reshape(-1, 32)
+    # bf16's router logits may pick another expert for a token near a tie (the H100 saw 35% off
+    # over all tokens): compare the tokens routed alike, and require nearly all of them to be
+    same = (route(bf.gate(xb.reshape(-1, 32)), moe).experts.cpu().sort(-1).values
+            == route(host.gate(x.reshape(-1, 32)), moe).experts.sort(-1).values).all(-1)
+    assert same.float().mean() > 0.9, same.float().mean()
+    assert rel(out_b[same], out_h.detach().reshape(-1, 32)[same]) < 3e-2

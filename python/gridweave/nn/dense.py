@@ -177,8 +177,11 @@ def attention(qkv: torch.Tensor, heads: int, causal: bool, kv_heads: int | None 
     # Grouped heads in the fused kernel (torch's enable_gqa, as transformers' Llama calls it) where
     # no mask is given: no repeated keys and values kept for backward, no sum over the copies
     # there (the one-process step 2-4% behind transformers'); with a mask torch would fall back
-    # to its math kernel, so there they are repeated
-    gqa = kv_heads != heads and lowrank is None and documents is None
+    # to its math kernel, so there they are repeated. On CUDA only flash attention groups heads,
+    # and it runs half precision alone: float32 there would take the math kernel with its (s x s)
+    # scores kept (an H100 kept 46 MB more in the main job's step), so there they are repeated too
+    gqa = (kv_heads != heads and lowrank is None and documents is None
+           and (qkv.device.type != "cuda" or qkv.dtype in (torch.float16, torch.bfloat16)))
     q, k, v = split_heads(qkv, heads, kv_heads, arch, positions, repeat_kv=not gqa)
     if lowrank is not None:
         out = linformer_attention(q, k, v, lowrank)
