@@ -166,7 +166,8 @@ def predict(data: dict) -> dict:
 
 def name(r) -> str:
     parts = [f"dp{r['dp']}"] + ([f"pp{r['pp']}"] if r["pp"] > 1 else []) + \
-        ([r["tp"].replace(":", "")] if r["tp"] != "none" else []) + ([f"sp{r['sp']}"] if r["sp"] > 1 else [])
+        ([r["tp"].replace(":", "")] if r["tp"] != "none" else []) + ([f"sp{r['sp']}"] if r["sp"] > 1 else []) + \
+        ([f"ep{r['ep']}"] if r.get("ep", 1) > 1 else [])
     return "·".join(parts)
 
 

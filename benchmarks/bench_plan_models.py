@@ -40,6 +40,9 @@ MODELS = {
     "long": dict(hidden=128, heads=4, layers=2, seq=1024, batch=8),
     "big-batch": dict(hidden=128, heads=8, kv_heads=2, layers=4, seq=32, batch=128, microbatches=8),
     "small-batch": dict(model="gpt", hidden=256, heads=8, layers=4, seq=128, batch=8, microbatches=1),
+    # issue 35: a mixture of experts (8 experts of 192, top-2), every expert-parallel degree
+    "mixtral": dict(model="mixtral", hidden=96, heads=4, kv_heads=2, layers=2, seq=64, batch=16, experts=8,
+                    moe_ffn=192),
 }
 FIT = ("main", "gpt-mid")  # the only shapes a term of the model may be tuned on
 
@@ -52,7 +55,7 @@ def job_config(name: str, **grid):
 
 def grids(name: str) -> list:
     """Every grid of 8 ranks `gridweave train` accepts for the model at ZeRO 0 (its default), as
-    (dp, pp, tp spec, sp): the planner's enumeration without its floor of tokens per sequence rank,
+    (dp, pp, tp spec, sp, ep): the planner's enumeration without its floor of tokens per sequence rank,
     each grid checked by train's own TrainConfig.grid_shape."""
     import gridweave as gw
     from gridweave import plan
@@ -61,10 +64,10 @@ def grids(name: str) -> list:
     model = plan.model_of(job_config(name))
     for g in plan.enumerate_grids(8, model, placements=("topology",), zeros=(0,), min_sp_tokens=1):
         try:
-            job_config(name, dp=g.dp, pp=g.pp, tp=g.tp.spec(), sp=g.sp).grid_shape(8)
+            job_config(name, dp=g.dp, pp=g.pp, tp=g.tp.spec(), sp=g.sp, ep=g.ep).grid_shape(8)
         except gw.GridError:
             continue
-        out.append((g.dp, g.pp, g.tp.spec(), g.sp))
+        out.append((g.dp, g.pp, g.tp.spec(), g.sp, g.ep))
     return out
 
 
@@ -80,8 +83,8 @@ def worker(out_path: str, names: list) -> None:
     preset = calibrate.measure(world)
     rows = []
     for name in names:
-        for i, (dp, pp, tp, sp) in enumerate(grids(name)):
-            cfg = job_config(name, dp=dp, pp=pp, tp=tp, sp=sp)
+        for i, (dp, pp, tp, sp, ep) in enumerate(grids(name)):
+            cfg = job_config(name, dp=dp, pp=pp, tp=tp, sp=sp, ep=ep)
             grid = gw.init(dp=dp, pp=pp, tp=cfg.mode, sp=sp, store=store, prefix=f"planm-{name}-{i}")
             model_cfg = cfg.model_config(cfg.vocab)
             g = torch.Generator().manual_seed(grid.coords["dp"])
@@ -100,7 +103,7 @@ def worker(out_path: str, names: list) -> None:
             gc.collect()
             grid.shutdown()
             times = times[WARMUP:]
-            rows.append({"model": name, "dp": dp, "pp": pp, "tp": tp, "sp": sp,
+            rows.append({"model": name, "dp": dp, "pp": pp, "tp": tp, "sp": sp, "ep": ep,
                          "measured_s": statistics.median(times), "steps_s": times})
             if rank == 0:  # what is measured so far survives an interrupted run
                 Path(out_path).write_text(json.dumps({"ranks": n, "backend": str(world.backend), "preset": preset,
@@ -129,7 +132,7 @@ def predict(data: dict) -> dict:
         cfg = job_config(name)
         model = plan.model_of(cfg)
         for r in rows:
-            shape = plan.GridShape(dp=r["dp"], pp=r["pp"], tp=gw.modes.parse(r["tp"]), sp=r["sp"])
+            shape = plan.GridShape(dp=r["dp"], pp=r["pp"], tp=gw.modes.parse(r["tp"]), sp=r["sp"], ep=r.get("ep", 1))
             p = plan.predict(model, shape, cluster, microbatches=cfg.microbatches, **cfg.planned_optimizer())
             r["predicted_s"] = p["step_time_s"]
             r["error"] = p["step_time_s"] / r["measured_s"] - 1

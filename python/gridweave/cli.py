@@ -247,9 +247,14 @@ def _plan_parser(sub):
     p.add_argument("--vocab", type=int, default=None, help="default: the config's, else train's")
     p.add_argument("--kv-heads", type=int, default=None, help="train's model: its key/value heads (default: train's)")
     p.add_argument("--precision", default=TrainConfig.precision, help="train's model: its precision")
+    p.add_argument("--experts", type=int, default=None, help="train's model mixtral: routed experts per layer")
+    p.add_argument("--top-k", type=int, default=None, help="train's model mixtral: experts per token")
+    p.add_argument("--moe-ffn", type=int, default=None, help="train's model mixtral: each expert's hidden width")
+    p.add_argument("--expert-imbalance", type=float, default=1.0,
+                   help="a mixture of experts: the most loaded expert's tokens over the mean (1: balanced)")
     p.add_argument("--grid", default=None, metavar="SPEC",
                    help='evaluate this grid instead of ranking them all: "dp=32,pp=8,tp=row:8" (keys dp, pp, tp, sp, '
-                        "zero, placement, schedule, chunks); prints its breakdown")
+                        "zero, placement, schedule, chunks, ep); prints its breakdown")
     p.add_argument("--microbatch-size", type=int, default=None,
                    help="with --grid: sequences per micro-batch (default: the fastest that fits)")
     p.add_argument("--recompute", default="none", choices=("none", "full", "selective"),
@@ -273,10 +278,12 @@ def _plan(args) -> int:
         if args.model and args.model not in CHOICES["model"]:  # a config file or a run folder
             model = plan.model_from(args.model, args.batch, args.seq, **sizes)
         else:  # the main job's model, as `gridweave train` builds it from the same flags
-            given = {k: v for k, v in dict(sizes, seq=args.seq, kv_heads=args.kv_heads).items() if v is not None}
+            given = {k: v for k, v in dict(sizes, seq=args.seq, kv_heads=args.kv_heads, experts=args.experts,
+                                           top_k=args.top_k, moe_ffn=args.moe_ffn).items() if v is not None}
             cfg = TrainConfig(model=args.model or TrainConfig.model, batch=args.batch, precision=args.precision,
                               **given)
             model = plan.model_of(cfg)
+        model = dataclasses.replace(model, expert_imbalance=args.expert_imbalance)
         if args.grid is not None:
             return _plan_grid(args, model, cluster)
         if args.gpus is None:
@@ -296,14 +303,14 @@ def _plan(args) -> int:
     print(f"{args.gpus} GPUs, {cluster.gpus_per_node} per node ({cluster.name}); "
           f"{model.layers} layers, hidden {model.hidden}, heads {model.heads}, seq {model.seq}, batch {model.batch}, "
           f"vocab {model.vocab}")
-    print(f"{'#':>3} {'dp':>4} {'pp':>3} {'tp':>12} {'sp':>3} {'zero':>4} {'placement':>9} {'schedule':>14} {'mb':>4} "
+    print(f"{'#':>3} {'dp':>4} {'pp':>3} {'tp':>12} {'sp':>3} {'ep':>3} {'zero':>4} {'placement':>9} {'schedule':>14} {'mb':>4} "
           f"{'step ms':>9} {'compute':>8} "
           f"{'bubble':>7} {'comm per axis ms':<28} {'mem GiB':>8} {'(param/grad/optim/act)':<24}")
     for i, r in enumerate(rows):
         t, mem = r["time_breakdown_s"], r["memory_breakdown_bytes"]
         comm = " ".join(f"{k}={v * 1e3:.2f}" for k, v in t["communication"].items() if v)
         parts = "/".join(f"{mem[k] / 2 ** 30:.2f}" for k in ("parameters", "gradients", "optimizer", "activations"))
-        print(f"{i + 1:>3} {r['dp']:>4} {r['pp']:>3} {r['tp']:>12} {r['sp']:>3} {r['zero']:>4} {r['placement']:>9} "
+        print(f"{i + 1:>3} {r['dp']:>4} {r['pp']:>3} {r['tp']:>12} {r['sp']:>3} {r['ep']:>3} {r['zero']:>4} {r['placement']:>9} "
               f"{r['schedule']:>14} {r['microbatches']:>4} "
               f"{r['step_time_s'] * 1e3:>9.2f} {(t['compute'] + t['recompute']) * 1e3:>8.2f} {t['bubble'] * 1e3:>7.2f} "
               f"{comm or '-':<28} {r['memory_bytes'] / 2 ** 30:>8.2f} {parts:<24}{'' if r['fits'] else ' (does not fit)'}")

@@ -309,14 +309,14 @@ class Grid:
 
     def size(self, axis: AxisArg = None) -> int:
         """Number of ranks along an axis or a tuple of axes (the world for None)."""
-        axis = _one_part(axis)
+        axis = one_part(axis)
         if isinstance(axis, LinePart):
             return len(self._part(axis)[2])
         return math.prod(self.axes[a] for a in self._axis_tuple(axis)) if axis is not None else self.world_size
 
     def index(self, axis: AxisArg) -> int:
         """This rank's index along an axis or a tuple of axes (row-major, first slowest)."""
-        axis = _one_part(axis)
+        axis = one_part(axis)
         if isinstance(axis, LinePart):
             axes, _, members = self._part(axis)
             return members.index(self.placement.index_in_line(self.rank, axes))
@@ -324,7 +324,7 @@ class Grid:
 
     def ranks(self, axis: AxisArg) -> list[int]:
         """Global ranks of this rank's line along `axis`, in index order."""
-        axis = _one_part(axis)
+        axis = one_part(axis)
         if isinstance(axis, LinePart):
             _, line, members = self._part(axis)
             return [line[m] for m in members]
@@ -349,7 +349,7 @@ class Grid:
     def comm(self, axis: AxisArg = None, op: str = "op"):
         """This rank's native communicator along `axis` (None: the world, by global rank).
         The first call on an axis connects its members: all of them must make it."""
-        axis = _one_part(axis)
+        axis = one_part(axis)
         try:
             return self._comms[axis]
         except (KeyError, TypeError):  # not made yet, or an unhashable axis list
@@ -732,7 +732,7 @@ class Grid:
         return f"Grid({axes}; rank {self.rank}/{self.world_size}, {self.backend}, {self.placement_policy})"
 
 
-def _one_part(axis):
+def one_part(axis):
     """A tuple of one LinePart (a placement's partial axes) is that LinePart; a LinePart does
     not combine with other axes in one line."""
     if isinstance(axis, (tuple, list)) and any(isinstance(a, LinePart) for a in axis):

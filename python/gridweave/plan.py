@@ -12,9 +12,11 @@ leaving it (SUPER eqs. 4-7). step_counters predicts the engine's traffic counter
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
+import re
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -27,7 +29,7 @@ from .axes import AxesView, ParallelDims
 from .modes import Mode, Sequence, known
 from .modes import parse as parse_mode
 from .nn.sequence import SeqAttention
-from .recorder import optimizer_census, step_schedule, tally_of
+from .recorder import Experts, optimizer_census, step_schedule, tally_of
 
 PRESETS = Path(__file__).parent / "clusters"
 
@@ -91,6 +93,9 @@ class Model:
     fused_attention: bool = True
     attention: str = "ring"  # how attention runs over sp (a gw.nn.sequence.SeqAttention value)
     ulysses_degree: int = 1  # attention "usp": the sp ranks of each Ulysses block
+    # a mixture of experts: the most loaded expert's slots over the mean (1: balanced routing).
+    # The busiest expert's rank sets the step (its grouped GEMM and the rows it receives)
+    expert_imbalance: float = 1.0
 
     hidden = property(lambda self: self.config.hidden)
     layers = property(lambda self: self.config.layers)
@@ -148,16 +153,30 @@ def step_counters(schedule, axes: dict, placement, rank: int) -> dict:
     names, sizes = list(axes), dict(axes)
     out = {}
     for c, times in schedule.collectives:
-        line = c.axis.split(":")[0]  # "pp:control": the host channel over the pp line
+        line, part = _label_line(c.axis)  # "pp:control": the host channel over the pp line
         axes = names if line == "world" else line.split(",")
         g = math.prod(sizes[a] for a in axes)
         member = placement.index_in_line(rank, axes)
+        if part is not None:  # a line part: blocks of q consecutive members (within), or one of each (across)
+            within, q = part
+            g, member = (q, member % q) if within else (g // q, member // q)
         sent = [b for _, b, send in _C.message_schedule(c.op, g, member, int(c.member_bytes), c.root, c.elem) if send]
         d = out.setdefault(c.axis, {"ops": 0, "sent_messages": 0, "sent_bytes": 0})
         d["ops"] += times
         d["sent_messages"] += times * len(sent)
         d["sent_bytes"] += times * sum(sent)
     return out
+
+
+_PART = re.compile(r"(within|across)(\d+)")
+
+
+def _label_line(label: str) -> tuple:
+    """(the line's axes as the label names them, its part: (within?, block) of a line part's
+    label, "dp,sp:within4" (grid.LinePart.label), else None)."""
+    line, _, rest = label.partition(":")
+    m = _PART.fullmatch(rest)
+    return line, (None if m is None else (m.group(1) == "within", int(m.group(2))))
 
 
 def explain(rows: list, n: int) -> list:
@@ -232,6 +251,8 @@ def transformer_flops(model: Model, recompute: bool = False) -> float:
     """Seed 001 eq. (3): 96 b s l h^2 (1 + s/6h + V/16lh) with activation recomputation,
     72 (...) without."""
     b, s, l, h, v = model.batch, model.seq, model.layers, model.hidden, model.vocab
+    if model.config.moe is not None:  # the active parameters' 6 N per token (PaLM's), plus the scores
+        return (4 / 3 if recompute else 1) * b * s * model.config.flops_per_token()
     return (96 if recompute else 72) * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
 
 
@@ -254,6 +275,7 @@ class GridShape:
     zero: int = 0  # the ZeRO stage of the optimizer (gw.optim.DistributedAdam above 0)
     schedule: str = "message_driven"  # the pipeline's schedule (a gw.pipeline.SCHEDULES key)
     chunks: int = 1  # model chunks per pipeline stage (the interleaved schedule)
+    ep: int = 1  # a mixture of experts: expert parallelism, carved out of dp x sp (nn.moe.expert_line)
 
     def __post_init__(self):
         if not isinstance(self.tp, Mode):
@@ -272,6 +294,8 @@ class GridShape:
             raise GridError(f"chunks must be a positive integer, got {self.chunks!r}")
         if self.chunks > 1 and self.schedule != "interleaved":
             raise GridError(f"chunks={self.chunks} needs schedule=interleaved")
+        if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1:
+            raise GridError(f"ep must be a positive integer, got {self.ep!r}")
 
     def check(self, model: Model, microbatches: int, ac=1) -> None:
         """A GridError unless `gridweave train` runs `model` on this grid in `microbatches`
@@ -303,18 +327,36 @@ class GridShape:
                             "(the message-driven schedule runs micro-batches as messages arrive, so replicas "
                             "would gather their parameters in different orders)")
         pipeline.resolve_ac(ac, cfg.layers // (self.pp * self.chunks), cfg.layers)
+        self.check_experts(cfg)
+
+    def check_experts(self, cfg) -> None:
+        """A mixture of experts' needs: whole tokens at the MLP (tp none or row:N without tp_sp),
+        ep dividing dp x sp (its line is carved out of them) and the experts."""
+        if cfg.moe is None:
+            if self.ep > 1:
+                raise GridError(f"ep={self.ep} splits a mixture of experts; this model has none")
+            return
+        if self.tp.moe_token_axes() is None:
+            raise GridError(f"a mixture of experts: tp {self.tp.spec()} splits each token's hidden vector at the MLP; "
+                            "experts run whole tokens (tp none or row:N without tp_sp)")
+        if (self.dp * self.sp) % self.ep:
+            raise GridError(f"ep={self.ep} does not divide dp x sp = {self.dp} x {self.sp} (experts are split over "
+                            "data-parallel ranks)")
+        if cfg.moe.experts % self.ep:
+            raise GridError(f"{cfg.moe.experts} experts do not split over ep={self.ep}")
 
     def spec(self) -> str:
         """The grid as `--grid` writes it (GridShape.parse reads it back)."""
         return (f"dp={self.dp},pp={self.pp},tp={self.tp.spec()},sp={self.sp},zero={self.zero},"
-                f"placement={self.placement},schedule={self.schedule},chunks={self.chunks}")
+                f"placement={self.placement},schedule={self.schedule},chunks={self.chunks}"
+                + (f",ep={self.ep}" if self.ep > 1 else ""))
 
     @classmethod
     def parse(cls, spec: str) -> "GridShape":
         """A grid written as `gridweave plan --grid` takes it: comma-separated key=value of dp, pp,
-        sp, zero, chunks (integers), tp (a mode's spec: row:8, cube:4, ...), placement and
+        sp, zero, chunks, ep (integers), tp (a mode's spec: row:8, cube:4, ...), placement and
         schedule, e.g. "dp=32,pp=8,tp=row:8"; a key left out takes GridShape's default."""
-        keys = ("dp", "pp", "sp", "zero", "chunks", "tp", "placement", "schedule")
+        keys = ("dp", "pp", "sp", "zero", "chunks", "ep", "tp", "placement", "schedule")
         fields = {}
         for item in filter(None, (p.strip() for p in str(spec).split(","))):
             key, eq, value = item.partition("=")
@@ -375,18 +417,24 @@ class _Lines(dict):
                 self[name] = self._line([name])
 
     def __missing__(self, label):
-        names = [a for a, n in self.sizes.items() if n > 1] if label == "world" else label.split(",")
-        if ":" in label or any(a not in self.sizes for a in names) or math.prod(self.sizes[a] for a in names) == 1:
+        axes, part = _label_line(label)
+        names = [a for a, n in self.sizes.items() if n > 1] if label == "world" else axes.split(",")
+        if (":" in label and part is None) or any(a not in self.sizes for a in names) or \
+                math.prod(self.sizes[a] for a in names) == 1:
             return None  # a host control channel (a few bytes, uncosted), or a line of one rank
-        self[label] = line = self._line(names)
+        line = self._line(names, part)
+        self[label] = line = line if line[4] > 1 else None  # a part of one member (ep 1)
         return line
 
-    def _line(self, names: list) -> tuple:
+    def _line(self, names: list, part=None) -> tuple:
         placement, cluster = self.placement, self.cluster
         line = placement.line(0, names)
+        if part is not None:  # member 0's block (within) or its position in every block (across)
+            within, q = part
+            line = line[:q] if within else line[::q]
         nodes = {placement.node_of(r) for r in line}
         t = placement.traffic(names, "all_gather", 1 << 10)
-        inter = t["inter_bytes"] / t["bytes"]
+        inter = 0.0 if len(nodes) == 1 else t["inter_bytes"] / t["bytes"]
         if len(nodes) == 1:
             return cluster.intra_alpha_s, cluster.intra_bandwidth_Bps, 1, inter, len(line)
         # the node's network link is shared by every line leaving it
@@ -417,7 +465,8 @@ def schedule_of(model: Model, grid: GridShape, microbatches: int, stage: int = 0
                          b / microbatches, _dtype(model), bsize, coarsening, clip, False, bool(model.vocab),
                          model.fused_attention, zero=grid.zero if model.vocab else 0,
                          attention=(model.attention, model.ulysses_degree), agreed=grid.schedule == "message_driven",
-                         overlap=overlap)
+                         overlap=overlap,
+                         experts=None if model.config.moe is None else Experts(grid.ep, model.expert_imbalance))
 
 
 def work_ops(micro) -> list:
@@ -457,9 +506,6 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
     overlap_grad_reduce: OffloadAdam's chunks start in the last micro-batch's backward (gw.train's
     default); only what outlasts that backward is exposed, at least the last chunk."""
     _check_recompute(recompute)
-    if model.config.moe is not None:  # its recording would need the routing the meta run cannot know
-        raise GridError("the planner does not model mixture-of-experts layers yet (their FLOPs, the all-to-alls "
-                        "over ep, the experts' imbalance): plan the dense model of the same attention instead")
     chunks = grid.chunks
     if chunks > 1 and grid.pp < 2:
         raise GridError(f"chunks={chunks} needs pp > 1")
@@ -468,6 +514,7 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
     dims = grid.dims()
     dims.check_batch(model.batch)
     dims.check_layers(model.layers)
+    grid.check_experts(model.config)
     b = model.batch // grid.dp  # sequences per data-parallel replica
     m = microbatches or (min(b, 4 * grid.pp) if grid.pp > 1 else 1)
     links, _ = _links(grid, cluster)
@@ -646,7 +693,8 @@ def enumerate_grids(n: int, model: Model, placements=PLACEMENTS, zeros=(0, 1, 2,
     """Every grid of n ranks that `gridweave train` accepts for the model (GridShape.check, train's
     rule, at one micro-batch; the planner adds only its floor of min_sp_tokens tokens per
     sequence-parallel rank), at each ZeRO stage where it has data axes, with the default schedule
-    where train takes it (ZeRO-3 over pipeline stages needs 1F1B's fixed order)."""
+    where train takes it (ZeRO-3 over pipeline stages needs 1F1B's fixed order); a mixture of
+    experts at every expert-parallel degree."""
     out = []
     for mode in tensor_modes(n, model):
         rest = n // mode.ranks()
@@ -654,15 +702,17 @@ def enumerate_grids(n: int, model: Model, placements=PLACEMENTS, zeros=(0, 1, 2,
                    and (d == 1 or model.seq // d >= min_sp_tokens)):
             for pp in (d for d in range(1, rest // sp + 1) if (rest // sp) % d == 0):
                 dp = rest // (sp * pp)
-                for pl in placements:
-                    for zero in zeros if dp * sp > 1 else (0,):
-                        grid = GridShape(dp=dp, pp=pp, tp=mode, sp=sp, placement=pl, zero=zero,
-                                         schedule="1f1b" if zero == 3 and pp > 1 else GridShape.schedule)
-                        try:
-                            grid.check(model, 1)
-                        except GridError:
-                            continue
-                        out.append(grid)
+                # a mixture of experts: every expert-parallel degree its experts and dp x sp split into
+                eps = (1,) if model.config.moe is None else \
+                    [e for e in range(1, dp * sp + 1) if (dp * sp) % e == 0 and model.config.moe.experts % e == 0]
+                for pl, zero, ep in itertools.product(placements, zeros if dp * sp > 1 else (0,), eps):
+                    grid = GridShape(dp=dp, pp=pp, tp=mode, sp=sp, placement=pl, zero=zero, ep=ep,
+                                     schedule="1f1b" if zero == 3 and pp > 1 else GridShape.schedule)
+                    try:
+                        grid.check(model, 1)
+                    except GridError:
+                        continue
+                    out.append(grid)
     return out
 
 

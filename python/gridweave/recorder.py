@@ -26,9 +26,10 @@ from .axes import AxesView
 from .axes import grid_axes as _grid_axes
 from .axes import stage_axes
 from .errors import GridError
-from .grid import Work
+from .grid import LinePart, Span, Work, one_part
 from .models import ModelConfig, build
 from .models.stage import GPTStage
+from .nn.moe import expert_line, plan_routing
 from .nn.transformer import TransformerLayer
 from . import optim
 from .optim import DistributedAdam, OffloadAdam, bucket_starts, gradient_chunks, matrices_only, uses_distributed
@@ -144,16 +145,33 @@ class RecordingGrid:
         self.log: list = []
 
     def size(self, axis=None) -> int:
+        axis = one_part(axis)
         if axis is None:
             return self.world_size
+        if isinstance(axis, LinePart):
+            return len(self._part(axis)[0])
         return math.prod(self.axes[a] for a in ([axis] if isinstance(axis, str) else axis))
 
     def index(self, axis) -> int:
         """This rank's index along an axis or a tuple of axes (row-major, first slowest: Grid's)."""
+        axis = one_part(axis)
+        if isinstance(axis, LinePart):
+            members, me = self._part(axis)
+            return members.index(me)
         i = 0
         for a in ([axis] if isinstance(axis, str) else axis):
             i = i * self.axes[a] + self.coords[a]
         return i
+
+    def _part(self, part: LinePart) -> tuple:
+        """(the member indices of the line part's line it keeps, this rank's index in the line), as
+        Grid._part; a recording has no nodes, so a part of node blocks (block 0) is not recorded."""
+        n, me = self.size(tuple(part.axes)), self.index(tuple(part.axes))
+        q = part.block
+        if not q or n % q:
+            raise GridError(f"a recording takes line parts of blocks that divide the line ({n} members), got {part!r}")
+        first = me // q * q
+        return (list(range(first, first + q)) if part.span is Span.WITHIN else list(range(me % q, n, q))), me
 
     def _record(self, op, axis, nbytes, result, async_op, member=None, root=0, elem=1):
         self.log.append(Collective(op, self.label(axis), float(nbytes),
@@ -161,7 +179,11 @@ class RecordingGrid:
         return _Done(result) if async_op else result
 
     def label(self, axis) -> str:
-        """The engine's counter label of an axis argument (the axes as given, "world" for None)."""
+        """The engine's counter label of an axis argument (the axes as given, "world" for None; a
+        line part: its line's, then its own, as Grid.comm names its communicator)."""
+        axis = one_part(axis)
+        if isinstance(axis, LinePart):
+            return f"{_label(tuple(axis.axes))}:{axis.label}"
         return "world" if axis is None else _label(axis)
 
     def all_gather(self, t, axis, dim=0, async_op=False, out=None):
@@ -195,6 +217,18 @@ class RecordingGrid:
     def all_to_all(self, t, axis, async_op=False):
         return self._record("all_to_all", axis, _nbytes(t), torch.empty_like(t), async_op, elem=t.element_size())
 
+    def all_to_all_v(self, t, send_counts, recv_counts, axis, tag: int = 0):
+        """Recorded as Grid.all_to_all_v runs it: a send to each other member with rows for it, a
+        receive from each with rows for this one (its own rows are copied)."""
+        row = _nbytes(t) // max(t.shape[0], 1)
+        me = self.index(axis)
+        for k, (out, inc) in enumerate(zip(send_counts, recv_counts)):
+            if k != me and inc:
+                self.log.append(Collective("recv", self.label(axis), 0.0, float(inc * row), k))
+            if k != me and out:
+                self.log.append(Collective("send", self.label(axis), float(out * row), float(out * row), k))
+        return t.new_empty((sum(recv_counts),) + tuple(t.shape[1:]))
+
     def scatter(self, out, full=None, axis=None, src=0, async_op=False):
         return self._record("scatter", axis, _nbytes(out) * self.size(axis), out, async_op, _nbytes(out), src,
                             out.element_size())
@@ -209,8 +243,8 @@ class RecordingGrid:
 
 class _RecordingRing:
     def __init__(self, grid, axis):
-        self.grid, self.axis = grid, axis
-        self.size, self.rank = grid.axes[axis], grid.coords[axis]
+        self.grid, self.axis = grid, grid.label(axis)
+        self.size, self.rank = grid.size(axis), grid.index(axis)
 
     def source_at(self, step):
         return (-step) % self.size  # as the engine's Ring (cpp/ring.h)
@@ -442,19 +476,53 @@ def collectives_at(mode, hidden, heads, seq, sp, batch: float) -> list:
 # ---- a whole training step ------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Experts:
+    """How a mixture-of-experts model's layers are recorded: the expert-parallel degree (its line
+    carved out of dp x sp, nn.moe.expert_line) and the planned routing's imbalance (the most
+    loaded expert's slots over the mean; nn.moe.planned_counts)."""
+    ep: int = 1
+    imbalance: float = 1.0
+
+
+def _stage_dp(config, dp: int) -> int:
+    """The dp a stage is recorded at: 1 (a dense stage's layers and parameters do not depend on
+    it), or a mixture of experts' own (its expert line is carved out of dp x sp)."""
+    return 1 if config.moe is None else dp
+
+
+def _moe_options(config, grid, experts) -> dict:
+    """A stage's options for a mixture-of-experts model: its expert line (else none)."""
+    return {} if config.moe is None else {"ep": expert_line(grid, (experts or Experts()).ep)}
+
+
+class GroupedGemm(TorchFunctionMode):
+    """torch's grouped GEMM has a meta kernel for bf16 only, and the experts run it in float32 and
+    fp16 too: the recording runs one product of its FLOPs in its place, the rows through the
+    first group's (K, N) weights (2 M K N forward, its two products backward, one kernel each,
+    as the grouped kernel's)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.nn.functional.grouped_mm, torch._grouped_mm) and args[0].dim() == 2 and args[1].dim() == 3:
+            return torch.mm(args[0], args[1][0])
+        return func(*args, **(kwargs or {}))
+
+
 def record_stage(config, mode, dp, pp, sp, at, batch, per_stage, dtype=torch.bfloat16, ends=True,
-                 fused_attention=True, attention=("ring", 1)) -> tuple:
+                 fused_attention=True, attention=("ring", 1), experts=None) -> tuple:
     """Forward and backward of one micro-batch of `batch` sequences through gw.models.GPTStage
     (embedding, loss, vocab-parallel pieces and the stage boundary's scatter / gather included)
     on the rank at coordinates `at` ((axis, index) pairs, the others 0; its stage at["pp"]), the
     model `config` with `per_stage` layers a stage; ends=False: its layers alone.
     fused_attention: the attention core as a fused kernel (FusedAttention), else torch's math
     path with the scores kept (as Megatron ran before flash attention). attention: how it runs
-    over sp (a SeqAttention value and the Ulysses degree). Returns (schedule, pipeline payload bytes)."""
+    over sp (a SeqAttention value and the Ulysses degree). experts: a mixture of experts' Experts
+    (None: ep 1, balanced), routed as planned (nn.moe.plan_routing). Returns (schedule, pipeline
+    payload bytes)."""
     axes = _grid_axes(dp, pp, sp, mode)
     grid = RecordingGrid(axes, mode, _recorded_at(mode, axes, at))
     stage = grid.coords["pp"]
-    options = dict(attention=attention[0], ulysses_degree=attention[1])
+    options = dict(attention=attention[0], ulysses_degree=attention[1], **_moe_options(config, grid, experts))
     with MetaMemo():  # building it (its run is the Census's, which memoizes the same way)
         dense = _dense(config, pp * per_stage, dtype)
         if ends:
@@ -465,9 +533,10 @@ def record_stage(config, mode, dp, pp, sp, at, batch, per_stage, dtype=torch.bfl
             st.layers = torch.nn.ModuleList(TransformerLayer.from_dense(d, grid, mode=mode, **options)
                                             for d in dense.layers[:per_stage])
             shape = st.layers[0].input_layout.without("dp").local_shape((batch, config.seq, config.hidden), grid)
+    plan_routing(st, (experts or Experts()).imbalance)
     params = list(st.parameters())
     saved = _Saved(params)
-    with Census() as census, (FusedAttention() if fused_attention else contextlib.nullcontext()):
+    with Census() as census, GroupedGemm(), (FusedAttention() if fused_attention else contextlib.nullcontext()):
         if not ends:
             x = torch.empty(shape, dtype=dtype, device=grid.device, requires_grad=True)
         elif stage == 0:
@@ -560,10 +629,11 @@ def stage_role(pp: int, stage: int) -> tuple:
 
 
 @lru_cache(maxsize=1024)
-def _stage_recordings(config, mode, dp, pp, sp, at, dtype, ends, fused_attention, attention=("ring", 1)) -> tuple:
+def _stage_recordings(config, mode, dp, pp, sp, at, dtype, ends, fused_attention, attention=("ring", 1),
+                      experts=None) -> tuple:
     """record_stage with one and two layers a stage, at the mode's smallest batch b0 and 2 b0."""
     b0 = batch_unit(mode, sp)
-    return {(k, b): record_stage(config, mode, dp, pp, sp, at, b, k, dtype, ends, fused_attention, attention)
+    return {(k, b): record_stage(config, mode, dp, pp, sp, at, b, k, dtype, ends, fused_attention, attention, experts)
             for k in (1, 2) for b in (b0, 2 * b0)}, b0
 
 
@@ -582,7 +652,7 @@ def _lerp(a: LayerSchedule, b: LayerSchedule, f: float) -> LayerSchedule:
 def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch.bfloat16, bsize=1 << 14,
                   coarsening=4, clip=True, loss_scaling=False, ends=True, fused_attention=True,
                   announced=False, zero=0, offload=True, attention=("ring", 1), agreed=False,
-                  overlap=False) -> StepSchedule:
+                  overlap=False, experts=None) -> StepSchedule:
     """The collectives of one gw.train step on the rank at coordinates `at` ((axis, index) pairs,
     the others 0; its pipeline stage at["pp"]): `microbatches` micro-batches of `batch`
     sequences through the stage (recorded: gw.models.GPTStage on a RecordingGrid, its layers
@@ -597,12 +667,14 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
     agreed: the message-driven schedule, whose stages between two others agree on each message
     they take (its first member's 16-byte broadcast over the stage's axes, on a host channel).
     overlap: OffloadAdam's overlap (gw.train's overlap_grad_reduce): its chunks in the backward's
-    layout, each started in the last backward (StepSchedule.in_backward)."""
+    layout, each started in the last backward (StepSchedule.in_backward). experts: a mixture of
+    experts' (recorder.Experts; its layers are recorded on the whole dp, their line carved out of it)."""
     stage = dict(at).get("pp", 0)
     rpp, rstage = stage_role(pp, stage)  # the recordings of grids that share this stage's shapes
-    others = tuple((a, i) for a, i in at if a not in ("dp", "pp"))
-    rec, b0 = _stage_recordings(config, mode, 1, rpp, sp, others + (("pp", rstage),), dtype, ends, fused_attention,
-                                attention)
+    # a dense stage's layers are alike on every dp replica; a mixture of experts' line spans dp
+    others = tuple((a, i) for a, i in at if a != "pp" and (a != "dp" or config.moe is not None))
+    rec, b0 = _stage_recordings(config, mode, _stage_dp(config, dp), rpp, sp, others + (("pp", rstage),), dtype, ends, fused_attention,
+                                attention, experts)
     f = (batch - b0) / b0  # every byte and FLOP is affine in the batch: two recordings give any batch
     one, two = (_lerp(rec[(k, b0)][0], rec[(k, 2 * b0)][0], f) for k in (1, 2))
     payload = round(rec[(1, b0)][1] + (rec[(1, 2 * b0)][1] - rec[(1, b0)][1]) * f)
@@ -633,12 +705,12 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
     # the stage's parameters as the smallest pipeline with this stage's role and layers holds them;
     # unsharded (zero 0: OffloadAdam's chunks, or DistributedAdam's unpadded buckets all-reduced), the
     # optimizer depends on dp only through whether it is an axis (size > 1); sharded, on its size
-    odp, oat = (dp, at) if zero else (min(dp, 2), _without_dp(at))
+    odp, oat = (dp, at) if zero or config.moe is not None else (min(dp, 2), _without_dp(at))
     # ZeRO-2 differs from ZeRO-1 only in dropping the whole gradients once reduced (DistributedAdam._launch):
     # the same recording (test_plan checks it), made once
     opt = _optimizer_schedule(dataclasses.replace(config, layers=config.layers // pp * rpp), mode, odp, rpp, sp,
                               tuple((a, i) for a, i in oat if a != "pp") + (("pp", rstage),), dtype, bsize, coarsening,
-                              clip, 1 if zero == 2 else zero, offload, overlap)
+                              clip, 1 if zero == 2 else zero, offload, overlap, experts)
     micro = dataclasses.replace(micro, collectives=micro.collectives + opt["gathers"])
     return StepSchedule(micro, microbatches, tuple(grid.log) + opt["step"], opt["parameters"], opt["tensors"],
                         layer, config.layers // pp, opt["state"], opt["gathered"], opt["in_backward"])
@@ -646,26 +718,29 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
 
 @lru_cache(maxsize=1024)
 def _optimizer_schedule(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, clip, zero, offload,
-                        overlap=False) -> dict:
+                        overlap=False, experts=None) -> dict:
     """The optimizer's part of a step, recorded from its own code over the stage's parameters as
     its modules place them (the same for every micro-batch count): its step collectives (gradient
     all-reduces or reduce-scatters, the clipping norm, the all-gathers), ZeRO-3's gathers of one
     micro-batch, the parameters, the state elements of each kind (-1: unsharded) and ZeRO-3's
     most elements gathered at once."""
     with MetaMemo():
-        return _record_optimizer(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, clip, zero, offload, overlap)
+        return _record_optimizer(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, clip, zero, offload, overlap,
+                                 experts)
 
 
-def _record_optimizer(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, clip, zero, offload, overlap) -> dict:
+def _record_optimizer(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, clip, zero, offload, overlap,
+                      experts=None) -> dict:
     k = config.layers // pp
-    if k > 3 and uses_distributed(zero, offload) and _layers_cut_alike(config, mode, dp, pp, sp, at, dtype, zero):
+    if k > 3 and uses_distributed(zero, offload) and _layers_cut_alike(config, mode, dp, pp, sp, at, dtype, zero,
+                                                                       experts):
         two, three = (_record_optimizer(dataclasses.replace(config, layers=j * pp), mode, dp, pp, sp, at, dtype, bsize,
-                                        coarsening, clip, zero, offload, overlap) for j in (2, 3))
+                                        coarsening, clip, zero, offload, overlap, experts) for j in (2, 3))
         out = _repeated(two, three, k)
         if out is not None:
             return out
     grid = RecordingGrid(_grid_axes(dp, pp, sp, mode), mode, dict(at))
-    stage = _stand_in(config, mode, pp, sp, _without_dp(at), dtype)
+    stage = _stand_in(config, mode, pp, sp, _without_dp(at), dtype, _stage_dp(config, dp), experts)
     params_of = list(stage.parameters())
     out = {"parameters": sum(p.numel() for p in params_of), "tensors": len(params_of), "state": -1,
            "gathers": (), "gathered": 0, "in_backward": ()}
@@ -695,7 +770,7 @@ def _record_optimizer(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, cl
     return out
 
 
-def _layers_cut_alike(config, mode, dp, pp, sp, at, dtype, zero) -> bool:
+def _layers_cut_alike(config, mode, dp, pp, sp, at, dtype, zero, experts=None) -> bool:
     """Whether DistributedAdam's buckets over a stage's layers repeat layer by layer: for each set
     of reduction axes, its open bucket holds as much where the second layer ends as where the
     first does (optim.bucket_starts over two layers' parameters, in backward order, the first to
@@ -706,7 +781,7 @@ def _layers_cut_alike(config, mode, dp, pp, sp, at, dtype, zero) -> bool:
     if zero == 3:
         return True
     grid = RecordingGrid(_grid_axes(dp, pp, sp, mode), mode, dict(at))
-    layer = _one_layer_stage(config, mode, pp, sp, _without_dp(at), dtype).layers[0]
+    layer = _one_layer_stage(config, mode, pp, sp, _without_dp(at), dtype, _stage_dp(config, dp), experts).layers[0]
     by_axes: dict = {}
     for p in reversed([p for p in layer.parameters() if p.requires_grad]):
         by_axes.setdefault(placement_of(p).reduce_axes(grid), []).append(p.numel())
@@ -763,10 +838,11 @@ def _dense(config, layers, dtype):
     return model
 
 
-def _stage(config, mode, dp, pp, sp, at, dtype):
+def _stage(config, mode, dp, pp, sp, at, dtype, experts=None):
     """The stage (meta) without running it: its modules place its parameters."""
     grid = RecordingGrid(_grid_axes(dp, pp, sp, mode), mode, dict(at))
-    return GPTStage(_dense(config, config.layers, dtype), grid, mode, grid.coords["pp"], pp)
+    return GPTStage(_dense(config, config.layers, dtype), grid, mode, grid.coords["pp"], pp,
+                    **_moe_options(config, grid, experts))
 
 
 def _without_dp(at) -> tuple:
@@ -776,10 +852,10 @@ def _without_dp(at) -> tuple:
 
 
 @lru_cache(maxsize=256)
-def _one_layer_stage(config, mode, pp, sp, at, dtype):
+def _one_layer_stage(config, mode, pp, sp, at, dtype, dp=1, experts=None):
     """_stage with one layer a stage (dp 1: a stage's parameters do not depend on dp, only on
     the mode, sp and its role); the model's tied embedding kept as the whole model ties it."""
-    return _stage(dataclasses.replace(config, layers=pp), mode, 1, pp, sp, at, dtype)
+    return _stage(dataclasses.replace(config, layers=pp), mode, dp, pp, sp, at, dtype, experts)
 
 
 class _Copies(torch.nn.Module):
@@ -795,7 +871,7 @@ class _Copies(torch.nn.Module):
             self.register_parameter(f"p{i}", seen[id(p)])
 
 
-def _stand_in(config, mode, pp, sp, at, dtype):
+def _stand_in(config, mode, pp, sp, at, dtype, dp=1, experts=None):
     """What the optimizer sees of a stage of config.layers // pp layers: its parameters in
     stage.parameters()' order (embedding, head, then layer by layer) and its ZeRO-3 units
     (shard_units: embedding, each layer, head), each a copy of a one-layer stage's modules, the
@@ -803,7 +879,7 @@ def _stand_in(config, mode, pp, sp, at, dtype):
     (_dense), so they hold equal parameters; the optimizer reads only the parameters, their
     order and the units (tests/python/test_plan.py compares the recordings with the full
     stage's). Building a 1T model's 128-layer stage took most of its planning time."""
-    one = _one_layer_stage(config, mode, pp, sp, at, dtype)
+    one = _one_layer_stage(config, mode, pp, sp, at, dtype, dp, experts)
     seen: dict = {}
     stand = torch.nn.Module()
     stand.embed = _Copies(one.embed, seen) if one.embed is not None else None

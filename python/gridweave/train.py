@@ -30,14 +30,14 @@ from . import checkpoint, data, launch, loggers, models, optim, pipeline, plan, 
 from .axes import ParallelDims
 from .errors import Diverged, GridError
 from .generate import sample
-from .grid import Grid, LinePart, Span, init, shutdown
+from .grid import Grid, init, shutdown
 from .measure import StepPhases, gemm_rate, probe_size, timed
 from .models import ModelConfig
-from .nn.moe import MoE, routed_tokens, set_aux_grad_scale
+from .nn.moe import MoE, expert_line, routed_tokens, set_aux_grad_scale
 from .nn.sequence import SeqAttention
 from .modes import Mode, parse
 from .precision import LossScaler, Precision
-from .sharding import DATA_AXES, first_copy, present_axes
+from .sharding import first_copy
 
 # What a resumed run must share with its checkpoint (the model, the data order).
 RESUME_KEYS = ("model", "tokenizer", "seq", "batch", "seed")
@@ -282,8 +282,7 @@ class TrainConfig:
         """The line part of the data axes (dp x sp, sp fastest) that model mixtral's experts split
         over: blocks of ep consecutive ranks (Megatron's and torchtitan's expert-parallel group,
         carved out of the data-parallel ranks; the other part of the line holds the copies)."""
-        axes = present_axes(grid, DATA_AXES) or ("dp",)
-        return LinePart(axes, Span.WITHIN, self.ep)
+        return expert_line(grid, self.ep)
 
     def grid_shape(self, world: int) -> dict:
         """The grid's axes on `world` ranks: the ones not given derived from the ones given (pp
@@ -293,15 +292,6 @@ class TrainConfig:
         one rule, one message."""
         dims = ParallelDims.for_world(world, self.mode, self.sp, self.dp, self.pp, self.layers)
         self.plan_shape(dims.dp, dims.pp).check(plan.model_of(self), self.microbatches, self.ac)
-        if self.model == "mixtral":
-            if self.mode.moe_token_axes() is None:
-                raise GridError(f"model mixtral: tp {self.mode.spec()}{' with tp_sp' if self.tp_sp else ''} splits each "
-                                "token's hidden vector at the MLP; experts run whole tokens (tp none or row:N)")
-            if (dims.dp * dims.sp) % self.ep:
-                raise GridError(f"ep={self.ep} does not divide dp x sp = {dims.dp} x {dims.sp} (experts are split over "
-                                "data-parallel ranks)")
-            if self.experts % self.ep:
-                raise GridError(f"{self.experts} experts do not split over ep={self.ep}")
         if self.pack_documents and not self.mode.packs_documents:
             raise GridError(f"pack_documents: tp {self.mode.spec()}'s attention does not mask by documents "
                             "(SUPER's branches); use another tensor mode")
@@ -315,7 +305,7 @@ class TrainConfig:
     def plan_shape(self, dp: int, pp: int) -> "plan.GridShape":
         """This job's grid as the planner takes it, with dp and pp (grid_shape's)."""
         return plan.GridShape(dp=dp, pp=pp, tp=self.mode, sp=self.sp, placement=self.placement, zero=self.zero,
-                              schedule=self.schedule, chunks=self.chunks)
+                              schedule=self.schedule, chunks=self.chunks, ep=self.ep)
 
     def check_files(self) -> None:
         """The files of this run, checked by the launcher before any rank starts: the corpus

@@ -402,12 +402,97 @@ def test_torchs_grouped_gemm_equals_the_loop_over_experts(counts):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_the_planner_says_it_does_not_model_experts():
+@pytest.mark.parametrize("imbalance,cf", [(1.0, None), (2.5, None), (2.0, 0.75)])
+def test_a_planned_routing_runs_exactly_its_counts(imbalance, cf):
+    """The planner's routing (nn.moe.planned_route, what its meta-device recording runs, where the
+    router's choices cannot be read): expert 0 takes `imbalance` times the mean, the others the
+    rest evenly, each capped at the capacity; the block run with it (plan_routing) equals a
+    per-slot loop over that routing's experts and weights (float64)."""
+    from gridweave.nn.moe import plan_routing, planned_counts, planned_route
+
+    moe = MoE(experts=4, top_k=2, ffn=8, capacity_factor=cf, router_fp32=False)
+    torch.manual_seed(3)
+    block = DenseMoE(16, moe, dtype=torch.float64, device=DEV)
+    x = torch.randn(24, 16, dtype=torch.float64, device=DEV)
+    counts = planned_counts(48, 4, imbalance)
+    assert sum(counts) == 48 and counts[0] == round(imbalance * 12) and max(counts[1:]) - min(counts[1:]) <= 1
+    r = planned_route(block.gate(x), moe, imbalance)
+    kept = counts if cf is None else [min(c, moe.capacity(24)) for c in counts]
+    assert r.known == kept == r.counts.tolist() and torch.bincount(r.experts.reshape(-1), minlength=4).tolist() == counts
+    slots = r.experts.reshape(-1)[r.order]
+    assert torch.equal(slots, slots.sort().values) and slots.numel() == sum(kept)
+    plan_routing(block, imbalance)
+    out = block(x)
+    ref = torch.zeros_like(x)
+    for s in r.order.tolist():
+        t, j = divmod(s, moe.top_k)
+        e = int(r.experts.reshape(-1)[s])
+        g, u = (block.gate_up[e] @ x[t]).chunk(2)
+        ref[t] += r.weights[t, j] * (block.down[e] @ (torch.nn.functional.silu(g) * u))
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)
+    with pytest.raises(GridError, match="expert imbalance must be between 1"):
+        planned_counts(48, 4, 0.5)
+
+
+def _planned(cfg, grid, imbalance=1.0):
     import gridweave as gw
 
-    cfg = gw.train.TrainConfig(model="mixtral", hidden=32, heads=4, layers=2, seq=16, batch=8, tokenizer="bytes")
-    with pytest.raises(GridError, match="does not model mixture-of-experts layers"):
-        gw.plan.predict(gw.plan.model_of(cfg), gw.plan.GridShape(dp=2), gw.plan.load_cluster("a100-ib"))
+    model = gw.plan.Model(cfg, batch=8, bytes_per_value=4, expert_imbalance=imbalance)
+    return model, gw.plan.schedule_of(model, grid, 1)
+
+
+def test_the_planner_records_active_flops_dispatch_bytes_and_expert_shares_by_formula():
+    """Deliverable 5: a mixture of experts' recorded step (the planner's) against the formulas:
+    FLOPs are the active parameters' (the dense model whose MLP is top_k experts wide, plus the
+    router's 6 T H E a layer); with ep 2 and imbalance 2 the recorded rank (it holds the most
+    loaded expert) runs 18 H F FLOPs for each row it receives, and sends each dispatch and
+    combine, forward and backward, the rows of the formula; its parameters are the others plus
+    E/ep of the experts."""
+    import gridweave as gw
+    from gridweave.nn.moe import planned_counts
+
+    h, f, e, k, layers, seq = 32, 48, 8, 2, 2, 16
+    cfg = gw.models.ModelConfig("llama", 256, h, 4, layers, seq, kv_heads=2, moe=MoE(experts=e, top_k=k, ffn=f))
+    dense = dataclasses.replace(cfg, moe=None, ffn_hidden=k * f)
+    tokens = 8 // 4 * seq  # dp 4: two sequences a rank
+    _, moe1 = _planned(cfg, gw.plan.GridShape(dp=4))
+    _, ref = _planned(dense, gw.plan.GridShape(dp=4))
+    assert moe1.microbatch.flops - ref.microbatch.flops == layers * 6 * tokens * h * e
+    _, moe2 = _planned(cfg, gw.plan.GridShape(dp=4, ep=2), imbalance=2.0)
+    c = planned_counts(tokens * k, e, 2.0)
+    received = 2 * sum(c[:e // 2])  # both members send the rank holding experts 0-3 what it sends itself
+    assert moe2.microbatch.flops - moe1.microbatch.flops == layers * 18 * h * f * (received - tokens * k)
+    sent = [x.nbytes for x in moe2.microbatch.collectives if x.op == "send" and x.axis == "dp:within2"]
+    rows = [sum(c[e // 2:]), sum(c[:e // 2])]  # dispatch to member 1, combine back what it sent
+    assert sorted(sent) == sorted(layers * 2 * [r * h * 4 for r in rows])
+    whole = sum(p.numel() for p in gw.models.build(cfg, device="meta").parameters())
+    experts = layers * e * 3 * h * f
+    assert moe2.parameters == whole - experts + experts // 2 and moe1.parameters == whole
+
+
+def test_the_planner_ranks_ep_with_the_other_axes_and_checks_it_as_train_does():
+    """Every expert-parallel degree that divides dp x sp and the experts is enumerated (and trains:
+    GridShape.check is gridweave train's rule); a given grid's ep round-trips through --grid;
+    a more imbalanced routing is predicted slower; a bad ep is one clear error."""
+    import gridweave as gw
+
+    cfg = gw.train.TrainConfig(model="mixtral", hidden=32, heads=4, layers=2, seq=16, batch=8, tokenizer="bytes",
+                               experts=4)
+    model = gw.plan.model_of(cfg)
+    grids = gw.plan.enumerate_grids(8, model, placements=("topology",), zeros=(0,))
+    assert {g.ep for g in grids if g.dp * g.sp == 8} == {1, 2, 4}
+    assert all((g.dp * g.sp) % g.ep == 0 for g in grids)
+    g = gw.plan.GridShape(dp=4, pp=2, ep=4)
+    assert gw.plan.GridShape.parse(g.spec()) == g
+    cluster = gw.plan.load_cluster("a100-ib")
+    times = [gw.plan.predict(dataclasses.replace(model, expert_imbalance=f), g, cluster)["step_time_s"]
+             for f in (1.0, 3.0)]
+    assert times[1] > times[0]
+    rows = gw.plan.plan(8, model, cluster, top=3)
+    assert rows and all("ep" in r for r in rows)
+    for bad, match in ((dict(dp=4, ep=3), "ep=3 does not divide dp x sp"), (dict(dp=8, ep=8), "4 experts do not")):
+        with pytest.raises(GridError, match=match):
+            gw.plan.predict(model, gw.plan.GridShape(**bad), cluster)
 
 
 def test_init_from_a_mixtral_folder_sets_its_experts(tmp_path):

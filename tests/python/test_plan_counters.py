@@ -11,19 +11,27 @@ GRIDS = [("none", 2, 2, 1), ("row:4", 1, 2, 1), ("row:2", 2, 2, 1), ("square:2",
          ("row:2", 1, 4, 1)]  # pp 4: middle stages of two ranks, which agree on their messages' order
 
 
-def _step(ctx, tp, dp, pp, sp, family, precision, zero=0, offload=True, overlap=False):
+def _step(ctx, tp, dp, pp, sp, family, precision, zero=0, offload=True, overlap=False, more=None):
+    """more: further TrainConfig fields; with model mixtral, "imbalance": the real stage routes as
+    the planner plans (nn.moe.plan_routing), so its traffic is the planned routing's."""
     import gridweave as gw
     from gridweave import plan
-    from gridweave.recorder import step_schedule
+    from gridweave.nn.moe import plan_routing
+    from gridweave.recorder import Experts, step_schedule
 
+    more = dict(more or {})
+    imbalance = more.pop("imbalance", 1.0)
     cfg = gw.train.TrainConfig(model=family, hidden=64, heads=8, layers=4, seq=32, batch=8, microbatches=2,
                                tokenizer="bytes", tp=tp, dp=dp, pp=pp, sp=sp, precision=precision, bsize=512,
                                coarsening=2, zero=zero, offload=offload, overlap_grad_reduce=overlap,
-                               schedule="1f1b" if zero == 3 else "message_driven")
+                               schedule="1f1b" if zero == 3 else "message_driven", **more)
     grid = ctx.init(dp=dp, pp=pp, tp=cfg.mode, sp=sp)
     model_cfg = cfg.model_config(256)
     torch.manual_seed(0)
     _, stage, opt, scaler = gw.train.build(cfg, grid, model_cfg)
+    experts = None if model_cfg.moe is None else Experts(cfg.ep, imbalance)
+    if experts is not None:
+        plan_routing(stage, imbalance)
     g = torch.Generator().manual_seed(1 + grid.coords["dp"])
     x = torch.randint(0, 256, (cfg.batch // dp, cfg.seq), generator=g, device="cpu")  # the reader's host batch
     gw.train.train_step(cfg, grid, stage, opt, scaler, x, x.roll(1, 1))
@@ -36,7 +44,8 @@ def _step(ctx, tp, dp, pp, sp, family, precision, zero=0, offload=True, overlap=
                              cfg.max_grad_norm is not None, scaler is not None,
                              announced=pp > 1 and cfg.schedule == "message_driven"  # the other schedules announce nothing
                              and not grid.capabilities("pp")["recv_any"], zero=zero, offload=offload,
-                             agreed=cfg.schedule == "message_driven", overlap=overlap)
+                             agreed=cfg.schedule == "message_driven", overlap=overlap,
+                             attention=(cfg.attention, cfg.ulysses_degree), experts=experts)
     return ran, plan.step_counters(schedule, grid.axes, grid.placement, grid.rank)
 
 
@@ -69,5 +78,24 @@ def test_planned_step_traffic_with_zero(pool, tp, dp, pp, sp, zero, offload):
 
     n = dp * pp * sp * gw.modes.parse(tp).ranks()
     res = pool.run(_step, n, tp, dp, pp, sp, "llama", "fp32", zero, offload, timeout=240)
+    for rank, (ran, planned) in enumerate(res):
+        assert ran == planned, (rank, {k: (ran.get(k), planned.get(k)) for k in set(ran) | set(planned) if ran.get(k) != planned.get(k)})
+
+
+# issue 35: the expert-parallel step (the counts' all-to-all, the rows' dispatch and combine in one
+# group of sends and receives, the statistics' all-reduces over the token axes, the experts'
+# gradients reduced over the other part of their line) with the planner's routing run for real;
+# and USP, whose Ulysses blocks and outer ring are line parts too
+@pytest.mark.parametrize("tp,dp,pp,sp,more", [("none", 4, 1, 1, dict(model="mixtral", experts=4, ep=2)),
+                                              ("none", 2, 2, 1, dict(model="mixtral", experts=4, ep=2, imbalance=2.0)),
+                                              ("none", 2, 1, 2, dict(model="mixtral", experts=4, ep=4, imbalance=1.5)),
+                                              ("row:2", 2, 2, 1, dict(model="mixtral", experts=4, ep=2)),
+                                              ("none", 2, 1, 4, dict(attention="usp", ulysses_degree=2))])
+def test_planned_step_traffic_with_experts_and_line_parts(pool, tp, dp, pp, sp, more):
+    import gridweave as gw
+
+    n = dp * pp * sp * gw.modes.parse(tp).ranks()
+    family = more.pop("model", "llama")
+    res = pool.run(_step, n, tp, dp, pp, sp, family, "fp32", 0, True, False, more, timeout=240)
     for rank, (ran, planned) in enumerate(res):
         assert ran == planned, (rank, {k: (ran.get(k), planned.get(k)) for k in set(ran) | set(planned) if ran.get(k) != planned.get(k)})

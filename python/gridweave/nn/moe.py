@@ -30,7 +30,7 @@ from torch import nn
 
 from ..autograd.comm import all_to_all_v, reduce_from_parallel
 from ..errors import GridError
-from ..grid import LinePart
+from ..grid import LinePart, Span
 from ..layout import Layout
 from ..sharding import DATA_AXES, place, present_axes, values
 
@@ -90,6 +90,12 @@ class Routing:
     logits: torch.Tensor
     order: torch.Tensor
     counts: torch.Tensor
+    known: list | None = None  # counts as integers where known without reading them (a planned routing)
+    chosen_known: list | None = None  # a planned routing's top-k counts per expert, before any drop
+
+    def count_list(self) -> list:
+        """The kept slots per expert as integers (a host sync unless the routing is planned)."""
+        return self.known if self.known is not None else self.counts.tolist()
 
 
 def route(logits: torch.Tensor, moe: MoE, kept=None) -> Routing:
@@ -110,6 +116,40 @@ def route(logits: torch.Tensor, moe: MoE, kept=None) -> Routing:
         order = order[torch.sort(flat[order], stable=True).indices]
     counts = torch.bincount(flat[order], minlength=moe.experts)
     return Routing(top, experts, probs, logits, order, counts)
+
+
+def planned_counts(slots: int, experts: int, imbalance: float) -> list:
+    """The slots per expert of a planned routing (the planner's: a meta-device recording cannot
+    route): expert 0 the most loaded, `imbalance` times the mean (>= 1; 1: balanced), the others
+    sharing the rest evenly."""
+    if imbalance < 1 or imbalance > experts:
+        raise GridError(f"expert imbalance must be between 1 (balanced) and the expert count {experts}, "
+                        f"got {imbalance!r}")
+    hot = slots if experts == 1 else min(slots, round(imbalance * slots / experts))
+    q, r = divmod(slots - hot, max(experts - 1, 1))
+    return [hot] + [q + (i < r) for i in range(experts - 1)]
+
+
+def planned_route(logits: torch.Tensor, moe: MoE, imbalance: float, ranks: int = 1) -> Routing:
+    """route() with the slots' experts fixed in advance (planned_counts, every rank alike) and
+    their counts known as integers: the router's kernels as route runs them, then slots in
+    expert order. ranks: the ranks whose tokens a capacity is counted over (each holds this many
+    tokens and routes them alike)."""
+    t, k = logits.shape[0], moe.top_k
+    probs = torch.softmax(_router_dtype(logits, moe), dim=-1)
+    top, _ = torch.topk(probs, k, dim=-1)
+    if moe.normalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    counts = planned_counts(t * k, moe.experts, imbalance)
+    dev = logits.device
+    experts = torch.repeat_interleave(torch.arange(moe.experts, device=dev), torch.tensor(counts, device=dev),
+                                      output_size=t * k).reshape(t, k)
+    cap = moe.capacity(t * ranks)
+    kept = counts if cap is None else [min(c, cap // ranks) for c in counts]
+    starts = itertools.accumulate(counts, initial=0)
+    order = torch.arange(t * k, device=dev) if cap is None else \
+        torch.cat([torch.arange(s, s + n, device=dev) for s, n in zip(starts, kept)])
+    return Routing(top, experts, probs, logits, order, torch.tensor(kept, device=dev), kept, counts)
 
 
 def kept_slots(chosen: torch.Tensor, experts: torch.Tensor, moe: MoE) -> torch.Tensor:
@@ -244,11 +284,17 @@ class DenseMoE(nn.Module):
         self.register_buffer("routed", torch.zeros(moe.experts, dtype=torch.int64, device=device), persistent=False)
         self.aux_loss = None
         self.aux_grad_scale = 1.0
+        self.planned_imbalance = None  # plan_routing's: route by planned_route with this imbalance
 
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, self.hidden)
-        r = route(self.gate(x), self.moe, self._kept)
+        if self.planned_imbalance is None:
+            r = route(self.gate(x), self.moe, self._kept)
+        else:
+            r = planned_route(self.gate(x), self.moe, self.planned_imbalance, self._token_ranks())
+            if self.moe.capacity_factor is not None:  # the ranking's gather (its kept slots are planned)
+                self._gather_slots(r.weights.detach(), r.experts)
         if self.training:  # a training step's routing (validation's forwards are not counted)
             self.routed += r.counts.detach()
         y = self._run_experts(x, r)  # each kept slot's expert output, in r.order
@@ -262,15 +308,24 @@ class DenseMoE(nn.Module):
 
     _kept = None  # route's default: a capacity among this module's tokens
 
+    def _token_ranks(self) -> int:
+        """The ranks one micro-batch's tokens are split over (a capacity's ranking spans them)."""
+        return 1
+
+    def _gather_slots(self, chosen, experts) -> tuple:
+        """The slots a capacity ranks: (probabilities, experts) of the micro-batch's tokens."""
+        return chosen, experts
+
     def _run_experts(self, x, r: Routing):
         """Dispatch (each kept slot's token, grouped by expert), the grouped GEMM."""
         self.tokens_per_expert = r.counts.detach()
-        return swiglu_experts(x[r.order // self.moe.top_k], r.counts.tolist(), self.gate_up, self.down)
+        return swiglu_experts(x[r.order // self.moe.top_k], r.count_list(), self.gate_up, self.down)
 
     def _statistics(self, r: Routing) -> tuple:
         """(top-k counts per expert, probabilities summed per expert, log-sum-exp^2 summed,
         tokens) of the tokens the losses average over: this module's."""
-        chosen = torch.bincount(r.experts.reshape(-1), minlength=self.moe.experts)
+        chosen = torch.bincount(r.experts.reshape(-1), minlength=self.moe.experts) if r.chosen_known is None else \
+            torch.tensor(r.chosen_known, device=r.probs.device)
         return chosen, r.probs.sum(dim=0), _lse_squared(r).sum(), r.probs.shape[0]
 
     def _attach_losses(self, out, r: Routing):
@@ -356,7 +411,11 @@ class ExpertParallelMoE(DenseMoE):
         rows = x[r.order // self.moe.top_k]  # grouped by expert: by destination member, then its experts
         counts = r.counts.reshape(n, e)
         got = self.grid.all_to_all(counts.contiguous(), self.ep)  # got[j, i]: member j's rows for my expert i
-        send, got = counts.sum(dim=1).tolist(), got.tolist()  # one host sync for every size
+        if r.known is None:
+            send, got = counts.sum(dim=1).tolist(), got.tolist()  # one host sync for every size
+        else:  # a planned routing: every member routes alike, so each sends me what I send my own experts
+            mine = r.known[self.grid.index(self.ep) * e:][:e]
+            send, got = [sum(r.known[j * e:(j + 1) * e]) for j in range(n)], [mine] * n
         arrived = all_to_all_v(rows, self.grid, self.ep, send, [sum(g) for g in got])
         # member-major (j, i) blocks -> expert-major (i, j): each expert's rows contiguous
         blocks = arrived.split([c for g in got for c in g])
@@ -368,17 +427,25 @@ class ExpertParallelMoE(DenseMoE):
         back = torch.cat([out[i * n + j] for j in range(n) for i in range(e)])
         return all_to_all_v(back, self.grid, self.ep, [sum(g) for g in got], send)
 
+    def _token_ranks(self) -> int:
+        return self.grid.size(self.token_axes) if self.token_axes else 1
+
     def _kept(self, chosen, experts, moe):
         """kept_slots over the micro-batch: every data rank's slots gathered (T k values and ids
         each), ranked, and this rank's taken back."""
+        keep = kept_slots(*self._gather_slots(chosen, experts), moe)
         if not self.token_axes:
-            return kept_slots(chosen, experts, moe)
-        every = self.grid.all_gather(torch.stack([chosen.detach(), experts.to(chosen.dtype)]).contiguous(),
-                                     self.token_axes, dim=1)
-        keep = kept_slots(every[0], every[1].long(), moe)
+            return keep
         n = chosen.numel()
         i = self.grid.index(self.token_axes)
         return keep[i * n:(i + 1) * n]
+
+    def _gather_slots(self, chosen, experts) -> tuple:
+        if not self.token_axes:
+            return chosen, experts
+        every = self.grid.all_gather(torch.stack([chosen.detach(), experts.to(chosen.dtype)]).contiguous(),
+                                     self.token_axes, dim=1)
+        return every[0], every[1].long()
 
     def _statistics(self, r: Routing) -> tuple:
         chosen, prob_sum, lse2, tokens = super()._statistics(r)
@@ -390,7 +457,8 @@ class ExpertParallelMoE(DenseMoE):
         total = torch.tensor([tokens], dtype=torch.int64, device=chosen.device)
         self.grid.all_reduce(total, self.token_axes)
         sums = reduce_from_parallel(torch.cat([prob_sum, lse2.reshape(1)]), self.grid, self.token_axes)
-        return chosen, sums[:-1], sums[-1], int(total.item())
+        every = tokens * self.grid.size(self.token_axes) if self.planned_imbalance is not None else int(total.item())
+        return chosen, sums[:-1], sums[-1], every
 
 
 def set_aux_grad_scale(module: nn.Module, scale: float) -> None:
@@ -400,6 +468,22 @@ def set_aux_grad_scale(module: nn.Module, scale: float) -> None:
     for m in module.modules():
         if isinstance(m, DenseMoE):
             m.aux_grad_scale = scale
+
+
+def expert_line(grid, ep: int) -> LinePart:
+    """The line part of the data axes (dp x sp, sp fastest) the experts split over: blocks of ep
+    consecutive ranks (Megatron's and torchtitan's expert-parallel group, carved out of the
+    data-parallel ranks; the other part of the line holds the copies)."""
+    return LinePart(present_axes(grid, DATA_AXES) or ("dp",), Span.WITHIN, ep)
+
+
+def plan_routing(module: nn.Module, imbalance: float | None) -> None:
+    """Every mixture-of-experts block of `module` routes by planned_route with this expert
+    imbalance (None: by its router again): the planner's recording on the meta device, where
+    the router's choices cannot be read."""
+    for m in module.modules():
+        if isinstance(m, DenseMoE):
+            m.planned_imbalance = imbalance
 
 
 def routed_tokens(module: nn.Module, grid) -> list | None:
