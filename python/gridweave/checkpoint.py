@@ -110,7 +110,8 @@ def chunk_of(name: str, dense_shape, p, grid) -> dict:
     block = [[s.start, s.stop] for s in sl]
     if [e - b for b, e in block] != list(p.shape):
         raise GridError(f"internal: {name}'s shard {tuple(p.shape)} is not its layout's block {block}")
-    return {"block": block, "transposed": pl.transposed, "order": [list(pl.order[0]), pl.order[1]] if pl.order else None}
+    return {"block": block, "transposed": pl.transposed,
+            "order": [list(pl.order[0]), *pl.order[1:]] if pl.order else None}
 
 
 class FlatSlice:
@@ -153,10 +154,11 @@ def _dense_index(meta: dict, dense_len: list) -> list:
     chunk's own order along that dim."""
     per_stored = [np.arange(b, e) for b, e in meta["block"]]
     dense = list(reversed(per_stored)) if meta["transposed"] else per_stored
-    order = meta.get("order")  # [widths, groups] of group_order
+    order = meta.get("order")  # [widths, groups] of group_order, and the dim it orders where not 0
     if order:
         perm = group_order(order[0], order[1], "cpu").numpy()
-        dense[0] = perm[dense[0]]
+        d = order[2] if len(order) > 2 else 0
+        dense[d] = perm[dense[d]]
     return dense
 
 

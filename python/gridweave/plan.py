@@ -338,12 +338,15 @@ class GridShape:
             return
         if self.tp.moe_token_axes() is None:
             raise GridError(f"a mixture of experts: tp {self.tp.spec()} splits each token's hidden vector at the MLP; "
-                            "experts run whole tokens (tp none or row:N without tp_sp)")
+                            "experts run whole tokens or split as the MLP (tp none or row:N)")
         if (self.dp * self.sp) % self.ep:
             raise GridError(f"ep={self.ep} does not divide dp x sp = {self.dp} x {self.sp} (experts are split over "
                             "data-parallel ranks)")
         if cfg.moe.experts % self.ep:
             raise GridError(f"{cfg.moe.experts} experts do not split over ep={self.ep}")
+        if self.tp.moe_tensor_axis()[0] is not None and cfg.moe.ffn % self.tp.ranks():
+            raise GridError(f"experts of width {cfg.moe.ffn} do not split over tp {self.tp.ranks()} (expert tensor "
+                            "parallelism splits each expert as the MLP)")
 
     def spec(self) -> str:
         """The grid as `--grid` writes it (GridShape.parse reads it back)."""

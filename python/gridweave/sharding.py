@@ -58,7 +58,8 @@ class ParamPlacement:
     partial: tuple = DATA_AXES
     diagonal: tuple | None = None
     # How the stored full tensor relates to the dense model's tensor: the dense rows taken
-    # in group_order(*order) (packed qkv / gate-up regrouped by head group), then transposed
+    # in group_order(widths, groups) of order = (widths, groups[, dim]) (packed qkv / gate-up
+    # regrouped by head group; along dim, 0 unless given: stacked experts' 1), then transposed
     # (2-D and 3-D linears store W^T). Sharded checkpoints read these to reshard.
     transposed: bool = False
     order: tuple | None = None
@@ -94,7 +95,7 @@ def place(param: torch.nn.Parameter, layout: Layout | None = None, partial=DATA_
     """Attach a placement to `param` (returned, for chaining)."""
     param.placement = ParamPlacement(layout if layout is not None else Layout(), tuple(partial),
                                      tuple(diagonal) if diagonal else None, bool(transposed),
-                                     (tuple(order[0]), int(order[1])) if order else None)
+                                     (tuple(order[0]), *(int(v) for v in order[1:])) if order else None)
     return param
 
 

@@ -237,35 +237,41 @@ def test_all_to_all_v_delivers_every_row_and_counts_its_bytes(pool, n):
         assert errors and "send counts add up to" in errors[0]
 
 
-def _expert_parallel(ctx, shape, ep_spec, token_axes, capacity):
+def _expert_parallel(ctx, shape, ep_spec, token_axes, capacity, tp=None, sequence=False):
     """The expert-parallel block on this grid against DenseMoE on the whole batch (float64):
     every rank's output rows, its input gradient, the router's and its experts' gradients
-    (summed over the ranks that hold them), the auxiliary loss and the tokens per expert."""
+    (summed over the ranks that hold them), the auxiliary loss and the tokens per expert.
+    tp: a row:N spec, each expert's width split over its ranks (with sequence: the tokens
+    arrive as sequence shards over them)."""
     import gridweave as gw
     from gridweave.grid import LinePart, Span
     from gridweave.nn.moe import DenseMoE, ExpertParallelMoE
     from gridweave.sharding import grad_norm
 
+    if tp is not None:
+        shape = dict(shape, tp=dataclasses.replace(gw.modes.parse(tp), sequence=sequence))
     grid = ctx.init(**shape)
     ep = LinePart(tuple(ep_spec[0]), Span.WITHIN, ep_spec[1]) if isinstance(ep_spec, list) else ep_spec
-    moe = MoE(experts=8, top_k=2, ffn=6, aux_coef=0.05, z_coef=0.01, router_fp32=False, shared_ffn=5,
+    moe = MoE(experts=8, top_k=2, ffn=8, aux_coef=0.05, z_coef=0.01, router_fp32=False, shared_ffn=5,
               capacity_factor=capacity)
     torch.manual_seed(0)
     dense = DenseMoE(12, moe, dtype=torch.float64, device="cpu")
     with torch.no_grad():
         dense.gate.weight.normal_(0, 1.0)
     shards = grid.size(token_axes)
-    x = torch.randn(shards, 2, 5, 12, dtype=torch.float64, device="cpu")  # (shard, batch, seq, hidden)
+    x = torch.randn(shards, 2, 6, 12, dtype=torch.float64, device="cpu")  # (shard, batch, seq, hidden)
     w = torch.randn(x.shape, dtype=torch.float64, device="cpu")
     me = grid.index(token_axes)
-    block = ExpertParallelMoE.from_dense(dense, grid, ep, token_axes)
+    block = ExpertParallelMoE.from_dense(dense, grid, ep, token_axes, "tp" if tp else None, sequence)
     xr = x.clone().requires_grad_(True)
-    ref = dense(xr.reshape(-1, 5, 12))  # one process, the whole micro-batch (a capacity ranks over it all)
+    ref = dense(xr.reshape(-1, 6, 12))  # one process, the whole micro-batch (a capacity ranks over it all)
     (ref * w.reshape(ref.shape)).sum().backward()
-    ref_out, ref_gx = ref.reshape(x.shape)[me], xr.grad[me]
-    mine = x[me].clone().requires_grad_(True)
+    # this rank's tokens: its data shard, and with sequence parallelism its piece of each sequence
+    cut = slice(None) if not sequence else slice(3 * grid.index("tp"), 3 * grid.index("tp") + 3)
+    ref_out, ref_gx = ref.reshape(x.shape)[me][:, cut], xr.grad[me][:, cut]
+    mine = x[me][:, cut].clone().requires_grad_(True)
     out = block(mine)
-    (out * w[me]).sum().backward()
+    (out * w[me][:, cut]).sum().backward()
     first = grid.index(ep) * block.local_experts
     across = LinePart(ep.axes, Span.ACROSS, ep.block) if isinstance(ep, LinePart) else \
         tuple(a for a in token_axes if a not in ((ep,) if isinstance(ep, str) else ep))
@@ -280,7 +286,12 @@ def _expert_parallel(ctx, shape, ep_spec, token_axes, capacity):
     for k in ("gate.weight", "shared_expert.gate_proj.weight", "shared_expert.down_proj.weight"):
         errs[k] = (g[k] - ref_g[k].grad).abs().max().item()
     for k in ("gate_up", "down"):
-        errs[k] = (g[k] - ref_g[k].grad[first:first + block.local_experts]).abs().max().item()
+        want = ref_g[k].grad[first:first + block.local_experts]
+        if tp is not None:  # this rank's rows of gate_up ([gate | up] blocks), columns of down
+            f = moe.ffn // grid.size("tp")
+            want = want[:, block._tp_rows("cpu")] if k == "gate_up" else \
+                want[:, :, f * grid.index("tp"):f * (grid.index("tp") + 1)]
+        errs[k] = (g[k] - want).abs().max().item()
     errs["norm"] = abs(norm - float(torch.cat([p.grad.reshape(-1) for p in dense.parameters()]).norm()))
     same_aux = abs(float(block.aux_loss) - float(dense.aux_loss))
     dense_counts = dense.tokens_per_expert[first:first + block.local_experts]
@@ -299,6 +310,21 @@ def _expert_parallel(ctx, shape, ep_spec, token_axes, capacity):
 ])
 def test_expert_parallel_block_equals_one_process(pool, shape, ep, token_axes, capacity):
     for errs, aux, counts, whole in pool.run(_expert_parallel, 4, shape, ep, token_axes, capacity):
+        assert max(errs.values()) < 1e-10, errs
+        assert aux < 1e-12 and counts and whole
+
+
+@pytest.mark.parametrize("shape,ep,token_axes,capacity,tp,sequence", [
+    (dict(dp=2), "dp", ("dp",), None, "row:2", False),  # each expert's width split over tp, ep over dp
+    (dict(dp=1), [("dp",), 1], ("dp",), None, "row:4", False),  # tensor parallelism alone inside the experts
+    (dict(dp=2), "dp", ("dp",), 0.75, "row:2", True),  # tp_sp: sequence shards gathered, with a capacity
+    (dict(dp=2), [("dp",), 1], ("dp",), None, "row:2", True),
+])
+def test_tensor_parallelism_inside_the_experts_equals_one_process(pool, shape, ep, token_axes, capacity, tp,
+                                                                  sequence):
+    """Deliverable 2: Megatron's expert tensor parallelism (gate and up by columns, down by rows,
+    each expert's rows summed over tp), with and without sequence parallelism, composed with ep."""
+    for errs, aux, counts, whole in pool.run(_expert_parallel, 4, shape, ep, token_axes, capacity, tp, sequence):
         assert max(errs.values()) < 1e-10, errs
         assert aux < 1e-12 and counts and whole
 
@@ -361,7 +387,7 @@ def test_equal_slots_across_a_capacity_boundary_are_all_dropped():
     (dict(experts=4, top_k=5), 1, "top_k 5 is above the expert count 4"),
     (dict(ep=3, dp=4), 4, "ep=3 does not divide dp x sp = 4 x 1"),
     (dict(tp="square:2"), 4, "splits each token's hidden vector"),
-    (dict(tp="row:2", tp_sp=True), 2, "splits each token's hidden vector"),
+    (dict(tp="row:2", moe_ffn=15), 2, "experts of width 15 do not split over tp 2"),
 ])
 def test_bad_expert_parallel_jobs_are_one_clear_error_before_any_rank_starts(kw, world, match):
     """What `gridweave train` checks on the launcher's side (TrainConfig and its grid_shape)."""

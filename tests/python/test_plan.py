@@ -727,7 +727,7 @@ def test_the_optimizer_recorded_on_a_stand_in_equals_the_whole_stage(spec, monke
             with recorder.MetaMemo():
                 stand_in = recorder._record_optimizer(*args)
                 with monkeypatch.context() as m:
-                    m.setattr(recorder, "_stand_in", lambda c, mo, p, s, a, d: recorder._stage(c, mo, dp, p, s, at, d))
+                    m.setattr(recorder, "_stand_in", lambda c, mo, p, s, a, d, *_: recorder._stage(c, mo, dp, p, s, at, d))
                     whole = recorder._record_optimizer(*args)
             assert stand_in == whole, (spec, dp, pp, sp, stage, zero, offload, overlap)
             assert stand_in["step"], "nothing recorded: the comparison cannot fail"

@@ -166,6 +166,8 @@ def mixtral_single(tmp_path_factory):
 @pytest.mark.parametrize("spec,cap,port", [
     (["--dp", "4", "--pp", "2", "--ep", "2"], "0", 29703),          # ep 2 carved out of dp 4, x pipeline
     (["--tp", "row:2", "--dp", "4", "--pp", "1", "--ep", "2"], "0", 29705),  # Megatron 1-D x dp 4 with ep 2
+    # expert tensor parallelism with sequence parallelism (the tokens' shards gathered), x pipeline
+    (["--tp", "row:2", "--tp-sp", "--dp", "2", "--pp", "2", "--ep", "2"], "0", 29721),
     (["--dp", "2", "--sp", "4", "--pp", "1", "--ep", "4"], "0", 29707),  # ep 4 over dp x sp (ring attention)
     (["--dp", "4", "--pp", "2", "--ep", "2"], "1.0", 29709),        # with a capacity limit
     (["--dp", "4", "--sp", "2", "--pp", "1", "--ep", "2", "--zero", "1"], "0", 29717),  # ZeRO-1
@@ -203,6 +205,17 @@ def test_mixtral_checkpoint_moves_between_expert_grids(mixtral_single, tmp_path)
                       "2", port=29713)
     later, _ = _train(tmp_path, "later", "--nproc", "8", *MIXTRAL, "--dp", "2", "--sp", "4", "--pp", "1", "--ep", "4",
                       "--resume", str(first), port=29715)
+    assert _close(later, one, tol=1e-5), (later, one)
+
+
+def test_mixtral_checkpoint_moves_from_expert_tensor_parallelism(mixtral_single, tmp_path):
+    """Experts split over tp inside (gate_up's rows regrouped [gate | up] per tp block) and over
+    ep 2 continue on dp 4 with ep 4 and no tensor parallelism."""
+    one = mixtral_single["0"]
+    _, first = _train(tmp_path, "first", "--nproc", "4", *MIXTRAL, "--tp", "row:2", "--dp", "2", "--pp", "1",
+                      "--ep", "2", "--steps", "2", port=29723)
+    later, _ = _train(tmp_path, "later", "--nproc", "4", *MIXTRAL, "--dp", "4", "--pp", "1", "--ep", "4",
+                      "--resume", str(first), port=29725)
     assert _close(later, one, tol=1e-5), (later, one)
 
 

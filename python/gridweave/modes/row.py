@@ -38,10 +38,12 @@ class Row(Mode):
         return "tp"  # seed 003 §3: embedding rows and the head's columns split over tp
 
     def moe_token_axes(self):
-        # every tp rank holds the layer's tokens whole: its experts run them all (each tp rank
-        # the same: experts split inside over tp are not built); with tp_sp they are sequence
-        # shards over tp, which the experts' placements cannot name yet
-        return None if self.sequence else DATA_AXES
+        # every tp rank runs the replica's tokens (with tp_sp gathered first) through its share of
+        # each expert's width: the tokens are split over the data axes only
+        return DATA_AXES
+
+    def moe_tensor_axis(self):
+        return "tp", self.sequence  # Megatron's expert tensor parallelism, its size the MLP's
 
     def layout(self, grid, zigzag=False, ring=None):
         lay = super().layout(grid, zigzag, ring)

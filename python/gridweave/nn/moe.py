@@ -28,11 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..autograd.comm import all_to_all_v, reduce_from_parallel
+from ..autograd.comm import (all_to_all_v, copy_to_parallel, gather_from_parallel, reduce_from_parallel,
+                             scatter_to_parallel)
 from ..errors import GridError
 from ..grid import LinePart, Span
 from ..layout import Layout
-from ..sharding import DATA_AXES, place, present_axes, values
+from ..sharding import DATA_AXES, group_order, place, present_axes, values
 
 
 @dataclass(frozen=True)
@@ -264,15 +265,17 @@ class DenseMoE(nn.Module):
     (a detached tensor, for logging; None without them); aux_grad_scale scales their gradient
     (the training step: a loss scaler's scale over the micro-batches, times the data ranks)."""
 
-    def __init__(self, hidden: int, moe: MoE, dtype=None, device=None, experts_here: int | None = None):
-        """experts_here: the experts this module holds (an expert-parallel member's share)."""
+    def __init__(self, hidden: int, moe: MoE, dtype=None, device=None, experts_here: int | None = None,
+                 ffn_here: int | None = None):
+        """experts_here: the experts this module holds (an expert-parallel member's share);
+        ffn_here: the width of each it holds (a tensor-parallel rank's share)."""
         super().__init__()
         kw = dict(dtype=dtype, device=device)
         self.moe, self.hidden = moe, hidden
-        here = experts_here or moe.experts
+        here, f = experts_here or moe.experts, ffn_here or moe.ffn
         self.gate = nn.Linear(hidden, moe.experts, bias=False, **kw)
-        self.gate_up = nn.Parameter(torch.empty(here, 2 * moe.ffn, hidden, **kw))
-        self.down = nn.Parameter(torch.empty(here, hidden, moe.ffn, **kw))
+        self.gate_up = nn.Parameter(torch.empty(here, 2 * f, hidden, **kw))
+        self.down = nn.Parameter(torch.empty(here, hidden, f, **kw))
         bound = 1 / math.sqrt(hidden)  # nn.Linear's default, per expert
         nn.init.uniform_(self.gate_up, -bound, bound)
         nn.init.uniform_(self.down, -1 / math.sqrt(moe.ffn), 1 / math.sqrt(moe.ffn))
@@ -319,7 +322,11 @@ class DenseMoE(nn.Module):
     def _run_experts(self, x, r: Routing):
         """Dispatch (each kept slot's token, grouped by expert), the grouped GEMM."""
         self.tokens_per_expert = r.counts.detach()
-        return swiglu_experts(x[r.order // self.moe.top_k], r.count_list(), self.gate_up, self.down)
+        return self._experts(x[r.order // self.moe.top_k], r.count_list())
+
+    def _experts(self, rows, counts: list):
+        """The experts this module holds on their rows (counts[e] rows each, in expert order)."""
+        return swiglu_experts(rows, counts, self.gate_up, self.down)
 
     def _statistics(self, r: Routing) -> tuple:
         """(top-k counts per expert, probabilities summed per expert, log-sum-exp^2 summed,
@@ -360,13 +367,24 @@ class ExpertParallelMoE(DenseMoE):
     the token axes ep does not name), so gw.reduce_gradients, clipping, the optimizers and
     sharded checkpoints need nothing of their own."""
 
-    def __init__(self, hidden: int, moe: MoE, grid, ep, token_axes=DATA_AXES, dtype=None, device=None):
-        n = grid.size(ep)
+    def __init__(self, hidden: int, moe: MoE, grid, ep, token_axes=DATA_AXES, dtype=None, device=None, tp=None,
+                 sequence=False):
+        """tp: an axis whose ranks hold the same tokens and split each expert's width (Megatron's
+        expert tensor parallelism, as its MLP: gate and up by columns, down by rows; each
+        expert's rows all-reduced over tp before they are weighted, so the router's gradient is
+        whole on every tp rank). sequence: the tokens arrive as sequence shards over tp
+        (Megatron's sequence parallelism): gathered before the router, this rank's shard taken
+        after the combine."""
+        n, t = grid.size(ep), grid.size(tp) if tp is not None else 1
         if moe.experts % n:
             raise GridError(f"{moe.experts} experts do not split over ep {n}")
-        super().__init__(hidden, moe, dtype=dtype, device=device or grid.device, experts_here=moe.experts // n)
+        if moe.ffn % t:
+            raise GridError(f"experts of width {moe.ffn} do not split over tp {t}")
+        super().__init__(hidden, moe, dtype=dtype, device=device or grid.device, experts_here=moe.experts // n,
+                         ffn_here=moe.ffn // t)
         self.local_experts = moe.experts // n
         self.grid, self.ep, self.ep_size = grid, ep, n
+        self.tp, self.tp_size, self.sequence = (tp if t > 1 else None), t, sequence and t > 1
         self.token_axes = present_axes(grid, token_axes)
         if isinstance(ep, LinePart):
             split, copies = (ep,), (ep.complement(),)
@@ -375,34 +393,72 @@ class ExpertParallelMoE(DenseMoE):
             copies = tuple(a for a in token_axes if a not in split)
         for p in self.parameters():
             place(p, partial=token_axes)
-        for p in (self.gate_up, self.down):
-            place(p, Layout(split), partial=copies)
+        widths = self.tp or ()
+        # gate_up's rows regrouped so each tp block holds matching gate and up rows (nn.MLP's fc1)
+        place(self.gate_up, Layout(split, widths, ()), partial=copies,
+              order=((moe.ffn, moe.ffn), t, 1) if self.tp else None)
+        place(self.down, Layout(split, (), widths), partial=copies)
 
     @classmethod
-    def from_dense(cls, dense: DenseMoE, grid, ep, token_axes=DATA_AXES):
-        m = cls(dense.hidden, dense.moe, grid, ep, token_axes, dtype=dense.gate_up.dtype, device=grid.device)
+    def from_dense(cls, dense: DenseMoE, grid, ep, token_axes=DATA_AXES, tp=None, sequence=False):
+        m = cls(dense.hidden, dense.moe, grid, ep, token_axes, dtype=dense.gate_up.dtype, device=grid.device, tp=tp,
+                sequence=sequence)
         m.load_dense(dense)
         return m
 
+    def _tp_rows(self, device) -> torch.Tensor:
+        """gate_up's dense rows this tp rank holds: its block of group_order([F, F], tp)."""
+        f = self.moe.ffn // self.tp_size
+        i = self.grid.index(self.tp)
+        return group_order((self.moe.ffn, self.moe.ffn), self.tp_size, device)[2 * f * i:2 * f * (i + 1)]
+
     def load_dense(self, dense: DenseMoE):
-        """Copy a DenseMoE's tensors: the router and shared expert whole, this member's experts."""
+        """Copy a DenseMoE's tensors: the router and shared expert whole, this member's experts
+        (with tp: this rank's rows of gate_up and columns of down)."""
         first = self.grid.index(self.ep) * self.local_experts
         mine = slice(first, first + self.local_experts)
         with torch.no_grad():
             for name, p in self.named_parameters():
                 src = dense.get_parameter(name)
-                p.copy_(src[mine] if name in ("gate_up", "down") else src)
+                if name in ("gate_up", "down"):
+                    src = src[mine]
+                    if self.tp is not None:
+                        f = self.moe.ffn // self.tp_size
+                        src = src[:, self._tp_rows(src.device)] if name == "gate_up" else \
+                            src[:, :, f * self.grid.index(self.tp):f * (self.grid.index(self.tp) + 1)]
+                p.copy_(src)
 
     def dense_state(self, grad=False) -> dict:
         """DenseMoE's tensors (grad=True: their gradients; see nn.dense.values): the experts
-        gathered over ep (collective over it)."""
+        gathered over ep and tp (collective over them)."""
         pick = values(grad)
         out = {}
         for name, p in self.named_parameters():
             v = pick(p).detach().contiguous()
-            out[name] = self.grid.all_gather(v, self.ep, dim=0) if name in ("gate_up", "down") and \
-                self.ep_size > 1 else v.clone()
+            if name not in ("gate_up", "down"):
+                out[name] = v.clone()
+                continue
+            if self.tp is not None:
+                v = self.grid.all_gather(v, self.tp, dim=1 if name == "gate_up" else 2)
+                if name == "gate_up":  # back to the dense [gate | up] rows
+                    v = v[:, torch.argsort(group_order((self.moe.ffn, self.moe.ffn), self.tp_size, v.device))]
+            out[name] = self.grid.all_gather(v.contiguous(), self.ep, dim=0) if self.ep_size > 1 else v.clone()
         return out
+
+    def forward(self, x):
+        if not self.sequence:
+            return super().forward(x)
+        # (batch, sequence shard, hidden) on each tp rank: the experts run the replica's tokens
+        whole = gather_from_parallel(x, self.grid, self.tp, dim=1)
+        return scatter_to_parallel(super().forward(whole), self.grid, self.tp, dim=1)
+
+    def _experts(self, rows, counts: list):
+        if self.tp is None:
+            return super()._experts(rows, counts)
+        # Megatron's f and g around a column- then row-parallel pair: the rows' gradient summed
+        # over tp, each expert output summed over tp
+        y = swiglu_experts(copy_to_parallel(rows, self.grid, self.tp), counts, self.gate_up, self.down)
+        return reduce_from_parallel(y, self.grid, self.tp)
 
     def _run_experts(self, x, r: Routing):
         if self.ep_size == 1:
@@ -422,7 +478,7 @@ class ExpertParallelMoE(DenseMoE):
         by_expert = [blocks[j * e + i] for i in range(e) for j in range(n)]
         per_expert = [sum(got[j][i] for j in range(n)) for i in range(e)]
         self.tokens_per_expert = torch.tensor(per_expert, dtype=torch.int64, device=x.device)
-        y = swiglu_experts(torch.cat(by_expert), per_expert, self.gate_up, self.down)
+        y = self._experts(torch.cat(by_expert), per_expert)
         out = y.split([got[j][i] for i in range(e) for j in range(n)])
         back = torch.cat([out[i * n + j] for j in range(n) for i in range(e)])
         return all_to_all_v(back, self.grid, self.ep, [sum(g) for g in got], send)

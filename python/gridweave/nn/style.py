@@ -92,6 +92,11 @@ class Style(TensorAxes):
         hidden dim there (experts would need its own linears: not built)."""
         return None
 
+    def moe_tensor_axis(self) -> tuple:
+        """(the axis that splits each expert's width, as this style's MLP splits its own, or None;
+        whether the MLP's input arrives as sequence shards over it)."""
+        return None, False
+
 
 class Branches(Style):
     """A style whose attention heads are branches on sub-grids (SUPER, seed 002 §IV): the
