@@ -348,13 +348,16 @@ def _fill(local: torch.Tensor, need: dict, entry: dict, step_dir: Path, handles:
         piece = piece.t() if c["transposed"] else piece
         idx = [torch.as_tensor(s - a, dtype=torch.int64, device=piece.device) for s, a in zip(src, lo)]
         dst = [torch.as_tensor(s, dtype=torch.int64, device=target.device) for s in sel]
-        with torch.no_grad():
-            if len(dense_len) == 1:
-                target[dst[0]] = piece[idx[0]].to(target.dtype)
-            else:
-                target[dst[0][:, None], dst[1][None, :]] = piece[idx[0][:, None], idx[1][None, :]].to(target.dtype)
+        with torch.no_grad():  # the outer product of the per-dim picks (numpy's ix_), any number of dims
+            target[_ix(dst)] = piece[_ix(idx)].to(target.dtype)
         filled += int(np.prod([len(s) for s in sel]))
     return filled
+
+
+def _ix(picks: list) -> tuple:
+    """Index tensors, one per dim, shaped to broadcast against each other (numpy's ix_)."""
+    n = len(picks)
+    return tuple(p.reshape([-1 if j == i else 1 for j in range(n)]) for i, p in enumerate(picks))
 
 
 def load(folder, items: list, grid, kinds) -> tuple:

@@ -71,7 +71,7 @@ def _train_parser(sub):
     m.add_argument("--linformer-k", type=int, default=d["linformer_k"].default,
                    help="--model bert --attention linformer: keys and values projected from --seq to K rows "
                         "(seed 004 §4.3: the projections split over the sequence shards)")
-    e = p.add_argument_group("mixture of experts (--model mixtral)")
+    e = p.add_argument_group("mixture of experts (--model mixtral, qwen2-moe or qwen3-moe)")
     for name, typ, what in (("experts", int, "routed experts per layer"), ("top_k", int, "experts per token"),
                             ("moe_ffn", int, "each expert's hidden width (0: --ffn-hidden's default)"),
                             ("ep", int, "expert parallelism: experts split over ep data-parallel ranks (dp x sp, "
@@ -247,9 +247,11 @@ def _plan_parser(sub):
     p.add_argument("--vocab", type=int, default=None, help="default: the config's, else train's")
     p.add_argument("--kv-heads", type=int, default=None, help="train's model: its key/value heads (default: train's)")
     p.add_argument("--precision", default=TrainConfig.precision, help="train's model: its precision")
-    p.add_argument("--experts", type=int, default=None, help="train's model mixtral: routed experts per layer")
-    p.add_argument("--top-k", type=int, default=None, help="train's model mixtral: experts per token")
-    p.add_argument("--moe-ffn", type=int, default=None, help="train's model mixtral: each expert's hidden width")
+    p.add_argument("--experts", type=int, default=None,
+                   help="train's mixture-of-experts models: routed experts per layer")
+    p.add_argument("--top-k", type=int, default=None, help="train's mixture-of-experts models: experts per token")
+    p.add_argument("--moe-ffn", type=int, default=None,
+                   help="train's mixture-of-experts models: each expert's hidden width")
     p.add_argument("--expert-imbalance", type=float, default=1.0,
                    help="a mixture of experts: the most loaded expert's tokens over the mean (1: balanced)")
     p.add_argument("--grid", default=None, metavar="SPEC",

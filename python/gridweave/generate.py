@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from .errors import GridError
 from .models import GPT
-from .nn.dense import split_heads
+from .nn.dense import qk_normed, split_heads
 
 
 class KVCache:
@@ -40,7 +40,8 @@ def forward_cached(model: GPT, ids: torch.Tensor, cache: KVCache) -> torch.Tenso
     if model.embed.pos is not None:
         x = x + model.embed.pos(pos)
     for i, layer in enumerate(model.layers):
-        qkv = layer.qkv(layer.ln1(x))
+        qkv = qk_normed(layer.qkv(layer.ln1(x)), layer.heads, layer.kv_heads, layer.q_norm, layer.k_norm,
+                        layer.arch.eps)
         q, k, v = split_heads(qkv, layer.heads, layer.kv_heads, layer.arch, pos)
         k, v = cache.append(i, k, v)
         # the new queries see every cached token and the new ones causally

@@ -51,7 +51,10 @@ GPU_PEAK = {"H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
 
 
 # The string options of TrainConfig and their values (the command line offers these).
-CHOICES = {"model": ("llama", "mixtral", "gpt", "bert"), "tokenizer": ("bpe", "bytes"), "device": ("auto", "cpu", "cuda"),
+# the mixture-of-experts models: Mixtral's block; Qwen2-MoE's (q/k/v biases, a gated shared expert,
+# top-k weights as the softmax gives them); Qwen3-MoE's (per-head q/k norms, renormalised top-k)
+MOE_MODELS = ("mixtral", "qwen2-moe", "qwen3-moe")
+CHOICES = {"model": ("llama", *MOE_MODELS, "gpt", "bert"), "tokenizer": ("bpe", "bytes"), "device": ("auto", "cpu", "cuda"),
            "backend": ("auto", "gloo", "nccl", "mpi"), "placement": plan.PLACEMENTS,
            "attention": tuple(a.value for a in SeqAttention)}
 
@@ -124,14 +127,14 @@ class TrainConfig:
     quiet: bool = False
     log: str = "auto"  # tensorboard, wandb, jsonl (a comma list), auto: every installed one, none
     log_all_ranks: bool = False  # every rank logs (under OUT/logs/rank<R>), not rank 0 alone
-    experts: int = 8  # model mixtral: routed experts per layer
-    top_k: int = 2  # model mixtral: experts per token
-    moe_ffn: int = 0  # model mixtral: each expert's hidden width (0: ffn_hidden's default)
-    ep: int = 1  # model mixtral: expert parallelism, carved out of dp x sp (sp fastest; attention stays data parallel)
-    capacity_factor: float = 0.0  # model mixtral: each expert's slots per token share (0: dropless)
-    aux_coef: float = 0.01  # model mixtral: the load-balancing loss's coefficient (Switch's 0.01)
-    z_coef: float = 0.0  # model mixtral: the router z-loss's coefficient (ST-MoE's 0.001)
-    shared_ffn: int = 0  # model mixtral: an always-on shared expert of this width (Qwen / DeepSeek; 0: none)
+    experts: int = 8  # MoE models: routed experts per layer
+    top_k: int = 2  # MoE models: experts per token
+    moe_ffn: int = 0  # MoE models: each expert's hidden width (0: ffn_hidden's default)
+    ep: int = 1  # MoE models: expert parallelism, carved out of dp x sp (sp fastest; attention stays data parallel)
+    capacity_factor: float = 0.0  # MoE models: each expert's slots per token share (0: dropless)
+    aux_coef: float = 0.01  # MoE models: the load-balancing loss's coefficient (Switch's 0.01)
+    z_coef: float = 0.0  # MoE models: the router z-loss's coefficient (ST-MoE's 0.001)
+    shared_ffn: int = 0  # MoE models: an always-on shared expert of this width (Qwen / DeepSeek; 0: none)
     phase_times: bool = False  # time every step's phases (forward, backward, reduction, optimizer, waiting, bookkeeping): metrics.json and the closing line; on GPUs each phase boundary synchronises the device
     mode: Mode = field(init=False, repr=False)
     compute: Precision = field(init=False, repr=False)
@@ -203,8 +206,9 @@ class TrainConfig:
         if self.tokenizer == "bytes":
             self.vocab = 256
         self.imported = self._imported_model() if self.init_from is not None else None
-        if self.ep > 1 and self.model != "mixtral":
-            raise GridError(f"ep={self.ep} splits a mixture of experts: it needs model mixtral, got {self.model}")
+        if self.ep > 1 and self.model not in MOE_MODELS:
+            raise GridError(f"ep={self.ep} splits a mixture of experts: it needs model {' or '.join(MOE_MODELS)}, "
+                            f"got {self.model}")
         self.model_config(self.vocab)  # the model's own checks (heads vs hidden, kv heads, Linformer)
 
     def _imported_model(self) -> ModelConfig:
@@ -214,9 +218,9 @@ class TrainConfig:
         m = models.hf.read_config(self.init_from, models.hf.DECODERS)[0]  # init_from: the decoders (Llama, GPT-2)
         theirs = {"model": m.family, "hidden": m.hidden, "heads": m.heads, "kv_heads": m.kv_heads or m.heads,
                   "layers": m.layers, "ffn_hidden": m.ffn_hidden or 0, "tie": m.tie, "rope_theta": m.rope_theta}
-        if m.moe is not None:  # a Mixtral folder: its experts are this run's
-            theirs.update(model="mixtral", experts=m.moe.experts, top_k=m.moe.top_k, moe_ffn=m.moe.ffn,
-                          aux_coef=m.moe.aux_coef)
+        if m.moe is not None:  # a Mixtral or Qwen-MoE folder: its experts are this run's
+            theirs.update(model=models.hf.hf_kind(m).replace("_", "-"), experts=m.moe.experts, top_k=m.moe.top_k,
+                          moe_ffn=m.moe.ffn, aux_coef=m.moe.aux_coef, shared_ffn=m.moe.shared_ffn or 0)
         defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in theirs}
         for name, v in theirs.items():
             if getattr(self, name) not in (defaults[name], v):
@@ -264,19 +268,23 @@ class TrainConfig:
         vocab-parallel head always splits); init_from's model as it is."""
         if self.imported is not None:
             return self.imported
-        llama = self.model in ("llama", "mixtral")
+        llama = self.model in ("llama", *MOE_MODELS)
         kv = self.kv_heads or (self.heads // 2 if llama and self.heads % 2 == 0 else self.heads)
         pad = math.lcm(PAD_VOCAB, self.mode.size if self.mode.vocab_axis() else 1)
         vocab += self.masked_lm
         cfg = ModelConfig("llama" if llama else self.model, -(-vocab // pad) * pad, self.hidden, self.heads,
                           self.layers, self.seq, self.ffn_hidden or None, kv, self.rope_theta, None, self.tie,
                           linformer_k=self.linformer_k or None)
-        if self.model != "mixtral":
+        if self.model not in MOE_MODELS:
             return cfg
-        moe = MoE(experts=self.experts, top_k=self.top_k, ffn=self.moe_ffn or cfg.ffn,
+        qwen2 = self.model == "qwen2-moe"
+        ffn = self.moe_ffn or cfg.ffn
+        # Qwen2-MoE always has a gated shared expert: 4 experts wide unless given (Qwen1.5-MoE-A2.7B's)
+        shared = self.shared_ffn or (4 * ffn if qwen2 else None)
+        moe = MoE(experts=self.experts, top_k=self.top_k, ffn=ffn, normalize=not qwen2,
                   capacity_factor=self.capacity_factor or None, aux_coef=self.aux_coef, z_coef=self.z_coef,
-                  shared_ffn=self.shared_ffn or None)
-        return dataclasses.replace(cfg, moe=moe)
+                  shared_ffn=shared, shared_gate=qwen2)
+        return dataclasses.replace(cfg, moe=moe, qkv_bias=qwen2, qk_norm=self.model == "qwen3-moe")
 
     def expert_axis(self, grid):
         """The line part of the data axes (dp x sp, sp fastest) that model mixtral's experts split

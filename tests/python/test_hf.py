@@ -109,6 +109,54 @@ def test_mixtral_from_hf_equals_transformers(coef):
         assert layer.moe.tokens_per_expert.tolist() == torch.bincount(chosen.reshape(-1), minlength=4).tolist()
 
 
+def _qwen_moe(kind, **kw):
+    """transformers' Qwen2-MoE (q/k/v biases, a gated shared expert, top-k weights as the softmax
+    gives them) or Qwen3-MoE (per-head q/k RMSNorms, renormalised top-k), small, float64."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=V, hidden_size=32, intermediate_size=40, moe_intermediate_size=24, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=S, num_experts=4,
+                  num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+                  experts_implementation="eager", **kw)  # its grouped_mm has no float64
+    with CPU:
+        if kind == "qwen2_moe":
+            hf = tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(shared_expert_intermediate_size=20, **common))
+        else:
+            hf = tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(norm_topk_prob=True, head_dim=8, **common))
+        hf = hf.double().eval()
+    with torch.no_grad():  # routers away from their near-uniform start; biases and norms away from 0 and 1
+        for layer in hf.model.layers:
+            layer.mlp.gate.weight.normal_(0, 0.5)
+            for name, p in layer.self_attn.named_parameters():
+                if name.endswith("bias") or "norm" in name:
+                    p.add_(0.3 * torch.randn_like(p))
+    return hf
+
+
+@pytest.mark.parametrize("kind,coef", [("qwen2_moe", 0.0), ("qwen2_moe", 0.02), ("qwen3_moe", 0.0),
+                                       ("qwen3_moe", 0.02)])
+def test_qwen_moe_from_hf_equals_transformers(kind, coef):
+    """Qwen2-MoE and Qwen3-MoE: logits, loss and every gradient (q/k/v biases, the shared expert
+    and its gate, the per-head q/k norms included), with and without the load-balancing loss."""
+    import gridweave as gw
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    hf = _qwen_moe(kind, router_aux_loss_coef=coef)
+    ours = gw.models.from_hf(hf)
+    c = ours.config
+    if kind == "qwen2_moe":
+        assert c.qkv_bias and not c.qk_norm
+        assert c.moe == gw.nn.MoE(experts=4, top_k=2, ffn=24, normalize=False, aux_coef=coef, shared_ffn=20,
+                                  shared_gate=True)
+    else:
+        assert c.qk_norm and not c.qkv_bias and c.moe == gw.nn.MoE(experts=4, top_k=2, ffn=24, aux_coef=coef)
+
+    def aux(router_logits):  # both Qwen models' loss is Mixtral's function, routed in float32
+        return coef * sum(load_balancing_loss_func((rl.float(),), 4, 2) for rl in router_logits)
+
+    _compare(hf, ours, LLAMA_TOL if not coef else 1e-5, aux=aux if coef else None)
+    assert gw.hf.hf_kind(c) == kind
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_gpt2_from_hf_equals_transformers(tie):
     import gridweave as gw
@@ -117,7 +165,13 @@ def test_gpt2_from_hf_equals_transformers(tie):
     _compare(hf, gw.models.from_hf(hf), GPT2_TOL)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral"])
+# Qwen2-MoE's and Qwen3-MoE's forms of a model: its mixture of experts and attention options
+QWEN = {"qwen2_moe": dict(moe=dict(experts=4, top_k=2, ffn=16, normalize=False, shared_ffn=12, shared_gate=True),
+                          qkv_bias=True),
+        "qwen3_moe": dict(moe=dict(experts=4, top_k=2, ffn=16), qk_norm=True)}
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_export_folder_loads_in_from_pretrained(tmp_path, family):
     import gridweave as gw
     from gridweave.hf import save_hf
@@ -125,6 +179,9 @@ def test_export_folder_loads_in_from_pretrained(tmp_path, family):
     torch.manual_seed(4)
     if family == "mixtral":
         cfg = gw.models.ModelConfig("llama", V, 32, 4, 2, S, kv_heads=2, moe=gw.nn.MoE(experts=4, top_k=2, ffn=16))
+        ours = gw.models.build(cfg, device=CPU).double()
+    elif family in QWEN:
+        cfg = gw.models.ModelConfig("llama", V, 32, 4, 2, S, kv_heads=2, **QWEN[family])
         ours = gw.models.build(cfg, device=CPU).double()
     else:
         ours = (gw.models.Llama(V, 32, 4, 2, S, kv_heads=2, ffn_hidden=40, device=CPU) if family == "llama"
@@ -134,7 +191,7 @@ def test_export_folder_loads_in_from_pretrained(tmp_path, family):
             p.add_(0.05 * torch.randn_like(p))
     save_hf(ours, tmp_path)
     assert (tmp_path / "config.json").exists() and (tmp_path / "model.safetensors").exists()
-    eager = {"experts_implementation": "eager"} if family == "mixtral" else {}  # grouped_mm has no float64
+    eager = {"experts_implementation": "eager"} if family in ("mixtral", *QWEN) else {}  # grouped_mm: no float64
     with CPU:
         hf = tf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64, **eager).eval()
     ids = torch.randint(0, V, (2, S), generator=torch.Generator().manual_seed(5), device=CPU)

@@ -14,16 +14,20 @@ def _modes(gw, n):
     return {"1d": lambda: dict(tp=gw.Row(n)), "1d+sp": lambda: dict(tp=gw.Row(n // 2), sp=2),
             "2d": lambda: dict(tp=gw.Square(2), dp=n // 4), "3d": lambda: dict(tp=gw.Cube(2)),
             "dsp": lambda: dict(tp=gw.SubGraph(2), dp=n // 2), "csub": lambda: dict(tp=gw.CSub(2), dp=n // 2),
-            "sp": lambda: dict(sp=n), "dsp+sp": lambda: dict(tp=gw.SubGraph(2), sp=n // 2)}
+            "sp": lambda: dict(sp=n), "dsp+sp": lambda: dict(tp=gw.SubGraph(2), sp=n // 2),
+            "1d-tpsp": lambda: dict(tp=gw.Row(n, sequence=True))}
 
 
-def _llama_layer(ctx, mode, kv_heads, attention, causal=True, shape="a"):
+def _llama_layer(ctx, mode, kv_heads, attention, causal=True, shape="a", qwen=None):
+    """qwen: Arch options of Qwen's layers (qkv_bias: q/k/v biases alone; qk_norm: per-head
+    query/key RMSNorms before the rotation)."""
     import gridweave as gw
 
     H, HEADS, B, S, FFN = SHAPES[shape]
     grid = ctx.init(**_modes(gw, ctx.world_size)[mode]())
     torch.manual_seed(0)
-    arch = gw.nn.Arch(gw.nn.Norm.RMS, gw.nn.Activation.SWIGLU, kv_heads=kv_heads, rope_theta=500.0, eps=1e-6)
+    arch = gw.nn.Arch(gw.nn.Norm.RMS, gw.nn.Activation.SWIGLU, kv_heads=kv_heads, rope_theta=500.0, eps=1e-6,
+                      **(qwen or {}))
     dense = gw.nn.DenseTransformerLayer(H, HEADS, FFN, bias=False, causal=causal, dtype=torch.float64, device=DEVICE,
                                         arch=arch)
     with torch.no_grad():
@@ -60,6 +64,40 @@ def test_llama_layer_matches_dense(pool, mode, n, kv):
 def test_llama_layer_matches_dense_second_shape(pool, mode, n):
     for errs in pool.run(_llama_layer, n, mode, 2, "ring", True, "b"):
         assert max(errs.values()) < 1e-10, {k: v for k, v in errs.items() if v >= 1e-10}
+
+
+@pytest.mark.parametrize("mode,n,attention", [("1d", 4, "ring"), ("1d+sp", 4, "ring"), ("2d", 4, "ring"),
+                                              ("3d", 8, "ring"), ("dsp", 4, "ring"), ("csub", 4, "ring"),
+                                              ("sp", 4, "ring"), ("1d-tpsp", 2, "ring")])
+def test_qwen2_q_k_v_biases_in_every_mode(pool, mode, n, attention):
+    """Qwen2's biases on q, k and v alone (the output projection and the MLP without)."""
+    for errs in pool.run(_llama_layer, n, mode, 4, attention, True, "a", dict(qkv_bias=True)):
+        assert max(errs.values()) < 1e-10, {k: v for k, v in errs.items() if v >= 1e-10}
+        assert "qkv.bias" in errs and "proj.bias" not in errs
+
+
+@pytest.mark.parametrize("mode,n,attention", [("1d", 4, "ring"), ("1d+sp", 4, "ring"), ("sp", 4, "ring"),
+                                              ("sp", 4, "ulysses"), ("sp", 4, "rsa"), ("1d-tpsp", 2, "ring")])
+def test_qwen3_per_head_query_key_norms(pool, mode, n, attention):
+    """Qwen3's RMSNorm over each query and key head before the rotation: every head's weights,
+    their gradient summed over the ranks holding other heads and other tokens."""
+    for errs in pool.run(_llama_layer, n, mode, 4, attention, True, "a", dict(qk_norm=True)):
+        assert max(errs.values()) < 1e-10, {k: v for k, v in errs.items() if v >= 1e-10}
+        assert "q_norm" in errs and "k_norm" in errs
+
+
+def test_per_head_norms_in_other_modes_are_one_clear_error():
+    import gridweave as gw
+    from gridweave.errors import GridError
+
+    from gridweave.axes import grid_axes
+    from gridweave.recorder import RecordingGrid
+
+    arch = gw.nn.Arch(gw.nn.Norm.RMS, gw.nn.Activation.SWIGLU, kv_heads=2, rope_theta=500.0, qk_norm=True)
+    for tp in (gw.Square(2), gw.Cube(2), gw.SubGraph(2)):  # the planner's stand-in grid: shapes, no ranks
+        grid = RecordingGrid(grid_axes(1, 1, 1, tp), tp)
+        with pytest.raises(GridError, match="per-head query/key norms"):
+            gw.nn.TransformerLayer(32, 8, grid, mode=tp, arch=arch, bias=False)
 
 
 @pytest.mark.parametrize("attention,causal", [("rsa", True), ("ring", False)])

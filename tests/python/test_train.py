@@ -208,6 +208,20 @@ def test_mixtral_checkpoint_moves_between_expert_grids(mixtral_single, tmp_path)
     assert _close(later, one, tol=1e-5), (later, one)
 
 
+@pytest.mark.parametrize("model,spec,port", [
+    # q/k/v biases and a gated shared expert, expert tensor parallelism x pipeline
+    ("qwen2-moe", ["--tp", "row:2", "--dp", "2", "--pp", "2", "--ep", "2"], 29727),
+    # per-head q/k norms under Megatron's sequence parallelism and ring attention, ep over dp x sp
+    ("qwen3-moe", ["--tp", "row:2", "--tp-sp", "--dp", "2", "--sp", "2", "--pp", "1", "--ep", "4"], 29729),
+])
+def test_qwen_moe_trains_on_composed_grids_with_one_process_losses(tmp_path, model, spec, port):
+    args = ["--model", model, "--experts", "4", "--aux-coef", "0.02"]
+    one, _ = _train(tmp_path, "one", "--nproc", "1", *args, port=port + 100)
+    losses, _ = _train(tmp_path, "run", "--nproc", "8", *args, *spec, port=port)
+    assert one[-1] < one[0]
+    assert _close(losses, one, tol=1e-5), (spec, losses, one)
+
+
 def test_mixtral_checkpoint_moves_from_expert_tensor_parallelism(mixtral_single, tmp_path):
     """Experts split over tp inside (gate_up's rows regrouped [gate | up] per tp block) and over
     ep 2 continue on dp 4 with ep 4 and no tensor parallelism."""

@@ -22,7 +22,8 @@ CONFIG_KEYS = {"vocab": ("vocab", "vocab_size"), "hidden": ("hidden", "hidden_si
                "ffn_hidden": ("ffn_hidden", "intermediate_size", "n_inner"), "kv_heads": ("kv_heads", "num_key_value_heads"),
                "eps": ("eps", "rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps"),
                "tie": ("tie", "tie_word_embeddings")}
-HF_FAMILY = {"llama": "llama", "mixtral": "llama", "gpt2": "gpt", "bert": "bert"}  # model_type -> family
+HF_FAMILY = {"llama": "llama", "mixtral": "llama", "qwen2_moe": "llama", "qwen3_moe": "llama", "gpt2": "gpt",
+             "bert": "bert"}  # model_type -> family
 FAMILIES = ("gpt", "llama", "bert")
 ENCODERS = ("bert",)  # bidirectional, trained on the masked LM; the others are causal decoders
 IGNORE = -100  # a target that is not predicted (the masked LM's unmasked tokens): torch's ignore_index
@@ -51,6 +52,8 @@ class ModelConfig:
     activation: str | None = None  # gpt: "gelu" (exact) or "gelu_tanh" (GPT-2's gelu_new)
     linformer_k: int | None = None
     moe: MoE | None = None
+    qkv_bias: bool = False  # llama: biases on q, k and v (Qwen2-MoE's)
+    qk_norm: bool = False  # llama: per-head RMSNorms of the queries and keys (Qwen3-MoE's)
 
     def __post_init__(self):
         if isinstance(self.moe, dict):
@@ -59,6 +62,8 @@ class ModelConfig:
             raise GridError(f"mixture-of-experts layers are Llama-family (Mixtral), got {self.family!r}")
         if self.family not in FAMILIES:
             raise GridError(f"model family must be one of {FAMILIES}, got {self.family!r}")
+        if (self.qkv_bias or self.qk_norm) and self.family != "llama":
+            raise GridError(f"qkv_bias and qk_norm are Llama-family options (Qwen's), got {self.family!r}")
         if self.linformer_k is not None and self.family not in ENCODERS:
             raise GridError(f"Linformer is not causal: it needs the encoder (--model bert), got {self.family!r}")
         for name in ("vocab", "hidden", "heads", "layers", "seq"):
@@ -75,7 +80,8 @@ class ModelConfig:
     def arch(self) -> Arch:
         if self.family == "llama":
             return Arch(Norm.RMS, Activation.SWIGLU, self.kv_heads, float(self.rope_theta),
-                        LLAMA.eps if self.eps is None else self.eps, moe=self.moe)
+                        LLAMA.eps if self.eps is None else self.eps, moe=self.moe, qkv_bias=self.qkv_bias,
+                        qk_norm=self.qk_norm)
         if self.family == "bert":
             return Arch(Norm.LAYER, Activation.GELU, self.kv_heads, None, BERT.eps if self.eps is None else self.eps,
                         post_norm=True, linformer=None if self.linformer_k is None else (self.linformer_k, self.seq))
@@ -143,9 +149,18 @@ class ModelConfig:
             out["activation"] = activation
         if d.get("moe"):
             out["moe"] = d["moe"]
-        elif d.get("num_local_experts"):  # Mixtral's: its intermediate_size is each expert's
-            out["moe"] = MoE(experts=d["num_local_experts"], top_k=d["num_experts_per_tok"], ffn=d["intermediate_size"],
-                             aux_coef=float(d.get("router_aux_loss_coef") or 0.0))
+        elif d.get("num_local_experts") or d.get("num_experts"):  # Mixtral's, Qwen2-MoE's, Qwen3-MoE's
+            shared = d.get("shared_expert_intermediate_size") or None  # Qwen2-MoE's, behind a sigmoid gate
+            out["moe"] = MoE(experts=d.get("num_local_experts") or d["num_experts"], top_k=d["num_experts_per_tok"],
+                             # Mixtral's intermediate_size is each expert's; Qwen's is its dense layers'
+                             ffn=d.get("moe_intermediate_size") or d["intermediate_size"],
+                             normalize=bool(d.get("norm_topk_prob", True)),
+                             aux_coef=float(d.get("router_aux_loss_coef") or 0.0), shared_ffn=shared,
+                             shared_gate=shared is not None)
+        if d.get("qkv_bias"):  # Qwen2-MoE's biases on q, k and v
+            out["qkv_bias"] = True
+        if d.get("qk_norm") or d.get("model_type") == "qwen3_moe":  # Qwen3's per-head norms
+            out["qk_norm"] = True
         return out
 
     @classmethod

@@ -1,7 +1,7 @@
 """Hugging Face interop (transformers is optional: pip install gridweave[hf]).
 
-from_hf: a LlamaForCausalLM / MixtralForCausalLM / GPT2LMHeadModel / BertForMaskedLM (or
-its config) -> gridweave's dense model,
+from_hf: a LlamaForCausalLM / MixtralForCausalLM / Qwen2MoeForCausalLM / Qwen3MoeForCausalLM /
+GPT2LMHeadModel / BertForMaskedLM (or its config) -> gridweave's dense model,
 weights copied; to_hf: the dense model -> the transformers model with the same weights;
 save_hf: a folder (config.json + model.safetensors) that from_pretrained loads. A config
 field gridweave does not implement is a GridError naming it, never a different model.
@@ -88,17 +88,33 @@ def _mixtral_config(c) -> ModelConfig:
     return _llama_config(c)
 
 
+def _qwen_moe_config(c) -> ModelConfig:
+    """Qwen2-MoE's (q/k/v biases, a gated shared expert) and Qwen3-MoE's (per-head q/k norms):
+    every layer sparse, no sliding window."""
+    if getattr(c, "decoder_sparse_step", 1) != 1:
+        _unsupported("decoder_sparse_step", c.decoder_sparse_step, "dense layers between the sparse ones")
+    if getattr(c, "mlp_only_layers", None):
+        _unsupported("mlp_only_layers", c.mlp_only_layers, "dense layers among the sparse ones")
+    if getattr(c, "use_sliding_window", False):
+        _unsupported("use_sliding_window", True, "sliding-window attention")
+    c = c.__class__.from_dict({**c.to_dict(), "sliding_window": None})  # unused unless use_sliding_window
+    return _llama_config(c)
+
+
 def config_from_hf(c) -> ModelConfig:
     kind = getattr(c, "model_type", None)
     if kind == "llama":
         return _llama_config(c)
     if kind == "mixtral":
         return _mixtral_config(c)
+    if kind in ("qwen2_moe", "qwen3_moe"):
+        return _qwen_moe_config(c)
     if kind == "gpt2":
         return _gpt2_config(c)
     if kind == "bert":
         return _bert_config(c)
-    raise GridError(f"Hugging Face model_type {kind!r}: gridweave reads 'llama', 'mixtral', 'gpt2' and 'bert'")
+    raise GridError(f"Hugging Face model_type {kind!r}: gridweave reads 'llama', 'mixtral', 'qwen2_moe', 'qwen3_moe', "
+                    "'gpt2' and 'bert'")
 
 
 # One name table per family, read both ways: our name -> transformers' name(s). A layer
@@ -131,21 +147,53 @@ _LAYER = {"llama": {"ln1.weight": ["input_layernorm.weight"], "ln2.weight": ["po
           "gpt": {f"{ours}.{k}": [f"{theirs}.{k}"] for theirs, ours in _GPT2_LAYER.items() for k in ("weight", "bias")},
           "bert": {f"{ours}.{k}": [f"{t}.{k}" for t in theirs] for ours, theirs in _BERT_LAYER.items()
                    for k in ("weight", "bias")}}
-# transformers' MixtralSparseMoeBlock (version 5: experts stacked as ours are)
+# transformers' MixtralSparseMoeBlock, Qwen2MoeSparseMoeBlock, Qwen3MoeSparseMoeBlock (version 5:
+# experts stacked as ours are), and Qwen2-MoE's gated shared expert
 _MOE_LAYER = {"moe.gate.weight": ["mlp.gate.weight"], "moe.gate_up": ["mlp.experts.gate_up_proj"],
               "moe.down": ["mlp.experts.down_proj"]}
+_SHARED_LAYER = {f"moe.shared_expert.{p}.weight": [f"mlp.shared_expert.{p}.weight"]
+                 for p in ("gate_proj", "up_proj", "down_proj")} | \
+    {"moe.shared_expert_gate.weight": ["mlp.shared_expert_gate.weight"]}
+_QWEN_ATTENTION = {"qkv.bias": ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]}
+_QK_NORMS = {"q_norm": ["self_attn.q_norm.weight"], "k_norm": ["self_attn.k_norm.weight"]}
 _LAYER_PREFIX = {"llama": "model.layers.{}.", "gpt": "transformer.h.{}.", "bert": "bert.encoder.layer.{}."}
 _SEGMENTS = "bert.embeddings.token_type_embeddings.weight"
 
 
+def hf_kind(cfg: ModelConfig) -> str:
+    """The transformers model_type a model is written as: Mixtral for a mixture of experts with
+    renormalised top-k and nothing else; Qwen3-MoE with per-head q/k norms; Qwen2-MoE with q/k/v
+    biases, a gated shared expert or top-k weights as the softmax gave them; else the family's.
+    A model none of them holds is a GridError."""
+    if cfg.moe is None and not (cfg.qkv_bias or cfg.qk_norm):
+        return {"llama": "llama", "gpt": "gpt2", "bert": "bert"}[cfg.family]
+    m = cfg.moe
+    if m is None or m.capacity_factor is not None or (m.shared_ffn and not m.shared_gate):
+        raise GridError(f"transformers' mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) have no capacity "
+                        f"limit and gate any shared expert; dense Qwen layers are not read here: {cfg} has no Hugging "
+                        "Face form")
+    if cfg.qk_norm:
+        if cfg.qkv_bias or m.shared_ffn:
+            raise GridError("Qwen3-MoE has no q/k/v biases and no shared expert: a model with qk_norm and those has "
+                            "no Hugging Face form")
+        return "qwen3_moe"
+    if cfg.qkv_bias or m.shared_ffn or not m.normalize:
+        return "qwen2_moe"
+    return "mixtral"
+
+
 def _layer_names(cfg: ModelConfig) -> dict:
     """Our layer tensor names -> transformers' (the MLP's a mixture of experts' where it is one)."""
-    if cfg.moe is None:
+    if cfg.moe is None and hf_kind(cfg):
         return _LAYER[cfg.family]
-    if cfg.moe.shared_ffn or cfg.moe.capacity_factor is not None or not cfg.moe.normalize:
-        raise GridError("transformers' Mixtral has no shared expert, no capacity limit and renormalises the top-k "
-                        f"weights: {cfg.moe} has no Hugging Face form")
-    return {**{k: v for k, v in _LAYER["llama"].items() if not k.startswith("fc")}, **_MOE_LAYER}
+    names = {**{k: v for k, v in _LAYER["llama"].items() if not k.startswith("fc")}, **_MOE_LAYER}
+    if cfg.moe.shared_ffn:
+        names.update(_SHARED_LAYER)
+    if cfg.qkv_bias:
+        names.update(_QWEN_ATTENTION)
+    if cfg.qk_norm:
+        names.update(_QK_NORMS)
+    return names
 
 
 def _conv1d(cfg: ModelConfig, ours: str) -> bool:
@@ -220,16 +268,24 @@ def hf_config(cfg: ModelConfig, special: dict | None = None):
     if bad:
         raise GridError(f"special token ids must be bos/eos/pad_token_id within the vocabulary of {cfg.vocab}: {bad}")
     ids = {k: special.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    kind = hf_kind(cfg)
     if cfg.moe is not None:
-        _layer_names(cfg)  # a form transformers has
-        return tf.MixtralConfig(**ids, vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.moe.ffn,
-                                num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
-                                num_key_value_heads=cfg.kv_heads or cfg.heads, max_position_embeddings=cfg.seq,
-                                rms_norm_eps=cfg.arch.eps, tie_word_embeddings=cfg.tie,
-                                rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-                                num_local_experts=cfg.moe.experts, num_experts_per_tok=cfg.moe.top_k,
-                                router_aux_loss_coef=cfg.moe.aux_coef, router_jitter_noise=0.0, sliding_window=None,
-                                hidden_act="silu")
+        m = cfg.moe
+        common = dict(**ids, vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
+                      num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads or cfg.heads,
+                      max_position_embeddings=cfg.seq, rms_norm_eps=cfg.arch.eps, tie_word_embeddings=cfg.tie,
+                      rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+                      num_experts_per_tok=m.top_k, router_aux_loss_coef=m.aux_coef, hidden_act="silu")
+        if kind == "mixtral":
+            return tf.MixtralConfig(**common, intermediate_size=m.ffn, num_local_experts=m.experts,
+                                    router_jitter_noise=0.0, sliding_window=None)
+        qwen = dict(common, intermediate_size=cfg.ffn, moe_intermediate_size=m.ffn, norm_topk_prob=m.normalize,
+                    decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
+                    head_dim=cfg.hidden // cfg.heads)
+        if kind == "qwen3_moe":
+            return tf.Qwen3MoeConfig(**qwen, num_experts=m.experts, attention_bias=False)
+        return tf.Qwen2MoeConfig(**qwen, num_experts=m.experts, qkv_bias=cfg.qkv_bias,
+                                 shared_expert_intermediate_size=m.shared_ffn or 0)
     if cfg.family == "llama":
         return tf.LlamaConfig(**ids, vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
                               num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
@@ -258,8 +314,13 @@ _HF_CLASS = {"llama": lambda tf: tf.LlamaForCausalLM, "gpt": lambda tf: tf.GPT2L
              "bert": lambda tf: tf.BertForMaskedLM}
 
 
+_HF_MOE_CLASS = {"mixtral": lambda tf: tf.MixtralForCausalLM, "qwen2_moe": lambda tf: tf.Qwen2MoeForCausalLM,
+                 "qwen3_moe": lambda tf: tf.Qwen3MoeForCausalLM}
+
+
 def _hf_class(cfg: ModelConfig, tf):
-    return tf.MixtralForCausalLM if cfg.moe is not None else _HF_CLASS[cfg.family](tf)
+    kind = hf_kind(cfg)
+    return _HF_MOE_CLASS[kind](tf) if kind in _HF_MOE_CLASS else _HF_CLASS[cfg.family](tf)
 
 
 # What a Hugging Face folder holds besides its weights and tokenizer, kept by a run that starts

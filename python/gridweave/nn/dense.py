@@ -44,6 +44,8 @@ class Arch:
     post_norm: bool = False  # BERT's post-LN block: x = LN(x + attn(x)), then LN(x + mlp(x))
     linformer: tuple | None = None  # (K, L): keys and values projected from L tokens to K rows (Linformer)
     moe: MoE | None = None  # the MLP a mixture of SwiGLU experts (Mixtral, Qwen-MoE)
+    qkv_bias: bool = False  # biases on q, k and v alone (Qwen2's), whatever the other linears have
+    qk_norm: bool = False  # an RMSNorm over each query and key head before the rotation (Qwen3's)
 
     def __post_init__(self):
         if not isinstance(self.norm, Norm) or not isinstance(self.activation, Activation):
@@ -103,6 +105,13 @@ class Arch:
             return F.silu(gate) * up
         return F.gelu(h, approximate="tanh" if self.activation is Activation.GELU_TANH else "none")
 
+    def make_qk_norms(self, hidden: int, heads: int, dtype=None, device=None) -> tuple:
+        """(q_norm, k_norm): the per-head RMSNorms' weights (head size each, ones) where the arch
+        has them, else (None, None)."""
+        if not self.qk_norm:
+            return None, None
+        return tuple(nn.Parameter(torch.ones(hidden // heads, dtype=dtype, device=device)) for _ in range(2))
+
     def dense_norm(self, hidden: int, dtype=None, device=None) -> nn.Module:
         if self.norm is Norm.RMS:
             return nn.RMSNorm(hidden, eps=self.eps, dtype=dtype, device=device)
@@ -127,6 +136,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """RoPE on (batch, heads, seq, d) with the rotate-half convention (Su et al.; HF Llama)."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def qk_normed(qkv: torch.Tensor, heads: int, kv_heads: int, q_norm, k_norm, eps: float) -> torch.Tensor:
+    """Packed local [q | k | v] with each query and key head RMS-normalised over its d values
+    (Qwen3's q_norm / k_norm, applied before the rotation); q_norm None: qkv as it is."""
+    if q_norm is None:
+        return qkv
+    b, s, width = qkv.shape
+    d = width // (heads + 2 * kv_heads)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q = F.rms_norm(q.reshape(b, s, heads, d), (d,), q_norm, eps).reshape(b, s, heads * d)
+    k = F.rms_norm(k.reshape(b, s, kv_heads, d), (d,), k_norm, eps).reshape(b, s, kv_heads * d)
+    return torch.cat([q, k, v], dim=-1)
 
 
 def split_heads(qkv: torch.Tensor, heads: int, kv_heads: int, arch: Arch, positions=None,
@@ -203,12 +225,15 @@ class DenseSelfAttention(nn.Module):
         arch.check_causal(causal)
         self.heads, self.causal, self.arch = heads, causal, arch
         self.kv_heads = arch.kv(heads)
-        self.qkv = nn.Linear(hidden, sum(arch.qkv_widths(hidden, heads)), bias=bias, dtype=dtype, device=device)
+        self.qkv = nn.Linear(hidden, sum(arch.qkv_widths(hidden, heads)), bias=bias or arch.qkv_bias, dtype=dtype,
+                             device=device)
         self.proj = nn.Linear(hidden, hidden, bias=bias, dtype=dtype, device=device)
         self.lowrank = arch.make_lowrank(dtype, device)
+        self.q_norm, self.k_norm = arch.make_qk_norms(hidden, heads, dtype, device)
 
     def forward(self, x, documents=None):
-        return self.proj(attention(self.qkv(x), self.heads, self.causal, self.kv_heads, self.arch, documents=documents,
+        qkv = qk_normed(self.qkv(x), self.heads, self.kv_heads, self.q_norm, self.k_norm, self.arch.eps)
+        return self.proj(attention(qkv, self.heads, self.causal, self.kv_heads, self.arch, documents=documents,
                                    lowrank=self.lowrank))
 
 
@@ -239,9 +264,10 @@ class DenseTransformerLayer(nn.Module):
         self.heads, self.causal, self.arch = heads, causal, arch
         self.kv_heads = arch.kv(heads)
         self.ln1 = arch.dense_norm(hidden, **kw)
-        self.qkv = nn.Linear(hidden, sum(arch.qkv_widths(hidden, heads)), bias=bias, **kw)
+        self.qkv = nn.Linear(hidden, sum(arch.qkv_widths(hidden, heads)), bias=bias or arch.qkv_bias, **kw)
         self.proj = nn.Linear(hidden, hidden, bias=bias, **kw)
         self.lowrank = arch.make_lowrank(**kw)
+        self.q_norm, self.k_norm = arch.make_qk_norms(hidden, heads, **kw)
         self.ln2 = arch.dense_norm(hidden, **kw)
         if arch.moe is None:
             self.fc1 = nn.Linear(hidden, sum(arch.fc1_widths(ffn_hidden)), bias=bias, **kw)
@@ -259,7 +285,8 @@ class DenseTransformerLayer(nn.Module):
         return self.moe(h) if self.arch.moe is not None else self.fc2(self.arch.act(self.fc1(h)))
 
     def _attn(self, h, documents):
-        return self.proj(attention(self.qkv(h), self.heads, self.causal, self.kv_heads, self.arch,
+        qkv = qk_normed(self.qkv(h), self.heads, self.kv_heads, self.q_norm, self.k_norm, self.arch.eps)
+        return self.proj(attention(qkv, self.heads, self.causal, self.kv_heads, self.arch,
                                    documents=documents, lowrank=self.lowrank))
 
     def forward(self, x, documents=None):

@@ -45,6 +45,9 @@ class SubGraphAttention(nn.Module):
             raise GridError(f"projection must be 'branch' or 'common', got {projection!r}")
         g = grid.axes["sg"]
         self.arch = arch = arch or GPT2
+        if arch.qk_norm:
+            raise GridError("per-head query/key norms (qk_norm, Qwen3's) run with tp none or row:N, not in "
+                            "sub-graph branches")
         self.kv_heads = arch.kv(heads)
         if heads % g or hidden % g or self.kv_heads % g:
             raise GridError(f"{heads} heads ({self.kv_heads} key/value heads) / hidden {hidden} do not split over "
@@ -56,16 +59,17 @@ class SubGraphAttention(nn.Module):
         self.hidden, self.heads, self.causal, self.g = hidden, heads, causal, g
         kw = dict(dtype=dtype, device=device or grid.device)
         common = mode.common_partial()
+        qkv_bias = bias or arch.qkv_bias  # Qwen2's: biases on q, k and v alone
         if projection == "branch":
-            self.qkv = ReplicatedLinear(hidden, width // g, bias, **kw)           # branch k's heads
+            self.qkv = ReplicatedLinear(hidden, width // g, qkv_bias, **kw)       # branch k's heads
             self.proj = ReplicatedLinear(hidden // g, hidden, False, **kw)       # branch k's columns
             place(self.qkv.weight, Layout(("sg",)))
-            if bias:
+            if qkv_bias:
                 place(self.qkv.bias, Layout(("sg",)))
             place(self.proj.weight, Layout((), ("sg",)))
             self.proj_bias = place(nn.Parameter(torch.zeros(hidden, **kw)), partial=common) if bias else None
         else:
-            self.qkv = ReplicatedLinear(hidden, width, bias, partial=common, **kw)
+            self.qkv = ReplicatedLinear(hidden, width, qkv_bias, partial=common, **kw)
             self.proj = ReplicatedLinear(hidden, hidden, bias, partial=common, **kw)
             self.proj_bias = None
         set_row_order(self.qkv.weight, self.widths, g)  # the head groups' [q_k | k_k | v_k] blocks
@@ -97,13 +101,14 @@ class SubGraphAttention(nn.Module):
 
     @classmethod
     def from_dense(cls, dense: DenseSelfAttention, grid, mode="dsp", **kw):
-        m = cls(dense.qkv.in_features, dense.heads, grid, mode, causal=dense.causal, bias=dense.qkv.bias is not None,
+        m = cls(dense.qkv.in_features, dense.heads, grid, mode, causal=dense.causal, bias=dense.proj.bias is not None,
                 dtype=dense.qkv.weight.dtype, arch=dense.arch, **kw)
         m.load_dense(dense.qkv, dense.proj)
         return m
 
-    def load_dense(self, qkv: nn.Linear, proj: nn.Linear, lowrank=None):
-        """lowrank: Linformer's, which SUPER's branches refuse when the layer is made (always None)."""
+    def load_dense(self, qkv: nn.Linear, proj: nn.Linear, lowrank=None, q_norm=None, k_norm=None):
+        """lowrank, q_norm, k_norm: Linformer's and Qwen3's, which SUPER's branches refuse when the
+        layer is made (always None)."""
         order = group_order(self.widths, self.g, qkv.weight.device)
         if self.projection == "common":
             self.qkv.load_dense(qkv, order)
@@ -131,6 +136,7 @@ class SubGraphAttention(nn.Module):
                    "proj.weight": self.grid.all_gather(pick(self.proj.weight).contiguous(), axis="sg", dim=1)}
             if self.qkv.bias is not None:
                 out["qkv.bias"] = self.grid.all_gather(pick(self.qkv.bias).contiguous(), axis="sg")
+            if self.proj_bias is not None:
                 out["proj.bias"] = pick(self.proj_bias).clone()
         out["qkv.weight"] = out["qkv.weight"][inv]
         if "qkv.bias" in out:

@@ -15,8 +15,9 @@ from ..documents import document_rows
 from ..errors import GridError
 from ..grid import LinePart, Span
 from ..layout import Layout, gather, scatter
-from ..sharding import DATA_AXES, group_order, place, present_axes, set_row_order
-from .dense import GPT2, Arch, DenseMLP, DenseSelfAttention, DenseTransformerLayer, linformer_attention, split_heads, values
+from ..sharding import DATA_AXES, group_order, place, placement_of, present_axes, set_row_order
+from .dense import (GPT2, Arch, DenseMLP, DenseSelfAttention, DenseTransformerLayer, linformer_attention, qk_normed,
+                    split_heads, values)
 from .moe import ExpertParallelMoE
 from .sequence import SeqAttention, attend
 from .style import resolve
@@ -54,9 +55,14 @@ class SelfAttention(nn.Module):
         self.hidden, self.heads, self.causal = hidden, heads, causal
         self.widths = arch.qkv_widths(hidden, heads)
         first, second = self.mode.linear_pair(grid, bias, dtype, device or grid.device, overlap)
+        if arch.qkv_bias and not bias:  # Qwen2's: the first linear alone has biases
+            first = self.mode.linear_pair(grid, True, dtype, device or grid.device, overlap)[0]
         self.qkv, self.proj = first(hidden, sum(self.widths)), second(hidden, hidden)
         set_row_order(self.qkv.weight, self.widths, self.groups)
         set_row_order(self.qkv.bias, self.widths, self.groups)
+        self.q_norm, self.k_norm = arch.make_qk_norms(hidden, heads, dtype, device or grid.device)
+        if self.q_norm is not None:
+            self._place_qk_norms()
         self.attention.check(grid.axes.get("sp", 1), ulysses_degree, heads // self.groups)
         self.lowrank = None
         if arch.linformer is not None:
@@ -70,6 +76,18 @@ class SelfAttention(nn.Module):
             split = set(seq.axes())
             place(self.lowrank, seq, partial=tuple(a for a in DATA_AXES + tuple(a for a, _ in self.mode.axes())
                                                    if a not in split))
+
+    def _place_qk_norms(self) -> None:
+        """The per-head norms are every head's: replicated, each rank's gradient its own heads'
+        and tokens' (partial over the data axes and the axes that split the heads). Where the
+        qkv projection splits more than its output rows (2-D, 3-D) that is not worked out."""
+        pl = placement_of(self.qkv.weight)
+        if pl.transposed or pl.diagonal is not None or any(pl.layout.dims[1:]):
+            raise GridError(f"per-head query/key norms (qk_norm, Qwen3's) run with tp none or row:N, not "
+                            f"{self.mode!r}")
+        partial = DATA_AXES + tuple(pl.layout.axes())
+        for p in (self.q_norm, self.k_norm):
+            place(p, partial=partial)
 
     def _linformer_layout(self) -> Layout:
         """How E and F (2, K, L) split: their columns over the axes that split the sequence the
@@ -107,8 +125,14 @@ class SelfAttention(nn.Module):
             return self.proj(self._linformer(self.qkv(x)))
         if documents is not None:
             documents = document_rows(documents, self._qkv_layout, self.grid)
-        return self.proj(attend(self.qkv(x), self.heads // self.groups, self.causal, self.grid, self.attention,
-                                self.kv_heads // self.groups, self.arch, self.ulysses_degree, documents))
+        return self.proj(attend(self._normed(self.qkv(x)), self.heads // self.groups, self.causal, self.grid,
+                                self.attention, self.kv_heads // self.groups, self.arch, self.ulysses_degree,
+                                documents))
+
+    def _normed(self, qkv):
+        """This rank's heads' queries and keys normalised (Qwen3's qk_norm), where the arch has it."""
+        return qk_normed(qkv, self.heads // self.groups, self.kv_heads // self.groups, self.q_norm, self.k_norm,
+                         self.arch.eps)
 
     def _linformer(self, qkv):
         """Seed 004 §4.3 (Table 3): this rank projects its L/N keys and values with its L/N columns
@@ -116,7 +140,7 @@ class SelfAttention(nn.Module):
         if self.lowrank.shape[-1] != qkv.shape[1]:
             raise GridError(f"this Linformer projects {self.arch.linformer[1]} tokens ({self.lowrank.shape[-1]} "
                             f"here); the sequence has {qkv.shape[1]} here")
-        q, k, v = split_heads(qkv, self.heads // self.groups, self.kv_heads // self.groups, self.arch)
+        q, k, v = split_heads(self._normed(qkv), self.heads // self.groups, self.kv_heads // self.groups, self.arch)
         axes = self._lowrank_axes
         total = (lambda t: all_reduce_replicated(t, self.grid, axes)) if axes else None
         o = linformer_attention(q, k, v, self.lowrank, total)
@@ -126,9 +150,9 @@ class SelfAttention(nn.Module):
     @classmethod
     def from_dense(cls, dense: DenseSelfAttention, grid, mode=None, **kw):
         kw.setdefault("dtype", dense.qkv.weight.dtype)
-        m = cls(dense.qkv.in_features, dense.heads, grid, mode, bias=dense.qkv.bias is not None, causal=dense.causal,
+        m = cls(dense.qkv.in_features, dense.heads, grid, mode, bias=dense.proj.bias is not None, causal=dense.causal,
                 arch=dense.arch, **kw)
-        m.load_dense(dense.qkv, dense.proj, dense.lowrank)
+        m.load_dense(dense.qkv, dense.proj, dense.lowrank, dense.q_norm, dense.k_norm)
         return m
 
     def to_dense(self):
@@ -139,18 +163,23 @@ class SelfAttention(nn.Module):
             d.load_state_dict(self.dense_state())
         return d
 
-    def load_dense(self, qkv: nn.Linear, proj: nn.Linear, lowrank=None):
+    def load_dense(self, qkv: nn.Linear, proj: nn.Linear, lowrank=None, q_norm=None, k_norm=None):
         self.qkv.load_dense(qkv, group_order(self.widths, self.groups, qkv.weight.device))
         self.proj.load_dense(proj)
-        if self.lowrank is not None:
-            with torch.no_grad():
+        with torch.no_grad():
+            if self.lowrank is not None:
                 self.lowrank.copy_(scatter(lowrank.detach(), self._lowrank_layout, self.grid))
+            if self.q_norm is not None:
+                self.q_norm.copy_(q_norm)
+                self.k_norm.copy_(k_norm)
 
     def dense_state(self, grad=False):
         out = {f"qkv.{k}": v for k, v in self.qkv.dense_state(grad).items()}
         out.update({f"proj.{k}": v for k, v in self.proj.dense_state(grad).items()})
         if self.lowrank is not None:
             out["lowrank"] = gather(values(grad)(self.lowrank).contiguous(), self._lowrank_layout, self.grid)
+        if self.q_norm is not None:
+            out.update(q_norm=values(grad)(self.q_norm).clone(), k_norm=values(grad)(self.k_norm).clone())
         inv = torch.argsort(group_order(self.widths, self.groups, out["qkv.weight"].device))
         for k in ("qkv.weight", "qkv.bias"):
             if k in out:
@@ -315,13 +344,13 @@ class TransformerLayer(nn.Module):
     def from_dense(cls, dense: DenseTransformerLayer, grid, mode=None, **kw):
         hidden = dense.ln1.normalized_shape[0]
         kw.setdefault("dtype", dense.qkv.weight.dtype)
-        m = cls(hidden, dense.heads, grid, mode, ffn_hidden=dense.ffn_hidden, bias=dense.qkv.bias is not None,
+        m = cls(hidden, dense.heads, grid, mode, ffn_hidden=dense.ffn_hidden, bias=dense.proj.bias is not None,
                 causal=dense.causal, arch=dense.arch, **kw)
         m.load_dense(dense)
         return m
 
     def load_dense(self, dense):
-        self.attn.load_dense(dense.qkv, dense.proj, dense.lowrank)
+        self.attn.load_dense(dense.qkv, dense.proj, dense.lowrank, dense.q_norm, dense.k_norm)
         if self.arch.moe is None:
             self.mlp.load_dense(dense.fc1, dense.fc2)
         else:
@@ -332,7 +361,8 @@ class TransformerLayer(nn.Module):
     # this layer's parameter names -> DenseTransformerLayer's (sub-graph branches keep the
     # projection's bias apart as proj_bias)
     DENSE_NAMES = {"attn.qkv.": "qkv.", "attn.proj.": "proj.", "attn.proj_bias": "proj.bias", "mlp.fc1.": "fc1.",
-                   "mlp.fc2.": "fc2.", "attn.lowrank": "lowrank", "mlp.": "moe."}  # the last: a mixture of experts
+                   "mlp.fc2.": "fc2.", "attn.lowrank": "lowrank", "attn.q_norm": "q_norm", "attn.k_norm": "k_norm",
+                   "mlp.": "moe."}  # the last: a mixture of experts
 
     def dense_named_parameters(self):
         """(DenseTransformerLayer's name, this rank's parameter) pairs."""
