@@ -29,7 +29,7 @@ from .axes import AxesView, ParallelDims
 from .modes import Mode, Sequence, known
 from .modes import parse as parse_mode
 from .nn.sequence import SeqAttention
-from .recorder import Experts, optimizer_census, step_schedule, tally_of
+from .recorder import GROUPED_SEND, Experts, optimizer_census, step_schedule, tally_of
 
 PRESETS = Path(__file__).parent / "clusters"
 
@@ -160,7 +160,8 @@ def step_counters(schedule, axes: dict, placement, rank: int) -> dict:
         if part is not None:  # a line part: blocks of q consecutive members (within), or one of each (across)
             within, q = part
             g, member = (q, member % q) if within else (g // q, member // q)
-        sent = [b for _, b, send in _C.message_schedule(c.op, g, member, int(c.member_bytes), c.root, c.elem) if send]
+        op = "send" if c.op == GROUPED_SEND else c.op
+        sent = [b for _, b, send in _C.message_schedule(op, g, member, int(c.member_bytes), c.root, c.elem) if send]
         d = out.setdefault(c.axis, {"ops": 0, "sent_messages": 0, "sent_bytes": 0})
         d["ops"] += times
         d["sent_messages"] += times * len(sent)
@@ -330,8 +331,9 @@ class GridShape:
         self.check_experts(cfg)
 
     def check_experts(self, cfg) -> None:
-        """A mixture of experts' needs: whole tokens at the MLP (tp none or row:N without tp_sp),
-        ep dividing dp x sp (its line is carved out of them) and the experts."""
+        """A mixture of experts' needs: whole tokens at the MLP or experts split as the MLP is
+        (tp none or row:N), ep dividing dp x sp (its line is carved out of them) and the experts,
+        tp dividing each expert's width."""
         if cfg.moe is None:
             if self.ep > 1:
                 raise GridError(f"ep={self.ep} splits a mixture of experts; this model has none")
@@ -534,6 +536,8 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
                 continue
             if op == "all_reduce" and nbytes <= 8 and cluster.scalar_all_reduce_s:
                 c = cluster.scalar_all_reduce_s
+            elif op == GROUPED_SEND:  # in its group's launch: its link's latency and bandwidth alone
+                c = collective_time("send", line[4], nbytes, line[:2], cluster)
             else:
                 c = launch + cluster.collective_s + collective_time(op, line[4], nbytes, line[:2], cluster)
             acc = per_axis.setdefault(axis, [0.0, 0.0])
@@ -558,7 +562,7 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
         redo = sched.layers * (busy(sched.layer) / 3 if recompute is True else
                                sched.layer.attention_flops / cluster.gemm_flops if recompute else 0.0)
         per_axis = {}
-        tally = mb.tally + tuple((k, n * (chunks - 1)) for k, n in mb.tally if k[0] == "send" and chunks > 1)
+        tally = mb.tally + tuple((k, n * (chunks - 1)) for k, n in mb.tally if k[:2] == ("send", "pp") and chunks > 1)
         t = compute + redo + comm(tally, per_axis, m)  # the sends again: each chunk's boundary
         stages[s] = (t, compute, redo, sched, per_axis)
     s_star = max(stages, key=lambda k: stages[k][0])
@@ -622,7 +626,7 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
                    + mb.saved_bytes / max(layers_here, 1))
         if grid.pp > 1:  # the pipeline engine's messages (cpp/pipeline.cpp): two receives posted
             # (double buffers), the message being sent, and the tensor it was copied from
-            payload = max((c.nbytes for c in mb.collectives if c.op == "send"), default=0)
+            payload = max((c.nbytes for c in mb.collectives if c.op == "send" and c.axis == "pp"), default=0)
             act += (2 + 1 + 1) * payload
         # OffloadAdam's bucket buffers and the flat gradient it sums (model dtype), or fused Adam's
         # states and fp32 gradient (of this rank's ZeRO shard). The gradients are whole until the

@@ -44,6 +44,11 @@ _ATTENTION = {"bmm", "baddbmm"} | _FUSED_ATTENTION
 _GEMMS = {"mm", "bmm", "addmm", "baddbmm"} | _FUSED_ATTENTION
 
 
+# A send issued in one group with the send before it (Grid.all_to_all_v's batch of sends and
+# receives): the engine counts it as a send; the planner charges the group's fixed cost once
+GROUPED_SEND = "send+"
+
+
 @dataclass(frozen=True)
 class Collective:
     """One collective of a layer on one rank. nbytes: the whole buffer (all-gather output,
@@ -221,12 +226,14 @@ class RecordingGrid:
         """Recorded as Grid.all_to_all_v runs it: a send to each other member with rows for it, a
         receive from each with rows for this one (its own rows are copied)."""
         row = _nbytes(t) // max(t.shape[0], 1)
-        me = self.index(axis)
+        me, first = self.index(axis), True
         for k, (out, inc) in enumerate(zip(send_counts, recv_counts)):
             if k != me and inc:
                 self.log.append(Collective("recv", self.label(axis), 0.0, float(inc * row), k))
-            if k != me and out:
-                self.log.append(Collective("send", self.label(axis), float(out * row), float(out * row), k))
+            if k != me and out:  # one group: the sends after the first travel with it (GROUPED_SEND)
+                op = "send" if first else GROUPED_SEND
+                self.log.append(Collective(op, self.label(axis), float(out * row), float(out * row), k))
+                first = False
         return t.new_empty((sum(recv_counts),) + tuple(t.shape[1:]))
 
     def scatter(self, out, full=None, axis=None, src=0, async_op=False):
@@ -673,8 +680,8 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
     rpp, rstage = stage_role(pp, stage)  # the recordings of grids that share this stage's shapes
     # a dense stage's layers are alike on every dp replica; a mixture of experts' line spans dp
     others = tuple((a, i) for a, i in at if a != "pp" and (a != "dp" or config.moe is not None))
-    rec, b0 = _stage_recordings(config, mode, _stage_dp(config, dp), rpp, sp, others + (("pp", rstage),), dtype, ends, fused_attention,
-                                attention, experts)
+    rec, b0 = _stage_recordings(config, mode, _stage_dp(config, dp), rpp, sp, others + (("pp", rstage),), dtype, ends,
+                                fused_attention, attention, experts)
     f = (batch - b0) / b0  # every byte and FLOP is affine in the batch: two recordings give any batch
     one, two = (_lerp(rec[(k, b0)][0], rec[(k, 2 * b0)][0], f) for k in (1, 2))
     payload = round(rec[(1, b0)][1] + (rec[(1, 2 * b0)][1] - rec[(1, b0)][1]) * f)
@@ -853,8 +860,9 @@ def _without_dp(at) -> tuple:
 
 @lru_cache(maxsize=256)
 def _one_layer_stage(config, mode, pp, sp, at, dtype, dp=1, experts=None):
-    """_stage with one layer a stage (dp 1: a stage's parameters do not depend on dp, only on
-    the mode, sp and its role); the model's tied embedding kept as the whole model ties it."""
+    """_stage with one layer a stage (dp 1: a dense stage's parameters do not depend on dp, only
+    on the mode, sp and its role; a mixture of experts' do, through its expert line); the
+    model's tied embedding kept as the whole model ties it."""
     return _stage(dataclasses.replace(config, layers=pp), mode, dp, pp, sp, at, dtype, experts)
 
 

@@ -488,7 +488,8 @@ def test_the_planner_records_active_flops_dispatch_bytes_and_expert_shares_by_fo
     c = planned_counts(tokens * k, e, 2.0)
     received = 2 * sum(c[:e // 2])  # both members send the rank holding experts 0-3 what it sends itself
     assert moe2.microbatch.flops - moe1.microbatch.flops == layers * 18 * h * f * (received - tokens * k)
-    sent = [x.nbytes for x in moe2.microbatch.collectives if x.op == "send" and x.axis == "dp:within2"]
+    # a send, or one issued in the same group (recorder.GROUPED_SEND)
+    sent = [x.nbytes for x in moe2.microbatch.collectives if x.op.startswith("send") and x.axis == "dp:within2"]
     rows = [sum(c[e // 2:]), sum(c[:e // 2])]  # dispatch to member 1, combine back what it sent
     assert sorted(sent) == sorted(layers * 2 * [r * h * 4 for r in rows])
     whole = sum(p.numel() for p in gw.models.build(cfg, device="meta").parameters())
@@ -537,3 +538,23 @@ def test_init_from_a_mixtral_folder_sets_its_experts(tmp_path):
                              ep=8).grid_shape(8)
     with pytest.raises(GridError, match="its experts is 4, this run asks 6"):
         gw.train.TrainConfig(init_from=str(tmp_path), tokenizer="bytes", seq=16, batch=8, experts=6)
+
+
+def test_an_exchanges_sends_are_charged_one_fixed_cost():
+    """The expert exchange's sends to the other ep members travel as one group
+    (Grid.all_to_all_v's batch): the engine counts each as a send, the planner charges the
+    group's fixed cost (launch and per-collective) once and each send its latency and bytes."""
+    import gridweave as gw
+    from gridweave.recorder import GROUPED_SEND
+
+    cfg = gw.models.ModelConfig("llama", 256, 32, 4, 1, 16, kv_heads=2, moe=MoE(experts=4, top_k=2, ffn=16))
+    model = gw.plan.Model(cfg, batch=8, bytes_per_value=4, embedding=False)
+    grid = gw.plan.GridShape(dp=4, ep=4)
+    on_line = [c for c in gw.plan.schedule_of(model, grid, 1).microbatch.collectives if c.axis == "dp:within4"]
+    # the counts' all-to-all, then dispatch and combine forward, combine's and dispatch's gradients backward
+    assert [c.op for c in on_line if c.op != "recv"] == ["all_to_all"] + ["send", GROUPED_SEND, GROUPED_SEND] * 4
+    cluster = dataclasses.replace(gw.plan.load_cluster("a100-ib"), collective_s=1.0)  # a second per group
+    costly = gw.plan.predict(model, grid, cluster)["seconds_per_axis"]["dp:within4"]
+    cheap = gw.plan.predict(model, grid, dataclasses.replace(cluster, collective_s=0.0))["seconds_per_axis"]
+    # one all-to-all and four groups of sends: five fixed costs, not thirteen
+    assert costly - cheap["dp:within4"] == pytest.approx(5.0)
