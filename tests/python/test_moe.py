@@ -558,3 +558,19 @@ def test_an_exchanges_sends_are_charged_one_fixed_cost():
     cheap = gw.plan.predict(model, grid, dataclasses.replace(cluster, collective_s=0.0))["seconds_per_axis"]
     # one all-to-all and four groups of sends: five fixed costs, not thirteen
     assert costly - cheap["dp:within4"] == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_moe", "qwen3_moe"])
+def test_init_from_a_qwen_moe_folder_sets_its_model(tmp_path, kind):
+    """--init-from a Qwen2-MoE or Qwen3-MoE folder: the run is that model (its q/k/v biases or
+    per-head norms, its shared expert), read back as it was written."""
+    import gridweave as gw
+
+    extra = dict(moe=MoE(experts=4, top_k=2, ffn=16, normalize=False, shared_ffn=12, shared_gate=True),
+                 qkv_bias=True) if kind == "qwen2_moe" else dict(moe=MoE(experts=4, top_k=2, ffn=16), qk_norm=True)
+    cfg = gw.models.ModelConfig("llama", 256, 32, 4, 2, 16, kv_heads=2, **extra)
+    gw.models.build(cfg, device="cpu").save_hf(tmp_path)
+    run = gw.train.TrainConfig(init_from=str(tmp_path), tokenizer="bytes", seq=16, batch=8, pp=1)
+    assert run.model == kind.replace("_", "-") and run.shared_ffn == (12 if kind == "qwen2_moe" else 0)
+    got = run.model_config(256)
+    assert (got.moe, got.qkv_bias, got.qk_norm) == (cfg.moe, cfg.qkv_bias, cfg.qk_norm)

@@ -184,7 +184,8 @@ def hf_kind(cfg: ModelConfig) -> str:
 
 def _layer_names(cfg: ModelConfig) -> dict:
     """Our layer tensor names -> transformers' (the MLP's a mixture of experts' where it is one)."""
-    if cfg.moe is None and hf_kind(cfg):
+    if cfg.moe is None:
+        hf_kind(cfg)  # a dense model with Qwen's attention options has no form here: one clear error
         return _LAYER[cfg.family]
     names = {**{k: v for k, v in _LAYER["llama"].items() if not k.startswith("fc")}, **_MOE_LAYER}
     if cfg.moe.shared_ffn:
