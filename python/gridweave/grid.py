@@ -302,8 +302,7 @@ class Grid:
                 raise GridError(f"the line over {tuple(axes)} ({len(line)} ranks on nodes {nodes}) does not split "
                                 "into equal blocks of consecutive members, one block a node: a shard group of a "
                                 f"node's ranks does not divide it (ranks_per_node {self.ranks_per_node})")
-        first = me // q * q
-        members = list(range(first, first + q)) if part.span is Span.WITHIN else list(range(me % q, len(line), q))
+        members = part_members(len(line), me, part.span, q)
         self._parts[part] = got = (axes, line, members)
         return got
 
@@ -730,6 +729,13 @@ class Grid:
     def __repr__(self):
         axes = ", ".join(f"{k}={v}" for k, v in self.axes.items())
         return f"Grid({axes}; rank {self.rank}/{self.world_size}, {self.backend}, {self.placement_policy})"
+
+
+def part_members(n: int, me: int, span: Span, q: int) -> list:
+    """The member indices a line part keeps of a line of n members, seen from member `me`: its
+    block of q consecutive members (WITHIN), or those at its position in every block (ACROSS)."""
+    first = me // q * q
+    return list(range(first, first + q)) if span is Span.WITHIN else list(range(me % q, n, q))
 
 
 def one_part(axis):

@@ -24,6 +24,7 @@ from pathlib import Path
 from . import _C, pipeline
 from .checkpoint import open_index
 from .errors import GridError
+from .grid import Span, part_members
 from .models import ModelConfig
 from .axes import AxesView, ParallelDims
 from .modes import Mode, Sequence, known
@@ -158,8 +159,8 @@ def step_counters(schedule, axes: dict, placement, rank: int) -> dict:
         g = math.prod(sizes[a] for a in axes)
         member = placement.index_in_line(rank, axes)
         if part is not None:  # a line part: blocks of q consecutive members (within), or one of each (across)
-            within, q = part
-            g, member = (q, member % q) if within else (g // q, member // q)
+            members = part_members(g, member, *part)
+            g, member = len(members), members.index(member)
         op = "send" if c.op == GROUPED_SEND else c.op
         sent = [b for _, b, send in _C.message_schedule(op, g, member, int(c.member_bytes), c.root, c.elem) if send]
         d = out.setdefault(c.axis, {"ops": 0, "sent_messages": 0, "sent_bytes": 0})
@@ -173,11 +174,11 @@ _PART = re.compile(r"(within|across)(\d+)")
 
 
 def _label_line(label: str) -> tuple:
-    """(the line's axes as the label names them, its part: (within?, block) of a line part's
-    label, "dp,sp:within4" (grid.LinePart.label), else None)."""
+    """(the line's axes as the label names them, its part: (Span, block) of a line part's label,
+    "dp,sp:within4" (grid.LinePart.label), else None)."""
     line, _, rest = label.partition(":")
     m = _PART.fullmatch(rest)
-    return line, (None if m is None else (m.group(1) == "within", int(m.group(2))))
+    return line, (None if m is None else (Span(m.group(1)), int(m.group(2))))
 
 
 def explain(rows: list, n: int) -> list:
@@ -434,9 +435,8 @@ class _Lines(dict):
     def _line(self, names: list, part=None) -> tuple:
         placement, cluster = self.placement, self.cluster
         line = placement.line(0, names)
-        if part is not None:  # member 0's block (within) or its position in every block (across)
-            within, q = part
-            line = line[:q] if within else line[::q]
+        if part is not None:  # the part member 0 of the line is in
+            line = [line[m] for m in part_members(len(line), 0, *part)]
         nodes = {placement.node_of(r) for r in line}
         t = placement.traffic(names, "all_gather", 1 << 10)
         inter = 0.0 if len(nodes) == 1 else t["inter_bytes"] / t["bytes"]

@@ -26,7 +26,7 @@ from .axes import AxesView
 from .axes import grid_axes as _grid_axes
 from .axes import stage_axes
 from .errors import GridError
-from .grid import LinePart, Span, Work, one_part
+from .grid import LinePart, Work, one_part, part_members
 from .models import ModelConfig, build
 from .models.stage import GPTStage
 from .nn.moe import expert_line, plan_routing
@@ -175,8 +175,7 @@ class RecordingGrid:
         q = part.block
         if not q or n % q:
             raise GridError(f"a recording takes line parts of blocks that divide the line ({n} members), got {part!r}")
-        first = me // q * q
-        return (list(range(first, first + q)) if part.span is Span.WITHIN else list(range(me % q, n, q))), me
+        return part_members(n, me, part.span, q), me
 
     def _record(self, op, axis, nbytes, result, async_op, member=None, root=0, elem=1):
         self.log.append(Collective(op, self.label(axis), float(nbytes),

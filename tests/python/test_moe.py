@@ -287,10 +287,10 @@ def _expert_parallel(ctx, shape, ep_spec, token_axes, capacity, tp=None, sequenc
         errs[k] = (g[k] - ref_g[k].grad).abs().max().item()
     for k in ("gate_up", "down"):
         want = ref_g[k].grad[first:first + block.local_experts]
-        if tp is not None:  # this rank's rows of gate_up ([gate | up] blocks), columns of down
-            f = moe.ffn // grid.size("tp")
-            want = want[:, block._tp_rows("cpu")] if k == "gate_up" else \
-                want[:, :, f * grid.index("tp"):f * (grid.index("tp") + 1)]
+        if tp is not None:  # this rank's rows of gate_up (its gate rows, then its up rows), columns of down
+            f, i = moe.ffn // grid.size("tp"), grid.index("tp")
+            want = torch.cat([want[:, f * i:f * (i + 1)], want[:, moe.ffn + f * i:moe.ffn + f * (i + 1)]], 1) \
+                if k == "gate_up" else want[:, :, f * i:f * (i + 1)]
         errs[k] = (g[k] - want).abs().max().item()
     errs["norm"] = abs(norm - float(torch.cat([p.grad.reshape(-1) for p in dense.parameters()]).norm()))
     same_aux = abs(float(block.aux_loss) - float(dense.aux_loss))

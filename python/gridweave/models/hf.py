@@ -311,17 +311,14 @@ def hf_config(cfg: ModelConfig, special: dict | None = None):
                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 
-_HF_CLASS = {"llama": lambda tf: tf.LlamaForCausalLM, "gpt": lambda tf: tf.GPT2LMHeadModel,
-             "bert": lambda tf: tf.BertForMaskedLM}
-
-
-_HF_MOE_CLASS = {"mixtral": lambda tf: tf.MixtralForCausalLM, "qwen2_moe": lambda tf: tf.Qwen2MoeForCausalLM,
-                 "qwen3_moe": lambda tf: tf.Qwen3MoeForCausalLM}
+# transformers' model class of each model_type hf_kind names
+_HF_CLASS = {"llama": lambda tf: tf.LlamaForCausalLM, "gpt2": lambda tf: tf.GPT2LMHeadModel,
+             "bert": lambda tf: tf.BertForMaskedLM, "mixtral": lambda tf: tf.MixtralForCausalLM,
+             "qwen2_moe": lambda tf: tf.Qwen2MoeForCausalLM, "qwen3_moe": lambda tf: tf.Qwen3MoeForCausalLM}
 
 
 def _hf_class(cfg: ModelConfig, tf):
-    kind = hf_kind(cfg)
-    return _HF_MOE_CLASS[kind](tf) if kind in _HF_MOE_CLASS else _HF_CLASS[cfg.family](tf)
+    return _HF_CLASS[hf_kind(cfg)](tf)
 
 
 # What a Hugging Face folder holds besides its weights and tokenizer, kept by a run that starts

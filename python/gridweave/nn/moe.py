@@ -32,8 +32,8 @@ from ..autograd.comm import (all_to_all_v, copy_to_parallel, gather_from_paralle
                              scatter_to_parallel)
 from ..errors import GridError
 from ..grid import LinePart, Span
-from ..layout import Layout
-from ..sharding import DATA_AXES, group_order, place, present_axes, values
+from ..layout import Layout, gather, scatter
+from ..sharding import DATA_AXES, group_order, place, placement_of, present_axes, values
 
 
 @dataclass(frozen=True)
@@ -99,16 +99,21 @@ class Routing:
         return self.known if self.known is not None else self.counts.tolist()
 
 
+def _top_k(logits: torch.Tensor, moe: MoE) -> tuple:
+    """(probabilities, the top-k's as the softmax gives them (what a capacity ranks slots by),
+    their weights (renormalised if moe.normalize), their experts)."""
+    probs = torch.softmax(_router_dtype(logits, moe), dim=-1)
+    chosen, experts = torch.topk(probs, moe.top_k, dim=-1)
+    top = chosen / chosen.sum(dim=-1, keepdim=True) if moe.normalize else chosen
+    return probs, chosen, top, experts
+
+
 def route(logits: torch.Tensor, moe: MoE, kept=None) -> Routing:
     """Top-k of softmax(logits) per token (softmax in float32 or wider, as transformers' and
     Megatron's routers), renormalised if moe.normalize; the slots sorted by expert, each expert
     capped at moe.capacity. kept(probs, experts) -> (T k,) bool: which slots a capacity keeps
     (default kept_slots: among these tokens)."""
-    probs = torch.softmax(_router_dtype(logits, moe), dim=-1)
-    top, experts = torch.topk(probs, moe.top_k, dim=-1)
-    chosen = top  # before renormalising: what a capacity ranks slots by
-    if moe.normalize:
-        top = top / top.sum(dim=-1, keepdim=True)
+    probs, chosen, top, experts = _top_k(logits, moe)
     flat = experts.reshape(-1)
     if moe.capacity_factor is None:
         order = torch.sort(flat, stable=True).indices
@@ -137,10 +142,7 @@ def planned_route(logits: torch.Tensor, moe: MoE, imbalance: float, ranks: int =
     expert order. ranks: the ranks whose tokens a capacity is counted over (each holds this many
     tokens and routes them alike)."""
     t, k = logits.shape[0], moe.top_k
-    probs = torch.softmax(_router_dtype(logits, moe), dim=-1)
-    top, _ = torch.topk(probs, k, dim=-1)
-    if moe.normalize:
-        top = top / top.sum(dim=-1, keepdim=True)
+    probs, _, top, _ = _top_k(logits, moe)
     counts = planned_counts(t * k, moe.experts, imbalance)
     dev = logits.device
     experts = torch.repeat_interleave(torch.arange(moe.experts, device=dev), torch.tensor(counts, device=dev),
@@ -406,43 +408,37 @@ class ExpertParallelMoE(DenseMoE):
         m.load_dense(dense)
         return m
 
-    def _tp_rows(self, device) -> torch.Tensor:
-        """gate_up's dense rows this tp rank holds: its block of group_order([F, F], tp)."""
-        f = self.moe.ffn // self.tp_size
-        i = self.grid.index(self.tp)
-        return group_order((self.moe.ffn, self.moe.ffn), self.tp_size, device)[2 * f * i:2 * f * (i + 1)]
+    def _expert_order(self, p, device):
+        """The dense rows of dim 1 a stored expert tensor holds in order (gate_up regrouped per tp
+        block, as its placement's order says), or None: as they are."""
+        order = placement_of(p).order
+        return None if order is None else group_order(order[0], order[1], device)
 
     def load_dense(self, dense: DenseMoE):
-        """Copy a DenseMoE's tensors: the router and shared expert whole, this member's experts
-        (with tp: this rank's rows of gate_up and columns of down)."""
-        first = self.grid.index(self.ep) * self.local_experts
-        mine = slice(first, first + self.local_experts)
+        """Copy a DenseMoE's tensors: the router and shared expert whole, this rank's block of the
+        experts as their placements split them (over ep, and with tp over each expert's width)."""
         with torch.no_grad():
             for name, p in self.named_parameters():
-                src = dense.get_parameter(name)
+                src = dense.get_parameter(name).detach()
                 if name in ("gate_up", "down"):
-                    src = src[mine]
-                    if self.tp is not None:
-                        f = self.moe.ffn // self.tp_size
-                        src = src[:, self._tp_rows(src.device)] if name == "gate_up" else \
-                            src[:, :, f * self.grid.index(self.tp):f * (self.grid.index(self.tp) + 1)]
+                    order = self._expert_order(p, src.device)
+                    src = scatter(src if order is None else src.index_select(1, order), placement_of(p).layout,
+                                  self.grid)
                 p.copy_(src)
 
     def dense_state(self, grad=False) -> dict:
         """DenseMoE's tensors (grad=True: their gradients; see nn.dense.values): the experts
-        gathered over ep and tp (collective over them)."""
+        gathered as their placements split them (collective over ep and tp)."""
         pick = values(grad)
         out = {}
         for name, p in self.named_parameters():
-            v = pick(p).detach().contiguous()
+            v = pick(p).detach()
             if name not in ("gate_up", "down"):
                 out[name] = v.clone()
                 continue
-            if self.tp is not None:
-                v = self.grid.all_gather(v, self.tp, dim=1 if name == "gate_up" else 2)
-                if name == "gate_up":  # back to the dense [gate | up] rows
-                    v = v[:, torch.argsort(group_order((self.moe.ffn, self.moe.ffn), self.tp_size, v.device))]
-            out[name] = self.grid.all_gather(v.contiguous(), self.ep, dim=0) if self.ep_size > 1 else v.clone()
+            full = gather(v, placement_of(p).layout, self.grid)
+            order = self._expert_order(p, full.device)
+            out[name] = full.clone() if order is None else full.index_select(1, torch.argsort(order))
         return out
 
     def forward(self, x):

@@ -302,7 +302,7 @@ class TransformerLayer(nn.Module):
             tokens = self.mode.moe_token_axes()
             if tokens is None:
                 raise GridError(f"mixture-of-experts layers need each token's whole hidden vector at the MLP; "
-                                f"{self.mode!r} splits it there: use tp none (with dp, sp, pp) or row without tp_sp")
+                                f"{self.mode!r} splits it there: use tp none (with dp, sp, pp) or row")
             tp, sequence = self.mode.moe_tensor_axis()
             self.mlp = ExpertParallelMoE(hidden, arch.moe, grid, ep if ep is not None else
                                          LinePart(("dp",), Span.WITHIN, 1), tokens, dtype, device, tp, sequence)
