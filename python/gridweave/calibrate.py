@@ -18,29 +18,43 @@ import torch
 
 from . import plan
 from .grid import LinePart, Span, init, shutdown
-from .measure import call_rate, gemm_rate, probe_size, vector_bandwidth
+from .measure import call_rate, gemm_costs, probe_size, vector_bandwidth
 from .models import ModelConfig
 from .nn.dense import DenseTransformerLayer
 from .recorder import Census
 from .train import TrainConfig, build, train_step
 
 
-def attention_rate(window: float = 1.0, device="cpu", batch: int | None = None, dtype=torch.float32) -> float:
-    """FLOP/s of torch's fused causal attention, forward and backward (the flash or
-    memory-efficient kernel the device picks), counted as the planner counts it: 4 b h s^2 d
-    forward, twice that backward. Heads, head size and sequence are the main job's
-    (gw.train.TrainConfig): a fused kernel's rate depends on the head size far more than a GEMM's."""
+def attention_costs(window: float = 1.0, device="cpu", dtype=torch.float32) -> tuple:
+    """(FLOP/s, seconds per query row) of torch's fused causal attention, forward and backward:
+    t = 12 b h s^2 d / rate + b h s x row_s (the FLOPs as the planner counts them, plus a cost for
+    each query row the kernel walks: its blocks' setup and softmax bookkeeping), fitted (relative
+    least squares) at the main job's heads over four (sequence, head size) at one token count: the
+    job's, a quarter of its sequence, four times its sequence at twice its head size, four times its
+    head size. On this CPU one rate ranged 31 GFLOP/s at sequence 32 to 93 at 1024; the two terms
+    fit nine shapes (head size 16-64, sequence 32-1024) within 14%. Row cost 0: the probes saw none."""
+    from .measure import _relative_fit
+
     job = TrainConfig()
-    heads, seq, head_dim = job.heads, job.seq, job.hidden // job.heads
-    batch = batch or probe_size(device, "attention_batch")
-    shape = (batch, heads, seq, head_dim)
-    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-    grad = torch.randn(shape, device=device, dtype=dtype)
+    heads, d = job.heads, job.hidden // job.heads
+    tokens = probe_size(device, "attention_batch") * job.seq
+    flops, rows, seconds = [], [], []
+    for seq, head_dim in ((job.seq // 4, d), (job.seq, d), (4 * job.seq, 2 * d), (job.seq, 4 * d)):
+        batch = max(1, tokens // seq)
+        shape = (batch, heads, seq, head_dim)
+        q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+        grad = torch.randn(shape, device=device, dtype=dtype)
 
-    def step():
-        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+        def step():
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
 
-    return 3 * 4.0 * batch * heads * seq * seq * head_dim * call_rate(step, window, device)
+        seconds.append(1 / call_rate(step, window / 4, device))
+        flops.append(3 * 4.0 * batch * heads * seq * seq * head_dim)
+        rows.append(2.0 * batch * heads * seq)  # forward and backward kernels, each over every row
+    per_flop, per_row = _relative_fit([flops, rows], seconds)
+    if not per_flop:
+        return flops[1] / seconds[1], 0.0
+    return 1 / per_flop, per_row
 
 
 def make_cublas_workspaces(device) -> None:
@@ -194,19 +208,21 @@ def measure(grid, fixed: bool = True, dtype=torch.float32) -> dict:
         times = {"within_node": times, "across_nodes": across}
     scalar = scalar_all_reduce(grid) if g > 1 else 0.0
     local = []
-    probes = (gemm_rate, vector_bandwidth, launch_overhead, attention_rate)
-    for probe in probes:
+    for probe in (gemm_costs, vector_bandwidth, launch_overhead, attention_costs):
         grid.barrier()
-        local.append(probe(device=grid.device, dtype=dtype))
+        out = probe(device=grid.device, dtype=dtype)
+        local.extend(out if isinstance(out, tuple) else (out,))
     local = torch.tensor(local, dtype=torch.float64, device=grid.device)
     every = grid.all_gather(local.unsqueeze(0), "dp", dim=0) if grid.world_size > 1 else local.unsqueeze(0)
-    gemm, vector, launch, attention = (statistics.median(every[:, k].tolist()) for k in range(len(probes)))
+    gemm, gemm_bandwidth, vector, launch, attention, attention_row = (
+        statistics.median(every[:, k].tolist()) for k in range(len(local)))
     preset = {"name": "local", "about": f"measured by gridweave bench --calibrate with {grid.world_size} ranks at once"
                                         f" in {str(dtype).removeprefix('torch.')}",
             "gpus_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", grid.world_size)),
             "intra_alpha_s": alpha, "intra_bandwidth_Bps": 1 / beta,
             "inter_alpha_s": inter_alpha, "inter_bandwidth_Bps": 1 / inter_beta, "nics_per_node": 1,
-            "gemm_flops": gemm, "vector_bandwidth_Bps": vector, "launch_s": launch, "attention_flops": attention,
+            "gemm_flops": gemm, "gemm_bandwidth_Bps": gemm_bandwidth, "vector_bandwidth_Bps": vector,
+            "launch_s": launch, "attention_flops": attention, "attention_row_s": attention_row,
             "scalar_all_reduce_s": scalar, "memory_bytes": 24 * 2 ** 30, "ranks": grid.world_size,
             "cores_per_node": len(os.sched_getaffinity(0)),
             "measured_all_gather_s": json.loads(json.dumps(times))}  # keys as strings

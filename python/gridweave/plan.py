@@ -52,6 +52,8 @@ class Cluster:
     cores_per_node: int = 0  # CPU ranks: the cores they share (0: each rank has its own device)
     collective_s: float = 0.0  # fixed cost of each collective or message beyond alpha (threads handing off)
     attention_flops: float = 0.0  # FLOP/s of the fused attention kernels, forward and backward (0: gemm_flops)
+    attention_row_s: float = 0.0  # and their seconds per query row (batch x heads x sequence; 0: none)
+    gemm_bandwidth_Bps: float = 0.0  # bytes/s of the GEMMs' operands and outputs, read from memory (0: not counted)
     # measured seconds of a one-element all-reduce (the loss, the norm, the micro-batch count) over
     # every rank, its fixed costs included (0: alpha-beta). Gloo's ring sends only the non-empty
     # chunks: one element over 8 CPU ranks took 0.7 ms where alpha-beta says 2 (g - 1) alpha = 11
@@ -525,6 +527,7 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
     links, _ = _links(grid, cluster)
     launch = cluster.launch_s
     vector = (lambda n: n / cluster.vector_bandwidth_Bps) if cluster.vector_bandwidth_Bps else (lambda n: 0.0)
+    gemm_bytes = (lambda n: n / cluster.gemm_bandwidth_Bps) if cluster.gemm_bandwidth_Bps else (lambda n: 0.0)
 
     def comm(tally, per_axis, repeat):
         """Seconds of the collectives of `tally` (((op, axis, nbytes), times issued), each of them
@@ -550,10 +553,11 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
     for s in sorted({0, grid.pp - 1}):  # the middle stages do what these do, without embedding or head
         sched = schedule_of(model, grid, m, s, offload_bsize or FUSED_BUCKET, coarsening, clip,
                             overlap_grad_reduce and bool(offload_bsize))
-        def busy(w):  # GEMMs at the GEMM rate (fused attention at its own), the other kernels at memory
-            # bandwidth, each a launch
-            return ((w.flops - w.fused_attention_flops) / cluster.gemm_flops
+        def busy(w):  # GEMMs at the GEMM rate and their operands' bandwidth (fused attention at its rate and
+            # row cost), the other kernels at memory bandwidth, each a launch
+            return ((w.flops - w.fused_attention_flops) / cluster.gemm_flops + gemm_bytes(w.gemm_bytes)
                     + w.fused_attention_flops / (cluster.attention_flops or cluster.gemm_flops)
+                    + w.attention_rows * cluster.attention_row_s
                     + (w.gemm_calls + w.kernels) * launch + vector(w.kernel_bytes))
 
         mb = sched.microbatch

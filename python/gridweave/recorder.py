@@ -77,6 +77,8 @@ class LayerSchedule:
     attention_flops: float = 0.0  # of the forward attention core (QK^T, softmax-weighted values)
     peak_bytes: float = 0.0    # most bytes held at once (activations, their gradients, temporaries, gradients)
     fused_attention_flops: float = 0.0  # of the fused attention kernels, forward and backward (within flops)
+    gemm_bytes: float = 0.0  # the other GEMM kernels' operands and outputs (read from memory: Cluster.gemm_bandwidth_Bps)
+    attention_rows: float = 0.0  # query rows (batch x heads x sequence) of the fused attention kernels, forward and backward
 
     @cached_property
     def tally(self) -> tuple:
@@ -97,7 +99,7 @@ class LayerSchedule:
 
 # the fields that add up over layers; of them, the counts do not change with the batch
 _SUMMED = ("gemm_calls", "parameters", "flops", "kernels", "kernel_bytes", "saved_bytes", "attention_flops",
-           "peak_bytes", "fused_attention_flops")
+           "peak_bytes", "fused_attention_flops", "gemm_bytes", "attention_rows")
 _COUNTS = ("gemm_calls", "parameters", "kernels")
 
 
@@ -257,11 +259,13 @@ class _RecordingRing:
 
     def pass_on(self, tensors, step):
         send = [t.contiguous() for t in tensors]
-        if self.size > 1:  # cpp/ring.cpp: per block a receive from the previous member, a send to the next
-            for t in send:
-                prev, nxt = (self.rank - 1) % self.size, (self.rank + 1) % self.size
+        if self.size > 1:  # cpp/ring.cpp: per block a receive from the previous member, a send to the next,
+            # the step's blocks one group (Ring::exchange's batch): the sends after the first travel with it
+            prev, nxt = (self.rank - 1) % self.size, (self.rank + 1) % self.size
+            for k, t in enumerate(send):
                 self.grid.log.append(Collective("recv", self.axis, 0.0, float(_nbytes(t)), prev))
-                self.grid.log.append(Collective("send", self.axis, float(_nbytes(t)), float(_nbytes(t)), nxt))
+                self.grid.log.append(Collective(GROUPED_SEND if k else "send", self.axis, float(_nbytes(t)),
+                                                float(_nbytes(t)), nxt))
         return _Done([torch.empty_like(t) for t in send])
 
 
@@ -384,6 +388,8 @@ class Census(TorchDispatchMode):
         self.calls, self.flops, self.kernels, self.bytes = 0, 0.0, 0, 0.0
         self.attention_flops = 0.0  # forward attention core (QK^T and the values): selective recomputation's
         self.fused_attention_flops = 0.0  # fused attention kernels, forward and backward (their own rate)
+        self.gemm_bytes = 0.0  # the other GEMMs' operands and outputs
+        self.attention_rows = 0.0  # the fused attention kernels' query rows
         self.forward = True  # the recorder sets it False before backward
         self.live, self.peak, self._alive = 0, 0, set()  # bytes of the tensors the run holds at once
 
@@ -398,6 +404,9 @@ class Census(TorchDispatchMode):
                 self.attention_flops += f
             if name.removesuffix("_backward") in _FUSED_ATTENTION:
                 self.fused_attention_flops += f
+                self.attention_rows += math.prod(args[0].shape[:-1])  # q: (batch, heads, s_q, d)
+            else:
+                self.gemm_bytes += _kernel_bytes(func, args, out)
         elif not func.is_view:
             self.kernels += 1
             self.bytes += _kernel_bytes(func, args, out)
@@ -561,7 +570,7 @@ def record_stage(config, mode, dp, pp, sp, at, batch, per_stage, dtype=torch.bfl
             y.backward(torch.empty_like(y))
     sched = LayerSchedule(tuple(grid.log), census.calls, sum(p.numel() for p in params), census.flops,
                           census.kernels, census.bytes, saved.bytes, census.attention_flops, census.peak,
-                          census.fused_attention_flops)
+                          census.fused_attention_flops, census.gemm_bytes, census.attention_rows)
     return sched, math.prod(shape) * dtype.itemsize
 
 
