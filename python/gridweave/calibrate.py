@@ -18,7 +18,7 @@ import torch
 
 from . import plan
 from .grid import LinePart, Span, init, shutdown
-from .measure import call_rate, gemm_costs, probe_size, vector_bandwidth
+from .measure import call_rate, gemm_costs, probe_size, relative_fit, vector_bandwidth
 from .models import ModelConfig
 from .nn.dense import DenseTransformerLayer
 from .recorder import Census
@@ -33,8 +33,6 @@ def attention_costs(window: float = 1.0, device="cpu", dtype=torch.float32) -> t
     job's, a quarter of its sequence, four times its sequence at twice its head size, four times its
     head size. On this CPU one rate ranged 31 GFLOP/s at sequence 32 to 93 at 1024; the two terms
     fit nine shapes (head size 16-64, sequence 32-1024) within 14%. Row cost 0: the probes saw none."""
-    from .measure import _relative_fit
-
     job = TrainConfig()
     heads, d = job.heads, job.hidden // job.heads
     tokens = probe_size(device, "attention_batch") * job.seq
@@ -51,7 +49,7 @@ def attention_costs(window: float = 1.0, device="cpu", dtype=torch.float32) -> t
         seconds.append(1 / call_rate(step, window / 4, device))
         flops.append(3 * 4.0 * batch * heads * seq * seq * head_dim)
         rows.append(2.0 * batch * heads * seq)  # forward and backward kernels, each over every row
-    per_flop, per_row = _relative_fit([flops, rows], seconds)
+    per_flop, per_row = relative_fit([flops, rows], seconds)
     if not per_flop:
         return flops[1] / seconds[1], 0.0
     return 1 / per_flop, per_row

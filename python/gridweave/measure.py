@@ -41,7 +41,7 @@ def gemm_rate(n: int | None = None, window: float = 1.0, device="cpu", dtype=tor
     return 2 * n ** 3 * call_rate(lambda: a @ b, window, device)
 
 
-def _relative_fit(columns: list, seconds: list) -> list:
+def relative_fit(columns: list, seconds: list) -> list:
     """Least squares, in relative error, of seconds = sum_j x_j columns[j]: the per-unit costs
     x_j (none below 0: a term the probes cannot see is left out, the others refitted)."""
     import numpy as np
@@ -68,14 +68,14 @@ COLD_BYTES = 64 << 20
 def gemm_costs(window: float = 1.0, device="cpu", dtype=torch.float32) -> tuple:
     """(FLOP/s, operand bytes/s) of matrix products whose operands come from memory, as a
     training step's do: t = 2 m n k / rate + (m k + k n + m n) e / bandwidth, fitted (relative
-    least squares) on a square product of the probe size and two an eighth as thin, each cycling through
-    copies of its operands larger than the caches (an operand kept hot ran 100-108 GFLOP/s on this
-    CPU where the same products inside a step ran 72). Bandwidth 0: the probes saw no operand cost."""
+    least squares) on a square product of the probe size and two an eighth as thin, each cycling
+    through copies of its operands larger than the caches (operands kept hot ran 100-108 GFLOP/s on
+    this CPU where the same products inside a step ran 72). Bandwidth 0: the probes saw no operand
+    cost."""
     n = probe_size(device, "gemm")
     flops, nbytes, seconds = [], [], []
     for m, k, c in ((n, n, n), (n // 8, n, n), (n, n // 8, n)):
-        e = torch.tensor([], dtype=dtype).element_size()
-        size = (m * k + k * c + m * c) * e
+        size = (m * k + k * c + m * c) * dtype.itemsize
         sets = [(torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, c, device=device, dtype=dtype),
                  torch.empty(m, c, device=device, dtype=dtype)) for _ in range(max(1, min(64, -(-COLD_BYTES // size))))]
         turn = [0]
@@ -88,7 +88,7 @@ def gemm_costs(window: float = 1.0, device="cpu", dtype=torch.float32) -> tuple:
         seconds.append(1 / call_rate(product, window / 3, device))
         flops.append(2.0 * m * k * c)
         nbytes.append(float(size))
-    per_flop, per_byte = _relative_fit([flops, nbytes], seconds)
+    per_flop, per_byte = relative_fit([flops, nbytes], seconds)
     if not per_flop:  # the square product's own rate
         return flops[0] / seconds[0], 0.0
     return 1 / per_flop, (1 / per_byte if per_byte else 0.0)

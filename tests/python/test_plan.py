@@ -193,22 +193,22 @@ def test_calibration_probes_measure_in_the_dtype_asked():
 
 
 def test_the_cost_fits_recover_known_costs_in_relative_error():
-    """measure._relative_fit, what gemm_costs and attention_costs fit their probes with: seconds
+    """measure.relative_fit, what gemm_costs and attention_costs fit their probes with: seconds
     made from known per-unit costs come back (numpy's least squares on the relative system); a
     term whose fitted cost would be negative is left out and the rest refitted."""
     import numpy as np
 
-    from gridweave.measure import _relative_fit
+    from gridweave.measure import relative_fit
 
     flops = [2 * 256.0 ** 3, 2 * 32 * 256.0 ** 2, 2 * 32 * 256.0 ** 2]
     nbytes = [4 * 3 * 256.0 ** 2, 4 * (2 * 32 * 256 + 256.0 ** 2), 4 * (2 * 32 * 256 + 32 * 256.0)]
     seconds = [f * 1e-11 + b * 3e-11 for f, b in zip(flops, nbytes)]
-    assert _relative_fit([flops, nbytes], seconds) == pytest.approx([1e-11, 3e-11], rel=1e-9)
+    assert relative_fit([flops, nbytes], seconds) == pytest.approx([1e-11, 3e-11], rel=1e-9)
     # bytes that make the products faster: no operand term, the FLOPs' cost alone, as numpy fits it
     seconds = [f * 1e-11 - b * 1e-12 for f, b in zip(flops, nbytes)]
     a = np.array(flops)[:, None] / np.array(seconds)[:, None]
     (alone,), *_ = np.linalg.lstsq(a, np.ones(3), rcond=None)
-    assert _relative_fit([flops, nbytes], seconds) == pytest.approx([alone, 0.0], rel=1e-9)
+    assert relative_fit([flops, nbytes], seconds) == pytest.approx([alone, 0.0], rel=1e-9)
 
 
 def test_the_recording_holds_each_products_operands_and_each_attention_row():
