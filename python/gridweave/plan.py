@@ -496,6 +496,11 @@ def _check_recompute(recompute) -> None:
         raise GridError(f"recompute must be False, True or 'selective', got {recompute!r}")
 
 
+def _at(rate: float):
+    """Seconds of n units at `rate` units a second (a rate of 0: not counted)."""
+    return (lambda n: n / rate) if rate else (lambda n: 0.0)
+
+
 def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int | None = None,
             offload_bsize: int | None = None, recompute: bool | str = False, coarsening: int = 4,
             clip: bool = True, overlap_grad_reduce: bool = False) -> dict:
@@ -526,8 +531,7 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
     m = microbatches or (min(b, 4 * grid.pp) if grid.pp > 1 else 1)
     links, _ = _links(grid, cluster)
     launch = cluster.launch_s
-    vector = (lambda n: n / cluster.vector_bandwidth_Bps) if cluster.vector_bandwidth_Bps else (lambda n: 0.0)
-    gemm_bytes = (lambda n: n / cluster.gemm_bandwidth_Bps) if cluster.gemm_bandwidth_Bps else (lambda n: 0.0)
+    vector, gemm_bytes = (_at(cluster.vector_bandwidth_Bps), _at(cluster.gemm_bandwidth_Bps))
 
     def comm(tally, per_axis, repeat):
         """Seconds of the collectives of `tally` (((op, axis, nbytes), times issued), each of them

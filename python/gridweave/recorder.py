@@ -227,15 +227,23 @@ class RecordingGrid:
         """Recorded as Grid.all_to_all_v runs it: a send to each other member with rows for it, a
         receive from each with rows for this one (its own rows are copied)."""
         row = _nbytes(t) // max(t.shape[0], 1)
-        me, first = self.index(axis), True
-        for k, (out, inc) in enumerate(zip(send_counts, recv_counts)):
-            if k != me and inc:
-                self.log.append(Collective("recv", self.label(axis), 0.0, float(inc * row), k))
-            if k != me and out:  # one group: the sends after the first travel with it (GROUPED_SEND)
-                op = "send" if first else GROUPED_SEND
-                self.log.append(Collective(op, self.label(axis), float(out * row), float(out * row), k))
-                first = False
+        me = self.index(axis)
+        self.record_group(self.label(axis), [(k, inc * row or None, k, out * row or None)
+                                             for k, (out, inc) in enumerate(zip(send_counts, recv_counts)) if k != me])
         return t.new_empty((sum(recv_counts),) + tuple(t.shape[1:]))
+
+    def record_group(self, label: str, messages: list) -> None:
+        """One group of point-to-point messages on line `label` (the engine's batch), each
+        (member received from, its bytes, member sent to, its bytes; None: no such message): a
+        receive and a send each, the sends after the group's first GROUPED_SEND (they travel in
+        its launch: one fixed cost a group)."""
+        first = True
+        for src, inc, dst, out in messages:
+            if inc is not None:
+                self.log.append(Collective("recv", label, 0.0, float(inc), src))
+            if out is not None:
+                self.log.append(Collective("send" if first else GROUPED_SEND, label, float(out), float(out), dst))
+                first = False
 
     def scatter(self, out, full=None, axis=None, src=0, async_op=False):
         return self._record("scatter", axis, _nbytes(out) * self.size(axis), out, async_op, _nbytes(out), src,
@@ -259,13 +267,10 @@ class _RecordingRing:
 
     def pass_on(self, tensors, step):
         send = [t.contiguous() for t in tensors]
-        if self.size > 1:  # cpp/ring.cpp: per block a receive from the previous member, a send to the next,
-            # the step's blocks one group (Ring::exchange's batch): the sends after the first travel with it
+        if self.size > 1:  # cpp/ring.cpp: per block a receive from the previous member, a send to the
+            # next, the step's blocks one group (Ring::exchange's batch)
             prev, nxt = (self.rank - 1) % self.size, (self.rank + 1) % self.size
-            for k, t in enumerate(send):
-                self.grid.log.append(Collective("recv", self.axis, 0.0, float(_nbytes(t)), prev))
-                self.grid.log.append(Collective(GROUPED_SEND if k else "send", self.axis, float(_nbytes(t)),
-                                                float(_nbytes(t)), nxt))
+            self.grid.record_group(self.axis, [(prev, _nbytes(t), nxt, _nbytes(t)) for t in send])
         return _Done([torch.empty_like(t) for t in send])
 
 
