@@ -1,6 +1,6 @@
 """`gridweave bench --calibrate`: measure this machine's alpha (latency per message), beta
-(seconds per byte), GEMM rate, element-wise memory bandwidth and per-op overhead, and write
-them as a cluster preset for gw.plan.
+(seconds per byte), all-reduces per line size, GEMM rate, element-wise memory bandwidth and
+per-op, per-collective and per-step overheads, and write them as a cluster preset for gw.plan.
 
 Every rank measures at the same time, so the numbers are the ones a job of this many ranks
 sees: on a small machine ranks share cores, and a rate measured alone would be too fast.
@@ -18,7 +18,7 @@ import torch
 
 from . import plan
 from .grid import LinePart, Span, init, shutdown
-from .measure import call_rate, gemm_costs, probe_size, relative_fit, vector_bandwidth
+from .measure import call_rate, device_sync, gemm_costs, probe_size, relative_fit, vector_bandwidth
 from .models import ModelConfig
 from .nn.dense import DenseTransformerLayer
 from .recorder import Census
@@ -153,6 +153,53 @@ def ring_all_gather(grid, sizes=RING_SIZES, reps: int = 21, axis="dp", active: b
     return out
 
 
+# a step's all-reduces: activations, gradient chunks and buckets (past a few MiB a CPU ring leaves the caches)
+ALL_REDUCE_SIZES = tuple(1 << k for k in (13, 16, 18, 20, 22))
+
+
+def all_reduce_lines(grid, sizes=ALL_REDUCE_SIZES, reps: int = 11, rounds: int = 3) -> dict:
+    """{members: {bytes: seconds}}: the engine's all-reduce over lines of every size that divides
+    a node's ranks (blocks of consecutive ranks), every line of the size busy at once, each rank
+    issuing reps of them back to back; the slowest rank's mean, the median of `rounds`. As in a
+    step, the lines are not held together by barriers and drift apart, and the step waits for the
+    slowest: where ranks share cores, four 2-member lines took 1.0-1.3 ms an all-reduce between
+    barriers, 2.0-2.5 back to back, 1.8 inside a training step of row:2 x dp 4."""
+    per_node, out, sync = grid.ranks_per_node, {}, device_sync(grid.device)
+    for g in range(2, per_node + 1):
+        if per_node % g:
+            continue
+        axis = "dp" if g == grid.world_size else LinePart(("dp",), Span.WITHIN, g)
+        out[g] = {}
+        for nbytes in sizes:
+            t = torch.zeros(max(1, nbytes // 4), device=grid.device)
+            grid.all_reduce(t, axis)  # connections made, buffers allocated
+            means = []
+            for _ in range(rounds):
+                sync()
+                grid.barrier()
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    grid.all_reduce(t, axis)
+                sync()  # a stream-ordered transport's (NCCL's) all-reduces are queued, not done
+                slowest = torch.tensor([(time.perf_counter() - t0) / reps], dtype=torch.float64, device=grid.device)
+                grid.all_reduce(slowest, "dp", op="max")
+                means.append(float(slowest))
+            out[g][nbytes] = statistics.median(means)
+    return out
+
+
+def fit_all_reduce(times: dict) -> tuple:
+    """plan.Cluster.all_reduce_s of all_reduce_lines' times: (members, seconds, seconds per byte)
+    for each line size, t = seconds + bytes x per byte in relative least squares (the small
+    all-reduces a step issues most weigh as much as the large)."""
+    rows = []
+    for g, by_size in sorted(times.items()):
+        sizes = [float(n) for n in by_size]
+        fixed, per_byte = relative_fit([[1.0] * len(sizes), sizes], list(by_size.values()))
+        rows.append((g, fixed, per_byte))
+    return tuple(rows)
+
+
 def scalar_all_reduce(grid, reps: int = 21) -> float:
     """Seconds of a one-element float64 all-reduce over every rank (the step's loss, its gradient
     norm): the median of reps, each between barriers."""
@@ -163,12 +210,15 @@ def scalar_all_reduce(grid, reps: int = 21) -> float:
 def _median_seconds(grid, op, reps: int) -> float:
     """The median seconds of op() over reps runs, each started on every rank at once (a barrier
     first), after one untimed run (connections made, buffers allocated)."""
+    sync = device_sync(grid.device)
     op()
     ts = []
     for _ in range(reps):
+        sync()
         grid.barrier()
         t0 = time.perf_counter()
         op()
+        sync()  # a stream-ordered transport's (NCCL's) op is queued, not done, when the call returns
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
 
@@ -205,6 +255,7 @@ def measure(grid, fixed: bool = True, dtype=torch.float32) -> dict:
         inter_alpha, inter_beta = fit_ring(across, g // per_node)
         times = {"within_node": times, "across_nodes": across}
     scalar = scalar_all_reduce(grid) if g > 1 else 0.0
+    all_reduces = all_reduce_lines(grid) if per_node > 1 else {}
     local = []
     for probe in (gemm_costs, vector_bandwidth, launch_overhead, attention_costs):
         grid.barrier()
@@ -221,11 +272,13 @@ def measure(grid, fixed: bool = True, dtype=torch.float32) -> dict:
             "inter_alpha_s": inter_alpha, "inter_bandwidth_Bps": 1 / inter_beta, "nics_per_node": 1,
             "gemm_flops": gemm, "gemm_bandwidth_Bps": gemm_bandwidth, "vector_bandwidth_Bps": vector,
             "launch_s": launch, "attention_flops": attention, "attention_row_s": attention_row,
-            "scalar_all_reduce_s": scalar, "memory_bytes": 24 * 2 ** 30, "ranks": grid.world_size,
+            "scalar_all_reduce_s": scalar, "all_reduce_s": fit_all_reduce(all_reduces),
+            "measured_all_reduce_s": json.loads(json.dumps(all_reduces)),
+            "memory_bytes": 24 * 2 ** 30, "ranks": grid.world_size,
             "cores_per_node": len(os.sched_getaffinity(0)),
             "measured_all_gather_s": json.loads(json.dumps(times))}  # keys as strings
     if fixed and g > 1:
-        preset["collective_s"], preset["fixed_cost_steps"] = fixed_costs(grid, preset)
+        preset["step_s"], preset["collective_s"], preset["fixed_cost_steps"] = fixed_costs(grid, preset)
     return preset
 
 
@@ -236,22 +289,24 @@ _SMALL_GRIDS = ({}, {"tp": "row:2"}, {"sp": 2}, {"tp": "square:2"})
 
 
 def fixed_costs(grid, preset: dict, steps: int = 5) -> tuple:
-    """What each collective costs beyond its alpha and beta on this machine under this many
-    ranks: small training steps on a few grids (the main job's code, a tiny Llama), each timed
-    (the slowest rank, the median step) and recorded (gw.plan.predict's kernel and collective
-    counts); the time the rates and the per-kernel cost (launch_overhead, measured directly)
-    leave unexplained, fitted as collectives x collective_s (least squares through zero).
+    """What each step and each collective cost beyond what is measured of them on this machine
+    under this many ranks: small training steps on a few grids (the main job's code, a tiny
+    Llama), each timed (the slowest rank, the median step) and recorded (gw.plan.predict's kernel
+    and collective counts); the time the rates, the measured all-reduces and the per-kernel cost
+    (launch_overhead, measured directly) leave unexplained, fitted (least squares, each error
+    relative to its step's time) as step_s + collectives x collective_s, over the collectives
+    collective_s is charged to (not the all-reduces timed whole: the data-parallel and row:2
+    steps have none, which tells the step's own cost apart, 7 ms on 8 ranks sharing 2 cores:
+    its micro-batch cuts, the loss's reductions, the optimizer's hooks, the slowest rank's lag).
     Where ranks share cores, a collective's thread handoffs wait for a core; that, not alpha,
     is what makes many small collectives expensive. The kernel cost is the probe's, not a second
     unknown of the fit: kernels and collectives grow together over these grids, so a fit of both
     traded one for the other from run to run (2 to 33 us a kernel on one machine).
-    Returns (collective_s, the steps as measured and recorded)."""
+    Returns (step_s, collective_s, the steps as measured and recorded)."""
     import dataclasses
 
-    import numpy as np
-
     n = grid.world_size
-    base = dataclasses.replace(plan.Cluster.of(preset), collective_s=0.0)
+    base = dataclasses.replace(plan.Cluster.of(preset), collective_s=0.0, step_s=0.0)
     rows = []
     for i, extra in enumerate(_SMALL_GRIDS):
         cfg = TrainConfig(**_SMALL, **extra, pp=1)
@@ -276,11 +331,11 @@ def fixed_costs(grid, preset: dict, steps: int = 5) -> tuple:
         shape_ = plan.GridShape(dp=shape["dp"], tp=cfg.mode, sp=shape["sp"])
         r = plan.predict(plan.model_of(cfg), shape_, base, microbatches=1, **cfg.planned_optimizer())
         measured = statistics.median(times[2:])
-        rows.append(dict(grid=extra, kernels=r["kernels"], collectives=r["collectives"], measured_s=measured,
-                         unexplained_s=measured - r["step_time_s"]))
-    c = np.array([r["collectives"] for r in rows], dtype=float)
-    y = np.array([r["unexplained_s"] for r in rows])
-    return max(float(c @ y / (c @ c)), 0.0), rows
+        rows.append(dict(grid=extra, kernels=r["kernels"], collectives=r["fixed_cost_collectives"],
+                         measured_s=measured, unexplained_s=measured - r["step_time_s"]))
+    step_s, collective_s = relative_fit([[1.0] * len(rows), [r["collectives"] for r in rows]],
+                                        [r["unexplained_s"] for r in rows], [r["measured_s"] for r in rows])
+    return step_s, collective_s, rows
 
 
 def init_like(grid, shape: dict, cfg, prefix: str):

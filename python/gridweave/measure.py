@@ -7,11 +7,16 @@ import time
 import torch
 
 
+def device_sync(device):
+    """What waits for the work queued on `device` (a timer's read on CUDA comes after it)."""
+    return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+
+
 def call_rate(fn, window: float, device="cpu") -> float:
     """Calls of fn per second over a `window`-second run: every rank runs its window at the
     same time (after a barrier), so the rate is the one under this many ranks' contention.
     On CUDA the kernels queued in the window are waited for: the rate is the device's."""
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    sync = device_sync(device)
     fn()
     sync()
     calls, t0 = 0, time.perf_counter()
@@ -41,15 +46,19 @@ def gemm_rate(n: int | None = None, window: float = 1.0, device="cpu", dtype=tor
     return 2 * n ** 3 * call_rate(lambda: a @ b, window, device)
 
 
-def relative_fit(columns: list, seconds: list) -> list:
+def relative_fit(columns: list, seconds: list, relative_to: list | None = None) -> list:
     """Least squares, in relative error, of seconds = sum_j x_j columns[j]: the per-unit costs
-    x_j (none below 0: a term the probes cannot see is left out, the others refitted)."""
+    x_j (none below 0: a term the probes cannot see is left out, the others refitted). Each
+    error is relative to its seconds, or to relative_to's (where seconds are a residual that may
+    be near 0: the whole time it is part of)."""
     import numpy as np
 
-    a = np.array(columns, dtype=float).T / np.array(seconds)[:, None]
+    scale = np.array(seconds if relative_to is None else relative_to, dtype=float)[:, None]
+    a = np.array(columns, dtype=float).T / scale
+    target = np.array(seconds, dtype=float) / scale[:, 0]
     keep = list(range(a.shape[1]))
     while keep:
-        x, *_ = np.linalg.lstsq(a[:, keep], np.ones(len(seconds)), rcond=None)
+        x, *_ = np.linalg.lstsq(a[:, keep], target, rcond=None)
         if (x > 0).all():
             out = [0.0] * a.shape[1]
             for j, v in zip(keep, x):
@@ -113,7 +122,7 @@ class StepPhases:
     NAMES = ("forward", "backward", "reduction", "optimizer", "waiting", "bookkeeping")
 
     def __init__(self, device="cpu"):
-        self._sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+        self._sync = device_sync(device)
         self.seconds = dict.fromkeys(self.NAMES, 0.0)
         self.steps = 0
 

@@ -51,6 +51,7 @@ class Cluster:
     nics_per_node: int = 1  # network links per node; lines leaving a node share them
     cores_per_node: int = 0  # CPU ranks: the cores they share (0: each rank has its own device)
     collective_s: float = 0.0  # fixed cost of each collective or message beyond alpha (threads handing off)
+    step_s: float = 0.0  # fixed cost of each training step (its own bookkeeping: micro-batch cuts, loss, hooks)
     attention_flops: float = 0.0  # FLOP/s of the fused attention kernels, forward and backward (0: gemm_flops)
     attention_row_s: float = 0.0  # and their seconds per query row (batch x heads x sequence; 0: none)
     gemm_bandwidth_Bps: float = 0.0  # bytes/s of the GEMMs' operands and outputs, read from memory (0: not counted)
@@ -58,11 +59,28 @@ class Cluster:
     # every rank, its fixed costs included (0: alpha-beta). Gloo's ring sends only the non-empty
     # chunks: one element over 8 CPU ranks took 0.7 ms where alpha-beta says 2 (g - 1) alpha = 11
     scalar_all_reduce_s: float = 0.0
+    # measured all-reduces inside a node: (members, seconds, seconds per byte of the buffer) of
+    # the engine's all-reduce over lines of that many members, every line of the size busy at
+    # once (calibrate.all_reduce_lines); such an all-reduce is costed from its row alone, every
+    # other by alpha-beta. Where ranks share cores a ring step is a turn of the cores, not a wire's
+    # latency: an 8-member all-reduce's 14 steps took what the all-gather's 7 (alpha's fit) did
+    all_reduce_s: tuple = ()
+
+    def __post_init__(self):  # a preset's JSON lists, hashable (the lines' cache keys on the cluster)
+        object.__setattr__(self, "all_reduce_s", tuple(tuple(row) for row in self.all_reduce_s))
 
     @classmethod
     def of(cls, preset: dict) -> "Cluster":
         """The cluster of a preset's fields (a calibration's extra keys, its measurements, left out)."""
         return cls(**{k: v for k, v in preset.items() if k in cls.__dataclass_fields__})
+
+    def measured_all_reduce(self, members: int, nbytes: float) -> float | None:
+        """Seconds of an all-reduce of nbytes over a line of `members` inside a node, as
+        measured (all_reduce_s), or None where no line of that size was."""
+        for g, fixed, per_byte in self.all_reduce_s:
+            if g == members:
+                return fixed + per_byte * nbytes
+        return None
 
 
 def load_cluster(name_or_path: str, gpus_per_node: int | None = None) -> Cluster:
@@ -244,6 +262,17 @@ def collective_time(op: str, g: int, nbytes: float, link: tuple, cluster: Cluste
     if op == "send":
         return alpha + nbytes / bw
     raise GridError(f"no cost model for {op!r}")
+
+
+def _measured(op: str, nbytes: float, line: tuple, cluster: Cluster) -> float | None:
+    """Seconds of a collective the calibration measured whole (a one-element all-reduce over
+    every rank; an all-reduce over a line inside a node of a measured size), else None: it is
+    costed alpha-beta plus collective_s. line: plan._Lines' (alpha, bandwidth, nodes, inter, size)."""
+    if op != "all_reduce":
+        return None
+    if nbytes <= 8 and cluster.scalar_all_reduce_s:
+        return cluster.scalar_all_reduce_s
+    return cluster.measured_all_reduce(line[4], nbytes) if line[2] == 1 else None
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:
@@ -533,6 +562,10 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
     launch = cluster.launch_s
     vector, gemm_bytes = (_at(cluster.vector_bandwidth_Bps), _at(cluster.gemm_bandwidth_Bps))
 
+    def fixed_cost(op, axis, nbytes) -> bool:  # comm charges it collective_s
+        line = links[axis]
+        return line is not None and op != GROUPED_SEND and _measured(op, nbytes, line, cluster) is None
+
     def comm(tally, per_axis, repeat):
         """Seconds of the collectives of `tally` (((op, axis, nbytes), times issued), each of them
         issued `repeat` times again); per axis too. Each distinct collective is costed once."""
@@ -541,11 +574,10 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
             line = links[axis]
             if line is None:
                 continue
-            if op == "all_reduce" and nbytes <= 8 and cluster.scalar_all_reduce_s:
-                c = cluster.scalar_all_reduce_s
-            elif op == GROUPED_SEND:  # in its group's launch: its link's latency and bandwidth alone
+            c = _measured(op, nbytes, line, cluster)  # the whole call, as timed
+            if c is None and op == GROUPED_SEND:  # in its group's launch: its link's latency and bandwidth alone
                 c = collective_time("send", line[4], nbytes, line[:2], cluster)
-            else:
+            elif c is None:
                 c = launch + cluster.collective_s + collective_time(op, line[4], nbytes, line[:2], cluster)
             acc = per_axis.setdefault(axis, [0.0, 0.0])
             acc[0] += c * n * repeat
@@ -605,7 +637,7 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
         optimizer_s = vector((3 * e + 2 * 12) * phi_local)
     else:
         optimizer_s = 0.0
-    step = pipeline + step_comm + optimizer_s
+    step = pipeline + step_comm + optimizer_s + cluster.step_s
     phi = model.config.matrix_parameters(embedding=model.embedding)
     compute_paper = (transformer_flops(model, recompute) / (grid.dp * grid.pp * grid.tp_ranks() * grid.sp)
                      / cluster.gemm_flops)
@@ -665,8 +697,11 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
             "kernels": m * (sched.microbatch.kernels + sched.microbatch.gemm_calls),
             "collectives": m * sum(n for _, n in sched.microbatch.tally) +
             len(sched.step) + len(sched.in_backward),
+            # of them, those charged collective_s (the rest measured whole, or a group's later sends)
+            "fixed_cost_collectives": m * sum(n for k, n in sched.microbatch.tally if fixed_cost(*k)) +
+            sum(n for k, n in sched.step_tally + tally_of(sched.in_backward) if fixed_cost(*k)),
             # where the step time goes (they add up to step_time_s) and the memory (to memory_bytes)
-            "time_breakdown_s": {"compute": compute * m + optimizer_s, "recompute": redo * m,
+            "time_breakdown_s": {"compute": compute * m + optimizer_s + cluster.step_s, "recompute": redo * m,
                                  "communication": {k: v[0] for k, v in per_axis.items()},
                                  "bubble": pipeline - m * t_stage},
             "memory_breakdown_bytes": memory_breakdown,

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 import gridweave as gw
-from gridweave import plan
+from gridweave import calibrate, plan
 from gridweave.models import ModelConfig
 
 
@@ -145,16 +145,30 @@ def test_calibrate_writes_a_usable_local_preset(tmp_path):
     c = plan.load_cluster(str(out))
     assert c.intra_alpha_s > 0 and c.intra_bandwidth_Bps > 1e6 and c.gemm_flops > 1e8
     assert 0 < c.scalar_all_reduce_s < 1.0  # a one-element all-reduce, measured
-    # the per-kernel cost is the probe's; the per-collective cost the least-squares slope, through
-    # zero, of what the steps it records leave unexplained against their collective counts
     import numpy as np
 
     preset = json.loads(out.read_text())
+    # the 2-member line's all-reduces, timed at every size, and its row their relative least squares
+    times = preset["measured_all_reduce_s"]["2"]
+    assert set(times) == {str(n) for n in calibrate.ALL_REDUCE_SIZES} and all(t > 0 for t in times.values())
+    ((g, fixed, per_byte),) = c.all_reduce_s
+    t = np.array(list(times.values()))
+    a = np.stack([np.ones(len(t)), np.array([float(n) for n in times])], 1) / t[:, None]
+    want, *_ = np.linalg.lstsq(a, np.ones(len(t)), rcond=None)
+    assert g == 2 and fixed > 0
+    if (want > 0).all():
+        assert (fixed, per_byte) == (pytest.approx(want[0], rel=1e-6), pytest.approx(want[1], rel=1e-6))
+    # the per-kernel cost is the probe's; the per-step and per-collective costs the least squares,
+    # each error relative to its step's time, of what the steps leave unexplained
     steps = preset["fixed_cost_steps"]
     assert len(steps) >= 2 and all(s["kernels"] > 0 and s["measured_s"] > 0 for s in steps)
-    a = np.array([[s["collectives"]] for s in steps], dtype=float)
-    (slope,), *_ = np.linalg.lstsq(a, np.array([s["unexplained_s"] for s in steps]), rcond=None)
-    assert c.collective_s == pytest.approx(max(slope, 0.0), rel=1e-9, abs=1e-15)
+    m = np.array([s["measured_s"] for s in steps])
+    a = np.array([[1.0, s["collectives"]] for s in steps]) / m[:, None]
+    want, *_ = np.linalg.lstsq(a, np.array([s["unexplained_s"] for s in steps]) / m, rcond=None)
+    if (want > 0).all():
+        assert (c.step_s, c.collective_s) == (pytest.approx(want[0], rel=1e-6), pytest.approx(want[1], rel=1e-6))
+    else:  # a cost the residuals cannot carry is left out
+        assert min(c.step_s, c.collective_s) == 0 <= max(c.step_s, c.collective_s)
     assert c.launch_s > 0  # launch_overhead, measured
     rows = plan.plan(2, plan.Model(ModelConfig("gpt", 51200, hidden=64, heads=4, layers=2, seq=32), batch=4), c)
     assert rows and rows[0]["step_time_s"] > 0
@@ -167,7 +181,7 @@ def test_calibration_probes_measure_in_the_dtype_asked():
     launch-bound there (an H100 measured 1.1 TFLOP/s at 256^3)."""
     import torch
 
-    from gridweave import calibrate, measure
+    from gridweave import measure
 
     seen = []
 

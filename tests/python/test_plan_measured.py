@@ -1,0 +1,129 @@
+"""gw.plan's measured costs (issue 34): all-reduces over lines of a calibrated size cost what
+calibrate.all_reduce_lines timed of them, whole; collective_s is charged to the other
+collectives only, and fitted over those; a step's own fixed cost, once a step."""
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+import gridweave as gw
+from gridweave import calibrate, plan
+from gridweave.measure import relative_fit
+from gridweave.models import ModelConfig
+
+ROW = (2, 1e-3, 1e-9)  # a 2-member line: 1 ms an all-reduce, plus 1 ns a byte of its buffer
+
+
+def _layers(layers=3, hidden=64, seq=32, batch=8):
+    """The layer stack alone (no embedding, head, loss or optimizer), float32."""
+    return plan.Model(ModelConfig("gpt", 512, hidden=hidden, heads=4, layers=layers, seq=seq), batch=batch,
+                      bytes_per_value=4, embedding=False)
+
+
+def test_an_all_reduce_over_a_measured_line_size_costs_its_row():
+    """Row:2 (seed 003 §3): f's backward and g's forward in each of a layer's two blocks, four
+    all-reduces of the micro-batch's activations over the 2-member tp line a layer and micro-batch;
+    each costs the row's seconds plus its bytes at the row's rate, nothing else (no alpha, no
+    collective_s, no launch: the row timed the whole call)."""
+    base = plan.load_cluster("a100-ib")  # 8 GPUs a node: every tp line inside one
+    model, grid, m = _layers(), plan.GridShape(dp=4, tp=gw.Row(2)), 2
+    nbytes = (8 // 4 // m) * 32 * 64 * 4  # a micro-batch's activations on this replica, float32
+    expected = 3 * 4 * m * (ROW[1] + ROW[2] * nbytes)
+    for cluster in (dataclasses.replace(base, all_reduce_s=(ROW,)),
+                    dataclasses.replace(base, all_reduce_s=(ROW,), collective_s=1.0, launch_s=1.0)):
+        r = plan.predict(model, grid, cluster, microbatches=m)
+        assert r["seconds_per_axis"]["tp"] == pytest.approx(expected, rel=1e-12)
+    # a row for another line size leaves the 2-member lines to alpha-beta, as without one
+    other, none = (plan.predict(model, grid, dataclasses.replace(base, all_reduce_s=rows), microbatches=m)
+                   for rows in (((4, 5.0, 1.0),), ()))
+    assert other["seconds_per_axis"] == none["seconds_per_axis"] and other["step_time_s"] == none["step_time_s"]
+    link = plan._links(grid, base)[0]["tp"]
+    assert none["seconds_per_axis"]["tp"] == pytest.approx(
+        3 * 4 * m * (base.launch_s + base.collective_s + plan.collective_time("all_reduce", 2, nbytes, link[:2], base)),
+        rel=1e-12)
+
+
+def test_a_measured_row_is_for_lines_inside_a_node():
+    """The rows were timed inside a node: an all-reduce over a line that leaves it is alpha-beta
+    over the network link, whatever the rows say."""
+    model = plan.Model(ModelConfig("gpt", 512, hidden=64, heads=4, layers=2, seq=32), batch=8)
+    grid = plan.GridShape(dp=4, tp=gw.Row(2))
+    base = dataclasses.replace(plan.load_cluster("a100-ib"), gpus_per_node=2)  # tp inside a node, dp across
+    rows = ((2, 0.5, 0.0), (4, 7.0, 1.0))
+    r, alpha_beta = (plan.predict(model, grid, dataclasses.replace(base, all_reduce_s=a)) for a in (rows, ()))
+    assert r["axis_links"]["dp"].startswith("inter") and r["axis_links"]["tp"] == "intra"
+    assert r["seconds_per_axis"]["dp"] == alpha_beta["seconds_per_axis"]["dp"]
+    assert r["seconds_per_axis"]["tp"] != alpha_beta["seconds_per_axis"]["tp"]
+
+
+@pytest.mark.parametrize("grid", [plan.GridShape(dp=8), plan.GridShape(dp=2, tp=gw.Row(2), sp=2),
+                                  plan.GridShape(dp=2, tp=gw.Square(2))])
+def test_collective_s_is_charged_to_the_counted_collectives_alone(grid):
+    """fixed_cost_collectives is what calibrate fits collective_s over: a second more of it adds
+    exactly that many seconds to the step. With every line's all-reduces measured (and the
+    one-element ones), a data-parallel step has none left."""
+    model = plan.Model(ModelConfig("llama", 256, hidden=64, heads=4, layers=2, seq=32), batch=8, bytes_per_value=4)
+    cluster = dataclasses.replace(plan.load_cluster("a100-ib"), scalar_all_reduce_s=1e-4,
+                                  all_reduce_s=((2, 1e-3, 1e-9), (4, 2e-3, 1e-9), (8, 4e-3, 1e-9)))
+    cheap, costly = (plan.predict(model, grid, dataclasses.replace(cluster, collective_s=c)) for c in (0.0, 1.0))
+    assert costly["fixed_cost_collectives"] == cheap["fixed_cost_collectives"]
+    assert costly["step_time_s"] - cheap["step_time_s"] == pytest.approx(cheap["fixed_cost_collectives"], rel=1e-9)
+    assert 0 <= cheap["fixed_cost_collectives"] <= cheap["collectives"]
+    if grid.tp.spec() == "none":
+        assert cheap["fixed_cost_collectives"] == 0 < cheap["collectives"]
+
+
+def test_a_steps_own_cost_is_paid_once_a_step():
+    model, grid = _layers(layers=4), plan.GridShape(dp=2, pp=2)
+    base = plan.load_cluster("a100-ib")
+    a, b = (plan.predict(model, grid, dataclasses.replace(base, step_s=s), microbatches=4) for s in (0.0, 0.25))
+    assert b["step_time_s"] - a["step_time_s"] == pytest.approx(0.25, rel=1e-9)
+    t = b["time_breakdown_s"]
+    assert t["compute"] - a["time_breakdown_s"]["compute"] == pytest.approx(0.25, rel=1e-9)
+    assert t["compute"] + t["recompute"] + t["bubble"] + sum(t["communication"].values()) == \
+        pytest.approx(b["step_time_s"], rel=1e-12)
+
+
+def test_a_presets_rows_load_from_json_and_key_the_lines_cache(tmp_path):
+    preset = json.loads(plan.PRESETS.joinpath("a100-ib.json").read_text())
+    preset["all_reduce_s"] = [list(ROW), [4, 2e-3, 2e-9]]
+    path = tmp_path / "local.json"
+    path.write_text(json.dumps(preset))
+    c = plan.load_cluster(str(path))
+    assert c.all_reduce_s == (ROW, (4, 2e-3, 2e-9)) and hash(c) == hash(dataclasses.replace(c))
+    assert c.measured_all_reduce(4, 1000) == pytest.approx(2e-3 + 2e-6) and c.measured_all_reduce(8, 1) is None
+    assert plan.predict(_layers(), plan.GridShape(dp=4, tp=gw.Row(2)), c, microbatches=2)["step_time_s"] > 0
+
+
+def test_the_all_reduce_rows_are_relative_least_squares_fits():
+    """calibrate.fit_all_reduce: per line size, seconds = fixed + bytes x per byte, each error
+    relative to its time: exact on exact times, and against numpy's least squares on noisy ones."""
+    sizes = calibrate.ALL_REDUCE_SIZES
+    exact = {2: {n: 2e-3 + 1.5e-9 * n for n in sizes}, 8: {n: 9e-3 + 2e-9 * n for n in sizes}}
+    assert [tuple(pytest.approx(v, rel=1e-9) for v in row) for row in calibrate.fit_all_reduce(exact)] == \
+        [(2, 2e-3, 1.5e-9), (8, 9e-3, 2e-9)]
+    rng = np.random.default_rng(0)
+    noisy = {4: {n: (4e-3 + 1.8e-9 * n) * (1 + 0.1 * rng.standard_normal()) for n in sizes}}
+    ((g, fixed, per_byte),) = calibrate.fit_all_reduce(noisy)
+    t = np.array(list(noisy[4].values()))
+    a = np.stack([np.ones(len(sizes)), np.array(sizes, dtype=float)], 1) / t[:, None]
+    (want_fixed, want_per_byte), *_ = np.linalg.lstsq(a, np.ones(len(sizes)), rcond=None)
+    assert g == 4 and fixed == pytest.approx(want_fixed, rel=1e-9) and per_byte == pytest.approx(want_per_byte, rel=1e-9)
+
+
+def test_a_residual_is_fitted_relative_to_the_time_it_is_part_of():
+    """relative_fit(..., relative_to): the fixed costs' fit, each residual's error over its step's
+    time (a residual may be near 0 or below); a cost the residuals cannot carry (< 0) is left out."""
+    steps = np.array([0.02, 0.05, 0.06, 0.2])
+    counts = np.array([0.0, 0.0, 10.0, 100.0])
+    unexplained = 0.007 + counts * 8e-4
+    assert relative_fit([[1.0] * 4, counts], unexplained, steps) == [pytest.approx(0.007), pytest.approx(8e-4)]
+    noisy = unexplained + np.array([0.002, -0.003, 0.001, 0.004])
+    a = np.stack([np.ones(4), counts], 1) / steps[:, None]
+    want, *_ = np.linalg.lstsq(a, noisy / steps, rcond=None)
+    assert relative_fit([[1.0] * 4, counts], noisy, steps) == [pytest.approx(w, rel=1e-9) for w in want]
+    # no per-step cost to see: the fit leaves it out and refits the slope alone, through zero
+    falling = counts * 8e-4 - 0.01
+    slope = float(((counts / steps) @ (falling / steps)) / ((counts / steps) @ (counts / steps)))
+    assert relative_fit([[1.0] * 4, counts], falling, steps) == [0.0, pytest.approx(slope, rel=1e-9)]
