@@ -193,10 +193,10 @@ def fit_all_reduce(times: dict) -> tuple:
     for each line size, t = seconds + bytes x per byte in relative least squares (the small
     all-reduces a step issues most weigh as much as the large)."""
     rows = []
-    for g, by_size in sorted(times.items()):
+    for g, by_size in sorted(times.items(), key=lambda item: int(item[0])):  # keys as JSON writes them too
         sizes = [float(n) for n in by_size]
         fixed, per_byte = relative_fit([[1.0] * len(sizes), sizes], list(by_size.values()))
-        rows.append((g, fixed, per_byte))
+        rows.append((int(g), fixed, per_byte))
     return tuple(rows)
 
 

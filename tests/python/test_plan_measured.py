@@ -103,6 +103,8 @@ def test_the_all_reduce_rows_are_relative_least_squares_fits():
     exact = {2: {n: 2e-3 + 1.5e-9 * n for n in sizes}, 8: {n: 9e-3 + 2e-9 * n for n in sizes}}
     assert [tuple(pytest.approx(v, rel=1e-9) for v in row) for row in calibrate.fit_all_reduce(exact)] == \
         [(2, 2e-3, 1.5e-9), (8, 9e-3, 2e-9)]
+    as_saved = json.loads(json.dumps(exact))  # a preset's measured_all_reduce_s, keys as strings
+    assert calibrate.fit_all_reduce(as_saved) == calibrate.fit_all_reduce(exact)
     rng = np.random.default_rng(0)
     noisy = {4: {n: (4e-3 + 1.8e-9 * n) * (1 + 0.1 * rng.standard_normal()) for n in sizes}}
     ((g, fixed, per_byte),) = calibrate.fit_all_reduce(noisy)
