@@ -296,7 +296,7 @@ def fixed_costs(grid, preset: dict, steps: int = 5) -> tuple:
     (launch_overhead, measured directly) leave unexplained, fitted (least squares, each error
     relative to its step's time) as step_s + collectives x collective_s, over the collectives
     collective_s is charged to (not the all-reduces timed whole: the data-parallel and row:2
-    steps have none, which tells the step's own cost apart, 7 ms on 8 ranks sharing 2 cores:
+    steps have none, which tells the step's own cost apart, 4-8 ms on 8 ranks sharing 2 cores:
     its micro-batch cuts, the loss's reductions, the optimizer's hooks, the slowest rank's lag).
     Where ranks share cores, a collective's thread handoffs wait for a core; that, not alpha,
     is what makes many small collectives expensive. The kernel cost is the probe's, not a second
