@@ -181,11 +181,16 @@ def all_reduce_lines(grid, sizes=ALL_REDUCE_SIZES, reps: int = 11, rounds: int =
                 for _ in range(reps):
                     grid.all_reduce(t, axis)
                 sync()  # a stream-ordered transport's (NCCL's) all-reduces are queued, not done
-                slowest = torch.tensor([(time.perf_counter() - t0) / reps], dtype=torch.float64, device=grid.device)
-                grid.all_reduce(slowest, "dp", op="max")
-                means.append(float(slowest))
+                means.append(_slowest(grid, (time.perf_counter() - t0) / reps))
             out[g][nbytes] = statistics.median(means)
     return out
+
+
+def _slowest(grid, seconds: float) -> float:
+    """The largest of every rank's `seconds` (what a step or a line of them waits for)."""
+    t = torch.tensor([seconds], dtype=torch.float64, device=grid.device)
+    grid.all_reduce(t, "dp", op="max")
+    return float(t)
 
 
 def fit_all_reduce(times: dict) -> tuple:
@@ -324,9 +329,7 @@ def fixed_costs(grid, preset: dict, steps: int = 5) -> tuple:
             grid.barrier()
             t0 = time.perf_counter()
             train_step(cfg, g, stage, opt, scaler, x, x.roll(1, 1))
-            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=grid.device)
-            grid.all_reduce(t, "dp", op="max")
-            times.append(float(t))
+            times.append(_slowest(grid, time.perf_counter() - t0))  # a step lasts as long as its slowest rank
         g.shutdown()
         shape_ = plan.GridShape(dp=shape["dp"], tp=cfg.mode, sp=shape["sp"])
         r = plan.predict(plan.model_of(cfg), shape_, base, microbatches=1, **cfg.planned_optimizer())

@@ -562,9 +562,17 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
     launch = cluster.launch_s
     vector, gemm_bytes = (_at(cluster.vector_bandwidth_Bps), _at(cluster.gemm_bandwidth_Bps))
 
+    def cost(op, nbytes, line) -> tuple:
+        """(seconds of one collective on `line`, whether they hold collective_s)."""
+        measured = _measured(op, nbytes, line, cluster)  # the whole call, as timed
+        if measured is not None:
+            return measured, False
+        if op == GROUPED_SEND:  # in its group's launch: its link's latency and bandwidth alone
+            return collective_time("send", line[4], nbytes, line[:2], cluster), False
+        return launch + cluster.collective_s + collective_time(op, line[4], nbytes, line[:2], cluster), True
+
     def fixed_cost(op, axis, nbytes) -> bool:  # comm charges it collective_s
-        line = links[axis]
-        return line is not None and op != GROUPED_SEND and _measured(op, nbytes, line, cluster) is None
+        return links[axis] is not None and cost(op, nbytes, links[axis])[1]
 
     def comm(tally, per_axis, repeat):
         """Seconds of the collectives of `tally` (((op, axis, nbytes), times issued), each of them
@@ -574,11 +582,7 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
             line = links[axis]
             if line is None:
                 continue
-            c = _measured(op, nbytes, line, cluster)  # the whole call, as timed
-            if c is None and op == GROUPED_SEND:  # in its group's launch: its link's latency and bandwidth alone
-                c = collective_time("send", line[4], nbytes, line[:2], cluster)
-            elif c is None:
-                c = launch + cluster.collective_s + collective_time(op, line[4], nbytes, line[:2], cluster)
+            c, _ = cost(op, nbytes, line)
             acc = per_axis.setdefault(axis, [0.0, 0.0])
             acc[0] += c * n * repeat
             acc[1] += nbytes * n * repeat
