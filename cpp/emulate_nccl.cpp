@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "error.h"
+#include "watchdog.h"
 
 namespace gridweave {
 
@@ -88,7 +89,22 @@ struct NcclRulesCommunicator::Eager {
 NcclRulesCommunicator::NcclRulesCommunicator(CommInfo info, std::shared_ptr<Communicator> inner,
                                              std::size_t eager_bytes)
     : Communicator(std::move(info)), inner_(std::move(inner)), eager_bytes_(eager_bytes),
-      sent_(size(), 0), received_(size(), 0), worker_(std::make_unique<Worker>()) {
+      sent_(size(), 0), received_(size(), 0),
+      calls_(
+          "NCCL (emulated)",
+          [this]() -> CallStatus {
+            // settle() returns before the next op is issued: the op polled is the last one issued
+            const std::uint64_t mine = issued_ops_;
+            const bool taken = taken_.load() >= mine;
+            const bool queued_behind = finished_.load() + 1 < mine;  // an earlier op is still on the worker
+            return {taken || queued_behind ? CallState::Success : CallState::InProgress, ""};
+          },
+          [this](const Error& e) {  // as the watchdog does for a watched op: the grid goes down
+            mark_broken(e.what());
+            if (info_.watchdog) info_.watchdog->abort(e);
+            close();
+          }),
+      worker_(std::make_unique<Worker>()) {
   GW_CHECK(inner_ && inner_->device() == Device::CPU && inner_->size() == size() && inner_->rank() == rank(),
            "NCCL's rules need a host communicator over the same members");
 }
@@ -144,6 +160,11 @@ std::vector<std::shared_ptr<Work>> NcclRulesCommunicator::enqueue(std::vector<It
   const std::uint64_t position = ++issued_ops_;
   // Raw `this`: the destructor drains the worker before the communicator goes.
   worker_->submit(task, [this, items = std::move(items), what, position]() {
+    taken_.fetch_add(1);
+    struct Finished {
+      std::atomic<std::uint64_t>& n;
+      ~Finished() { n.fetch_add(1); }
+    } finished{finished_};
     if (broken()) {  // aborted: fail as the op that aborted it did (a timeout stays a timeout)
       std::lock_guard<std::mutex> lock(mu_);
       throw Error(abort_kind_, "gridweave: " + what + " not run: the communicator was aborted after " +
@@ -175,6 +196,11 @@ std::vector<std::shared_ptr<Work>> NcclRulesCommunicator::enqueue(std::vector<It
     }
     return -1;
   });
+  // NCCL's issue step: a non-blocking communicator may return ncclInProgress while its launch is
+  // handed to a background thread (here the worker), and is polled until it settles. The op is
+  // handed over once the worker took it or it queued behind a running op (a kernel behind
+  // another): never a wait on a peer, so async ops issue as freely as on NCCL.
+  calls_.settle(what, CallStatus{CallState::InProgress, ""}, Clock::now() + info_.timeout);
   return works;
 }
 

@@ -8,8 +8,12 @@
 //    eager_bytes completes at once, as NCCL's buffered sends (NCCL_BUFFSIZE);
 //  - a pair's messages are matched in issue order, never by tag or from any peer; a tag that
 //    disagrees with that order is a CommError (the code relied on tags NCCL ignores);
-//  - the point-to-point ops of one batch (an NCCL group) progress together.
+//  - the point-to-point ops of one batch (an NCCL group) progress together;
+//  - an op is issued as on NCCL's non-blocking communicators (cpp/nonblocking.h): the call is
+//    "in progress" until its launch is handed over (here: the worker took it, or it is queued
+//    behind an op still running), and the issuing thread polls until then.
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -19,6 +23,7 @@
 
 #include "communicator.h"
 #include "error.h"
+#include "nonblocking.h"
 #include "work.h"
 
 namespace gridweave {
@@ -35,6 +40,8 @@ class NcclRulesCommunicator : public Communicator {
   bool survives_peer_failure() const override { return inner_->survives_peer_failure(); }
   bool matches_tags() const override { return false; }
   void close() override;
+  // Polls that found an op still "in progress" (not yet taken by the worker), for tests.
+  std::uint64_t in_progress_polls() const { return calls_.in_progress_polls(); }
 
   // One op the communicator runs: a collective, or a group of point-to-point ops.
   struct Item {
@@ -72,6 +79,8 @@ class NcclRulesCommunicator : public Communicator {
   std::size_t eager_bytes_;
   std::vector<std::uint64_t> sent_, received_;  // per peer: messages issued to it, from it
   std::uint64_t issued_ops_ = 0;
+  std::atomic<std::uint64_t> taken_{0}, finished_{0};  // ops the worker started, ended (FIFO)
+  NonBlockingCalls calls_;  // the issue step's poll: see enqueue()
   mutable std::mutex mu_;
   std::string running_;  // the op the communicator is running now, for timeout messages
   ErrorKind abort_kind_ = ErrorKind::Comm;  // the first failure of a run op, which queued ops repeat

@@ -73,6 +73,13 @@ std::shared_ptr<Communicator> Grid::line(const std::vector<std::string>& axes, b
 }
 
 std::shared_ptr<Communicator> Grid::make(CommInfo info, const std::string& line_name, bool control) {
+  // called under mu_
+  if (sealed_) {
+    ++made_.after_setup;
+    made_.late.push_back(line_name);
+  } else {
+    ++made_.at_setup;
+  }
   info.session = options_.session + "/" + line_name;
   auto line_store = make_prefix_store(line_name, store_);
   // A control channel is a host communicator: the backend's own where it carries host memory
@@ -163,6 +170,16 @@ std::shared_ptr<Communicator> Grid::subset(const std::vector<std::string>& axes,
 
 void Grid::connect(const std::vector<std::vector<std::string>>& lines) {
   for (const auto& axes : lines) line(axes, false);
+}
+
+void Grid::seal() {
+  std::lock_guard<std::mutex> lock(mu_);
+  sealed_ = true;
+}
+
+Grid::Made Grid::made() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return made_;
 }
 
 void Grid::shutdown() {

@@ -70,6 +70,14 @@ class Grid {
   // Makes the communicators of these lines now, in this order (the same on every rank), so
   // no two ranks can first touch two shared lines in opposite orders.
   void connect(const std::vector<std::vector<std::string>>& lines);
+  // Ends the job's setup: a communicator made after it is counted (and named) as made late,
+  // since NCCL's creation blocks the host while other communicators' kernels may be in flight.
+  void seal();
+  struct Made {
+    std::size_t at_setup = 0, after_setup = 0;
+    std::vector<std::string> late;  // the keys of those made after setup, in order
+  };
+  Made made() const;
   // Whether ops keep NCCL's rules (the NCCL transport, or its emulation).
   bool nccl_rules() const { return options_.backend == Backend::Nccl || options_.emulate == Emulation::Nccl; }
 
@@ -87,8 +95,10 @@ class Grid {
   std::shared_ptr<Store> store_;
   std::shared_ptr<TrafficCounters> counters_;
   std::shared_ptr<gloo::transport::Device> gloo_device_;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::map<std::string, std::shared_ptr<Communicator>> comms_;
+  bool sealed_ = false;
+  Made made_;
   // Last: destroyed first, so its thread never aborts a grid that is going away.
   std::shared_ptr<Watchdog> watchdog_;
 };

@@ -198,11 +198,19 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<Work, std::shared_ptr<Work>>(m, "Work")
       .def("test", &Work::test)
-      .def("wait", [](Work& w, double timeout_s) {
+      // stream: a CUDA stream handle (torch.cuda.current_stream().cuda_stream; 0 is the legacy
+      // default stream) that waits for the op, as torch's Work.wait() orders the current stream;
+      // None: the stream that issued the op waits. Host transports ignore it.
+      .def("wait", [](Work& w, double timeout_s, std::optional<std::uintptr_t> stream) {
         py::gil_scoped_release nogil;
-        w.wait(to_ms(timeout_s));
-      }, py::arg("timeout_s"))
+        if (stream) w.wait_on(reinterpret_cast<void*>(*stream), to_ms(timeout_s));
+        else w.wait(to_ms(timeout_s));
+      }, py::arg("timeout_s"), py::arg("stream") = py::none())
       .def_property_readonly("source", &Work::source)
+      .def("wait_host", [](Work& w, double timeout_s) {  // the host blocks until the op is done (a barrier)
+        py::gil_scoped_release nogil;
+        w.wait_host(to_ms(timeout_s));
+      }, py::arg("timeout_s"))
       .def_property_readonly("stream", [](const Work& w) { return reinterpret_cast<std::uintptr_t>(w.stream()); })
       .def_property_readonly("what", &Work::what);
 
@@ -434,6 +442,15 @@ PYBIND11_MODULE(_C, m) {
       .def("connect", [](Grid& g, const std::vector<std::vector<std::string>>& lines) {
         py::gil_scoped_release nogil;
         g.connect(lines);
+      })
+      .def("seal", &Grid::seal)
+      .def("made", [](const Grid& g) {
+        const Grid::Made m = g.made();
+        py::dict d;
+        d["at_setup"] = m.at_setup;
+        d["after_setup"] = m.after_setup;
+        d["late"] = m.late;
+        return d;
       })
       .def_property_readonly("rank", &Grid::rank)
       .def_property_readonly("world_size", &Grid::world_size)

@@ -21,7 +21,8 @@ namespace gridweave {
 class Watchdog {
  public:
   using Clock = std::chrono::steady_clock;
-  // abort: called once, from the watchdog's thread, with the failure (it aborts the grid).
+  // abort: called once, with the failure (it aborts the grid): from the watchdog's thread, or
+  // from the thread that called abort().
   explicit Watchdog(std::function<void(const Error&)> abort,
                     std::chrono::milliseconds poll = std::chrono::milliseconds(2));
   ~Watchdog();
@@ -30,6 +31,9 @@ class Watchdog {
   // Watches `work` until it completes; poll_error (may be empty) reports the transport's
   // asynchronous error ("" while healthy).
   void watch(std::shared_ptr<Work> work, Clock::time_point deadline, std::function<std::string()> poll_error = {});
+  // A failure seen outside the watchdog's thread (an NCCL call that errored or never settled,
+  // cpp/nonblocking.h): aborts the grid and is kept, as a watched op's failure; the first one speaks.
+  void abort(const Error& e) { fail(e); }
   // Throws the failure that aborted the grid, if any.
   void check() const;
   bool failed() const;

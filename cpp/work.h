@@ -23,6 +23,10 @@ class Work {
   // stream-ordered op (NCCL) blocks nothing: the caller's stream waits for it, and the grid's
   // watchdog owns its timeout (cpp/watchdog.h).
   virtual void wait(std::chrono::milliseconds timeout) = 0;
+  // wait() as torch's Work.wait(): `stream` (a cudaStream_t; null is the legacy default stream),
+  // the caller's current stream at wait time, waits for the op, whichever stream issued it. Host
+  // transports have no streams: their results are ready when wait() returns.
+  virtual void wait_on(void* /*stream*/, std::chrono::milliseconds timeout) { wait(timeout); }
   // Blocks the host until the op's results are readable by the host (what the engine needs
   // before it reads a message's header); the same as wait() for host transports.
   virtual void wait_host(std::chrono::milliseconds timeout) { wait(timeout); }

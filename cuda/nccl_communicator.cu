@@ -17,6 +17,30 @@ void check_nccl(ncclResult_t status, const std::string& what) {
     throw Error(ErrorKind::Comm, "gridweave: NCCL error in " + what + ": " + ncclGetErrorString(status));
 }
 
+// ncclResult_t in the state machine's terms (cpp/nonblocking.h): ncclInProgress is a call on a
+// non-blocking communicator that has not reached its stream yet.
+CallStatus call_status(ncclResult_t r) {
+  if (r == ncclSuccess) return {CallState::Success, ""};
+  if (r == ncclInProgress) return {CallState::InProgress, ""};
+  return {CallState::Error, ncclGetErrorString(r)};
+}
+
+// Runs `body(check)` between ncclGroupStart and ncclGroupEnd. Calls inside a group only queue
+// work, so they are only error-checked (check keeps the first error); ncclGroupEnd is what may
+// return ncclInProgress (NCCL hands a non-blocking group to a background thread: src/group.cc,
+// ncclGroupEndInternal). The group is always closed: NCCL's group depth is per thread.
+template <class Body>
+ncclResult_t in_group(Body body) {
+  const ncclResult_t start = ncclGroupStart();
+  if (start != ncclSuccess) return start;
+  ncclResult_t first = ncclSuccess;
+  body([&first](ncclResult_t r) {
+    if (r != ncclSuccess && r != ncclInProgress && first == ncclSuccess) first = r;
+  });
+  const ncclResult_t end = ncclGroupEnd();
+  return first != ncclSuccess ? first : end;
+}
+
 ncclDataType_t nccl_type(DType d) {
   switch (d) {
     case DType::Float32: return ncclFloat32;
@@ -45,7 +69,21 @@ char* at(const BufferView& b, std::size_t elements) {
 }  // namespace
 
 NcclCommunicator::NcclCommunicator(CommInfo info, std::shared_ptr<Store> store, int device_index)
-    : Communicator(std::move(info)), device_index_(device_index < 0 ? 0 : device_index) {
+    : Communicator(std::move(info)), device_index_(device_index < 0 ? 0 : device_index),
+      calls_(
+          "NCCL",
+          [this]() -> CallStatus {
+            std::lock_guard<std::mutex> lock(abort_mu_);  // close() may abort it meanwhile
+            if (!comm_) return {CallState::Error, "the communicator was aborted"};
+            ncclResult_t state = ncclInProgress;
+            const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
+            return call_status(r != ncclSuccess ? r : state);
+          },
+          [this](const Error& e) {  // as the watchdog does for a watched op: the grid goes down
+            mark_broken(e.what());
+            if (info_.watchdog) info_.watchdog->abort(e);
+            close();
+          }) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0)
     throw Error(ErrorKind::Config, "gridweave: backend 'nccl' needs a CUDA GPU, and this process sees none");
@@ -110,7 +148,11 @@ void NcclCommunicator::close() {
   comm_ = nullptr;
 }
 
-std::shared_ptr<Work> NcclCommunicator::finish(OpKind op, cudaStream_t caller, int peer) {
+void NcclCommunicator::settle(const std::string& what, ncclResult_t issued, Clock::time_point deadline) {
+  calls_.settle(what, call_status(issued), deadline);
+}
+
+std::shared_ptr<Work> NcclCommunicator::finish(OpKind op, cudaStream_t caller, Clock::time_point deadline, int peer) {
   auto self = std::weak_ptr<Communicator>(weak_from_this());
   auto poll = [self, this]() -> std::string {
     auto c = self.lock();  // the watchdog may poll after the communicator went
@@ -127,65 +169,68 @@ std::shared_ptr<Work> NcclCommunicator::finish(OpKind op, cudaStream_t caller, i
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   check_cuda(cudaStreamIsCapturing(caller, &capture), "cudaStreamIsCapturing");
   if (info_.watchdog && capture == cudaStreamCaptureStatusNone)
-    info_.watchdog->watch(work, std::chrono::steady_clock::now() + info_.timeout, poll);
+    info_.watchdog->watch(work, deadline, poll);
   return work;
 }
 
 std::shared_ptr<Work> NcclCommunicator::run_collective(OpKind op, const BufferView& in, const BufferView& out,
                                                        ReduceOp rop, int root, bool /*async_op*/,
                                                        const Fingerprint& /*fp*/) {
+  const auto deadline = Clock::now() + info_.timeout;  // the op's: its settle and its watch
   cudaStream_t caller = static_cast<cudaStream_t>(op == OpKind::Barrier ? nullptr : (in.ptr ? in.stream : out.stream));
   check_cuda(cudaSetDevice(device_index_), "cudaSetDevice");
   order_after(stream_, caller);
   const std::string what = describe(op);
   const ncclDataType_t t = nccl_type(in.ptr ? in.dtype : out.dtype);
+  ncclResult_t issued = ncclSuccess;
   switch (op) {
     case OpKind::AllGather:
-      check_nccl(ncclAllGather(in.ptr, out.ptr, in.count, t, comm_, stream_), what);
+      issued = ncclAllGather(in.ptr, out.ptr, in.count, t, comm_, stream_);
       break;
     case OpKind::ReduceScatter:
-      check_nccl(ncclReduceScatter(in.ptr, out.ptr, out.count, t, nccl_op(rop), comm_, stream_), what);
+      issued = ncclReduceScatter(in.ptr, out.ptr, out.count, t, nccl_op(rop), comm_, stream_);
       break;
     case OpKind::AllReduce:
-      check_nccl(ncclAllReduce(in.ptr, out.ptr, in.count, t, nccl_op(rop), comm_, stream_), what);
+      issued = ncclAllReduce(in.ptr, out.ptr, in.count, t, nccl_op(rop), comm_, stream_);
       break;
     case OpKind::Broadcast:
-      check_nccl(ncclBroadcast(in.ptr, out.ptr, in.count, t, root, comm_, stream_), what);
+      issued = ncclBroadcast(in.ptr, out.ptr, in.count, t, root, comm_, stream_);
       break;
     case OpKind::Reduce:
-      check_nccl(ncclReduce(in.ptr, out.ptr, in.count, t, nccl_op(rop), root, comm_, stream_), what);
+      issued = ncclReduce(in.ptr, out.ptr, in.count, t, nccl_op(rop), root, comm_, stream_);
       break;
     case OpKind::Gather:  // direct: every member sends to root (grouped p2p)
-      check_nccl(ncclGroupStart(), what);
-      if (rank() == root)
-        for (int p = 0; p < size(); ++p) check_nccl(ncclRecv(at(out, p * in.count), in.count, t, p, comm_, stream_), what);
-      check_nccl(ncclSend(in.ptr, in.count, t, root, comm_, stream_), what);
-      check_nccl(ncclGroupEnd(), what);
+      issued = in_group([&](auto check) {
+        if (rank() == root)
+          for (int p = 0; p < size(); ++p) check(ncclRecv(at(out, p * in.count), in.count, t, p, comm_, stream_));
+        check(ncclSend(in.ptr, in.count, t, root, comm_, stream_));
+      });
       break;
     case OpKind::Scatter:
-      check_nccl(ncclGroupStart(), what);
-      if (rank() == root)
-        for (int p = 0; p < size(); ++p) check_nccl(ncclSend(at(in, p * out.count), out.count, t, p, comm_, stream_), what);
-      check_nccl(ncclRecv(out.ptr, out.count, t, root, comm_, stream_), what);
-      check_nccl(ncclGroupEnd(), what);
+      issued = in_group([&](auto check) {
+        if (rank() == root)
+          for (int p = 0; p < size(); ++p) check(ncclSend(at(in, p * out.count), out.count, t, p, comm_, stream_));
+        check(ncclRecv(out.ptr, out.count, t, root, comm_, stream_));
+      });
       break;
     case OpKind::AllToAll: {
       const std::size_t chunk = in.count / size();
-      check_nccl(ncclGroupStart(), what);
-      for (int p = 0; p < size(); ++p) {
-        check_nccl(ncclSend(at(in, p * chunk), chunk, t, p, comm_, stream_), what);
-        check_nccl(ncclRecv(at(out, p * chunk), chunk, t, p, comm_, stream_), what);
-      }
-      check_nccl(ncclGroupEnd(), what);
+      issued = in_group([&](auto check) {
+        for (int p = 0; p < size(); ++p) {
+          check(ncclSend(at(in, p * chunk), chunk, t, p, comm_, stream_));
+          check(ncclRecv(at(out, p * chunk), chunk, t, p, comm_, stream_));
+        }
+      });
       break;
     }
     case OpKind::Barrier:
-      check_nccl(ncclAllReduce(scratch_, scratch_, 1, ncclInt32, ncclSum, comm_, stream_), what);
+      issued = ncclAllReduce(scratch_, scratch_, 1, ncclInt32, ncclSum, comm_, stream_);
       break;
     default:
       GW_CHECK(false, what << " is not a collective");
   }
-  return finish(op, caller);
+  settle(what, issued, deadline);  // before the event is recorded: the kernel must be on stream_
+  return finish(op, caller, deadline);
 }
 
 std::shared_ptr<Work> NcclCommunicator::run_p2p(OpKind op, const BufferView& buf, const std::vector<int>& peers,
@@ -201,6 +246,7 @@ std::shared_ptr<Work> NcclCommunicator::run_p2p(OpKind op, const BufferView& buf
 std::vector<std::shared_ptr<Work>> NcclCommunicator::run_batch(const std::vector<P2P>& ops,
                                                                const std::vector<Fingerprint>& /*fps*/) {
   if (ops.empty()) return {};
+  const auto deadline = Clock::now() + info_.timeout;
   // NCCL matches a pair's messages in issue order; tags are not sent (matches_tags() is false)
   cudaStream_t caller = static_cast<cudaStream_t>(ops.front().buf.stream);
   check_cuda(cudaSetDevice(device_index_), "cudaSetDevice");
@@ -210,17 +256,18 @@ std::vector<std::shared_ptr<Work>> NcclCommunicator::run_batch(const std::vector
   const std::string what = ops.size() > 1 ? "group of " + std::to_string(ops.size()) + " p2p ops on axis '" +
                                                 info_.axis + "'"
                                           : describe(ops.front().op, ops.front().peer);
-  check_nccl(ncclGroupStart(), what);
-  for (const P2P& o : ops) {
-    const ncclDataType_t t = nccl_type(o.buf.dtype);
-    if (o.op == OpKind::Send) check_nccl(ncclSend(o.buf.ptr, o.buf.count, t, o.peer, comm_, stream_), what);
-    else check_nccl(ncclRecv(o.buf.ptr, o.buf.count, t, o.peer, comm_, stream_), what);
-  }
-  check_nccl(ncclGroupEnd(), what);
+  const ncclResult_t issued = in_group([&](auto check) {
+    for (const P2P& o : ops) {
+      const ncclDataType_t t = nccl_type(o.buf.dtype);
+      if (o.op == OpKind::Send) check(ncclSend(o.buf.ptr, o.buf.count, t, o.peer, comm_, stream_));
+      else check(ncclRecv(o.buf.ptr, o.buf.count, t, o.peer, comm_, stream_));
+    }
+  });
+  settle(what, issued, deadline);
   std::vector<std::shared_ptr<Work>> works;
   for (const P2P& o : ops) {
     if (o.op == OpKind::Recv) count(OpKind::Recv, o.buf, o.peer);
-    works.push_back(finish(o.op, caller, o.peer));
+    works.push_back(finish(o.op, caller, deadline, o.peer));
   }
   return works;
 }

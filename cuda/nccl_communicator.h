@@ -7,6 +7,7 @@
 #include <mutex>
 
 #include "communicator.h"
+#include "nonblocking.h"
 #include "store.h"
 
 namespace gridweave {
@@ -24,6 +25,8 @@ class NcclCommunicator : public Communicator {
   // Aborts the NCCL communicator (its kernels stop waiting on peers), so nothing after can
   // hang, ncclCommDestroy included.
   void close() override;
+  // Polls that found a call still in progress (ncclInProgress) so far, for tests and logs.
+  std::uint64_t in_progress_polls() const { return calls_.in_progress_polls(); }
 
  protected:
   std::shared_ptr<Work> run_collective(OpKind op, const BufferView& in, const BufferView& out, ReduceOp rop,
@@ -37,7 +40,13 @@ class NcclCommunicator : public Communicator {
   std::vector<Fingerprint> exchange_fingerprints(const Fingerprint& mine) override;
 
  private:
-  std::shared_ptr<Work> finish(OpKind op, cudaStream_t caller, int peer = -1);
+  using Clock = std::chrono::steady_clock;
+  // The communicator is non-blocking (its init is bounded by the grid's timeout): every call
+  // on it settles (polls ncclCommGetAsyncError until ncclSuccess) before an event is recorded
+  // after it or anything else is called on it; an error or the deadline aborts the grid.
+  void settle(const std::string& what, ncclResult_t issued, Clock::time_point deadline);
+  // Records the op's completion event (after settle) and hands it to the watchdog.
+  std::shared_ptr<Work> finish(OpKind op, cudaStream_t caller, Clock::time_point deadline, int peer = -1);
   std::string async_error();
   ncclComm_t comm_ = nullptr;
   // One stream: NCCL runs a communicator's kernels in issue order whatever stream they are on
@@ -47,6 +56,7 @@ class NcclCommunicator : public Communicator {
   int device_index_ = 0;
   std::mutex abort_mu_;  // close() (any thread: the watchdog's) against the watchdog's polls
   void* scratch_ = nullptr;  // one int for the barrier
+  NonBlockingCalls calls_;
 };
 
 }  // namespace gridweave

@@ -101,6 +101,11 @@ void EventWork::wait(std::chrono::milliseconds /*timeout: the watchdog's*/) {
   check_cuda(cudaStreamWaitEvent(caller_, event_, 0), "cudaStreamWaitEvent");
 }
 
+// torch's WorkNCCL::wait: the current stream at wait time waits (it may not be the issuing one).
+void EventWork::wait_on(void* stream, std::chrono::milliseconds /*timeout: the watchdog's*/) {
+  check_cuda(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), event_, 0), "cudaStreamWaitEvent");
+}
+
 void EventWork::wait_host(std::chrono::milliseconds timeout) {
   check_cuda(cudaStreamWaitEvent(caller_, event_, 0), "cudaStreamWaitEvent");
   const auto deadline = std::chrono::steady_clock::now() + timeout;

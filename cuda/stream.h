@@ -29,8 +29,9 @@ cudaEvent_t acquire_event(int device);
 void release_event(int device, cudaEvent_t event);
 
 // Done when `event` (recorded on the engine stream after the op) has fired. wait() is
-// stream-ordered, as torch's ProcessGroupNCCL: the caller's stream waits for the event and
-// the host goes on at once; the grid's watchdog owns the op's timeout and transport errors.
+// stream-ordered, as torch's ProcessGroupNCCL: the issuing stream (wait_on: the given one,
+// torch's current stream) waits for the event and the host goes on at once; the grid's
+// watchdog owns the op's timeout and transport errors.
 // wait_host() blocks the host up to the timeout (the engine reading a message's header);
 // `poll_error` reports transport errors (ncclCommGetAsyncError) while it waits.
 class EventWork : public Work {
@@ -39,7 +40,8 @@ class EventWork : public Work {
             std::function<std::string()> poll_error, std::function<void()> on_timeout);
   ~EventWork() override;
   bool test() override;
-  void wait(std::chrono::milliseconds timeout) override;
+  void wait(std::chrono::milliseconds timeout) override;  // the issuing stream waits
+  void wait_on(void* stream, std::chrono::milliseconds timeout) override;
   void wait_host(std::chrono::milliseconds timeout) override;
   int source() const override { return -1; }
   void* stream() const override { return engine_; }

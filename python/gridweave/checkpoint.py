@@ -203,24 +203,23 @@ def save(folder, step: int, items: list, grid, tensors_of, extra: dict, wait: bo
     import threading
 
     folder = Path(folder)
-    grid.barrier()  # every rank sees the same folders while it picks the name
-    step_dir = folder / f"step-{step:08d}"
-    k = 0
-    while step_dir.exists():  # never overwrite a step (it may be the latest); a new folder instead
-        k += 1
-        step_dir = folder / f"step-{step:08d}.{k}"
-    grid.barrier()
+    # Rank 0 alone names the folder and makes it, then tells every rank which it made (or that it
+    # failed): no rank looks at the folders while another may be making one.
+    made = None
+    suffix = 0
     if grid.rank == 0:
         remove_stale_temporaries(folder)  # an interrupted save's; every earlier save has finished
+        while _step_dir(folder, step, suffix).exists():  # never overwrite a step (it may be the latest)
+            suffix += 1
         try:
-            step_dir.mkdir(parents=True)
+            _step_dir(folder, step, suffix).mkdir(parents=True)
         except OSError as e:
             made = e
-        else:
-            made = None
-    # in place of a barrier: every rank learns the outcome
-    if grid.any(grid.rank == 0 and made is not None):
-        raise WriteError(step_dir, made if grid.rank == 0 else OSError(0, "rank 0 could not make the folder"))
+    suffix = grid.broadcast_ints([-1 if made is not None else suffix], axis=None)[0]
+    if suffix < 0:
+        raise WriteError(_step_dir(folder, step, 0), made if grid.rank == 0 else
+                         OSError(0, "rank 0 could not make the step's folder"))
+    step_dir = _step_dir(folder, step, suffix)
     shards, meta = {}, {}
     for name, p, dense_shape in items:
         if p.numel() == 0:
@@ -253,6 +252,11 @@ def save(folder, step: int, items: list, grid, tensors_of, extra: dict, wait: bo
     pending._thread = threading.Thread(target=write, name=f"gridweave-save-{step}", daemon=True)
     pending._thread.start()
     return pending
+
+
+def _step_dir(folder: Path, step: int, suffix: int) -> Path:
+    """Step `step`'s folder, or its suffix-th second folder (a step saved again never overwrites)."""
+    return folder / (f"step-{step:08d}" + (f".{suffix}" if suffix else ""))
 
 
 def _write_rank(step_dir: Path, rank: int, shards: dict, meta: dict) -> None:

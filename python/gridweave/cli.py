@@ -109,7 +109,7 @@ def _train_parser(sub):
     o.add_argument("--zero", type=int, default=d["zero"].default, choices=[0, 1, 2, 3],
                    help="ZeRO stage: 1 shards the fp32 master weights and Adam states over dp (and sp), 2 the "
                         "gradients too, 3 the parameters too (gathered a layer at a time; with pp > 1 it needs "
-                        "--schedule 1f1b or interleaved)")
+                        "--schedule auto, 1f1b or interleaved)")
     o.add_argument("--zero-shard-group", default=d["zero_shard_group"].default, choices=["all", "node"],
                    help="ZeRO's shard group: all data ranks, or those of one node with a replica per node "
                         "(hybrid sharding)")
@@ -120,7 +120,9 @@ def _train_parser(sub):
     o.add_argument("--no-offload", dest="offload", action="store_false",
                    help="keep the optimizer state on the device (default: host memory, seed 001's buckets)")
     o.add_argument("--ac", default="none", help="activation checkpointing: none | auto (seed 001's optimal) | N")
-    o.add_argument("--schedule", default=d["schedule"].default, choices=sorted(SCHEDULES))
+    o.add_argument("--schedule", default=d["schedule"].default, choices=sorted([*SCHEDULES, "auto"]),
+                   help="the pipeline's schedule; auto: message_driven unless a micro-batch runs a collective "
+                        "over the data axes (ZeRO-3, a mixture of experts over dp), then 1f1b")
     o.add_argument("--chunks", type=int, default=d["chunks"].default,
                    help="model chunks per pipeline stage (--schedule interleaved: Megatron's virtual stages)")
     o.add_argument("--precision", default=d["precision"].default, choices=sorted(PRECISIONS),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import enum
 import itertools
+import json
 import math
 import os
 import threading
@@ -55,6 +56,54 @@ class LinePart:
         if not self.block:
             return "node" if self.span is Span.WITHIN else "across"
         return f"{self.span.value}{self.block}"
+
+
+@dataclass(frozen=True)
+class Control:
+    """A host control channel over a line (Grid.control), as an item of Grid.connect."""
+    axes: tuple
+
+
+@dataclass(frozen=True)
+class Link:
+    """A two-member link between members a and b of a line (Grid.link), as an item of Grid.connect."""
+    axes: tuple
+    a: int
+    b: int
+    channel: int
+
+
+def _encode(item) -> list:
+    """A connect item as JSON (every rank's are merged, then sorted by this)."""
+    item = one_part(item)
+    if isinstance(item, Link):
+        return ["link", list(item.axes), item.a, item.b, item.channel]
+    if isinstance(item, Control):
+        return ["control", list(item.axes)]
+    if isinstance(item, LinePart):
+        return ["part", list(item.axes), item.span.value, item.block]
+    return ["line", [] if item is None else [item] if isinstance(item, str) else list(item)]
+
+
+def _decode(code: list):
+    kind, axes = code[0], tuple(code[1])
+    if kind == "link":
+        return Link(axes, *code[2:])
+    if kind == "control":
+        return Control(axes)
+    if kind == "part":
+        return LinePart(axes, Span(code[2]), code[3])
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _order(code: list) -> tuple:
+    """One global order of creation: lines, line parts, control channels, then links by their
+    pair's lower member (so a chain of links is made from one end)."""
+    kinds = ("line", "part", "control", "link")
+    if code[0] == "link":
+        a, b = code[2], code[3]
+        return (3, code[1], min(a, b), max(a, b), a, code[4])
+    return (kinds.index(code[0]), len(code[1]), code[1], *code[2:])
 
 
 CheckLevel = _C.CheckLevel
@@ -159,6 +208,14 @@ def by_name(name: str) -> "Grid":
         raise GridError(f"no live grid named {name!r} in this process (was it shut down?)") from None
 
 
+def order_free(names, axis):
+    """`axis` for an op whose result does not depend on member order (all-reduce, barrier): a
+    tuple of axes in the grid's order (`names`), so (dp, sp) and (sp, dp) are one communicator."""
+    if isinstance(axis, (tuple, list)) and len(axis) > 1:
+        return tuple(sorted(axis, key=lambda a: names.index(a) if a in names else len(names)))
+    return axis
+
+
 def axis_label(axis) -> str:
     """An axis argument as the string custom ops carry: "" for the world, "x,y" for a tuple."""
     return "" if axis is None else axis if isinstance(axis, str) else ",".join(axis)
@@ -202,8 +259,14 @@ class Work:
         return self._native.test()
 
     def wait(self, timeout: float | None = None):
+        """The op's result; on a stream-ordered transport (NCCL) the current stream waits for the op
+        and the host does not (torch's Work.wait)."""
         if not self._done:
-            self._native.wait(self._timeout if timeout is None else float(timeout))
+            limit = self._timeout if timeout is None else float(timeout)
+            if getattr(self._native, "stream", 0):
+                self._native.wait(limit, stream=torch.cuda.current_stream().cuda_stream)
+            else:
+                self._native.wait(limit)
             self._result = self._finish() if self._finish else None
             self._done = True
             self._keep = None
@@ -500,7 +563,7 @@ class Grid:
 
     def all_reduce(self, t, axis: AxisArg, op: str = "sum", async_op: bool = False):
         """In place: every member's `t` becomes the reduction over the members."""
-        c = self.comm(axis, "all_reduce")
+        c = self.comm(self.reduce_line(axis), "all_reduce")
         code = reduce_code(op)
         args = None if async_op else host_args(t)
         if args is not None:  # the hot path: one native call
@@ -706,7 +769,46 @@ class Grid:
         return [json.loads(bytes(every[k, :n].tolist())) for k, n in enumerate(sizes)]
 
     def barrier(self, axis: AxisArg = None):
-        self._run(self.comm(axis, "barrier").barrier(False), False, ())
+        """Blocks the host until every member of `axis` (None: the world) has reached it, on every
+        transport (torch's barrier): on a stream-ordered one (NCCL) the host waits for the op itself."""
+        self.comm(self.reduce_line(axis), "barrier").barrier(False).wait_host(self.timeout)
+
+    # ---- setup ----------------------------------------------------------------------
+    def connect(self, items) -> int:
+        """Makes every communicator `items` name, on every rank (collective over the world): axis
+        arguments (str, tuple, None, LinePart), Control and Link. Every rank's items are merged and
+        made in one global order, so no two ranks wait on each other's making and a line one rank
+        named is made on all its members (torchtitan's device mesh, made before the first step:
+        NCCL's communicator creation blocks the host and must not meet kernels in flight). A rank
+        makes the links it is a member of. Returns how many it made or found."""
+        mine = sorted({json.dumps(_encode(i)) for i in items})
+        every = sorted({code for codes in self.all_gather_json(mine) for code in codes},
+                       key=lambda c: _order(json.loads(c)))
+        for code in every:
+            item = _decode(json.loads(code))
+            if isinstance(item, Link):
+                me = self.index(item.axes or None)
+                if me in (item.a, item.b):
+                    self.link(item.axes or None, item.a, item.b, item.channel)
+            elif isinstance(item, Control):
+                self.control(item.axes or None, "connect")
+            else:
+                self.comm(item, "connect")
+        return len(every)
+
+    def reduce_line(self, axis: AxisArg):
+        """The axis argument all_reduce and barrier run `axis` as: a tuple in the grid's order (the
+        members' order does not change their result), so (dp, sp) and (sp, dp) are one communicator."""
+        return order_free(self._names, axis)
+
+    def seal(self) -> None:
+        """Ends setup: a communicator made after it is counted as made late (communicators().
+        NCCL's creation blocks the host, with other communicators' kernels possibly in flight)."""
+        self._native.seal()
+
+    def communicators(self) -> dict:
+        """{"at_setup": N, "after_setup": M, "late": [their names]}: what this rank made before and after seal()."""
+        return dict(self._native.made())
 
     # ---- traffic --------------------------------------------------------------------
     def stats(self) -> dict:

@@ -53,6 +53,11 @@ class Layout:
         holding chunks r and 2R-1-r (split further over its block of ranks under USP)."""
         return self.ring or _ranks(grid, self.dims[self.zigzag])
 
+    def lines(self, grid) -> list:
+        """The lines gather() and scatter() of this layout run collectives over (Grid.connect items)."""
+        items = [tuple(d) for d in self.dims if _ranks(grid, d) > 1]
+        return items + ([self.only[0]] if self.only is not None else [])
+
     def without(self, *axes) -> "Layout":
         """This layout with `axes` no longer splitting anything (a replica's layout: without "dp")."""
         dims = [tuple(a for a in d if a not in axes) for d in self.dims]

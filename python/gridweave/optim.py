@@ -206,6 +206,12 @@ class OffloadAdam:
         return {"parameters_and_gradients": 2 * model, "buckets": buckets,
                 "total": 2 * model + buckets, "without_offload": 20 * self.numel}
 
+    def comm_lines(self) -> list:
+        """The lines its steps reduce over (Grid.connect items): each chunk's partial axes, and the
+        world (the loss scaler's and the norm's decisions)."""
+        grid = self.grid
+        return [None] + [grid.reduce_line(axes) for _, _, axes in self._chunks if axes] if grid is not None else []
+
     def zero_grad(self):
         for p in self.params:
             p.grad = None
@@ -601,6 +607,15 @@ class DistributedAdam:
         if pad:
             parts.append(torch.zeros(pad, dtype=parts[0].dtype, device=parts[0].device))
         return torch.cat(parts)
+
+    def comm_lines(self) -> list:
+        """The lines its steps and gathers use (Grid.connect items): every group's shard, summed and
+        replica axes, and the world (the norm's and the skip decision's)."""
+        items = [None]
+        for g in self.groups:
+            items += [a for a in (g.shard_axes, g.replica) if a]  # gathered, reduce-scattered and all-reduced
+            items += [self.grid.reduce_line(a) for a in (g.axes, g.rest) if a]  # all-reduced
+        return items
 
     def zero_grad(self):
         for p in self.params:

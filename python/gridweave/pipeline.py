@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from . import _C
 from .axes import stage_axes
 from .errors import GridError
+from .grid import Control, Link
 from .measure import timed
 
 
@@ -94,6 +95,32 @@ def _tensor_at(addr: int, shape, dtype, device, host_messages: bool) -> torch.Te
 
 SCHEDULES = {"message_driven": _C.PipelineSchedule.MessageDriven, "1f1b": _C.PipelineSchedule.OneFOneB,
              "interleaved": _C.PipelineSchedule.Interleaved}
+# --schedule auto: the message-driven schedule where a micro-batch runs no collective over the data
+# axes, else 1F1B (pipeline.resolve_schedule)
+AUTO = "auto"
+
+
+def fixed_order_reason(pp: int, dp: int, zero: int, moe: bool) -> str | None:
+    """Why this pipeline needs every data replica of a stage to run its micro-batches in one order
+    (a collective over the data axes inside each micro-batch), or None. The message-driven schedule
+    runs micro-batches as their messages arrive, so replicas of a stage may take them in different
+    orders and such a collective would meet another micro-batch's (or hang)."""
+    if pp > 1 and zero == 3:
+        return "ZeRO-3 gathers each layer's parameters over the data axes inside every micro-batch"
+    if pp > 1 and dp > 1 and moe:
+        return ("a mixture of experts exchanges tokens and sums its routing statistics over the data axes "
+                "inside every micro-batch")
+    return None
+
+
+def resolve_schedule(schedule: str, pp: int, dp: int, zero: int, moe: bool) -> str:
+    """The schedule a job runs: `schedule`, or for "auto" the message-driven one (AxoNN) unless a
+    micro-batch needs one order on every replica (fixed_order_reason), then 1F1B."""
+    if schedule != AUTO:
+        return schedule
+    return "1f1b" if fixed_order_reason(pp, dp, zero, moe) else "message_driven"
+
+
 RECEIVE = {"auto": _C.ReceiveStrategy.Auto, "any": _C.ReceiveStrategy.Any, "per_peer": _C.ReceiveStrategy.PerPeer,
            "announced": _C.ReceiveStrategy.Announced}
 
@@ -102,12 +129,9 @@ RECEIVE = {"auto": _C.ReceiveStrategy.Auto, "any": _C.ReceiveStrategy.Any, "per_
 ACTIVATIONS, GRADIENTS = 0, 1
 
 
-def stage_links(grid, axis, prev: int | None, next_: int | None):
-    """This stage's links (engine StageLinks): activations to `next_` and from `prev`, gradients
-    to `prev` and from `next_` (stage indices; None at an end of a plain pipeline). Every rank
-    makes its links in one global order (by the pair's lower stage, then sender, then channel),
-    so no two stages can wait on each other's making."""
-    s = grid.index(axis)
+def _link_roles(s: int, prev: int | None, next_: int | None) -> dict:
+    """{role: (sender, receiver, channel)} of stage s: activations to `next_` and from `prev`,
+    gradients to `prev` and from `next_` (None at an end of a plain pipeline)."""
     want = {}
     if next_ is not None:
         want["to_next"] = (s, next_, ACTIVATIONS)
@@ -115,10 +139,52 @@ def stage_links(grid, axis, prev: int | None, next_: int | None):
     if prev is not None:
         want["from_prev"] = (prev, s, ACTIVATIONS)
         want["to_prev"] = (s, prev, GRADIENTS)
+    return want
+
+
+def stage_links(grid, axis, prev: int | None, next_: int | None):
+    """This stage's links (engine StageLinks): activations to `next_` and from `prev`, gradients
+    to `prev` and from `next_` (stage indices; None at an end of a plain pipeline). Every rank
+    makes its links in one global order (by the pair's lower stage, then sender, then channel),
+    so no two stages can wait on each other's making (a job makes them at setup: comm_lines)."""
+    want = _link_roles(grid.index(axis), prev, next_)
     made = {}
     for key in sorted(set(want.values()), key=lambda k: (min(k[0], k[1]), max(k[0], k[1]), k[0], k[2])):
         made[key] = grid.link(axis, *key)
     return _C.StageLinks(**{role: made[key] for role, key in want.items()})
+
+
+def _channels(grid, axis, schedule: str, receive: str, interleaved: bool, can_recv_any: bool) -> tuple:
+    """What a schedule talks over besides the pp line, decided once for pipeline_step and
+    comm_lines: ((prev, next) stages to link, or None; an announcing control channel over the pp
+    line; the stage group's control axes, or ())."""
+    s, n = grid.index(axis), grid.size(axis)
+    message_driven = schedule == "message_driven" and not interleaved
+    announced = receive == "announced" or (receive == "auto" and not can_recv_any)
+    any_peer = message_driven and (receive == "any" or (receive == "auto" and can_recv_any))
+    if interleaved:
+        neighbours = ((s - 1) % n, (s + 1) % n)
+    else:  # receive-from-any takes every message on pp itself; every other way talks over the links
+        neighbours = None if any_peer else (s - 1 if s > 0 else None, s + 1 if s < n - 1 else None)
+    group = stage_axes(grid.axes, axis) if message_driven else ()
+    return neighbours, announced and message_driven, group
+
+
+def comm_lines(grid, schedule: str, receive: str = "auto", chunks: int = 1, axis: str = "pp") -> list:
+    """The communicators pipeline_step and pipeline_forward use with this schedule (Grid.connect
+    items): the pp line, this stage's links, the control channels."""
+    interleaved = schedule == "interleaved" or chunks > 1
+    names = grid._axis_tuple(axis)
+    neighbours, announced, group = _channels(grid, axis, schedule, receive, interleaved,
+                                             grid.capabilities(None)["recv_any"])
+    items = [axis]
+    if neighbours is not None and grid.size(axis) > 1:
+        items += [Link(tuple(names), *key) for key in _link_roles(grid.index(axis), *neighbours).values()]
+    if announced:
+        items.append(Control(tuple(names)))
+    if group:
+        items.append(Control(tuple(group)))
+    return items
 
 
 @functools.cache
@@ -265,32 +331,20 @@ def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_s
         raise GridError(f"documents: {len(documents)} micro-batches of document ids for {m} micro-batches")
     cb = _StageCallbacks(chunks, pp, inputs, targets, loss_fn, m, activation_shape, dtype, grid.device, documents,
                          phases)
+    if receive == "any" and not pp.can_recv_any and not interleaved:
+        raise GridError(f"receive='any': the {pp.backend} transport cannot receive from any peer; use 'announced'")
+    neighbours, announced, group = _channels(grid, axis, schedule, receive, interleaved, pp.can_recv_any)
+    links = _C.StageLinks() if neighbours is None else stage_links(grid, axis, *neighbours)
     if interleaved:
-        links = stage_links(grid, axis, (pp.rank - 1) % pp.size, (pp.rank + 1) % pp.size)
         stats = _C.run_interleaved(pp, pp.rank, pp.size, len(chunks), m, cb.payload, cb.forward, cb.backward,
                                    links, _stage_stream(grid, pp))
         return cb.loss(), stats
-    if receive == "any" and not pp.can_recv_any:
-        raise GridError(f"receive='any': the {pp.backend} transport cannot receive from any peer; use 'announced'")
-    announced = receive == "announced" or (receive == "auto" and not pp.can_recv_any)
-    control = grid.control(axis, "pipeline") if announced and schedule == "message_driven" else None
-    any_peer = schedule == "message_driven" and (receive == "any" or (receive == "auto" and pp.can_recv_any))
-    # receive-from-any takes every message on pp itself; every other way talks over the links
-    links = _C.StageLinks() if any_peer else stage_links(
-        grid, axis, pp.rank - 1 if pp.rank > 0 else None, pp.rank + 1 if pp.rank < pp.size - 1 else None)
+    # the message-driven schedule's members of a stage take their messages in one order (cpp/pipeline.h)
     stats = _C.run_pipeline(pp, SCHEDULES[schedule], pp.rank, pp.size, m, pipeline_limit, cb.payload,
                             lambda mb, addr: cb.forward(mb, 0, addr), lambda mb, addr: cb.backward(mb, 0, addr),
-                            RECEIVE[receive], control, links, _stage_stream(grid, pp),
-                            _stage_group(grid, axis) if schedule == "message_driven" else None)
+                            RECEIVE[receive], grid.control(axis, "pipeline") if announced else None, links,
+                            _stage_stream(grid, pp), grid.control(group, "pipeline stage") if group else None)
     return cb.loss(), stats
-
-
-def _stage_group(grid, axis):
-    """A host channel over the other ranks of this rank's stage (axes.stage_axes), or None where
-    the stage is one rank per pipeline line: the message-driven schedule's members of a stage
-    must take their messages in one order (cpp/pipeline.h)."""
-    axes = stage_axes(grid.axes, axis)
-    return grid.control(axes, "pipeline stage") if axes else None
 
 
 def pipeline_forward(stage: nn.Module, grid, inputs, targets, loss_fn, activation_shape, dtype=torch.float32,

@@ -306,7 +306,7 @@ class GridShape:
     sp: int = 1
     placement: str = "topology"
     zero: int = 0  # the ZeRO stage of the optimizer (gw.optim.DistributedAdam above 0)
-    schedule: str = "message_driven"  # the pipeline's schedule (a gw.pipeline.SCHEDULES key)
+    schedule: str = pipeline.AUTO  # the pipeline's schedule (a gw.pipeline.SCHEDULES key, or auto)
     chunks: int = 1  # model chunks per pipeline stage (the interleaved schedule)
     ep: int = 1  # a mixture of experts: expert parallelism, carved out of dp x sp (nn.moe.expert_line)
 
@@ -321,8 +321,9 @@ class GridShape:
         if self.zero and self.dp * self.sp == 1:
             raise GridError(f"zero={self.zero} shards the optimizer state over the data axes; this grid has dp 1 "
                             "and sp 1 (zero=0, or more ranks for dp)")
-        if self.schedule not in pipeline.SCHEDULES:
-            raise GridError(f"schedule must be one of {sorted(pipeline.SCHEDULES)}, got {self.schedule!r}")
+        if self.schedule not in pipeline.SCHEDULES and self.schedule != pipeline.AUTO:
+            raise GridError(f"schedule must be one of {sorted([*pipeline.SCHEDULES, pipeline.AUTO])}, got "
+                            f"{self.schedule!r}")
         if not isinstance(self.chunks, int) or isinstance(self.chunks, bool) or self.chunks < 1:
             raise GridError(f"chunks must be a positive integer, got {self.chunks!r}")
         if self.chunks > 1 and self.schedule != "interleaved":
@@ -353,14 +354,17 @@ class GridShape:
                             f"{self.pp}, microbatches {microbatches}")
         if cfg.tie and self.pp > 1:
             raise GridError("tie needs the embedding and the head on one pipeline stage (pp 1)")
-        if self.zero == 3 and self.pp > 1 and self.schedule == "message_driven":
-            # ZeRO-3 gathers over the data axes inside each micro-batch: every replica of a stage
-            # must issue them in one order, and the message-driven order follows arrivals
-            raise GridError("zero=3 with pp > 1 needs a fixed pipeline order: schedule=1f1b or interleaved "
-                            "(the message-driven schedule runs micro-batches as messages arrive, so replicas "
-                            "would gather their parameters in different orders)")
+        why = pipeline.fixed_order_reason(self.pp, self.dp, self.zero, cfg.moe is not None)
+        if why and self.schedule == "message_driven":
+            raise GridError(f"schedule=message_driven on pp {self.pp} x dp {self.dp}: {why}, and the message-driven "
+                            "schedule runs micro-batches as their messages arrive, so a stage's replicas could take "
+                            "them in different orders; use schedule auto (1F1B here), 1f1b or interleaved")
         pipeline.resolve_ac(ac, cfg.layers // (self.pp * self.chunks), cfg.layers)
         self.check_experts(cfg)
+
+    def resolved_schedule(self, cfg) -> str:
+        """The schedule this grid runs model config `cfg` with (auto decided: pipeline.resolve_schedule)."""
+        return pipeline.resolve_schedule(self.schedule, self.pp, self.dp, self.zero, cfg.moe is not None)
 
     def check_experts(self, cfg) -> None:
         """A mixture of experts' needs: whole tokens at the MLP or experts split as the MLP is
@@ -500,7 +504,7 @@ def schedule_of(model: Model, grid: GridShape, microbatches: int, stage: int = 0
     return step_schedule(model.config, grid.tp, grid.dp, grid.pp, grid.sp, (("pp", stage),), microbatches,
                          b / microbatches, _dtype(model), bsize, coarsening, clip, False, bool(model.vocab),
                          model.fused_attention, zero=grid.zero if model.vocab else 0,
-                         attention=(model.attention, model.ulysses_degree), agreed=grid.schedule == "message_driven",
+                         attention=(model.attention, model.ulysses_degree), agreed=grid.resolved_schedule(model.config) == "message_driven",
                          overlap=overlap,
                          experts=None if model.config.moe is None else Experts(grid.ep, model.expert_imbalance))
 
@@ -746,8 +750,8 @@ def enumerate_grids(n: int, model: Model, placements=PLACEMENTS, zeros=(0, 1, 2,
                     min_sp_tokens: int = MIN_TOKENS_PER_SP_RANK):
     """Every grid of n ranks that `gridweave train` accepts for the model (GridShape.check, train's
     rule, at one micro-batch; the planner adds only its floor of min_sp_tokens tokens per
-    sequence-parallel rank), at each ZeRO stage where it has data axes, with the default schedule
-    where train takes it (ZeRO-3 over pipeline stages needs 1F1B's fixed order); a mixture of
+    sequence-parallel rank), at each ZeRO stage where it has data axes, with the auto schedule
+    (pipeline.resolve_schedule: 1F1B's fixed order where a micro-batch needs it); a mixture of
     experts at every expert-parallel degree."""
     out = []
     for mode in tensor_modes(n, model):
@@ -760,8 +764,7 @@ def enumerate_grids(n: int, model: Model, placements=PLACEMENTS, zeros=(0, 1, 2,
                 eps = (1,) if model.config.moe is None else \
                     [e for e in range(1, dp * sp + 1) if (dp * sp) % e == 0 and model.config.moe.experts % e == 0]
                 for pl, zero, ep in itertools.product(placements, zeros if dp * sp > 1 else (0,), eps):
-                    grid = GridShape(dp=dp, pp=pp, tp=mode, sp=sp, placement=pl, zero=zero, ep=ep,
-                                     schedule="1f1b" if zero == 3 and pp > 1 else GridShape.schedule)
+                    grid = GridShape(dp=dp, pp=pp, tp=mode, sp=sp, placement=pl, zero=zero, ep=ep)
                     try:
                         grid.check(model, 1)
                     except GridError:

@@ -26,7 +26,7 @@ from .axes import AxesView
 from .axes import grid_axes as _grid_axes
 from .axes import stage_axes
 from .errors import GridError
-from .grid import LinePart, Work, one_part, part_members
+from .grid import LinePart, Work, one_part, order_free, part_members
 from .models import ModelConfig, build
 from .models.stage import GPTStage
 from .nn.moe import expert_line, plan_routing
@@ -206,6 +206,7 @@ class RecordingGrid:
         return self._record("reduce_scatter", axis, _nbytes(t), t.new_empty(shape), async_op, elem=t.element_size())
 
     def all_reduce(self, t, axis, op="sum", async_op=False):
+        axis = order_free(list(self.axes), axis)  # Grid's: one communicator whatever the tuple's order
         return self._record("all_reduce", axis, _nbytes(t), t, async_op, elem=t.element_size())
 
     def broadcast(self, t, axis, src=0, async_op=False):

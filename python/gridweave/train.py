@@ -114,7 +114,7 @@ class TrainConfig:
     data_cache: str | None = None  # a node-local folder ('{host}': the hostname): each node's first rank tokenizes there
     out: str = "runs/latest"
     resume: str | None = None  # a run folder, or "auto": out's newest complete checkpoint (none: a fresh start)
-    schedule: str = "message_driven"
+    schedule: str = "auto"  # message_driven, 1f1b, interleaved; auto: pipeline.resolve_schedule decides
     chunks: int = 1  # model chunks per pipeline stage (the interleaved schedule)
     precision: str = "fp32"
     device: str = "auto"
@@ -186,8 +186,9 @@ class TrainConfig:
             self.ac = 1
         if not (self.ac == "auto" or (isinstance(self.ac, int) and not isinstance(self.ac, bool) and self.ac >= 1)):
             raise GridError(f"ac must be 'none', 'auto' or a positive integer, got {self.ac!r}")
-        if self.schedule not in pipeline.SCHEDULES:
-            raise GridError(f"schedule must be one of {sorted(pipeline.SCHEDULES)}, got {self.schedule!r}")
+        if self.schedule not in pipeline.SCHEDULES and self.schedule != pipeline.AUTO:
+            raise GridError(f"schedule must be one of {sorted([*pipeline.SCHEDULES, pipeline.AUTO])}, got "
+                            f"{self.schedule!r}")
         if self.zero not in (0, 1, 2, 3):
             raise GridError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
         groups = [g.value for g in optim.ShardGroup]
@@ -314,6 +315,10 @@ class TrainConfig:
         """This job's grid as the planner takes it, with dp and pp (grid_shape's)."""
         return plan.GridShape(dp=dp, pp=pp, tp=self.mode, sp=self.sp, placement=self.placement, zero=self.zero,
                               schedule=self.schedule, chunks=self.chunks, ep=self.ep)
+
+    def resolved_schedule(self, dp: int, pp: int) -> str:
+        """The pipeline schedule this job runs on dp x pp (auto decided: plan.GridShape.resolved_schedule)."""
+        return self.plan_shape(dp, pp).resolved_schedule(plan.model_of(self).config)
 
     def check_files(self) -> None:
         """The files of this run, checked by the launcher before any rank starts: the corpus
@@ -530,6 +535,15 @@ def build(cfg: TrainConfig, grid, model_cfg: ModelConfig) -> tuple:
                                 coarsening=cfg.coarsening, grid=grid, max_grad_norm=cfg.max_grad_norm,
                                 decay=optim.matrices_only, overlap=cfg.overlap_grad_reduce)
     return model, stage, opt, LossScaler() if cfg.compute.loss_scaling else None
+
+
+def connect(cfg: TrainConfig, grid, stage, opt) -> None:
+    """Makes every communicator the steps will use now, in one global order (Grid.connect), and
+    ends setup: one made later is counted in metrics.json's communicators.after_setup."""
+    items = [None] + [a for a, n in grid.axes.items() if n > 1]
+    items += stage.comm_lines() + opt.comm_lines() + pipeline.comm_lines(grid, cfg.schedule, chunks=cfg.chunks)
+    grid.connect(items)
+    grid.seal()
 
 
 def train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y, documents=None, phases=None) -> tuple:
@@ -917,6 +931,10 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
         raise GridError(f"train.run takes a TrainConfig, got {type(cfg).__name__}")
     grid, out = setup_grid(cfg), Path(cfg.out)
     cfg = resolve_resume(cfg, grid)
+    schedule = cfg.resolved_schedule(grid.axes["dp"], grid.axes["pp"])
+    if grid.rank == 0 and not cfg.quiet and grid.axes["pp"] > 1:
+        print(f"gridweave train: schedule {schedule}" + (" (auto)" if cfg.schedule == pipeline.AUTO else ""), flush=True)
+    cfg = dataclasses.replace(cfg, schedule=schedule)
     tokens, tokenizer = prepare_data(cfg, grid, out)
     if grid.rank == 0:  # the run folder records what ran
         checkpoint.atomic_write(out / "environment.json",
@@ -928,6 +946,7 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
         runfolder.keep_source(cfg.init_from or resumed, out)
     torch.manual_seed(cfg.seed)
     _, stage, opt, scaler = build(cfg, grid, model_cfg)  # initialised in fp32, then cast
+    connect(cfg, grid, stage, opt)
     reader = data.Reader(tokens.train, cfg.seq, cfg.batch, cfg.seed, grid.coords["dp"], grid.axes["dp"],
                          microbatches=cfg.microbatches)
     checkpoints = Checkpointer(cfg, grid, out, model_cfg, stage, opt, scaler, reader)
@@ -963,6 +982,8 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
                "config": cfg.run_config(model_cfg), "grid": dict(grid.axes), "backend": grid.backend,
                "device": str(grid.device), "precision": cfg.compute.name, "traffic": traffic_by_node(grid),
                **memory_per_rank(grid, stage, opt)}
+    made = grid.communicators()
+    metrics["communicators"] = grid.all_gather_json({k: made[k] for k in ("at_setup", "after_setup", "late")})
     if phases is not None:  # every rank's mean seconds a step in each phase
         metrics["phase_seconds"] = grid.all_gather_json(phases.per_step())
     shutdown()

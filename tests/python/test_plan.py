@@ -120,7 +120,7 @@ def test_plan_evaluates_a_given_grid_as_its_ranking_does(tmp_path):
     for spec, needle in (("dp=2,foo=1", "'foo=1' is not one of"), ("dp=two", "dp must be an integer"),
                          ("dp=2,placement=far", "placement must be one of"), ("dp=2,dp=4", "dp given twice"),
                          ("dp=2,chunks=2", "chunks=2 needs schedule=interleaved"),
-                         ("dp=4,pp=2,zero=3", "zero=3 with pp > 1 needs a fixed pipeline order")):
+                         ("dp=4,pp=2,zero=3,schedule=message_driven", "schedule=message_driven on pp 2 x dp 4")):
         bad = subprocess.run(base + ["--grid", spec], capture_output=True, text=True, timeout=120)
         assert bad.returncode == 2 and needle in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
     bad = subprocess.run(base + ["--grid", "dp=2,pp=2", "--microbatch-size", "3"], capture_output=True, text=True,
@@ -621,7 +621,8 @@ def test_a_grid_train_refuses_is_not_ranked():
 
     flags = PLANNED_MODELS["llama-narrow"]
     model = plan.model_of(parse_train(flags))
-    ranked = {(g.dp, g.pp, g.tp.spec(), g.sp, g.zero, g.schedule) for g in plan.enumerate_grids(8, model)}
+    ranked = {(g.dp, g.pp, g.tp.spec(), g.sp, g.zero, g.resolved_schedule(model.config))
+              for g in plan.enumerate_grids(8, model)}
     accepted, refused = set(), 0
     # the modes the planner plans, and the planned kinds at sizes this model does not split over
     extra = [m for m in (gw.modes.parse(s) for s in ("subgraph:4", "square:2", "cube:2", "row:8")) if type(m).planned]
@@ -641,8 +642,8 @@ def test_a_grid_train_refuses_is_not_ranked():
                         accepted.add((rest // sp // pp, pp, mode.spec(), sp, zero, schedule))
     assert refused, "every grid accepted: the comparison cannot fail"
     assert {g for g in ranked} <= accepted, sorted(ranked - accepted)
-    # each accepted grid is ranked with the schedule the planner gives it (1F1B only where train needs it)
-    assert {g for g in accepted if g[5] == "message_driven" or (g[4] == 3 and g[1] > 1)} == ranked, \
+    # each accepted grid is ranked with the schedule train's auto gives it (1F1B only where train needs it)
+    assert {g for g in accepted if g[5] == gw.pipeline.resolve_schedule("auto", g[1], g[0], g[4], False)} == ranked, \
         sorted(accepted ^ ranked)
 
 

@@ -28,7 +28,12 @@ def _train(tmp, name, *extra, port=29581):
                         *launcher_args(), *extra], capture_output=True, text=True, timeout=240, env=env,
                        stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    return json.loads((out / "metrics.json").read_text())["loss"], out
+    metrics = json.loads((out / "metrics.json").read_text())
+    # every communicator the steps used was made at setup, on every rank (none under a step's kernels)
+    made = metrics["communicators"]
+    assert len(made) == math.prod(metrics["grid"].values()) and all(m["at_setup"] >= 1 for m in made), made
+    assert all(m["after_setup"] == 0 for m in made), [m["late"] for m in made]
+    return metrics["loss"], out
 
 
 def _close(a, b, tol=1e-4):
@@ -172,6 +177,8 @@ def mixtral_single(tmp_path_factory):
     (["--dp", "4", "--pp", "2", "--ep", "2"], "1.0", 29709),        # with a capacity limit
     (["--dp", "4", "--sp", "2", "--pp", "1", "--ep", "2", "--zero", "1"], "0", 29717),  # ZeRO-1
     (["--dp", "4", "--sp", "2", "--pp", "1", "--ep", "4", "--zero", "3", "--no-offload"], "0", 29719),  # ZeRO-3
+    # pp 4 with the default schedule (auto: 1F1B, one micro-batch order on every replica of a stage)
+    (["--dp", "2", "--pp", "4", "--ep", "2"], "0", 29741),
 ])
 def test_mixtral_trains_on_composed_grids_with_one_process_losses(mixtral_single, tmp_path, spec, cap, port):
     """Expert parallelism composed with pipeline, tensor and sequence parallelism and ZeRO: the same

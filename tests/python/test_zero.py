@@ -238,7 +238,8 @@ def one_process(tmp_path_factory):
     (("--zero", "1", "--dp", "4", "--pp", "2", "--zero-shard-group", "node"), 29803),
     (("--zero", "3", "--dp", "4", "--pp", "2", "--no-offload", "--schedule", "interleaved", "--chunks", "2",
       "--microbatches", "2"), 29805),
-    (("--zero", "2", "--tp", "row:2", "--sp", "2", "--dp", "2"), 29807)])
+    (("--zero", "2", "--tp", "row:2", "--sp", "2", "--dp", "2"), 29807),
+    (("--zero", "3", "--dp", "4", "--pp", "2", "--no-offload"), 29809)])  # the default schedule: auto, 1F1B here
 def test_the_main_job_with_each_stage_trains_like_one_process(one_process, tmp_path, extra, port):
     """gridweave train --zero 1 (hybrid, one node) / 3 (the interleaved schedule, device state) on dp 4 x pp 2
     and --zero 2 on row:2 x sp 2 x dp 2: the losses of one process (float32, 1e-5 relative), as the
@@ -287,8 +288,12 @@ def test_zero_on_a_grid_without_data_axes_is_a_clear_error():
         gw.train.TrainConfig(zero=1, zero_shard_group="rack")
     with pytest.raises(gw.GridError, match="hybrid sharding: it needs zero"):
         gw.train.TrainConfig(zero_shard_group="node")
-    with pytest.raises(gw.GridError, match="zero=3 with pp > 1 needs a fixed pipeline order"):
-        gw.train.TrainConfig(zero=3, dp=2, pp=2).grid_shape(4)
+    # ZeRO-3 gathers over dp inside each micro-batch: the default (auto) schedule is 1F1B's fixed order there,
+    # and the message-driven one, asked for, is refused
+    assert gw.train.TrainConfig(zero=3, dp=2, pp=2).resolved_schedule(2, 2) == "1f1b"
+    assert gw.train.TrainConfig(zero=1, dp=2, pp=2).resolved_schedule(2, 2) == "message_driven"
+    with pytest.raises(gw.GridError, match="schedule=message_driven on pp 2 x dp 2: ZeRO-3 gathers"):
+        gw.train.TrainConfig(zero=3, dp=2, pp=2, schedule="message_driven").grid_shape(4)
 
 
 @pytest.mark.timeout(900)  # four runs one after the other

@@ -171,6 +171,13 @@ class GPTStage(nn.Module):
             sizes = self.grid.broadcast_ints(sizes, self.layout.only[0], self.layout.only[1])
         return tuple(sizes)
 
+    def comm_lines(self) -> list:
+        """The lines beyond the grid's axes its layers run collectives over (Grid.connect items):
+        what each module that declares comm_lines() names (line parts, tuples of axes)."""
+        ends = self.layout.lines(self.grid) if self.embed is not None or self.head is not None else []
+        return ends + [item for m in self.modules() if m is not self and hasattr(m, "comm_lines")
+                       for item in m.comm_lines()]
+
     def shard_units(self) -> list:
         """ZeRO-3's units in forward order (FSDP2's per-block units): the embedding, each transformer
         layer, the head."""
@@ -259,6 +266,9 @@ class ModelChunks(nn.Module):
 
     def shard_units(self) -> list:
         return [u for c in self.chunks for u in c.shard_units()]
+
+    def comm_lines(self) -> list:
+        return [item for c in self.chunks for item in c.comm_lines()]
 
     def dense_state(self, pick=False) -> dict:
         return {k: v for c in self.chunks for k, v in c.dense_state(pick).items()}

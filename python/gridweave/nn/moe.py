@@ -401,6 +401,12 @@ class ExpertParallelMoE(DenseMoE):
               order=((moe.ffn, moe.ffn), t, 1) if self.tp else None)
         place(self.down, Layout(split, (), widths), partial=copies)
 
+    def comm_lines(self) -> list:
+        """The lines its exchange, statistics and expert tensor parallelism run over (Grid.connect items)."""
+        items = [self.ep] + ([self.ep.complement()] if isinstance(self.ep, LinePart) else [])
+        tokens = [self.token_axes, self.grid.reduce_line(self.token_axes)] if self.token_axes else []
+        return items + tokens + ([self.tp] if self.tp else [])
+
     @classmethod
     def from_dense(cls, dense: DenseMoE, grid, ep, token_axes=DATA_AXES, tp=None, sequence=False):
         m = cls(dense.hidden, dense.moe, grid, ep, token_axes, dtype=dense.gate_up.dtype, device=grid.device, tp=tp,

@@ -144,6 +144,19 @@ def usp_positions(length_local: int, sp: int, index: int, ring: int, causal: boo
     return zigzag_order(length_local * sp, ring, device)[index * length_local:(index + 1) * length_local]
 
 
+def usp_parts(ulysses_degree: int) -> tuple:
+    """USP's two halves of the sp line: its Ulysses blocks of ulysses_degree ranks and the ring
+    across them (Fang & Zhao 2024)."""
+    return LinePart(("sp",), Span.WITHIN, ulysses_degree), LinePart(("sp",), Span.ACROSS, ulysses_degree)
+
+
+def attention_lines(grid, algorithm, ulysses_degree: int = 1) -> list:
+    """The lines attend() runs `algorithm` over on this grid (Grid.connect items)."""
+    if not sequence_parallel(grid):
+        return []
+    return ["sp", *usp_parts(ulysses_degree)] if SeqAttention.of(algorithm) is SeqAttention.USP else ["sp"]
+
+
 def attend(qkv, heads, causal, grid, algorithm=SeqAttention.RING, kv_heads=None, arch: Arch = GPT2,
            ulysses_degree: int = 1, documents=None):
     """Attention of the local heads of a packed [q | k | v] (heads query and kv_heads key/value
@@ -172,8 +185,7 @@ def attend(qkv, heads, causal, grid, algorithm=SeqAttention.RING, kv_heads=None,
     elif algorithm is SeqAttention.ULYSSES:
         o = ulysses_attention(q, k, v, grid, "sp", causal, documents)
     elif algorithm is SeqAttention.USP:
-        o = usp_attention(q, k, v, grid, LinePart(("sp",), Span.WITHIN, ulysses_degree),
-                          LinePart(("sp",), Span.ACROSS, ulysses_degree), causal, documents)
+        o = usp_attention(q, k, v, grid, *usp_parts(ulysses_degree), causal, documents)
     else:
         o = ring_attention(q, k, v, grid, "sp", causal, zigzag, documents=documents)
     b, s = qkv.shape[:2]

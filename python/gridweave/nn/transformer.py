@@ -19,7 +19,7 @@ from ..sharding import DATA_AXES, group_order, place, placement_of, present_axes
 from .dense import (GPT2, Arch, DenseMLP, DenseSelfAttention, DenseTransformerLayer, linformer_attention, qk_normed,
                     split_heads, values)
 from .moe import ExpertParallelMoE
-from .sequence import SeqAttention, attend
+from .sequence import SeqAttention, attend, attention_lines
 from .style import resolve
 
 
@@ -115,6 +115,10 @@ class SelfAttention(nn.Module):
     def zigzag(self):
         """Causal ring attention balances the load by the zigzag sequence order (RSA and Ulysses do not)."""
         return self.attention.zigzag(self.causal)
+
+    def comm_lines(self) -> list:
+        """The lines its attention runs over beyond its mode's axes (Grid.connect items)."""
+        return attention_lines(self.grid, self.attention, self.ulysses_degree)
 
     def forward(self, x, documents=None):
         """documents: the (batch, sequence) ids of this data-parallel replica's whole batch (packed
