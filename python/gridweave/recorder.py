@@ -205,8 +205,12 @@ class RecordingGrid:
         shape[dim % t.dim()] //= g
         return self._record("reduce_scatter", axis, _nbytes(t), t.new_empty(shape), async_op, elem=t.element_size())
 
+    def reduce_line(self, axis):
+        """Grid.reduce_line: all-reduces run a tuple of axes in the grid's order."""
+        return order_free(list(self.axes), axis)
+
     def all_reduce(self, t, axis, op="sum", async_op=False):
-        axis = order_free(list(self.axes), axis)  # Grid's: one communicator whatever the tuple's order
+        axis = self.reduce_line(axis)
         return self._record("all_reduce", axis, _nbytes(t), t, async_op, elem=t.element_size())
 
     def broadcast(self, t, axis, src=0, async_op=False):
@@ -782,7 +786,7 @@ def _record_optimizer(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, cl
         for lo, hi, axes in gradient_chunks(params_of, grid, bsize, coarsening, backward=overlap)[2]:
             if axes:
                 n = float((hi - lo) * size)
-                grid.log.append(Collective("all_reduce", grid.label(axes), n, n, 0, size))
+                grid.log.append(Collective("all_reduce", grid.label(grid.reduce_line(axes)), n, n, 0, size))
         if overlap:  # OffloadAdam(overlap=True): started by the backward's hooks, before the step's own
             out["in_backward"], grid.log = tuple(grid.log), []
         if clip:

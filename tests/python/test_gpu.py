@@ -72,6 +72,73 @@ def test_wait_is_stream_ordered_not_a_host_synchronisation():
     gw.shutdown()
 
 
+def test_barrier_blocks_the_host_behind_a_sleeping_kernel():
+    """grid.barrier() is a host barrier on NCCL too (torch's): it returns only once the device has run
+    the kernel queued before it (ratio of the barrier's host time to what the device had left after)."""
+    import time
+
+    import gridweave as gw
+
+    if not gw._C.nccl_available:
+        pytest.skip("built without the NCCL transport")
+    grid = gw.init(backend="nccl")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # about 0.5-1 s of a kernel on the current stream
+    t0 = time.perf_counter()
+    grid.barrier()
+    barrier = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    torch.cuda.synchronize()
+    left = time.perf_counter() - t0
+    assert barrier > 10 * left, (barrier, left)
+    gw.shutdown()
+
+
+def test_grouped_point_to_point_back_to_back_after_a_sleeping_kernel():
+    """Groups of sends and receives issued back to back behind a slow kernel: on a non-blocking
+    communicator each group is settled (ncclCommGetAsyncError polled to ncclSuccess) before the next
+    call, and every receive holds its message."""
+    import gridweave as gw
+
+    if not gw._C.nccl_available:
+        pytest.skip("built without the NCCL transport")
+    grid = gw.init(backend="nccl")
+    torch.cuda._sleep(200_000_000)
+    got = []
+    for k in range(16):
+        src = torch.full((1 << 16,), float(k), device=grid.device)
+        dst = torch.empty_like(src)
+        works = grid.batch_isend_irecv([gw.P2POp("isend", src, 0), gw.P2POp("irecv", dst, 0)])
+        got.append(works[1].wait())
+    torch.cuda.synchronize()
+    assert all(torch.equal(g, torch.full((1 << 16,), float(k), device=grid.device)) for k, g in enumerate(got))
+    gw.shutdown()
+
+
+def test_wait_from_another_stream_orders_that_stream():
+    """Work.wait() orders the current stream (torch's semantics), not the one that issued the op:
+    a stream that waits and then reads the output sees the op's result, not the buffer before it."""
+    import gridweave as gw
+
+    if not gw._C.nccl_available:
+        pytest.skip("built without the NCCL transport")
+    grid = gw.init(backend="nccl")
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    x = torch.zeros(1 << 20, device=grid.device)
+    out = torch.zeros(1 << 20, device=grid.device)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(a):
+        torch.cuda._sleep(500_000_000)
+        x.fill_(7.0)
+        work = grid.all_gather(x, axis=None, async_op=True, out=out)
+    with torch.cuda.stream(b):
+        work.wait()
+        seen = out.clone()
+    torch.cuda.synchronize()
+    assert torch.equal(seen, torch.full_like(seen, 7.0))
+    gw.shutdown()
+
+
 def test_a_dropped_async_op_keeps_its_tensors_while_the_allocator_churns():
     """A Work dropped unwaited: its tensors were marked in use on the engine's stream
     (record_stream), so memory the allocator hands out meanwhile is not the op's."""
