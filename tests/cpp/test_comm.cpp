@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "error.h"
+#include "fork_ranks.h"
 #include "gloo_communicator.h"
 #include "emulate_nccl.h"
 #include "pipeline.h"
@@ -33,45 +34,18 @@ BufferView view_of(std::vector<float>& v) { return {v.data(), v.size(), DType::F
 // Runs body(comm) on n forked ranks; returns the number of ranks that failed.
 int run_ranks(int n, const std::function<void(GlooCommunicator&)>& body, milliseconds timeout = milliseconds(20000),
               std::shared_ptr<TrafficCounters> counters = nullptr, CheckLevel check = CheckLevel::Cheap) {
-  static int run = 0;
-  auto dir = std::filesystem::temp_directory_path() /
-             ("gw_ctest_" + std::to_string(getpid()) + "_" + std::to_string(run++));
-  std::filesystem::create_directories(dir);
-  std::vector<pid_t> pids;
-  for (int r = 0; r < n; ++r) {
-    pid_t pid = fork();
-    if (pid == 0) {
-      int rc = 0;
-      try {
-        CommInfo info;
-        info.axis = "world";
-        info.members.resize(n);
-        std::iota(info.members.begin(), info.members.end(), 0);
-        info.rank = r;
-        info.timeout = timeout;
-        info.counters = counters ? counters : std::make_shared<TrafficCounters>();
-        info.check = check;
-        auto comm = std::make_shared<GlooCommunicator>(info, make_file_store(dir.string()),
-                                                       make_gloo_device("127.0.0.1"));
-        body(*comm);
-        if (::testing::Test::HasFailure()) rc = 1;
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "rank %d: %s\n", r, e.what());
-        rc = 2;
-      }
-      std::fflush(nullptr);
-      _exit(rc);
-    }
-    pids.push_back(pid);
-  }
-  int failed = 0;
-  for (pid_t pid : pids) {
-    int status = 0;
-    waitpid(pid, &status, 0);
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ++failed;
-  }
-  std::filesystem::remove_all(dir);
-  return failed;
+  return test_support::fork_ranks(n, [&](int r, const std::string& dir) {
+    CommInfo info;
+    info.axis = "world";
+    info.members.resize(n);
+    std::iota(info.members.begin(), info.members.end(), 0);
+    info.rank = r;
+    info.timeout = timeout;
+    info.counters = counters ? counters : std::make_shared<TrafficCounters>();
+    info.check = check;
+    auto comm = std::make_shared<GlooCommunicator>(info, make_file_store(dir), make_gloo_device("127.0.0.1"));
+    body(*comm);
+  });
 }
 
 const milliseconds kWait(20000);

@@ -20,6 +20,7 @@
 
 #include "emulate_nccl.h"
 #include "error.h"
+#include "fork_ranks.h"
 #include "gloo_communicator.h"
 #include "nonblocking.h"
 #include "store.h"
@@ -177,44 +178,17 @@ namespace {
 // Runs body(rules, rank) on 2 forked ranks, each a Gloo line wrapped in NCCL's rules (rendezvous
 // sends: eager_bytes 0); returns the number of ranks that failed.
 int run_rules(const std::function<void(NcclRulesCommunicator&, int)>& body) {
-  static int run = 0;
-  auto dir = std::filesystem::temp_directory_path() /
-             ("gw_ctest_nb_" + std::to_string(getpid()) + "_" + std::to_string(run++));
-  std::filesystem::create_directories(dir);
-  std::vector<pid_t> pids;
-  for (int r = 0; r < 2; ++r) {
-    pid_t pid = fork();
-    if (pid == 0) {
-      int rc = 0;
-      try {
-        CommInfo info;
-        info.axis = "pp";
-        info.members = {0, 1};
-        info.rank = r;
-        info.timeout = milliseconds(20000);
-        info.counters = std::make_shared<TrafficCounters>();
-        auto inner = std::make_shared<GlooCommunicator>(info, make_file_store(dir.string()),
-                                                        make_gloo_device("127.0.0.1"));
-        auto rules = std::make_shared<NcclRulesCommunicator>(info, inner, 0);
-        body(*rules, r);
-        if (::testing::Test::HasFailure()) rc = 1;
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "rank %d: %s\n", r, e.what());
-        rc = 2;
-      }
-      std::fflush(nullptr);
-      _exit(rc);
-    }
-    pids.push_back(pid);
-  }
-  int failed = 0;
-  for (pid_t pid : pids) {
-    int status = 0;
-    waitpid(pid, &status, 0);
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ++failed;
-  }
-  std::filesystem::remove_all(dir);
-  return failed;
+  return test_support::fork_ranks(2, [&](int r, const std::string& dir) {
+    CommInfo info;
+    info.axis = "pp";
+    info.members = {0, 1};
+    info.rank = r;
+    info.timeout = milliseconds(20000);
+    info.counters = std::make_shared<TrafficCounters>();
+    auto inner = std::make_shared<GlooCommunicator>(info, make_file_store(dir), make_gloo_device("127.0.0.1"));
+    auto rules = std::make_shared<NcclRulesCommunicator>(info, inner, 0);
+    body(*rules, r);
+  });
 }
 
 }  // namespace
