@@ -148,6 +148,9 @@ def _train_parser(sub):
     p.add_argument("--phase-times", action="store_true",
                    help="time each step's phases (forward, backward, reduction, optimizer, waiting, bookkeeping): "
                         "metrics.json and the closing line; on GPUs each phase boundary synchronises the device")
+    p.add_argument("--host-reads", action="store_true",
+                   help="count what makes the host wait for the device in each training step (value reads, "
+                        "tensors made from Python data), by where: metrics.json's host_reads")
     c = p.add_argument_group("configuration file")
     c.add_argument("--config", default=None,
                    help="a TOML file of sections (model, parallelism, training, optimizer, data, checkpoint, logging, "

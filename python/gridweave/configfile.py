@@ -28,7 +28,7 @@ SECTIONS = {
                   "overlap_grad_reduce"),
     "data": ("data", "text_field", "token_dtype", "data_cache", "tokenizer", "vocab", "pack_documents"),
     "checkpoint": ("out", "resume", "checkpoint_every", "async_save"),
-    "logging": ("quiet", "log", "log_all_ranks", "phase_times"),
+    "logging": ("quiet", "log", "log_all_ranks", "phase_times", "host_reads"),
 }
 # The launcher's: where the ranks run (gw.launch.Nodes), how they are started.
 LAUNCH = {"nproc": int, "nnodes": int, "node_rank": int, "master_addr": str, "master_port": int,

@@ -159,3 +159,87 @@ class StepPhases:
 def timed(phases: StepPhases | None, name: str, fn, *args):
     """fn(*args), timed as phase `name` of `phases` when there is one."""
     return fn(*args) if phases is None else phases.timed(name, fn, *args)
+
+
+class HostReads:
+    """A census of what makes the host wait for the device (torch's own sync points): every read
+    of a tensor's value on the host (aten._local_scalar_dense: .item(), bool(), float(), int()),
+    every Tensor.tolist / .numpy / .cpu call, and every tensor made from Python data
+    (aten.lift_fresh: torch.tensor(...), which on a GPU is a host-to-device copy). Each is
+    filed under where it happened: "collective" (inside the grid's ops), "optimizer", or "step"
+    (anywhere else), named by the innermost gridweave frame. A context manager; counts()
+    gives {"reads": {where: n}, "tensors_from_python": n, "sites": {site: n}}."""
+
+    WHERE = (("collective", ("gridweave/grid.py", "gridweave/ring.py", "gridweave/autograd/comm.py")),
+             ("optimizer", ("gridweave/optim.py", "gridweave/zero.py", "gridweave/precision.py")))
+    PATCHED = ("tolist", "numpy", "cpu")
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        census = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten._local_scalar_dense.default and not census._in_patch:
+                    census._note("read")
+                elif func is torch.ops.aten.lift_fresh.default:
+                    census._note("tensor")
+                return func(*args, **(kwargs or {}))
+
+        self._mode = _Mode()
+        self._saved = {}
+        self._in_patch = False
+        self.reads = {"collective": 0, "optimizer": 0, "step": 0}
+        self.tensors_from_python = 0
+        self.sites = {}
+
+    def _site(self) -> tuple:
+        import sys
+
+        frame, site, where = sys._getframe(2), None, "step"
+        while frame is not None:
+            path = frame.f_code.co_filename.replace("\\", "/")
+            if "gridweave/" in path and not path.endswith("gridweave/measure.py"):
+                site = site or f"{path.rsplit('gridweave/', 1)[1]}:{frame.f_code.co_name}"
+                for name, files in self.WHERE:
+                    if where == "step" and path.endswith(files):
+                        where = name
+            frame = frame.f_back
+        return where, site or "outside gridweave"
+
+    def _note(self, kind: str) -> None:
+        where, site = self._site()
+        if kind == "tensor":
+            self.tensors_from_python += 1
+            site = "tensor from Python data at " + site
+        else:
+            self.reads[where] += 1
+        self.sites[site] = self.sites.get(site, 0) + 1
+
+    def __enter__(self):
+        for name in self.PATCHED:
+            real = getattr(torch.Tensor, name)
+            self._saved[name] = real
+
+            def counted(t, *args, _real=real, **kwargs):
+                self._note("read")
+                self._in_patch = True  # its own element reads are this one read
+                try:
+                    return _real(t, *args, **kwargs)
+                finally:
+                    self._in_patch = False
+
+            setattr(torch.Tensor, name, counted)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        for name, real in self._saved.items():
+            setattr(torch.Tensor, name, real)
+        self._saved = {}
+        return False
+
+    def counts(self) -> dict:
+        return {"reads": dict(self.reads), "tensors_from_python": self.tensors_from_python, "sites": dict(self.sites)}

@@ -23,20 +23,25 @@ def matrices_only(p) -> bool:
     return p.dim() >= 2
 
 
-def adamw_(w, m, v, g, lr, betas, eps, t, weight_decay=0.0, decayed=(), lo: int = 0) -> None:
+def adamw_(w, m, v, g, lr, betas, eps, t, weight_decay=0.0, decayed=(), lo: int = 0, found_inf=None) -> None:
     """One AdamW step in place on flat weights w and states m, v from gradient g (torch.optim.AdamW's
     update, Loshchilov & Hutter 2019, Alg. 2). w holds positions [lo, lo + len(w)) of a flat buffer
     whose decayed elements are `decayed` ((a, b) ranges): the decoupled decay (w *= 1 - lr wd)
     there first, then torch's fused Adam kernel, one pass over the buffers where the element-wise
-    form takes eight."""
+    form takes eight. t: this step's number, or a float32 tensor on w's device holding the steps
+    taken before it (read there, not on the host); found_inf: a float tensor there, nonzero to
+    leave w, m and v as they are (torch's GradScaler pattern: the skip decided on the device)."""
     factor, hi = 1 - lr * weight_decay, lo + w.numel()
-    for a, b in decayed if factor != 1.0 else ():
+    if found_inf is not None and factor != 1.0:  # no decay either on a skipped step
+        factor = 1 - lr * weight_decay * (1 - found_inf.to(w.dtype))
+    for a, b in decayed if weight_decay and lr else ():
         a, b = max(a, lo), min(b, hi)
         if a < b:
             w[a - lo:b - lo].mul_(factor)
-    step = torch.tensor(float(t - 1), device=w.device)  # torch's functional form counts this step itself
+    # torch's functional form counts this step itself (and takes it back where found_inf says skip)
+    step = t.clone() if isinstance(t, torch.Tensor) else torch.tensor(float(t - 1), device=w.device)
     fused_adamw([w], [g], [m], [v], [], [step], fused=True, amsgrad=False, beta1=betas[0], beta2=betas[1], lr=lr,
-                weight_decay=0.0, eps=eps, maximize=False)
+                weight_decay=0.0, eps=eps, maximize=False, found_inf=found_inf)
 
 
 def gradient_chunks(params, grid, bsize: int, coarsening: int, backward: bool = False) -> tuple:
@@ -118,7 +123,47 @@ def _grad_hooks(opt, params) -> list:
     return handles
 
 
-class OffloadAdam:
+class _DeviceSteps:
+    """What both optimizers keep on the device so that a step's decisions need no host read: the
+    steps taken (the fused kernel's bias correction reads it there; a skipped step leaves it) and
+    the last clipped step's gradient norm."""
+
+    def _init_steps(self, device) -> None:
+        self._steps = torch.zeros((), dtype=torch.float32, device=device)
+        self._norm = None
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken (a host read of the device's count)."""
+        return int(self._steps.item())
+
+    @step_count.setter
+    def step_count(self, n: int) -> None:
+        self._steps.fill_(float(n))
+
+    @property
+    def grad_norm_tensor(self):
+        """The last step's gradient norm (float64, on the device; None without clipping), unread."""
+        return self._norm
+
+    @property
+    def last_grad_norm(self):
+        """The last step's gradient norm as a number (a host read), or None without clipping."""
+        return None if self._norm is None else float(self._norm)
+
+    def _clip(self, norm, unscale=1.0):
+        """max_norm / (norm + 1e-6), at most 1 (torch's rule), times unscale, as a tensor on the
+        device; the norm (already unscaled) is kept there."""
+        self._norm = norm
+        return (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0) * unscale  # float64: as a Python number was
+
+    def _taken(self, bad, found_inf) -> torch.Tensor:
+        """After the update: the step counted where it was taken; whether it was, on the device."""
+        self._steps.add_(1.0 if found_inf is None else 1.0 - found_inf)
+        return ~bad if bad is not None else torch.ones((), dtype=torch.bool, device=self._steps.device)
+
+
+class OffloadAdam(_DeviceSteps):
     """AdamW with fp32 master weights and Adam states in host memory, updated `bsize`
     elements at a time; the model keeps its own (fp16/bf16/fp32) weights and gradients.
 
@@ -178,8 +223,8 @@ class OffloadAdam:
                 self._decayed.append((a, b))
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
-        self.step_count = 0
         dev = self.params[0].device
+        self._init_steps(dev)
         self.staged = self.master.device != dev if staged is None else bool(staged)
         # Device buffers reused across buckets: weights, two states, descaled gradients.
         kinds = ("w", "m", "v", "g")
@@ -277,12 +322,14 @@ class OffloadAdam:
     def _dp_scale(self) -> float:
         return dp_mean_scale(self.grid, self.average_dp)
 
-    def step(self, scaler=None) -> bool:
-        """Sum, (check, clip,) update. scaler: a gw.precision.LossScaler whose scale the loss
-        was multiplied by: the gradients are unscaled in fp32 inside the update, and if any
-        rank holds an inf or NaN after the sum, every rank skips the step and the scale
-        backs off. With max_grad_norm, a non-finite norm (the same on every rank) skips the
-        step too. Returns whether the step was taken."""
+    def step(self, scaler=None, skip=None):
+        """Sum, (check, clip,) update. skip: a bool tensor on the device, true to leave the weights as
+        they are on every rank (the step's loss was not finite). Without a loss scaler every decision
+        is the device's (a non-finite norm or skip masks the fused update: found_inf) and the return
+        is a bool tensor there, whether the step was taken, unread. scaler: a gw.precision.LossScaler
+        whose scale the loss was multiplied by (fp16): the gradients are unscaled in fp32 inside the
+        update, and if any rank holds an inf or NaN after the sum, every rank skips the step and the
+        scale backs off, decided on the host (the next loss is scaled by it); returns a bool."""
         chunks = self._chunks
         if self.overlap:  # what the backward did not start (parameters without a gradient), in order
             for i in range(len(self.params)):
@@ -303,7 +350,7 @@ class OffloadAdam:
                     lo, hi, axes = chunks[i]
                     work[i] = self.grid.all_reduce(grads[lo:hi], axis=axes, async_op=True)
 
-        coef = 1.0
+        coef, bad = 1.0, skip  # bad: the device's skip flag
         whole = scaler is not None or self.max_grad_norm is not None or self.overlap
         if whole:  # the inf check and the norm need every sum first (and overlap started them all)
             if launch is not None:
@@ -314,7 +361,7 @@ class OffloadAdam:
             self._reset_reduction()
             work = {}
             if scaler is not None:
-                found = not bool(torch.isfinite(grads).all())
+                found = not bool(torch.isfinite(grads).all()) or (skip is not None and bool(skip))
                 if self.grid is not None:
                     found = self.grid.any(found)  # one decision on every rank
                 used = scaler.scale_value  # the loss was scaled by this; update() may grow it
@@ -322,14 +369,16 @@ class OffloadAdam:
                     return False
                 coef = 1.0 / used
             if self.max_grad_norm is not None:
-                coef *= self._clip_coefficient(grads, coef)
-                if not math.isfinite(self.last_grad_norm):
+                coef = self._clip_coefficient(grads, coef)
+                if scaler is not None and not math.isfinite(self.last_grad_norm):
                     return False  # the norm is global: every rank skips this step
+                bad = ~torch.isfinite(self._norm) if bad is None else bad | ~torch.isfinite(self._norm)
         else:
             launch(0)
-        self.step_count += 1
+        dev = self._steps.device
+        found_inf = None if bad is None else bad.to(device=dev, dtype=torch.float32)
         if whole and not self.staged:  # every sum is here: one pass over the flat buffers
-            self._update(grads, 0, self.numel, coef)
+            self._update(grads, 0, self.numel, coef, found_inf)
         else:
             for i, (lo, hi, _) in enumerate(chunks):
                 if not whole:
@@ -338,42 +387,40 @@ class OffloadAdam:
                     timed(self.phases, "reduction", work.pop(i).wait)
                 if self.staged:
                     for b in range(lo, hi, self.bsize):
-                        self._bucket(grads, b, min(b + self.bsize, hi), coef)
+                        self._bucket(grads, b, min(b + self.bsize, hi), coef, found_inf)
                 else:
-                    self._update(grads, lo, hi, coef)
+                    self._update(grads, lo, hi, coef, found_inf)
+        taken = self._taken(bad, found_inf)
         self._write_back()
-        return True
+        return True if scaler is not None else taken
 
-    def _update(self, grads, lo, hi, scale):
+    def _update(self, grads, lo, hi, scale, found_inf=None):
         """AdamW in place on the flat buffers' elements [lo, hi) (unstaged: they live on the device)."""
         g = grads[lo:hi]
-        if g.dtype != torch.float32 or scale != 1.0:
+        if g.dtype != torch.float32 or isinstance(scale, torch.Tensor) or scale != 1.0:
             g = g.to(torch.float32) * scale  # descale the half-precision gradient in fp32
         adamw_(self.master[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], g, self.lr, self.betas, self.eps,
-               self.step_count, self.weight_decay, self._decayed, lo)
+               self._steps, self.weight_decay, self._decayed, lo, found_inf)
 
-    def _clip_coefficient(self, grads, unscale: float = 1.0) -> float:
-        """max_norm / (norm + 1e-6), at most 1, of the unscaled summed gradient (torch's rule)."""
+    def _clip_coefficient(self, grads, unscale: float = 1.0):
+        """max_norm / (norm + 1e-6), at most 1, of the unscaled summed gradient (torch's rule), as a
+        tensor on the device, times unscale; the norm is kept there (self._norm)."""
         pieces = [(grads[self._offset[i]:self._offset[i] + p.numel()], placement_of(p))
                   for i, p in enumerate(self.params)]
-        if self.grid is None:
-            total = float(torch.linalg.vector_norm(grads.double()))
-        else:
-            total = float(grad_norm_of(pieces, self.grid))
-        total *= unscale
-        self.last_grad_norm = total
-        return min(1.0, self.max_grad_norm / (total + 1e-6))
+        total = torch.linalg.vector_norm(grads.double()) if self.grid is None else grad_norm_of(pieces, self.grid)
+        return self._clip(total * unscale, unscale)
 
-    def _bucket(self, grads, lo, hi, scale):
+    def _bucket(self, grads, lo, hi, scale, found_inf=None):
         n = hi - lo
         w, m, v, g = (self._buf[k][:n] for k in ("w", "m", "v", "g"))
         w.copy_(self.master[lo:hi])
         m.copy_(self.exp_avg[lo:hi])
         v.copy_(self.exp_avg_sq[lo:hi])
         g.copy_(grads[lo:hi])  # descale the half-precision gradient in fp32
-        if scale != 1.0:
+        if isinstance(scale, torch.Tensor) or scale != 1.0:
             g.mul_(scale)
-        adamw_(w, m, v, g, self.lr, self.betas, self.eps, self.step_count, self.weight_decay, self._decayed, lo)
+        adamw_(w, m, v, g, self.lr, self.betas, self.eps, self._steps, self.weight_decay, self._decayed, lo,
+               found_inf)
         self.master[lo:hi].copy_(w)
         self.exp_avg[lo:hi].copy_(m)
         self.exp_avg_sq[lo:hi].copy_(v)
@@ -479,7 +526,7 @@ class _Group:
             off += p.numel()
 
 
-class DistributedAdam:
+class DistributedAdam(_DeviceSteps):
     """ZeRO stages 1, 2 and 3 (Rajbhandari et al. 2020, §5.1-5.3; Megatron's distributed optimizer),
     and zero=0: every replica holds the whole state (all-reduced gradients, as torch DDP + AdamW):
     AdamW whose fp32 master weights and states are sharded over the data axes every gradient
@@ -586,7 +633,7 @@ class DistributedAdam:
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.grad_shards = None  # zero=2: the reduced gradient shards the last step kept
-        self.step_count = 0
+        self._init_steps(grid.device)
         if offload:
             self._buf = {k: torch.empty(self.bsize, dtype=self.dtype, device=dev) for k in ("w", "m", "v", "g")}
         self.units = None
@@ -698,43 +745,47 @@ class DistributedAdam:
         self._reset_reduction()
         return shards
 
-    def step(self, scaler=None) -> bool:
+    def step(self, scaler=None, skip=None) -> bool:
         """Reduce-scatter, (check, clip,) update the shard, all-gather. Returns whether the step
-        was taken (a non-finite gradient or norm skips it on every rank, as OffloadAdam)."""
+        was taken (a non-finite gradient or norm skips it on every rank, as OffloadAdam). skip: a bool
+        tensor, true to skip the step (the loss was not finite), read on the host here (with the
+        finiteness check and the norm: OffloadAdam decides them on the device)."""
         if self.units is not None:
             self.units.free_all()  # whatever a backward left gathered (a parameter without a gradient)
         shards = self.reduce_gradients()
         if self.zero >= 2:
             self.grad_shards = shards
-        coef = 1.0
-        if scaler is not None:
-            found = self.grid.any(not all(bool(torch.isfinite(s).all()) for s in shards))
+        coef, bad = 1.0, skip  # bad: the device's skip flag
+        if scaler is not None:  # fp16: the scaler decides on the host (the next loss is scaled by it)
+            found = self.grid.any((skip is not None and bool(skip)) or
+                                  not all(bool(torch.isfinite(s).all()) for s in shards))
             used = scaler.scale_value
             if not scaler.update(found, self.step_count + 1):
                 return False
             coef = 1.0 / used
         if self.max_grad_norm is not None:
-            self.last_grad_norm = float(grad_norm_of(self.norm_pieces(shards), self.grid)) * coef
-            if not math.isfinite(self.last_grad_norm):
+            coef = self._clip(grad_norm_of(self.norm_pieces(shards), self.grid) * coef, coef)
+            if scaler is not None and not math.isfinite(self.last_grad_norm):
                 return False
-            coef *= min(1.0, self.max_grad_norm / (self.last_grad_norm + 1e-6))
-        self.step_count += 1
+            bad = ~torch.isfinite(self._norm) if bad is None else bad | ~torch.isfinite(self._norm)
+        found_inf = None if bad is None else bad.to(device=self._steps.device, dtype=torch.float32)
         for k, (g, s) in enumerate(zip(self.groups, shards)):
             lo, hi = g.buf_lo, g.buf_hi
             if self.offload:
                 for b in range(0, hi - lo, self.bsize):
-                    self._bucket(k, s, b, min(b + self.bsize, hi - lo), coef)
+                    self._bucket(k, s, b, min(b + self.bsize, hi - lo), coef, found_inf)
             else:
                 grad = s.to(self.dtype) if s.dtype != self.dtype else s.clone()
-                if coef != 1.0:
+                if isinstance(coef, torch.Tensor) or coef != 1.0:
                     grad.mul_(coef)
                 adamw_(self.master[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], grad, self.lr, self.betas,
-                       self.eps, self.step_count, self.weight_decay, self._decayed[k])
+                       self.eps, self._steps, self.weight_decay, self._decayed[k], found_inf=found_inf)
+        taken = self._taken(bad, found_inf)
         if self.units is not None:
             self._refresh_shards()  # the next forward gathers them
         else:
             self.gather_parameters()
-        return True
+        return True if scaler is not None else taken
 
     def _refresh_shards(self) -> None:
         """ZeRO-3: each parameter shard the all-gathers read, from the updated master."""
@@ -772,7 +823,7 @@ class DistributedAdam:
         first node's; the other nodes hold the same shard)."""
         return g.replica is None or self.grid.index(g.replica) == 0
 
-    def _bucket(self, k, shard, lo, hi, coef):
+    def _bucket(self, k, shard, lo, hi, coef, found_inf=None):
         """Offload: elements [lo, hi) of group k's shard updated through the device buckets."""
         n, base = hi - lo, self.groups[k].buf_lo
         w, m, v, g = (self._buf[k][:n] for k in ("w", "m", "v", "g"))
@@ -780,9 +831,10 @@ class DistributedAdam:
         m.copy_(self.exp_avg[base + lo:base + hi])
         v.copy_(self.exp_avg_sq[base + lo:base + hi])
         g.copy_(shard[lo:hi])
-        if coef != 1.0:
+        if isinstance(coef, torch.Tensor) or coef != 1.0:
             g.mul_(coef)
-        adamw_(w, m, v, g, self.lr, self.betas, self.eps, self.step_count, self.weight_decay, self._decayed[k], lo)
+        adamw_(w, m, v, g, self.lr, self.betas, self.eps, self._steps, self.weight_decay, self._decayed[k], lo,
+               found_inf)
         self.master[base + lo:base + hi].copy_(w)
         self.exp_avg[base + lo:base + hi].copy_(m)
         self.exp_avg_sq[base + lo:base + hi].copy_(v)

@@ -293,7 +293,7 @@ class _StageCallbacks:
 
 def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_shape, dtype=torch.float32,
                   schedule="message_driven", pipeline_limit=2, axis="pp", receive="auto", documents=None,
-                  phases=None):
+                  phases=None, microbatches=None):
     """Forward and backward of every microbatch of this rank's batch shard.
 
     inputs: the microbatches (used on stage 0); targets: theirs (used on the last stage);
@@ -307,7 +307,8 @@ def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_s
     the mean microbatch loss on the last stage (None elsewhere) and the engine's PipelineStats.
     documents: packed documents' (batch, seq) ids of every microbatch, given on every stage (each
     chunk is called as chunk(x, documents[mb])), or None. phases: a gw.measure.StepPhases that
-    the micro-batches' forward and backward times are added to, or None.
+    the micro-batches' forward and backward times are added to, or None. microbatches: the count,
+    where every stage knows it (a job's configuration): no collective agrees on it each step.
     """
     if schedule not in SCHEDULES:
         raise GridError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
@@ -321,7 +322,10 @@ def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_s
     if documents is not None and any(b is not None and len(b) != len(documents) for b in (inputs, targets)):
         raise GridError(f"documents: {len(documents)} micro-batches of document ids for "
                         f"{len(inputs if inputs is not None else targets)} micro-batches")
-    m = _microbatches(grid, pp, axis, inputs, targets)
+    m = _microbatches(grid, pp, axis, inputs, targets) if microbatches is None else int(microbatches)
+    held = inputs if pp.rank == 0 else targets if pp.rank == pp.size - 1 else None
+    if held is not None and len(held) != m:
+        raise GridError(f"microbatches={m}, but this stage holds {len(held)} micro-batches")
     if m < 1:
         raise GridError("pipeline_step needs at least one microbatch")
     if interleaved and m % pp.size:

@@ -19,6 +19,7 @@ import json
 import math
 import socket
 import time
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +32,7 @@ from .axes import ParallelDims
 from .errors import Diverged, GridError
 from .generate import sample
 from .grid import Grid, init, shutdown
-from .measure import StepPhases, gemm_rate, probe_size, timed
+from .measure import HostReads, StepPhases, gemm_rate, probe_size, timed
 from .models import ModelConfig
 from .nn.moe import MoE, expert_line, routed_tokens, set_aux_grad_scale
 from .nn.sequence import SeqAttention
@@ -135,6 +136,7 @@ class TrainConfig:
     aux_coef: float = 0.01  # MoE models: the load-balancing loss's coefficient (Switch's 0.01)
     z_coef: float = 0.0  # MoE models: the router z-loss's coefficient (ST-MoE's 0.001)
     shared_ffn: int = 0  # MoE models: an always-on shared expert of this width (Qwen / DeepSeek; 0: none)
+    host_reads: bool = False  # count what makes the host wait for the device in each training step (measure.HostReads): metrics.json's host_reads
     phase_times: bool = False  # time every step's phases (forward, backward, reduction, optimizer, waiting, bookkeeping): metrics.json and the closing line; on GPUs each phase boundary synchronises the device
     mode: Mode = field(init=False, repr=False)
     compute: Precision = field(init=False, repr=False)
@@ -483,6 +485,8 @@ def token_share(predicted: float, losses: int) -> float:
     """The masked LM's normaliser: the count of the global batch's predicted tokens over the
     micro-batch losses summed to the reported mean (micro-batches a rank x dp ranks), so each
     micro-batch's sum over it averages to the mean over every predicted token."""
+    if isinstance(predicted, torch.Tensor):  # the step's count, left on the device
+        return predicted.clamp(min=1.0) / losses
     return max(predicted, 1.0) / losses
 
 
@@ -571,9 +575,9 @@ def _train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y, documents, pha
     xs, ys, ds = micro(x), micro(y), None if documents is None else micro(documents)
     normalizer = None
     if cfg.masked_lm:  # the mean over the global batch's predicted tokens: their count summed over dp
-        count = torch.tensor([float((y != models.IGNORE).sum())], dtype=torch.float64, device=grid.device)
+        count = (y != models.IGNORE).sum().reshape(1).to(device=grid.device, dtype=torch.float64)
         grid.all_reduce(count, axis="dp")
-        normalizer = token_share(count.item(), m * dp)
+        normalizer = token_share(count, m * dp)
     opt.zero_grad()
     if hasattr(opt, "backwards_per_step"):  # gradients final after the m-th backward: buckets start then
         opt.backwards_per_step = m
@@ -588,20 +592,34 @@ def _train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y, documents, pha
     # the pipeline's wall time that is neither forward nor backward is waiting: receives, the schedule
     loss, _ = timed(phases, "waiting", lambda: pipeline.pipeline_step(
         stage, grid, xs, ys, loss_fn, stage.activation_shape(mb, cfg.seq), dtype=cfg.compute.dtype,
-        schedule=cfg.schedule, pipeline_limit=cfg.pipeline_limit or max(pp, 2), documents=ds, phases=phases))
+        schedule=cfg.schedule, pipeline_limit=cfg.pipeline_limit or max(pp, 2), documents=ds, phases=phases,
+        microbatches=m))
     loss = loss / loss_scale if loss is not None else None
-    # the last stage's loss, identical over its tp/sp group: count one rank of each group.
-    # Known on every rank before the update, so a non-finite loss skips it everywhere.
+    # the last stage's loss, identical over its tp/sp group: count one rank of each group. Summed
+    # on the device and left there: a non-finite loss skips the update on every rank by a flag
+    # the optimizer reads on the device (no host read; read_step reads the numbers once)
     mine = loss is not None and first_copy(grid, distinct=("dp",))
-    total = torch.tensor([loss.item() if mine else 0.0], dtype=torch.float64, device=grid.device)
+    total = loss.detach().to(torch.float64).reshape(1).clone() if mine else \
+        torch.zeros(1, dtype=torch.float64, device=grid.device)
     grid.all_reduce(total, axis=None)
-    mean = total.item() / dp
-    if math.isfinite(mean):
-        # sums each gradient over its partial axes (dp averaged), clips, updates; its waits are the reduction's
-        return mean, timed(phases, "optimizer", opt.step, scaler)
-    if scaler is not None:
-        scaler.update(True, opt.step_count + 1)
-    return mean, False
+    mean = total[0] / dp
+    # sums each gradient over its partial axes (dp averaged), clips, updates; its waits are the reduction's
+    return mean, timed(phases, "optimizer", opt.step, scaler, ~torch.isfinite(mean))
+
+
+def read_step(loss, taken, opt) -> tuple:
+    """(loss, whether the weights were updated, gradient norm or None) of a step, as numbers, in
+    one host read: what the progress bar, the divergence guard, the logs and metrics.json show."""
+    norm = getattr(opt, "grad_norm_tensor", None)
+    parts = [loss.detach().reshape(1).to(torch.float64)]
+    if isinstance(taken, torch.Tensor):
+        parts.append(taken.reshape(1).to(device=loss.device, dtype=torch.float64))
+    if norm is not None:
+        parts.append(norm.detach().reshape(1).to(device=loss.device, dtype=torch.float64))
+    got = torch.cat(parts).tolist()  # the step's one read
+    loss_value, rest = got[0], got[1:]
+    took = bool(rest.pop(0)) if isinstance(taken, torch.Tensor) else bool(taken)
+    return loss_value, took, (rest[0] if rest else getattr(opt, "last_grad_norm", None))
 
 
 def setup_grid(cfg: TrainConfig) -> Grid:
@@ -954,6 +972,8 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
     validation = Validation(cfg, tokens, cfg.batch // grid.axes["dp"] // cfg.microbatches)
     meter, guard = Meter(cfg, grid, model_cfg, history.start), DivergenceGuard(cfg, opt, scaler)
     phases = StepPhases(grid.device) if cfg.phase_times else None
+    census = HostReads() if cfg.host_reads else None  # the training steps' host reads (validation, checkpoints aside)
+    host_reads = []
     for step in range(history.start, cfg.steps):
         checkpoints.land()
         if on_step is not None:
@@ -965,10 +985,14 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
         else:
             x, y, docs = reader.next_packed(tokens.documents) if cfg.pack_documents else (*reader.next(), None)
         floor = guard.at_floor()
-        loss, took = train_step(cfg, grid, stage, opt, scaler, x, y, docs, phases)
+        with census if census is not None else contextlib.nullcontext():
+            loss, took, norm = read_step(*train_step(cfg, grid, stage, opt, scaler, x, y, docs, phases), opt)
         history.losses.append(loss)
         guard.check(step, loss, took, floor, checkpoints)
-        meter.record(time.perf_counter() - t0, opt.lr, getattr(opt, "last_grad_norm", None))
+        meter.record(time.perf_counter() - t0, opt.lr, norm)
+        if census is not None:
+            host_reads.append(census.counts())
+            census = HostReads()
         meter.record_experts(stage, grid)
         validation.after_step(step, stage, grid, history)
         meter.log(step, history, grid, scaler)
@@ -984,6 +1008,8 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
                **memory_per_rank(grid, stage, opt)}
     made = grid.communicators()
     metrics["communicators"] = grid.all_gather_json({k: made[k] for k in ("at_setup", "after_setup", "late")})
+    if cfg.host_reads:  # every rank's census of each step
+        metrics["host_reads"] = grid.all_gather_json(host_reads)
     if phases is not None:  # every rank's mean seconds a step in each phase
         metrics["phase_seconds"] = grid.all_gather_json(phases.per_step())
     shutdown()

@@ -83,3 +83,35 @@ def test_a_checkpoint_folder_is_named_by_one_rank_and_told_to_all(pool, tmp_path
     assert res[1][2].startswith("WriteError") and "rank 0 could not make" in res[1][2], res[1]
     step_dir, index = gw.checkpoint.open_index(folder)
     assert step_dir.name == "step-00000003.1"
+
+
+def _census(ctx):
+    from gridweave.measure import HostReads
+
+    grid = ctx.init(dp=2)
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.float32, device="cpu"))
+    p.grad = torch.full_like(p, float("inf") if ctx.rank == 0 else 1.0)
+    opt = gw.optim.OffloadAdam([p], grid=grid, max_grad_norm=1.0)
+    with HostReads() as plain:
+        taken = opt.step()  # the norm is not finite: skipped by the device's flag, unread
+    before = p.detach().clone()
+    with HostReads() as scaled:
+        grid.any(True)  # a collective whose answer is read on the host
+        torch.tensor([1.0], device="cpu")  # a tensor from Python data
+        p.detach().sum().item()  # a read in the caller
+    out = (plain.counts(), scaled.counts(), bool(taken), opt.step_count, torch.equal(before, torch.ones(4, device="cpu")))
+    gw.shutdown()
+    return out
+
+
+def test_the_host_read_census_files_each_read_where_it_happens(pool):
+    """gw.measure.HostReads: an optimizer step whose norm is not finite decides on the device (no
+    read, and it is skipped: the weights and the step count stay); a read inside a collective,
+    one in the caller and a tensor made from Python data are each filed where they happened."""
+    for plain, other, taken, steps, unchanged in pool.run(_census, 2, timeout=60):
+        assert plain["reads"] == {"collective": 0, "optimizer": 0, "step": 0}, plain
+        assert plain["tensors_from_python"] == 0, plain
+        assert not taken and steps == 0 and unchanged
+        assert other["reads"] == {"collective": 1, "optimizer": 0, "step": 1}, other
+        assert other["tensors_from_python"] == 2, other  # any()'s flag and the test's own
+        assert any(site.startswith("grid.py:any") for site in other["sites"]), other

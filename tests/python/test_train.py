@@ -36,6 +36,19 @@ def _train(tmp, name, *extra, port=29581):
     return metrics["loss"], out
 
 
+def _one_host_read_a_step(out):
+    """The census of a run with --host-reads (gw.measure.HostReads, every training step of every
+    rank): at most one read of a value on the host a step (the loss, the norm and whether the step
+    was taken, together), none inside the grid's ops or the optimizer, no tensor made from Python
+    data; the skip and clipping decisions were the device's."""
+    m = json.loads((out / "metrics.json").read_text())
+    steps = [s for rank in m["host_reads"] for s in rank]
+    assert len(steps) == len(m["loss"]) * math.prod(m["grid"].values()), len(steps)
+    for s in steps:
+        assert sum(s["reads"].values()) <= 1 and s["tensors_from_python"] == 0, s
+        assert s["reads"]["collective"] == 0 and s["reads"]["optimizer"] == 0, s
+
+
 def _close(a, b, tol=1e-4):
     return len(a) == len(b) and max(abs(x - y) / abs(y) for x, y in zip(a, b)) < tol
 
@@ -98,10 +111,11 @@ def test_one_process_equals_plain_torch(single, plain):
 
 def test_grid_run_equals_one_process(single, plain, tmp_path):
     one, _ = single
-    grid, out = _train(tmp_path, "grid", "--nproc", "4", "--dp", "2", "--pp", "2", port=29583)
+    grid, out = _train(tmp_path, "grid", "--nproc", "4", "--dp", "2", "--pp", "2", "--host-reads", port=29583)
     assert one[-1] < one[0]
     assert _close(grid, one), (grid, one)
     assert _close(grid, plain), (grid, plain)
+    _one_host_read_a_step(out)  # the main job's grid (the message-driven pipeline x dp, OffloadAdam)
     assert (out / "loss.png").stat().st_size > 0
     index = gw.train.load_checkpoint(out)
     assert index["step"] == 4 and index["grid"]["pp"] == 2
@@ -141,9 +155,10 @@ def test_checkpoint_exports_a_dense_state_dict(single):
 ])
 def test_composed_grids_train_with_one_process_losses(single, plain, tmp_path, spec, port):
     one, _ = single
-    losses, out = _train(tmp_path, "run", "--nproc", "8", *spec, port=port)
+    losses, out = _train(tmp_path, "run", "--nproc", "8", *spec, "--host-reads", port=port)
     assert _close(losses, one), (spec, losses, one)
     assert _close(losses, plain), (spec, losses, plain)
+    _one_host_read_a_step(out)
     if "--phase-times" in spec:  # where each rank's step went: the phases add up to (most of) the step's wall time
         m = json.loads((out / "metrics.json").read_text())
         phases = m["phase_seconds"]

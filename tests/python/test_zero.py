@@ -244,10 +244,11 @@ def test_the_main_job_with_each_stage_trains_like_one_process(one_process, tmp_p
     """gridweave train --zero 1 (hybrid, one node) / 3 (the interleaved schedule, device state) on dp 4 x pp 2
     and --zero 2 on row:2 x sp 2 x dp 2: the losses of one process (float32, 1e-5 relative), as the
     unsharded optimizer gives."""
-    from test_train import _close, _train
+    from test_train import _close, _one_host_read_a_step, _train
 
-    losses, _ = _train(tmp_path, "zero", "--nproc", "8", *extra, port=port)
+    losses, out = _train(tmp_path, "zero", "--nproc", "8", *extra, "--host-reads", port=port)
     assert _close(losses, one_process, 1e-5), (extra, losses, one_process)
+    _one_host_read_a_step(out)  # ZeRO's skip and clipping decided on the device too
 
 
 @pytest.mark.timeout(900)  # five runs one after the other
