@@ -16,7 +16,9 @@ import torch
 from launch import bench_parser, results_dir, save
 
 STEPS, WARMUP = 5, 2
-JOBS = {"main_job": {}, "wide_bf16": dict(hidden=1024, heads=16, layers=8, seq=1024, batch=16, precision="bf16")}
+JOBS = {"main_job": {}, "wide_bf16": dict(hidden=1024, heads=16, layers=8, seq=1024, batch=16, precision="bf16"),
+        # a third shape: deep and narrow in bf16 (many small kernels: the launch term's share)
+        "deep_bf16": dict(hidden=512, heads=8, layers=24, seq=512, batch=16, precision="bf16")}
 
 
 def measure(grid, cfg) -> dict:

@@ -117,8 +117,11 @@ def _train_parser(sub):
                    default=d["overlap_grad_reduce"].default,
                    help="OffloadAdam: start each gradient chunk's all-reduce in the backward that completes it "
                         "(torch DDP's buckets; the default), or after it (--no-overlap-grad-reduce)")
-    o.add_argument("--no-offload", dest="offload", action="store_false",
-                   help="keep the optimizer state on the device (default: host memory, seed 001's buckets)")
+    o.add_argument("--offload", default=d["offload"].default, choices=["auto", "on", "off"],
+                   help="the optimizer state in host memory (on: seed 001's buckets), on the device (off), or auto: "
+                        "host memory on CPU ranks, the device on GPUs unless it does not fit there")
+    o.add_argument("--no-offload", dest="offload", action="store_const", const="off",
+                   help="the optimizer state on the device (--offload off)")
     o.add_argument("--ac", default="none", help="activation checkpointing: none | auto (seed 001's optimal) | N")
     o.add_argument("--schedule", default=d["schedule"].default, choices=sorted([*SCHEDULES, "auto"]),
                    help="the pipeline's schedule; auto: message_driven unless a micro-batch runs a collective "

@@ -223,6 +223,8 @@ class HostReads:
             self._saved[name] = real
 
             def counted(t, *args, _real=real, **kwargs):
+                if self._in_patch:  # re-entered through a torch function mode (a default device): one read
+                    return _real(t, *args, **kwargs)
                 self._note("read")
                 self._in_patch = True  # its own element reads are this one read
                 try:

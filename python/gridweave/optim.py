@@ -123,6 +123,78 @@ def _grad_hooks(opt, params) -> list:
     return handles
 
 
+class _Staging:
+    """Seed 001's device buckets (§V: 16 bsize: the weights, the two Adam states and the descaled
+    gradient), as two slots of bsize/2 used in turn. A bucket's copies from and to the pinned host
+    state run on a side stream, non-blocking, ordered by events: the next bucket's copy in is
+    issued before this one's copy out, so it overlaps this bucket's update, and the host waits for
+    none of them (wait() before the host reads the state; order() before the device reads it).
+    Without CUDA the same order runs synchronously."""
+
+    def __init__(self, bsize: int, dtype, device):
+        self.size = max(1, -(-bsize // 2))
+        self.slots = [{k: torch.empty(self.size, dtype=dtype, device=device) for k in "wmvg"} for _ in range(2)]
+        cuda = torch.device(device).type == "cuda"
+        self.stream = torch.cuda.Stream(device) if cuda else None
+        self.loaded = [torch.cuda.Event() for _ in range(2)] if cuda else None
+        self.updated = [torch.cuda.Event() for _ in range(2)] if cuda else None
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for slot in self.slots for t in slot.values())
+
+    def _copy_in(self, k, host, n) -> None:
+        slot = self.slots[k]
+        if self.stream is None:
+            for name, h in zip("wmv", host):
+                slot[name][:n].copy_(h)
+            return
+        with torch.cuda.stream(self.stream):  # after the slot's last copy out: the same stream
+            for name, h in zip("wmv", host):
+                slot[name][:n].copy_(h, non_blocking=True)
+            self.loaded[k].record(self.stream)
+
+    def run(self, buckets, update) -> None:
+        """buckets: [(host (w, m, v) slices of the pinned state, the gradient's slice on the device,
+        its scale)], each at most the slot size; update(w, m, v, g) runs on the current stream."""
+        if buckets:
+            self._copy_in(0, buckets[0][0], buckets[0][1].numel())
+        for b, (host, grad, scale) in enumerate(buckets):
+            k, n = b % 2, grad.numel()
+            if b + 1 < len(buckets):  # prefetch: in flight while this bucket updates
+                self._copy_in(1 - k, buckets[b + 1][0], buckets[b + 1][1].numel())
+            w, m, v, g = (self.slots[k][name][:n] for name in "wmvg")
+            if self.stream is not None:
+                torch.cuda.current_stream().wait_event(self.loaded[k])
+            g.copy_(grad)  # descale the half-precision gradient in fp32
+            if isinstance(scale, torch.Tensor) or scale != 1.0:
+                g.mul_(scale)
+            update(w, m, v, g)
+            if self.stream is None:
+                for h, d in zip(host, (w, m, v)):
+                    h.copy_(d)
+                continue
+            self.updated[k].record()
+            self.stream.wait_event(self.updated[k])
+            with torch.cuda.stream(self.stream):
+                for h, d in zip(host, (w, m, v)):
+                    h.copy_(d, non_blocking=True)
+
+    def order(self) -> None:
+        """The current stream waits for the copies out (before it reads the host state)."""
+        if self.stream is not None:
+            torch.cuda.current_stream().wait_stream(self.stream)
+
+    def wait(self) -> None:
+        """The host waits for the copies out (before it reads or writes the host state)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
+def _pinned(t):
+    """t in page-locked memory where a GPU copies it (a non-blocking copy needs it)."""
+    return t.pin_memory() if torch.cuda.is_available() else t
+
+
 class _DeviceSteps:
     """What both optimizers keep on the device so that a step's decisions need no host read: the
     steps taken (the fused kernel's bias correction reads it there; a skipped step leaves it) and
@@ -150,6 +222,11 @@ class _DeviceSteps:
     def last_grad_norm(self):
         """The last step's gradient norm as a number (a host read), or None without clipping."""
         return None if self._norm is None else float(self._norm)
+
+    def _host_state(self) -> None:
+        """Before the host reads or writes the state: the buckets' copies out are done."""
+        if getattr(self, "_staging", None) is not None:
+            self._staging.wait()
 
     def _clip(self, norm, unscale=1.0):
         """max_norm / (norm + 1e-6), at most 1 (torch's rule), times unscale, as a tensor on the
@@ -208,11 +285,10 @@ class OffloadAdam(_DeviceSteps):
         self._order, self._offset, self._chunks = gradient_chunks(self.params, grid, self.bsize, self.k,
                                                                   backward=self.overlap)
         host = torch.device("cpu")
-        pin = torch.cuda.is_available()
         flat = torch.empty(self.numel, dtype=torch.float32, device=host)
         for i, p in enumerate(self.params):
             flat[self._offset[i]:self._offset[i] + p.numel()] = p.detach().reshape(-1).to(host, torch.float32)
-        self.master = flat.pin_memory() if pin else flat
+        self.master = _pinned(flat)
         # the flat buffer's decayed elements, as ranges (each parameter's, the adjacent ones merged)
         self._decayed = []
         for i in sorted(range(len(self.params)), key=self._offset.__getitem__):
@@ -221,14 +297,13 @@ class OffloadAdam(_DeviceSteps):
                 if self._decayed and self._decayed[-1][1] == a:
                     a = self._decayed.pop()[0]
                 self._decayed.append((a, b))
-        self.exp_avg = torch.zeros_like(self.master)
-        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.exp_avg = _pinned(torch.zeros_like(self.master))  # *_like does not keep the pinning
+        self.exp_avg_sq = _pinned(torch.zeros_like(self.master))
         dev = self.params[0].device
         self._init_steps(dev)
         self.staged = self.master.device != dev if staged is None else bool(staged)
-        # Device buffers reused across buckets: weights, two states, descaled gradients.
-        kinds = ("w", "m", "v", "g")
-        self._buf = {k: torch.empty(self.bsize, dtype=torch.float32, device=dev) for k in kinds} if self.staged else {}
+        # Device buffers reused across buckets: weights, two states, descaled gradients (two slots).
+        self._staging = _Staging(self.bsize, torch.float32, dev) if self.staged else None
         self.backwards_per_step = 1  # the pipeline's micro-batches: gw.train.train_step sets it
         self.phases = None  # a gw.measure.StepPhases timing the reduction's waits (gw.train.train_step sets it)
         self._grads = None  # the flat gradient the hooks fill (overlap)
@@ -247,7 +322,7 @@ class OffloadAdam(_DeviceSteps):
         (4 phi + 16 bsize with half-precision models, seed 001 §V); `without_offload` is the usual
         20 phi (half weights and gradients, fp32 master, fp32 gradients, two states)."""
         model = sum(p.numel() * p.element_size() for p in self.params)
-        buckets = sum(b.numel() * b.element_size() for b in self._buf.values())
+        buckets = self._staging.nbytes() if self._staging is not None else 0
         return {"parameters_and_gradients": 2 * model, "buckets": buckets,
                 "total": 2 * model + buckets, "without_offload": 20 * self.numel}
 
@@ -386,8 +461,7 @@ class OffloadAdam(_DeviceSteps):
                 if i in work:
                     timed(self.phases, "reduction", work.pop(i).wait)
                 if self.staged:
-                    for b in range(lo, hi, self.bsize):
-                        self._bucket(grads, b, min(b + self.bsize, hi), coef, found_inf)
+                    self._buckets(grads, lo, hi, coef, found_inf)
                 else:
                     self._update(grads, lo, hi, coef, found_inf)
         taken = self._taken(bad, found_inf)
@@ -407,29 +481,28 @@ class OffloadAdam(_DeviceSteps):
         tensor on the device, times unscale; the norm is kept there (self._norm)."""
         pieces = [(grads[self._offset[i]:self._offset[i] + p.numel()], placement_of(p))
                   for i, p in enumerate(self.params)]
-        total = torch.linalg.vector_norm(grads.double()) if self.grid is None else grad_norm_of(pieces, self.grid)
+        total = torch.linalg.vector_norm(grads, dtype=torch.float64) if self.grid is None else grad_norm_of(pieces, self.grid)
         return self._clip(total * unscale, unscale)
 
-    def _bucket(self, grads, lo, hi, scale, found_inf=None):
-        n = hi - lo
-        w, m, v, g = (self._buf[k][:n] for k in ("w", "m", "v", "g"))
-        w.copy_(self.master[lo:hi])
-        m.copy_(self.exp_avg[lo:hi])
-        v.copy_(self.exp_avg_sq[lo:hi])
-        g.copy_(grads[lo:hi])  # descale the half-precision gradient in fp32
-        if isinstance(scale, torch.Tensor) or scale != 1.0:
-            g.mul_(scale)
-        adamw_(w, m, v, g, self.lr, self.betas, self.eps, self._steps, self.weight_decay, self._decayed, lo,
-               found_inf)
-        self.master[lo:hi].copy_(w)
-        self.exp_avg[lo:hi].copy_(m)
-        self.exp_avg_sq[lo:hi].copy_(v)
+    def _buckets(self, grads, lo, hi, scale, found_inf=None):
+        """Elements [lo, hi) updated through the device buckets (_Staging)."""
+        size = self._staging.size
+        starts = range(lo, hi, size)
+        buckets = [((self.master[b:min(b + size, hi)], self.exp_avg[b:min(b + size, hi)],
+                     self.exp_avg_sq[b:min(b + size, hi)]), grads[b:min(b + size, hi)], scale) for b in starts]
+
+        def update(w, m, v, g, at=iter(starts)):
+            adamw_(w, m, v, g, self.lr, self.betas, self.eps, self._steps, self.weight_decay, self._decayed, next(at),
+                   found_inf)
+        self._staging.run(buckets, update)
 
     def _write_back(self):
+        if self._staging is not None:
+            self._staging.order()  # the parameters are copied from the host state the buckets wrote
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 o = self._offset[i]
-                p.copy_(self.master[o:o + p.numel()].view_as(p).to(p.device, p.dtype))
+                p.copy_(self.master[o:o + p.numel()].view_as(p).to(p.device, p.dtype, non_blocking=True))
 
     # ---- the torch.optim.Optimizer protocol -------------------------------------------
     STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
@@ -442,6 +515,7 @@ class OffloadAdam(_DeviceSteps):
         """{"state": {index: {"step", "master", "exp_avg", "exp_avg_sq"}}, "param_groups": [...]},
         indices in the order the parameters were given; the tensors are views of the host
         buffers (fp32), as torch optimizers return references to their state."""
+        self._host_state()  # the buckets' copies out are done
         step = torch.tensor(float(self.step_count), device="cpu")
         state = {i: {"step": step, **{k: self._view(k, i) for k in self.STATE_KEYS}} for i in range(len(self.params))}
         group = {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay,
@@ -455,12 +529,14 @@ class OffloadAdam(_DeviceSteps):
 
     def checkpoint_tensors(self) -> dict:
         """{id(param): {kind: tensor}} for gw.checkpoint.save: the parameter and its three states."""
+        self._host_state()  # the buckets' copies out are done
         return {id(p): {"param": p, **{k: self._view(k, i) for k in self.STATE_KEYS}}
                 for i, p in enumerate(self.params)}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Copy a state_dict's tensors into the host buffers and take its hyperparameters;
         every entry is checked before anything is written."""
+        self._host_state()  # the buckets' copies out are done
         entries, g, step = checked_state("OffloadAdam", state_dict, self.params, self.STATE_KEYS)
         with torch.no_grad():
             for i, s in enumerate(entries):
@@ -626,16 +702,17 @@ class DistributedAdam(_DeviceSteps):
         self.master = torch.cat([self._gather_flat(g, lambda p: p.detach()).to(home, self.dtype)[g.lo - g.start:
                                                                                                  g.hi - g.start]
                                  for g in self.groups])
-        if offload and torch.cuda.is_available():
-            self.master = self.master.pin_memory()
+        if offload:
+            self.master = _pinned(self.master)
         # each group's decayed stretches of its shard (no mask: the states stay 12 bytes an element)
         self._decayed = [[(a, b) for _, p, a, b, _ in g.spans() if decay is None or decay(p)] for g in self.groups]
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
+        if offload:  # *_like does not keep the pinning
+            self.exp_avg, self.exp_avg_sq = _pinned(self.exp_avg), _pinned(self.exp_avg_sq)
         self.grad_shards = None  # zero=2: the reduced gradient shards the last step kept
         self._init_steps(grid.device)
-        if offload:
-            self._buf = {k: torch.empty(self.bsize, dtype=self.dtype, device=dev) for k in ("w", "m", "v", "g")}
+        self._staging = _Staging(self.bsize, self.dtype, dev) if offload else None
         self.units = None
         if zero == 3:
             for g in self.groups:  # the parameter shard the all-gathers read: the master itself where it
@@ -772,8 +849,7 @@ class DistributedAdam(_DeviceSteps):
         for k, (g, s) in enumerate(zip(self.groups, shards)):
             lo, hi = g.buf_lo, g.buf_hi
             if self.offload:
-                for b in range(0, hi - lo, self.bsize):
-                    self._bucket(k, s, b, min(b + self.bsize, hi - lo), coef, found_inf)
+                self._buckets(k, s, coef, found_inf)
             else:
                 grad = s.to(self.dtype) if s.dtype != self.dtype else s.clone()
                 if isinstance(coef, torch.Tensor) or coef != 1.0:
@@ -781,6 +857,8 @@ class DistributedAdam(_DeviceSteps):
                 adamw_(self.master[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], grad, self.lr, self.betas,
                        self.eps, self._steps, self.weight_decay, self._decayed[k], found_inf=found_inf)
         taken = self._taken(bad, found_inf)
+        if self._staging is not None:
+            self._staging.order()  # the gathers read the host state the buckets wrote
         if self.units is not None:
             self._refresh_shards()  # the next forward gathers them
         else:
@@ -799,6 +877,7 @@ class DistributedAdam(_DeviceSteps):
         them whole anyway): for code that reads or writes parameters outside forward and
         backward (checkpoints, export, evaluation by hand). writeback: what the block wrote into
         them becomes the shards and the fp32 master (collective over the data axes)."""
+        self._host_state()  # the buckets' copies out are done
         if self.units is None:
             return contextlib.nullcontext()
 
@@ -823,21 +902,18 @@ class DistributedAdam(_DeviceSteps):
         first node's; the other nodes hold the same shard)."""
         return g.replica is None or self.grid.index(g.replica) == 0
 
-    def _bucket(self, k, shard, lo, hi, coef, found_inf=None):
-        """Offload: elements [lo, hi) of group k's shard updated through the device buckets."""
-        n, base = hi - lo, self.groups[k].buf_lo
-        w, m, v, g = (self._buf[k][:n] for k in ("w", "m", "v", "g"))
-        w.copy_(self.master[base + lo:base + hi])
-        m.copy_(self.exp_avg[base + lo:base + hi])
-        v.copy_(self.exp_avg_sq[base + lo:base + hi])
-        g.copy_(shard[lo:hi])
-        if isinstance(coef, torch.Tensor) or coef != 1.0:
-            g.mul_(coef)
-        adamw_(w, m, v, g, self.lr, self.betas, self.eps, self._steps, self.weight_decay, self._decayed[k], lo,
-               found_inf)
-        self.master[base + lo:base + hi].copy_(w)
-        self.exp_avg[base + lo:base + hi].copy_(m)
-        self.exp_avg_sq[base + lo:base + hi].copy_(v)
+    def _buckets(self, k, shard, coef, found_inf=None):
+        """Offload: group k's shard updated through the device buckets (_Staging)."""
+        base, size, n = self.groups[k].buf_lo, self._staging.size, shard.numel()
+        starts = range(0, n, size)
+        buckets = [tuple(buf[base + b:base + min(b + size, n)] for buf in (self.master, self.exp_avg, self.exp_avg_sq))
+                   for b in starts]
+        buckets = [(host, shard[b:min(b + size, n)], coef) for host, b in zip(buckets, starts)]
+
+        def update(w, m, v, g, at=iter(starts)):
+            adamw_(w, m, v, g, self.lr, self.betas, self.eps, self._steps, self.weight_decay, self._decayed[k],
+                   next(at), found_inf)
+        self._staging.run(buckets, update)
 
     def gather_parameters(self) -> None:
         """Every rank's updated shard, in the model's dtype, gathered into its parameters."""
@@ -856,6 +932,7 @@ class DistributedAdam(_DeviceSteps):
     def _full(self, buf) -> list:
         """Per parameter, the full tensor of a sharded buffer (collective over each group's shard
         axes: every rank of them calls it), on the buffer's device."""
+        self._host_state()  # the buckets' copies out are done
         out = [None] * len(self.params)
         dev = self.params[0].device
         for g in self.groups:
@@ -872,6 +949,7 @@ class DistributedAdam(_DeviceSteps):
         """{id(param): {kind: value}} for gw.checkpoint.save: "param" (the parameter; at zero 3 the
         piece of it in this rank's shard) and the three states, as FlatSlices of this rank's shard:
         each rank writes what it holds, nothing is gathered."""
+        self._host_state()  # the buckets' copies out are done
         out = {id(p): {} if self.units is not None else {"param": p} for p in self.params}
         for g in self.groups:
             for _, p, a, b, off in g.spans() if self._counts(g) else ():
@@ -885,6 +963,7 @@ class DistributedAdam(_DeviceSteps):
         """OffloadAdam's state_dict: {"state": {index: {"step", "master", "exp_avg", "exp_avg_sq"}},
         "param_groups": [...]}, each state the parameter's full tensor, gathered from the shards
         (collective: every rank calls it; a checkpoint of it resumes at any stage and dp)."""
+        self._host_state()  # the buckets' copies out are done
         step = torch.tensor(float(self.step_count), device="cpu")
         full = {k: self._full(getattr(self, k)) for k in self.STATE_KEYS}
         state = {i: {"step": step, **{k: full[k][i] for k in self.STATE_KEYS}} for i in range(len(self.params))}
@@ -896,6 +975,7 @@ class DistributedAdam(_DeviceSteps):
     def load_state_dict(self, state_dict: dict) -> None:
         """Take a state_dict of full tensors (this optimizer's, OffloadAdam's or one of any other
         shard count): each rank keeps its shard. Every entry is checked before anything is written."""
+        self._host_state()  # the buckets' copies out are done
         entries, g, step = checked_state("DistributedAdam", state_dict, self.params, self.STATE_KEYS)
         entry = {id(p): s for p, s in zip(self.params, entries)}
         with torch.no_grad():
@@ -933,4 +1013,5 @@ def held_bytes(params, optimizer) -> dict:
     return {"parameters": size(list(params) + list(getattr(optimizer, "param_shards", None) or [])),
             "gradients": size([p.grad for p in params] + list(getattr(optimizer, "grad_shards", None) or [])),
             "optimizer": size([getattr(optimizer, k) for k in optimizer.STATE_KEYS]),
-            "optimizer_buffers": size(getattr(optimizer, "_buf", {}).values())}
+            "optimizer_buffers": size([t for slot in getattr(getattr(optimizer, "_staging", None), "slots", [])
+                                       for t in slot.values()])}

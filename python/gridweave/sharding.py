@@ -181,11 +181,11 @@ def grad_norm_of(pieces, grid, norm_type: float = 2.0) -> torch.Tensor:
         raise GridError(f"norm_type must be positive, got {norm_type}")
     acc = torch.zeros(1, dtype=torch.float64, device=grid.device)
     # on meta (the planner's recordings) no piece has a value: only the all-reduce is recorded
-    for g, placement, *sharded in pieces if not acc.is_meta else ():  # (gradient, placement[, shard axes])
-        if g.numel() == 0 or not placement.counted_here(grid, *sharded):
-            continue
-        g = g.detach().to(device=grid.device, dtype=torch.float64).abs()
-        acc = torch.maximum(acc, g.max().reshape(1)) if inf else acc + g.pow(norm_type).sum().reshape(1)
+    kept = [g.detach() for g, placement, *sharded in (pieces if not acc.is_meta else ())  # (gradient, placement[, shard axes])
+            if g.numel() and placement.counted_here(grid, *sharded)]
+    if kept:  # each piece's norm accumulated in float64 without a float64 copy of it (torch's clip_grad_norm_)
+        norms = torch.stack([n.to(grid.device) for n in torch._foreach_norm(kept, norm_type, dtype=torch.float64)])
+        acc = norms.max().reshape(1) if inf else norms.pow(norm_type).sum().reshape(1)
     grid.all_reduce(acc, axis=None, op="max" if inf else "sum")
     return acc[0] if inf else acc[0].pow(1.0 / norm_type)
 

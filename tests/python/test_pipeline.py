@@ -134,7 +134,7 @@ def test_offload_adam_unstaged_equals_staged():
     if DEVICE.type != "cpu":  # on a GPU the automatic choice is staged: both runs would be one path
         torch.manual_seed(0)
         opt = gw.optim.OffloadAdam(gw.models.GPT(V, H, HEADS, 2, SEQ, device=DEVICE).parameters(), bsize=61)
-        assert opt.staged and opt._buf
+        assert opt.staged and opt._staging is not None
         pytest.skip("the unstaged path is for a device whose memory is the host's (CPU)")
     runs = []
     for staged in (True, None):
@@ -142,7 +142,7 @@ def test_offload_adam_unstaged_equals_staged():
         model = gw.models.GPT(V, H, HEADS, 2, SEQ, device=DEVICE)
         opt = gw.optim.OffloadAdam(model.parameters(), lr=1e-2, weight_decay=0.1, bsize=61, coarsening=3,
                                    max_grad_norm=0.5, decay=gw.optim.matrices_only, staged=staged)
-        assert opt.staged == (staged is True) and bool(opt._buf) == opt.staged
+        assert opt.staged == (staged is True) and (opt._staging is not None) == opt.staged
         x, y = _data()
         for _ in range(2):  # the second step's states are not zero
             opt.zero_grad()
@@ -261,13 +261,14 @@ def test_offload_memory_accounting():
     held = _storages(opt)  # everything the optimizer keeps (it holds the parameters too)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     grads = _storages([p.grad for p in model.parameters()])
+    held.update(_storages([slot for slot in opt._staging.slots]))  # the device buckets' two slots
     fp32 = sum(b for ptr, (b, _, dt) in held.items() if ptr not in params and dt == torch.float32)
     model_bytes = sum(held[ptr][0] for ptr in params) + sum(b for b, _, _ in grads.values())
     assert model_bytes == 4 * phi                        # fp16 weights + fp16 gradients
     # host master + 2 states, device buckets, and the steps taken (one float32 on the device: the
     # fused update's bias correction reads it there, so a skipped step needs no host read)
     assert fp32 == 12 * phi + 16 * 128 + 4
-    buckets = sum(t.untyped_storage().nbytes() for t in opt._buf.values())
+    buckets = opt._staging.nbytes()
     assert buckets == 16 * 128
     acc = opt.device_bytes()
     assert acc["total"] == model_bytes + buckets

@@ -10,6 +10,15 @@ from ..grid import axis_label
 from . import ops
 
 
+def _in_place(ctx, x):
+    """x itself for an in-place all-reduce where it is contiguous (Megatron's g: no copy before the
+    collective), marked dirty so that autograd refuses it loudly where x was saved for a backward."""
+    if x.is_contiguous():
+        ctx.mark_dirty(x)
+        return x
+    return x.contiguous()
+
+
 class _CopyToParallel(torch.autograd.Function):
     """f: identity forward, all-reduce of the gradient backward."""
 
@@ -28,7 +37,7 @@ class _ReduceFromParallel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, grid, axis):
-        return grid.all_reduce(x.contiguous().clone(), axis=axis)
+        return grid.all_reduce(_in_place(ctx, x), axis=axis)
 
     @staticmethod
     def backward(ctx, g):
@@ -43,11 +52,11 @@ class _AllReduceReplicated(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, grid, axis):
         ctx.grid, ctx.axis = grid, axis
-        return grid.all_reduce(x.contiguous().clone(), axis=axis)
+        return grid.all_reduce(_in_place(ctx, x), axis=axis)
 
     @staticmethod
     def backward(ctx, g):
-        return ctx.grid.all_reduce(g.contiguous().clone(), axis=ctx.axis), None, None
+        return ctx.grid.all_reduce(g.contiguous(), axis=ctx.axis), None, None
 
 
 class _GatherFromParallel(torch.autograd.Function):

@@ -95,6 +95,7 @@ class GPTStage(nn.Module):
         self.ac = resolve_ac(ac, k, n)
         self.layout = self.layers[0].input_layout.without("dp")
         self.hidden = gpt.head.ln.normalized_shape[0]
+        self._step_full = None  # the step's micro-batch (batch, seq, hidden): activation_shape sets it
         axis = self.mode.boundary_axis()
         self.boundary_axis = axis if axis is not None and grid.axes.get(axis, 1) > 1 and stages > 1 else None
 
@@ -139,8 +140,14 @@ class GPTStage(nn.Module):
         return per_token.sum() / (predicted.sum().clamp(min=1) if normalizer is None else normalizer)
 
     def activation_shape(self, batch: int, seq: int) -> tuple:
-        """What crosses a stage boundary on this rank (1/t of the hidden dim with scatter/gather)."""
+        """What crosses a stage boundary on this rank (1/t of the hidden dim with scatter/gather).
+        The pipeline asks it before every step: the stage and its layers then know the step's
+        micro-batch shape, so ranks that hold none of it (cSub) need not be told it each layer."""
         shape = self.layout.local_shape((batch, seq, self.hidden), self.grid)
+        self._step_full = (batch, seq, self.hidden)
+        for m in self.modules():
+            if hasattr(m, "common_shape_hint"):
+                m.common_shape_hint = tuple(shape)
         if self.boundary_axis is not None:
             shape = tuple(shape[:-1]) + (shape[-1] // self.grid.axes[self.boundary_axis],)
         if self.layout.only is not None and self.grid.coords[self.layout.only[0]] != self.layout.only[1]:
@@ -160,7 +167,7 @@ class GPTStage(nn.Module):
         if self.head is None and self.boundary_axis is not None:  # send only this rank's 1/t
             return scatter_to_parallel(x, self.grid, self.boundary_axis, -1)
         if self.head is not None:
-            shape = self._full if self.embed is not None else self._full_shape(x)
+            shape = self._full if self.embed is not None else self._step_full or self._full_shape(x)
             x = self.head(_FromLayout.apply(x, self.layout, self.grid, shape))
         return x
 
@@ -259,7 +266,7 @@ class ModelChunks(nn.Module):
         return self.chunks[-1].loss(logits, targets, normalizer)
 
     def activation_shape(self, batch: int, seq: int) -> tuple:
-        return self.chunks[0].activation_shape(batch, seq)
+        return [c.activation_shape(batch, seq) for c in self.chunks][0]  # each chunk learns the step's shape
 
     def sharded_items(self) -> list:
         return [item for c in self.chunks for item in c.sharded_items()]

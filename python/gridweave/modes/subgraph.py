@@ -96,9 +96,10 @@ class CSub(SubGraph):
     def concat(self, y, grid, method):
         return ops.csub_concat(y, grid)
 
-    def common_shape(self, x, grid):
-        """cSub's other sub-grids learn the common shard's shape from sub-grid 0."""
-        return tuple(grid.broadcast_ints(x.shape, "sg", 0))
+    def common_shape(self, x, grid, known=None):
+        """cSub's other sub-grids learn the common shard's shape from sub-grid 0, unless the stage
+        said it (known: the step's micro-batch in this layout; no collective, no host read)."""
+        return tuple(known) if known is not None else tuple(grid.broadcast_ints(x.shape, "sg", 0))
 
 
 # The common/branch meetings by layer-mode name (the mode objects pick among autograd/subgraph's):

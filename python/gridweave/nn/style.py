@@ -122,8 +122,9 @@ class Branches(Style):
     def concat(self, y, grid, method):
         raise NotImplementedError
 
-    def common_shape(self, x, grid):
-        """The common shard's shape where only some ranks know it (cSub), else None."""
+    def common_shape(self, x, grid, known=None):
+        """The common shard's shape where only some ranks know it (cSub), else None. known: that
+        shape where the caller knows it (the step's micro-batch)."""
         return None
 
 

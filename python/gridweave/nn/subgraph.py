@@ -81,9 +81,12 @@ class SubGraphAttention(nn.Module):
 
     output_layout = input_layout
 
+    # the common shard's shape of the step's micro-batch where the stage knows it (GPTStage.activation_shape)
+    common_shape_hint = None
+
     def forward(self, x):
         mode, grid = self.mode, self.grid
-        shape = mode.common_shape(x, grid)
+        shape = mode.common_shape(x, grid, self.common_shape_hint)
         if self.projection == "branch":
             xb = mode.split(x, grid, shape)
             y = self.proj(self._attend(self.qkv(xb)))
