@@ -588,7 +588,7 @@ def record_stage(config, mode, dp, pp, sp, at, batch, per_stage, dtype=torch.bfl
 class StepSchedule:
     """One training step (gw.train's) on one rank, as the code runs it. microbatch: one
     micro-batch through the stage (its collectives, kernels, FLOPs, kept activations) and its
-    pipeline messages; step: the once-a-step collectives (micro-batch count, loss, optimizer's
+    pipeline messages; step: the once-a-step collectives (loss, optimizer's
     gradient chunks, clipping norm); parameters: elements this rank holds."""
     microbatch: LayerSchedule
     microbatches: int
@@ -681,8 +681,8 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
     """The collectives of one gw.train step on the rank at coordinates `at` ((axis, index) pairs,
     the others 0; its pipeline stage at["pp"]): `microbatches` micro-batches of `batch`
     sequences through the stage (recorded: gw.models.GPTStage on a RecordingGrid, its layers
-    from one- and two-layer stages), the pipeline's messages and its micro-batch count
-    (gw.pipeline.pipeline_step), the loss's all-reduce (gw.train.train_step), the optimizer's
+    from one- and two-layer stages), the pipeline's messages (gw.pipeline.pipeline_step, given the
+    job's micro-batch count), the loss's all-reduce (gw.train.train_step), the optimizer's
     chunked gradient all-reduces (gw.optim.gradient_chunks) and the clipping norm's all-reduce
     (gw.sharding.grad_norm_of). ends=False: the stages' layers alone, no step collectives.
     announced: the transport has no receive-from-any (NCCL), so each pipeline message is first
@@ -723,8 +723,7 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
         return StepSchedule(micro, microbatches, (), stage_work.parameters, 0, layer, config.layers // pp)
     grid = RecordingGrid(_grid_axes(dp, pp, sp, mode), mode, dict(at))
     scalar = torch.empty(1, dtype=torch.float64, device=grid.device)
-    grid.all_reduce(scalar, "pp", op="max")  # the micro-batch count every stage learns
-    grid.all_reduce(scalar, None)  # the step's loss
+    grid.all_reduce(scalar, None)  # the step's loss (the micro-batch count is the job's: no agreement)
     if loss_scaling:
         grid.all_reduce(scalar, None, op="max")  # the inf check (Grid.any)
     # the stage's parameters as the smallest pipeline with this stage's role and layers holds them;
