@@ -323,6 +323,8 @@ class TrainConfig:
 
     def resolved_schedule(self, dp: int, pp: int) -> str:
         """The pipeline schedule this job runs on dp x pp (auto decided: plan.GridShape.resolved_schedule)."""
+        if self.schedule != pipeline.AUTO:  # run() resolves it once: the steps take this
+            return self.schedule
         return self.plan_shape(dp, pp).resolved_schedule(plan.model_of(self).config)
 
     def check_files(self) -> None:
@@ -566,7 +568,8 @@ def connect(cfg: TrainConfig, grid, stage, opt) -> None:
     """Makes every communicator the steps will use now, in one global order (Grid.connect), and
     ends setup: one made later is counted in metrics.json's communicators.after_setup."""
     items = [None] + [a for a, n in grid.axes.items() if n > 1]
-    items += stage.comm_lines() + opt.comm_lines() + pipeline.comm_lines(grid, cfg.schedule, chunks=cfg.chunks)
+    schedule = cfg.resolved_schedule(grid.axes["dp"], grid.axes["pp"])
+    items += stage.comm_lines() + opt.comm_lines() + pipeline.comm_lines(grid, schedule, chunks=cfg.chunks)
     grid.connect(items)
     grid.seal()
 
@@ -613,8 +616,8 @@ def _train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y, documents, pha
     # the pipeline's wall time that is neither forward nor backward is waiting: receives, the schedule
     loss, _ = timed(phases, "waiting", lambda: pipeline.pipeline_step(
         stage, grid, xs, ys, loss_fn, stage.activation_shape(mb, cfg.seq), dtype=cfg.compute.dtype,
-        schedule=cfg.schedule, pipeline_limit=cfg.pipeline_limit or max(pp, 2), documents=ds, phases=phases,
-        microbatches=m))
+        schedule=cfg.resolved_schedule(dp, pp),
+        pipeline_limit=cfg.pipeline_limit or max(pp, 2), documents=ds, phases=phases, microbatches=m))
     loss = loss / loss_scale if loss is not None else None
     # the last stage's loss, identical over its tp/sp group: count one rank of each group. Summed
     # on the device and left there: a non-finite loss skips the update on every rank by a flag
