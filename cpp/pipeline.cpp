@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstring>
 #include <deque>
+#include <list>
 #include <string>
 #include <thread>
 
@@ -13,9 +14,18 @@ namespace gridweave {
 
 namespace {
 
-constexpr int kTag = 7001;         // every pipeline message shares one slot; the header says what it is
+constexpr int kTag = 7001;         // the message-driven schedule's: one slot, whichever neighbour and kind
 constexpr int kControlTag = 7002;  // announcements of those messages on the control channel
+constexpr int kOrderedTag = 8000;  // 1F1B and interleaved: one tag per message (ordered_tag)
 enum : std::int64_t { kActivation = 1, kGradient = 2 };
+
+// 1F1B's and interleaved's messages each have their own tag (below MPI's 32767): where tags
+// match messages (Gloo, MPI) a receive never takes another message, and under NCCL's rules
+// (matched in issue order) a message whose tag disagrees with its receive's is an error, so the
+// two ends' orders are checked for free. `id`: the microbatch (interleaved: mb * chunks + chunk).
+int ordered_tag(std::int64_t kind, int id) { return kOrderedTag + 4 * (id % 4096) + static_cast<int>(kind); }
+
+const char* kind_name(std::int64_t kind) { return kind == kActivation ? "activation" : "gradient"; }
 
 using Clock = std::chrono::steady_clock;
 
@@ -24,47 +34,58 @@ void check(const PipelineConfig& c, const Communicator& pp) {
   GW_CHECK(c.stage == pp.rank(), "pipeline: stage " << c.stage << " is rank " << pp.rank() << " on pp");
   GW_CHECK(c.microbatches >= 1, "pipeline: needs at least one microbatch");
   GW_CHECK(c.pipeline_limit >= 1, "pipeline_limit must be >= 1, got " << c.pipeline_limit);
-  // Zero-byte payloads happen (cSub's idle sub-grids carry empty shards): the header still flows.
+  // Zero-byte payloads happen (cSub's idle sub-grids carry empty shards): a one-word message still flows.
   GW_CHECK(c.payload_bytes % 8 == 0, "pipeline: payload of " << c.payload_bytes << " bytes must be a multiple of 8");
 }
 
-// A pipeline message on the communicator's device, as int64 words: [kind, microbatch,
-// payload...], filled in the order of the stage's stream. Only a receiver that cannot know
-// what comes next (receive-from-any, one receive per neighbour) reads the header back; the
-// announced strategy learns it from the announcement, 1F1B and interleaved from their order
-// (and check it where it is host memory, for free).
-struct StageMessage {
-  std::shared_ptr<DeviceMemory> mem;
-  std::size_t words;
-  Device device;
-  void* stream;
-  StageMessage(std::size_t payload_bytes, Device dev, void* on = nullptr)
-      : mem(allocate(dev, kStageHeaderBytes + payload_bytes)), words((kStageHeaderBytes + payload_bytes) / 8),
-        device(dev), stream(dev == Device::CPU ? nullptr : on) {}
-  BufferView view() const {
-    BufferView v{mem->data(), words, DType::Int64};
-    v.device = device;
-    v.stream = stream;
+// Compute callbacks run so far: a receive posted before this number last grew was posted ahead.
+int computed(const PipelineStats& st) { return st.forwards + st.backwards; }
+
+// [kind, microbatch] in host memory: an announcement, or a stage leader's word.
+struct Header {
+  std::int64_t words[2] = {0, 0};
+  Header() = default;
+  Header(std::int64_t kind, int mb) : words{kind, mb} {}
+  BufferView view() {
+    BufferView v;
+    v.ptr = words;
+    v.count = 2;
+    v.dtype = DType::Int64;
     return v;
   }
-  void* payload() const { return static_cast<std::int64_t*>(mem->data()) + 2; }
-  std::pair<std::int64_t, int> header() const {
-    std::int64_t h[2];
-    copy_bytes(h, mem->data(), sizeof(h), device);
-    return {h[0], static_cast<int>(h[1])};
-  }
-  void set(std::int64_t kind, int mb, const void* data, std::size_t payload_bytes) {
-    const std::int64_t h[2] = {kind, mb};
-    copy_bytes_async(mem->data(), h, sizeof(h), device, stream);
-    if (payload_bytes > 0) copy_bytes_async(payload(), data, payload_bytes, device, stream);
-  }
+  std::int64_t kind() const { return words[0]; }
+  int mb() const { return static_cast<int>(words[1]); }
+};
+static_assert(sizeof(Header::words) == kStageHeaderBytes, "an announcement is kStageHeaderBytes");
+
+// One message's bytes (stage_message_bytes) at `data` on the communicator's device, as int64
+// words, read and written in the order of the stage's stream.
+BufferView message_view(const void* data, std::size_t payload, Device device, void* stream) {
+  BufferView v;
+  v.ptr = const_cast<void*>(data);
+  v.count = stage_message_bytes(payload) / 8;
+  v.dtype = DType::Int64;
+  v.device = device;
+  v.stream = device == Device::CPU ? nullptr : stream;
+  return v;
+}
+
+// An engine-owned receive buffer of one message.
+struct MessageBuffer {
+  std::shared_ptr<DeviceMemory> mem;
+  BufferView view;
+  MessageBuffer(std::size_t payload, Device device, void* stream)
+      : mem(allocate(device, stage_message_bytes(payload))), view(message_view(mem->data(), payload, device, stream)) {}
+  const void* data() const { return mem->data(); }
 };
 
-// What a receiver delivers: the message, and what it is.
+// What a receiver delivers: the message's bytes, what it is, and when its receive was posted
+// (computed() then).
 struct Delivered {
-  StageMessage* msg;
-  std::int64_t kind;
-  int mb;
+  const void* data = nullptr;
+  std::int64_t kind = 0;
+  int mb = 0;
+  int posted_at = 0;
 };
 
 class Timer {
@@ -107,53 +128,40 @@ Ends ends_of(Communicator& pp, const StageLinks& links, int prev, int next) {
   return e;
 }
 
-// Receives the next message from stage `from` into msg, known to be kind `kind` of microbatch
-// `mb` (announced, or agreed on by the stage), and checks it where the message is host memory
-// (for free: a device message's header would cost a copy).
-void receive_expected(const Communicator& pp, const Ends& ends, int from, StageMessage& msg, std::int64_t kind,
-                      int mb) {
-  ends.from(from).recv(msg.view(), kTag)->wait(pp.info().timeout);
-  if (pp.device() == Device::CPU) {
-    const auto got = msg.header();
-    GW_CHECK(got.first == kind && got.second == mb, "pipeline: expected kind " << kind << " of microbatch " << mb
-                                                        << " from neighbour " << from << ", it sent kind "
-                                                        << got.first << " of microbatch " << got.second);
-  }
-}
-
-// Outgoing messages stay alive until their send completes: activations to the next stage,
-// gradients to the previous one. With a control channel, each message is first announced
-// there (its 16-byte header, host memory, to the stage's index on pp), then sent.
+// Outgoing messages, each sent in place from the bytes a callback returned (no copy); the
+// caller keeps them alive until cfg.sent says the send is done. With a control channel, each
+// message is first announced there (its header, host memory, to the stage's index on pp).
 class Outbox {
  public:
-  Outbox(Communicator& pp, std::size_t payload, const Ends& ends, Communicator* control = nullptr,
-         void* stream = nullptr)
-      : pp_(pp), payload_(payload), ends_(ends), control_(control), stream_(stream) {}
-  void send(std::int64_t kind, int mb, const void* data) { send_tagged(kind, mb, data, kTag); }
-  void send_tagged(std::int64_t kind, int mb, const void* data, int tag) {
+  Outbox(Communicator& pp, const PipelineConfig& cfg, const Ends& ends, Communicator* control = nullptr)
+      : pp_(pp), payload_(cfg.payload_bytes), stream_(cfg.stream), sent_(cfg.sent), ends_(ends), control_(control) {
+    if (payload_ == 0) token_ = allocate(pp.device(), stage_message_bytes(0));  // what an empty payload sends
+  }
+  void send(std::int64_t kind, int mb, const void* data, int tag) {
     const bool forward = kind == kActivation;
+    GW_CHECK(data != nullptr || payload_ == 0, "pipeline: the " << (forward ? "forward" : "backward")
+                                                                << " of microbatch " << mb
+                                                                << " returned no bytes to send");
     const Endpoint& to = forward ? ends_.to_next : ends_.to_prev;
-    std::shared_ptr<StageMessage> m;  // a sent message's memory again, once its send is done
-    if (!free_.empty()) {
-      m = free_.back();
-      free_.pop_back();
-    } else {
-      m = std::make_shared<StageMessage>(payload_, pp_.device(), stream_);
-    }
-    m->set(kind, mb, data, payload_);
     if (control_ != nullptr) {
-      auto h = std::make_shared<StageMessage>(0, Device::CPU);
-      h->set(kind, mb, nullptr, 0);
+      auto h = std::make_shared<Header>(kind, mb);
       announced_.push_back({h, control_->send(h->view(), forward ? ends_.next : ends_.prev, kControlTag)});
     }
-    pending_.push_back({m, to.send(m->view(), tag)});
+    const void* bytes = payload_ > 0 ? data : token_->data();
+    pending_.push_back({data, to.send(message_view(bytes, payload_, pp_.device(), stream_), tag)});
     reap(false);
   }
+  // Releases the sends that are done (all: waits for every one).
   void reap(bool all) {
-    while (!pending_.empty() && (all || pending_.front().second->test())) {
-      pending_.front().second->wait_host(pp_.info().timeout);
-      free_.push_back(pending_.front().first);
-      pending_.pop_front();
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      if (!all && !it->second->test()) {
+        ++it;
+        continue;
+      }
+      it->second->wait_host(pp_.info().timeout);  // rethrows a transport error
+      const void* data = it->first;
+      it = pending_.erase(it);
+      if (sent_) sent_(data);
     }
     while (!announced_.empty() && (all || announced_.front().second->test())) {
       announced_.front().second->wait_host(control_->info().timeout);
@@ -164,12 +172,101 @@ class Outbox {
  private:
   Communicator& pp_;
   std::size_t payload_;
+  void* stream_;
+  StageSent sent_;
   Ends ends_;
   Communicator* control_;
-  void* stream_;
-  std::deque<std::pair<std::shared_ptr<StageMessage>, std::shared_ptr<Work>>> pending_, announced_;
-  std::vector<std::shared_ptr<StageMessage>> free_;  // no allocation per message past the first few
+  std::unique_ptr<DeviceMemory> token_;
+  std::list<std::pair<const void*, std::shared_ptr<Work>>> pending_;
+  std::deque<std::pair<std::shared_ptr<Header>, std::shared_ptr<Work>>> announced_;
 };
+
+// The messages one link brings to a schedule that knows their order (1F1B, interleaved): `ids`
+// in the order the stage uses them, all of one kind from one neighbour, so the one after the
+// message taken is always the one that really comes next on that link (same size, same
+// sender). Two buffers: taking message i first posts message i + 1 into the other one (whose
+// message i - 1 the stage has copied out: on a stream-ordered transport the receive is ordered
+// after the stage's stream as it stands, which holds that copy), then waits for message i, so
+// the transfer of i + 1 overlaps the compute of i. On a line shared with other messages where
+// the transport matches in issue order (NCCL's pp without links) a receive is posted only when
+// its message is needed: one posted ahead there would hold up the ops queued behind it.
+class Inbox {
+ public:
+  Inbox(Communicator& pp, const Endpoint& from, std::int64_t kind, std::vector<int> ids, const PipelineConfig& cfg,
+        PipelineStats& st)
+      : pp_(pp), from_(from), kind_(kind), ids_(std::move(ids)), st_(st),
+        ahead_(from.comm != &pp || pp.matches_tags()) {
+    for (int k = 0; k < 2; ++k) bufs_.emplace_back(cfg.payload_bytes, pp.device(), cfg.stream);
+    if (ahead_ && !ids_.empty()) post();  // the first one, before any compute
+  }
+  // The bytes of message `id`, which must be the next one (the schedule's own order).
+  const void* take(int id) {
+    const int n = static_cast<int>(ids_.size());
+    GW_CHECK(taken_ < n && ids_[taken_] == id, "pipeline: " << kind_name(kind_) << " " << id
+                                                              << " taken out of the order its link brings them");
+    if (posted_ == taken_) post();                               // not posted ahead: now
+    if (ahead_ && posted_ == taken_ + 1 && posted_ < n) post();  // the next, before this one's compute
+    const int k = taken_ % 2;
+    {
+      Timer t(st_.wait_s);  // stream-ordered where the transport is: the stage's stream waits, the host goes on
+      posted_work_[k]->wait(pp_.info().timeout);
+    }
+    if (posted_at_[k] < computed(st_)) ++st_.posted_ahead;
+    ++st_.messages;
+    ++taken_;
+    return bufs_[k].data();
+  }
+
+ private:
+  void post() {
+    const int k = posted_ % 2;
+    posted_work_[k] = from_.recv(bufs_[k].view, ordered_tag(kind_, ids_[posted_]));
+    posted_at_[k] = computed(st_);
+    ++posted_;
+  }
+  Communicator& pp_;
+  Endpoint from_;
+  std::int64_t kind_;
+  std::vector<int> ids_;
+  PipelineStats& st_;
+  bool ahead_;
+  std::vector<MessageBuffer> bufs_;
+  std::shared_ptr<Work> posted_work_[2];
+  int posted_at_[2] = {0, 0};
+  int posted_ = 0, taken_ = 0;
+};
+
+// The message-driven schedule's messages carry no header either: stage 0 injects microbatches
+// in order and every stage passes each kind on in the order it took it, so a neighbour's
+// messages of one kind come in microbatch order, and who sent a message (prev: an activation,
+// next: a gradient) and how many came from there before say what it is.
+class Arrivals {
+ public:
+  Arrivals(int prev, int next) : prev_(prev), next_(next) {}
+  std::pair<std::int64_t, int> of(int from) {
+    GW_CHECK(from >= 0 && (from == prev_ || from == next_),
+             "pipeline: a message came from stage " << from << ", not a neighbour of this stage");
+    return from == prev_ ? std::make_pair(std::int64_t{kActivation}, from_prev_++)
+                         : std::make_pair(std::int64_t{kGradient}, from_next_++);
+  }
+  // The same, checked against what the message was said to be (an announcement, a leader's word).
+  void expect(int from, std::int64_t kind, int mb) {
+    const auto [k, m] = of(from);
+    GW_CHECK(k == kind && m == mb, "pipeline: stage " << from << " was said to send " << kind_name(kind)
+                                                      << " of microbatch " << mb << ", but its next message is "
+                                                      << kind_name(k) << " of microbatch " << m);
+  }
+
+ private:
+  int prev_, next_;
+  int from_prev_ = 0, from_next_ = 0;
+};
+
+// Receives the next message from stage `from` into buf and waits for it (stream-ordered where
+// the transport is: its buffer is filled again only after that stream has used it).
+void receive_from(const Communicator& pp, const Ends& ends, int from, const MessageBuffer& buf) {
+  ends.from(from).recv(buf.view, kTag)->wait(pp.info().timeout);
+}
 
 // Where a stage's next message comes from (Algorithm 2 processes whichever arrives first).
 // Every receive stays posted while the message before it is computed on (double buffers).
@@ -183,39 +280,49 @@ class Receiver {
 // One receive-from-any over both neighbours (Gloo; AxoNN's MPI_ANY_SOURCE).
 class AnyReceiver : public Receiver {
  public:
-  AnyReceiver(Communicator& pp, std::size_t payload, std::vector<int> peers, int expected, void* stream)
-      : pp_(pp), peers_(std::move(peers)), left_(expected) {
-    for (int k = 0; k < 2; ++k) bufs_.emplace_back(payload, pp.device(), stream);
+  AnyReceiver(Communicator& pp, const PipelineConfig& cfg, std::vector<int> peers, int expected, const Ends& ends,
+              const PipelineStats& st)
+      : pp_(pp), peers_(std::move(peers)), left_(expected), order_(ends.prev, ends.next), st_(st) {
+    for (int k = 0; k < 2; ++k) bufs_.emplace_back(cfg.payload_bytes, pp.device(), cfg.stream);
     post();
   }
   Delivered next() override {
     posted_->wait_host(pp_.info().timeout);
-    StageMessage& msg = bufs_[cur_];
+    const int from = posted_->source();
+    const MessageBuffer& msg = bufs_[cur_];
+    const int posted_at = posted_at_;
     cur_ ^= 1;
-    if (--left_ > 0) post();
-    const auto [kind, mb] = msg.header();
-    return {&msg, kind, mb};
+    if (--left_ > 0) post();  // before this message's compute
+    const auto [kind, mb] = order_.of(from);
+    return {msg.data(), kind, mb, posted_at};
   }
 
  private:
-  void post() { posted_ = pp_.recv_any(bufs_[cur_].view(), peers_, kTag); }
+  void post() {
+    posted_ = pp_.recv_any(bufs_[cur_].view, peers_, kTag);
+    posted_at_ = computed(st_);
+  }
   Communicator& pp_;
   std::vector<int> peers_;
   int left_;
-  std::vector<StageMessage> bufs_;
+  Arrivals order_;
+  const PipelineStats& st_;
+  std::vector<MessageBuffer> bufs_;
   std::shared_ptr<Work> posted_;
+  int posted_at_ = 0;
   int cur_ = 0;
 };
 
 // One receive posted per neighbour, polled; whichever completes first is taken and re-posted.
 class PerPeerReceiver : public Receiver {
  public:
-  PerPeerReceiver(Communicator& pp, std::size_t payload, std::vector<Endpoint> from, int per_peer, int stage,
-                  void* stream)
-      : pp_(pp), from_(std::move(from)), left_(from_.size(), per_peer), cur_(from_.size(), 0),
-        posted_(from_.size()), stage_(stage) {
-    for (std::size_t k = 0; k < 2 * from_.size(); ++k) bufs_.emplace_back(payload, pp.device(), stream);
-    for (std::size_t k = 0; k < from_.size(); ++k)
+  PerPeerReceiver(Communicator& pp, const PipelineConfig& cfg, const Ends& ends, std::vector<int> peers,
+                  const PipelineStats& st)
+      : pp_(pp), peers_(std::move(peers)), left_(peers_.size(), cfg.microbatches), cur_(peers_.size(), 0),
+        posted_(peers_.size()), posted_at_(peers_.size(), 0), order_(ends.prev, ends.next), ends_(ends),
+        stage_(cfg.stage), st_(st) {
+    for (std::size_t k = 0; k < 2 * peers_.size(); ++k) bufs_.emplace_back(cfg.payload_bytes, pp.device(), cfg.stream);
+    for (std::size_t k = 0; k < peers_.size(); ++k)
       if (left_[k] > 0) post(k);
   }
   Delivered next() override {
@@ -235,21 +342,29 @@ class PerPeerReceiver : public Receiver {
       }
     }
     posted_[k]->wait_host(pp_.info().timeout);  // rethrows a transport error
-    StageMessage& msg = bufs_[2 * k + cur_[k]];
+    const MessageBuffer& msg = bufs_[2 * k + cur_[k]];
+    const int posted_at = posted_at_[k];
     cur_[k] ^= 1;
     if (--left_[k] > 0) post(k);
-    const auto [kind, mb] = msg.header();
-    return {&msg, kind, mb};
+    const auto [kind, mb] = order_.of(peers_[k]);
+    return {msg.data(), kind, mb, posted_at};
   }
 
  private:
-  void post(std::size_t k) { posted_[k] = from_[k].recv(bufs_[2 * k + cur_[k]].view(), kTag); }
+  void post(std::size_t k) {
+    posted_[k] = ends_.from(peers_[k]).recv(bufs_[2 * k + cur_[k]].view, kTag);
+    posted_at_[k] = computed(st_);
+  }
   Communicator& pp_;
-  std::vector<Endpoint> from_;
+  std::vector<int> peers_;
   std::vector<int> left_, cur_;
   std::vector<std::shared_ptr<Work>> posted_;
-  std::vector<StageMessage> bufs_;
+  std::vector<int> posted_at_;
+  Arrivals order_;
+  Ends ends_;
   int stage_;
+  const PipelineStats& st_;
+  std::vector<MessageBuffer> bufs_;
 };
 
 // The transport's messages are announced on a host control channel that can receive from
@@ -258,24 +373,25 @@ class PerPeerReceiver : public Receiver {
 // send, so none can hold up a send queued behind it (NCCL has no receive-from-any).
 class AnnouncedReceiver : public Receiver {
  public:
-  AnnouncedReceiver(Communicator& pp, Communicator& control, std::size_t payload, const Ends& ends,
-                    std::vector<int> peers, int expected, void* stream)
-      : pp_(pp), control_(control), ends_(ends), peers_(std::move(peers)), left_(expected) {
-    for (int k = 0; k < 2; ++k) headers_.emplace_back(0, Device::CPU);
-    for (int k = 0; k < 2; ++k) bufs_.emplace_back(payload, pp.device(), stream);
+  AnnouncedReceiver(Communicator& pp, Communicator& control, const PipelineConfig& cfg, const Ends& ends,
+                    std::vector<int> peers, int expected, const PipelineStats& st)
+      : pp_(pp), control_(control), ends_(ends), peers_(std::move(peers)), left_(expected),
+        order_(ends.prev, ends.next), st_(st), headers_(2) {
+    for (int k = 0; k < 2; ++k) bufs_.emplace_back(cfg.payload_bytes, pp.device(), cfg.stream);
     post();
   }
   Delivered next() override {
     announced_->wait_host(control_.info().timeout);
     const int from = announced_->source();
-    const auto [kind, mb] = headers_[cur_].header();  // the announcement's: host memory
-    StageMessage& msg = bufs_[cur_];
+    const std::int64_t kind = headers_[cur_].kind();  // the announcement's: host memory
+    const int mb = headers_[cur_].mb();
+    const MessageBuffer& msg = bufs_[cur_];
     cur_ ^= 1;
     if (--left_ > 0) post();  // the next announcement is awaited while this message is used
-    // stream-ordered where the transport is (the stage's stream waits for the message, the host
-    // goes on); its buffer is filled again only after that stream has used it (two messages on)
-    receive_expected(pp_, ends_, from, msg, kind, mb);
-    return {&msg, kind, mb};
+    order_.expect(from, kind, mb);
+    const int posted_at = computed(st_);
+    receive_from(pp_, ends_, from, msg);
+    return {msg.data(), kind, mb, posted_at};
   }
 
  private:
@@ -285,7 +401,10 @@ class AnnouncedReceiver : public Receiver {
   Ends ends_;
   std::vector<int> peers_;
   int left_;
-  std::vector<StageMessage> headers_, bufs_;
+  Arrivals order_;
+  const PipelineStats& st_;
+  std::vector<Header> headers_;
+  std::vector<MessageBuffer> bufs_;
   std::shared_ptr<Work> announced_;
   int cur_ = 0;
 };
@@ -300,11 +419,10 @@ class AnnouncedReceiver : public Receiver {
 // message from that neighbour is the one its leader took.
 class LeadReceiver : public Receiver {
  public:
-  LeadReceiver(std::unique_ptr<Receiver> inner, Communicator& group)
-      : inner_(std::move(inner)), group_(group), said_(0, Device::CPU) {}
+  LeadReceiver(std::unique_ptr<Receiver> inner, Communicator& group) : inner_(std::move(inner)), group_(group) {}
   Delivered next() override {
     Delivered got = inner_->next();
-    said_.set(got.kind, got.mb, nullptr, 0);
+    said_ = Header(got.kind, got.mb);
     group_.broadcast(said_.view(), 0, false)->wait_host(group_.info().timeout);
     return got;
   }
@@ -312,28 +430,36 @@ class LeadReceiver : public Receiver {
  private:
   std::unique_ptr<Receiver> inner_;
   Communicator& group_;
-  StageMessage said_;
+  Header said_;
 };
 
 class FollowReceiver : public Receiver {
  public:
-  FollowReceiver(Communicator& group, Communicator& pp, Communicator* control, std::size_t payload, const Ends& ends,
-                 void* stream)
-      : group_(group), pp_(pp), control_(control), ends_(ends), said_(0, Device::CPU), header_(0, Device::CPU) {
-    for (int k = 0; k < 2; ++k) bufs_.emplace_back(payload, pp.device(), stream);
+  FollowReceiver(Communicator& group, Communicator& pp, Communicator* control, const PipelineConfig& cfg,
+                 const Ends& ends, const PipelineStats& st)
+      : group_(group), pp_(pp), control_(control), ends_(ends), order_(ends.prev, ends.next), st_(st) {
+    for (int k = 0; k < 2; ++k) bufs_.emplace_back(cfg.payload_bytes, pp.device(), cfg.stream);
   }
   Delivered next() override {
     group_.broadcast(said_.view(), 0, false)->wait_host(group_.info().timeout);
-    const auto [kind, mb] = said_.header();
+    const std::int64_t kind = said_.kind();
+    const int mb = said_.mb();
     const int from = kind == kActivation ? ends_.prev : ends_.next;
     GW_CHECK(from >= 0, "pipeline: the stage's leader took kind " << kind << " of microbatch " << mb
                                                                  << ", which no neighbour of this stage sends");
-    if (control_ != nullptr)  // the announcement the sender made of it, taken from that sender
+    if (control_ != nullptr) {  // the announcement the sender made of it, taken from that sender
       control_->recv(header_.view(), from, kControlTag)->wait_host(control_->info().timeout);
-    StageMessage& msg = bufs_[cur_];
+      GW_CHECK(header_.kind() == kind && header_.mb() == mb,
+               "pipeline: the stage's leader took " << kind_name(kind) << " of microbatch " << mb << ", stage " << from
+                                                    << " announced " << kind_name(header_.kind()) << " of microbatch "
+                                                    << header_.mb() << " to this member");
+    }
+    order_.expect(from, kind, mb);
+    const MessageBuffer& msg = bufs_[cur_];
     cur_ ^= 1;
-    receive_expected(pp_, ends_, from, msg, kind, mb);
-    return {&msg, kind, mb};
+    const int posted_at = computed(st_);
+    receive_from(pp_, ends_, from, msg);
+    return {msg.data(), kind, mb, posted_at};
   }
 
  private:
@@ -341,8 +467,10 @@ class FollowReceiver : public Receiver {
   Communicator& pp_;
   Communicator* control_;
   Ends ends_;
-  StageMessage said_, header_;
-  std::vector<StageMessage> bufs_;
+  Arrivals order_;
+  const PipelineStats& st_;
+  Header said_, header_;
+  std::vector<MessageBuffer> bufs_;
   int cur_ = 0;
 };
 
@@ -366,7 +494,7 @@ PipelineStats run_message_driven(Communicator& pp, const PipelineConfig& cfg, co
   // receive-from-any needs every message on pp itself; the other strategies use the links
   const Ends ends = ends_of(pp, how == ReceiveStrategy::Any ? StageLinks{} : links, s > 0 ? s - 1 : -1,
                             s < last ? s + 1 : -1);
-  Outbox out(pp, cfg.payload_bytes, ends, how == ReceiveStrategy::Announced ? control : nullptr, cfg.stream);
+  Outbox out(pp, cfg, ends, how == ReceiveStrategy::Announced ? control : nullptr);
   int next_mb = 0;
   auto inject = [&]() {  // stage 0: start the forward of the next microbatch
     const int mb = next_mb++;
@@ -382,7 +510,7 @@ PipelineStats run_message_driven(Communicator& pp, const PipelineConfig& cfg, co
       ++st.backwards;
       return;
     }
-    out.send(kActivation, mb, y);
+    out.send(kActivation, mb, y, kTag);
   };
   if (s == 0) {
     const int first = last == 0 ? cfg.microbatches : std::min(cfg.pipeline_limit, cfg.microbatches);
@@ -396,17 +524,13 @@ PipelineStats run_message_driven(Communicator& pp, const PipelineConfig& cfg, co
   // only a stage between two others has two sources whose messages can arrive in either order
   const bool agree = stage_group != nullptr && stage_group->size() > 1 && s > 0 && s < last;
   if (agree && stage_group->rank() > 0) {
-    in = std::make_unique<FollowReceiver>(*stage_group, pp, how == ReceiveStrategy::Announced ? control : nullptr,
-                                          cfg.payload_bytes, ends, cfg.stream);
+    in = std::make_unique<FollowReceiver>(*stage_group, pp, how == ReceiveStrategy::Announced ? control : nullptr, cfg,
+                                          ends, st);
   } else if (expected > 0) {
-    if (how == ReceiveStrategy::Any) in = std::make_unique<AnyReceiver>(pp, cfg.payload_bytes, peers, expected, cfg.stream);
+    if (how == ReceiveStrategy::Any) in = std::make_unique<AnyReceiver>(pp, cfg, peers, expected, ends, st);
     else if (how == ReceiveStrategy::Announced)
-      in = std::make_unique<AnnouncedReceiver>(pp, *control, cfg.payload_bytes, ends, peers, expected, cfg.stream);
-    else {
-      std::vector<Endpoint> from;
-      for (int p : peers) from.push_back(ends.from(p));
-      in = std::make_unique<PerPeerReceiver>(pp, cfg.payload_bytes, from, cfg.microbatches, s, cfg.stream);
-    }
+      in = std::make_unique<AnnouncedReceiver>(pp, *control, cfg, ends, peers, expected, st);
+    else in = std::make_unique<PerPeerReceiver>(pp, cfg, ends, peers, st);
     if (agree) in = std::make_unique<LeadReceiver>(std::move(in), *stage_group);
   }
   while (expected > 0) {
@@ -415,16 +539,15 @@ PipelineStats run_message_driven(Communicator& pp, const PipelineConfig& cfg, co
       Timer t(st.wait_s);
       got = in->next();
     }
-    StageMessage& msg = *got.msg;
-    const std::int64_t kind = got.kind;
     const int mb = got.mb;
     --expected;
     ++st.messages;
-    if (kind == kActivation) {  // from s-1: forward
+    if (got.posted_at < computed(st)) ++st.posted_ahead;
+    if (got.kind == kActivation) {  // from s-1: forward
       const void* y;
       {
         Timer t(st.compute_s);
-        y = forward(mb, msg.payload());
+        y = forward(mb, got.data);
       }
       ++st.forwards;
       if (s == last) {
@@ -434,26 +557,24 @@ PipelineStats run_message_driven(Communicator& pp, const PipelineConfig& cfg, co
           g = backward(mb, nullptr);
         }
         ++st.backwards;
-        out.send(kGradient, mb, g);
+        out.send(kGradient, mb, g, kTag);
       } else {
-        out.send(kActivation, mb, y);
+        out.send(kActivation, mb, y, kTag);
       }
-    } else if (kind == kGradient) {  // from s+1: backward
+    } else {  // from s+1: backward
       const void* g;
       {
         Timer t(st.compute_s);
-        g = backward(mb, msg.payload());
+        g = backward(mb, got.data);
       }
       ++st.backwards;
       if (s == 0) {
         if (next_mb < cfg.microbatches) inject();
       } else {
-        out.send(kGradient, mb, g);
+        out.send(kGradient, mb, g, kTag);
       }
-    } else {
-      throw Error(ErrorKind::Comm, "gridweave: pipeline stage " + std::to_string(s) +
-                                       " received a message of unknown kind " + std::to_string(kind));
     }
+    out.reap(false);
   }
   out.reap(true);
   return st;
@@ -465,41 +586,34 @@ PipelineStats run_one_f_one_b(Communicator& pp, const PipelineConfig& cfg, const
   PipelineStats st;
   const int s = cfg.stage, last = cfg.stages - 1, m = cfg.microbatches;
   const Ends ends = ends_of(pp, links, s > 0 ? s - 1 : -1, s < last ? s + 1 : -1);
-  Outbox out(pp, cfg.payload_bytes, ends, nullptr, cfg.stream);
-  StageMessage in(cfg.payload_bytes, pp.device(), cfg.stream);
-  auto receive = [&](int peer, std::int64_t kind, int mb) -> const void* {
-    {
-      Timer t(st.wait_s);  // what comes next is known: the stage's stream waits for it, not the host
-      ends.from(peer).recv(in.view(), kTag)->wait(pp.info().timeout);
-    }
-    ++st.messages;
-    if (pp.device() == Device::CPU) {  // a free check where the message is host memory
-      const auto [got_kind, got_mb] = in.header();
-      GW_CHECK(got_kind == kind && got_mb == mb,
-               "1F1B stage " << s << " expected " << (kind == kActivation ? "activation" : "gradient")
-                             << " of microbatch " << mb << ", got kind " << got_kind << " of microbatch " << got_mb);
-    }
-    return in.payload();
-  };
+  Outbox out(pp, cfg, ends);
+  std::vector<int> order(m);
+  for (int mb = 0; mb < m; ++mb) order[mb] = mb;  // both kinds come in microbatch order
+  // made (and their first receives posted) before any compute
+  std::unique_ptr<Inbox> acts = s > 0 ? std::make_unique<Inbox>(pp, ends.from_prev, kActivation, order, cfg, st) : nullptr;
+  std::unique_ptr<Inbox> grads =
+      s < last ? std::make_unique<Inbox>(pp, ends.from_next, kGradient, order, cfg, st) : nullptr;
   auto do_forward = [&](int mb) {
-    const void* x = s > 0 ? receive(s - 1, kActivation, mb) : nullptr;
+    const void* x = acts ? acts->take(mb) : nullptr;
     const void* y;
     {
       Timer t(st.compute_s);
       y = forward(mb, x);
     }
     ++st.forwards;
-    if (s < last) out.send(kActivation, mb, y);
+    if (s < last) out.send(kActivation, mb, y, ordered_tag(kActivation, mb));
+    out.reap(false);
   };
   auto do_backward = [&](int mb) {
-    const void* g = s < last ? receive(s + 1, kGradient, mb) : nullptr;
+    const void* g = grads ? grads->take(mb) : nullptr;
     const void* dx;
     {
       Timer t(st.compute_s);
       dx = backward(mb, g);
     }
     ++st.backwards;
-    if (s > 0) out.send(kGradient, mb, dx);
+    if (s > 0) out.send(kGradient, mb, dx, ordered_tag(kGradient, mb));
+    out.reap(false);
   };
   const int warmup = std::min(last - s, m);
   int f = 0, b = 0;
@@ -528,54 +642,47 @@ PipelineStats run_interleaved(Communicator& pp, const PipelineConfig& cfg, int c
   auto chunk_f = [&](int k) { return (k / p) % v; };
   auto chunk_b = [&](int k) { return v - 1 - (k / p) % v; };
   const bool first_virtual = s == 0, last_virtual = s == p - 1;
+  auto head = [&](int c) { return first_virtual && c == 0; };     // its input is the batch's
+  auto tail = [&](int c) { return last_virtual && c == v - 1; };  // its output is the loss
   // activations to next / from prev, gradients to prev / from next; with two stages next and
   // prev are one rank, and the kinds stay apart by link (by tag where tags match messages)
   const Ends ends = ends_of(pp, links, prev, next);
-  Outbox out(pp, cfg.payload_bytes, ends, nullptr, cfg.stream);
-  StageMessage in(cfg.payload_bytes, pp.device(), cfg.stream);
-  auto receive = [&](std::int64_t kind, int mb, int c) -> const void* {
-    const Endpoint& from = kind == kActivation ? ends.from_prev : ends.from_next;
-    {
-      Timer t(st.wait_s);  // stream-ordered, as in 1F1B
-      from.recv(in.view(), kTag + static_cast<int>(kind))->wait(pp.info().timeout);
-    }
-    ++st.messages;
-    if (pp.device() == Device::CPU) {
-      const auto [got_kind, got] = in.header();
-      GW_CHECK(got_kind == kind && got == mb * v + c,
-               "interleaved stage " << s << " expected " << (kind == kActivation ? "activation" : "gradient")
-                                    << " of microbatch " << mb << " chunk " << c << ", got kind " << got_kind
-                                    << " of microbatch " << got / v << " chunk " << got % v);
-    }
-    return in.payload();
-  };
+  Outbox out(pp, cfg, ends);
+  // what each link brings, in the order the stage takes it: the input of chunk c (from the
+  // previous stage's chunk c, or on stage 0 the last stage's chunk c - 1), the gradient of its output
+  std::vector<int> act_ids, grad_ids;
+  for (int k = 0; k < total; ++k) {
+    if (!head(chunk_f(k))) act_ids.push_back(mb_of(k) * v + chunk_f(k));
+    if (!tail(chunk_b(k))) grad_ids.push_back(mb_of(k) * v + chunk_b(k));
+  }
+  Inbox acts(pp, ends.from_prev, kActivation, act_ids, cfg, st);
+  Inbox grads(pp, ends.from_next, kGradient, grad_ids, cfg, st);
   auto send = [&](std::int64_t kind, int mb, int c, const void* data) {
-    out.send_tagged(kind, mb * v + c, data, kTag + static_cast<int>(kind));
+    out.send(kind, mb * v + c, data, ordered_tag(kind, mb * v + c));
   };
   auto do_forward = [&](int k) {
     const int mb = mb_of(k), c = chunk_f(k);
-    const bool head = first_virtual && c == 0, tail = last_virtual && c == v - 1;
-    // the input of chunk c: from the previous stage's chunk c, or (stage 0) the last stage's chunk c - 1
-    const void* x = head ? nullptr : receive(kActivation, mb, c);
+    const void* x = head(c) ? nullptr : acts.take(mb * v + c);
     const void* y;
     {
       Timer t(st.compute_s);
       y = forward(mb, c, x);
     }
     ++st.forwards;
-    if (!tail) send(kActivation, mb, last_virtual ? c + 1 : c, y);
+    if (!tail(c)) send(kActivation, mb, last_virtual ? c + 1 : c, y);
+    out.reap(false);
   };
   auto do_backward = [&](int k) {
     const int mb = mb_of(k), c = chunk_b(k);
-    const bool head = first_virtual && c == 0, tail = last_virtual && c == v - 1;
-    const void* g = tail ? nullptr : receive(kGradient, mb, c);
+    const void* g = tail(c) ? nullptr : grads.take(mb * v + c);
     const void* dx;
     {
       Timer t(st.compute_s);
       dx = backward(mb, c, g);
     }
     ++st.backwards;
-    if (!head) send(kGradient, mb, first_virtual ? c - 1 : c, dx);
+    if (!head(c)) send(kGradient, mb, first_virtual ? c - 1 : c, dx);
+    out.reap(false);
   };
   const int warmup = std::min((p - s - 1) * 2 + (v - 1) * p, total);
   int f = 0, b = 0;

@@ -5,8 +5,14 @@
 //   backward(mb, grad)  -> pointer to the gradient of this stage's input (grad: null on
 //                          the last stage, which starts the backward from its loss;
 //                          the return value is ignored on stage 0)
-// Every message is one activation or gradient of `payload_bytes` plus a 16-byte header
-// (kind, microbatch), so one posted receive can take either.
+// A message is the `payload_bytes` alone (stage_message_bytes), sent in place from the bytes a
+// callback returned: the caller keeps them alive until PipelineConfig::sent reports the send
+// complete, and the engine copies nothing. A callback's input is the engine's receive buffer,
+// which may take another message as soon as the callback returns (two buffers per source: the
+// next message's receive is posted before this one is computed on, into the other): the callback
+// copies what it keeps, the one copy a message makes. No message carries a header: a
+// neighbour's messages of one kind come in microbatch order in every schedule, so who sent a
+// message and how many came from there before say what it is.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -17,14 +23,22 @@
 
 namespace gridweave {
 
-// Each pipeline message is [kind, microbatch] (two int64 words) then the payload.
+// [kind, microbatch] (two int64 words, host memory): what the announced strategy says on its
+// control channel before each message, and what a stage's first member tells the others it took.
 constexpr std::size_t kStageHeaderBytes = 16;
+
+// The bytes of one pipeline message on the wire: the payload, or one word where it is empty
+// (cSub's idle sub-grids carry empty shards; the message still drives the schedule).
+constexpr std::size_t stage_message_bytes(std::size_t payload_bytes) { return payload_bytes > 0 ? payload_bytes : 8; }
 
 using StageForward = std::function<const void*(int microbatch, const void* input)>;
 using StageBackward = std::function<const void*(int microbatch, const void* grad)>;
 // The interleaved schedule's callbacks also name the model chunk (0..chunks-1) of this stage.
 using ChunkForward = std::function<const void*(int microbatch, int chunk, const void* input)>;
 using ChunkBackward = std::function<const void*(int microbatch, int chunk, const void* grad)>;
+// Called with what a callback returned once its message's send has completed: the engine reads
+// those bytes no more (on a stream-ordered transport, the send's kernel has run).
+using StageSent = std::function<void(const void* data)>;
 
 enum class PipelineSchedule : int { MessageDriven = 0, OneFOneB = 1, Interleaved = 2 };
 
@@ -60,12 +74,21 @@ struct PipelineConfig {
   // are filled and read in its order, and a receive the schedule knows in advance (1F1B,
   // interleaved) only makes it wait, the host goes on.
   void* stream = nullptr;
+  // Each sent message's bytes are released through it (null: they live until the schedule returns).
+  StageSent sent;
 };
 
-// Per-run counters: messages handled, and the seconds spent inside callbacks vs waiting.
+// Per-run counters: messages received, and the seconds spent inside callbacks vs waiting.
+// copies / copied_bytes: payload copies made for this stage's messages, the engine's (none: it
+// sends the callbacks' bytes in place and hands them its receive buffers) plus what the caller
+// adds for its callbacks (gw.pipeline: one per received message, into the tensor the stage
+// computes on). posted_ahead: received messages whose receive was posted before a compute
+// callback that ran to its end before the message was needed (so the transfer could overlap it).
 struct PipelineStats {
   int forwards = 0, backwards = 0, messages = 0;
   double compute_s = 0, wait_s = 0;
+  std::int64_t copies = 0, copied_bytes = 0;
+  int posted_ahead = 0;
 };
 
 // Algorithm 2: receives stay posted from both neighbours (one receive-from-any at a time,
@@ -81,7 +104,9 @@ PipelineStats run_message_driven(Communicator& pp, const PipelineConfig& cfg, co
                                  const StageLinks& links = {}, Communicator* stage_group = nullptr);
 
 // Megatron's synchronous 1F1B with flush: warm-up forwards, one-forward-one-backward,
-// cool-down backwards, each message to a known peer.
+// cool-down backwards, each message to a known peer. What comes next on each link is known, so
+// its receive is posted one message ahead (Megatron's overlapped p2p): before the compute of the
+// message before it, into the other of the link's two buffers.
 PipelineStats run_one_f_one_b(Communicator& pp, const PipelineConfig& cfg, const StageForward& forward,
                               const StageBackward& backward, const StageLinks& links = {});
 
@@ -89,8 +114,9 @@ PipelineStats run_one_f_one_b(Communicator& pp, const PipelineConfig& cfg, const
 // a microbatch visits the virtual stages c * stages + s (c = 0..chunks-1), the last stage's
 // chunk c feeding stage 0's chunk c + 1. Warm-up forwards, one-forward-one-backward, cool-down
 // backwards, in Megatron's order; the bubble shrinks to (p - 1) / (chunks m). Needs m a
-// multiple of the stages. Activations and gradients travel on separate tags, so with two
-// stages (each the other's both neighbours) neither overtakes the other.
+// multiple of the stages. Activations and gradients travel on separate links (tags where there
+// are none), so with two stages (each the other's both neighbours) neither overtakes the other;
+// receives are posted ahead as in 1F1B.
 PipelineStats run_interleaved(Communicator& pp, const PipelineConfig& cfg, int chunks, const ChunkForward& forward,
                               const ChunkBackward& backward, const StageLinks& links = {});
 

@@ -304,28 +304,37 @@ PYBIND11_MODULE(_C, m) {
       });
 
   // Pipeline schedules (seed 001 Algorithm 2; seed 003 1F1B). Callbacks take
-  // (microbatch, input address or 0) and return the address of the bytes to send.
+  // (microbatch, input address or 0) and return the address of the bytes to send, which are sent
+  // in place: `sent(address)` says when they are no longer read (their send is done).
   py::class_<PipelineStats>(m, "PipelineStats")
       .def_readonly("forwards", &PipelineStats::forwards)
       .def_readonly("backwards", &PipelineStats::backwards)
       .def_readonly("messages", &PipelineStats::messages)
       .def_readonly("compute_s", &PipelineStats::compute_s)
-      .def_readonly("wait_s", &PipelineStats::wait_s);
+      .def_readonly("wait_s", &PipelineStats::wait_s)
+      // payload copies made for the messages: the engine makes none; gw.pipeline adds its callbacks'
+      .def_readwrite("copies", &PipelineStats::copies)
+      .def_readwrite("copied_bytes", &PipelineStats::copied_bytes)
+      .def_readonly("posted_ahead", &PipelineStats::posted_ahead);
   py::class_<StageLinks>(m, "StageLinks")
       .def(py::init([](std::shared_ptr<Communicator> to_next, std::shared_ptr<Communicator> from_prev,
                        std::shared_ptr<Communicator> to_prev, std::shared_ptr<Communicator> from_next) {
              return StageLinks{std::move(to_next), std::move(from_prev), std::move(to_prev), std::move(from_next)};
            }), py::arg("to_next") = nullptr, py::arg("from_prev") = nullptr, py::arg("to_prev") = nullptr,
            py::arg("from_next") = nullptr);
-  m.attr("pipeline_header_bytes") = kStageHeaderBytes;  // what every pipeline message carries before its payload
+  // an announcement's or a stage leader's [kind, microbatch]; a message itself carries its payload alone
+  m.attr("pipeline_header_bytes") = kStageHeaderBytes;
+  m.def("pipeline_message_bytes", [](std::size_t payload_bytes) { return stage_message_bytes(payload_bytes); },
+        py::arg("payload_bytes"));
   m.def("run_pipeline", [](std::shared_ptr<Communicator> pp, PipelineSchedule schedule, int stage, int stages,
                            int microbatches, int pipeline_limit, std::size_t payload_bytes,
                            std::function<std::uintptr_t(int, std::uintptr_t)> fwd,
                            std::function<std::uintptr_t(int, std::uintptr_t)> bwd, ReceiveStrategy receive,
                            std::shared_ptr<Communicator> control, const StageLinks& links, std::uintptr_t stream,
-                           std::shared_ptr<Communicator> stage_group) {
+                           std::shared_ptr<Communicator> stage_group, std::function<void(std::uintptr_t)> sent) {
     PipelineConfig cfg{stage, stages, microbatches, pipeline_limit, payload_bytes, receive,
                        reinterpret_cast<void*>(stream)};
+    if (sent) cfg.sent = [&sent](const void* data) { sent(reinterpret_cast<std::uintptr_t>(data)); };
     StageForward f = [&fwd](int mb, const void* x) {
       return reinterpret_cast<const void*>(fwd(mb, reinterpret_cast<std::uintptr_t>(x)));
     };
@@ -338,14 +347,15 @@ PYBIND11_MODULE(_C, m) {
   }, py::arg("pp"), py::arg("schedule"), py::arg("stage"), py::arg("stages"), py::arg("microbatches"),
      py::arg("pipeline_limit"), py::arg("payload_bytes"), py::arg("forward"), py::arg("backward"),
      py::arg("receive") = ReceiveStrategy::Auto, py::arg("control") = nullptr, py::arg("links") = StageLinks{},
-     py::arg("stream") = 0, py::arg("stage_group") = nullptr);
+     py::arg("stream") = 0, py::arg("stage_group") = nullptr, py::arg("sent") = nullptr);
 
   m.def("run_interleaved", [](std::shared_ptr<Communicator> pp, int stage, int stages, int chunks, int microbatches,
                               std::size_t payload_bytes, std::function<std::uintptr_t(int, int, std::uintptr_t)> fwd,
                               std::function<std::uintptr_t(int, int, std::uintptr_t)> bwd, const StageLinks& links,
-                              std::uintptr_t stream) {
+                              std::uintptr_t stream, std::function<void(std::uintptr_t)> sent) {
     PipelineConfig cfg{stage, stages, microbatches, 1, payload_bytes, ReceiveStrategy::PerPeer,
                        reinterpret_cast<void*>(stream)};
+    if (sent) cfg.sent = [&sent](const void* data) { sent(reinterpret_cast<std::uintptr_t>(data)); };
     ChunkForward f = [&fwd](int mb, int c, const void* x) {
       return reinterpret_cast<const void*>(fwd(mb, c, reinterpret_cast<std::uintptr_t>(x)));
     };
@@ -356,7 +366,7 @@ PYBIND11_MODULE(_C, m) {
     return run_interleaved(*pp, cfg, chunks, f, b, links);
   }, py::arg("pp"), py::arg("stage"), py::arg("stages"), py::arg("chunks"), py::arg("microbatches"),
      py::arg("payload_bytes"), py::arg("forward"), py::arg("backward"), py::arg("links") = StageLinks{},
-     py::arg("stream") = 0);
+     py::arg("stream") = 0, py::arg("sent") = nullptr);
   // Engine-owned CUDA memory (pipeline messages) from torch's caching allocator: no cudaMalloc
   // or cudaFree (a device synchronisation) per message, as torch's own buffers.
   m.def("use_cuda_allocator", [](std::function<std::uintptr_t(std::size_t)> alloc,

@@ -82,14 +82,17 @@ class _DeviceBytes:
 
 def _tensor_at(addr: int, shape, dtype, device, host_messages: bool) -> torch.Tensor:
     """A copy on `device` of the message bytes the engine received at `addr` (host memory
-    when the transport's messages live there, else memory on the device)."""
-    if host_messages:
-        t = torch.empty(shape, dtype=dtype, device="cpu")
-        ctypes.memmove(t.data_ptr(), addr, t.numel() * t.element_size())
-        return t.to(device)
+    when the transport's messages live there, else memory on the device): one copy, from the
+    engine's buffer straight into the new tensor."""
     t = torch.empty(shape, dtype=dtype, device=device)
     nbytes = t.numel() * t.element_size()
-    t.view(-1).view(torch.uint8).copy_(torch.as_tensor(_DeviceBytes(addr, nbytes), device=device))
+    if nbytes == 0:
+        return t
+    if host_messages:  # the host bytes seen as a tensor in place (frombuffer: host memory, no copy)
+        src = torch.frombuffer((ctypes.c_char * nbytes).from_address(addr), dtype=torch.uint8)
+    else:
+        src = torch.as_tensor(_DeviceBytes(addr, nbytes), device=device)
+    t.view(-1).view(torch.uint8).copy_(src)
     return t
 
 
@@ -225,7 +228,13 @@ class _StageCallbacks:
     """The engine's forward(mb, chunk, addr) and backward(mb, chunk, addr) over this rank's
     model chunks (one for the plain schedules): chunk c of stage s is virtual stage
     c * stages + s; inputs feed stage 0's chunk 0, targets the last stage's last chunk. Each
-    microbatch loss is divided by m, so gradients are the shard's mean."""
+    microbatch loss is divided by m, so gradients are the shard's mean.
+
+    A message is copied once: from the engine's receive buffer (which takes the message after
+    next) into the tensor the stage computes on, which autograd saves. What a callback returns
+    is sent in place (cpp/pipeline.h): the tensor stays in `outgoing` until the engine calls
+    sent(address), once its send is done. copies / copied_bytes count the payload copies made
+    here (pipeline_step adds them to the engine's PipelineStats)."""
 
     def __init__(self, chunks, pp, inputs, targets, loss_fn, m, activation_shape, dtype, device, documents=None,
                  phases=None):
@@ -235,12 +244,12 @@ class _StageCallbacks:
         self.shape, self.dtype, self.device = tuple(activation_shape), dtype, device
         self.s = pp.rank
         self.first, self.last = pp.rank == 0, pp.rank == pp.size - 1
-        # Gloo's messages are host memory: CUDA activations are staged through host copies
+        # Gloo's messages are host memory: CUDA activations are sent from a host copy
         self.host_messages = pp.device == _C.Device.CPU
         self.payload = math.prod(activation_shape) * dtype.itemsize
-        # keep: the last outgoing tensor, alive until the engine has copied it into its message
-        # (it does so before the next callback: one, not one per micro-batch)
-        self.ctx, self.keep, self.losses = {}, None, []
+        # outgoing: address -> the tensors whose bytes the engine is sending from there
+        self.ctx, self.outgoing, self.losses = {}, {}, []
+        self.copies = self.copied_bytes = 0
 
     def _head(self, c):
         return self.first and c == 0
@@ -254,9 +263,39 @@ class _StageCallbacks:
     def backward(self, mb, c, addr):
         return timed(self.phases, "backward", self._backward, mb, c, addr)
 
+    def sent(self, addr):
+        """The engine sends from `addr` no more: the tensor there may go."""
+        held = self.outgoing.get(addr)
+        if held:
+            held.pop(0)
+            if not held:
+                del self.outgoing[addr]
+
+    def _copied(self, t):
+        self.copies += 1
+        self.copied_bytes += t.numel() * t.element_size()
+        return t
+
+    def _received(self, addr):
+        """The message at `addr` in a tensor of the stage's own: the one copy a message makes."""
+        return self._copied(_tensor_at(addr, self.shape, self.dtype, self.device, self.host_messages))
+
+    def _send(self, t):
+        """The address the engine sends `t`'s bytes from, in place; `t` is held until sent()."""
+        if not t.is_contiguous():
+            t = self._copied(t.contiguous())
+        if self.host_messages and t.device.type != "cpu":
+            t = self._copied(t.to("cpu"))  # the host transport's messages are host memory
+        if t.numel() == 0:
+            return 0  # an empty payload: the engine sends a word of its own
+        if t.data_ptr() % 16:  # a view at an odd offset: the transports move whole 8-byte words
+            t = self._copied(t.clone())
+        addr = t.data_ptr()
+        self.outgoing.setdefault(addr, []).append(t)
+        return addr
+
     def _forward(self, mb, c, addr):
-        x = self.inputs[mb] if self._head(c) else \
-            _tensor_at(addr, self.shape, self.dtype, self.device, self.host_messages).requires_grad_()
+        x = self.inputs[mb] if self._head(c) else self._received(addr).requires_grad_()
         y = self.chunks[c](x) if self.documents is None else self.chunks[c](x, self.documents[mb])
         if self._tail(c):
             loss = self.loss_fn(y, self.targets[mb]) / self.m
@@ -267,28 +306,28 @@ class _StageCallbacks:
             where = f"chunk {c} of stage {self.s}" if len(self.chunks) > 1 else f"stage {self.s}"
             raise GridError(f"{where} produced {tuple(y.shape)} {y.dtype}, the pipeline carries {self.shape} "
                             f"{self.dtype}")
-        y = y.contiguous()
         self.ctx[(mb, c)] = (x, y)
-        if self.host_messages and y.is_cuda:
-            self.keep = y = y.to("cpu")
-        return y.data_ptr()
+        return self._send(y.detach())
 
     def _backward(self, mb, c, addr):
         x, y = self.ctx.pop((mb, c))
         if self._tail(c):
             y.backward()
         else:
-            y.backward(_tensor_at(addr, self.shape, self.dtype, self.device, self.host_messages))
+            y.backward(self._received(addr))
         if self._head(c):
             return 0
-        g = x.grad.contiguous()
-        if self.host_messages and g.is_cuda:
-            g = g.to("cpu")
-        self.keep = g
-        return g.data_ptr()
+        return self._send(x.grad)
 
     def loss(self):
         return torch.stack(self.losses).sum() if self.losses else None
+
+
+def _with_copies(stats, cb):
+    """The engine's PipelineStats with the callbacks' payload copies added to its own."""
+    stats.copies += cb.copies
+    stats.copied_bytes += cb.copied_bytes
+    return stats
 
 
 def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_shape, dtype=torch.float32,
@@ -341,14 +380,15 @@ def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_s
     links = _C.StageLinks() if neighbours is None else stage_links(grid, axis, *neighbours)
     if interleaved:
         stats = _C.run_interleaved(pp, pp.rank, pp.size, len(chunks), m, cb.payload, cb.forward, cb.backward,
-                                   links, _stage_stream(grid, pp))
-        return cb.loss(), stats
+                                   links, _stage_stream(grid, pp), cb.sent)
+        return cb.loss(), _with_copies(stats, cb)
     # the message-driven schedule's members of a stage take their messages in one order (cpp/pipeline.h)
     stats = _C.run_pipeline(pp, SCHEDULES[schedule], pp.rank, pp.size, m, pipeline_limit, cb.payload,
                             lambda mb, addr: cb.forward(mb, 0, addr), lambda mb, addr: cb.backward(mb, 0, addr),
                             RECEIVE[receive], grid.control(axis, "pipeline") if announced else None, links,
-                            _stage_stream(grid, pp), grid.control(group, "pipeline stage") if group else None)
-    return cb.loss(), stats
+                            _stage_stream(grid, pp), grid.control(group, "pipeline stage") if group else None,
+                            cb.sent)
+    return cb.loss(), _with_copies(stats, cb)
 
 
 def pipeline_forward(stage: nn.Module, grid, inputs, targets, loss_fn, activation_shape, dtype=torch.float32,

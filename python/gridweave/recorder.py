@@ -706,7 +706,7 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
     layer = two.minus(one)
     stage_work = one.plus(layer, config.layers // pp - 1)  # the stage's layers are one layer's recording
     pipeline = []  # seed 001: each micro-batch's activation forward, its gradient backward
-    message = float(payload + _C.pipeline_header_bytes)
+    message = float(_C.pipeline_message_bytes(payload))  # the payload alone: no message carries a header
     for peer in (stage + 1, stage - 1):
         if 0 <= peer < pp:
             pipeline += [Collective("send", "pp", message, message, peer), Collective("recv", "pp", 0.0, message, peer)]

@@ -3,6 +3,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -11,7 +12,9 @@
 #include <functional>
 #include <map>
 #include <numeric>
+#include <set>
 #include <thread>
+#include <tuple>
 
 #include "error.h"
 #include "fork_ranks.h"
@@ -297,35 +300,86 @@ TEST(Ring, BlocksVisitEveryRankInOrder) {
   }
 }
 
-// A 3-stage pipeline whose "compute" adds the stage index: stage 0 must get back, for
-// every microbatch, the gradient the last stage made from that microbatch's activation.
+// A pipeline whose "compute" adds (virtual stage + 1): stage 0 must get back, for every
+// microbatch, the gradient the last virtual stage made from that microbatch's activation (its
+// output, passed back unchanged). Every send's bytes are released through cfg.sent once, and
+// the engine copies no payload (the callbacks here keep their own copies of their inputs).
+enum class Sched { MessageDriven, OneFOneB, Interleaved };
+
+struct StageRun {
+  PipelineStats st;
+  int sends = 0, released = 0;
+  std::vector<double> seen;          // stage 0: what came back for each microbatch
+  std::vector<std::string>* log = nullptr;  // "forward mb.c" / "backward mb.c" as the callbacks run
+};
+
+StageRun run_stage(Communicator& pp, Sched sched, int m, int chunks, ReceiveStrategy receive, const StageLinks& links,
+                   Communicator* control, std::vector<std::string>* log = nullptr) {
+  const int s = pp.rank(), p = pp.size(), v = chunks;
+  StageRun run;
+  run.seen.assign(m, -1);
+  run.log = log;
+  std::map<std::pair<int, int>, std::vector<double>> outs, grads;
+  std::set<const void*> in_flight;
+  PipelineConfig cfg{s, p, m, 2, 4 * sizeof(double), receive};
+  cfg.sent = [&](const void* data) {
+    EXPECT_EQ(in_flight.erase(data), 1u) << "released twice, or never sent";
+    ++run.released;
+  };
+  auto sending = [&](const std::vector<double>& d) -> const void* {
+    in_flight.insert(d.data());
+    ++run.sends;
+    return d.data();
+  };
+  const bool last_virtual = s == p - 1;
+  ChunkForward fwd = [&](int mb, int c, const void* in) -> const void* {
+    if (log) log->push_back("forward " + std::to_string(mb) + "." + std::to_string(c));
+    std::vector<double> x(4, mb);
+    if (in) std::memcpy(x.data(), in, 4 * sizeof(double));
+    for (double& e : x) e += c * p + s + 1;
+    outs[{mb, c}] = x;
+    return last_virtual && c == v - 1 ? nullptr : sending(outs[{mb, c}]);
+  };
+  ChunkBackward bwd = [&](int mb, int c, const void* g) -> const void* {
+    if (log) log->push_back("backward " + std::to_string(mb) + "." + std::to_string(c));
+    std::vector<double> d(4);
+    if (g) std::memcpy(d.data(), g, 4 * sizeof(double));
+    else d = outs[{mb, c}];  // the last virtual stage's "loss gradient" is its output
+    if (s == 0 && c == 0) {
+      run.seen[mb] = d[0];
+      return nullptr;
+    }
+    grads[{mb, c}] = d;
+    return sending(grads[{mb, c}]);
+  };
+  StageForward f = [&](int mb, const void* in) { return fwd(mb, 0, in); };
+  StageBackward b = [&](int mb, const void* g) { return bwd(mb, 0, g); };
+  if (sched == Sched::Interleaved) run.st = run_interleaved(pp, cfg, v, fwd, bwd, links);
+  else if (sched == Sched::OneFOneB) run.st = run_one_f_one_b(pp, cfg, f, b, links);
+  else run.st = run_message_driven(pp, cfg, f, b, control, links);
+  EXPECT_TRUE(in_flight.empty()) << in_flight.size() << " sends never released";
+  EXPECT_EQ(run.st.forwards, m * v);
+  EXPECT_EQ(run.st.backwards, m * v);
+  EXPECT_EQ(run.st.copies, 0);  // sent in place; the callbacks' copies are theirs to count
+  EXPECT_EQ(run.st.copied_bytes, 0);
+  const int V = p * v;
+  if (s == 0)
+    for (int mb = 0; mb < m; ++mb) EXPECT_EQ(run.seen[mb], mb + V * (V + 1) / 2) << "microbatch " << mb;
+  return run;
+}
+
+// What a schedule that knows its order posts ahead: every message but the first one a stage
+// needs before any compute (stage > 0's first activation).
+void expect_posted_ahead(const StageRun& run, int stage) {
+  EXPECT_EQ(run.st.posted_ahead, run.st.messages - (stage > 0 ? 1 : 0)) << "stage " << stage;
+}
+
 void pipeline_case(bool message_driven, ReceiveStrategy receive = ReceiveStrategy::Auto) {
   EXPECT_EQ(run_ranks(3, [message_driven, receive](GlooCommunicator& c) {
-    const int s = c.rank(), m = 5;
-    PipelineConfig cfg{s, 3, m, 2, 4 * sizeof(double), receive};
-    std::map<int, std::vector<double>> outs, grads;
-    std::vector<double> seen(m, -1);
-    StageForward fwd = [&](int mb, const void* in) -> const void* {
-      std::vector<double> x(4, mb);
-      if (in) std::memcpy(x.data(), in, 4 * sizeof(double));
-      for (double& v : x) v += s;
-      outs[mb] = x;
-      return outs[mb].data();
-    };
-    StageBackward bwd = [&](int mb, const void* g) -> const void* {
-      std::vector<double> d(4);
-      if (g) std::memcpy(d.data(), g, 4 * sizeof(double));
-      else d = outs[mb];  // the last stage's "loss gradient" is its output
-      if (s == 0) seen[mb] = d[0];
-      grads[mb] = d;
-      return grads[mb].data();
-    };
     // the announced strategy's control channel: here the same Gloo line (its own tag)
-    PipelineStats st = message_driven ? run_message_driven(c, cfg, fwd, bwd, &c) : run_one_f_one_b(c, cfg, fwd, bwd);
-    EXPECT_EQ(st.forwards, m);
-    EXPECT_EQ(st.backwards, m);
-    if (s == 0)
-      for (int mb = 0; mb < m; ++mb) EXPECT_EQ(seen[mb], mb + 0 + 1 + 2);
+    StageRun run = run_stage(c, message_driven ? Sched::MessageDriven : Sched::OneFOneB, 5, 1, receive, {}, &c);
+    EXPECT_EQ(run.sends, run.released);
+    if (!message_driven) expect_posted_ahead(run, c.rank());
   }), 0);
 }
 
@@ -333,6 +387,148 @@ TEST(Pipeline, MessageDrivenRunsEveryMicrobatchBothWays) { pipeline_case(true); 
 TEST(Pipeline, PerPeerReceivesRunEveryMicrobatchBothWays) { pipeline_case(true, ReceiveStrategy::PerPeer); }
 TEST(Pipeline, AnnouncedReceivesRunEveryMicrobatchBothWays) { pipeline_case(true, ReceiveStrategy::Announced); }
 TEST(Pipeline, OneFOneBRunsEveryMicrobatchBothWays) { pipeline_case(false); }
+
+TEST(Pipeline, InterleavedRunsEveryMicrobatchBothWays) {
+  for (int p : {2, 3})
+    EXPECT_EQ(run_ranks(p, [p](GlooCommunicator& c) {
+      StageRun run = run_stage(c, Sched::Interleaved, 2 * p, 2, ReceiveStrategy::PerPeer, {}, nullptr);
+      expect_posted_ahead(run, c.rank());
+    }), 0);
+}
+
+namespace {
+
+// Records the point-to-point ops posted on a communicator ("recv" / "send"), in the log the
+// callbacks write to, and passes them on.
+class LoggedLink : public Communicator {
+ public:
+  LoggedLink(std::shared_ptr<Communicator> inner, std::vector<std::string>& log)
+      : Communicator(without_counters(inner->info())), inner_(std::move(inner)), log_(log) {}
+  Device device() const override { return inner_->device(); }
+  const char* backend() const override { return inner_->backend(); }
+  bool can_recv_any() const override { return false; }
+  bool matches_tags() const override { return inner_->matches_tags(); }
+
+ protected:
+  std::shared_ptr<Work> run_collective(OpKind op, const BufferView&, const BufferView&, ReduceOp, int, bool,
+                                       const Fingerprint&) override {
+    throw Error(ErrorKind::Config, describe(op) + ": a link carries messages only");
+  }
+  std::shared_ptr<Work> run_p2p(OpKind op, const BufferView& buf, const std::vector<int>& peers, int tag,
+                                const Fingerprint&) override {
+    log_.push_back(op == OpKind::Send ? "send" : "recv");
+    return op == OpKind::Send ? inner_->send(buf, peers[0], tag) : inner_->recv(buf, peers[0], tag);
+  }
+
+ private:
+  static CommInfo without_counters(CommInfo info) {
+    info.counters = nullptr;  // the inner one counts
+    return info;
+  }
+  std::shared_ptr<Communicator> inner_;
+  std::vector<std::string>& log_;
+};
+
+// A stage's links as Grid::link makes them: one two-member communicator per (sender, receiver,
+// kind), every rank making its own in one global order, here Gloo under NCCL's rules with no
+// eager sends (a send completes only once its receive runs; a pair's messages match in issue order).
+StageLinks nccl_rules_links(GlooCommunicator& world, const std::string& dir, bool cyclic,
+                            std::vector<std::string>* log_from_prev) {
+  const int n = world.size(), s = world.rank();
+  const int prev = cyclic ? (s + n - 1) % n : s - 1, next = cyclic ? (s + 1) % n : (s + 1 < n ? s + 1 : -1);
+  std::set<std::tuple<int, int, int, int>> all;  // (low, high, sender, kind): every stage's, in one order
+  for (int t = 0; t < n; ++t) {
+    const int tp = cyclic ? (t + n - 1) % n : t - 1, tn = cyclic ? (t + 1) % n : (t + 1 < n ? t + 1 : -1);
+    if (tn >= 0) {
+      all.insert({std::min(t, tn), std::max(t, tn), t, 0});   // activations t -> tn
+      all.insert({std::min(t, tn), std::max(t, tn), tn, 1});  // gradients tn -> t
+    }
+    if (tp >= 0) {
+      all.insert({std::min(t, tp), std::max(t, tp), tp, 0});
+      all.insert({std::min(t, tp), std::max(t, tp), t, 1});
+    }
+  }
+  std::map<std::tuple<int, int, int>, std::shared_ptr<Communicator>> made;  // (sender, receiver, kind)
+  for (const auto& [lo, hi, sender, kind] : all) {
+    const int receiver = sender == lo ? hi : lo;
+    if (s != sender && s != receiver) continue;
+    const std::string key = "link:" + std::to_string(sender) + ">" + std::to_string(receiver) + "#" + std::to_string(kind);
+    CommInfo info;
+    info.axis = key;
+    info.members = {world.info().members[sender], world.info().members[receiver]};
+    info.rank = s == sender ? 0 : 1;
+    info.timeout = world.info().timeout;
+    auto gloo = std::make_shared<GlooCommunicator>(info, make_prefix_store(key, make_file_store(dir)),
+                                                   make_gloo_device("127.0.0.1"));
+    info.counters = std::make_shared<TrafficCounters>();
+    made[{sender, receiver, kind}] = std::make_shared<NcclRulesCommunicator>(info, gloo, 0);
+  }
+  StageLinks links;
+  if (next >= 0) {
+    links.to_next = made.at({s, next, 0});
+    links.from_next = made.at({next, s, 1});
+  }
+  if (prev >= 0) {
+    links.from_prev = made.at({prev, s, 0});
+    links.to_prev = made.at({s, prev, 1});
+    if (log_from_prev) links.from_prev = std::make_shared<LoggedLink>(links.from_prev, *log_from_prev);
+  }
+  return links;
+}
+
+// In `log`, the receives posted on the activation link before each forward callback: the
+// message it computes on, and the next one (posted ahead), wherever there is a next one.
+void expect_next_receive_posted_before_each_forward(const std::vector<std::string>& log, int messages) {
+  int posted = 0, forwards = 0;
+  for (const std::string& e : log) {
+    if (e == "recv") ++posted;
+    if (e.rfind("forward", 0) == 0 && forwards++ < messages)
+      EXPECT_GE(posted, std::min(forwards + 1, messages)) << "before " << e;  // forwards: its input's count, 1-based
+  }
+}
+
+}  // namespace
+
+// 1F1B, interleaved and the message-driven schedule over links under NCCL's rules (matched in
+// issue order, a send waits for its receive): each link's receives are posted ahead in the order
+// its sender sends (no deadlock, every gradient right), the receive of the next activation
+// before the forward of the current one; the engine copies no payload.
+TEST(Pipeline, ReceivesPostedAheadOnLinksUnderNcclRules) {
+  struct Case {
+    Sched sched;
+    int chunks;
+    ReceiveStrategy receive;
+  };
+  for (const Case& k : {Case{Sched::OneFOneB, 1, ReceiveStrategy::Auto}, Case{Sched::Interleaved, 2, ReceiveStrategy::PerPeer},
+                        Case{Sched::MessageDriven, 1, ReceiveStrategy::PerPeer},
+                        Case{Sched::MessageDriven, 1, ReceiveStrategy::Announced}}) {
+    const int n = 3, m = 6;
+    const int failed = test_support::fork_ranks(n, [&](int r, const std::string& dir) {
+      CommInfo info;
+      info.axis = "pp";
+      info.members = {0, 1, 2};
+      info.rank = r;
+      info.timeout = milliseconds(20000);
+      info.counters = std::make_shared<TrafficCounters>();
+      auto world = std::make_shared<GlooCommunicator>(info, make_file_store(dir), make_gloo_device("127.0.0.1"));
+      std::vector<std::string> log;
+      const StageLinks links = nccl_rules_links(*world, dir, k.sched == Sched::Interleaved, &log);
+      // pp under the rules too (the links carry every message); the announcements' control
+      // channel is the host line, which can receive from any peer
+      std::shared_ptr<Communicator> inner = world;
+      CommInfo ruled = info;
+      ruled.counters = std::make_shared<TrafficCounters>();
+      auto pp = std::make_shared<NcclRulesCommunicator>(ruled, inner, 0);
+      StageRun run = run_stage(*pp, k.sched, m, k.chunks, k.receive, links, world.get(), &log);
+      EXPECT_EQ(run.sends, run.released);
+      if (k.sched != Sched::MessageDriven) expect_posted_ahead(run, r);
+      const int acts = static_cast<int>(std::count(log.begin(), log.end(), "recv"));
+      if (r > 0 && k.receive != ReceiveStrategy::Announced)  // announced: a receive only for an announced message
+        expect_next_receive_posted_before_each_forward(log, acts);
+    });
+    EXPECT_EQ(failed, 0) << "schedule " << static_cast<int>(k.sched) << " receive " << static_cast<int>(k.receive);
+  }
+}
 
 // NCCL's rules (cpp/emulate_nccl.h) over a Gloo line: the ring's grouped exchange passes; the
 // exchange as it was (a receive, then a send, ungrouped) times out on every rank, since each

@@ -1,5 +1,6 @@
 """AxoNN (seed 001): message-driven and 1F1B pipelines x data parallelism train a GPT with
 one process's losses; OffloadAdam equals AdamW; faults give clear errors."""
+import math
 import os
 import time
 
@@ -82,7 +83,31 @@ def _pipeline(ctx, stages, schedule, slow_stage=-1, ac=1, die_stage=-1, receive=
             t = loss.reshape(1).clone()
             grid.all_reduce(t, axis="dp")
             losses.append(t.item() / dp)
-    return losses, s == stages - 1
+    return losses, s == stages - 1, _copies_and_ahead(stats, s)
+
+
+def _copies_and_ahead(stats, stage):
+    """What a stage's PipelineStats say about its messages: (messages received, payload copies,
+    bytes copied, receives posted ahead, stage)."""
+    return stats.messages, stats.copies, stats.copied_bytes, stats.posted_ahead, stage
+
+
+def _check_copies_and_ahead(res, payload, schedule, receive):
+    """One copy per message (into the tensor the stage computes on; every send goes out of the
+    stage's own tensor), and the receives posted ahead: 1F1B and interleaved know what comes next
+    on each link and post it before the compute of the message before it, so only a stage's first
+    activation, needed before any compute, is not; receive-from-any and per-peer re-post before
+    the compute of the message they delivered (all but a stage's first); the announced strategy
+    posts a data receive only for an announced message."""
+    for messages, copies, copied, ahead, stage in res:
+        assert messages > 0
+        assert copies == messages and copied == messages * payload, (stage, messages, copies, copied)
+        if schedule in ("1f1b", "interleaved"):
+            assert ahead == messages - (stage > 0), (stage, messages, ahead)
+        elif receive == "announced":
+            assert ahead == 0, (stage, messages, ahead)
+        else:
+            assert ahead == messages - 1, (stage, messages, ahead)
 
 
 @pytest.fixture(scope="module")
@@ -93,9 +118,9 @@ def reference():
 def _check(res, reference, stages, n):
     """Exactly the last stage's ranks (one per data-parallel row) report losses, and theirs
     are the one-process losses."""
-    last = [losses for losses, is_last in res if is_last]
+    last = [losses for losses, is_last, _ in res if is_last]
     assert len(last) == n // stages
-    assert all(not losses for losses, is_last in res if not is_last)
+    assert all(not losses for losses, is_last, _ in res if not is_last)
     for losses in last:
         assert len(losses) == len(reference)
         assert max(abs(a - b) / abs(b) for a, b in zip(losses, reference)) < 1e-5, (losses, reference)
@@ -110,8 +135,10 @@ def _check(res, reference, stages, n):
 def test_gpt_trains_with_one_process_losses(pool, reference, stages, n, schedule, receive):
     if receive == "any" and not pool.capabilities()["recv_any"]:
         return _refused_without_receive_from_any(pool, n, stages, schedule)
-    _check(pool.run(_pipeline, n, stages, schedule, receive=receive), reference, stages, n)
+    res = pool.run(_pipeline, n, stages, schedule, receive=receive)
+    _check(res, reference, stages, n)
     assert reference[-1] < reference[0]
+    _check_copies_and_ahead([r[2] for r in res], SEQ * H * 4, schedule, receive)
 
 
 @pytest.mark.parametrize("schedule", ["message_driven", "1f1b"])
@@ -342,7 +369,9 @@ def _interleaved(ctx, tp, chunks, m):
         gw.reduce_gradients(stage, grid)
         errs.update({k: rel(g, ref[k].grad) for k, g in stage.dense_state(True).items()})
     full = dense.loss(dense(ids), tgt).item()
-    return errs, (None if loss is None else abs(loss.item() - full) / full), st.forwards, st.backwards
+    payload = math.prod(stages[0].activation_shape(mb, 16)) * 8
+    return (errs, (None if loss is None else abs(loss.item() - full) / full), st.forwards, st.backwards,
+            _copies_and_ahead(st, s), payload)
 
 
 @pytest.mark.parametrize("tp,chunks,m", [("none", 2, 2), ("none", 2, 4), ("row:2", 2, 2), ("none", 4, 2)])
@@ -350,10 +379,12 @@ def test_interleaved_schedule_equals_the_dense_model(pool, tp, chunks, m):
     """Megatron's interleaved 1F1B (seed 003 Fig. 4): v model chunks per stage, the last stage
     feeding the first one's next chunk; every gradient and the loss equal the dense model."""
     n = 2 if tp == "none" else 4
-    for errs, loss_err, fw, bw in pool.run(_interleaved, n, tp, chunks, m):
+    res = pool.run(_interleaved, n, tp, chunks, m)
+    for errs, loss_err, fw, bw, _, _ in res:
         assert max(errs.values()) < 1e-10, {k: v for k, v in errs.items() if v >= 1e-10}
         assert loss_err is None or loss_err < 1e-10
         assert fw == bw == chunks * m
+    _check_copies_and_ahead([r[4] for r in res], res[0][5], "interleaved", "auto")
 
 
 def _stage_members_agree(ctx, tp, sp, receive):
@@ -411,10 +442,11 @@ def test_the_ranks_of_a_stage_take_their_messages_in_one_order(pool, tp, sp, rec
         assert fw == bw == 4
 
 
-def test_a_stage_keeps_one_outgoing_tensor_not_one_per_microbatch():
-    """The engine copies what a callback returns into its message before the next callback
-    (cpp/pipeline.cpp), so a middle stage holds one outgoing gradient, not m of them (the
-    planner's memory counts one: plan.predict)."""
+def test_a_stage_holds_an_outgoing_tensor_until_its_send_is_done():
+    """The engine sends what a callback returns in place (cpp/pipeline.cpp), so the callbacks hold
+    each outgoing tensor until the engine says its send is done (sent), then let it go: a middle
+    stage holds the gradients still on their way, not one per micro-batch. Each received message
+    is copied once, into the tensor the stage computes on (the engine's buffer takes another)."""
     import weakref
     from types import SimpleNamespace
 
@@ -427,13 +459,26 @@ def test_a_stage_keeps_one_outgoing_tensor_not_one_per_microbatch():
     m, shape = 3, (2, 4)
     cb = _StageCallbacks([stage], pp, None, None, None, m, shape, torch.float64, cpu)
     msgs = [torch.randn(shape, dtype=torch.float64, device=cpu) for _ in range(2 * m)]  # activations, then gradients
+    for mb in range(m):
+        addr = cb.forward(mb, 0, msgs[mb].data_ptr())
+        x, y = cb.ctx[(mb, 0)]
+        assert addr == y.data_ptr() and x.data_ptr() != msgs[mb].data_ptr()  # y in place; x a copy
+        msgs[mb].zero_()  # the engine's buffer takes another message: the stage's input is its own
+        assert not torch.equal(x.detach(), torch.zeros_like(x))
+        cb.sent(addr)
+    del x, y  # the stage's own references only (ctx)
     sent = []
     for mb in range(m):
-        cb.forward(mb, 0, msgs[mb].data_ptr())
-    for mb in range(m):
         addr = cb.backward(mb, 0, msgs[m + mb].data_ptr())
-        assert addr == cb.keep.data_ptr()
-        sent.append(weakref.ref(cb.keep))
+        held = cb.outgoing[addr]
+        assert len(held) == 1 and held[0].data_ptr() == addr
+        sent.append((addr, weakref.ref(held[0])))
     # the input gradient of the last micro-batch is d(x W^T + b)/dx = g W, as torch computes it
-    assert torch.equal(cb.keep, msgs[2 * m - 1] @ stage.weight.detach())
-    assert [r() is None for r in sent] == [True] * (m - 1) + [False]
+    assert torch.equal(cb.outgoing[sent[-1][0]][0], msgs[2 * m - 1] @ stage.weight.detach())
+    assert [r() is None for _, r in sent] == [False] * m  # all on their way
+    for addr, _ in sent[:-1]:
+        cb.sent(addr)
+    assert [r() is None for _, r in sent] == [True] * (m - 1) + [False]
+    cb.sent(sent[-1][0])
+    assert not cb.outgoing and sent[-1][1]() is None
+    assert cb.copies == 2 * m and cb.copied_bytes == 2 * m * 2 * 4 * 8  # one copy per message received
