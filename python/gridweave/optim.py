@@ -465,7 +465,7 @@ class OffloadAdam(_DeviceSteps):
                 else:
                     self._update(grads, lo, hi, coef, found_inf)
         taken = self._taken(bad, found_inf)
-        self._write_back()
+        self._write_back(None if bad is None else taken)
         return True if scaler is not None else taken
 
     def _update(self, grads, lo, hi, scale, found_inf=None):
@@ -496,13 +496,16 @@ class OffloadAdam(_DeviceSteps):
                    found_inf)
         self._staging.run(buckets, update)
 
-    def _write_back(self):
+    def _write_back(self, taken=None):
+        """The parameters from the master; where `taken` (a device flag) says the step was skipped,
+        they stay as they are (a skipped step changes nothing, a corrupted weight included)."""
         if self._staging is not None:
             self._staging.order()  # the parameters are copied from the host state the buckets wrote
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 o = self._offset[i]
-                p.copy_(self.master[o:o + p.numel()].view_as(p).to(p.device, p.dtype, non_blocking=True))
+                new = self.master[o:o + p.numel()].view_as(p).to(p.device, p.dtype, non_blocking=True)
+                p.copy_(new if taken is None else torch.where(taken, new, p))
 
     # ---- the torch.optim.Optimizer protocol -------------------------------------------
     STATE_KEYS = ("master", "exp_avg", "exp_avg_sq")
@@ -862,7 +865,7 @@ class DistributedAdam(_DeviceSteps):
         if self.units is not None:
             self._refresh_shards()  # the next forward gathers them
         else:
-            self.gather_parameters()
+            self.gather_parameters(None if bad is None else taken)
         return True if scaler is not None else taken
 
     def _refresh_shards(self) -> None:
@@ -915,8 +918,9 @@ class DistributedAdam(_DeviceSteps):
                    next(at), found_inf)
         self._staging.run(buckets, update)
 
-    def gather_parameters(self) -> None:
-        """Every rank's updated shard, in the model's dtype, gathered into its parameters."""
+    def gather_parameters(self, taken=None) -> None:
+        """Every rank's updated shard, in the model's dtype, gathered into its parameters; where
+        `taken` (a device flag) says the step was skipped, they stay as they are."""
         dev, dtype = self.params[0].device, self.params[0].dtype
         for g in self.groups:
             lo, hi = g.buf_lo, g.buf_hi
@@ -925,7 +929,8 @@ class DistributedAdam(_DeviceSteps):
             off = 0
             with torch.no_grad():
                 for _, p in g.members:
-                    p.copy_(full[off:off + p.numel()].view_as(p))
+                    new = full[off:off + p.numel()].view_as(p)
+                    p.copy_(new if taken is None else torch.where(taken, new, p))
                     off += p.numel()
 
     # ---- the torch.optim.Optimizer protocol (full tensors per parameter, as OffloadAdam's) ----

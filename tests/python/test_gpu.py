@@ -18,6 +18,22 @@ GPU = torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPU, reason="needs a CUDA GPU (none is visible)")]
 
 
+def _behind_a_sleeping_kernel(call, cycles: int) -> tuple:
+    """(seconds the host spent in call(), seconds the device still had left after it), with a
+    sleeping kernel of `cycles` queued on the current stream first: a call that queues its work
+    returns while the device is busy; one that waits for it returns when it is nearly done."""
+    import time
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(cycles)
+    t0 = time.perf_counter()
+    out = call()
+    host = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    torch.cuda.synchronize()
+    return host, time.perf_counter() - t0, out
+
+
 def test_nccl_world_of_one_runs_every_op_on_cuda():
     import gridweave as gw
 
@@ -75,21 +91,12 @@ def test_wait_is_stream_ordered_not_a_host_synchronisation():
 def test_barrier_blocks_the_host_behind_a_sleeping_kernel():
     """grid.barrier() is a host barrier on NCCL too (torch's): it returns only once the device has run
     the kernel queued before it (ratio of the barrier's host time to what the device had left after)."""
-    import time
-
     import gridweave as gw
 
     if not gw._C.nccl_available:
         pytest.skip("built without the NCCL transport")
     grid = gw.init(backend="nccl")
-    torch.cuda.synchronize()
-    torch.cuda._sleep(1_000_000_000)  # about 0.5-1 s of a kernel on the current stream
-    t0 = time.perf_counter()
-    grid.barrier()
-    barrier = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    torch.cuda.synchronize()
-    left = time.perf_counter() - t0
+    barrier, left, _ = _behind_a_sleeping_kernel(grid.barrier, 1_000_000_000)  # about 0.5-1 s of a kernel
     assert barrier > 10 * left, (barrier, left)
     gw.shutdown()
 
@@ -280,8 +287,6 @@ def test_offload_adam_staged_on_side_streams_equals_adamw_without_host_syncs():
     weights equal torch.optim.AdamW's on the device over three steps with clipping (fp32, many
     buckets), and a step queues without the host waiting (the step returns before a slow kernel
     queued ahead of it has finished)."""
-    import time
-
     import gridweave as gw
 
     torch.manual_seed(0)
@@ -301,14 +306,8 @@ def test_offload_adam_staged_on_side_streams_equals_adamw_without_host_syncs():
         torch_opt.step()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
-    torch.cuda.synchronize()
-    torch.cuda._sleep(500_000_000)  # the step's first copy waits behind this on the device, not the host
-    t0 = time.perf_counter()
-    opt.step()
-    queued = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    torch.cuda.synchronize()
-    left = time.perf_counter() - t0
+    # the step's first copy waits behind the kernel on the device, not the host
+    queued, left, _ = _behind_a_sleeping_kernel(opt.step, 500_000_000)
     assert queued < left, (queued, left)
 
 
