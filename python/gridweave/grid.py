@@ -323,8 +323,8 @@ class Grid:
         if self._native.nccl_rules:
             # NCCL's communicator creation blocks until the line's members come: made now, in one
             # order on every rank (the world, then each axis), two ranks cannot first touch two
-            # shared lines in opposite orders. Lines over tuples of axes connect on first use,
-            # bounded by the timeout.
+            # shared lines in opposite orders. A job's other lines (tuples, line parts, links) are
+            # made before its first step by Grid.connect, in one global order.
             self._native.connect([[]] + [[a] for a, s in axes if s > 1])
 
     # ---- geometry -------------------------------------------------------------------

@@ -479,9 +479,11 @@ class OffloadAdam(_DeviceSteps):
     def _clip_coefficient(self, grads, unscale: float = 1.0):
         """max_norm / (norm + 1e-6), at most 1, of the unscaled summed gradient (torch's rule), as a
         tensor on the device, times unscale; the norm is kept there (self._norm)."""
-        pieces = [(grads[self._offset[i]:self._offset[i] + p.numel()], placement_of(p))
-                  for i, p in enumerate(self.params)]
-        total = torch.linalg.vector_norm(grads, dtype=torch.float64) if self.grid is None else grad_norm_of(pieces, self.grid)
+        if self.grid is None:
+            total = torch.linalg.vector_norm(grads, dtype=torch.float64)
+        else:  # each parameter counted once over the grid (its placement)
+            total = grad_norm_of([(grads[self._offset[i]:self._offset[i] + p.numel()], placement_of(p))
+                                  for i, p in enumerate(self.params)], self.grid)
         return self._clip(total * unscale, unscale)
 
     def _buckets(self, grads, lo, hi, scale, found_inf=None):

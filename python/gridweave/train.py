@@ -623,7 +623,7 @@ def _train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y, documents, pha
     # on the device and left there: a non-finite loss skips the update on every rank by a flag
     # the optimizer reads on the device (no host read; read_step reads the numbers once)
     mine = loss is not None and first_copy(grid, distinct=("dp",))
-    total = loss.detach().to(torch.float64).reshape(1).clone() if mine else \
+    total = loss.detach().to(torch.float64, copy=True).reshape(1) if mine else \
         torch.zeros(1, dtype=torch.float64, device=grid.device)
     grid.all_reduce(total, axis=None)
     mean = total[0] / dp
@@ -643,7 +643,7 @@ def read_step(loss, taken, opt) -> tuple:
     got = torch.cat(parts).tolist()  # the step's one read
     loss_value, rest = got[0], got[1:]
     took = bool(rest.pop(0)) if isinstance(taken, torch.Tensor) else bool(taken)
-    return loss_value, took, (rest[0] if rest else getattr(opt, "last_grad_norm", None))
+    return loss_value, took, (rest[0] if rest else None)  # no norm tensor: no clipping, no norm
 
 
 def setup_grid(cfg: TrainConfig) -> Grid:
