@@ -743,9 +743,14 @@ class Grid:
                 "matches_fingerprints": c.matches_fingerprints, "matches_tags": c.matches_tags,
                 "stream_ordered": c.stream_ordered}
 
-    def any(self, flag: bool, axis: AxisArg = None) -> bool:
+    def any(self, flag, axis: AxisArg = None):
         """Whether `flag` is true on any rank of `axis` (None: the world): one decision, the
-        same on every rank (a failed write, a non-finite tensor)."""
+        same on every rank (a failed write, a non-finite tensor). A bool gives a bool; a tensor
+        on the device gives a 0-d bool tensor there, unread (a training step's skip decision)."""
+        if isinstance(flag, torch.Tensor):
+            t = flag.detach().to(device=self.device, dtype=torch.float64, copy=True).reshape(1)
+            self.all_reduce(t, axis=axis, op="max")
+            return t[0] > 0
         t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64, device=self.device)
         self.all_reduce(t, axis=axis, op="max")
         return bool(t.item() > 0)

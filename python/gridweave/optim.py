@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import math
 import weakref
 
 import torch
@@ -234,6 +233,19 @@ class _DeviceSteps:
         self._norm = norm
         return (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0) * unscale  # float64: as a Python number was
 
+    def _unscale(self, scaler, grads, skip) -> tuple:
+        """fp16 (torch's GradScaler, on the device): an inf or NaN in any of the summed `grads` on any
+        rank, or `skip`, skips the step on every rank; the scale moves. Returns (1 / the scale the
+        loss was multiplied by, the skip flag), both tensors on the device, unread."""
+        found = torch.stack([~torch.isfinite(g).all() for g in grads]).any()
+        if skip is not None:
+            found = found | skip.to(found.device)
+        if getattr(self, "grid", None) is not None:
+            found = self.grid.any(found)  # one decision on every rank
+        inverse = scaler.inverse()  # before update moves the scale
+        scaler.update(found)
+        return inverse, found
+
     def _taken(self, bad, found_inf) -> torch.Tensor:
         """After the update: the step counted where it was taken; whether it was, on the device."""
         self._steps.add_(1.0 if found_inf is None else 1.0 - found_inf)
@@ -404,7 +416,7 @@ class OffloadAdam(_DeviceSteps):
         is a bool tensor there, whether the step was taken, unread. scaler: a gw.precision.LossScaler
         whose scale the loss was multiplied by (fp16): the gradients are unscaled in fp32 inside the
         update, and if any rank holds an inf or NaN after the sum, every rank skips the step and the
-        scale backs off, decided on the host (the next loss is scaled by it); returns a bool."""
+        scale backs off, decided on the device too."""
         chunks = self._chunks
         if self.overlap:  # what the backward did not start (parameters without a gradient), in order
             for i in range(len(self.params)):
@@ -436,17 +448,9 @@ class OffloadAdam(_DeviceSteps):
             self._reset_reduction()
             work = {}
             if scaler is not None:
-                found = not bool(torch.isfinite(grads).all()) or (skip is not None and bool(skip))
-                if self.grid is not None:
-                    found = self.grid.any(found)  # one decision on every rank
-                used = scaler.scale_value  # the loss was scaled by this; update() may grow it
-                if not scaler.update(found, self.step_count + 1):
-                    return False
-                coef = 1.0 / used
+                coef, bad = self._unscale(scaler, [grads], skip)
             if self.max_grad_norm is not None:
                 coef = self._clip_coefficient(grads, coef)
-                if scaler is not None and not math.isfinite(self.last_grad_norm):
-                    return False  # the norm is global: every rank skips this step
                 bad = ~torch.isfinite(self._norm) if bad is None else bad | ~torch.isfinite(self._norm)
         else:
             launch(0)
@@ -466,7 +470,7 @@ class OffloadAdam(_DeviceSteps):
                     self._update(grads, lo, hi, coef, found_inf)
         taken = self._taken(bad, found_inf)
         self._write_back(None if bad is None else taken)
-        return True if scaler is not None else taken
+        return taken
 
     def _update(self, grads, lo, hi, scale, found_inf=None):
         """AdamW in place on the flat buffers' elements [lo, hi) (unstaged: they live on the device)."""
@@ -827,28 +831,21 @@ class DistributedAdam(_DeviceSteps):
         self._reset_reduction()
         return shards
 
-    def step(self, scaler=None, skip=None) -> bool:
+    def step(self, scaler=None, skip=None) -> torch.Tensor:
         """Reduce-scatter, (check, clip,) update the shard, all-gather. Returns whether the step
         was taken (a non-finite gradient or norm skips it on every rank, as OffloadAdam). skip: a bool
-        tensor, true to skip the step (the loss was not finite), read on the host here (with the
-        finiteness check and the norm: OffloadAdam decides them on the device)."""
+        tensor, true to skip the step (the loss was not finite); every decision is the device's, as
+        OffloadAdam's, and the return a bool tensor there."""
         if self.units is not None:
             self.units.free_all()  # whatever a backward left gathered (a parameter without a gradient)
         shards = self.reduce_gradients()
         if self.zero >= 2:
             self.grad_shards = shards
         coef, bad = 1.0, skip  # bad: the device's skip flag
-        if scaler is not None:  # fp16: the scaler decides on the host (the next loss is scaled by it)
-            found = self.grid.any((skip is not None and bool(skip)) or
-                                  not all(bool(torch.isfinite(s).all()) for s in shards))
-            used = scaler.scale_value
-            if not scaler.update(found, self.step_count + 1):
-                return False
-            coef = 1.0 / used
+        if scaler is not None:
+            coef, bad = self._unscale(scaler, shards, skip)
         if self.max_grad_norm is not None:
             coef = self._clip(grad_norm_of(self.norm_pieces(shards), self.grid) * coef, coef)
-            if scaler is not None and not math.isfinite(self.last_grad_norm):
-                return False
             bad = ~torch.isfinite(self._norm) if bad is None else bad | ~torch.isfinite(self._norm)
         found_inf = None if bad is None else bad.to(device=self._steps.device, dtype=torch.float32)
         for k, (g, s) in enumerate(zip(self.groups, shards)):
@@ -868,7 +865,7 @@ class DistributedAdam(_DeviceSteps):
             self._refresh_shards()  # the next forward gathers them
         else:
             self.gather_parameters(None if bad is None else taken)
-        return True if scaler is not None else taken
+        return taken
 
     def _refresh_shards(self) -> None:
         """ZeRO-3: each parameter shard the all-gathers read, from the updated master."""

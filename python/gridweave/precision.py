@@ -38,39 +38,75 @@ PRECISIONS = {"fp32": Precision("fp32", torch.float32, False),
 
 
 class LossScaler:
-    """Dynamic loss scaling. scale(loss) before backward; after the gradients are summed,
-    update(found_inf) says whether the step may be taken (False: skip it) and moves the
-    scale. The decision is global: every rank passes the same found_inf (OffloadAdam
-    all-reduces it), so every rank skips the same steps."""
+    """Dynamic loss scaling, decided on the device (torch's GradScaler: the scale and its growth
+    counter are tensors moved by `torch._amp_update_scale_`, so a step reads nothing on the host).
+    scale(loss) before backward; after the gradients are summed, update(found_inf) skips or takes
+    the step and moves the scale. The decision is global: every rank passes the same found_inf
+    (the optimizers reduce it with Grid.any), so every rank skips the same steps. The tensors live
+    on `device`, or on the device of the first loss scaled."""
 
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, min_scale: float = 1.0):
+                 growth_interval: int = 2000, min_scale: float = 1.0, device=None):
         if not (init_scale > 0 and growth_factor > 1 and 0 < backoff_factor < 1 and growth_interval >= 1):
             raise GridError("LossScaler needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 and "
                             "growth_interval >= 1")
-        self.scale_value = float(init_scale)
         self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
         self.growth_interval, self.min_scale = int(growth_interval), float(min_scale)
-        self.clean_steps = 0
-        self.skipped = []  # optimizer steps (1-based) that were skipped
+        self._start = (float(init_scale), 0)  # (scale, clean steps) until the tensors exist
+        self._scale = self._clean = self.last_used = None
+        if device is not None:
+            self._tensors(torch.device(device))
+
+    def _tensors(self, device: torch.device) -> torch.Tensor:
+        if self._scale is None:  # float32 and int32: what torch._amp_update_scale_ takes
+            self._scale = torch.full((), self._start[0], dtype=torch.float32, device=device)
+            self._clean = torch.full((), self._start[1], dtype=torch.int32, device=device)
+            self.last_used = self._scale.clone()
+        return self._scale
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The scale the next loss is multiplied by, a 0-d float32 tensor on the device."""
+        if self._scale is None:
+            raise GridError("LossScaler has no device yet: pass device= or scale a loss first")
+        return self._scale
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.scale_value
+        return loss * self._tensors(loss.device)
 
-    def update(self, found_inf: bool, step: int) -> bool:
-        """Take the step (True) or skip it (False), and move the scale."""
-        if found_inf:
-            self.skipped.append(step)
-            self.scale_value = max(self.min_scale, self.scale_value * self.backoff_factor)
-            self.clean_steps = 0
-            return False
-        self.clean_steps += 1
-        if self.clean_steps % self.growth_interval == 0:
-            self.scale_value *= self.growth_factor
-        return True
+    def inverse(self) -> torch.Tensor:
+        """1 / the scale this step's loss was multiplied by (before update moves it), on the device."""
+        return self.tensor.reciprocal()
+
+    def update(self, found_inf, step=None) -> torch.Tensor:
+        """Move the scale: halve it (not below min_scale) where found_inf (a bool, or a tensor on the
+        device, nonzero: an inf or NaN somewhere), double it after growth_interval clean steps.
+        Returns whether the step may be taken, a bool tensor on the device, unread. `step` is
+        accepted for old callers and unused."""
+        scale = self.tensor
+        found = torch.as_tensor(found_inf, device=scale.device).to(torch.float32).reshape(())
+        self.last_used = scale.clone()  # what the step's loss was scaled by: the divergence guard's floor
+        torch._amp_update_scale_(scale, self._clean, found, self.growth_factor, self.backoff_factor,
+                                 self.growth_interval)
+        scale.clamp_(min=self.min_scale)
+        return found == 0
+
+    @property
+    def scale_value(self) -> float:
+        """The scale, read on the host (logs, checkpoints, tests: not a training step's path)."""
+        return float(self._scale) if self._scale is not None else self._start[0]
+
+    @property
+    def clean_steps(self) -> int:
+        return int(self._clean) if self._clean is not None else self._start[1]
 
     def state_dict(self) -> dict:
         return {"scale": self.scale_value, "clean_steps": self.clean_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale_value, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
+        scale, clean = float(state["scale"]), int(state["clean_steps"])
+        if self._scale is None:
+            self._start = (scale, clean)
+        else:
+            self._scale.fill_(scale)
+            self._clean.fill_(clean)

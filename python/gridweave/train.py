@@ -23,7 +23,7 @@ import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -543,7 +543,7 @@ def build(cfg: TrainConfig, grid, model_cfg: ModelConfig) -> tuple:
         opt = optim.OffloadAdam(stage.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, bsize=cfg.bsize,
                                 coarsening=cfg.coarsening, grid=grid, max_grad_norm=cfg.max_grad_norm,
                                 decay=optim.matrices_only, overlap=cfg.overlap_grad_reduce)
-    return model, stage, opt, LossScaler() if cfg.compute.loss_scaling else None
+    return model, stage, opt, LossScaler(device=grid.device) if cfg.compute.loss_scaling else None
 
 
 def resolve_offload(cfg: TrainConfig, grid) -> bool:
@@ -605,7 +605,7 @@ def _train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y, documents, pha
     opt.zero_grad()
     if hasattr(opt, "backwards_per_step"):  # gradients final after the m-th backward: buckets start then
         opt.backwards_per_step = m
-    loss_scale = scaler.scale_value if scaler is not None else 1.0
+    loss_scale = scaler.tensor if scaler is not None else 1.0  # on the device: its update is the device's
     # the experts' auxiliary losses reach the gradients as the micro-batch losses do: over m,
     # scaled, and summed over the data ranks where the optimizer averages over dp
     set_aux_grad_scale(stage, loss_scale / m / optim.dp_mean_scale(grid))
@@ -631,19 +631,27 @@ def _train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y, documents, pha
     return mean, timed(phases, "optimizer", opt.step, scaler, ~torch.isfinite(mean))
 
 
-def read_step(loss, taken, opt) -> tuple:
-    """(loss, whether the weights were updated, gradient norm or None) of a step, as numbers, in
-    one host read: what the progress bar, the divergence guard, the logs and metrics.json show."""
+class StepRead(NamedTuple):
+    """A training step's numbers on the host: what the progress bar, the divergence guard, the
+    logs and metrics.json show."""
+    loss: float
+    took: bool  # whether the weights were updated
+    norm: float | None  # the gradient norm (None: no clipping, no norm)
+    scale: float | None  # fp16: the loss scale the step ran with (None: no loss scaling)
+
+
+def read_step(loss, taken, opt, scaler=None) -> StepRead:
+    """A step's loss, whether it was taken, its gradient norm and loss scale, in one host read."""
     norm = getattr(opt, "grad_norm_tensor", None)
+    optional = [t for t in (norm, scaler.last_used if scaler is not None else None) if t is not None]
     parts = [loss.detach().reshape(1).to(torch.float64)]
-    if isinstance(taken, torch.Tensor):
-        parts.append(taken.reshape(1).to(device=loss.device, dtype=torch.float64))
-    if norm is not None:
-        parts.append(norm.detach().reshape(1).to(device=loss.device, dtype=torch.float64))
+    parts += [t.detach().reshape(1).to(device=loss.device, dtype=torch.float64)
+              for t in ([taken] if isinstance(taken, torch.Tensor) else []) + optional]
     got = torch.cat(parts).tolist()  # the step's one read
     loss_value, rest = got[0], got[1:]
     took = bool(rest.pop(0)) if isinstance(taken, torch.Tensor) else bool(taken)
-    return loss_value, took, (rest[0] if rest else None)  # no norm tensor: no clipping, no norm
+    norm_value = rest.pop(0) if norm is not None else None
+    return StepRead(loss_value, took, norm_value, rest.pop(0) if scaler is not None else None)
 
 
 def setup_grid(cfg: TrainConfig) -> Grid:
@@ -792,17 +800,15 @@ class DivergenceGuard:
     def __init__(self, cfg: TrainConfig, opt, scaler):
         self.cfg, self.opt, self.scaler, self.bad = cfg, opt, scaler, 0
 
-    def at_floor(self) -> bool:
-        """Read before the step: a skipped fp16 step is the loss scaler's business until then."""
-        return self.scaler is None or self.scaler.scale_value <= self.scaler.min_scale
-
-    def check(self, step: int, loss: float, took: bool, floor: bool, checkpoints: Checkpointer) -> None:
-        self.bad = self.bad + 1 if not took and floor else 0
+    def check(self, step: int, read: StepRead, checkpoints: Checkpointer) -> None:
+        # a skipped fp16 step is the loss scaler's business until the scale it ran with is the floor
+        floor = read.scale is None or read.scale <= self.scaler.min_scale
+        loss, self.bad = read.loss, self.bad + 1 if not read.took and floor else 0
         if self.bad < self.cfg.max_bad_steps:
             return
         checkpoints.land()  # the last good checkpoint lands; nothing after it is written
         bad, cfg = self.bad, self.cfg
-        norm = getattr(self.opt, "last_grad_norm", None) if math.isfinite(loss) else None
+        norm = read.norm if math.isfinite(loss) else None
         raise Diverged(f"training diverged: {bad} steps in a row (steps {step + 2 - bad}-{step + 1}) had a "
                        f"non-finite loss or gradient norm (the last: loss {loss:.4g}"
                        f"{'' if norm is None else f', gradient norm {norm:.4g}'}); none of them updated the "
@@ -876,7 +882,7 @@ class Meter:
         self.lr.append(lr)
         self.grad_norm.append(grad_norm)
 
-    def log(self, step: int, history: History, grid, scaler) -> None:
+    def log(self, step: int, history: History, grid, scale: float | None) -> None:
         """This rank's numbers of `step` to its loggers: the training state, speed beside the
         planner's prediction, memory, and the bytes and messages its engine moved per axis."""
         if self.run_log is None:
@@ -884,7 +890,7 @@ class Meter:
         import resource
 
         values = {"train/loss": history.losses[-1], "train/lr": self.lr[-1], "train/grad_norm": self.grad_norm[-1],
-                  "train/loss_scale": scaler.scale_value if scaler is not None else None,
+                  "train/loss_scale": scale,
                   "perf/tokens_per_s": self.tokens_per_s[-1], "perf/mfu": self.mfu[-1],
                   "perf/step_time_s": self.cfg.batch * self.cfg.seq / self.tokens_per_s[-1],
                   "perf/predicted_step_time_s": self.predicted_s,
@@ -1012,18 +1018,17 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
             x, y, docs = *reader.next_masked(tokens.vocab_size, tokens.vocab_size), None
         else:
             x, y, docs = reader.next_packed(tokens.documents) if cfg.pack_documents else (*reader.next(), None)
-        floor = guard.at_floor()
         with census if census is not None else contextlib.nullcontext():
-            loss, took, norm = read_step(*train_step(cfg, grid, stage, opt, scaler, x, y, docs, phases), opt)
-        history.losses.append(loss)
-        guard.check(step, loss, took, floor, checkpoints)
-        meter.record(time.perf_counter() - t0, opt.lr, norm)
+            read = read_step(*train_step(cfg, grid, stage, opt, scaler, x, y, docs, phases), opt, scaler)
+        history.losses.append(read.loss)
+        guard.check(step, read, checkpoints)
+        meter.record(time.perf_counter() - t0, opt.lr, read.norm)
         if census is not None:
             host_reads.append(census.counts())
             census = HostReads()
         meter.record_experts(stage, grid)
         validation.after_step(step, stage, grid, history)
-        meter.log(step, history, grid, scaler)
+        meter.log(step, history, grid, read.scale)
         meter.show(history)
         checkpoints.after_step(step, history)
     meter.close()

@@ -14,11 +14,18 @@ V, H, HEADS, SEQ, BATCH = 32, 16, 2, 8, 8
 def test_loss_scaler_backs_off_and_grows():
     import gridweave as gw
 
-    s = gw.precision.LossScaler(init_scale=1024.0, growth_interval=3)
-    assert s.update(False, 1) and s.update(False, 2) and s.scale_value == 1024.0
-    assert s.update(False, 3) and s.scale_value == 2048.0          # 3 clean steps: doubled
-    assert not s.update(True, 4) and s.scale_value == 1024.0       # overflow: skipped, halved
-    assert s.skipped == [4] and s.clean_steps == 0
+    s = gw.precision.LossScaler(init_scale=1024.0, growth_interval=3, min_scale=256.0, device="cpu")
+    assert s.update(False) and s.update(False) and s.scale_value == 1024.0
+    assert s.update(torch.tensor(0.0)) and s.scale_value == 2048.0  # 3 clean steps: doubled
+    assert not s.update(torch.tensor(True)) and s.scale_value == 1024.0  # overflow: skipped, halved
+    assert s.clean_steps == 0 and s.last_used.item() == 2048.0      # the step ran with 2048
+    for _ in range(3):
+        s.update(True)
+    assert s.scale_value == 256.0                                   # not below min_scale
+    assert s.tensor.device.type == "cpu" and s.tensor.dtype == torch.float32  # on the device, unread
+    t = gw.precision.LossScaler(init_scale=8.0)
+    t.load_state_dict(s.state_dict())                               # before it has a device
+    assert t.scale(torch.ones(())).item() == 256.0 and t.clean_steps == 0
     with pytest.raises(gw.GridError):
         gw.precision.LossScaler(backoff_factor=2.0)
     with pytest.raises(gw.GridError, match="precision must be one of"):
@@ -46,12 +53,13 @@ def _overflow(ctx, bad_rank, bad_step, steps=5):
             next(model.parameters()).grad[0, 0] = float("inf")  # one element on one rank overflows
         before = [p.detach().clone() for p in model.parameters()]
         scales.append(scaler.scale_value)
-        taken.append(opt.step(scaler))
+        taken.append(bool(opt.step(scaler)))  # decided on the device; read here, by the test
         if step == bad_step:
             frozen = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters()) and \
         bool(torch.isfinite(opt.master).all() and torch.isfinite(opt.exp_avg_sq).all())
-    return taken, scales, scaler.skipped, frozen, finite, opt.step_count
+    skipped = [s for s, took in enumerate(taken, 1) if not took]
+    return taken, scales, skipped, frozen, finite, opt.step_count
 
 
 def test_an_overflow_on_one_rank_skips_that_step_everywhere(pool):
@@ -78,6 +86,9 @@ def _train(tmp, name, *extra, port):
     r = subprocess.run([sys.executable, "-m", "gridweave.cli", "train", *ARGS, "--out", str(out), *extra],
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    if "--host-reads" in extra:
+        from test_train import _one_host_read_a_step
+        _one_host_read_a_step(out)  # fp16: the loss scaler's decisions were the device's
     return json.loads((out / "metrics.json").read_text())["loss"]
 
 
@@ -91,7 +102,7 @@ def fp32(tmp_path_factory):
                                        (["--tp", "row:2", "--sp", "2", "--pp", "2"], 29705),
                                        (["--tp", "subgraph:2", "--dp", "2", "--pp", "2"], 29707)])
 def test_half_precision_tracks_fp32(fp32, tmp_path, precision, spec, port):
-    losses = _train(tmp_path, precision, "--nproc", "8", "--precision", precision, *spec, port=port)
+    losses = _train(tmp_path, precision, "--nproc", "8", "--precision", precision, "--host-reads", *spec, port=port)
     assert all(torch.isfinite(torch.tensor(losses, device="cpu")))
     assert fp32[-1] < fp32[0] - 0.3 and losses[-1] < losses[0] - 0.3   # both learn
     worst = max(abs(a - b) / b for a, b in zip(losses, fp32))

@@ -243,7 +243,7 @@ class _AttachAux(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         (aux,) = ctx.saved_tensors
-        return g, torch.full_like(aux, ctx.scale), None
+        return g, torch.ones_like(aux) * ctx.scale, None  # the scale: a number, or fp16's on the device
 
 
 class SwiGLU(nn.Module):
@@ -519,7 +519,7 @@ class ExpertParallelMoE(DenseMoE):
         return chosen, sums[:-1], sums[-1], every
 
 
-def set_aux_grad_scale(module: nn.Module, scale: float) -> None:
+def set_aux_grad_scale(module: nn.Module, scale) -> None:
     """The gradient every mixture-of-experts block of `module` gives its auxiliary losses
     (gw.train: the loss scale over the micro-batches, times the data ranks the optimizer
     averages over)."""
