@@ -5,7 +5,7 @@ side in one run, each configuration twice, interleaved:
 - SUPER's topology-aware placement against naive, on a sub-graph grid (dp 4 x sg 2) and on a
   dp x tp grid (dp 2 x tp row:4): inter-node bytes (the engine's counters, the kernel's link
   counters beside them) and step time;
-- seed 000's 3-D layer (tp cube:2) against the 1-D layer (tp row:8) on all 8 ranks: step time,
+- Bian et al.'s 3-D layer (tp cube:2) against the 1-D layer (tp row:8) on all 8 ranks: step time,
   and the planner's prediction of both after calibrating on this cluster (gridweave bench
   --calibrate under torchrun on both nodes: alpha and beta inside a node and between nodes);
 - the time an elastic job takes from a killed rank to training again (--max-restarts 1).

@@ -26,7 +26,7 @@ def _peak(name: str) -> float:
 
 
 def _flops_per_token(cfg) -> float:
-    """Seed 001 eq. (3) without recomputation: 72 l h^2 (1 + s/6h + V/16lh) per token (fwd + bwd)."""
+    """AxoNN eq. (3) without recomputation: 72 l h^2 (1 + s/6h + V/16lh) per token (fwd + bwd)."""
     h, s, l, v = cfg["hidden"], cfg["seq"], cfg["layers"], cfg["vocab"]
     return 72 * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
 
@@ -72,7 +72,7 @@ def plain_torch(cfg, device) -> tuple[float, float]:
 
 
 def gridweave_job(cfg, device, offload: bool) -> tuple[float, float]:
-    """offload: seed 001's OffloadAdam (fp32 master weights and states on the host), else
+    """offload: AxoNN's OffloadAdam (fp32 master weights and states on the host), else
     torch's AdamW on the device, as plain torch: the difference is the offload's price."""
     import gridweave as gw
 

@@ -8,7 +8,7 @@ timing, 4 ranks: gridweave 1-D vs 2-D (2x2);
   each: median step time (alternating rounds), per-rank bytes sent (the engine's
   counters), per-rank parameter bytes and activation bytes saved for backward.
 scaling: per-rank bytes of one step at a fixed problem size for P = 2, 4, 8 (1-D),
-  4, 9 (2-D), 8, 27 (3-D), against O(1) for 1-D and O(P^-2/3) for 3-D (seed 000 §3.1.2).
+  4, 9 (2-D), 8, 27 (3-D), against O(1) for 1-D and O(P^-2/3) for 3-D (Bian et al. §3.1.2).
 """
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""AxoNN (seed 001) on CPU ranks.
+"""AxoNN (AxoNN) on CPU ranks.
 
     python benchmarks/bench_pipeline.py      # writes results/pipeline.json and .png
 
 imbalance: 4 stages whose per-microbatch forward/backward times vary (seeded, 0.5x-2x),
   message-driven (Algorithm 2) vs 1F1B with flush; step time.
 bubble: balanced stages, measured idle fraction of a step vs (p-1)/m and (p-1)/(m+p-1)
-  for m = 4, 8, 16 microbatches; and Megatron's interleaved schedule (seed 003 Fig. 4) with
+  for m = 4, 8, 16 microbatches; and Megatron's interleaved schedule (Megatron-LM Fig. 4) with
   v = 2 model chunks per stage (each half the stage's work): bubble (p-1)/(v m), idle
   fraction (p-1)/(v m + p - 1).
 Stage compute is emulated by sleeping (1 ms forward, 2 ms backward per microbatch) so the

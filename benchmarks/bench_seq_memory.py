@@ -1,11 +1,11 @@
-"""Seed 004's memory results (§4.2 Fig. 3, §4.3 Fig. 5, Table 4) as ratios on this machine (issue 31).
+"""Li et al.'s memory results (§4.2 Fig. 3, §4.3 Fig. 5, Table 4) as ratios on this machine (issue 31).
 
     python benchmarks/bench_seq_memory.py      # writes results/seq_memory.json and .png
 
 Under one per-rank memory budget, the longest sequence (batch fixed) and the largest batch
-(sequence fixed at 512) that 1-D tensor parallelism (Megatron, seed 003), sequence parallelism
-with the zigzag ring, with DeepSpeed-Ulysses and with seed 004's own RSA, and (BERT only)
-Linformer with sequence parallelism (seed 004 §4.3) fit at N = 2, 4, 8 ranks, for a BERT-Base-
+(sequence fixed at 512) that 1-D tensor parallelism (Megatron, Megatron-LM), sequence parallelism
+with the zigzag ring, with DeepSpeed-Ulysses and with Li et al.'s own RSA, and (BERT only)
+Linformer with sequence parallelism (Li et al. §4.3) fit at N = 2, 4, 8 ranks, for a BERT-Base-
 like and a Llama-like model scaled down (hidden 128, 8 heads, 2 layers, byte vocabulary: the
 layers dominate as in BERT-Base, whose 30k vocabulary is 18% of its parameters).
 
@@ -33,7 +33,7 @@ from pathlib import Path
 
 from launch import bench_parser, peak_growth_per_rank, results_dir, run_ranks, save, start_worker
 
-BUDGET = 64 << 20  # bytes per rank (seed 004: 16 GB P100s; scaled with the model)
+BUDGET = 64 << 20  # bytes per rank (Li et al.: 16 GB P100s; scaled with the model)
 MODEL = dict(hidden=128, heads=8, layers=2, kv_heads=8, tokenizer="bytes")
 FAMILIES = ("bert", "llama")
 METHODS = ("tp", "ring", "ulysses", "rsa", "linformer")  # linformer: BERT only (it is not causal)
@@ -218,7 +218,7 @@ def plot(data, png):
         ax.set_xticks(RANKS, [str(n) for n in RANKS])
         ax.legend(fontsize=7, ncol=2)
     s = data["summary"]
-    fig.suptitle(f"seed 004 on CPU ranks, {BUDGET >> 20} MiB per rank: sequence parallelism (ring, Ulysses, RSA, "
+    fig.suptitle(f"Li et al. on CPU ranks, {BUDGET >> 20} MiB per rank: sequence parallelism (ring, Ulysses, RSA, "
                  f"Linformer) vs 1-D tensor parallelism (tp); the planner's memory model against peak RSS at "
                  f"{s['validated_points']} points: median |error| {100 * s['median_abs_memory_error']:.0f}%, "
                  f"worst {100 * s['worst_abs_memory_error']:.0f}%")

@@ -1,10 +1,10 @@
-"""Sequence parallelism (seed 004) on CPU ranks.
+"""Sequence parallelism (Li et al.) on CPU ranks.
 
     python benchmarks/bench_sequence.py      # writes results/sequence.json and .png
 
 memory: per-rank activation bytes saved for backward by one attention (B=1, Z=8, A=32,
   L=2048) vs N = 1, 2, 4, 8: RSA keeps its (L/N x L) probabilities, blockwise keeps O(L/N),
-  Linformer with sequence parallelism (K=256, seed 004 Table 3) keeps O(L K / N).
+  Linformer with sequence parallelism (K=256, Li et al. Table 3) keeps O(L K / N).
 longest: the longest sequence whose layer activations fit a per-rank budget, sequence
   parallel (blockwise ring, and RSA) vs 1-D tensor parallel, at N = 4 and 8.
 overlap: blockwise ring attention forward+backward vs its compute alone (the ring
@@ -75,7 +75,7 @@ def worker(part, out_path):
             out, saved = saved_bytes(fn, (q, k, v))
             result[algo] = saved
             out.sum().backward()
-        # seed 004 Table 3: Linformer with sequence parallelism, this rank's L/N columns of E and F,
+        # Li et al. Table 3: Linformer with sequence parallelism, this rank's L/N columns of E and F,
         # the (K x A) products all-reduced over sp: every term in L divided by N
         from gridweave.autograd.comm import all_reduce_replicated
         from gridweave.nn.dense import linformer_attention

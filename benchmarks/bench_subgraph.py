@@ -1,4 +1,4 @@
-"""Sub-graph parallelism (seed 002) on CPU ranks: one transformer layer training step.
+"""Sub-graph parallelism (SUPER) on CPU ranks: one transformer layer training step.
 
     python benchmarks/bench_subgraph.py      # writes results/subgraph.json and .png
 

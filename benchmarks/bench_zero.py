@@ -4,7 +4,7 @@
 
 The main job's Llama (hidden 256, 8 heads / 4 kv heads, 4 layers, seq 128, global batch 16) on
 dp 4, the same weights and batches: gridweave's optimizer at ZeRO stages 0, 1, 2, 3 (the state on
-the device: gw.optim.DistributedAdam), seed 001's OffloadAdam (the main job's default), and torch's
+the device: gw.optim.DistributedAdam), AxoNN's OffloadAdam (the main job's default), and torch's
 FSDP2 (fully_shard per transformer layer and the root, torch.optim.AdamW, clip_grad_norm_). Every
 variant's step (forward, backward, reduction, clipping, update) is timed in rounds, one variant
 after the other, so they share the machine alike; tokens/s is the global batch's tokens over the
@@ -49,7 +49,7 @@ def worker(args):
                         ("gridweave zero 1", dict(zero=1, offload=False)),
                         ("gridweave zero 2", dict(zero=2, offload=False)),
                         ("gridweave zero 3", dict(zero=3, offload=False)),
-                        ("gridweave OffloadAdam (seed 001)", dict(zero=0, offload=True))):
+                        ("gridweave OffloadAdam (AxoNN)", dict(zero=0, offload=True))):
         cfg = gw.train.TrainConfig(**SIZES, dp=n, pp=1, **extra)
         grid = gw.init(dp=n, store=store, prefix=f"zero-{len(variants)}")
         torch.manual_seed(cfg.seed)
@@ -109,7 +109,7 @@ def plot(data, png):
     import matplotlib.pyplot as plt
 
     rows = data["rows"]
-    names = [r["variant"].replace("gridweave ", "gw ").replace(" (fully_shard)", "").replace(" (seed 001)", "")
+    names = [r["variant"].replace("gridweave ", "gw ").replace(" (fully_shard)", "").replace(" (AxoNN)", "")
              for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     a.barh(names, [r["tokens_per_s"] for r in rows])

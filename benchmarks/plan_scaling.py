@@ -58,7 +58,7 @@ def main() -> None:
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5))
     labels = {"none": "pipeline x data only", "row": "1-D (Megatron)", "square": "2-D (SUMMA)",
-              "cube": "3-D (seed 000)", "subgraph": "sub-graph (SUPER)"}
+              "cube": "3-D (Bian et al.)", "subgraph": "sub-graph (SUPER)"}
     for m in MODES:
         pts = [(n, data["points"][n][m]) for n in counts if m in data["points"][n]]
         if not pts:

@@ -1,4 +1,4 @@
-"""gw.plan against seed 000 (Bian et al.) Tables 1-2: 1-D, 2-D and 3-D tensor parallelism of
+"""gw.plan against Bian et al. (Bian et al.) Tables 1-2: 1-D, 2-D and 3-D tensor parallelism of
 consecutive transformer layers on TACC Longhorn (4 V100 per node, EDR InfiniBand).
 
     python benchmarks/plan_seed000.py [--cluster v100-ib]   # results/plan_seed000.json, .png
@@ -206,12 +206,12 @@ def main() -> None:
         for m, c in (("row", "C0"), ("square", "C1"), ("cube", "C2")):
             pts = [r for r in data["rows"] if r["table"] == t and r["mode"] == m]
             ax.plot([r["gpus"] for r in pts], [r["measured_s"] / ref["measured_s"] for r in pts], "o-", color=c,
-                    label=f"{m} measured (seed 000)")
+                    label=f"{m} measured (Bian et al.)")
             ax.plot([r["gpus"] for r in pts], [r["predicted_s"] / ref["predicted_s"] for r in pts], "x--",
                     color=c, label=f"{m} gw.plan")
         ax.set(xscale="log", xticks=[8, 16, 36, 64], xticklabels=["8", "16", "36", "64"], xlabel="GPUs",
                ylabel="step time per sequence / 3-D's at 64 GPUs",
-               title=f"seed 000 Table {t} ({'weak' if t == 1 else 'strong'} scaling), {args.cluster}")
+               title=f"Bian et al. Table {t} ({'weak' if t == 1 else 'strong'} scaling), {args.cluster}")
         ax.minorticks_off()
         ax.legend(fontsize=7)
     fig.tight_layout()

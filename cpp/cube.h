@@ -1,4 +1,4 @@
-// 3-D parallel matrix multiplication on a p x p x p cube (seed 000, §3.1): the block
+// 3-D parallel matrix multiplication on a p x p x p cube (Bian et al., §3.1): the block
 // layout of every operand and which collective runs on which axis at each step.
 // Local GEMMs are done by the caller (torch); the engine owns the choreography.
 //
@@ -17,7 +17,7 @@ enum class CubeForm : int { AB = 0, ABt = 1, AtB = 2 };
 // One operand's layout: for each of its two dims, the axes splitting it, outermost first.
 using MatrixLayout = std::vector<std::vector<std::string>>;
 
-// operand: 0 = lhs (A), 1 = rhs (B), 2 = out (C). Seed 000 §3.1.1:
+// operand: 0 = lhs (A), 1 = rhs (B), 2 = out (C). Bian et al. §3.1.1:
 //   AB : A_ijl [(x,a) | c]   B_lji [c | (a,x)]   C_ilj [(x,c) | a]
 //   ABt: A     [(x,a) | c]   B     [a | (c,x)]   C     [(x,c) | a]
 //   AtB: A     [(x,a) | c]   B     [(x,c) | a]   C     [c | (a,x)]

@@ -1,4 +1,4 @@
-// Pipeline schedules over the "pp" axis (seed 001, AxoNN; seed 003, Megatron's 1F1B).
+// Pipeline schedules over the "pp" axis (AxoNN, AxoNN; Megatron-LM, Megatron's 1F1B).
 // The engine owns the control flow and the messages; the caller's callbacks do the
 // compute of one microbatch on this stage:
 //   forward(mb, input)  -> pointer to this stage's output (input: null on stage 0)
@@ -110,7 +110,7 @@ PipelineStats run_message_driven(Communicator& pp, const PipelineConfig& cfg, co
 PipelineStats run_one_f_one_b(Communicator& pp, const PipelineConfig& cfg, const StageForward& forward,
                               const StageBackward& backward, const StageLinks& links = {});
 
-// Megatron's interleaved 1F1B (seed 003 §2.2, Fig. 4): each stage holds `chunks` model chunks;
+// Megatron's interleaved 1F1B (Megatron-LM §2.2, Fig. 4): each stage holds `chunks` model chunks;
 // a microbatch visits the virtual stages c * stages + s (c = 0..chunks-1), the last stage's
 // chunk c feeding stage 0's chunk c + 1. Warm-up forwards, one-forward-one-backward, cool-down
 // backwards, in Megatron's order; the bubble shrinks to (p - 1) / (chunks m). Needs m a

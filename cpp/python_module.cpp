@@ -303,7 +303,7 @@ PYBIND11_MODULE(_C, m) {
         return r.exchange(send, recv, step);
       });
 
-  // Pipeline schedules (seed 001 Algorithm 2; seed 003 1F1B). Callbacks take
+  // Pipeline schedules (AxoNN Algorithm 2; Megatron-LM 1F1B). Callbacks take
   // (microbatch, input address or 0) and return the address of the bytes to send, which are sent
   // in place: `sent(address)` says when they are no longer read (their send is done).
   py::class_<PipelineStats>(m, "PipelineStats")
@@ -389,7 +389,7 @@ PYBIND11_MODULE(_C, m) {
     register_allocator(Device::CUDA, a);
   }, py::arg("allocate"), py::arg("release"));
 
-  // 3-D choreography (seed 000 §3.1): layouts, plans and gradient mappings.
+  // 3-D choreography (Bian et al. §3.1): layouts, plans and gradient mappings.
   py::class_<CubeStep>(m, "CubeStep").def_readonly("axis", &CubeStep::axis).def_readonly("dim", &CubeStep::dim);
   py::class_<CubePlan>(m, "CubePlan")
       .def_readonly("gather_lhs", &CubePlan::gather_lhs)

@@ -38,7 +38,7 @@ std::shared_ptr<Work> Ring::exchange(const std::vector<BufferView>& send, const 
   if (size() == 1) return std::make_shared<MultiWork>("ring exchange", parts);
   // One group per step: each rank's receive waits for its previous rank's send, which under
   // NCCL's rules (a communicator runs its ops in issue order, a send waits for its receive)
-  // only progresses when the two are posted together (seed 004's ring, TE's context parallelism).
+  // only progresses when the two are posted together (Li et al.'s ring, TE's context parallelism).
   std::vector<P2P> ops;
   for (std::size_t k = 0; k < send.size(); ++k) {
     GW_CHECK(send[k].nbytes() == recv[k].nbytes(), "ring exchange: block " << k << " sends " << send[k].nbytes()

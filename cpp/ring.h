@@ -1,4 +1,4 @@
-// The ring schedule of sequence parallelism (seed 004 §3.1) on one axis: neighbours,
+// The ring schedule of sequence parallelism (Li et al. §3.1) on one axis: neighbours,
 // which block a rank holds at each step, and a double-buffered exchange (send this
 // step's blocks to the next rank while receiving the next step's from the previous
 // one, overlapped with the caller's compute on this step's blocks).

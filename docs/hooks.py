@@ -86,7 +86,15 @@ def measurements() -> str:
     return "\n".join(out)
 
 
-MARKERS = {"<!-- config-reference -->": config_reference, "<!-- measurements -->": measurements}
+def plan_columns() -> str:
+    from gridweave.plan import TABLE_COLUMNS
+
+    return "\n".join(["| column | what it is |", "|---|---|"] +
+                     [f"| `{k}` | {v} |" for k, v in TABLE_COLUMNS.items()])
+
+
+MARKERS = {"<!-- config-reference -->": config_reference, "<!-- measurements -->": measurements,
+           "<!-- plan-columns -->": plan_columns}
 
 
 def on_page_markdown(markdown, page, config, files):

@@ -5,7 +5,7 @@
 # job's model in gridweave and in plain torch on the GPU (tokens/s, MFU), and the planner
 # calibrated on the GPU against measured steps (bench_plan_gpu); where MPI and mpi4py are
 # there, the transport benchmark on the machine's 16 cores (2-8 ranks, none sharing a core,
-# issue 14's 1.1x goal). Issue 28: stream-ordered waits, a dropped op under allocator churn, a
+# the 1.1x goal). Stream-ordered waits, a dropped op under allocator churn, a
 # collective captured in a CUDA graph, compute-sanitizer's memcheck and racecheck, and the
 # profiler's count of host synchronisations and cudaMalloc per step (bench_gpu_syncs).
 # Results go to benchmarks/results/gpu/ named after the device.
@@ -31,13 +31,13 @@ if [ "$DEV" != "none" ] && want suite; then
     tests/python/test_pipeline.py tests/python/test_sharding.py -rs 2>&1 | tee "$OUT/test_cuda_suite_${DEV}.txt" || rc=1
 fi
 if [ "$DEV" != "none" ] && want zero; then
-  # issue 30: ZeRO 1-3 and hybrid sharding on the GPU: the reduce-scatters start from autograd's
+  # ZeRO 1-3 and hybrid sharding on the GPU: the reduce-scatters start from autograd's
   # hooks and ZeRO-3's gathers from module and tensor hooks, on autograd's device thread there
   GRIDWEAVE_TEST_DEVICE=cuda python3 -m pytest -q tests/python/test_zero.py -rs \
     -k "equals or hybrid or activation or offload" 2>&1 | tee "$OUT/test_cuda_zero_${DEV}.txt" || rc=1
 fi
 if [ "$DEV" != "none" ] && want sanitizer && command -v compute-sanitizer >/dev/null 2>&1; then
-  # issue 28: memory and race checks over the NCCL and kernel tests of the GPU tier
+  # memory and race checks over the NCCL and kernel tests of the GPU tier
   for tool in memcheck racecheck; do
     compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -m gpu tests/python/test_gpu.py \
       -k "nccl or ordered or lse or captured or dropped" 2>&1 | tee "$OUT/sanitizer_${tool}_${DEV}.txt" || true

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from . import calibrate, checkpoint, configfile, data, launch, models, modes, plan, runfolder, train
 from .errors import CommError, Diverged, GridError
-from .generate import sample
+from .generate import check_sampling, sample
 from .hf import save_hf
 from .pipeline import SCHEDULES
 from .precision import PRECISIONS
@@ -64,13 +64,13 @@ def _train_parser(sub):
     m.add_argument("--rope-theta", type=float, default=d["rope_theta"].default)
     m.add_argument("--tie", action="store_true", help="tie the embedding and the head (pp 1)")
     m.add_argument("--attention", default=d["attention"].default, choices=CHOICES["attention"],
-                   help="with --sp: blockwise ring attention (zigzag), seed 004's RSA, DeepSpeed-Ulysses (all-to-all "
+                   help="with --sp: blockwise ring attention (zigzag), Li et al.'s RSA, DeepSpeed-Ulysses (all-to-all "
                         "to head shards), or USP (Ulysses inside blocks of --ulysses-degree sp ranks, the ring across)")
     m.add_argument("--ulysses-degree", type=int, default=d["ulysses_degree"].default,
                    help="--attention usp: the sp ranks of each Ulysses block")
     m.add_argument("--linformer-k", type=int, default=d["linformer_k"].default,
                    help="--model bert --attention linformer: keys and values projected from --seq to K rows "
-                        "(seed 004 §4.3: the projections split over the sequence shards)")
+                        "(Li et al. §4.3: the projections split over the sequence shards)")
     e = p.add_argument_group("mixture of experts (--model mixtral, qwen2-moe or qwen3-moe)")
     for name, typ, what in (("experts", int, "routed experts per layer"), ("top_k", int, "experts per token"),
                             ("moe_ffn", int, "each expert's hidden width (0: --ffn-hidden's default)"),
@@ -118,11 +118,11 @@ def _train_parser(sub):
                    help="OffloadAdam: start each gradient chunk's all-reduce in the backward that completes it "
                         "(torch DDP's buckets; the default), or after it (--no-overlap-grad-reduce)")
     o.add_argument("--offload", default=d["offload"].default, choices=["auto", "on", "off"],
-                   help="the optimizer state in host memory (on: seed 001's buckets), on the device (off), or auto: "
+                   help="the optimizer state in host memory (on: AxoNN's buckets), on the device (off), or auto: "
                         "host memory on CPU ranks, the device on GPUs unless it does not fit there")
     o.add_argument("--no-offload", dest="offload", action="store_const", const="off",
                    help="the optimizer state on the device (--offload off)")
-    o.add_argument("--ac", default="none", help="activation checkpointing: none | auto (seed 001's optimal) | N")
+    o.add_argument("--ac", default="none", help="activation checkpointing: none | auto (AxoNN's optimal) | N")
     o.add_argument("--schedule", default=d["schedule"].default, choices=sorted([*SCHEDULES, "auto"]),
                    help="the pipeline's schedule; auto: message_driven unless a micro-batch runs a collective "
                         "over the data axes (ZeRO-3, a mixture of experts over dp), then 1f1b")
@@ -177,6 +177,9 @@ def _generate_parser(sub):
 
 
 def _generate(args) -> int:
+    if args.top_k < 0:
+        raise GridError(f"--top-k must be >= 0 (0: the whole vocabulary), got {args.top_k}")
+    check_sampling(args.tokens, args.temperature, args.top_k or None)  # before the model is read
     model, tok, _ = load_model(args.run)
     ids = data.check_encodable(tok, args.prompt, "the prompt")
     out = sample(model, ids, args.tokens, args.temperature, args.top_k or None, args.seed, tok.vocab_size)
@@ -239,7 +242,9 @@ def _without_launcher_flags(argv):
 
 
 def _plan_parser(sub):
-    p = sub.add_parser("plan", help="rank grids by predicted step time and memory (gw.plan)")
+    legend = "the table's columns:\n" + "\n".join(f"  {k:<24} {v}" for k, v in plan.TABLE_COLUMNS.items())
+    p = sub.add_parser("plan", help="rank grids by predicted step time and memory (gw.plan)", epilog=legend,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", type=int, default=None, help="ranks to plan for (default with --grid: its size)")
     p.add_argument("--gpus-per-node", type=int, default=None)
     p.add_argument("--cluster", default="a100-ib", help="v100-ib | a100-ib | h100-ib | local | a JSON file")
@@ -299,6 +304,8 @@ def _plan(args) -> int:
         if args.gpus is None:
             raise GridError("--gpus: how many ranks to plan for (or --grid, one grid to evaluate)")
         rows = plan.plan(args.gpus, model, cluster, workers=args.workers)
+        if not args.json:  # the table: rows that differ only in a stage that changes nothing, as one
+            rows = plan.fold_equal(rows)
         if args.explain is not None and not 1 <= args.explain < len(rows):
             raise GridError(f"--explain {args.explain}: choose a grid from 1 to {len(rows) - 1} (it is compared "
                             "with the next)")
@@ -324,6 +331,7 @@ def _plan(args) -> int:
               f"{r['schedule']:>14} {r['microbatches']:>4} "
               f"{r['step_time_s'] * 1e3:>9.2f} {(t['compute'] + t['recompute']) * 1e3:>8.2f} {t['bubble'] * 1e3:>7.2f} "
               f"{comm or '-':<28} {r['memory_bytes'] / 2 ** 30:>8.2f} {parts:<24}{'' if r['fits'] else ' (does not fit)'}")
+    print("(a|b: grids equal in time and memory but for this column; the columns: gridweave plan --help)")
     if why:
         print()
         print("\n".join(why))
@@ -387,8 +395,35 @@ def _bench_parser(sub):
     return p
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, answering bad input with one line (exit 2) and the nearest flag for a mistyped one."""
+
+    def error(self, message):
+        import difflib
+
+        bad = re.match(r"unrecognized arguments: (\S+)", message)
+        if bad:
+            flags = [o for p in _parsers(self) for a in p._actions for o in a.option_strings]
+            word = bad.group(1).split("=")[0]
+            near = difflib.get_close_matches(word, flags, n=5, cutoff=0.6)
+            # equally close: the one that starts alike (--dpp: --dp, not --pp)
+            near = sorted(near, key=lambda f: (-difflib.SequenceMatcher(None, word, f).ratio(),
+                                               -len(os.path.commonprefix([word, f]))))
+            message = f"unrecognized argument {bad.group(1)}" + (f"; did you mean {near[0]}?" if near else "")
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _parsers(parser) -> list:
+    """parser and its subcommands' parsers."""
+    out = [parser]
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            out += [q for p in dict.fromkeys(a.choices.values()) for q in _parsers(p)]
+    return out
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="gridweave")
+    ap = _Parser(prog="gridweave")
     sub = ap.add_subparsers(dest="command", required=True)
     train_parser = _train_parser(sub)
     _generate_parser(sub)
@@ -398,11 +433,17 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.command == "plan":
         return _plan(args)
-    if args.command == "generate":
-        return _generate(args)
-    if args.command == "export":
-        return _export(args)
+    if args.command in ("generate", "export"):
+        try:
+            return (_generate if args.command == "generate" else _export)(args)
+        except (GridError, OSError) as e:  # a missing run, a bad setting: one line, as train answers
+            print(f"gridweave {args.command}: {getattr(e, 'strerror', None) and f'{e.strerror}: {e.filename}' or e}",
+                  file=sys.stderr)
+            return 2
     if args.command == "bench":
+        if args.nproc < 1:
+            print(f"gridweave bench: --nproc must be a positive integer, got {args.nproc}", file=sys.stderr)
+            return 2
         if args.nproc > 1 and "RANK" not in os.environ:
             argv = _without_launcher_flags(list(sys.argv[1:] if argv is None else argv))
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
@@ -437,6 +478,9 @@ def main(argv=None) -> int:
             except (GridError, OSError) as e:
                 print(f"gridweave train: {as_flags(getattr(e, 'strerror', None) or e)}", file=sys.stderr)
                 return 2
+            if not cfg.quiet:  # what starts, said before any rank does
+                print(start_line(cfg, nodes, shape, _launcher(args) if nodes.world_size > 1 else "this process"),
+                      flush=True)
             if nodes.world_size == 1:
                 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
             else:  # spawn the ranks, each running this command without the launcher's flags
@@ -486,7 +530,15 @@ def node_spec(args) -> launch.Nodes:
 
 
 def _launcher(args) -> str:
-    return args.launcher if args.launcher != "auto" else launch.default_launcher(args.device, args.backend)
+    """launcher=auto follows the words given: a hostfile is mpirun's, torchrun's multi-node words
+    (--nnodes, --node-rank, --master-addr, --max-restarts) are torchrun's; else the transport's."""
+    if args.launcher != "auto":
+        return args.launcher
+    if args.hostfile is not None:
+        return "mpirun"
+    if args.nnodes > 1 or args.node_rank or args.master_addr is not None or args.max_restarts:
+        return "torchrun"
+    return launch.default_launcher(args.device, args.backend)
 
 
 def _spawn(args, nodes: launch.Nodes, argv) -> int:
@@ -605,6 +657,16 @@ def with_config_file(args, parser, argv):
 
 def launch_fields(args) -> dict:
     return {k: getattr(args, k) for k in configfile.LAUNCH}
+
+
+def start_line(cfg, nodes, shape, launcher: str) -> str:
+    """The job in one line, printed before its ranks start: launcher, ranks, grid, model, data, output."""
+    model_cfg = cfg.model_config(cfg.vocab)
+    params = sum(p.numel() for p in models.build(model_cfg, device="meta").parameters())
+    return (f"gridweave train: {launcher}, {nodes.world_size} rank(s) ({nodes.nnodes} node(s) x {nodes.nproc}) on "
+            f"{cfg.device}; grid dp {shape['dp']} x pp {shape['pp']} x tp {cfg.mode.spec()} x sp {shape['sp']}; "
+            f"model {cfg.model}, {params / 1e6:.2f} M parameters, {cfg.compute.name}; data "
+            f"{cfg.data or 'the fortunes corpus'}, tokenizer {cfg.tokenizer}; output {cfg.out}")
 
 
 def dry_run(cfg, nodes, shape) -> int:

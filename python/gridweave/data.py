@@ -175,6 +175,7 @@ def load_corpus(path: str | None = None) -> torch.Tensor:
 class ByteTokenizer:
     """Raw UTF-8 bytes: 256 tokens."""
     kind = "bytes"
+    unknown = (None, None)  # every text has its bytes
 
     @property
     def vocab_size(self) -> int:
@@ -228,6 +229,13 @@ class BPETokenizer:
     @property
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size()
+
+    @property
+    def unknown(self) -> tuple:
+        """(the unknown token's text, its id), or (None, None) for a model that has none (byte-level BPE)."""
+        name = getattr(self.tok.model, "unk_token", None)
+        i = self.tok.token_to_id(name) if name else None
+        return (name, i) if i is not None else (None, None)
 
     def encode(self, text: str) -> list:
         return self.tok.encode(text).ids
@@ -307,14 +315,12 @@ def copy_tokenizer(src: Path, folder: Path) -> None:
 
 
 def check_encodable(tokenizer, text: str, what: str) -> list:
-    """Token ids of `text`; a text the tokenizer cannot represent is an error saying so."""
+    """Token ids of `text`; one that tokenizes to nothing is an error saying so. A tokenizer need
+    not give the text back (a lower-casing or normalising one does not): documents' boundaries
+    come from its offsets, and what it cannot represent is its unknown token (prepare counts it)."""
     ids = tokenizer.encode(text)
     if not ids:
         raise GridError(f"{what} is empty after tokenization")
-    back = tokenizer.decode(ids)
-    if back != text:
-        raise GridError(f"{what} does not round-trip through the {tokenizer.kind} tokenizer "
-                        f"(got {back[:40]!r} for {text[:40]!r})")
     return ids
 
 
@@ -357,8 +363,9 @@ CHUNK = 1 << 10  # records (or text files) tokenized at once: memory stays bound
 
 def _documents(src: Source, tok, texts):
     """(token ids, document starts within them) of each chunk of the corpus: a text file's
-    documents by document_offsets; a record a document, ending with the tokenizer's
-    end-of-sequence token when it has one (nanoGPT's, Megatron's --append-eod)."""
+    documents by document_offsets (mapped to tokens by the tokenizer's offsets); a record a
+    document, ending with the tokenizer's end-of-sequence token when it has one (nanoGPT's,
+    Megatron's --append-eod)."""
     if not src.format.records:
         for f, t in zip(src.files, texts):
             yield check_encodable(tok, t, f"corpus file {f}"), tok.token_starts(t, document_offsets(t))
@@ -377,16 +384,19 @@ def _documents(src: Source, tok, texts):
         yield ids, starts
 
 
-def _write_streaming(folder: Path, dtype, pieces) -> tuple:
+def _write_streaming(folder: Path, dtype, pieces, unknown_id=None) -> tuple:
     """tokens.bin and documents.bin written piece by piece into temporary files, then renamed:
-    (token count, document count). A failure leaves neither temporary file."""
+    (token count, document count, how many tokens are unknown_id). A failure leaves neither
+    temporary file."""
     tmp = {name: folder / f"{name}{TMP_MARK}{os.getpid()}" for name in (TOKENS_FILE, DOCUMENTS_FILE)}
-    count = docs = 0
+    count = docs = unknown = 0
     try:
         with open(tmp[TOKENS_FILE], "wb") as t, open(tmp[DOCUMENTS_FILE], "wb") as d:
             for ids, starts in pieces:
                 (np.unique(np.asarray(starts, dtype=np.int64)) + count).tofile(d)  # sorted; an empty document drops out
-                np.asarray(ids, dtype=dtype).tofile(t)
+                ids = np.asarray(ids, dtype=dtype)
+                ids.tofile(t)
+                unknown += int((ids == unknown_id).sum()) if unknown_id is not None else 0
                 count, docs = count + len(ids), docs + len(np.unique(starts))
         for name, path in tmp.items():
             os.replace(path, folder / name)
@@ -394,7 +404,7 @@ def _write_streaming(folder: Path, dtype, pieces) -> tuple:
         for path in tmp.values():
             path.unlink(missing_ok=True)
         raise
-    return count, docs
+    return count, docs, unknown
 
 
 def _scan_tokens(src: Source, vocab: int, eos) -> np.ndarray:
@@ -415,11 +425,19 @@ def _scan_tokens(src: Source, vocab: int, eos) -> np.ndarray:
 
 
 def prepare(folder, data: str | Source | None, tokenizer: str = "bpe", vocab_size: int = 1024,
-            val_fraction: float = 0.05, tokenizer_from: str | None = None, tokenize: bool = True) -> Path:
+            val_fraction: float = 0.05, tokenizer_from: str | None = None, tokenize: bool = True,
+            say=None, warn=None) -> Path:
     """Train (or reuse, from `tokenizer_from`) the tokenizer and tokenize the corpus once into
     `folder`/tokens.bin, streaming (tokenize=False: the tokenizer alone); returns `folder`.
     Pre-tokenized files are not copied: tokens.json points at them. Idempotent: a token file made
-    from the same files and tokenizer is kept."""
+    from the same files and tokenizer is kept. say(line): told what is being made, and when it is
+    done (the main job prints it); warn(line): told what the tokenizer cannot represent (default:
+    printed to stderr)."""
+    import sys
+    import time
+
+    say = say or (lambda line: None)
+    warn = warn or (lambda line: print(f"gridweave: {line}", file=sys.stderr, flush=True))
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     if not 0 < val_fraction < 0.5:
@@ -436,7 +454,10 @@ def prepare(folder, data: str | Source | None, tokenizer: str = "bpe", vocab_siz
         if tokenizer == "bytes":
             tok = ByteTokenizer()
         elif tokenizer == "bpe":
+            t0 = time.perf_counter()
+            say(f"training a byte-level BPE tokenizer of {vocab_size} tokens on {src.path} ...")
             tok = BPETokenizer.train(src.records() if src.format.records else read_text(src.path), vocab_size)
+            say(f"tokenizer trained ({time.perf_counter() - t0:.1f} s)")
         else:
             raise GridError(f"tokenizer must be 'bpe' or 'bytes', got {tokenizer!r}")
         atomic_write(tok_path, lambda p: tok.save(p))
@@ -449,6 +470,8 @@ def prepare(folder, data: str | Source | None, tokenizer: str = "bpe", vocab_siz
         if meta.get("fingerprint") == fp and (meta.get("files") or (folder / TOKENS_FILE).exists()):
             return folder
     tok = load_tokenizer(tok_path)
+    t0 = time.perf_counter()
+    say(f"tokenizing {src.path} into {folder} ...")
     meta = {"fingerprint": fp, "vocab_size": tok.vocab_size, "tokenizer": tok.kind, "corpus": src.path,
             "format": src.format.value}
     if src.format is Format.TOKENS:  # read where they are: nanoGPT's train.bin (and val.bin), or one file split
@@ -460,11 +483,17 @@ def prepare(folder, data: str | Source | None, tokenizer: str = "bpe", vocab_siz
     else:
         dtype = np.uint16 if tok.vocab_size <= 65536 else np.uint32
         texts = src.records() if src.format.records else (text_of(f) for f in src.files)
-        count, ndocs = _write_streaming(folder, dtype, _documents(src, tok, texts))
+        unk, unk_id = tok.unknown
+        count, ndocs, unknown = _write_streaming(folder, dtype, _documents(src, tok, texts), unk_id)
         if count < 2:
             raise GridError(f"data={src.path} holds no text to train on")
-        meta.update(count=count, dtype=np.dtype(dtype).name, documents=ndocs, split=int(count * (1 - val_fraction)))
+        meta.update(count=count, dtype=np.dtype(dtype).name, documents=ndocs, split=int(count * (1 - val_fraction)),
+                    unknown_tokens=unknown)
+        if unknown:  # said once, whoever prepares the data
+            warn(f"{unknown:,} of {count:,} tokens ({100 * unknown / count:.2f}%) of {src.path} are the tokenizer's "
+                 f"unknown token {unk!r}: it cannot represent that part of the corpus")
     atomic_write(meta_path, lambda p: Path(p).write_text(json.dumps(meta, indent=1)))
+    say(f"tokenized: {meta['count']:,} tokens in {meta['documents']:,} documents ({time.perf_counter() - t0:.1f} s)")
     return folder
 
 

@@ -1,4 +1,4 @@
-"""Packed documents (issue 31): several documents in one training sequence, attention within
+"""Packed documents: several documents in one training sequence, attention within
 each (ring-flash-attn's varlen API, torchtitan's document masking). A batch of packed sequences
 carries its document ids: an int64 (b, L) tensor, one id per token of the whole sequence, equal
 ids for one document's tokens (which are consecutive). Every attention path (dense, both rings,

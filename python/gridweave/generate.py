@@ -65,14 +65,23 @@ def pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator)
 
 
 @torch.no_grad()
+def check_sampling(max_new: int, temperature: float, top_k: int | None) -> None:
+    """sample's settings, checked before any model is loaded."""
+    import math
+
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise GridError(f"temperature must be a number >= 0 (0: greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise GridError(f"top_k must be >= 1, got {top_k}")
+    if max_new < 0:
+        raise GridError(f"the new tokens must be >= 0, got {max_new}")
+
+
 def sample(model: GPT, prompt_ids: list, max_new: int, temperature: float = 0.8, top_k: int | None = 40,
            seed: int = 0, vocab: int | None = None) -> list:
     """Token ids of `prompt_ids` continued by `max_new` tokens. vocab: the tokenizer's size
     (padding rows of a padded vocabulary are never sampled)."""
-    if temperature < 0:
-        raise GridError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise GridError(f"top_k must be >= 1, got {top_k}")
+    check_sampling(max_new, temperature, top_k)
     if not prompt_ids:
         raise GridError("the prompt has no tokens")
     if len(prompt_ids) + max_new > model.seq:

@@ -728,7 +728,7 @@ class Grid:
         return self._native.link(self._axis_tuple(axis), int(a), int(b), int(channel))
 
     def ring(self, axis: str):
-        """The engine's ring over `axis` (seed 004): neighbours, double-buffered exchanges."""
+        """The engine's ring over `axis` (Li et al.): neighbours, double-buffered exchanges."""
         return Ring(self, axis)
 
     @property

@@ -111,7 +111,7 @@ def vector_bandwidth(numel: int | None = None, window: float = 1.0, device="cpu"
 
 
 class StepPhases:
-    """Where a training step's time goes (issue 34), seconds summed over the steps it timed:
+    """Where a training step's time goes, seconds summed over the steps it timed:
     forward and backward (the model's own work, every micro-batch; the backward includes the
     gradient hooks that start reductions), reduction (waiting for the gradient sums the backward
     did not hide), optimizer (the rest of the optimizer's step: norm, update, write-back or
@@ -166,13 +166,18 @@ class HostReads:
     of a tensor's value on the host (aten._local_scalar_dense: .item(), bool(), float(), int()),
     every Tensor.tolist / .numpy / .cpu call, and every tensor made from Python data
     (aten.lift_fresh: torch.tensor(...), which on a GPU is a host-to-device copy). Each is
-    filed under where it happened: "collective" (inside the grid's ops), "optimizer", or "step"
-    (anywhere else), named by the innermost gridweave frame. A context manager; counts()
-    gives {"reads": {where: n}, "tensors_from_python": n, "sites": {site: n}}."""
+    filed under where it happened: "collective" (inside the grid's ops), "optimizer",
+    "moe_dispatch" (a mixture of experts' token exchange reading its sizes), or "step" (anywhere
+    else), named by the innermost gridweave frame. Ops whose output's shape depends on the
+    values (nonzero, masked_select, unique, indexing by a mask: a host sync on a GPU) are
+    counted apart, as shape_syncs. A context manager; counts() gives {"reads": {where: n},
+    "tensors_from_python": n, "shape_syncs": n, "sites": {site: n}}."""
 
     WHERE = (("collective", ("gridweave/grid.py", "gridweave/ring.py", "gridweave/autograd/comm.py")),
-             ("optimizer", ("gridweave/optim.py", "gridweave/zero.py", "gridweave/precision.py")))
+             ("optimizer", ("gridweave/optim.py", "gridweave/zero.py", "gridweave/precision.py")),
+             ("moe_dispatch", ("gridweave/nn/moe.py",)))
     PATCHED = ("tolist", "numpy", "cpu")
+    SHAPED = ("nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive")
 
     def __init__(self):
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -185,14 +190,24 @@ class HostReads:
                     census._note("read")
                 elif func is torch.ops.aten.lift_fresh.default:
                     census._note("tensor")
+                elif census._shaped(func, args, kwargs or {}):
+                    census._note("shape")
                 return func(*args, **(kwargs or {}))
 
         self._mode = _Mode()
         self._saved = {}
         self._in_patch = False
-        self.reads = {"collective": 0, "optimizer": 0, "step": 0}
-        self.tensors_from_python = 0
+        self.reads = {"collective": 0, "optimizer": 0, "moe_dispatch": 0, "step": 0}
+        self.tensors_from_python = self.shape_syncs = 0
         self.sites = {}
+
+    def _shaped(self, func, args, kwargs) -> bool:
+        name = func.overloadpacket.__name__
+        if name in self.SHAPED or (name == "repeat_interleave" and len(args) == 1 and kwargs.get("output_size") is None):
+            return True  # repeat_interleave(repeats) without output_size reads the repeats' sum
+        if name == "index" and len(args) > 1:  # a bool mask among the indices: nonzero inside
+            return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+        return False
 
     def _site(self) -> tuple:
         import sys
@@ -213,6 +228,9 @@ class HostReads:
         if kind == "tensor":
             self.tensors_from_python += 1
             site = "tensor from Python data at " + site
+        elif kind == "shape":
+            self.shape_syncs += 1
+            site = "value-dependent shape at " + site
         else:
             self.reads[where] += 1
         self.sites[site] = self.sites.get(site, 0) + 1
@@ -244,4 +262,5 @@ class HostReads:
         return False
 
     def counts(self) -> dict:
-        return {"reads": dict(self.reads), "tensors_from_python": self.tensors_from_python, "sites": dict(self.sites)}
+        return {"reads": dict(self.reads), "tensors_from_python": self.tensors_from_python,
+                "shape_syncs": self.shape_syncs, "sites": dict(self.sites)}

@@ -1,4 +1,4 @@
-"""Pipeline x data parallelism (seed 001, AxoNN; seed 003's 1F1B as the baseline).
+"""Pipeline x data parallelism (AxoNN, AxoNN; Megatron-LM's 1F1B as the baseline).
 
 A stage is an nn.Module holding this rank's contiguous run of layers. pipeline_step runs
 one batch shard through the "pp" axis under the engine's schedule (cpp/pipeline.h):
@@ -24,7 +24,7 @@ from .measure import timed
 
 
 def optimal_ac(layers_per_stage: int, total_layers: int) -> int:
-    """Seed 001 §V-A: the factor of the layers per stage closest to sqrt(total layers)."""
+    """AxoNN §V-A: the factor of the layers per stage closest to sqrt(total layers)."""
     if layers_per_stage < 1:
         raise GridError("a stage needs at least one layer")
     factors = [f for f in range(1, layers_per_stage + 1) if layers_per_stage % f == 0]
@@ -338,7 +338,7 @@ def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_s
     inputs: the microbatches (used on stage 0); targets: theirs (used on the last stage);
     loss_fn(output, target) -> scalar mean loss of one microbatch; activation_shape: the
     shape of what crosses a stage boundary. schedule: "message_driven" (AxoNN), "1f1b" or
-    "interleaved" (Megatron's, seed 003 Fig. 4: `stage` is this rank's model chunks, a
+    "interleaved" (Megatron's, Megatron-LM Fig. 4: `stage` is this rank's model chunks, a
     gw.models.ModelChunks or a list, chunk c being virtual stage c * p + s); receive: "auto"
     (receive-from-any where the transport can, else "announced"), "any", "per_peer" (one
     receive per neighbour, polled) or "announced" (each message announced on a host control

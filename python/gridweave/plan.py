@@ -2,8 +2,8 @@
 
 The step costed is the step gw.train runs, recorded from its code (recorder.py,
 step_schedule): every GEMM and its FLOPs, every other kernel and its bytes, every collective
-and pipeline message (seed 003 1-D, SUMMA 2-D, seed 000 3-D, seed 004 ring, seed 002
-split/join, seed 001's pipeline), the optimizer's chunked all-reduces and own work, the
+and pipeline message (Megatron-LM 1-D, SUMMA 2-D, Bian et al. 3-D, Li et al. ring, SUPER
+split/join, AxoNN's pipeline), the optimizer's chunked all-reduces and own work, the
 activations kept. Collectives are alpha-beta costed (ring, halving-doubling, pairwise, tree)
 over the links a grid line uses under the engine's placement (cpp/placement.h): inside a
 node the intra-node link; across nodes each node's network links, shared by the lines
@@ -276,12 +276,12 @@ def _measured(op: str, nbytes: float, line: tuple, cluster: Cluster) -> float | 
 
 
 def bubble_fraction(stages: int, microbatches: int) -> float:
-    """Seed 001 / 003: the pipeline's idle time relative to its busy time, (p-1)/m."""
+    """AxoNN / 003: the pipeline's idle time relative to its busy time, (p-1)/m."""
     return (stages - 1) / microbatches
 
 
 def transformer_flops(model: Model, recompute: bool = False) -> float:
-    """Seed 001 eq. (3): 96 b s l h^2 (1 + s/6h + V/16lh) with activation recomputation,
+    """AxoNN eq. (3): 96 b s l h^2 (1 + s/6h + V/16lh) with activation recomputation,
     72 (...) without."""
     b, s, l, h, v = model.batch, model.seq, model.layers, model.hidden, model.vocab
     if model.config.moe is not None:  # the active parameters' 6 N per token (PaLM's), plus the scores
@@ -498,7 +498,7 @@ def _dtype(model: Model):
 def schedule_of(model: Model, grid: GridShape, microbatches: int, stage: int = 0, bsize: int = 1 << 14,
                 coarsening: int = 4, clip: bool = True, overlap: bool = False):
     """The recorded step (recorder.step_schedule) of `model` on `grid`, on a rank of
-    pipeline stage `stage`; a model of vocab 0 is its layer stack alone (seed 000's and SUPER's
+    pipeline stage `stage`; a model of vocab 0 is its layer stack alone (Bian et al.'s and SUPER's
     measurements: no embedding, head, loss or optimizer)."""
     b = model.batch // grid.dp
     return step_schedule(model.config, grid.tp, grid.dp, grid.pp, grid.sp, (("pp", stage),), microbatches,
@@ -606,7 +606,7 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
 
         mb = sched.microbatch
         compute = busy(mb)
-        # recomputation: each layer's forward again in backward, a third of its work (seed 001 eq. 3)
+        # recomputation: each layer's forward again in backward, a third of its work (AxoNN eq. 3)
         redo = sched.layers * (busy(sched.layer) / 3 if recompute is True else
                                sched.layer.attention_flops / cluster.gemm_flops if recompute else 0.0)
         per_axis = {}
@@ -636,7 +636,7 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
             acc[1] += nbytes
         step_comm += exposed
     phi_local = sched.shard  # the elements this rank updates: its parameters, or its ZeRO shard of them
-    if model.vocab and offload_bsize:  # OffloadAdam's own work (seed 001 §V-B: bsize-element buckets)
+    if model.vocab and offload_bsize:  # OffloadAdam's own work (AxoNN §V-B: bsize-element buckets)
         census = optimizer_census(offload_bsize, coarsening, clip, True)
         kernels = census["fixed"] + census["per_tensor"] * sched.parameter_tensors + \
             census["per_bucket"] * -(-phi_local // offload_bsize)
@@ -659,7 +659,7 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
         (offload) or the fp32 master, exp_avg and exp_avg_sq here (12 phi, with the fp32 gradient
         16: 20 phi with half-precision weights and gradients); the kept activations of the
         micro-batches in flight (recorded). Stage s holds pp - s of them at most (1F1B's bound,
-        seed 003 §2.2; the message-driven schedule's pipeline_limit max(pp, 2) is not lower):
+        Megatron-LM §2.2; the message-driven schedule's pipeline_limit max(pp, 2) is not lower):
         the last stage runs each micro-batch's backward as soon as its forward. A pipeline
         stage also holds the engine's messages."""
         phi_here = sched.parameters
@@ -742,7 +742,7 @@ def tensor_modes(n: int, model: Model) -> list:
 
 # Sequence-parallel degrees are considered while each rank keeps at least this many tokens:
 # below it the ring's per-step latency dwarfs its blocks (Megatron-LM's context parallelism
-# and seed 004 use thousands per rank), and every ring step costs the recording a step too.
+# and Li et al. use thousands per rank), and every ring step costs the recording a step too.
 MIN_TOKENS_PER_SP_RANK = 64
 
 
@@ -907,3 +907,41 @@ def plan(n: int, model: Model, cluster: Cluster, top: int | None = None, microba
         r["fits"] = r["memory_bytes"] <= cluster.memory_bytes
     rows.sort(key=lambda r: (not r["fits"], r["step_time_s"], r["memory_bytes"]))  # equal speed: less memory
     return rows[:top] if top else rows
+
+
+# The ranking table's columns (gridweave plan's text output, its --help and the planner guide).
+TABLE_COLUMNS = {
+    "#": "the grid's place: grids that fit the memory first, then by predicted step time, then by memory",
+    "dp": "data-parallel replicas", "pp": "pipeline stages",
+    "tp": "the tensor-parallel mode and its size (none, row:n Megatron 1-D, square:n SUMMA, cube:n 3-D, "
+          "subgraph:n SUPER)",
+    "sp": "sequence-parallel ranks", "ep": "the ranks each mixture-of-experts layer's experts split over",
+    "zero": "the ZeRO stage (0: each replica keeps the whole optimizer state)",
+    "placement": "how the grid's axes map to nodes", "schedule": "the pipeline schedule",
+    "mb": "micro-batches a step (each replica's batch split into this many)",
+    "step ms": "predicted time a step", "compute": "forward, backward and recomputation (ms)",
+    "bubble": "pipeline idle time (ms)", "comm per axis ms": "communication not hidden, per grid axis",
+    "mem GiB": "predicted device memory per rank", "(param/grad/optim/act)": "its parts (GiB)",
+}
+FOLDED = ("zero", "placement", "schedule")  # a row's values that can fold when they change nothing
+SHOWN = ("dp", "pp", "tp", "sp", "ep", "zero", "placement", "schedule", "microbatches")
+
+
+def fold_equal(rows: list) -> list:
+    """The ranking as the table shows it: rows that differ in one of FOLDED only, with equal step time
+    and memory (ZeRO 1 and 2 without gradients to drop, a placement that changes nothing), as one row
+    at the first one's place, its field listing the values ("1|2"). rows: plan()'s, left as they are."""
+    for field in FOLDED:
+        kept, at = [], {}
+        for r in rows:
+            key = tuple(r[k] for k in SHOWN if k != field) + (r["step_time_s"], r["memory_bytes"])
+            if key in at:
+                first = kept[at[key]]
+                values = set(str(first[field]).split("|")) | {str(r[field])}
+                kept[at[key]] = {**first, field: "|".join(sorted(values))}  # sorted: folds compare alike
+                continue
+            at[key] = len(kept)
+            kept.append(r)
+        rows = kept
+    return rows
+

@@ -1,4 +1,4 @@
-"""Mixed precision as the seeds trained: bf16, and fp16 with dynamic loss scaling (seed 001
+"""Mixed precision as the papers trained: bf16, and fp16 with dynamic loss scaling (AxoNN
 §V: fp32 master weights and optimizer states, the loss scaled up so fp16 gradients do not
 underflow; on an inf or NaN anywhere the step is skipped and the scale halved; after
 `growth_interval` clean steps it doubles)."""

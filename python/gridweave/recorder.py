@@ -705,7 +705,7 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
     payload = round(rec[(1, b0)][1] + (rec[(1, 2 * b0)][1] - rec[(1, b0)][1]) * f)
     layer = two.minus(one)
     stage_work = one.plus(layer, config.layers // pp - 1)  # the stage's layers are one layer's recording
-    pipeline = []  # seed 001: each micro-batch's activation forward, its gradient backward
+    pipeline = []  # AxoNN: each micro-batch's activation forward, its gradient backward
     message = float(_C.pipeline_message_bytes(payload))  # the payload alone: no message carries a header
     for peer in (stage + 1, stage - 1):
         if 0 <= peer < pp:

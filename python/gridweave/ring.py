@@ -1,4 +1,4 @@
-"""The engine's ring on one grid axis (seed 004's sequence parallelism): neighbours and
+"""The engine's ring on one grid axis (Li et al.'s sequence parallelism): neighbours and
 double-buffered exchanges of torch tensors; grid.ring(axis) makes one, the ring attentions
 (autograd/ring.py) pass their blocks around it."""
 from __future__ import annotations

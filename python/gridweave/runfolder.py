@@ -91,29 +91,33 @@ def plot_loss(metrics, png) -> None:
 
 
 def plot_run(metrics, png) -> None:
-    """The run at a glance: the losses, speed (tokens/s and MFU), each rank's peak memory, and the
-    bytes each axis moved inside and across nodes."""
+    """The run at a glance: the losses, speed (tokens/s) and MFU each on its own axes, the
+    gradient norm, each rank's peak memory, and the bytes each axis moved inside and across nodes."""
     plt = _pyplot()
-    fig, ax = plt.subplots(2, 2, figsize=(11, 7))
+    fig, ax = plt.subplots(2, 3, figsize=(15, 7))
     _losses(ax[0, 0], metrics)
     ax[0, 0].set_title("loss")
     steps = range(1, len(metrics["tokens_per_s"]) + 1)
     ax[0, 1].plot(steps, metrics["tokens_per_s"], color="tab:blue")
     ax[0, 1].set(xlabel="step", ylabel="tokens/s", title="speed")
-    mfu = ax[0, 1].twinx()
-    mfu.plot(steps, [100 * m for m in metrics["mfu"]], color="tab:orange")
-    mfu.set_ylabel("MFU %", color="tab:orange")
+    ax[0, 2].plot(steps, [100 * m for m in metrics["mfu"]], color="tab:orange")
+    ax[0, 2].set(xlabel="step", ylabel="MFU %", title=f"model FLOPs utilisation (peak: {metrics['peak_flops_source']})")
+    ax[0, 2].title.set_fontsize(8)
+    norms = [(s, g) for s, g in zip(steps, metrics.get("grad_norm", [])) if g is not None]
+    if norms:
+        ax[1, 0].plot(*zip(*norms), color="tab:green")
+    ax[1, 0].set(xlabel="step", ylabel="norm", title="gradient norm (before clipping)")
     rss = metrics["max_rss_bytes_per_rank"]
-    ax[1, 0].bar(range(len(rss)), [r / 2 ** 20 for r in rss])
-    ax[1, 0].set_xticks(range(len(rss)))
-    ax[1, 0].set(xlabel="rank", ylabel="MiB", title="peak resident memory per rank")
+    ax[1, 1].bar(range(len(rss)), [r / 2 ** 20 for r in rss])
+    ax[1, 1].set_xticks(range(len(rss)))
+    ax[1, 1].set(xlabel="rank", ylabel="MiB", title="peak resident memory per rank")
     sent = metrics["traffic"]["sent_bytes"]
     labels = sorted(sent)
     intra = [sent[k]["intra"] / 2 ** 20 for k in labels]
-    ax[1, 1].bar(labels, intra, label="inside a node")
-    ax[1, 1].bar(labels, [sent[k]["inter"] / 2 ** 20 for k in labels], bottom=intra, label="across nodes")
-    ax[1, 1].set(ylabel="MiB sent (all ranks)", title="bytes per axis")
-    ax[1, 1].legend()
+    ax[1, 2].bar(labels, intra, label="inside a node")
+    ax[1, 2].bar(labels, [sent[k]["inter"] / 2 ** 20 for k in labels], bottom=intra, label="across nodes")
+    ax[1, 2].set(ylabel="MiB sent (all ranks)", title="bytes per axis")
+    ax[1, 2].legend()
     fig.suptitle(f"gridweave train: {metrics['grid']} on {metrics['backend']}")
     fig.tight_layout()
     fig.savefig(png, dpi=90)

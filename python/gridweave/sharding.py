@@ -3,7 +3,7 @@
 A parameter carries a ParamPlacement (the role of Megatron-Core's tensor-parallel
 attributes or DTensor's Shard/Replicate/Partial): how its full tensor is split over grid
 axes (a Layout), over which axes each replica's gradient is only a partial sum, and, for
-seed 000's diagonal storage, which ranks hold it at all. Every other grid axis (but "pp",
+Bian et al.'s diagonal storage, which ranks hold it at all. Every other grid axis (but "pp",
 whose stages hold different parameters) holds identical copies with identical gradients.
 
 gw.reduce_gradients sums each gradient over exactly its partial axes; gw.clip_grad_norm_
@@ -53,7 +53,7 @@ def present_axes(grid, axes) -> tuple:
 class ParamPlacement:
     """layout: how the stored full tensor is split (dims -> axes); partial: axes whose
     replicas' gradients are partial sums; diagonal: (u, v) when only the ranks whose u and
-    v coordinates agree hold the tensor (seed 000 Fig. 5; the others hold an empty one)."""
+    v coordinates agree hold the tensor (Bian et al. Fig. 5; the others hold an empty one)."""
     layout: Layout = field(default_factory=Layout)
     partial: tuple = DATA_AXES
     diagonal: tuple | None = None

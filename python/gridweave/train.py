@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import socket
 import time
 import contextlib
@@ -98,8 +99,8 @@ class TrainConfig:
     bsize: int = 1 << 14
     zero: int = 0  # ZeRO stage: 0 every dp replica holds all optimizer state; 1 the fp32 master and Adam states sharded over the data axes; 2 the reduced gradients too; 3 the parameters too, gathered per layer
     zero_shard_group: str = "all"  # all: shard over every data rank; node: within a node, replicated across nodes (hybrid)
-    offload: bool | str = "auto"  # True: the optimizer state in host memory, updated in bsize buckets (seed 001); False: on the device; auto: resolve_offload decides
-    coarsening: int = 64  # OffloadAdam's all-reduce chunks of coarsening x bsize elements (seed 001's k): 1M, 4 MB in fp32
+    offload: bool | str = "auto"  # True: the optimizer state in host memory, updated in bsize buckets (AxoNN); False: on the device; auto: resolve_offload decides
+    coarsening: int = 64  # OffloadAdam's all-reduce chunks of coarsening x bsize elements (AxoNN's k): 1M, 4 MB in fp32
     placement: str = "topology"
     overlap: bool = False
     overlap_grad_reduce: bool = True  # OffloadAdam: each gradient chunk's all-reduce starts in the backward that completes it
@@ -448,7 +449,7 @@ class StepState:
     """What a per-step hook sees: the grid, this rank's stage, its optimizer and loss scaler."""
     grid: "Grid"
     stage: torch.nn.Module
-    optimizer: "optim.OffloadAdam"
+    optimizer: "optim.GridOptimizer"
     scaler: LossScaler | None
 
 
@@ -458,18 +459,26 @@ def model_flops_per_token(m: ModelConfig) -> float:
 
 
 def peak_flops(grid, precision: str) -> tuple:
-    """(this rank's peak FLOP/s, how it was found): a GPU's nominal dense peak, or on CPU a
-    GEMM measured now on every rank at once (so ranks that share cores share the peak)."""
+    """(this rank's share of its machine's peak FLOP/s, how it was found). A GPU: its datasheet's
+    dense peak. A CPU: one thread's float32 GEMM rate, measured by one rank of each node while the
+    node's other ranks wait (best of three windows: never under contention, so no step can beat
+    it and MFU stays at most 1), times the threads the node's ranks can run at once (its cores),
+    shared among its ranks."""
     if grid.device.type == "cuda":
         name = torch.cuda.get_device_name(grid.device)
         for key, peaks in GPU_PEAK.items():
             if key in name:
                 return peaks[precision], f"nominal {key} {precision}"
-
+    node = grid.node_of(grid.rank)
+    here = [r for r in range(grid.world_size) if grid.node_of(r) == node]
+    threads = torch.get_num_threads()
     grid.barrier()
-    rate = gemm_rate(None, 0.3, grid.device)
+    rate = max(gemm_rate(None, 0.1, grid.device) for _ in range(3)) / threads if grid.rank == here[0] else 0.0
+    per_thread = grid.all_gather_json(rate)[here[0]]  # the node's measurement, after it was made alone
+    usable = min(len(here) * threads, len(os.sched_getaffinity(0)))
     n = probe_size(grid.device, "gemm")
-    return rate, f"measured GEMM (float32, {n}^3, all ranks at once)"
+    return per_thread * usable / len(here), (f"float32 GEMM ({n}^3) of one thread, measured alone, x {usable} "
+                                             f"threads a node")
 
 
 def plan_job(cfg: TrainConfig, degrees: dict, cluster) -> dict:
@@ -538,7 +547,7 @@ def build(cfg: TrainConfig, grid, model_cfg: ModelConfig) -> tuple:
                                     offload=cfg.offload, bsize=cfg.bsize, max_grad_norm=cfg.max_grad_norm,
                                     decay=optim.matrices_only, units=stage.shard_units() if cfg.zero == 3 else None,
                                     shard_group=optim.ShardGroup(cfg.zero_shard_group))
-    else:  # seed 001: every replica's state offloaded, the chunks' all-reduces started in the backward that
+    else:  # AxoNN: every replica's state offloaded, the chunks' all-reduces started in the backward that
         # completes them (overlap_grad_reduce, as DDP's buckets), or after the backward
         opt = optim.OffloadAdam(stage.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, bsize=cfg.bsize,
                                 coarsening=cfg.coarsening, grid=grid, max_grad_norm=cfg.max_grad_norm,
@@ -547,7 +556,7 @@ def build(cfg: TrainConfig, grid, model_cfg: ModelConfig) -> tuple:
 
 
 def resolve_offload(cfg: TrainConfig, grid) -> bool:
-    """Where the optimizer state lives, for offload=auto: host memory (OffloadAdam, seed 001) where
+    """Where the optimizer state lives, for offload=auto: host memory (OffloadAdam, AxoNN) where
     the device's memory is the host's (CPU ranks); on a GPU the device, measured ten times faster a
     step (the main job on an H100: 0.178 s against OffloadAdam's 1.74 s, its state crossing PCIe
     twice a step), unless the planner's memory of the job with the state on the device passes 90% of
@@ -603,8 +612,7 @@ def _train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y, documents, pha
         grid.all_reduce(count, axis="dp")
         normalizer = token_share(count, m * dp)
     opt.zero_grad()
-    if hasattr(opt, "backwards_per_step"):  # gradients final after the m-th backward: buckets start then
-        opt.backwards_per_step = m
+    opt.backwards_per_step = m  # gradients final after the m-th backward: buckets start then (GridOptimizer)
     loss_scale = scaler.tensor if scaler is not None else 1.0  # on the device: its update is the device's
     # the experts' auxiliary losses reach the gradients as the micro-batch losses do: over m,
     # scaled, and summed over the data ranks where the optimizer averages over dp
@@ -638,20 +646,26 @@ class StepRead(NamedTuple):
     took: bool  # whether the weights were updated
     norm: float | None  # the gradient norm (None: no clipping, no norm)
     scale: float | None  # fp16: the loss scale the step ran with (None: no loss scaling)
+    experts: list | None = None  # [layer][expert]: this stage's mixture-of-experts slots (routed_tokens)
 
 
-def read_step(loss, taken, opt, scaler=None) -> StepRead:
-    """A step's loss, whether it was taken, its gradient norm and loss scale, in one host read."""
-    norm = getattr(opt, "grad_norm_tensor", None)
+def read_step(loss, taken, opt, scaler=None, experts=None) -> StepRead:
+    """A step's loss, whether it was taken, its gradient norm, loss scale and routed slots per
+    expert, in one host read."""
+    norm = opt.grad_norm_tensor
     optional = [t for t in (norm, scaler.last_used if scaler is not None else None) if t is not None]
     parts = [loss.detach().reshape(1).to(torch.float64)]
-    parts += [t.detach().reshape(1).to(device=loss.device, dtype=torch.float64)
-              for t in ([taken] if isinstance(taken, torch.Tensor) else []) + optional]
+    parts += [t.detach().reshape(-1).to(device=loss.device, dtype=torch.float64)
+              for t in ([taken] if isinstance(taken, torch.Tensor) else []) + optional +
+              ([experts] if experts is not None else [])]
     got = torch.cat(parts).tolist()  # the step's one read
     loss_value, rest = got[0], got[1:]
     took = bool(rest.pop(0)) if isinstance(taken, torch.Tensor) else bool(taken)
     norm_value = rest.pop(0) if norm is not None else None
-    return StepRead(loss_value, took, norm_value, rest.pop(0) if scaler is not None else None)
+    scale = rest.pop(0) if scaler is not None else None
+    slots = None if experts is None else \
+        [[int(c) for c in rest[i * experts.shape[1]:(i + 1) * experts.shape[1]]] for i in range(experts.shape[0])]
+    return StepRead(loss_value, took, norm_value, scale, slots)
 
 
 def setup_grid(cfg: TrainConfig) -> Grid:
@@ -691,6 +705,10 @@ def resolve_resume(cfg: TrainConfig, grid) -> TrainConfig:
     return dataclasses.replace(cfg, resume=str(out) if step >= 0 else None)
 
 
+def _say(line: str) -> None:
+    print(f"gridweave train: {line}", flush=True)
+
+
 def prepare_data(cfg: TrainConfig, grid, out: Path) -> tuple:
     """(token file, tokenizer): the tokenizer made once by rank 0 into out (from the resumed run's);
     the token file by rank 0 into out too, or with data_cache by each node's first rank into that
@@ -706,7 +724,7 @@ def prepare_data(cfg: TrainConfig, grid, out: Path) -> tuple:
         if maker:
             try:
                 data.prepare(folder, cfg.source, cfg.tokenizer, cfg.vocab, tokenizer_from=tokenizer_from,
-                             tokenize=tokenize)
+                             tokenize=tokenize, say=None if cfg.quiet else _say, warn=_say)
             except (GridError, OSError) as e:
                 failed = e
         if grid.any(failed is not None):
@@ -866,15 +884,17 @@ class Meter:
                 print(f"gridweave train: logging to {', '.join(s.value for s in cfg.sinks)} in {self.run_log.folder}",
                       flush=True)
 
-    def record_experts(self, stage, grid) -> None:
-        """This step's slots per expert of every mixture-of-experts layer (collective over the
-        data axes, and over pp to gather the stages' layers)."""
-        counts = routed_tokens(stage, grid)
-        if counts is None:
-            return
-        if grid.axes.get("pp", 1) > 1:
-            counts = [row for part in grid.all_gather_json(counts, "pp") for row in part]
-        self.experts.append(counts)
+    def record_experts(self, counts: list | None) -> None:
+        """This step's slots per expert of this stage's mixture-of-experts layers (StepRead.experts)."""
+        if counts is not None:
+            self.experts.append(counts)
+
+    def gather_experts(self, grid) -> None:
+        """Every step's slots per expert of every stage's layers, in layer order (collective over
+        pp, once at the end of the run)."""
+        if self.experts and grid.axes.get("pp", 1) > 1:
+            stages = grid.all_gather_json(self.experts, "pp")
+            self.experts = [[row for stage in stages for row in stage[i]] for i in range(len(self.experts))]
 
     def record(self, seconds: float, lr: float, grad_norm) -> None:
         self.tokens_per_s.append(self.cfg.batch * self.cfg.seq / seconds)
@@ -895,7 +915,7 @@ class Meter:
                   "perf/step_time_s": self.cfg.batch * self.cfg.seq / self.tokens_per_s[-1],
                   "perf/predicted_step_time_s": self.predicted_s,
                   "memory/max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0}
-        if self.experts:  # the busiest expert over an even share, the most unbalanced layer's
+        if self.experts:  # the busiest expert over an even share, the most unbalanced layer's (this stage's)
             values["moe/max_load_over_mean"] = max(max(c) * len(c) / max(sum(c), 1) for c in self.experts[-1])
         if grid.device.type == "cuda":
             values["memory/device_max_allocated_bytes"] = torch.cuda.max_memory_allocated(grid.device)
@@ -1019,19 +1039,21 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
         else:
             x, y, docs = reader.next_packed(tokens.documents) if cfg.pack_documents else (*reader.next(), None)
         with census if census is not None else contextlib.nullcontext():
-            read = read_step(*train_step(cfg, grid, stage, opt, scaler, x, y, docs, phases), opt, scaler)
+            loss, taken = train_step(cfg, grid, stage, opt, scaler, x, y, docs, phases)
+            read = read_step(loss, taken, opt, scaler, routed_tokens(stage, grid))
         history.losses.append(read.loss)
         guard.check(step, read, checkpoints)
         meter.record(time.perf_counter() - t0, opt.lr, read.norm)
         if census is not None:
             host_reads.append(census.counts())
             census = HostReads()
-        meter.record_experts(stage, grid)
+        meter.record_experts(read.experts)
         validation.after_step(step, stage, grid, history)
         meter.log(step, history, grid, read.scale)
         meter.show(history)
         checkpoints.after_step(step, history)
     meter.close()
+    meter.gather_experts(grid)
     checkpoints.land()
     checkpoints.save(cfg.steps, history)
     metrics = {"loss": history.losses, "val_loss": history.val,
@@ -1075,6 +1097,14 @@ def report(cfg: TrainConfig, out: Path, metrics: dict, tokens, tokenizer, window
         if "phase_seconds" in metrics:  # the slowest rank's phases (it sets the step's pace)
             slowest = max(metrics["phase_seconds"], key=lambda p: p["step"])
             print("step phases (slowest rank): " + StepPhases.describe(slowest))
+        print(closing_line(cfg, out), flush=True)
+
+
+def closing_line(cfg: TrainConfig, out: Path) -> str:
+    """What a finished run says last: where it is and what to run next."""
+    return (f"gridweave train: done; the run is in {out} (metrics.json, run.png, checkpoint/). Next: "
+            f"gridweave generate --run {out} --prompt \"...\" | gridweave export --run {out} --out {out}-hf | "
+            f"gridweave train --config {out / 'config.toml'} --resume auto --steps {2 * cfg.steps}")
 
 
 def export_dense(path) -> dict:

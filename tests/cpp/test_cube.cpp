@@ -1,4 +1,4 @@
-// The 3-D choreography against seed 000 §3.1: block index math of A_ijl, B_lji, C_ilj,
+// The 3-D choreography against Bian et al. §3.1: block index math of A_ijl, B_lji, C_ilj,
 // the collectives of Algorithms 1, 3, 5, and the gradient products of Algorithms 2, 4, 6.
 #include <gtest/gtest.h>
 

@@ -1,5 +1,5 @@
-"""The encoder seed 004 trains (issue 31): BERT's masked LM, and Linformer with sequence
-parallelism (seed 004 §4.3). The independent references: transformers' BertForMaskedLM (logits,
+"""The encoder Li et al. trains (issue 31): BERT's masked LM, and Linformer with sequence
+parallelism (Li et al. §4.3). The independent references: transformers' BertForMaskedLM (logits,
 the masked-LM loss and every gradient, float64), Linformer's formula written out here, and the
 dense single-process model for every grid; the main job against one process."""
 import json

@@ -269,6 +269,25 @@ def test_bad_node_flags_are_one_clear_error_before_anything_starts(tmp_path, fla
     assert not (tmp_path / "run").exists()
 
 
+def test_the_auto_launcher_follows_the_words_given(tmp_path):
+    """torchrun's multi-node words pick torchrun even where MPI is installed (mpirun on several
+    nodes needs a hostfile); a hostfile picks mpirun; one node keeps the transport's choice."""
+    import argparse
+
+    r = subprocess.run([sys.executable, "-m", "gridweave.cli", "train", "--nproc", "4", "--pp", "2", "--nnodes", "2",
+                        "--node-rank", "1", "--master-addr", "10.0.0.1", "--dry-run", "--out", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "grid: 8 ranks (2 x 4)" in r.stdout, r.stderr
+    words = dict(launcher="auto", hostfile=None, nnodes=1, node_rank=0, master_addr=None, max_restarts=0,
+                 device="cpu", backend="auto")
+    from gridweave.cli import _launcher as pick
+    assert pick(argparse.Namespace(**{**words, "nnodes": 2, "master_addr": "10.0.0.1"})) == "torchrun"
+    assert pick(argparse.Namespace(**{**words, "max_restarts": 1})) == "torchrun"
+    assert pick(argparse.Namespace(**{**words, "nnodes": 2, "hostfile": "h"})) == "mpirun"
+    assert pick(argparse.Namespace(**words)) == gw.launch.default_launcher("cpu")
+    assert pick(argparse.Namespace(**{**words, "launcher": "mpirun", "nnodes": 2})) == "mpirun"  # as asked
+
+
 def test_srun_ranks_read_slurm_and_the_route_to_the_master(monkeypatch):
     """A rank srun started (no torchrun variables) takes its rank and world from Slurm; a node's
     advertised address is its address on the route to MASTER_ADDR (here loopback's own)."""

@@ -264,7 +264,7 @@ def test_lse_merge_kernel_equals_the_torch_path():
 
 
 def test_offload_adam_device_memory_is_4_phi_plus_16_bsize():
-    """Seed 001 §V measured: fp16 weights and gradients (4 phi) and the bucket buffers
+    """AxoNN §V measured: fp16 weights and gradients (4 phi) and the bucket buffers
     (16 bsize) are all OffloadAdam leaves on the GPU; master weights and states stay on the host."""
     import gridweave as gw
 

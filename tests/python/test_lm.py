@@ -46,7 +46,7 @@ def test_vocab_parallel_head_and_loss_equal_the_dense_model(pool, n, tie):
     tokens = 4 * 16
     for errs, sent, ops in pool.run(_vocab_parallel, n, tie):
         assert max(errs.values()) < 1e-10, {k: v for k, v in errs.items() if v >= 1e-10}
-        # seed 003: the max, then (sum of exponentials, target logit): 3 float64 per token,
+        # Megatron-LM: the max, then (sum of exponentials, target logit): 3 float64 per token,
         # each an all-reduce of 2 (n-1)/n of its bytes, never the b x s x v logits
         assert ops == 2
         assert sent == 2 * (n - 1) * (3 * tokens * 8) // n, sent
@@ -260,7 +260,7 @@ def _scatter_gather(ctx):
 
 
 def test_stage_boundaries_send_one_tensor_rank_share(pool):
-    """Megatron's scatter/gather (seed 003 Fig. 10): in 1-D mode the boundary activation is the
+    """Megatron's scatter/gather (Megatron-LM Fig. 10): in 1-D mode the boundary activation is the
     same on both tensor ranks, so each sends half and the next stage all-gathers: per rank
     and microbatch b x s x h / t values forward (stage 0) or backward (stage 1)."""
     for errs, sent, shape in pool.run(_scatter_gather, 4):
@@ -281,3 +281,42 @@ def test_export_dense_writes_the_model_in_one_process(bpe_run, tmp_path):
     model.load_state_dict(load_file(str(tmp_path / "dense" / "model.safetensors")))
     ref, _, _ = gw.train.load_model(bpe_run)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+
+
+def test_a_lower_casing_tokenizer_with_unknown_tokens_trains(tmp_path):
+    """A tokenizer that does not give the text back (BERT-uncased-style WordPiece: lower-cased,
+    accents stripped, an [UNK] for what its vocabulary lacks) tokenizes the corpus: the documents'
+    boundaries come from its offsets (each document tokenized alone gives the same starts), the
+    unknown tokens are said once with their share, and the main job trains on it."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    words = "the quick brown fox jumps over a lazy dog while the cat sleeps in warm sun".split()
+    tok.train_from_iterator([" ".join(words)] * 50, trainers.WordPieceTrainer(vocab_size=120, special_tokens=["[UNK]"]))
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    docs = ["The Quick brown FOX jumps.\n", "A lazy dog sleeps ☃ in the SUN.\n", "Over the cat, while ☃☃ warm.\n"]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("%\n".join(docs * 40))
+    said = []
+    out = gw.data.prepare(tmp_path / "data", str(corpus), tokenizer_from=str(folder / "tokenizer.json"),
+                          say=said.append, warn=said.append)
+    tokens = gw.data.open_tokens(out)
+    pieces = [tok.encode(d + "%\n" if i < 119 else d).ids for i, d in enumerate(docs * 40)]
+    starts = [sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
+    assert tokens.documents.tolist() == starts
+    unknown = sum(p.count(tok.token_to_id("[UNK]")) for p in pieces)
+    assert unknown > 0 and sum("unknown token '[UNK]'" in line for line in said) == 1
+    assert f"{unknown:,} of {sum(map(len, pieces)):,} tokens" in next(x for x in said if "[UNK]" in x)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    r = subprocess.run([sys.executable, "-m", "gridweave.cli", "train", "--nproc", "1", "--steps", "2", "--data",
+                        str(corpus), "--tokenizer", str(folder), "--hidden", "32", "--heads", "4", "--seq", "16",
+                        "--batch", "8", "--val-every", "0", "--sample-tokens", "0", "--log", "none", "--out",
+                        str(tmp_path / "run")], capture_output=True, text=True, timeout=240, env=env,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("unknown token '[UNK]'") == 1, r.stdout

@@ -240,3 +240,23 @@ def test_fp16_leaves_non_finite_steps_to_the_loss_scaler_until_its_floor(tmp_pat
     m = re.search(r"3 steps in a row \(steps (\d+)-(\d+)\)", r.stderr)
     assert m, r.stderr[-2000:]
     assert (int(m.group(1)), int(m.group(2))) == (19, 21)  # steps 3-18 (1-based) were the scaler's 16 skips
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["train", "--dpp", "2"], "unrecognized argument --dpp; did you mean --dp?"),
+    (["train", "--steps", "many"], "invalid int value"),
+    (["frobnicate"], "invalid choice"),
+    (["generate", "--run", "{tmp}/nowhere", "--prompt", "hi"], "nowhere"),
+    (["generate", "--run", "{tmp}/nowhere", "--prompt", "hi", "--temperature", "-1"], "temperature must be"),
+    (["generate", "--run", "{tmp}/nowhere", "--prompt", "hi", "--top-k", "-3"], "--top-k must be >= 0"),
+    (["export", "--run", "{tmp}/nowhere", "--out", "{tmp}/hf"], "nowhere"),
+    (["plan", "--gpus", "8", "--batch", "8", "--heads", "5"], "heads"),
+    (["bench", "--calibrate", "--nproc", "0"], "--nproc must be a positive integer"),
+])
+def test_every_subcommand_answers_bad_input_with_one_line(tmp_path, argv, needle):
+    """Bad input to any gridweave subcommand: one line on stderr, exit 2, no traceback, nothing written."""
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    r = subprocess.run([sys.executable, "-m", "gridweave.cli", *argv], capture_output=True, text=True, timeout=120,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "Traceback" not in r.stderr and not any(tmp_path.iterdir())

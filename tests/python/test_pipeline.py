@@ -1,4 +1,4 @@
-"""AxoNN (seed 001): message-driven and 1F1B pipelines x data parallelism train a GPT with
+"""AxoNN (AxoNN): message-driven and 1F1B pipelines x data parallelism train a GPT with
 one process's losses; OffloadAdam equals AdamW; faults give clear errors."""
 import math
 import os
@@ -275,14 +275,14 @@ def _storages(obj, seen=None):
 
 
 def test_offload_memory_accounting():
-    """Seed 001 §V: with a half-precision model, the device holds 4 phi (weights and gradients)
+    """AxoNN §V: with a half-precision model, the device holds 4 phi (weights and gradients)
     plus 16 bsize (the bucket buffers), the host 12 phi (fp32 master and two states); the
     optimizer's own accounting agrees with what its tensors really take."""
     import gridweave as gw
 
     model = gw.models.GPT(V, H, HEADS, 2, SEQ, dtype=torch.float16, device=DEVICE)
     phi = sum(p.numel() for p in model.parameters())
-    opt = gw.optim.OffloadAdam(model.parameters(), bsize=128, staged=True)  # seed 001's device buckets
+    opt = gw.optim.OffloadAdam(model.parameters(), bsize=128, staged=True)  # AxoNN's device buckets
     x, y = _data()
     model.loss(model(x).float(), y).backward()
     held = _storages(opt)  # everything the optimizer keeps (it holds the parameters too)
@@ -376,7 +376,7 @@ def _interleaved(ctx, tp, chunks, m):
 
 @pytest.mark.parametrize("tp,chunks,m", [("none", 2, 2), ("none", 2, 4), ("row:2", 2, 2), ("none", 4, 2)])
 def test_interleaved_schedule_equals_the_dense_model(pool, tp, chunks, m):
-    """Megatron's interleaved 1F1B (seed 003 Fig. 4): v model chunks per stage, the last stage
+    """Megatron's interleaved 1F1B (Megatron-LM Fig. 4): v model chunks per stage, the last stage
     feeding the first one's next chunk; every gradient and the loss equal the dense model."""
     n = 2 if tp == "none" else 4
     res = pool.run(_interleaved, n, tp, chunks, m)

@@ -1,6 +1,7 @@
 """gw.plan: the alpha-beta costs, the papers' formulas it is built on, the placement-aware
 links, and the `gridweave plan` command."""
 import json
+import re
 import subprocess
 import sys
 
@@ -41,7 +42,7 @@ def test_topology_keeps_subgraph_lines_inside_a_node():
 
 
 def test_topology_puts_the_cubes_most_loaded_axes_inside_a_node():
-    """Seed 000's cube on 8 GPUs, 4 a node: the axes the recorded step loads most (every
+    """Bian et al.'s cube on 8 GPUs, 4 a node: the axes the recorded step loads most (every
     collective of the real code, at two sizes) vary fastest, so only the lightest crosses nodes."""
     import dataclasses
 
@@ -363,7 +364,7 @@ def _seed000():
 
 
 def test_seed000_strong_scaling_ratios_at_64_gpus():
-    """Seed 000 Table 2 (hidden 3072): 1-D/3-D = 1.53 and 2-D/3-D = 1.38 at 64 GPUs, within 15%."""
+    """Bian et al. Table 2 (hidden 3072): 1-D/3-D = 1.53 and 2-D/3-D = 1.38 at 64 GPUs, within 15%."""
     data = _seed000()
     for r in (r for r in data["ratios"] if r["table"] == 2):
         assert abs(r["error"]) <= 0.15, r
@@ -385,7 +386,7 @@ def test_seed000_weak_scaling_ratios_at_64_gpus():
                                         pytest.param(2, 64, marks=pytest.mark.xfail(strict=True, reason=(
                                             "issue 8 blocked: the model puts 1-D ahead of 2-D")))])
 def test_seed000_order_of_modes(table, gpus):
-    """Seed 000 Tables 1-2: which mode is fastest per sequence at each GPU count."""
+    """Bian et al. Tables 1-2: which mode is fastest per sequence at each GPU count."""
     (o,) = [o for o in _seed000()["orders"] if (o["table"], o["gpus"]) == (table, gpus)]
     assert o["predicted"] == o["measured"]
 
@@ -403,14 +404,14 @@ def test_the_breakdowns_add_up_to_the_step_time_and_the_memory():
             assert sum(r["memory_breakdown_bytes"].values()) == pytest.approx(r["memory_bytes"], rel=1e-12)
             assert t["communication"] == pytest.approx(r["seconds_per_axis"])
             assert (t["recompute"] > 0) == recompute
-            if g.pp > 1:  # (p - 1) / m of the busy pipeline (seed 001)
+            if g.pp > 1:  # (p - 1) / m of the busy pipeline (AxoNN)
                 busy = r["pipeline_s"] - t["bubble"]
                 assert t["bubble"] == pytest.approx(busy * (g.pp - 1) / r["microbatches"], rel=1e-12)
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2), (4, 1)])
 def test_recomputation_is_a_third_of_the_layers_gemm_work(tp, pp):
-    """Seed 001 eq. (3): with recomputation a layer costs 96 b s h^2 (1 + s/6h) instead of 72: the
+    """AxoNN eq. (3): with recomputation a layer costs 96 b s h^2 (1 + s/6h) instead of 72: the
     extra third, on one rank of a Megatron 1-D grid, with only GEMMs costed."""
     import dataclasses
 
@@ -778,7 +779,7 @@ def test_collectives_over_several_axes_and_the_world_are_costed():
 
 
 def test_overlapped_gradient_chunks_hide_behind_the_last_backward():
-    """gw.train's default (overlap_grad_reduce): OffloadAdam's chunks of k x bsize elements (seed 001
+    """gw.train's default (overlap_grad_reduce): OffloadAdam's chunks of k x bsize elements (AxoNN
     §V-B), started by its hooks, travel during the last micro-batch's backward; the prediction
     charges what outlasts 2/3 of a micro-batch's work, at least the last chunk, and the breakdown
     still adds up; where ranks share cores, all of it."""
@@ -900,3 +901,25 @@ def test_a_distributed_optimizer_of_many_layers_is_three_layers_repeated(spec, m
                 cut += alike
                 whole += not alike
     assert cut and (whole or spec == "none"), (cut, whole)  # both branches ran
+
+
+def test_the_table_folds_rows_that_differ_only_in_a_stage_that_changes_nothing():
+    """gridweave plan's table: ZeRO 1 and 2 with equal time and memory are one row ("1|2"); a row
+    that differs in time, memory or two columns stays apart; the columns are explained in --help."""
+    a = dict(dp=4, pp=2, tp="none", sp=1, ep=1, zero=1, placement="pp-outer", schedule="1f1b", microbatches=2,
+             step_time_s=1.0, memory_bytes=10)
+    rows = [a, {**a, "zero": 2}, {**a, "zero": 3, "memory_bytes": 8}, {**a, "zero": 0, "step_time_s": 1.5},
+            {**a, "zero": 2, "placement": "dp-outer"}, {**a, "placement": "dp-outer"}, {**a, "pp": 1, "dp": 8}]
+    folded = plan.fold_equal(rows)
+    assert [(r["zero"], r["placement"], r["pp"]) for r in folded] == \
+        [("1|2", "dp-outer|pp-outer", 2), (3, "pp-outer", 2), (0, "pp-outer", 2), (1, "pp-outer", 1)]
+    assert rows[0]["zero"] == 1  # plan()'s rows are left as they are
+    base = [sys.executable, "-m", "gridweave.cli", "plan", "--gpus", "8", "--cluster", "a100-ib", "--hidden", "256",
+            "--layers", "4", "--heads", "8", "--seq", "128", "--batch", "16", "--top", "0"]
+    text = subprocess.run(base, capture_output=True, text=True, timeout=300)
+    listed = json.loads(subprocess.run(base + ["--json"], capture_output=True, text=True, timeout=300).stdout)
+    table = [line for line in text.stdout.splitlines() if re.match(r"\s*\d+\s+\d+\s+\d+\s", line)]
+    assert len(table) == len(plan.fold_equal(listed)) < len(listed), (len(table), len(listed))
+    assert any("|" in line.split()[6] for line in table)  # a folded zero column ("#" dp pp tp sp ep zero)
+    helped = subprocess.run([sys.executable, "-m", "gridweave.cli", "plan", "--help"], capture_output=True, text=True)
+    assert all(k in helped.stdout for k in plan.TABLE_COLUMNS)

@@ -22,7 +22,7 @@ def _layers(layers=3, hidden=64, seq=32, batch=8):
 
 
 def test_an_all_reduce_over_a_measured_line_size_costs_its_row():
-    """Row:2 (seed 003 §3): f's backward and g's forward in each of a layer's two blocks, four
+    """Row:2 (Megatron-LM §3): f's backward and g's forward in each of a layer's two blocks, four
     all-reduces of the micro-batch's activations over the 2-member tp line a layer and micro-batch;
     each costs the row's seconds plus its bytes at the row's rate, nothing else (no alpha, no
     collective_s, no launch: the row timed the whole call)."""

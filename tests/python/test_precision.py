@@ -1,4 +1,4 @@
-"""Mixed precision (seed 001 §V): bf16, and fp16 with dynamic loss scaling; fp32 master
+"""Mixed precision (AxoNN §V): bf16, and fp16 with dynamic loss scaling; fp32 master
 weights; an overflow anywhere skips that step on every rank and halves the scale."""
 import json
 import os

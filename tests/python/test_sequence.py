@@ -1,4 +1,4 @@
-"""Sequence parallelism (seed 004): RSA and blockwise ring attention against dense
+"""Sequence parallelism (Li et al.): RSA and blockwise ring attention against dense
 softmax attention, bytes against the paper, error growth with N."""
 import pytest
 import torch
@@ -62,7 +62,7 @@ def test_ring_attention_matches_dense(pool, n, causal, algo):
         assert max(v for k, v in errs.items() if k != "torch") < 1e-10, errs
         if algo == "rsa":
             b = B * Z * (L // n) * A * 8
-            assert fwd == 2 * (n - 1) * b  # seed 004 §3.3: 2(N-1)BZ(L/N)A forward
+            assert fwd == 2 * (n - 1) * b  # Li et al. §3.3: 2(N-1)BZ(L/N)A forward
             assert bwd == 6 * (n - 1) * b  # and 6(N-1)BZ(L/N)A backward
 
 

@@ -61,7 +61,7 @@ COMPOSITIONS = [
     ("row:2", 2, 2, 1),       # Megatron 1-D x dp x pipeline
     ("row:2", 1, 2, 2),       # 1-D x ring attention x pipeline
     ("square:2", 1, 2, 1),    # SUMMA x pipeline
-    ("cube:2", 1, 1, 1),      # seed 000's cube (diagonal vectors)
+    ("cube:2", 1, 1, 1),      # Bian et al.'s cube (diagonal vectors)
     ("none", 2, 2, 2),        # sequence parallel x dp x pipeline
     ("subgraph:2", 2, 2, 1),  # SUPER D&SP x dp x pipeline
     ("csub:2", 1, 2, 2),      # cSub x ring attention x pipeline

@@ -1,4 +1,4 @@
-"""Sub-graph parallelism (seed 002): D&SP and cSub layers vs dense, 10 training steps vs
+"""Sub-graph parallelism (SUPER): D&SP and cSub layers vs dense, 10 training steps vs
 dense and pure data parallelism, and the topology counters vs SUPER eqs. (4)-(7)."""
 import pytest
 import torch

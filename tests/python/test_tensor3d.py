@@ -1,4 +1,4 @@
-"""3-D (seed 000): Algorithms 1-8 and Linear3D / LayerNorm3D against dense torch on a 2x2x2 cube."""
+"""3-D (Bian et al.): Algorithms 1-8 and Linear3D / LayerNorm3D against dense torch on a 2x2x2 cube."""
 import pytest
 import torch
 
@@ -138,7 +138,7 @@ def _bytes(ctx, M_rows, N, K):
 
 def test_linear3d_bytes_equal_the_papers_count(pool):
     p, M, N, K, elem = 2, 16, 12, 20, 8
-    # Seed 000 §3.1.2: forward all-gathers A (M/p^2 x N/p) and B (N/p x K/p^2) over p
+    # Bian et al. §3.1.2: forward all-gathers A (M/p^2 x N/p) and B (N/p x K/p^2) over p
     # ranks and reduce-scatters C (M/p x K/p): (p-1)(MN + NK + MK)/p^3 elements per rank.
     fwd = (p - 1) * (M * N + N * K + M * K) // p ** 3 * elem
     # Backward (Algorithms 2 via 3 and 5): all-gather dC (once, shared), B and A; reduce-

@@ -33,20 +33,26 @@ def _train(tmp, name, *extra, port=29581):
     made = metrics["communicators"]
     assert len(made) == math.prod(metrics["grid"].values()) and all(m["at_setup"] >= 1 for m in made), made
     assert all(m["after_setup"] == 0 for m in made), [m["late"] for m in made]
+    # the peak is the machine's, measured alone (never under contention): no grid's step beats it
+    assert 0 < max(metrics["mfu"]) <= 1.0, (metrics["mfu"], metrics["peak_flops_source"])
     return metrics["loss"], out
 
 
-def _one_host_read_a_step(out):
+def _one_host_read_a_step(out, dispatch=0, shapes=0):
     """The census of a run with --host-reads (gw.measure.HostReads, every training step of every
-    rank): at most one read of a value on the host a step (the loss, the norm and whether the step
-    was taken, together), none inside the grid's ops or the optimizer, no tensor made from Python
-    data; the skip and clipping decisions were the device's."""
+    rank): at most one read of a value on the host a step (the loss, the norm, whether the step
+    was taken and the experts' routed slots, together), none inside the grid's ops or the
+    optimizer, no tensor made from Python data; the skip and clipping decisions were the device's.
+    dispatch: the reads an expert-parallel exchange makes on each rank a step (its sizes: one
+    per layer and micro-batch, as Megatron-Core's dropless dispatcher); shapes: the value-dependent
+    shapes (a capacity's kept slots: one per layer and micro-batch)."""
     m = json.loads((out / "metrics.json").read_text())
     steps = [s for rank in m["host_reads"] for s in rank]
     assert len(steps) == len(m["loss"]) * math.prod(m["grid"].values()), len(steps)
     for s in steps:
-        assert sum(s["reads"].values()) <= 1 and s["tensors_from_python"] == 0, s
+        assert s["reads"]["step"] <= 1 and s["tensors_from_python"] == 0, s
         assert s["reads"]["collective"] == 0 and s["reads"]["optimizer"] == 0, s
+        assert s["reads"]["moe_dispatch"] == dispatch and s["shape_syncs"] == shapes, s
 
 
 def _close(a, b, tol=1e-4):
@@ -207,8 +213,11 @@ def test_mixtral_trains_on_composed_grids_with_one_process_losses(mixtral_single
     moved apart by reduction order: 2.5e-5 at step 4); the drop rule over dp x sp is exact in
     float64 in test_moe.py."""
     one = mixtral_single[cap]
-    losses, out = _train(tmp_path, "run", "--nproc", "8", *MIXTRAL, "--capacity-factor", cap, *spec, port=port)
+    losses, out = _train(tmp_path, "run", "--nproc", "8", *MIXTRAL, "--capacity-factor", cap, "--host-reads", *spec,
+                         port=port)
     assert one[-1] < one[0]
+    per_step = 4 // int(spec[spec.index("--pp") + 1]) * 2  # this stage's layers x 2 micro-batches
+    _one_host_read_a_step(out, dispatch=per_step, shapes=per_step if cap != "0" else 0)
     steps = 4 if cap == "0" else 3
     assert _close(losses[:steps], one[:steps], tol=1e-5), (spec, losses, one)
     # each step's slots per expert of every layer (all stages'), counted once over the data and tensor ranks
@@ -238,10 +247,13 @@ def test_mixtral_checkpoint_moves_between_expert_grids(mixtral_single, tmp_path)
 ])
 def test_qwen_moe_trains_on_composed_grids_with_one_process_losses(tmp_path, model, spec, port):
     args = ["--model", model, "--experts", "4", "--aux-coef", "0.02"]
-    one, _ = _train(tmp_path, "one", "--nproc", "1", *args, port=port + 100)
-    losses, _ = _train(tmp_path, "run", "--nproc", "8", *args, *spec, port=port)
+    one, out = _train(tmp_path, "one", "--nproc", "1", *args, "--host-reads", port=port + 100)
+    _one_host_read_a_step(out)  # experts on one process: the grouped GEMM's offsets stay on the device
+    losses, out = _train(tmp_path, "run", "--nproc", "8", *args, "--host-reads", *spec, port=port)
     assert one[-1] < one[0]
     assert _close(losses, one, tol=1e-5), (spec, losses, one)
+    pp = int(spec[spec.index("--pp") + 1])
+    _one_host_read_a_step(out, dispatch=4 // pp * 2)  # the expert-parallel exchange's sizes, as Megatron-Core's
 
 
 def test_mixtral_checkpoint_moves_from_expert_tensor_parallelism(mixtral_single, tmp_path):
@@ -373,7 +385,7 @@ def test_axes_not_given_are_derived_from_the_given_ones():
 # Issue 16: every axis at once. 4-D grids on 16 CPU ranks and tensor x dp grids on 8 train like
 # one process (docs/guide/modes.md's conformance table lists what each test covers).
 @pytest.mark.parametrize("spec,n,port", [
-    (["--dp", "2", "--pp", "2", "--tp", "row:2", "--sp", "2"], 16, 29651),                    # seed 004's 4-D
+    (["--dp", "2", "--pp", "2", "--tp", "row:2", "--sp", "2"], 16, 29651),                    # Li et al.'s 4-D
     (["--tp", "cube:2", "--dp", "2", "--microbatches", "1"], 16, 29653),                     # 3-D x dp
     (["--tp", "square:2", "--pp", "2", "--sp", "2"], 16, 29655),                             # 2-D x pp x sp
     (["--tp", "subgraph:2", "--dp", "2", "--pp", "2", "--sp", "2"], 16, 29657),              # D&SP x dp x pp x sp
@@ -383,7 +395,7 @@ def test_axes_not_given_are_derived_from_the_given_ones():
     (["--tp", "square:2", "--dp", "2"], 8, 29665),                                           # 2-D x dp
     (["--tp", "cube:2", "--pp", "2"], 16, 29667),                                            # 3-D x pp
     (["--dp", "2", "--pp", "2", "--sp", "2"], 8, 29669),                                     # sequence x dp x pp
-    (["--dp", "2", "--pp", "2", "--schedule", "interleaved", "--chunks", "2"], 4, 29671),     # seed 003's interleaving
+    (["--dp", "2", "--pp", "2", "--schedule", "interleaved", "--chunks", "2"], 4, 29671),     # Megatron-LM's interleaving
     (["--tp", "row:2", "--dp", "2", "--pp", "2", "--schedule", "interleaved", "--chunks", "2"], 8, 29673),
 ])
 def test_every_axis_at_once_trains_like_one_process(single, tmp_path, spec, n, port):
@@ -400,3 +412,31 @@ def test_a_resumed_fp16_run_keeps_the_loss_scale(tmp_path):
     assert gw.train.load_checkpoint(half)["loss_scaler"]["scale"] > 1
     later, _ = _train(tmp_path, "later", "--nproc", "1", "--precision", "fp16", "--resume", str(half))
     assert _close(later, full, 1e-6), (later, full)
+
+
+def test_the_first_hour_says_what_starts_what_it_makes_and_where_the_run_is(tmp_path):
+    """Not quiet: the job's line (launcher, ranks, grid, model, data, output) comes first, before any
+    rank starts; the corpus' tokenization is announced and timed; the last line names the run folder
+    and the commands that come next."""
+    import time
+
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GRIDWEAVE_PORT": "29761"}
+    env.pop("RANK", None)
+    args = [a for a in ARGS if a != "--quiet"]
+    t0 = time.perf_counter()
+    p = subprocess.Popen([sys.executable, "-m", "gridweave.cli", "train", *args, "--steps", "2", "--nproc", "2",
+                          "--pp", "2", "--out", str(out), *launcher_args()], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env, stdin=subprocess.DEVNULL)
+    first = p.stdout.readline()
+    first_s = time.perf_counter() - t0
+    rest, err = p.communicate(timeout=240)
+    assert p.returncode == 0, err[-3000:]
+    assert first.startswith("gridweave train: ") and "2 rank(s) (1 node(s) x 2)" in first, first
+    assert "grid dp 1 x pp 2 x tp none x sp 1" in first and f"output {out}" in first and "M parameters" in first
+    lines = rest.strip().splitlines()
+    assert any(line.startswith("gridweave train: tokenizing ") for line in lines), lines
+    assert any(line.startswith("gridweave train: tokenized: ") for line in lines), lines
+    assert lines[-1].startswith(f"gridweave train: done; the run is in {out}") and "gridweave generate --run" in \
+        lines[-1] and "gridweave export --run" in lines[-1] and "--resume auto" in lines[-1], lines[-1]
+    print(f"the first line after {first_s:.2f} s")  # measured, not asserted: 2 cores shared with the suite

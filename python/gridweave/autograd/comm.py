@@ -1,4 +1,4 @@
-"""Differentiable collectives (seed 003: Megatron's f and g operators, and friends).
+"""Differentiable collectives (Megatron-LM: Megatron's f and g operators, and friends).
 
 Eager calls run these autograd Functions; under torch.compile the same collectives run as
 the custom ops of ops.py (fake kernels, registered autograd), so a layer traces whole."""

@@ -1,4 +1,4 @@
-"""3-D matrix products (seed 000, Algorithms 1-6) and vector ops (Algorithms 7-8) as
+"""3-D matrix products (Bian et al., Algorithms 1-6) and vector ops (Algorithms 7-8) as
 autograd Functions. The plan of every step comes from the engine (cpp/cube.h); the
 local GEMMs are torch."""
 from __future__ import annotations
@@ -184,7 +184,7 @@ def _setup_cube(ctx, inputs, output):
     ctx.save_for_backward(lhs, rhs)
 
 
-def _cube_backward(ctx, g):  # seed 000 §3.1.2: each gradient is another of the three products
+def _cube_backward(ctx, g):  # Bian et al. §3.1.2: each gradient is another of the three products
     lhs, rhs = ctx.saved_tensors
     operands = {0: lhs, 1: rhs, 2: g.contiguous()}
     grads = []

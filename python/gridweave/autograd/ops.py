@@ -1,7 +1,7 @@
 """The collectives the layers call, as torch custom ops (torch.library): each has a fake
 (meta) kernel, so torch.compile traces it without running it, and the differentiable ones
 have their autograd registered, so a layer compiles forward and backward with
-fullgraph=True. (The cube's products and vectors, seed 000, are registered beside their
+fullgraph=True. (The cube's products and vectors, Bian et al., are registered beside their
 Functions in cube.py, with these ops for their backward.) A grid is named by a string (Grid.name, resolved by gw.grid.by_name) and an
 axis by its label ("" the world, "x,y" a tuple), as torch's functional collectives name
 their process group.
@@ -9,7 +9,7 @@ their process group.
 Eager code calls the autograd Functions of comm.py and cube.py, which skip the custom-op
 dispatch on every call; under torch.compile those call these ops, whose kernels are the same
 grid collectives and whose backward formulas are the Functions' (comm.py: Megatron's f and g,
-seed 003; cube.py: seed 000's Algorithms 1-8).
+Megatron-LM; cube.py: Bian et al.'s Algorithms 1-8).
 """
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def _(x, grid, axis, dst):
     return torch.empty_like(x)
 
 
-# ---- Megatron's f and g and their kin (seed 003), differentiable ----------------------
+# ---- Megatron's f and g and their kin (Megatron-LM), differentiable ----------------------
 
 
 @torch.library.custom_op(f"{LIB}::copy_to_parallel", mutates_args=())

@@ -1,4 +1,4 @@
-"""Sequence parallelism on the engine's ring (seed 004).
+"""Sequence parallelism on the engine's ring (Li et al.).
 
 RingSelfAttention: the paper's algorithm as written (§3.1): Ring-QK^T assembles this
 rank's (L/N x L) score rows, softmax, Ring-AV. Backward: ring V and ring K again, and
@@ -116,7 +116,7 @@ class _RingSelfAttention(torch.autograd.Function):
 
 
 def ring_self_attention(q, k, v, grid, axis="sp", causal=False, documents=None):
-    """Seed 004's RSA on (batch, heads, L/N, head_dim) shards of contiguous sequence chunks;
+    """Li et al.'s RSA on (batch, heads, L/N, head_dim) shards of contiguous sequence chunks;
     documents: the (batch, L) document ids of the whole sequence (packed documents)."""
     if documents is not None:
         check_documents(documents, q.shape[0], q.shape[2] * grid.size(axis))

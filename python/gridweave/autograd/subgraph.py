@@ -1,4 +1,4 @@
-"""SUPER's split, slice, sum and concat layers (seed 002 §IV) between the common grid and
+"""SUPER's split, slice, sum and concat layers (SUPER §IV) between the common grid and
 g sub-grids, on segmented collectives along the "sg" axis (each sub-communicator joins
 the i-th rank of every sub-grid). Each backward is the conjugate collective.
 

@@ -1,4 +1,4 @@
-"""2-D SUMMA products on a q x q grid (axes "r", "c"), the Optimus baseline of seed 000.
+"""2-D SUMMA products on a q x q grid (axes "r", "c"), the Optimus baseline of Bian et al.
 Every operand is split in q x q blocks: block (r, c) lives on rank (r, c)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Vocab-parallel cross-entropy (seed 003): logits stay split over the vocabulary; only
+"""Vocab-parallel cross-entropy (Megatron-LM): logits stay split over the vocabulary; only
 per-token scalars cross the network (a max, then the sum of exponentials and the target
 logit in one buffer): 3 x b x s values instead of b x s x v."""
 from __future__ import annotations

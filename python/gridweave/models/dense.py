@@ -34,7 +34,7 @@ HF_ACTIVATION = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gel
 class ModelConfig:
     """A model's sizes and architecture: what a checkpoint and an export record. family: "gpt"
     (learned positions, LayerNorm, GeLU, biases), "llama", or "bert" (the bidirectional encoder
-    seed 004 trains: post-norm layers, the embedding's LayerNorm, the masked-LM head).
+    Li et al. trains: post-norm layers, the embedding's LayerNorm, the masked-LM head).
     linformer_k: Linformer's K (encoder only): keys and values projected from seq to K rows.
     moe: every layer's MLP a mixture of experts (llama only: Mixtral; a dict is read as MoE's
     fields, as a checkpoint index or export records it)."""
@@ -292,7 +292,7 @@ class Llama(GPT):
 
 
 class Bert(GPT):
-    """BERT's encoder for masked-LM training (Devlin et al. 2019; seed 004's model): learned
+    """BERT's encoder for masked-LM training (Devlin et al. 2019; Li et al.'s model): learned
     positions, an embedding LayerNorm, post-norm bidirectional layers, the masked-LM head (no
     pooler); linformer_k: Linformer's self-attention (Wang et al. 2020) with K projected rows."""
 

@@ -389,7 +389,7 @@ def save_hf(model: GPT, folder, special: dict | None = None, source=None) -> Non
     hf.save_pretrained(str(folder), safe_serialization=True)
 
 
-# The dense model's own methods (model.to_hf(), issue 15's name; model.save_hf(folder)),
+# The dense model's own methods (model.to_hf(), the older name; model.save_hf(folder)),
 # attached where the conversion lives: the dense module never imports this one (layering).
 GPT.to_hf = to_hf
 GPT.save_hf = save_hf

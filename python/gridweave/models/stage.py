@@ -59,7 +59,7 @@ class GPTStage(nn.Module):
     """One pipeline stage of a GPT (or Llama) on a grid. The embedding (first stage) and the
     head (last stage) are computed on the whole data-parallel shard by every tensor and
     sequence rank, so their gradients are partial over "dp" only. Where the mode has a
-    vocabulary axis (1-D: Megatron's vocab parallelism, seed 003 §3) the token embedding and
+    vocabulary axis (1-D: Megatron's vocab parallelism, Megatron-LM §3) the token embedding and
     the head's projection are split over the vocabulary there and the loss is the fused
     vocab-parallel cross-entropy (3 values per token cross the network, never the logits);
     the other modes replicate them (their papers do not split the vocabulary). The
@@ -67,7 +67,7 @@ class GPTStage(nn.Module):
     name, or None for the grid's own). Gradients follow the parameters' placements."""
 
     def __init__(self, gpt: GPT, grid, mode, stage: int, stages: int, ac=1, **layer_options):
-        """ac: activation checkpointing (1: none, "auto": seed 001's optimal ac, or a factor
+        """ac: activation checkpointing (1: none, "auto": AxoNN's optimal ac, or a factor
         of the stage's layers); layer_options go to each TransformerLayer (overlap, attention)."""
         super().__init__()
 
@@ -247,7 +247,7 @@ class GPTStage(nn.Module):
 
 
 class ModelChunks(nn.Module):
-    """This rank's v model chunks for the interleaved schedule (seed 003 Fig. 4): chunk c is
+    """This rank's v model chunks for the interleaved schedule (Megatron-LM Fig. 4): chunk c is
     virtual stage c * stages + stage of v * stages (a GPTStage each), so every rank holds v
     thinner slices of the model and the pipeline bubble shrinks v-fold. gw.pipeline
     .pipeline_step runs them with schedule "interleaved"."""

@@ -1,4 +1,4 @@
-"""3-D tensor parallelism (seed 000) as a mode: a p x p x p cube of axes z, y, x. Every
+"""3-D tensor parallelism (Bian et al.) as a mode: a p x p x p cube of axes z, y, x. Every
 direction fact comes from the engine's cube plan (cpp/cube.h): the layouts of a product's
 operands, and that a Linear3D's output directions are its input's swapped (§3.1.3)."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from .base import Mode, register
 class Cube(Mode):
     """3-D (Bian et al.): a p x p x p cube with the paper's directions z, y, x.
 
-    x varies fastest in naive placement: the weights are stored along x (seed 000 §3).
+    x varies fastest in naive placement: the weights are stored along x (Bian et al. §3).
     """
     p: int
     name = "3d"

@@ -1,4 +1,4 @@
-"""1-D tensor parallelism (seed 003, Megatron-LM) as a mode: axis "tp"; column-parallel
+"""1-D tensor parallelism (Megatron-LM, Megatron-LM) as a mode: axis "tp"; column-parallel
 then row-parallel linears (f / g), layer norms replicated, heads split over "tp"."""
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class Row(Mode):
         return None if self.sequence else "tp"  # sequence shards cross a stage boundary as they are
 
     def vocab_axis(self):
-        return "tp"  # seed 003 §3: embedding rows and the head's columns split over tp
+        return "tp"  # Megatron-LM §3: embedding rows and the head's columns split over tp
 
     def moe_token_axes(self):
         # every tp rank runs the replica's tokens (with tp_sp gathered first) through its share of

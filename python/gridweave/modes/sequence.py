@@ -1,4 +1,4 @@
-"""Sequence parallelism alone (seed 004) as a mode: no tensor axes; every weight on every
+"""Sequence parallelism alone (Li et al.) as a mode: no tensor axes; every weight on every
 rank, the batch over "dp" and the sequence over "sp" (ring attention)."""
 from __future__ import annotations
 

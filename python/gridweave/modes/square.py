@@ -1,4 +1,4 @@
-"""2-D SUMMA (the Optimus baseline of seed 000) as a mode: a q x q grid of axes "r", "c";
+"""2-D SUMMA (the Optimus baseline of Bian et al.) as a mode: a q x q grid of axes "r", "c";
 activations split by batch over "r" and hidden over "c", heads over "c"."""
 from __future__ import annotations
 

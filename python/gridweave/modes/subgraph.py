@@ -1,4 +1,4 @@
-"""SUPER's sub-graph parallelism (seed 002) as modes: g sub-grids joined by axis "sg";
+"""SUPER's sub-graph parallelism (SUPER) as modes: g sub-grids joined by axis "sg";
 attention heads are the branches, one head group per sub-grid.
 
 SubGraph (D&SP): the common layers are data-parallel over every rank (batch over
@@ -57,7 +57,7 @@ class SubGraph(Mode, Branches):
         return SubGraphAttention(hidden, heads, grid, self, projection, method, causal, bias, dtype, device=device,
                                  arch=arch)
 
-    # split / sum / slice / concat between the common grid and the branches (seed 002 §IV)
+    # split / sum / slice / concat between the common grid and the branches (SUPER §IV)
     def split(self, x, grid, shape=None):
         return ops.dsp_split(x, grid)
 

@@ -175,7 +175,7 @@ def split_heads(qkv: torch.Tensor, heads: int, kv_heads: int, arch: Arch, positi
 def linformer_attention(q, k, v, lowrank: torch.Tensor, total=None) -> torch.Tensor:
     """Linformer (Wang et al. 2020, Eq. 7): softmax(Q (E K)^T / sqrt(d)) F V, with E, F = lowrank
     (2, K, L_local): the columns of this rank's tokens. total(t), where ranks split the sequence,
-    sums the partial products E_i K_i, F_i V_i over them (seed 004 §4.3: one all-reduce)."""
+    sums the partial products E_i K_i, F_i V_i over them (Li et al. §4.3: one all-reduce)."""
     kv = torch.einsum("ekl,ebhld->ebhkd", lowrank, torch.stack((k, v)))
     if total is not None:
         kv = total(kv)

@@ -1,4 +1,4 @@
-"""Mixture of experts: the sparse MLP of Mixtral, Qwen-MoE and DeepSeek-MoE (issue 35).
+"""Mixture of experts: the sparse MLP of Mixtral, Qwen-MoE and DeepSeek-MoE.
 
 A router scores every token against every expert (softmax over router logits), keeps the
 top-k, optionally renormalises their weights (Mixtral: yes; Qwen2-MoE: norm_topk_prob);
@@ -98,6 +98,11 @@ class Routing:
         """The kept slots per expert as integers (a host sync unless the routing is planned)."""
         return self.known if self.known is not None else self.counts.tolist()
 
+    def group_sizes(self):
+        """The kept slots per expert as the grouped GEMM takes them: integers where known, else the
+        tensor on the device (not read)."""
+        return self.known if self.known is not None else self.counts
+
 
 def _top_k(logits: torch.Tensor, moe: MoE) -> tuple:
     """(probabilities, the top-k's as the softmax gives them (what a capacity ranks slots by),
@@ -170,10 +175,11 @@ def kept_slots(chosen: torch.Tensor, experts: torch.Tensor, moe: MoE) -> torch.T
     rank[order] = torch.arange(order.numel(), device=order.device) - start[flat[order]]
     cap = moe.capacity(chosen.shape[0])
     keep = rank < cap
-    over = torch.nonzero(counts > cap).reshape(-1)  # the experts that drop
-    last, first_out = p[order[start[over] + cap - 1]], p[order[start[over] + cap]]
-    floor = torch.full((moe.experts,), -torch.inf, dtype=p.dtype, device=p.device)
-    floor[over] = torch.where(last == first_out, last, -torch.inf)  # a tie across the boundary: above it only
+    # each expert's last kept and first dropped slot (clamped where it drops none: masked below)
+    at = (start + cap - 1).clamp(max=order.numel() - 1), (start + cap).clamp(max=order.numel() - 1)
+    last, first_out = p[order[at[0]]], p[order[at[1]]]
+    tie = (counts > cap) & (last == first_out)  # a tie across a dropping expert's boundary: above it only
+    floor = torch.where(tie, last, torch.full_like(last, -torch.inf))
     return keep & (p > floor[flat])
 
 
@@ -211,18 +217,23 @@ def can_group(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> boo
     return x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) >= (8, 0)
 
 
-def swiglu_experts(x: torch.Tensor, counts: list, gate_up: torch.Tensor, down: torch.Tensor,
-                   grouped: bool | None = None) -> torch.Tensor:
+def swiglu_experts(x: torch.Tensor, counts, gate_up: torch.Tensor, down: torch.Tensor,
+                   grouped: bool | None = None, sizes: list | None = None) -> torch.Tensor:
     """The grouped GEMM: rows of x sorted by expert, counts[e] rows for expert e (of the experts
-    gate_up, down hold); each group through down_e silu(gate_e x) * (up_e x). grouped: torch's
-    grouped_mm (one kernel for every expert, as transformers' default) or a loop of products
-    over the groups (float64); None: grouped where it can run."""
+    gate_up, down hold: a list, or a tensor on the device, `sizes` the same as integers where the
+    caller has them); each group through down_e silu(gate_e x) * (up_e x). grouped: torch's
+    grouped_mm (one kernel for every expert, as transformers' default; its offsets computed on
+    the device) or a loop of products over the groups (float64: needs the sizes on the host);
+    None: grouped where it can run."""
+    on_device = isinstance(counts, torch.Tensor)
     if grouped if grouped is not None else can_group(x, gate_up, down):
-        offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=x.device)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32) if on_device else \
+            torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=x.device)
         gate, up = F.grouped_mm(x, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
         return F.grouped_mm(F.silu(gate) * up, down.transpose(-2, -1), offs=offs)
     outs = []
-    for e, rows in enumerate(torch.split(x, counts)):
+    sizes = sizes if sizes is not None else counts.tolist() if on_device else counts
+    for e, rows in enumerate(torch.split(x, sizes)):
         if rows.shape[0] == 0:
             continue
         gate, up = (rows @ gate_up[e].t()).chunk(2, dim=-1)
@@ -324,11 +335,12 @@ class DenseMoE(nn.Module):
     def _run_experts(self, x, r: Routing):
         """Dispatch (each kept slot's token, grouped by expert), the grouped GEMM."""
         self.tokens_per_expert = r.counts.detach()
-        return self._experts(x[r.order // self.moe.top_k], r.count_list())
+        return self._experts(x[r.order // self.moe.top_k], r.group_sizes())
 
-    def _experts(self, rows, counts: list):
-        """The experts this module holds on their rows (counts[e] rows each, in expert order)."""
-        return swiglu_experts(rows, counts, self.gate_up, self.down)
+    def _experts(self, rows, counts, sizes=None):
+        """The experts this module holds on their rows (counts[e] rows each, in expert order; see
+        swiglu_experts)."""
+        return swiglu_experts(rows, counts, self.gate_up, self.down, sizes=sizes)
 
     def _statistics(self, r: Routing) -> tuple:
         """(top-k counts per expert, probabilities summed per expert, log-sum-exp^2 summed,
@@ -454,12 +466,12 @@ class ExpertParallelMoE(DenseMoE):
         whole = gather_from_parallel(x, self.grid, self.tp, dim=1)
         return scatter_to_parallel(super().forward(whole), self.grid, self.tp, dim=1)
 
-    def _experts(self, rows, counts: list):
+    def _experts(self, rows, counts, sizes=None):
         if self.tp is None:
-            return super()._experts(rows, counts)
+            return super()._experts(rows, counts, sizes)
         # Megatron's f and g around a column- then row-parallel pair: the rows' gradient summed
         # over tp, each expert output summed over tp
-        y = swiglu_experts(copy_to_parallel(rows, self.grid, self.tp), counts, self.gate_up, self.down)
+        y = swiglu_experts(copy_to_parallel(rows, self.grid, self.tp), counts, self.gate_up, self.down, sizes=sizes)
         return reduce_from_parallel(y, self.grid, self.tp)
 
     def _run_experts(self, x, r: Routing):
@@ -469,8 +481,10 @@ class ExpertParallelMoE(DenseMoE):
         rows = x[r.order // self.moe.top_k]  # grouped by expert: by destination member, then its experts
         counts = r.counts.reshape(n, e)
         got = self.grid.all_to_all(counts.contiguous(), self.ep)  # got[j, i]: member j's rows for my expert i
-        if r.known is None:
-            send, got = counts.sum(dim=1).tolist(), got.tolist()  # one host sync for every size
+        self.tokens_per_expert = got.sum(dim=0)
+        if r.known is None:  # the exchange's sizes on the host, in one read (Megatron-Core's dropless dispatcher)
+            sizes = torch.cat([counts.sum(dim=1), got.reshape(-1)]).tolist()
+            send, got = sizes[:n], [sizes[n + j * e:n + (j + 1) * e] for j in range(n)]
         else:  # a planned routing: every member routes alike, so each sends me what I send my own experts
             mine = r.known[self.grid.index(self.ep) * e:][:e]
             send, got = [sum(r.known[j * e:(j + 1) * e]) for j in range(n)], [mine] * n
@@ -479,8 +493,7 @@ class ExpertParallelMoE(DenseMoE):
         blocks = arrived.split([c for g in got for c in g])
         by_expert = [blocks[j * e + i] for i in range(e) for j in range(n)]
         per_expert = [sum(got[j][i] for j in range(n)) for i in range(e)]
-        self.tokens_per_expert = torch.tensor(per_expert, dtype=torch.int64, device=x.device)
-        y = self._experts(torch.cat(by_expert), per_expert)
+        y = self._experts(torch.cat(by_expert), self.tokens_per_expert if r.known is None else per_expert, per_expert)
         out = y.split([got[j][i] for i in range(e) for j in range(n)])
         back = torch.cat([out[i * n + j] for j in range(n) for i in range(e)])
         return all_to_all_v(back, self.grid, self.ep, [sum(g) for g in got], send)
@@ -509,14 +522,12 @@ class ExpertParallelMoE(DenseMoE):
         chosen, prob_sum, lse2, tokens = super()._statistics(r)
         if not self.token_axes:
             return chosen, prob_sum, lse2, tokens
-        # counts and the token total carry no gradient; the sums do, and each rank's share of
-        # their gradient is its own tokens' (Megatron's g: all-reduce forward, identity backward)
+        # the counts carry no gradient; the sums do, and each rank's share of their gradient is
+        # its own tokens' (Megatron's g: all-reduce forward, identity backward). Every token rank
+        # holds an equal share of the micro-batch (the grid splits it evenly): the total is known
         self.grid.all_reduce(chosen, self.token_axes)
-        total = torch.tensor([tokens], dtype=torch.int64, device=chosen.device)
-        self.grid.all_reduce(total, self.token_axes)
         sums = reduce_from_parallel(torch.cat([prob_sum, lse2.reshape(1)]), self.grid, self.token_axes)
-        every = tokens * self.grid.size(self.token_axes) if self.planned_imbalance is not None else int(total.item())
-        return chosen, sums[:-1], sums[-1], every
+        return chosen, sums[:-1], sums[-1], tokens * self.grid.size(self.token_axes)
 
 
 def set_aux_grad_scale(module: nn.Module, scale) -> None:
@@ -544,10 +555,11 @@ def plan_routing(module: nn.Module, imbalance: float | None) -> None:
             m.planned_imbalance = imbalance
 
 
-def routed_tokens(module: nn.Module, grid) -> list | None:
-    """[per mixture-of-experts block of `module`, in order: the slots routed to each expert since
-    the last call], summed over the blocks' token axes (collective over them; a tensor axis that
-    holds the same tokens counts once); the blocks' counters restart. None without such blocks."""
+def routed_tokens(module: nn.Module, grid) -> torch.Tensor | None:
+    """(blocks, experts): per mixture-of-experts block of `module`, in order, the slots routed to
+    each expert since the last call, summed over the blocks' token axes (collective over them; a
+    tensor axis that holds the same tokens counts once), on the device, unread; the blocks'
+    counters restart. None without such blocks."""
     blocks = [m for m in module.modules() if isinstance(m, DenseMoE)]
     if not blocks:
         return None
@@ -557,4 +569,4 @@ def routed_tokens(module: nn.Module, grid) -> list | None:
         grid.all_reduce(counts, axes)
     for b in blocks:
         b.routed.zero_()
-    return counts.tolist()
+    return counts

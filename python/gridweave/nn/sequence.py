@@ -1,4 +1,4 @@
-"""Sequence parallelism helpers (seed 004): replicated linears and layer norms, and the
+"""Sequence parallelism helpers (Li et al.): replicated linears and layer norms, and the
 token-mean loss that makes the gradient sum exact.
 
 Convention (the usual source of silent bugs): each rank's loss is the SUM of its local
@@ -100,10 +100,10 @@ def sequence_parallel(grid) -> bool:
 class SeqAttention(enum.Enum):
     """How attention runs where the grid splits the sequence over "sp"."""
     RING = "ring"  # the blockwise ring (online softmax), zigzag when causal
-    RSA = "rsa"  # seed 004's Ring Self-Attention, as written
+    RSA = "rsa"  # Li et al.'s Ring Self-Attention, as written
     ULYSSES = "ulysses"  # DeepSpeed-Ulysses: all-to-all to head shards around the attention core
     USP = "usp"  # Ulysses inside blocks of ulysses_degree sp ranks, the zigzag ring across the blocks
-    LINFORMER = "linformer"  # seed 004 §4.3: E_i K_i, F_i V_i of each shard all-reduced over sp (a Linformer model's)
+    LINFORMER = "linformer"  # Li et al. §4.3: E_i K_i, F_i V_i of each shard all-reduced over sp (a Linformer model's)
 
     @classmethod
     def of(cls, name) -> "SeqAttention":

@@ -99,7 +99,7 @@ class Style(TensorAxes):
 
 
 class Branches(Style):
-    """A style whose attention heads are branches on sub-grids (SUPER, seed 002 §IV): the
+    """A style whose attention heads are branches on sub-grids (SUPER, SUPER §IV): the
     common tensor and the branches meet through split / sum / slice / concat."""
 
     packs_documents = False  # the branches' rows move between sub-grids: no document masks there

@@ -1,4 +1,4 @@
-"""Sub-graph parallelism (seed 002, SUPER): attention heads are the branches, one head group
+"""Sub-graph parallelism (SUPER, SUPER): attention heads are the branches, one head group
 per sub-grid; common layers data-parallel over every rank (D&SP) or on sub-grid 0 (cSub)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""1-D tensor parallelism (seed 003, Megatron-LM): column- and row-parallel linears with
+"""1-D tensor parallelism (Megatron-LM, Megatron-LM): column- and row-parallel linears with
 the f / g operators, vocab-parallel embedding. Axis "tp"."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""2-D tensor parallelism (SUMMA, the Optimus baseline of seed 000) on a q x q grid:
+"""2-D tensor parallelism (SUMMA, the Optimus baseline of Bian et al.) on a q x q grid:
 activations (b, s, h) split by batch over "r" and hidden over "c"."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""3-D tensor parallelism (seed 000) on a p x p x p cube, weights on x. Activations
+"""3-D tensor parallelism (Bian et al.) on a p x p x p cube, weights on x. Activations
 (b, s, h): batch split over (x, a), hidden over c; a Linear3D returns batch over (x, c)
 and hidden over a, so consecutive linears swap a and c (§3.1.3)."""
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A transformer layer in every tensor-parallel mode, checked against DenseTransformerLayer.
 
 The mode object (gridweave/modes/) makes each piece: gw.Row (Megatron 1-D: column- then
-row-parallel, four all-reduces per layer), gw.Square (SUMMA), gw.Cube (seed 000 Fig. 6:
+row-parallel, four all-reduces per layer), gw.Square (SUMMA), gw.Cube (Bian et al. Fig. 6:
 the first linear of a block swaps the directions, the second swaps them back), gw.SubGraph
 and gw.CSub (SUPER's branches), gw.Sequence (replicated weights, ring attention).
 """
@@ -66,7 +66,7 @@ class SelfAttention(nn.Module):
         self.attention.check(grid.axes.get("sp", 1), ulysses_degree, heads // self.groups)
         self.lowrank = None
         if arch.linformer is not None:
-            # E and F split by columns as the sequence is (seed 004 §4.3: every term in L over N);
+            # E and F split by columns as the sequence is (Li et al. §4.3: every term in L over N);
             # a rank's gradient covers its rows and its heads, so it is partial over the other
             # data and tensor axes
             self._lowrank_layout = seq = self._linformer_layout()
@@ -139,7 +139,7 @@ class SelfAttention(nn.Module):
                          self.arch.eps)
 
     def _linformer(self, qkv):
-        """Seed 004 §4.3 (Table 3): this rank projects its L/N keys and values with its L/N columns
+        """Li et al. §4.3 (Table 3): this rank projects its L/N keys and values with its L/N columns
         of E and F; the partial products are summed over the axes that split the sequence."""
         if self.lowrank.shape[-1] != qkv.shape[1]:
             raise GridError(f"this Linformer projects {self.arch.linformer[1]} tokens ({self.lowrank.shape[-1]} "
@@ -192,7 +192,7 @@ class SelfAttention(nn.Module):
 
 
 class RingSelfAttention(SelfAttention):
-    """Seed 004's Ring Self-Attention block: qkv and proj replicated, RSA over "sp"."""
+    """Li et al.'s Ring Self-Attention block: qkv and proj replicated, RSA over "sp"."""
 
     def __init__(self, hidden, heads, grid, causal=False, bias=True, dtype=None, device=None):
         super().__init__(hidden, heads, grid, "sp", bias, causal, dtype=dtype, attention="rsa", device=device)
@@ -200,7 +200,7 @@ class RingSelfAttention(SelfAttention):
     @classmethod
     def from_dense(cls, dense: DenseSelfAttention, grid):
         if dense.arch.rope_theta is not None or dense.kv_heads != dense.heads:
-            raise GridError(f"{cls.__name__} is seed 004's block (MHA, no rotary); use "
+            raise GridError(f"{cls.__name__} is Li et al.'s block (MHA, no rotary); use "
                             f"SelfAttention(..., mode=gw.Sequence(), arch=...) for this one")
         m = cls(dense.qkv.in_features, dense.heads, grid, dense.causal, dense.qkv.bias is not None,
                 dense.qkv.weight.dtype)
