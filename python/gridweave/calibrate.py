@@ -21,7 +21,7 @@ from .grid import LinePart, Span, init, shutdown
 from .measure import call_rate, device_sync, gemm_costs, probe_size, relative_fit, vector_bandwidth
 from .models import ModelConfig
 from .nn.dense import DenseTransformerLayer
-from .recorder import Census
+from .plan.record import Census
 from .train import TrainConfig, build, train_step
 
 

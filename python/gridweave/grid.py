@@ -292,7 +292,56 @@ def _to_host(t):
     return host
 
 
-class Grid:
+class LineArithmetic:
+    """What an axis argument means on a grid, one implementation for gw.Grid and the planner's
+    recording grid: the axes it names (checked), its size, this rank's index in its line, the line
+    an order-free op runs it as, a line part's members. A grid provides `axes` (name -> size, in
+    the grid's order), `world_size`, _index_in(axes) (this rank's index in the line over `axes`:
+    row-major, first slowest) and, where its parts need more than blocks of consecutive members
+    (a node's), _members(part)."""
+
+    def _axis_tuple(self, axis) -> list[str]:
+        if axis is None:
+            return []
+        names = [axis] if isinstance(axis, str) else list(axis)
+        if not names:
+            raise GridError("axis tuple is empty; pass None for the whole world")
+        for a in names:
+            if a not in self.axes:
+                raise GridError(f"unknown axis {a!r}; this grid has axes {list(self.axes)}")
+        if len(set(names)) != len(names):
+            raise GridError(f"axis tuple {tuple(names)} repeats an axis")
+        return names
+
+    def _members(self, part: LinePart) -> list:
+        """The member indices of the line part's line it keeps (blocks of part.block members)."""
+        axes = self._axis_tuple(part.axes)
+        n, q = math.prod(self.axes[a] for a in axes), part.block
+        if not q or n % q:
+            raise GridError(f"blocks of {q} members do not divide the line over {tuple(axes)} of {n}")
+        return part_members(n, self._index_in(axes), part.span, q)
+
+    def size(self, axis: AxisArg = None) -> int:
+        """Number of ranks along an axis or a tuple of axes (the world for None)."""
+        axis = one_part(axis)
+        if isinstance(axis, LinePart):
+            return len(self._members(axis))
+        return math.prod(self.axes[a] for a in self._axis_tuple(axis)) if axis is not None else self.world_size
+
+    def index(self, axis: AxisArg) -> int:
+        """This rank's index along an axis or a tuple of axes (row-major, first slowest)."""
+        axis = one_part(axis)
+        if isinstance(axis, LinePart):
+            return self._members(axis).index(self._index_in(self._axis_tuple(axis.axes)))
+        return self._index_in(self._axis_tuple(axis))
+
+    def reduce_line(self, axis: AxisArg):
+        """The axis argument all_reduce and barrier run `axis` as: a tuple in the grid's order (the
+        members' order does not change their result), so (dp, sp) and (sp, dp) are one communicator."""
+        return order_free(list(self.axes), axis)
+
+
+class Grid(LineArithmetic):
     """Named axes over the world's ranks. Use gw.init() to make one."""
 
     def __init__(self, dims: ParallelDims, *, rank, backend, placement, ranks_per_node, timeout, store, hostname,
@@ -369,20 +418,11 @@ class Grid:
         self._parts[part] = got = (axes, line, members)
         return got
 
-    def size(self, axis: AxisArg = None) -> int:
-        """Number of ranks along an axis or a tuple of axes (the world for None)."""
-        axis = one_part(axis)
-        if isinstance(axis, LinePart):
-            return len(self._part(axis)[2])
-        return math.prod(self.axes[a] for a in self._axis_tuple(axis)) if axis is not None else self.world_size
+    def _members(self, part: LinePart) -> list:
+        return self._part(part)[2]
 
-    def index(self, axis: AxisArg) -> int:
-        """This rank's index along an axis or a tuple of axes (row-major, first slowest)."""
-        axis = one_part(axis)
-        if isinstance(axis, LinePart):
-            axes, _, members = self._part(axis)
-            return members.index(self.placement.index_in_line(self.rank, axes))
-        return self.placement.index_in_line(self.rank, self._axis_tuple(axis))
+    def _index_in(self, axes: list) -> int:
+        return self.placement.index_in_line(self.rank, axes)
 
     def ranks(self, axis: AxisArg) -> list[int]:
         """Global ranks of this rank's line along `axis`, in index order."""
@@ -394,19 +434,6 @@ class Grid:
 
     def node_of(self, rank: int) -> int:
         return self.placement.node_of(rank)
-
-    def _axis_tuple(self, axis) -> list[str]:
-        if axis is None:
-            return []
-        names = [axis] if isinstance(axis, str) else list(axis)
-        if not names:
-            raise GridError("axis tuple is empty; pass None for the whole world")
-        for a in names:
-            if a not in self.axes:
-                raise GridError(f"unknown axis {a!r}; this grid has axes {list(self.axes)}")
-        if len(set(names)) != len(names):
-            raise GridError(f"axis tuple {tuple(names)} repeats an axis")
-        return names
 
     def comm(self, axis: AxisArg = None, op: str = "op"):
         """This rank's native communicator along `axis` (None: the world, by global rank).
@@ -800,11 +827,6 @@ class Grid:
             else:
                 self.comm(item, "connect")
         return len(every)
-
-    def reduce_line(self, axis: AxisArg):
-        """The axis argument all_reduce and barrier run `axis` as: a tuple in the grid's order (the
-        members' order does not change their result), so (dp, sp) and (sp, dp) are one communicator."""
-        return order_free(self._names, axis)
 
     def seal(self) -> None:
         """Ends setup: a communicator made after it is counted as made late (communicators().

@@ -473,7 +473,7 @@ def peak_flops(grid, precision: str) -> tuple:
     here = [r for r in range(grid.world_size) if grid.node_of(r) == node]
     threads = torch.get_num_threads()
     grid.barrier()
-    rate = max(gemm_rate(None, 0.1, grid.device) for _ in range(3)) / threads if grid.rank == here[0] else 0.0
+    rate = max(gemm_rate(None, 0.05, grid.device) for _ in range(3)) / threads if grid.rank == here[0] else 0.0
     per_thread = grid.all_gather_json(rate)[here[0]]  # the node's measurement, after it was made alone
     usable = min(len(here) * threads, len(os.sched_getaffinity(0)))
     n = probe_size(grid.device, "gemm")

@@ -1,2 +1,6 @@
-"""ZeRO-3's parameter units: gw.optim.ParameterUnits (this module is the older path)."""
-from .optim.units import ParameterUnits, _in_backward  # noqa: F401
+"""ZeRO-3's parameter units: gw.optim.units (this module is its older path, the same module object)."""
+import sys
+
+from .optim import units
+
+sys.modules[__name__] = units

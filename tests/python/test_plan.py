@@ -850,7 +850,7 @@ def test_workers_rank_as_one_process_does(monkeypatch):
     whatever other grids had added to the lines' cache); a bad count is one clear error."""
     model = plan.Model(ModelConfig("gpt", 1000, hidden=256, heads=8, layers=4, seq=256), batch=64)
     a100 = plan.load_cluster("a100-ib", 8)
-    monkeypatch.setattr(plan, "GRIDS_PER_TASK", 32)  # several runs a worker, so the order of their rows matters
+    monkeypatch.setattr(plan.search, "GRIDS_PER_TASK", 32)  # several runs a worker, so the order of their rows matters
     alone = plan.plan(32, model, a100, workers=1)
     assert len(alone) > 4 * plan.GRIDS_PER_TASK
     assert plan.plan(32, model, a100, workers=2) == alone

@@ -16,8 +16,8 @@ def test_loss_scaler_backs_off_and_grows():
 
     s = gw.precision.LossScaler(init_scale=1024.0, growth_interval=3, min_scale=256.0, device="cpu")
     assert s.update(False) and s.update(False) and s.scale_value == 1024.0
-    assert s.update(torch.tensor(0.0)) and s.scale_value == 2048.0  # 3 clean steps: doubled
-    assert not s.update(torch.tensor(True)) and s.scale_value == 1024.0  # overflow: skipped, halved
+    assert s.update(torch.tensor(0.0, device="cpu")) and s.scale_value == 2048.0  # 3 clean steps: doubled
+    assert not s.update(torch.tensor(True, device="cpu")) and s.scale_value == 1024.0  # overflow: skipped, halved
     assert s.clean_steps == 0 and s.last_used.item() == 2048.0      # the step ran with 2048
     for _ in range(3):
         s.update(True)
@@ -25,7 +25,7 @@ def test_loss_scaler_backs_off_and_grows():
     assert s.tensor.device.type == "cpu" and s.tensor.dtype == torch.float32  # on the device, unread
     t = gw.precision.LossScaler(init_scale=8.0)
     t.load_state_dict(s.state_dict())                               # before it has a device
-    assert t.scale(torch.ones(())).item() == 256.0 and t.clean_steps == 0
+    assert t.scale(torch.ones((), device="cpu")).item() == 256.0 and t.clean_steps == 0
     with pytest.raises(gw.GridError):
         gw.precision.LossScaler(backoff_factor=2.0)
     with pytest.raises(gw.GridError, match="precision must be one of"):

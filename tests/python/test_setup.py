@@ -99,7 +99,14 @@ def _census(ctx):
         grid.any(True)  # a collective whose answer is read on the host
         torch.tensor([1.0], device="cpu")  # a tensor from Python data
         p.detach().sum().item()  # a read in the caller
-    out = (plain.counts(), scaled.counts(), bool(taken), opt.step_count, torch.equal(before, torch.ones(4, device="cpu")))
+        gw.nn.moe.swiglu_experts(torch.ones(3, 2, dtype=torch.float64, device="cpu"),  # the loop's sizes: a read
+                                 torch.tensor([1, 2], device="cpu"), torch.ones(2, 4, 2, dtype=torch.float64,
+                                 device="cpu"), torch.ones(2, 2, 2, dtype=torch.float64, device="cpu"))
+        torch.nonzero(p.detach() > 0)  # a shape that depends on the values
+        # a flag reduced over the grid, left on the device: no read
+        still = grid.any(torch.tensor(True, device="cpu"))
+    out = (plain.counts(), scaled.counts(), bool(taken), opt.step_count, torch.equal(before, torch.ones(4, device="cpu")),
+           bool(still))
     gw.shutdown()
     return out
 
@@ -108,10 +115,11 @@ def test_the_host_read_census_files_each_read_where_it_happens(pool):
     """gw.measure.HostReads: an optimizer step whose norm is not finite decides on the device (no
     read, and it is skipped: the weights and the step count stay); a read inside a collective,
     one in the caller and a tensor made from Python data are each filed where they happened."""
-    for plain, other, taken, steps, unchanged in pool.run(_census, 2, timeout=60):
-        assert plain["reads"] == {"collective": 0, "optimizer": 0, "step": 0}, plain
-        assert plain["tensors_from_python"] == 0, plain
+    for plain, other, taken, steps, unchanged, still in pool.run(_census, 2, timeout=60):
+        assert plain["reads"] == {"collective": 0, "optimizer": 0, "moe_dispatch": 0, "step": 0}, plain
+        assert plain["tensors_from_python"] == 0 and plain["shape_syncs"] == 0, plain
         assert not taken and steps == 0 and unchanged
-        assert other["reads"] == {"collective": 1, "optimizer": 0, "step": 1}, other
-        assert other["tensors_from_python"] == 2, other  # any()'s flag and the test's own
+        assert other["reads"] == {"collective": 1, "optimizer": 0, "moe_dispatch": 1, "step": 1}, other
+        # any()'s flag, the test's own three (the bool flag, the counts) and none from the tensor any()
+        assert other["tensors_from_python"] == 4 and other["shape_syncs"] == 1 and still, other
         assert any(site.startswith("grid.py:any") for site in other["sites"]), other

@@ -1,0 +1,77 @@
+"""The machines a plan is for: presets of alpha-beta links, GEMM and vector rates, memory (clusters/*.json)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import GridError
+
+
+PRESETS = Path(__file__).parent.parent / "clusters"  # the package's clusters/
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    gpus_per_node: int
+    intra_alpha_s: float
+    intra_bandwidth_Bps: float
+    inter_alpha_s: float
+    inter_bandwidth_Bps: float  # per network link (nics_per_node of them per node)
+    gemm_flops: float
+    memory_bytes: float
+    about: str = ""
+    vector_bandwidth_Bps: float = 0.0  # memory-bound element-wise work (0: not counted)
+    launch_s: float = 0.0  # fixed cost of each kernel or collective call
+    nics_per_node: int = 1  # network links per node; lines leaving a node share them
+    cores_per_node: int = 0  # CPU ranks: the cores they share (0: each rank has its own device)
+    collective_s: float = 0.0  # fixed cost of each collective or message beyond alpha (threads handing off)
+    step_s: float = 0.0  # fixed cost of each training step (its own bookkeeping: micro-batch cuts, loss, hooks)
+    attention_flops: float = 0.0  # FLOP/s of the fused attention kernels, forward and backward (0: gemm_flops)
+    attention_row_s: float = 0.0  # and their seconds per query row (batch x heads x sequence; 0: none)
+    gemm_bandwidth_Bps: float = 0.0  # bytes/s of the GEMMs' operands and outputs, read from memory (0: not counted)
+    # measured seconds of a one-element all-reduce (the loss, the norm, the micro-batch count) over
+    # every rank, its fixed costs included (0: alpha-beta). Gloo's ring sends only the non-empty
+    # chunks: one element over 8 CPU ranks took 0.7 ms where alpha-beta says 2 (g - 1) alpha = 11
+    scalar_all_reduce_s: float = 0.0
+    # measured all-reduces inside a node: (members, seconds, seconds per byte of the buffer) of
+    # the engine's all-reduce over lines of that many members, every line of the size busy at
+    # once (calibrate.all_reduce_lines); such an all-reduce is costed from its row alone, every
+    # other by alpha-beta. Where ranks share cores a ring step is a turn of the cores, not a wire's
+    # latency: an 8-member all-reduce's 14 steps took what the all-gather's 7 (alpha's fit) did
+    all_reduce_s: tuple = ()
+
+    def __post_init__(self):  # a preset's JSON lists, hashable (the lines' cache keys on the cluster)
+        object.__setattr__(self, "all_reduce_s", tuple(tuple(row) for row in self.all_reduce_s))
+
+    @classmethod
+    def of(cls, preset: dict) -> "Cluster":
+        """The cluster of a preset's fields (a calibration's extra keys, its measurements, left out)."""
+        return cls(**{k: v for k, v in preset.items() if k in cls.__dataclass_fields__})
+
+    def measured_all_reduce(self, members: int, nbytes: float) -> float | None:
+        """Seconds of an all-reduce of nbytes over a line of `members` inside a node, as
+        measured (all_reduce_s), or None where no line of that size was."""
+        for g, fixed, per_byte in self.all_reduce_s:
+            if g == members:
+                return fixed + per_byte * nbytes
+        return None
+
+
+def load_cluster(name_or_path: str, gpus_per_node: int | None = None) -> Cluster:
+    """A preset by name (clusters/NAME.json) or a JSON file of the same fields."""
+    p = Path(name_or_path)
+    if not p.exists():
+        p = PRESETS / f"{name_or_path}.json"
+    if not p.exists():
+        known = sorted(f.stem for f in PRESETS.glob("*.json"))
+        raise GridError(f"unknown cluster {name_or_path!r}: use one of {known} or a JSON file path")
+    d = json.loads(p.read_text())
+    if gpus_per_node:
+        d["gpus_per_node"] = gpus_per_node
+    missing = {f.name for f in dataclasses.fields(Cluster) if f.default is dataclasses.MISSING} - set(d)
+    if missing:
+        raise GridError(f"cluster file {p} lacks {sorted(missing)}")
+    return Cluster.of(d)

@@ -1,0 +1,349 @@
+"""One grid's predicted step: its recorded schedule (record.step_schedule) costed part by part,
+its memory, and the engine's traffic counters it leaves."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import asdict
+from typing import TypedDict
+
+from .. import _C
+from ..errors import GridError
+from ..grid import part_members
+from .record import GROUPED_SEND, Experts, optimizer_census, step_schedule, tally_of
+from .cluster import Cluster
+from .costs import _label_line, _links, _measured, bubble_fraction, collective_time, transformer_flops
+from .shape import GridShape, Model
+
+
+def step_counters(schedule, axes: dict, placement, rank: int) -> dict:
+    """The engine's traffic counters (gw.Grid.stats: ops, messages and bytes sent per axis label)
+    that one step of `schedule` (recorder.step_schedule for this rank's stage) leaves on
+    `rank` of a grid of `axes` placed by `placement` (gw.Grid.placement or _C.Placement): each op's
+    messages are the engine's own (_C.message_schedule), so equal counters mean the planner
+    costs the algorithms that ran."""
+    names, sizes = list(axes), dict(axes)
+    out = {}
+    for c, times in schedule.collectives:
+        line, part = _label_line(c.axis)  # "pp:control": the host channel over the pp line
+        axes = names if line == "world" else line.split(",")
+        g = math.prod(sizes[a] for a in axes)
+        member = placement.index_in_line(rank, axes)
+        if part is not None:  # a line part: blocks of q consecutive members (within), or one of each (across)
+            members = part_members(g, member, *part)
+            g, member = len(members), members.index(member)
+        op = "send" if c.op == GROUPED_SEND else c.op
+        sent = [b for _, b, send in _C.message_schedule(op, g, member, int(c.member_bytes), c.root, c.elem) if send]
+        d = out.setdefault(c.axis, {"ops": 0, "sent_messages": 0, "sent_bytes": 0})
+        d["ops"] += times
+        d["sent_messages"] += times * len(sent)
+        d["sent_bytes"] += times * sum(sent)
+    return out
+
+
+# Gradient all-reduce bucket (elements) of a fused device optimizer (Megatron's DDP buckets are
+# tens of millions of elements)
+FUSED_BUCKET = 1 << 24
+
+
+def _dtype(model: Model):
+    import torch
+
+    return {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[model.bytes_per_value]
+
+
+def schedule_of(model: Model, grid: GridShape, microbatches: int, stage: int = 0, bsize: int = 1 << 14,
+                coarsening: int = 4, clip: bool = True, overlap: bool = False):
+    """The recorded step (recorder.step_schedule) of `model` on `grid`, on a rank of
+    pipeline stage `stage`; a model of vocab 0 is its layer stack alone (Bian et al.'s and SUPER's
+    measurements: no embedding, head, loss or optimizer)."""
+    b = model.batch // grid.dp
+    return step_schedule(model.config, grid.tp, grid.dp, grid.pp, grid.sp, (("pp", stage),), microbatches,
+                         b / microbatches, _dtype(model), bsize, coarsening, clip, False, bool(model.vocab),
+                         model.fused_attention, zero=grid.zero if model.vocab else 0,
+                         attention=(model.attention, model.ulysses_degree), agreed=grid.resolved_schedule(model.config) == "message_driven",
+                         overlap=overlap,
+                         experts=None if model.config.moe is None else Experts(grid.ep, model.expert_imbalance))
+
+
+def work_ops(micro) -> list:
+    """A recorded micro-batch as costed work: ("gemm", flops, calls), ("vector", bytes, kernels)
+    and (collective, axis, bytes) in issue order (receives cost nothing: their time is the send's)."""
+    ops = [("gemm", micro.flops, micro.gemm_calls), ("vector", micro.kernel_bytes, micro.kernels)]
+    return ops + [(c.op, c.axis, c.nbytes) for c in micro.collectives if c.op != "recv"]
+
+
+def layer_ops(model: Model, grid: GridShape, tokens: float) -> list:
+    """One transformer layer's work on one rank for `tokens` tokens of its replica, forward and
+    backward, as the mode's layer runs it (recorded)."""
+    one = dataclasses.replace(model, config=dataclasses.replace(model.config, layers=1), embedding=False,
+                              batch=tokens / model.seq * grid.dp)
+    return work_ops(schedule_of(one, dataclasses.replace(grid, pp=1), 1).microbatch)
+
+
+def _check_recompute(recompute) -> None:
+    if recompute not in (False, True, "selective"):
+        raise GridError(f"recompute must be False, True or 'selective', got {recompute!r}")
+
+
+def _at(rate: float):
+    """Seconds of n units at `rate` units a second (a rate of 0: not counted)."""
+    return (lambda n: n / rate) if rate else (lambda n: 0.0)
+
+
+class Prediction(TypedDict):
+    """One grid's predicted step (predict's return; a dict, as JSON and the table take it)."""
+    dp: int
+    pp: int
+    tp: str  # the mode's spec
+    sp: int
+    placement: str
+    zero: int
+    schedule: str
+    chunks: int
+    ep: int
+    step_time_s: float  # the step: the pipeline, the step's own collectives, the optimizer, fixed cost
+    compute_s: float  # the paper's FLOPs formula over the ranks at the GEMM rate (for comparison)
+    bubble: float  # the pipeline's bubble fraction
+    microbatches: int
+    memory_bytes: float  # device memory per rank, the most loaded stage's
+    parameters: int  # the model's matrix parameters
+    host_bytes: float  # OffloadAdam's fp32 master and two states in host memory
+    state_bytes: dict  # parameters / gradients / optimizer held after a step (the ZeRO paper's accounting)
+    memory_stage: int
+    critical_stage: int
+    pipeline_s: float
+    kernels: int  # what the critical rank issues a step
+    collectives: int
+    fixed_cost_collectives: int  # of them, those charged the cluster's collective_s
+    time_breakdown_s: dict  # compute, recompute, communication per axis, bubble: they add up to step_time_s
+    memory_breakdown_bytes: dict  # parameters, gradients, optimizer, activations: they add up to memory_bytes
+    bytes_per_axis: dict  # {axis: {"intra", "inter"}}
+    seconds_per_axis: dict
+    axis_links: dict  # the grid's axes and the lines this step uses: intra or inter (n nodes)
+
+
+class _Costing:
+    """The cluster's rates and a grid's lines: what a piece of recorded work costs."""
+
+    def __init__(self, grid: GridShape, cluster: Cluster):
+        self.cluster, self.launch = cluster, cluster.launch_s
+        self.links, _ = _links(grid, cluster)
+        self.vector, self.gemm_bytes = _at(cluster.vector_bandwidth_Bps), _at(cluster.gemm_bandwidth_Bps)
+
+    def cost(self, op, nbytes, line) -> tuple:
+        """(seconds of one collective on `line`, whether they hold collective_s)."""
+        cluster = self.cluster
+        measured = _measured(op, nbytes, line, cluster)  # the whole call, as timed
+        if measured is not None:
+            return measured, False
+        if op == GROUPED_SEND:  # in its group's launch: its link's latency and bandwidth alone
+            return collective_time("send", line[4], nbytes, line[:2], cluster), False
+        return self.launch + cluster.collective_s + collective_time(op, line[4], nbytes, line[:2], cluster), True
+
+    def fixed_cost(self, op, axis, nbytes) -> bool:  # comm charges it collective_s
+        return self.links[axis] is not None and self.cost(op, nbytes, self.links[axis])[1]
+
+    def comm(self, tally, per_axis, repeat) -> float:
+        """Seconds of the collectives of `tally` (((op, axis, nbytes), times issued), each of them
+        issued `repeat` times again); per axis too. Each distinct collective is costed once."""
+        t = 0.0
+        for (op, axis, nbytes), n in tally:
+            line = self.links[axis]
+            if line is None:
+                continue
+            c, _ = self.cost(op, nbytes, line)
+            acc = per_axis.setdefault(axis, [0.0, 0.0])
+            acc[0] += c * n * repeat
+            acc[1] += nbytes * n * repeat
+            t += c * n
+        return t
+
+    def busy(self, w) -> float:
+        """GEMMs at the GEMM rate and their operands' bandwidth (fused attention at its rate and row
+        cost), the other kernels at memory bandwidth, each a launch."""
+        cluster = self.cluster
+        return ((w.flops - w.fused_attention_flops) / cluster.gemm_flops + self.gemm_bytes(w.gemm_bytes)
+                + w.fused_attention_flops / (cluster.attention_flops or cluster.gemm_flops)
+                + w.attention_rows * cluster.attention_row_s
+                + (w.gemm_calls + w.kernels) * self.launch + self.vector(w.kernel_bytes))
+
+
+@dataclasses.dataclass
+class _StageTime:
+    """A pipeline stage's micro-batch: its time (compute, recomputation, communication), the
+    compute and recomputation alone, its recorded schedule, seconds and bytes per axis."""
+    seconds: float
+    compute: float
+    recompute: float
+    schedule: object
+    per_axis: dict
+
+
+def stage_time(model: Model, grid: GridShape, costing: _Costing, microbatches: int, stage: int,
+               offload_bsize, recompute, coarsening: int, clip: bool, overlap: bool) -> _StageTime:
+    """One micro-batch of pipeline stage `stage` (recorded, costed); recompute as predict's."""
+    sched = schedule_of(model, grid, microbatches, stage, offload_bsize or FUSED_BUCKET, coarsening, clip, overlap)
+    mb = sched.microbatch
+    compute = costing.busy(mb)
+    # recomputation: each layer's forward again in backward, a third of its work (AxoNN eq. 3)
+    redo = sched.layers * (costing.busy(sched.layer) / 3 if recompute is True else
+                           sched.layer.attention_flops / costing.cluster.gemm_flops if recompute else 0.0)
+    per_axis, chunks = {}, grid.chunks
+    tally = mb.tally + tuple((k, n * (chunks - 1)) for k, n in mb.tally if k[:2] == ("send", "pp") and chunks > 1)
+    t = compute + redo + costing.comm(tally, per_axis, microbatches)  # the sends again: each chunk's boundary
+    return _StageTime(t, compute, redo, sched, per_axis)
+
+
+def optimizer_time(model: Model, sched, costing: _Costing, offload_bsize, coarsening: int, clip: bool) -> float:
+    """The optimizer's own work a step on this rank's elements (its parameters, or its ZeRO shard)."""
+    phi_local = sched.shard
+    if model.vocab and offload_bsize:  # OffloadAdam's own work (AxoNN §V-B: bsize-element buckets)
+        census = optimizer_census(offload_bsize, coarsening, clip, True)
+        kernels = census["fixed"] + census["per_tensor"] * sched.parameter_tensors + \
+            census["per_bucket"] * -(-phi_local // offload_bsize)
+        return kernels * costing.launch + costing.vector(census["bytes_per_element"] * phi_local)
+    if model.vocab:  # a fused Adam: weights and gradient read, fp32 master and two states read and written
+        return costing.vector((3 * model.bytes_per_value + 2 * 12) * phi_local)
+    return 0.0
+
+
+def stage_memory(model: Model, grid: GridShape, stage: int, sched, microbatches: int, offload_bsize,
+                 recompute) -> dict:
+    """Stage s's memory per rank: its parameters as its modules place them, their gradients
+    and the flat gradient buffer in the model's dtype; AxoNN's 16 bsize of device buckets
+    (offload) or the fp32 master, exp_avg and exp_avg_sq here (12 phi, with the fp32 gradient
+    16: 20 phi with half-precision weights and gradients); the kept activations of the
+    micro-batches in flight (recorded). Stage s holds pp - s of them at most (1F1B's bound,
+    Megatron-LM §2.2; the message-driven schedule's pipeline_limit max(pp, 2) is not lower):
+    the last stage runs each micro-batch's backward as soon as its forward. A pipeline
+    stage also holds the engine's messages."""
+    e, m = model.bytes_per_value, microbatches
+    b = model.batch // grid.dp
+    aliased = _aliased(model, grid, offload_bsize)
+    phi_here = sched.parameters
+    in_flight = min(m, grid.pp - stage) if grid.pp > 1 else 1
+    # the recorded peak of one micro-batch (its kept activations, their gradients and the
+    # temporaries, the gradients made) beside the gradients, plus the others in flight
+    mb = sched.microbatch
+    act = max(mb.peak_bytes - e * phi_here, mb.saved_bytes) + mb.saved_bytes * (in_flight - 1)
+    if recompute is True:  # only each layer's input is kept, and one layer's activations at a time
+        layers_here = model.layers // grid.pp
+        act = (2 * b / m * model.seq / grid.sp * model.hidden * e * layers_here * in_flight
+               + mb.saved_bytes / max(layers_here, 1))
+    if grid.pp > 1:  # the pipeline engine's messages (cpp/pipeline.cpp): two receives posted
+        # (double buffers), the message being sent, and the tensor it was copied from
+        payload = max((c.nbytes for c in mb.collectives if c.op == "send" and c.axis == "pp"), default=0)
+        act += (2 + 1 + 1) * payload
+    # OffloadAdam's bucket buffers and the flat gradient it sums (model dtype), or fused Adam's
+    # states and fp32 gradient (of this rank's ZeRO shard). The gradients are whole until the
+    # step (its reduce-scatter runs after the backward), so zero 2 saves them after the step only.
+    optimizer = 16 * offload_bsize + e * phi_here if offload_bsize else (16 - 4 * aliased) * sched.shard
+    # ZeRO-3: the shard, and the units gathered whole at once (the one computing, the one prefetched,
+    # the ones kept from forward to backward)
+    params = e * (sched.shard + sched.gathered) if grid.zero == 3 else e * phi_here
+    return {"parameters": params, "gradients": e * phi_here, "optimizer": optimizer, "activations": act}
+
+
+def _aliased(model: Model, grid: GridShape, offload_bsize) -> bool:
+    """ZeRO-3 in fp32 on the device: the parameter shard is the fp32 master (one copy, not two)."""
+    return grid.zero == 3 and not offload_bsize and model.bytes_per_value == 4
+
+
+def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int | None = None,
+            offload_bsize: int | None = None, recompute: bool | str = False, coarsening: int = 4,
+            clip: bool = True, overlap_grad_reduce: bool = False) -> Prediction:
+    """Predicted step time (s), memory per GPU (bytes) and bytes per axis for one gw.train step:
+    the step recorded from the code that runs it (record.step_schedule: every GEMM and
+    its FLOPs, every other kernel and its bytes, every collective and message, the activations
+    kept, the optimizer's own work), costed on `cluster` (alpha-beta links from the engine's
+    placement, GEMM rate, memory bandwidth, a per-kernel and per-collective cost): stage_time,
+    optimizer_time and stage_memory, put together.
+    recompute: False, True (every layer's forward again in backward) or "selective" (the
+    attention core's, Korthikanti et al. 2022). The grid's chunks: model chunks per pipeline
+    stage (Megatron's interleaved schedule: the bubble is (p-1)/(v m), v times the messages).
+    offload_bsize: gw.optim.OffloadAdam's bsize (what gw.train runs: states in host memory,
+    updated bsize elements at a time, its kernels and bytes recorded); None: a fused Adam on
+    the device, its states there too (Megatron's: 20 phi with half-precision weights).
+    overlap_grad_reduce: OffloadAdam's chunks start in the last micro-batch's backward (gw.train's
+    default); only what outlasts that backward is exposed, at least the last chunk."""
+    _check_recompute(recompute)
+    chunks = grid.chunks
+    if chunks > 1 and grid.pp < 2:
+        raise GridError(f"chunks={chunks} needs pp > 1")
+    e = model.bytes_per_value
+    dims = grid.dims()
+    dims.check_batch(model.batch)
+    dims.check_layers(model.layers)
+    grid.check_experts(model.config)
+    b = model.batch // grid.dp  # sequences per data-parallel replica
+    m = microbatches or (min(b, 4 * grid.pp) if grid.pp > 1 else 1)
+    costing = _Costing(grid, cluster)
+    links = costing.links
+    # the middle stages do what these do, without embedding or head
+    stages = {s: stage_time(model, grid, costing, m, s, offload_bsize, recompute, coarsening, clip,
+                            overlap_grad_reduce and bool(offload_bsize)) for s in sorted({0, grid.pp - 1})}
+    s_star = max(stages, key=lambda k: stages[k].seconds)
+    critical = stages[s_star]
+    t_stage, compute, redo, sched, per_axis = (critical.seconds, critical.compute, critical.recompute,
+                                               critical.schedule, critical.per_axis)
+    bubble = bubble_fraction(grid.pp, m) / chunks if grid.pp > 1 else 0.0
+    # (m + p - 1) micro-batch slots; where ranks share cores (cores_per_node), the ones idle in
+    # the bubble lend theirs to the busy ones (the rates are calibrated with every rank busy), so
+    # the bubble costs only what the shared cores cannot absorb
+    share = max(1.0, cluster.gpus_per_node / cluster.cores_per_node) if cluster.cores_per_node else 1.0
+    pipeline = m * t_stage * max(1.0, (1 + bubble) / share)
+    step_comm = costing.comm(sched.step_tally, per_axis, 1)
+    if sched.in_backward:  # overlapped chunks (DDP's buckets): they travel during the last backward (2/3 of a
+        # micro-batch's work), the last chunk after it; each axis is charged its share of what is exposed
+        alone = {}
+        reduce_s = costing.comm(tally_of(sched.in_backward), alone, 1)
+        # where ranks share cores the chunks' transport threads take the cores the backward computes
+        # on: nothing is hidden (the overlap then only saves the wait for the last chunk's peers)
+        hidden = 2 / 3 * compute if share <= 1.0 else 0.0
+        exposed = max(costing.comm(tally_of(sched.in_backward[-1:]), {}, 1), reduce_s - hidden)
+        for k, (sec, nbytes) in alone.items():
+            acc = per_axis.setdefault(k, [0.0, 0.0])
+            acc[0] += sec * exposed / reduce_s
+            acc[1] += nbytes
+        step_comm += exposed
+    optimizer_s = optimizer_time(model, sched, costing, offload_bsize, coarsening, clip)
+    step = pipeline + step_comm + optimizer_s + cluster.step_s
+    phi = model.config.matrix_parameters(embedding=model.embedding)
+    compute_paper = (transformer_flops(model, recompute) / (grid.dp * grid.pp * grid.tp_ranks() * grid.sp)
+                     / cluster.gemm_flops)
+    by_stage = {s: stage_memory(model, grid, s, v.schedule, m, offload_bsize, recompute) for s, v in stages.items()}
+    s_mem = max(by_stage, key=lambda k: sum(by_stage[k].values()))
+    memory_breakdown = by_stage[s_mem]
+    top = stages[s_mem].schedule
+    aliased = _aliased(model, grid, offload_bsize)
+    # the offloaded fp32 master and two states
+    host = 12 * (top.shard if grid.zero else top.parameters) if offload_bsize else 0
+    # the ZeRO paper's accounting after a step (Rajbhandari et al. 2020, Fig. 1), as gw.train's
+    # metrics.json memory_bytes measures it: each term over N_d where the stage shards it
+    held = {"parameters": e * (top.shard if grid.zero == 3 else top.parameters),
+            "gradients": e * (top.shard if grid.zero >= 2 else top.parameters),
+            "optimizer": (12 - 4 * aliased) * top.shard}
+    return Prediction(
+        **{k: v for k, v in asdict(grid).items() if k != "tp"}, tp=grid.tp.spec(),
+        step_time_s=step, compute_s=compute_paper, bubble=bubble, microbatches=m,
+        memory_bytes=sum(memory_breakdown.values()), parameters=phi,
+        host_bytes=host, state_bytes=held, memory_stage=s_mem, critical_stage=s_star,
+        pipeline_s=pipeline,
+        # what the critical rank issues in the step: kernels and collectives (with messages)
+        kernels=m * (sched.microbatch.kernels + sched.microbatch.gemm_calls),
+        collectives=m * sum(n for _, n in sched.microbatch.tally) + len(sched.step) + len(sched.in_backward),
+        # of them, those charged collective_s (the rest measured whole, or a group's later sends)
+        fixed_cost_collectives=m * sum(n for k, n in sched.microbatch.tally if costing.fixed_cost(*k)) +
+        sum(n for k, n in sched.step_tally + tally_of(sched.in_backward) if costing.fixed_cost(*k)),
+        # where the step time goes (they add up to step_time_s) and the memory (to memory_bytes)
+        time_breakdown_s={"compute": compute * m + optimizer_s + cluster.step_s, "recompute": redo * m,
+                          "communication": {k: v[0] for k, v in per_axis.items()},
+                          "bubble": pipeline - m * t_stage},
+        memory_breakdown_bytes=memory_breakdown,
+        bytes_per_axis={k: {"intra": v[1] * (1 - links[k][3]), "inter": v[1] * links[k][3]}
+                        for k, v in per_axis.items()},
+        seconds_per_axis={k: v[0] for k, v in per_axis.items()},
+        # the grid's axes and the lines this step uses (the lines' cache holds other grids' too)
+        axis_links={k: ("intra" if v[2] == 1 else f"inter ({v[2]} nodes)") for k, v in links.items()
+                    if k in per_axis or k in dict(grid.axes())})
