@@ -93,8 +93,16 @@ def plan_columns() -> str:
                      [f"| `{k}` | {v} |" for k, v in TABLE_COLUMNS.items()])
 
 
+def config_sections() -> str:
+    from gridweave.configfile import LAUNCH, SECTIONS
+
+    rows = ["| section | keys |", "|---|---|"]
+    rows += [f"| `[{name}]` | {', '.join(f'`{k}`' for k in keys)} |" for name, keys in SECTIONS.items()]
+    return "\n".join(rows + [f"| `[launch]` | {', '.join(f'`{k}`' for k in LAUNCH)} |"])
+
+
 MARKERS = {"<!-- config-reference -->": config_reference, "<!-- measurements -->": measurements,
-           "<!-- plan-columns -->": plan_columns}
+           "<!-- plan-columns -->": plan_columns, "<!-- config-sections -->": config_sections}
 
 
 def on_page_markdown(markdown, page, config, files):
