@@ -437,8 +437,9 @@ def main(argv=None) -> int:
         try:
             return (_generate if args.command == "generate" else _export)(args)
         except (GridError, OSError) as e:  # a missing run, a bad setting: one line, as train answers
-            print(f"gridweave {args.command}: {getattr(e, 'strerror', None) and f'{e.strerror}: {e.filename}' or e}",
-                  file=sys.stderr)
+            what = e if isinstance(e, GridError) or not e.strerror else \
+                f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+            print(f"gridweave {args.command}: {what}", file=sys.stderr)
             return 2
     if args.command == "bench":
         if args.nproc < 1:
@@ -475,12 +476,12 @@ def main(argv=None) -> int:
                 if args.dry_run:
                     return dry_run(cfg, nodes, shape)
                 cfg.check_files()
+                said = start_line(cfg, nodes, shape, _launcher(args) if nodes.world_size > 1 else "this process")
             except (GridError, OSError) as e:
                 print(f"gridweave train: {as_flags(getattr(e, 'strerror', None) or e)}", file=sys.stderr)
                 return 2
             if not cfg.quiet:  # what starts, said before any rank does
-                print(start_line(cfg, nodes, shape, _launcher(args) if nodes.world_size > 1 else "this process"),
-                      flush=True)
+                print(said, flush=True)
             if nodes.world_size == 1:
                 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
             else:  # spawn the ranks, each running this command without the launcher's flags
@@ -534,7 +535,8 @@ def _launcher(args) -> str:
     (--nnodes, --node-rank, --master-addr, --max-restarts) are torchrun's; else the transport's."""
     if args.launcher != "auto":
         return args.launcher
-    if args.hostfile is not None:
+    asked = args.backend  # the user's choice of transport (not a name a transport reports)
+    if args.hostfile is not None or asked == "mpi":  # the MPI transport needs MPI's ranks
         return "mpirun"
     if args.nnodes > 1 or args.node_rank or args.master_addr is not None or args.max_restarts:
         return "torchrun"

@@ -167,14 +167,14 @@ class HostReads:
     every Tensor.tolist / .numpy / .cpu call, and every tensor made from Python data
     (aten.lift_fresh: torch.tensor(...), which on a GPU is a host-to-device copy). Each is
     filed under where it happened: "collective" (inside the grid's ops), "optimizer",
-    "moe_dispatch" (a mixture of experts' token exchange reading its sizes), or "step" (anywhere
-    else), named by the innermost gridweave frame. Ops whose output's shape depends on the
-    values (nonzero, masked_select, unique, indexing by a mask: a host sync on a GPU) are
-    counted apart, as shape_syncs. A context manager; counts() gives {"reads": {where: n},
-    "tensors_from_python": n, "shape_syncs": n, "sites": {site: n}}."""
+    "moe_dispatch" (a mixture of experts reading its groups' sizes: the token exchange's, or the
+    float64 loop's), or "step" (anywhere else), named by the innermost gridweave frame. Ops whose
+    output's shape depends on the values (nonzero, masked_select, unique, indexing by a mask: a
+    host sync on a GPU) are counted apart, as shape_syncs. A context manager; counts() gives
+    {"reads": {where: n}, "tensors_from_python": n, "shape_syncs": n, "sites": {site: n}}."""
 
     WHERE = (("collective", ("gridweave/grid.py", "gridweave/ring.py", "gridweave/autograd/comm.py")),
-             ("optimizer", ("gridweave/optim.py", "gridweave/zero.py", "gridweave/precision.py")),
+             ("optimizer", ("gridweave/optim/", "gridweave/precision.py")),
              ("moe_dispatch", ("gridweave/nn/moe.py",)))
     PATCHED = ("tolist", "numpy", "cpu")
     SHAPED = ("nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive")
@@ -218,7 +218,7 @@ class HostReads:
             if "gridweave/" in path and not path.endswith("gridweave/measure.py"):
                 site = site or f"{path.rsplit('gridweave/', 1)[1]}:{frame.f_code.co_name}"
                 for name, files in self.WHERE:
-                    if where == "step" and path.endswith(files):
+                    if where == "step" and any(f in path for f in files):
                         where = name
             frame = frame.f_back
         return where, site or "outside gridweave"

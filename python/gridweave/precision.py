@@ -104,7 +104,8 @@ class LossScaler:
         return {"scale": self.scale_value, "clean_steps": self.clean_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        scale, clean = float(state["scale"]), int(state["clean_steps"])
+        # clean steps since the last growth (an older state counted every clean step since the last skip)
+        scale, clean = float(state["scale"]), int(state["clean_steps"]) % self.growth_interval
         if self._scale is None:
             self._start = (scale, clean)
         else:

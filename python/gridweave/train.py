@@ -464,21 +464,25 @@ def peak_flops(grid, precision: str) -> tuple:
     node's other ranks wait (best of three windows: never under contention, so no step can beat
     it and MFU stays at most 1), times the threads the node's ranks can run at once (its cores),
     shared among its ranks."""
+    n = probe_size(grid.device, "gemm")
     if grid.device.type == "cuda":
         name = torch.cuda.get_device_name(grid.device)
         for key, peaks in GPU_PEAK.items():
             if key in name:
                 return peaks[precision], f"nominal {key} {precision}"
+        grid.barrier()  # a GPU without a datasheet entry: its float32 GEMM, every rank on its own GPU
+        return max(gemm_rate(None, 0.05, grid.device) for _ in range(3)), f"measured float32 GEMM ({n}^3) of the GPU"
     node = grid.node_of(grid.rank)
     here = [r for r in range(grid.world_size) if grid.node_of(r) == node]
     threads = torch.get_num_threads()
     grid.barrier()
     rate = max(gemm_rate(None, 0.05, grid.device) for _ in range(3)) / threads if grid.rank == here[0] else 0.0
-    per_thread = grid.all_gather_json(rate)[here[0]]  # the node's measurement, after it was made alone
-    usable = min(len(here) * threads, len(os.sched_getaffinity(0)))
-    n = probe_size(grid.device, "gemm")
-    return per_thread * usable / len(here), (f"float32 GEMM ({n}^3) of one thread, measured alone, x {usable} "
-                                             f"threads a node")
+    # the node's measurement, made alone, and the cores its ranks may run on (each rank's may be pinned)
+    every = grid.all_gather_json([rate, sorted(os.sched_getaffinity(0))])
+    cores = set().union(*(every[r][1] for r in here))
+    usable = min(len(here) * threads, len(cores))
+    return every[here[0]][0] * usable / len(here), (f"float32 GEMM ({n}^3) of one thread, measured alone, x "
+                                                    f"{usable} threads a node")
 
 
 def plan_job(cfg: TrainConfig, degrees: dict, cluster) -> dict:

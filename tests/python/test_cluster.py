@@ -284,6 +284,8 @@ def test_the_auto_launcher_follows_the_words_given(tmp_path):
     assert pick(argparse.Namespace(**{**words, "nnodes": 2, "master_addr": "10.0.0.1"})) == "torchrun"
     assert pick(argparse.Namespace(**{**words, "max_restarts": 1})) == "torchrun"
     assert pick(argparse.Namespace(**{**words, "nnodes": 2, "hostfile": "h"})) == "mpirun"
+    # the MPI transport needs MPI's ranks (then mpirun's own check asks for the hostfile)
+    assert pick(argparse.Namespace(**{**words, "nnodes": 2, "master_addr": "10.0.0.1", "backend": "mpi"})) == "mpirun"
     assert pick(argparse.Namespace(**words)) == gw.launch.default_launcher("cpu")
     assert pick(argparse.Namespace(**{**words, "launcher": "mpirun", "nnodes": 2})) == "mpirun"  # as asked
 

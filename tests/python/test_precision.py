@@ -26,6 +26,8 @@ def test_loss_scaler_backs_off_and_grows():
     t = gw.precision.LossScaler(init_scale=8.0)
     t.load_state_dict(s.state_dict())                               # before it has a device
     assert t.scale(torch.ones((), device="cpu")).item() == 256.0 and t.clean_steps == 0
+    t.load_state_dict({"scale": 256.0, "clean_steps": 4500})  # an older state: clean steps since the last skip
+    assert t.clean_steps == 500  # since the last growth (growth_interval 2000), so it grows again
     with pytest.raises(gw.GridError):
         gw.precision.LossScaler(backoff_factor=2.0)
     with pytest.raises(gw.GridError, match="precision must be one of"):

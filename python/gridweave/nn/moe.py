@@ -175,6 +175,8 @@ def kept_slots(chosen: torch.Tensor, experts: torch.Tensor, moe: MoE) -> torch.T
     rank[order] = torch.arange(order.numel(), device=order.device) - start[flat[order]]
     cap = moe.capacity(chosen.shape[0])
     keep = rank < cap
+    if not order.numel():
+        return keep
     # each expert's last kept and first dropped slot (clamped where it drops none: masked below)
     at = (start + cap - 1).clamp(max=order.numel() - 1), (start + cap).clamp(max=order.numel() - 1)
     last, first_out = p[order[at[0]]], p[order[at[1]]]
