@@ -661,10 +661,14 @@ def launch_fields(args) -> dict:
     return {k: getattr(args, k) for k in configfile.LAUNCH}
 
 
+def _parameters(model_cfg) -> int:
+    """The model's parameters, counted on meta tensors (no memory)."""
+    return sum(p.numel() for p in models.build(model_cfg, device="meta").parameters())
+
+
 def start_line(cfg, nodes, shape, launcher: str) -> str:
     """The job in one line, printed before its ranks start: launcher, ranks, grid, model, data, output."""
-    model_cfg = cfg.model_config(cfg.vocab)
-    params = sum(p.numel() for p in models.build(model_cfg, device="meta").parameters())
+    params = _parameters(cfg.model_config(cfg.vocab))
     return (f"gridweave train: {launcher}, {nodes.world_size} rank(s) ({nodes.nnodes} node(s) x {nodes.nproc}) on "
             f"{cfg.device}; grid dp {shape['dp']} x pp {shape['pp']} x tp {cfg.mode.spec()} x sp {shape['sp']}; "
             f"model {cfg.model}, {params / 1e6:.2f} M parameters, {cfg.compute.name}; data "
@@ -675,7 +679,7 @@ def dry_run(cfg, nodes, shape) -> int:
     """The job on paper: the model built on meta tensors (no memory), its parameters, the grid
     and the planner's memory per rank; nothing starts."""
     model_cfg = cfg.model_config(cfg.vocab)
-    params = sum(p.numel() for p in models.build(model_cfg, device="meta").parameters())
+    params = _parameters(model_cfg)
     p = train.plan_job(cfg, shape, plan.load_cluster("local", nodes.nproc))
     mem = p["memory_breakdown_bytes"]
     print(f"model: {cfg.model}, {params:,} parameters ({params / 1e9:.2f} B), vocabulary {model_cfg.vocab}, "

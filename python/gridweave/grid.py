@@ -774,13 +774,11 @@ class Grid(LineArithmetic):
         """Whether `flag` is true on any rank of `axis` (None: the world): one decision, the
         same on every rank (a failed write, a non-finite tensor). A bool gives a bool; a tensor
         on the device gives a 0-d bool tensor there, unread (a training step's skip decision)."""
-        if isinstance(flag, torch.Tensor):
-            t = flag.detach().to(device=self.device, dtype=torch.float64, copy=True).reshape(1)
-            self.all_reduce(t, axis=axis, op="max")
-            return t[0] > 0
-        t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64, device=self.device)
+        on_device = isinstance(flag, torch.Tensor)
+        t = flag.detach().to(device=self.device, dtype=torch.float64, copy=True).reshape(1) if on_device else \
+            torch.tensor([1.0 if flag else 0.0], dtype=torch.float64, device=self.device)
         self.all_reduce(t, axis=axis, op="max")
-        return bool(t.item() > 0)
+        return t[0] > 0 if on_device else bool(t.item() > 0)
 
     def broadcast_ints(self, values, axis: AxisArg, src: int = 0) -> list:
         """Member `src`'s list of integers (a shape, a count), on every member of `axis`."""

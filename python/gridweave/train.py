@@ -465,18 +465,22 @@ def peak_flops(grid, precision: str) -> tuple:
     it and MFU stays at most 1), times the threads the node's ranks can run at once (its cores),
     shared among its ranks."""
     n = probe_size(grid.device, "gemm")
+
+    def best() -> float:  # the best of three windows: a rate no step beats
+        return max(gemm_rate(n, 0.05, grid.device) for _ in range(3))
+
     if grid.device.type == "cuda":
         name = torch.cuda.get_device_name(grid.device)
         for key, peaks in GPU_PEAK.items():
             if key in name:
                 return peaks[precision], f"nominal {key} {precision}"
         grid.barrier()  # a GPU without a datasheet entry: its float32 GEMM, every rank on its own GPU
-        return max(gemm_rate(None, 0.05, grid.device) for _ in range(3)), f"measured float32 GEMM ({n}^3) of the GPU"
+        return best(), f"measured float32 GEMM ({n}^3) of the GPU"
     node = grid.node_of(grid.rank)
     here = [r for r in range(grid.world_size) if grid.node_of(r) == node]
     threads = torch.get_num_threads()
     grid.barrier()
-    rate = max(gemm_rate(None, 0.05, grid.device) for _ in range(3)) / threads if grid.rank == here[0] else 0.0
+    rate = best() / threads if grid.rank == here[0] else 0.0
     # the node's measurement, made alone, and the cores its ranks may run on (each rank's may be pinned)
     every = grid.all_gather_json([rate, sorted(os.sched_getaffinity(0))])
     cores = set().union(*(every[r][1] for r in here))
@@ -1005,11 +1009,10 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
     cfg = resolve_resume(cfg, grid)
     schedule = cfg.resolved_schedule(grid.axes["dp"], grid.axes["pp"])
     if grid.rank == 0 and not cfg.quiet and grid.axes["pp"] > 1:
-        print(f"gridweave train: schedule {schedule}" + (" (auto)" if cfg.schedule == pipeline.AUTO else ""), flush=True)
+        _say(f"schedule {schedule}" + (" (auto)" if cfg.schedule == pipeline.AUTO else ""))
     offload = resolve_offload(cfg, grid)
     if grid.rank == 0 and not cfg.quiet and cfg.offload == "auto" and grid.device.type == "cuda":
-        print(f"gridweave train: optimizer state {'in host memory (OffloadAdam)' if offload else 'on the device'} "
-              "(offload auto)", flush=True)
+        _say(f"optimizer state {'in host memory (OffloadAdam)' if offload else 'on the device'} (offload auto)")
     cfg = dataclasses.replace(cfg, schedule=schedule, offload=offload)
     tokens, tokenizer = prepare_data(cfg, grid, out)
     if grid.rank == 0:  # the run folder records what ran

@@ -227,6 +227,11 @@ class GridOptimizer:
         self._norm = norm
         return (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0) * unscale  # float64: as a Python number was
 
+    def _or_norm_not_finite(self, bad):
+        """The skip flag, also set where the last clip's norm is not finite (every rank alike: the norm is global)."""
+        norm_bad = ~torch.isfinite(self._norm)
+        return norm_bad if bad is None else bad | norm_bad
+
     def _unscale(self, scaler, grads, skip) -> tuple:
         """fp16 (torch's GradScaler, on the device): an inf or NaN in any of the summed `grads` on any
         rank, or `skip`, skips the step on every rank; the scale moves. Returns (1 / the scale the

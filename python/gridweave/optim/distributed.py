@@ -307,7 +307,7 @@ class DistributedAdam(GridOptimizer):
             coef, bad = self._unscale(scaler, shards, skip)
         if self.max_grad_norm is not None:
             coef = self._clip(grad_norm_of(self.norm_pieces(shards), self.grid) * coef, coef)
-            bad = ~torch.isfinite(self._norm) if bad is None else bad | ~torch.isfinite(self._norm)
+            bad = self._or_norm_not_finite(bad)
         found_inf = None if bad is None else bad.to(device=self._steps.device, dtype=torch.float32)
         for k, (g, s) in enumerate(zip(self.groups, shards)):
             lo, hi = g.buf_lo, g.buf_hi

@@ -235,7 +235,7 @@ class OffloadAdam(GridOptimizer):
                 coef, bad = self._unscale(scaler, [grads], skip)
             if self.max_grad_norm is not None:
                 coef = self._clip_coefficient(grads, coef)
-                bad = ~torch.isfinite(self._norm) if bad is None else bad | ~torch.isfinite(self._norm)
+                bad = self._or_norm_not_finite(bad)
         else:
             launch(0)
         dev = self._steps.device
