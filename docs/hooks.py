@@ -1,15 +1,18 @@
 """mkdocs hooks: pages that read the code and the results instead of repeating them.
 
-- reference/config.md: the configuration reference, from gw.train.TrainConfig's fields (names,
-  types, defaults, the comments beside them) and the command line's flag for each;
+- reference/config.md: the configuration reference, from gw.config's sections (each field's
+  name, type, default, help and the command line's flags);
 - measurements.md: every file in benchmarks/results, read when the site is built (the numbers
-  live in the JSON, not in prose), its plot shown beside it.
+  live in the JSON, not in prose), its plot shown beside it;
+- every page: a figure quoted in prose is written `{{ result FILE KEY [OPS] [FORMAT] }}` and read
+  from benchmarks/results/FILE when the site is built (a missing file or key fails the build), so
+  no prose figure can outlive the result it quotes.
 """
 from __future__ import annotations
 
-import ast
-import dataclasses
 import json
+import re
+import statistics
 from pathlib import Path
 
 from mkdocs.structure.files import File
@@ -27,36 +30,21 @@ def on_files(files, config):
     return files
 
 
-def _field_comments(cls) -> dict:
-    """The comment written beside each field of a dataclass's source (`name: type = default  # why`)."""
-    path = Path(__import__(cls.__module__, fromlist=["_"]).__file__)
-    source = path.read_text().split("\n")
-    tree = ast.parse("\n".join(source))
-    out = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ClassDef) and node.name == cls.__name__:
-            for stmt in node.body:
-                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-                    line = source[stmt.lineno - 1]
-                    out[stmt.target.id] = line.split("#", 1)[1].strip() if "#" in line else ""
-    return out
-
-
 def config_reference() -> str:
-    from gridweave.train import CHOICES, TrainConfig
+    """One table a section, from its declaration (gw.config): field, flag, type, default, help."""
+    from gridweave.config import SECTIONS
 
-    comments = _field_comments(TrainConfig)
-    rows = ["| field | command line | type | default | notes |", "|---|---|---|---|---|"]
-    for f in dataclasses.fields(TrainConfig):
-        if not f.init:
-            continue
-        default = f.default if f.default is not dataclasses.MISSING else ""
-        note = comments.get(f.name, "")
-        if f.name in CHOICES:
-            note = (note + "; " if note else "") + "one of " + ", ".join(f"`{c}`" for c in CHOICES[f.name])
-        flag = "--" + f.name.replace("_", "-")
-        rows.append(f"| `{f.name}` | `{flag}` | `{f.type}` | `{default!r}` | {note} |")
-    return "\n".join(rows)
+    out = []
+    for section in SECTIONS:
+        out += [f"### [{section.NAME}]", "", "| field | command line | type | default | notes |", "|---|---|---|---|---|"]
+        for f in section.declared():
+            note = f.metadata["help"]
+            if f.metadata["choices"] is not None:
+                note += "; one of " + ", ".join(f"`{c}`" for c in f.metadata["choices"])
+            flags = ", ".join(f"`{x}`" for x in ["--" + f.name.replace("_", "-"), *(e for e, _ in f.metadata["flags"])])
+            out.append(f"| `{f.name}` | {flags} | `{f.type}` | `{f.default!r}` | {note.replace('|', '&#124;')} |")
+        out.append("")
+    return "\n".join(out)
 
 
 def _summary(value, depth=0) -> str:
@@ -101,6 +89,40 @@ def config_sections() -> str:
     return "\n".join(rows + [f"| `[launch]` | {', '.join(f'`{k}`' for k in LAUNCH)} |"])
 
 
+# {{ result FILE KEY [OPS...] [FORMAT] }}: KEY a dotted path into the JSON (list items by index,
+# negative from the end); OPS median | mean | min | max | len | *X | /X | -X (X minus the value: a
+# ratio's reduction); FORMAT a format spec starting with "." or "," ("" for str()).
+RESULT = re.compile(r"\{\{\s*result\s+(\S+\.json)\s+(\S+)((?:\s+(?!\}\})\S+)*)\s*\}\}")
+_REDUCE = {"median": statistics.median, "mean": statistics.fmean, "min": min, "max": max, "len": len}
+
+
+def result(file: str, key: str, ops=()) -> str:
+    """One figure of a result file, as the docs quote it."""
+    path = RESULTS / file
+    value = json.loads(path.read_text())
+    for part in key.split("."):
+        try:
+            value = value[int(part)] if isinstance(value, list) else value[part]
+        except (KeyError, IndexError, ValueError, TypeError):
+            raise KeyError(f"{{{{ result {file} {key} }}}}: {path} has no {part!r} there") from None
+    spec = ""
+    for op in ops:
+        if op in _REDUCE:
+            value = _REDUCE[op](value)
+        elif op[0] in "*/-" and len(op) > 1:
+            x = float(op[1:])
+            value = value * x if op[0] == "*" else value / x if op[0] == "/" else x - value
+        elif op[0] in ".,":
+            spec = op
+        else:
+            raise ValueError(f"{{{{ result {file} {key} }}}}: unknown operation {op!r}")
+    return format(value, spec) if spec else str(value)
+
+
+def results_in(markdown: str) -> str:
+    return RESULT.sub(lambda m: result(m.group(1), m.group(2), m.group(3).split()), markdown)
+
+
 MARKERS = {"<!-- config-reference -->": config_reference, "<!-- measurements -->": measurements,
            "<!-- plan-columns -->": plan_columns, "<!-- config-sections -->": config_sections}
 
@@ -109,4 +131,4 @@ def on_page_markdown(markdown, page, config, files):
     for marker, make in MARKERS.items():
         if marker in markdown:
             markdown = markdown.replace(marker, make())
-    return markdown
+    return results_in(markdown)

@@ -22,7 +22,8 @@ from .measure import call_rate, device_sync, gemm_costs, probe_size, relative_fi
 from .models import ModelConfig
 from .nn.dense import DenseTransformerLayer
 from .plan.record import Census
-from .train import TrainConfig, build, train_step
+from .config import TrainConfig
+from .train import build, train_step
 
 
 def attention_costs(window: float = 1.0, device="cpu", dtype=torch.float32) -> tuple:

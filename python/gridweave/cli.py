@@ -14,150 +14,42 @@ from . import calibrate, checkpoint, configfile, data, launch, models, modes, pl
 from .errors import CommError, Diverged, GridError
 from .generate import check_sampling, sample
 from .hf import save_hf
-from .pipeline import SCHEDULES
 from .precision import PRECISIONS
-from .train import CHOICES, TrainConfig, load_model
+from .config import JOB_SECTIONS, SECTIONS, LaunchSection, TrainConfig, choices
+from .train import load_model
+
+
+# a field's annotation -> argparse's type (the rest are strings, checked by their section)
+_FLAG_TYPES = {"int": int, "float": float, "float | None": float, "int | None": int}
+
+
+def _section_flags(p, section) -> None:
+    """One argument group a section, one flag a field, generated from the section's declaration."""
+    g = p.add_argument_group(section.TITLE)
+    for f in section.declared():
+        meta = f.metadata
+        kw = dict(default=f.default, help=meta["help"] or None)
+        if f.type == "bool":
+            kw["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
+        else:
+            if f.type in _FLAG_TYPES:
+                kw["type"] = _FLAG_TYPES[f.type]
+            if meta["choices"] is not None:
+                kw["choices"] = list(meta["choices"])
+        g.add_argument("--" + f.name.replace("_", "-"), **{**kw, **(meta["cli"] or {})})
+        for flag, extra in meta["flags"]:
+            g.add_argument(flag, **extra)
 
 
 def _train_parser(sub):
-    d = TrainConfig.__dataclass_fields__  # defaults and choices: one place (gw.train)
-
-    def arg(name, **kw):
-        p.add_argument("--" + name.replace("_", "-"), default=d[name].default, **kw)
-
     p = sub.add_parser("train", help="train a Llama-style model (or the GPT, or BERT's masked LM) on a tokenized text "
                                      "corpus over ranks")
-    p.add_argument("--nproc", type=int, default=8,
-                   help="ranks to spawn on this node (0, or left out under torchrun / mpirun / srun --mpi: this "
-                        "process is one of the launcher's ranks)")
-    p.add_argument("--launcher", default="auto", choices=["auto", "torchrun", "mpirun"],
-                   help="how --nproc ranks are spawned: torchrun (Gloo/NCCL) or mpirun (the MPI transport); "
-                        "auto: mpirun on a CPU machine where gridweave has MPI, else torchrun")
-    n = p.add_argument_group("nodes (torchrun's words; the same command on every node, --node-rank apart)")
-    n.add_argument("--nnodes", type=int, default=1, help="machines in the job, each starting --nproc ranks")
-    n.add_argument("--node-rank", type=int, default=0, help="this machine's index (0: the master)")
-    n.add_argument("--master-addr", default=None, help="the master's address or hostname, as every node "
-                                                              "reaches it (each node finds its own address on "
-                                                              "that route; GRIDWEAVE_HOSTNAME overrides); "
-                                                              "default with one node: 127.0.0.1")
-    n.add_argument("--master-port", type=int, default=None, help=f"the rendezvous port (default: ${launch.PORT_ENV} "
-                                                                 f"or {launch.DEFAULT_PORT})")
-    n.add_argument("--max-restarts", type=int, default=0,
-                   help="torchrun's: restart every node's ranks up to N times when one fails, continuing from "
-                        "the newest checkpoint (needs --resume auto)")
-    n.add_argument("--hostfile", default=None,
-                   help="--launcher mpirun: the nodes (mpirun's hostfile); mpirun, run once on the first, starts "
-                        "--nproc ranks on each of the first --nnodes")
-    arg("backend", choices=CHOICES["backend"], help="the transport (mpirun implies mpi)")
-    g = p.add_argument_group("grid")
-    for name in ("dp", "pp", "sp"):
-        g.add_argument(f"--{name}", type=int, default=d[name].default)
-    g.add_argument("--tp", default="none", help="none | row:N | square:Q | cube:P | subgraph:G | csub:G")
-    g.add_argument("--placement", default=d["placement"].default, choices=CHOICES["placement"])
-    m = p.add_argument_group("model")
-    m.add_argument("--model", default=d["model"].default, choices=CHOICES["model"])
-    m.add_argument("--init-from", default=None,
-                   help="a local Hugging Face model folder (Llama or GPT-2: config.json, safetensors, tokenizer.json): "
-                        "its model, weights and tokenizer, on any grid; --steps 0 converts it to a checkpoint")
-    for name in ("hidden", "heads", "kv_heads", "layers", "ffn_hidden", "seq"):
-        m.add_argument("--" + name.replace("_", "-"), type=int, default=d[name].default)
-    m.add_argument("--rope-theta", type=float, default=d["rope_theta"].default)
-    m.add_argument("--tie", action="store_true", help="tie the embedding and the head (pp 1)")
-    m.add_argument("--attention", default=d["attention"].default, choices=CHOICES["attention"],
-                   help="with --sp: blockwise ring attention (zigzag), Li et al.'s RSA, DeepSpeed-Ulysses (all-to-all "
-                        "to head shards), or USP (Ulysses inside blocks of --ulysses-degree sp ranks, the ring across)")
-    m.add_argument("--ulysses-degree", type=int, default=d["ulysses_degree"].default,
-                   help="--attention usp: the sp ranks of each Ulysses block")
-    m.add_argument("--linformer-k", type=int, default=d["linformer_k"].default,
-                   help="--model bert --attention linformer: keys and values projected from --seq to K rows "
-                        "(Li et al. §4.3: the projections split over the sequence shards)")
-    e = p.add_argument_group("mixture of experts (--model mixtral, qwen2-moe or qwen3-moe)")
-    for name, typ, what in (("experts", int, "routed experts per layer"), ("top_k", int, "experts per token"),
-                            ("moe_ffn", int, "each expert's hidden width (0: --ffn-hidden's default)"),
-                            ("ep", int, "expert parallelism: experts split over ep data-parallel ranks (dp x sp, "
-                                        "sp fastest), tokens dispatched and combined with all-to-all"),
-                            ("capacity_factor", float, "each expert's slots, as a multiple of an even share "
-                                                       "(0: dropless)"),
-                            ("aux_coef", float, "load-balancing loss coefficient (Switch, Mixtral)"),
-                            ("z_coef", float, "router z-loss coefficient (ST-MoE)"),
-                            ("shared_ffn", int, "an always-on shared expert of this width (Qwen-MoE, DeepSeek)")):
-        e.add_argument("--" + name.replace("_", "-"), type=typ, default=d[name].default, help=what)
-    m.add_argument("--tp-sp", action="store_true",
-                   help="with --tp row:N: Megatron's sequence parallelism (norms and residuals on sequence shards)")
-    m.add_argument("--overlap", action="store_true", help="3-D: prefetch the next weights' all-gathers")
-    m.add_argument("--pack-documents", action="store_true",
-                   help="packed documents: attention within each document of a window, positions restarting at each")
-    t = p.add_argument_group("data")
-    t.add_argument("--data", default=None,
-                   help="a text file or folder (default: the fortunes corpus); JSON Lines, Parquet or Arrow files or "
-                        "folders (read through the datasets library, streamed); pre-tokenized nanoGPT .bin files "
-                        "(a .bin, or a folder with train.bin and val.bin; --token-dtype)")
-    t.add_argument("--text-field", default=d["text_field"].default, help="the records' field holding the text")
-    t.add_argument("--token-dtype", default=None, choices=data.TOKEN_DTYPES,
-                   help="the dtype of pre-tokenized .bin files (nanoGPT: uint16)")
-    t.add_argument("--tokenizer", default=d["tokenizer"].default,
-                   help="bpe (trained on the corpus, --vocab tokens), bytes, or PATH: an existing tokenizer.json "
-                        "(or a folder holding one, e.g. a local GPT-2's): the corpus is tokenized with it")
-    t.add_argument("--vocab", type=int, default=d["vocab"].default, help="BPE vocabulary size")
-    o = p.add_argument_group("optimisation")
-    for name, typ in (("steps", int), ("batch", int), ("microbatches", int), ("lr", float), ("min_lr", float),
-                      ("warmup", int), ("weight_decay", float), ("max_grad_norm", float), ("seed", int),
-                      ("val_every", int), ("val_samples", int), ("pipeline_limit", int), ("bsize", int),
-                      ("coarsening", int), ("checkpoint_every", int), ("sample_tokens", int), ("timeout", float),
-                      ("max_bad_steps", int)):
-        o.add_argument("--" + name.replace("_", "-"), type=typ, default=d[name].default)
-    o.add_argument("--zero", type=int, default=d["zero"].default, choices=[0, 1, 2, 3],
-                   help="ZeRO stage: 1 shards the fp32 master weights and Adam states over dp (and sp), 2 the "
-                        "gradients too, 3 the parameters too (gathered a layer at a time; with pp > 1 it needs "
-                        "--schedule auto, 1f1b or interleaved)")
-    o.add_argument("--zero-shard-group", default=d["zero_shard_group"].default, choices=["all", "node"],
-                   help="ZeRO's shard group: all data ranks, or those of one node with a replica per node "
-                        "(hybrid sharding)")
-    o.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction,
-                   default=d["overlap_grad_reduce"].default,
-                   help="OffloadAdam: start each gradient chunk's all-reduce in the backward that completes it "
-                        "(torch DDP's buckets; the default), or after it (--no-overlap-grad-reduce)")
-    o.add_argument("--offload", default=d["offload"].default, choices=["auto", "on", "off"],
-                   help="the optimizer state in host memory (on: AxoNN's buckets), on the device (off), or auto: "
-                        "host memory on CPU ranks, the device on GPUs unless it does not fit there")
-    o.add_argument("--no-offload", dest="offload", action="store_const", const="off",
-                   help="the optimizer state on the device (--offload off)")
-    o.add_argument("--ac", default="none", help="activation checkpointing: none | auto (AxoNN's optimal) | N")
-    o.add_argument("--schedule", default=d["schedule"].default, choices=sorted([*SCHEDULES, "auto"]),
-                   help="the pipeline's schedule; auto: message_driven unless a micro-batch runs a collective "
-                        "over the data axes (ZeRO-3, a mixture of experts over dp), then 1f1b")
-    o.add_argument("--chunks", type=int, default=d["chunks"].default,
-                   help="model chunks per pipeline stage (--schedule interleaved: Megatron's virtual stages)")
-    o.add_argument("--precision", default=d["precision"].default, choices=sorted(PRECISIONS),
-                   help="compute dtype; fp16 with dynamic loss scaling; fp32 master weights always")
-    o.add_argument("--device", default=d["device"].default, choices=CHOICES["device"],
-                   help="auto: cuda when every rank can have a GPU; cuda with fewer GPUs than ranks shares them "
-                        "through Gloo")
-    o.add_argument("--sync-save", dest="async_save", action="store_false",
-                   help="write periodic checkpoints before the next step (default: in the background)")
-    p.add_argument("--prompt", default="", help="the end-of-run sample's prompt (default: a validation snippet)")
-    p.add_argument("--out", default=d["out"].default)
-    p.add_argument("--resume", default=None, help="a run folder whose checkpoint/ to continue from; auto: --out's "
-                                                  "newest complete checkpoint, or a fresh start when it has none")
-    p.add_argument("--data-cache", default=None,
-                   help="a node-local folder for the token file: each node's first rank tokenizes the corpus there "
-                        "('{host}' becomes the node's hostname); default: rank 0 into --out, which every node "
-                        "must share")
-    p.add_argument("--quiet", action="store_true")
-    p.add_argument("--log", default=d["log"].default,
-                   help="where the numbers go besides metrics.json: tensorboard, wandb, jsonl (a comma list), auto "
-                        "(every installed one; W&B offline without its server), none; under OUT/logs")
-    p.add_argument("--log-all-ranks", action="store_true", help="every rank logs (OUT/logs/rank<R>), not rank 0 alone")
-    p.add_argument("--phase-times", action="store_true",
-                   help="time each step's phases (forward, backward, reduction, optimizer, waiting, bookkeeping): "
-                        "metrics.json and the closing line; on GPUs each phase boundary synchronises the device")
-    p.add_argument("--host-reads", action="store_true",
-                   help="count what makes the host wait for the device in each training step (value reads, "
-                        "tensors made from Python data), by where: metrics.json's host_reads")
+    for section in (LaunchSection, *JOB_SECTIONS):  # the TOML file's tables, the launcher's first
+        _section_flags(p, section)
     c = p.add_argument_group("configuration file")
     c.add_argument("--config", default=None,
-                   help="a TOML file of sections (model, parallelism, training, optimizer, data, checkpoint, logging, "
-                        "launch) whose keys are these flags' names; flags given as well override it")
+                   help="a TOML file of sections (" + ", ".join(sec.NAME for sec in SECTIONS) + ") whose keys are "
+                        "these flags' names; flags given as well override it")
     c.add_argument("--print-config", action="store_true", help="print the resolved configuration as TOML and exit")
     c.add_argument("--dry-run", action="store_true",
                    help="build the model on meta tensors, print its parameters, the grid and the memory per rank "
@@ -290,7 +182,7 @@ def _plan(args) -> int:
     try:
         cluster = plan.load_cluster(args.cluster, args.gpus_per_node)
         sizes = dict(hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab)
-        if args.model and args.model not in CHOICES["model"]:  # a config file or a run folder
+        if args.model and args.model not in choices("model"):  # a config file or a run folder
             model = plan.model_from(args.model, args.batch, args.seq, **sizes)
         else:  # the main job's model, as `gridweave train` builds it from the same flags
             given = {k: v for k, v in dict(sizes, seq=args.seq, kv_heads=args.kv_heads, experts=args.experts,

@@ -1,8 +1,7 @@
-"""The main job's configuration as a TOML file: sections (model, parallelism, training,
-optimizer, data, checkpoint, logging, launch) whose keys are gw.train.TrainConfig's fields (and
-the launcher's, gw.launch.Nodes'), read with tomllib and written with tomli-w. Checked against
-the dataclasses' own types: an unknown section or key, or a value of the wrong type, is one
-GridError naming the key and the file."""
+"""The main job's configuration as a TOML file: the tables of gw.config's sections (model, moe,
+parallelism, training, optimizer, data, checkpoint, logging, launch) whose keys are their fields,
+read with tomllib and written with tomli-w. Checked against the sections' own types: an unknown
+section or key, or a value of the wrong type, is one GridError naming the key and the file."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,28 +10,14 @@ import types
 import typing
 from pathlib import Path
 
+from . import config
+from .config import LaunchSection, TrainConfig
 from .errors import GridError
 from .modes import Mode
-from .train import TrainConfig
 
-# Every TrainConfig field in one section (tests/python/test_config.py checks none is missing).
-SECTIONS = {
-    "model": ("model", "init_from", "hidden", "heads", "kv_heads", "layers", "ffn_hidden", "tie", "rope_theta", "seq", "attention",
-              "ulysses_degree", "linformer_k", "precision"),
-    "moe": ("experts", "top_k", "moe_ffn", "capacity_factor", "aux_coef", "z_coef", "shared_ffn"),
-    "parallelism": ("dp", "pp", "tp", "sp", "ep", "tp_sp", "placement", "overlap", "schedule", "chunks", "pipeline_limit",
-                    "zero", "zero_shard_group", "backend", "device", "timeout"),
-    "training": ("steps", "batch", "microbatches", "seed", "val_every", "val_samples", "ac", "max_bad_steps",
-                 "sample_tokens", "prompt"),
-    "optimizer": ("lr", "min_lr", "warmup", "weight_decay", "max_grad_norm", "bsize", "coarsening", "offload",
-                  "overlap_grad_reduce"),
-    "data": ("data", "text_field", "token_dtype", "data_cache", "tokenizer", "vocab", "pack_documents"),
-    "checkpoint": ("out", "resume", "checkpoint_every", "async_save"),
-    "logging": ("quiet", "log", "log_all_ranks", "phase_times", "host_reads"),
-}
-# The launcher's: where the ranks run (gw.launch.Nodes), how they are started.
-LAUNCH = {"nproc": int, "nnodes": int, "node_rank": int, "master_addr": str, "master_port": int,
-          "max_restarts": int, "launcher": str, "hostfile": str}
+# Each table's keys, from the sections' declarations (launch: the launcher's, not TrainConfig's).
+SECTIONS = {s.NAME: s.names() for s in config.JOB_SECTIONS}
+LAUNCH = {name: hint for name, hint in typing.get_type_hints(LaunchSection).items() if name in LaunchSection.names()}
 
 
 def _field_types() -> dict:

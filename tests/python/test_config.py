@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gridweave import configfile, plan
+from gridweave import cli, config, configfile, plan
 from gridweave.train import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,6 +29,70 @@ def test_every_field_is_in_exactly_one_section():
     fields = [f.name for f in dataclasses.fields(TrainConfig) if f.init]
     placed = [k for keys in configfile.SECTIONS.values() for k in keys]
     assert sorted(placed) == sorted(fields)
+
+
+def test_one_declaration_gives_flag_key_and_reference():
+    """Each section's field is a flag (its default the field's), a key of its TOML table and a row
+    of the generated reference; the command line with no flags is TrainConfig's defaults."""
+    import argparse
+    import importlib.util
+
+    parser = cli._train_parser(argparse.ArgumentParser().add_subparsers())
+    flags = {o: a for a in parser._actions for o in a.option_strings}
+    spec = importlib.util.spec_from_file_location("hooks", ROOT / "docs" / "hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    reference = hooks.config_reference()
+    for section in config.SECTIONS:
+        keys = configfile.SECTIONS.get(section.NAME) or tuple(configfile.LAUNCH)
+        assert keys == section.names() and f"### [{section.NAME}]" in reference
+        for f in section.declared():
+            action = flags["--" + f.name.replace("_", "-")]
+            assert action.dest == f.name and f"| `{f.name}` |" in reference
+            assert action.default == (f.metadata["cli"] or {}).get("default", f.default), f.name
+    assert cli.parse_train([]) == TrainConfig()
+    assert cli.parse_train(["--no-offload", "--sync-save", "--no-overlap-grad-reduce"]) == \
+        TrainConfig(offload=False, async_save=False, overlap_grad_reduce=False)
+
+
+@pytest.mark.parametrize("section, kw, needle", [
+    (config.OptimizerSection, dict(lr=-1.0), "lr must be a finite positive number"),
+    (config.OptimizerSection, dict(min_lr=1.0), "min_lr must be in [0, lr=0.003]"),
+    (config.ModelSection, dict(attention="linformer"), "attention=linformer and linformer_k go together"),
+    (config.ModelSection, dict(precision="fp8"), "precision must be one of"),
+    (config.ParallelismSection, dict(chunks=2), "chunks=2 needs schedule=interleaved"),
+    (config.ParallelismSection, dict(zero_shard_group="node"), "it needs zero 1, 2 or 3"),
+    (config.MoESection, dict(experts=0), "experts must be a positive integer"),
+    (config.TrainingSection, dict(ac="sometimes"), "ac must be 'none', 'auto' or a positive integer"),
+    (config.DataSection, dict(vocab=0), "vocab must be a positive integer"),
+    (config.CheckpointSection, dict(checkpoint_every=-1), "checkpoint_every must be a non-negative integer"),
+    (config.LoggingSection, dict(log="carrier-pigeon"), "carrier-pigeon"),
+    (config.LaunchSection, dict(launcher="srun"), "launcher must be one of"),
+])
+def test_each_section_checks_itself(section, kw, needle):
+    with pytest.raises(config.GridError) as e:
+        section(**kw)
+    assert needle in str(e.value)
+    with pytest.raises(config.GridError):  # the same check where the section is part of the job's
+        if section is config.LaunchSection:
+            raise config.GridError("not a job section")
+        TrainConfig(**kw)
+
+
+def test_a_train_config_is_its_sections():
+    cfg = TrainConfig(hidden=64, heads=4, lr=1e-3, tp="row:2", zero=1)
+    assert all(isinstance(cfg, s) for s in config.JOB_SECTIONS) and not isinstance(cfg, config.LaunchSection)
+    opt = cfg.section(config.OptimizerSection)
+    assert type(opt) is config.OptimizerSection and (opt.lr, opt.offload) == (1e-3, "auto")
+    assert cfg.section(config.ModelSection).hidden == 64 and cfg.mode.spec() == "row:2"
+    assert dataclasses.replace(cfg, steps=5) == TrainConfig(hidden=64, heads=4, lr=1e-3, tp="row:2", zero=1, steps=5)
+    assert gw_train_config_is_config()
+
+
+def gw_train_config_is_config():
+    import gridweave as gw
+
+    return gw.train.TrainConfig is config.TrainConfig
 
 
 def test_the_main_job_config_is_the_command_lines_defaults():
