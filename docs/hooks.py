@@ -90,28 +90,35 @@ def config_sections() -> str:
 
 
 # {{ result FILE KEY [OPS...] [FORMAT] }}: KEY a dotted path into the JSON (list items by index,
-# negative from the end); OPS median | mean | min | max | len | *X | /X | -X (X minus the value: a
-# ratio's reduction); FORMAT a format spec starting with "." or "," ("" for str()).
+# negative from the end); OPS median | mean | min | max | len | *X | /X | -X (X minus the value) |
+# /@KEY | *@KEY | -@KEY (by another value of the same file: a ratio, a difference); FORMAT a format
+# spec starting with "." or "," (e.g. .1f, .0%, ,.0f; none: str()).
 RESULT = re.compile(r"\{\{\s*result\s+(\S+\.json)\s+(\S+)((?:\s+(?!\}\})\S+)*)\s*\}\}")
 _REDUCE = {"median": statistics.median, "mean": statistics.fmean, "min": min, "max": max, "len": len}
 
 
-def result(file: str, key: str, ops=()) -> str:
-    """One figure of a result file, as the docs quote it."""
-    path = RESULTS / file
-    value = json.loads(path.read_text())
+def _lookup(doc, file: str, key: str):
+    value = doc
     for part in key.split("."):
         try:
             value = value[int(part)] if isinstance(value, list) else value[part]
         except (KeyError, IndexError, ValueError, TypeError):
-            raise KeyError(f"{{{{ result {file} {key} }}}}: {path} has no {part!r} there") from None
+            raise KeyError(f"{{{{ result {file} {key} }}}}: {RESULTS / file} has no {part!r} there") from None
+    return value
+
+
+def result(file: str, key: str, ops=()) -> str:
+    """One figure of a result file, as the docs quote it."""
+    doc = json.loads((RESULTS / file).read_text())
+    value = _lookup(doc, file, key)
     spec = ""
     for op in ops:
         if op in _REDUCE:
             value = _REDUCE[op](value)
         elif op[0] in "*/-" and len(op) > 1:
-            x = float(op[1:])
-            value = value * x if op[0] == "*" else value / x if op[0] == "/" else x - value
+            x = _lookup(doc, file, op[2:]) if op[1] == "@" else float(op[1:])
+            value = value * x if op[0] == "*" else value / x if op[0] == "/" else \
+                (value - x if op[1] == "@" else x - value)
         elif op[0] in ".,":
             spec = op
         else:
