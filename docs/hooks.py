@@ -39,9 +39,12 @@ def config_reference() -> str:
         out += [f"### [{section.NAME}]", "", "| field | command line | type | default | notes |", "|---|---|---|---|---|"]
         for f in section.declared():
             note = f.metadata["help"]
-            if f.metadata["choices"] is not None:
-                note += "; one of " + ", ".join(f"`{c}`" for c in f.metadata["choices"])
-            flags = ", ".join(f"`{x}`" for x in ["--" + f.name.replace("_", "-"), *(e for e, _ in f.metadata["flags"])])
+            values = (f.metadata["cli"] or {}).get("choices", f.metadata["choices"])
+            if values is not None:
+                note += "; one of " + ", ".join(f"`{c}`" for c in values)
+            flag = "--" + f.name.replace("_", "-")
+            negative = ["--no-" + flag[2:]] if f.type == "bool" and f.default else []  # argparse's BooleanOptionalAction
+            flags = ", ".join(f"`{x}`" for x in [flag, *negative, *(e for e, _ in f.metadata["flags"])])
             out.append(f"| `{f.name}` | {flags} | `{f.type}` | `{f.default!r}` | {note.replace('|', '&#124;')} |")
         out.append("")
     return "\n".join(out)

@@ -398,6 +398,7 @@ def _reported_marker(run_id: str) -> str:
 
 def node_spec(args) -> launch.Nodes:
     """The command line's nodes, checked against its launcher and resume."""
+    LaunchSection(**launch_fields(args))  # the launcher's own section, checked (a config file's too)
     launcher = _launcher(args)
     starts = not (args.print_config or args.dry_run)  # on paper, no master is needed
     if starts and args.nnodes > 1 and args.master_addr is None and launcher == "torchrun":
@@ -508,7 +509,7 @@ def as_flags(message) -> str:
     for cls in modes.known():  # a mode object's repr -> its --tp spelling
         message = re.sub(rf"(?:\bgw\.)?\b{cls.__name__}\((?:\w+=)?(\d*)(?:, \w+=\w+)*\)",
                          lambda m, cls=cls: (cls(int(m.group(1))) if cls.size_arg else cls()).spec(), message)
-    names = set(TrainConfig.__dataclass_fields__) | set(launch.Nodes.__dataclass_fields__)
+    names = {name for section in SECTIONS for name in section.names()} | set(launch.Nodes.__dataclass_fields__)
     fields = "|".join(sorted(names, key=len, reverse=True))
     return re.sub(rf"(?<![\w-])({fields})(=| must\b)",
                   lambda m: "--" + m.group(1).replace("_", "-") + (" " if m.group(2) == "=" else " must"), message)

@@ -34,18 +34,19 @@ PAD_VOCAB = 64  # the model's vocabulary is the tokenizer's rounded up (Megatron
 MOE_MODELS = ("mixtral", "qwen2-moe", "qwen3-moe")
 
 
-def option(default, help: str = "", *, choices=None, at_least=None, above=None, metavar=None, flags=(), cli=None):
+def option(default, help: str = "", *, choices=None, at_least=None, above=None, flags=(), cli=None):
     """A field of a section, declared once: its default and help; `choices` (the values it takes,
     checked here and offered by the command line); `at_least` / `above` (a number's bounds,
     checked here); `flags`: extra command-line spellings ((flag, argparse keywords), e.g. a
     --no-offload); `cli`: argparse keywords that replace the generated ones."""
-    meta = dict(help=help, choices=choices, at_least=at_least, above=above, metavar=metavar, flags=flags, cli=cli)
+    meta = dict(help=help, choices=choices, at_least=at_least, above=above, flags=flags, cli=cli)
     return field(default=default, metadata=meta)
 
 
 def _bound_error(name, v, at_least, above, integer) -> str | None:
     """The one-line reason a value breaks its declared bounds, or None."""
     if integer:
+        at_least = at_least or 0
         if not isinstance(v, int) or isinstance(v, bool) or v < at_least:
             return f"{name} must be a {'positive' if at_least else 'non-negative'} integer, got {v!r}"
         return None
@@ -183,7 +184,8 @@ class ParallelismSection(Section):
     pipeline_limit: int = option(0, "the message-driven pipeline's micro-batches in flight (0: no limit)",
                                  at_least=0)
     zero: int = option(0, "ZeRO stage: 1 shards the fp32 master weights and Adam states over the data axes, 2 the "
-                          "gradients too, 3 the parameters too (gathered a layer at a time)", choices=(0, 1, 2, 3))
+                          "gradients too, 3 the parameters too (gathered a layer at a time; with pp > 1 it needs schedule "
+                          "auto, 1f1b or interleaved)", choices=(0, 1, 2, 3))
     zero_shard_group: str = option(optim.ShardGroup.ALL.value,
                                    "ZeRO's shard group: all data ranks, or those of one node with a replica per node "
                                    "(hybrid sharding)", choices=tuple(g.value for g in optim.ShardGroup))
@@ -194,6 +196,8 @@ class ParallelismSection(Section):
 
     def rules(self):
         self.mode = self.tp if isinstance(self.tp, Mode) else parse(self.tp or "none")
+        if not isinstance(self.tp, Mode):
+            self.tp = self.mode.spec()  # written once: None, "none" (a file's) and a flag's spelling compare equal
         if self.tp_sp:
             if not hasattr(self.mode, "sequence"):
                 raise GridError(f"tp_sp is Megatron's sequence parallelism inside 1-D tensor parallelism (tp row:N); "
@@ -288,6 +292,8 @@ class DataSection(Section):
                                          "restarting at each")
 
     def rules(self):
+        if not isinstance(self.tokenizer, str):
+            raise GridError(f"tokenizer must be bpe, bytes or the path of a tokenizer.json, got {self.tokenizer!r}")
         if self.tokenizer == "bytes":
             self.vocab = 256
 

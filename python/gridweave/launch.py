@@ -3,7 +3,11 @@ transport), which is the default, and what a rank reads from the launcher that s
 The CLI, the benchmarks and the tests ask here."""
 from __future__ import annotations
 
+import atexit
+import importlib
 import math
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import shutil
 import socket
@@ -219,27 +223,65 @@ def mpirun_command(n: int, quiet: bool = False, hostfile: str | None = None, per
     return [exe, *flags, "-np", str(n)]
 
 
+def run_module(module: str, argv: list) -> int:
+    """One rank of `python -m module argv`, in a process forked from a server that imported the
+    module once (torchrun's forkserver start method): the module's main(argv) runs, its exit code
+    is the process's, and the interpreter's exit handlers run as at a normal exit (a forked process
+    leaves through os._exit)."""
+    sys.argv = [module, *argv]
+    try:
+        code = importlib.import_module(module).main(argv) or 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr, flush=True)
+    atexit._run_exitfuncs()
+    if code:
+        sys.exit(code)
+    return 0
+
+
+def _fork_server(module: str) -> None:
+    """Start multiprocessing's fork server with `module` (and torch) imported, once per process.
+    Each child re-runs the parent's main module as __mp_main__ (multiprocessing's fixup); where
+    that module was run with -m it is already imported in the server, which runpy warns about on
+    every rank's stderr: silenced in the server alone (its -W options are the parent's)."""
+    multiprocessing.set_forkserver_preload([module])
+    saved = sys.warnoptions[:]
+    sys.warnoptions.append("ignore::RuntimeWarning:runpy")
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        sys.warnoptions[:] = saved
+
+
 def torchrun(nodes: Nodes, module_argv: list, run_id: str, timeout: float) -> int:
     """This node's share of a job through torchrun's elastic agent, in this process: nodes.nproc
-    ranks of `python -m <module_argv>`, a static rendezvous at the master (node ranks as given,
-    so node k holds ranks k*nproc ... as the placement assumes), restarts as nodes says. Returns
-    the first failed rank's exit code (0: all finished). The agent's own failure report is not
-    printed: the ranks have said what went wrong."""
+    ranks of `python -m <module_argv>` (the module's main(argv)), a static rendezvous at the master (node ranks as given,
+    so node k holds ranks k*nproc ... as the placement assumes), restarts as nodes says. The ranks
+    are forked from one server that imported the module (torch included) once, rather than each
+    importing it afresh: on a node whose ranks share few cores the imports were most of a short
+    job's start. Returns the first failed rank's exit code (0: all finished). The agent's own
+    failure report is not printed: the ranks have said what went wrong."""
     import logging
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # ... nor its stopping the other ranks once one failed (torch.multiprocessing's warning per rank)
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     config = LaunchConfig(min_nodes=nodes.nnodes, max_nodes=nodes.nnodes, nproc_per_node=nodes.nproc, run_id=run_id,
                           rdzv_backend="static", rdzv_endpoint=f"{nodes.master_addr}:{nodes.master_port}",
                           rdzv_configs={"rank": nodes.node_rank, "timeout": int(math.ceil(timeout))},
-                          max_restarts=nodes.max_restarts, monitor_interval=0.1)
+                          max_restarts=nodes.max_restarts, monitor_interval=0.1, start_method="forkserver")
     from torch.distributed import DistError
     from torch.distributed.elastic.rendezvous import RendezvousError
 
+    module, *argv = module_argv
+    _fork_server(module)
     try:
-        elastic_launch(config, sys.executable)("-m", *module_argv)
+        elastic_launch(config, run_module)(module, argv)
     except ChildFailedError as e:
         codes = [f.exitcode for f in e.failures.values()]
         return next((c for c in codes if c > 0), 1)

@@ -65,14 +65,25 @@ class Cluster:
         return int(r.stdout)
 
     def worker_pids(self, k: int) -> list:
-        """The ranks running on node k (the launcher's children: no launcher flags on their command line)."""
+        """The ranks running on node k: mpirun's (gridweave.cli without the launcher's flags on their
+        command line) or those torchrun's agent forked from its fork server (launch.torchrun)."""
+        def cmdline(p):
+            try:
+                return Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                return []
+
+        def parent(p):
+            try:  # /proc/PID/stat: pid (comm) state ppid ...
+                return int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                return None
+
         out = []
         for p in self.pids(k):
-            try:
-                cmd = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"gridweave.cli" in cmd and b"--nnodes" not in cmd:
+            cmd = cmdline(p)
+            forked = any(b"multiprocessing.forkserver" in part for part in cmdline(parent(p)))
+            if (b"gridweave.cli" in cmd and b"--nnodes" not in cmd) or forked:
                 out.append(p)
         return sorted(out)
 

@@ -307,3 +307,21 @@ def test_srun_ranks_read_slurm_and_the_route_to_the_master(monkeypatch):
     monkeypatch.setenv("RANK", "5")  # ... but torchrun's ranks under a per-node srun task keep Gloo / NCCL
     assert gw.launch.started_as_rank() and not gw.launch.mpi_ranks()
     assert gw.grid._resolve_backend("auto", 4, "cpu") == "gloo"
+
+
+def test_torchrun_forks_the_ranks_from_one_server_that_imported_the_program(tmp_path):
+    """launch.torchrun's ranks are forked from one fork server that imported the program (and torch)
+    once: every rank's module was imported in its parent, the same process for all, not the
+    launcher; a rank's exit code is the job's, and nothing but the ranks' own output reaches stderr."""
+    script = ("import sys; from gridweave import launch; "
+              "n = launch.Nodes(nproc=3, master_port=29781); "
+              f"sys.exit(launch.torchrun(n, ['forkserver_probe', {str(tmp_path)!r}, sys.argv[1]], 'probe', 60))")
+    for code in (0, 3):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                       os.environ.get("PYTHONPATH")]))}
+        r = subprocess.run([sys.executable, "-c", script, str(code)], capture_output=True, text=True, timeout=120,
+                           env=env)
+        assert r.returncode == code and r.stderr == "", (code, r.returncode, r.stderr)
+        ranks = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in range(3)]
+        assert len({r_["ppid"] for r_ in ranks}) == 1 and len({r_["pid"] for r_ in ranks}) == 3, ranks
+        assert all(r_["imported_in"] == r_["ppid"] != r_["pid"] and r_["world"] == 3 for r_ in ranks), ranks

@@ -4,6 +4,7 @@ the example configs, and the resolved config in the run folder."""
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import gridweave as gw
 from gridweave import cli, config, configfile, plan
 from gridweave.train import TrainConfig
 
@@ -73,10 +75,26 @@ def test_each_section_checks_itself(section, kw, needle):
     with pytest.raises(config.GridError) as e:
         section(**kw)
     assert needle in str(e.value)
-    with pytest.raises(config.GridError):  # the same check where the section is part of the job's
-        if section is config.LaunchSection:
-            raise config.GridError("not a job section")
-        TrainConfig(**kw)
+    if section is not config.LaunchSection:  # the same check where the section is part of the job's
+        with pytest.raises(config.GridError, match=re.escape(needle)):
+            TrainConfig(**kw)
+
+
+def test_the_launch_table_is_checked_too(tmp_path):
+    path = tmp_path / "launch.toml"
+    path.write_text('[launch]\nlauncher = "srun"\n')
+    r = _cli("--config", path, "--print-config")
+    assert r.returncode == 2 and "--launcher must be one of auto, torchrun, mpirun, got 'srun'" in r.stderr, r.stderr
+
+
+def test_a_printed_config_reads_back_to_the_command_lines(tmp_path):
+    """A command line's configuration, dumped and loaded, is the same TrainConfig (tp's spellings
+    None, "none" and a flag's are one)."""
+    for argv in ([], ["--tp", "row:2", "--dp", "2", "--no-offload", "--sync-save"]):
+        path = tmp_path / "printed.toml"
+        path.write_text(configfile.dump(cli.parse_train(argv)))
+        assert TrainConfig(**configfile.load(path)[0]) == cli.parse_train(argv)
+    assert cli.parse_train([]) == TrainConfig(tp="none") == TrainConfig(tp=None)
 
 
 def test_a_train_config_is_its_sections():
@@ -86,13 +104,7 @@ def test_a_train_config_is_its_sections():
     assert type(opt) is config.OptimizerSection and (opt.lr, opt.offload) == (1e-3, "auto")
     assert cfg.section(config.ModelSection).hidden == 64 and cfg.mode.spec() == "row:2"
     assert dataclasses.replace(cfg, steps=5) == TrainConfig(hidden=64, heads=4, lr=1e-3, tp="row:2", zero=1, steps=5)
-    assert gw_train_config_is_config()
-
-
-def gw_train_config_is_config():
-    import gridweave as gw
-
-    return gw.train.TrainConfig is config.TrainConfig
+    assert gw.train.TrainConfig is config.TrainConfig  # the older home, the same class
 
 
 def test_the_main_job_config_is_the_command_lines_defaults():

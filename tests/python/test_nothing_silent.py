@@ -5,7 +5,6 @@ previous checkpoint stays the latest and loads), temporaries of an interrupted s
 Ranks disagreeing inside an op: test_agreement.py; a rank that dies or skips an op:
 test_faults.py and test_train.py."""
 import errno
-import json
 import math
 import os
 import signal
@@ -112,20 +111,42 @@ def test_a_corrupted_weight_is_never_checkpointed(tmp_path):
     assert all(bool(torch.isfinite(t).all()) for t in gw.checkpoint.export_dense(out / "checkpoint").values())
 
 
-def _pids_running(needle: str) -> list:
-    pids = []
+def _processes() -> dict:
+    """pid -> (parent pid, command line, zombie) of every process but this one."""
+    found = {}
     for d in os.listdir("/proc"):
         if d.isdigit() and int(d) != os.getpid():
             try:
                 with open(f"/proc/{d}/cmdline", "rb") as f:
                     cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
                 with open(f"/proc/{d}/stat") as f:
-                    zombie = f.read().split(")")[-1].split()[0] == "Z"
-            except OSError:
+                    state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            except (OSError, ValueError):
                 continue
-            if needle in cmd and not zombie:
-                pids.append(int(d))
-    return pids
+            found[int(d)] = (int(ppid), cmd, state == "Z")
+    return found
+
+
+def _ranks_of(launcher: int, out: str) -> list:
+    """The live ranks the launcher started: its Python descendants with the run's folder on their
+    command line (mpirun's) or those forked by a fork server (torchrun's agent: launch.torchrun)."""
+    procs = _processes()
+    family, todo = set(), [launcher]
+    while todo:
+        parent = todo.pop()
+        kids = [p for p, (pp, _, _) in procs.items() if pp == parent and p not in family]
+        family.update(kids)
+        todo += kids
+    def exec_rank(cmd):  # a Python process of the run (not mpirun, whose command line names it too)
+        return out in cmd and os.path.basename(cmd.split(" ", 1)[0]).startswith("python")
+
+    return [p for p in family if not procs[p][2] and (exec_rank(procs[p][1]) or "multiprocessing.forkserver" in
+                                                     procs.get(procs[p][0], (0, "", False))[1])]
+
+
+def _alive(pids) -> list:
+    procs = _processes()
+    return [p for p in pids if p in procs and not procs[p][2]]
 
 
 def test_ranks_end_when_their_launcher_is_killed(tmp_path):
@@ -138,17 +159,20 @@ def test_ranks_end_when_their_launcher_is_killed(tmp_path):
                           "--steps", "100000", "--out", str(out)], stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(_pids_running(str(out))) < 3:  # the launcher and 2 ranks
+    ranks = []
+    while time.monotonic() < deadline and len(ranks) < 2:
+        ranks = _ranks_of(p.pid, str(out))
         time.sleep(0.5)
+    assert len(ranks) == 2, ranks
     while time.monotonic() < deadline and not (out / "tokens.json").exists():  # the ranks are training
         time.sleep(0.5)
     assert (out / "tokens.json").exists()
     os.killpg(p.pid, signal.SIGKILL)
     p.wait(timeout=30)
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and _pids_running(str(out)):
+    while time.monotonic() < deadline and _alive(ranks):
         time.sleep(0.5)
-    assert not _pids_running(str(out))
+    assert not _alive(ranks)
 
 
 def _failed_write(ctx, folder):
