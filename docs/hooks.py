@@ -85,11 +85,10 @@ def plan_columns() -> str:
 
 
 def config_sections() -> str:
-    from gridweave.configfile import LAUNCH, SECTIONS
+    from gridweave.configfile import TABLES
 
     rows = ["| section | keys |", "|---|---|"]
-    rows += [f"| `[{name}]` | {', '.join(f'`{k}`' for k in keys)} |" for name, keys in SECTIONS.items()]
-    return "\n".join(rows + [f"| `[launch]` | {', '.join(f'`{k}`' for k in LAUNCH)} |"])
+    return "\n".join(rows + [f"| `[{name}]` | {', '.join(f'`{k}`' for k in keys)} |" for name, keys in TABLES.items()])
 
 
 # {{ result FILE KEY [OPS...] [FORMAT] }}: KEY a dotted path into the JSON (list items by index,

@@ -79,15 +79,15 @@ class Section:
         """`section`'s declared choices and bounds on this object's values."""
         for f in section.declared():
             v, meta = getattr(self, f.name), f.metadata
-            allowed = meta.get("choices")
+            allowed = meta["choices"]
             if allowed is not None and v not in allowed:
                 if all(isinstance(c, int) for c in allowed):  # a stage number: "0, 1, 2 or 3"
                     raise GridError(f"{f.name} must be {', '.join(map(str, allowed[:-1]))} or {allowed[-1]}, got {v!r}")
                 raise GridError(f"{f.name} must be one of {', '.join(map(str, allowed))}, got {v!r}")
-            if meta.get("at_least") is not None or meta.get("above") is not None:
-                why = _bound_error(f.name, v, meta["at_least"], meta["above"], integer=f.type == "int")
-                if why:
-                    raise GridError(why)
+            bounded = meta["at_least"] is not None or meta["above"] is not None
+            why = bounded and _bound_error(f.name, v, meta["at_least"], meta["above"], integer=f.type == "int")
+            if why:
+                raise GridError(why)
 
     def rules(self) -> None:
         """The section's own rules beyond its fields' declarations (the values already checked)."""

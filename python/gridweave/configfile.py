@@ -4,7 +4,6 @@ read with tomllib and written with tomli-w. Checked against the sections' own ty
 section or key, or a value of the wrong type, is one GridError naming the key and the file."""
 from __future__ import annotations
 
-import dataclasses
 import tomllib
 import types
 import typing
@@ -15,14 +14,17 @@ from .config import LaunchSection, TrainConfig
 from .errors import GridError
 from .modes import Mode
 
-# Each table's keys, from the sections' declarations (launch: the launcher's, not TrainConfig's).
-SECTIONS = {s.NAME: s.names() for s in config.JOB_SECTIONS}
-LAUNCH = {name: hint for name, hint in typing.get_type_hints(LaunchSection).items() if name in LaunchSection.names()}
+
+def _typed_keys(section) -> dict:
+    """A section's keys and their annotations (`tp`'s Mode resolved where the section is declared)."""
+    hints = typing.get_type_hints(section)
+    return {name: hints[name] for name in section.names()}
 
 
-def _field_types() -> dict:
-    hints = typing.get_type_hints(TrainConfig, localns={"Mode": Mode})
-    return {f.name: hints[f.name] for f in dataclasses.fields(TrainConfig) if f.init}
+# Every table's typed keys, from the sections' declarations (launch: the launcher's, not TrainConfig's).
+TABLES = {s.NAME: _typed_keys(s) for s in config.SECTIONS}
+SECTIONS = {s.NAME: s.names() for s in config.JOB_SECTIONS}  # the job's tables: TrainConfig's fields
+LAUNCH = TABLES[LaunchSection.NAME]
 
 
 def _accepts(hint, value) -> bool:
@@ -59,26 +61,21 @@ def load(path) -> tuple:
         raise GridError(f"config file {path} does not exist") from None
     except tomllib.TOMLDecodeError as e:
         raise GridError(f"config file {path} is not TOML: {e}") from None
-    types_ = _field_types()
     fields, launch = {}, {}
     for section, keys in doc.items():
         if not isinstance(keys, dict):
-            raise GridError(f"{path}: '{section}' must be a section ([{section}]) of keys; sections: "
-                            f"{', '.join([*SECTIONS, 'launch'])}")
-        if section == "launch":
-            known = LAUNCH
-        elif section in SECTIONS:
-            known = {k: types_[k] for k in SECTIONS[section]}
-        else:
-            raise GridError(f"{path}: unknown section [{section}]; sections: {', '.join([*SECTIONS, 'launch'])}")
+            raise GridError(f"{path}: '{section}' must be a section ([{section}]) of keys; sections: {', '.join(TABLES)}")
+        if section not in TABLES:
+            raise GridError(f"{path}: unknown section [{section}]; sections: {', '.join(TABLES)}")
+        known = TABLES[section]
         for key, value in keys.items():
             if key not in known:
-                where = next((s for s, ks in SECTIONS.items() if key in ks), "launch" if key in LAUNCH else None)
+                where = next((t for t, ks in TABLES.items() if key in ks), None)
                 hint = f" (it belongs in [{where}])" if where else f"; [{section}] takes {', '.join(known)}"
                 raise GridError(f"{path}: unknown key {section}.{key}{hint}")
             if not _accepts(known[key], value):
                 raise GridError(f"{path}: {section}.{key} = {value!r} must be {_type_name(known[key])}")
-            (launch if section == "launch" else fields)[key] = value
+            (launch if section == LaunchSection.NAME else fields)[key] = value
     return fields, launch
 
 

@@ -45,3 +45,15 @@ def pool():
     yield p
     p.close()
 
+
+
+@pytest.fixture(scope="session")
+def docs_hooks():
+    """docs/hooks.py, the documentation site's build hooks, loaded as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hooks", os.path.join(os.path.dirname(__file__), "..", "..",
+                                                                          "docs", "hooks.py"))
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    return hooks

@@ -1,7 +1,6 @@
 """The documentation reads its figures from the result files: every `{{ result FILE KEY ... }}`
 placeholder resolves against benchmarks/results (a missing file or key fails) and renders the
 value the JSON holds."""
-import importlib.util
 import json
 import statistics
 from pathlib import Path
@@ -12,21 +11,14 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGES = sorted((ROOT / "docs").rglob("*.md"))
 
 
-def _hooks():
-    spec = importlib.util.spec_from_file_location("hooks", ROOT / "docs" / "hooks.py")
-    hooks = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hooks)
-    return hooks
-
-
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT / "docs")) for p in PAGES])
-def test_every_placeholder_resolves(page):
-    rendered = _hooks().results_in(page.read_text())
+def test_every_placeholder_resolves(page, docs_hooks):
+    rendered = docs_hooks.results_in(page.read_text())
     assert "{{" not in rendered, [line for line in rendered.splitlines() if "{{" in line]
 
 
-def test_a_placeholder_renders_what_the_json_holds(tmp_path, monkeypatch):
-    hooks = _hooks()
+def test_a_placeholder_renders_what_the_json_holds(tmp_path, monkeypatch, docs_hooks):
+    hooks = docs_hooks
     doc = {"tokens_per_s": [100.0, 300.0, 200.0], "val_loss": [[50, 4.5], [100, 3.25]], "a": 3.0, "b": 4.0}
     (tmp_path / "x.json").write_text(json.dumps(doc))
     monkeypatch.setattr(hooks, "RESULTS", tmp_path)
