@@ -183,8 +183,10 @@ def evaluate(stage, grid, inputs: torch.Tensor, targets: torch.Tensor, cfg: Trai
     loss = pipeline.pipeline_forward(stage, grid, xs, ys, lambda out, t: stage.loss(out, t, normalizer),
                                      stage.activation_shape(mb, cfg.seq), dtype=cfg.compute.dtype)
     stage.train()
-    mine_counts = loss is not None and first_copy(grid, distinct=("dp",))  # each dp rank's own windows
-    total = torch.tensor([loss.item() * len(mine) if mine_counts else 0.0, len(mine) if mine_counts else 0.0],
+    # each dp rank's own windows, their loss summed over the sequence ranks' shares, counted once
+    mine_loss = loss is not None and first_copy(grid, distinct=("dp",) + stage.loss_partial)
+    mine_counts = loss is not None and first_copy(grid, distinct=("dp",))
+    total = torch.tensor([loss.item() * len(mine) if mine_loss else 0.0, len(mine) if mine_counts else 0.0],
                          dtype=torch.float64, device=grid.device)
     grid.all_reduce(total, axis=None)
     return float(total[0] / total[1])
@@ -288,10 +290,10 @@ def _train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y, documents, pha
         schedule=cfg.resolved_schedule(dp, pp),
         pipeline_limit=cfg.pipeline_limit or max(pp, 2), documents=ds, phases=phases, microbatches=m))
     loss = loss / loss_scale if loss is not None else None
-    # the last stage's loss, identical over its tp/sp group: count one rank of each group. Summed
-    # on the device and left there: a non-finite loss skips the update on every rank by a flag
-    # the optimizer reads on the device (no host read; read_step reads the numbers once)
-    mine = loss is not None and first_copy(grid, distinct=("dp",))
+    # the last stage's loss, identical over its tp group, a share over sp: count one rank of each
+    # tp group. Summed on the device and left there: a non-finite loss skips the update on every
+    # rank by a flag the optimizer reads on the device (no host read; read_step reads the numbers once)
+    mine = loss is not None and first_copy(grid, distinct=("dp",) + stage.loss_partial)
     total = loss.detach().to(torch.float64, copy=True).reshape(1) if mine else \
         torch.zeros(1, dtype=torch.float64, device=grid.device)
     grid.all_reduce(total, axis=None)

@@ -190,18 +190,22 @@ class Embedding(nn.Module):
         m.tok, m.pos, m.ln = tok, pos, norm
         return m
 
-    def forward(self, ids, documents=None):
-        """documents: (batch, seq) ids of packed documents: learned positions restart at each."""
+    def forward(self, ids, documents=None, positions=None, length=None):
+        """documents: (batch, length) ids of packed documents: learned positions restart at each.
+        positions: the global positions of ids' tokens in a sequence of `length` (a sequence
+        shard's, Li et al. §3: each rank embeds its own L/N tokens); None: ids are the sequence."""
         x = self.tok(ids)
         if self.pos is not None:
-            if ids.shape[1] > self.pos.num_embeddings:
-                raise GridError(f"a sequence of {ids.shape[1]} tokens exceeds the model's {self.pos.num_embeddings} "
+            length = ids.shape[1] if positions is None else length
+            if length > self.pos.num_embeddings:
+                raise GridError(f"a sequence of {length} tokens exceeds the model's {self.pos.num_embeddings} "
                                 "positions")
+            pos = torch.arange(length, device=ids.device) if positions is None else positions
             if documents is not None:
-                check_documents(documents, *ids.shape)
-                x = x + self.pos(document_positions(documents))
+                check_documents(documents, ids.shape[0], length)
+                x = x + self.pos(document_positions(documents)[:, pos])
             else:
-                x = x + self.pos(torch.arange(ids.shape[1], device=ids.device))
+                x = x + self.pos(pos)
         return x if self.ln is None else self.ln(x)
 
 

@@ -55,13 +55,30 @@ class _FromLayout(torch.autograd.Function):
         return scatter(g.contiguous(), ctx.layout, ctx.grid), None, None, None
 
 
+def sequence_split(layout: Layout) -> tuple:
+    """A layer layout of (batch, seq, hidden) split in two: the sequence's "sp" part, as a layout
+    of (batch, seq) token ids and targets (the shard each rank embeds and scores: Li et al. §3,
+    no rank holds the whole sequence), and the rest, from that shard to the layer layout (tp-sp's
+    pieces over tp, 2-D/3-D's). (None, layout) where the grid does not split the sequence over sp."""
+    seq_axes = layout.dims[1] if len(layout.dims) > 1 else ()
+    if "sp" not in seq_axes:
+        return None, layout
+    if seq_axes[0] != "sp":
+        raise GridError(f"layout {layout}: the sequence must be split over 'sp' first")
+    zig = 1 if layout.zigzag == 1 else None
+    dims = [d if i != 1 else tuple(a for a in d if a != "sp") for i, d in enumerate(layout.dims)]
+    return Layout((), ("sp",), zigzag=zig, ring=layout.ring), Layout(*dims, only=layout.only)
+
+
 class GPTStage(nn.Module):
     """One pipeline stage of a GPT (or Llama) on a grid. The embedding (first stage) and the
-    head (last stage) are computed on the whole data-parallel shard by every tensor and
-    sequence rank, so their gradients are partial over "dp" only. Where the mode has a
+    head (last stage) run on this rank's sequence shard (Li et al. §3: each rank embeds its own
+    L/N tokens, at their global positions, and scores them) and on the whole sequence where the
+    grid has no "sp" axis; their gradients are partial over "dp" and "sp". Where the mode has a
     vocabulary axis (1-D: Megatron's vocab parallelism, Megatron-LM §3) the token embedding and
     the head's projection are split over the vocabulary there and the loss is the fused
     vocab-parallel cross-entropy (3 values per token cross the network, never the logits);
+    each sequence rank's loss is its shard's sum over the replica's predicted tokens;
     the other modes replicate them (their papers do not split the vocabulary). The
     transformer layers are gw.nn.TransformerLayer in `mode` (a mode object, a layer-mode
     name, or None for the grid's own). Gradients follow the parameters' placements."""
@@ -83,17 +100,20 @@ class GPTStage(nn.Module):
         self.first = range(stage * k, (stage + 1) * k)
         axis = self.mode.vocab_axis()
         self.vocab_axis = axis if axis is not None and grid.axes.get(axis, 1) > 1 else None
+        self.layers = nn.ModuleList(TransformerLayer.from_dense(gpt.layers[i], grid, mode=self.mode, **layer_options)
+                                    for i in self.first)
+        self.ac = resolve_ac(ac, k, n)
+        self.layout = self.layers[0].input_layout.without("dp")
+        self.seq, self.inner = sequence_split(self.layout)
+        # the loss (and the ends' gradients) of a sequence rank: its shard's part, summed over sp
+        self.loss_partial = ("sp",) if self.seq is not None else ()
         self.embed = self._embed(gpt.embed) if stage == 0 else None
         self.head = self._head(gpt.head) if stage == stages - 1 else None
         if gpt.config.tie and self.vocab_axis is not None:
             self.head.out.weight = self.embed.tok.weight  # both split over the vocabulary alike
         for mod in (self.embed, self.head):
             for p in (mod.parameters() if mod is not None else ()):
-                place(p, placement_of(p).layout, partial=("dp",))
-        self.layers = nn.ModuleList(TransformerLayer.from_dense(gpt.layers[i], grid, mode=self.mode, **layer_options)
-                                    for i in self.first)
-        self.ac = resolve_ac(ac, k, n)
-        self.layout = self.layers[0].input_layout.without("dp")
+                place(p, placement_of(p).layout, partial=("dp",) + self.loss_partial)
         self.hidden = gpt.head.ln.normalized_shape[0]
         self._step_full = None  # the step's micro-batch (batch, seq, hidden): activation_shape sets it
         axis = self.mode.boundary_axis()
@@ -115,18 +135,28 @@ class GPTStage(nn.Module):
         return Head.of(dense.ln.to(self.grid.device), out, transform, dense.act)
 
     def full_logits(self, logits):
-        """The last stage's output as whole logits on every rank (gathered over the vocabulary
-        axis where the head is split; a copy otherwise). For inspection: the loss never needs it."""
-        if self.vocab_axis is None:
-            return logits
+        """The last stage's output as whole logits on every rank (gathered over the sequence and
+        the vocabulary axis where they are split; a copy otherwise). For inspection: the loss never
+        needs it."""
+        if self.vocab_axis is not None:
+            logits = gather(logits, Layout(*([()] * (logits.dim() - 1)), (self.vocab_axis,)), self.grid)
+        return logits if self.seq is None else gather(logits, self.seq, self.grid)
 
-        return gather(logits, Layout(*([()] * (logits.dim() - 1)), (self.vocab_axis,)), self.grid)
+    def shard_tokens(self, t):
+        """This rank's sequence shard of a (batch, seq) tensor of the whole sequence (token ids,
+        targets): what it embeds and scores (a local slice: no communication)."""
+        return t if self.seq is None else scatter(t, self.seq, self.grid)
 
     def loss(self, logits, targets, normalizer=None):
-        """Cross-entropy of the predicted tokens (targets IGNORE are not; the last stage's output;
-        float32 or wider): their mean, or their sum over `normalizer` (the masked LM's share of
-        the global batch's predicted tokens, train.train_step)."""
-        targets = targets.reshape(-1)
+        """Cross-entropy of the predicted tokens (targets: the whole sequence's, IGNORE not
+        predicted; logits: the last stage's output, float32 or wider): their mean, or their sum
+        over `normalizer` (the masked LM's share of the global batch's predicted tokens,
+        train.train_step). With sp each rank sums its shard's tokens over the replica's predicted
+        count (known from the targets every rank holds: no communication); the sum over sp is
+        the loss (loss_partial)."""
+        if self.seq is not None and normalizer is None:
+            normalizer = (targets != IGNORE).sum().clamp(min=1)
+        targets = self.shard_tokens(targets).reshape(-1)
         predicted = targets != IGNORE
         if self.vocab_axis is None:
             logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
@@ -144,7 +174,7 @@ class GPTStage(nn.Module):
         The pipeline asks it before every step: the stage and its layers then know the step's
         micro-batch shape, so ranks that hold none of it (cSub) need not be told it each layer."""
         shape = self.layout.local_shape((batch, seq, self.hidden), self.grid)
-        self._step_full = (batch, seq, self.hidden)
+        self._step_full = self.inner.global_shape(shape, self.grid)  # this rank's sequence shard's
         for m in self.modules():
             if hasattr(m, "common_shape_hint"):
                 m.common_shape_hint = tuple(shape)
@@ -158,9 +188,14 @@ class GPTStage(nn.Module):
         """documents: the (batch, seq) ids of this replica's micro-batch of packed documents (every
         stage is given them: its attention masks by them), or None."""
         if self.embed is not None:
-            x = self.embed(x, documents)
+            if self.seq is None:
+                x = self.embed(x, documents)
+            else:  # this rank's tokens at their global positions
+                length = x.shape[1]
+                pos = self.shard_tokens(torch.arange(length, device=x.device).expand(1, length))[0]
+                x = self.embed(self.shard_tokens(x), documents, pos, length)
             self._full = tuple(x.shape)
-            x = _ToLayout.apply(x, self.layout, self.grid)
+            x = _ToLayout.apply(x, self.inner, self.grid)
         elif self.boundary_axis is not None:  # 1/t from each tensor rank of the previous stage
             x = gather_from_parallel(x, self.grid, self.boundary_axis, -1)
         x = run_layers(self.layers, x, self.ac, documents)
@@ -168,12 +203,13 @@ class GPTStage(nn.Module):
             return scatter_to_parallel(x, self.grid, self.boundary_axis, -1)
         if self.head is not None:
             shape = self._full if self.embed is not None else self._step_full or self._full_shape(x)
-            x = self.head(_FromLayout.apply(x, self.layout, self.grid, shape))
+            x = self.head(_FromLayout.apply(x, self.inner, self.grid, shape))
         return x
 
     def _full_shape(self, x):
-        """Full dp-shard shape from a local shard (the last stage did not see the embedding)."""
-        sizes = list(self.layout.global_shape(x.shape[:3], self.grid))
+        """This rank's sequence shard's shape from a local shard (the last stage did not see the
+        embedding)."""
+        sizes = list(self.inner.global_shape(x.shape[:3], self.grid))
         if self.layout.only is not None:  # cSub: sub-grid 0 knows the batch; tell the others
             sizes = self.grid.broadcast_ints(sizes, self.layout.only[0], self.layout.only[1])
         return tuple(sizes)
@@ -181,7 +217,7 @@ class GPTStage(nn.Module):
     def comm_lines(self) -> list:
         """The lines beyond the grid's axes its layers run collectives over (Grid.connect items):
         what each module that declares comm_lines() names (line parts, tuples of axes)."""
-        ends = self.layout.lines(self.grid) if self.embed is not None or self.head is not None else []
+        ends = self.inner.lines(self.grid) if self.embed is not None or self.head is not None else []
         return ends + [item for m in self.modules() if m is not self and hasattr(m, "comm_lines")
                        for item in m.comm_lines()]
 
@@ -264,6 +300,10 @@ class ModelChunks(nn.Module):
 
     def loss(self, logits, targets, normalizer=None):
         return self.chunks[-1].loss(logits, targets, normalizer)
+
+    @property
+    def loss_partial(self) -> tuple:
+        return self.chunks[-1].loss_partial
 
     def activation_shape(self, batch: int, seq: int) -> tuple:
         return [c.activation_shape(batch, seq) for c in self.chunks][0]  # each chunk learns the step's shape

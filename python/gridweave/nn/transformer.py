@@ -13,12 +13,11 @@ from torch import nn
 from ..autograd.comm import all_reduce_replicated
 from ..documents import document_rows
 from ..errors import GridError
-from ..grid import LinePart, Span
 from ..layout import Layout, gather, scatter
 from ..sharding import DATA_AXES, group_order, place, placement_of, present_axes, set_row_order
 from .dense import (GPT2, Arch, DenseMLP, DenseSelfAttention, DenseTransformerLayer, linformer_attention, qk_normed,
                     split_heads, values)
-from .moe import ExpertParallelMoE
+from .moe import ExpertParallelMoE, expert_line
 from .sequence import SeqAttention, attend, attention_lines
 from .style import resolve
 
@@ -308,8 +307,8 @@ class TransformerLayer(nn.Module):
                 raise GridError(f"mixture-of-experts layers need each token's whole hidden vector at the MLP; "
                                 f"{self.mode!r} splits it there: use tp none (with dp, sp, pp) or row")
             tp, sequence = self.mode.moe_tensor_axis()
-            self.mlp = ExpertParallelMoE(hidden, arch.moe, grid, ep if ep is not None else
-                                         LinePart(("dp",), Span.WITHIN, 1), tokens, dtype, device, tp, sequence)
+            self.mlp = ExpertParallelMoE(hidden, arch.moe, grid, ep if ep is not None else expert_line(grid, 1),
+                                         tokens, dtype, device, tp, sequence)
 
     @property
     def input_layout(self):

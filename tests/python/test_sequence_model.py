@@ -1,0 +1,109 @@
+"""The whole model on sequence shards (Li et al. §3: no rank holds the whole sequence): with sp
+each rank embeds its own L/N tokens at their global positions, runs the head on them and scores
+them; the loss is the sum over the sequence ranks of each shard's part. Checked against the
+dense single-process model (float64: logits, the loss and every gradient) for every attention
+over sp, every family, tensor modes composed with sp, packed documents and experts, and the
+shapes the ends hold."""
+import pytest
+import torch
+
+from tp_refs import DEVICE, full, packed_documents, rel
+
+V, H, HEADS, L, B = 64, 32, 4, 32, 4
+
+
+def _perturbed(model):
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.add_(0.05 * full(p.shape, 200 + i, p.dtype, p.device))
+    return model
+
+
+def _config(family, moe):
+    import gridweave as gw
+
+    if family == "llama":  # grouped-query attention: 2 key/value heads for 4 query heads
+        return gw.models.ModelConfig("llama", V, H, HEADS, 2, L, kv_heads=2,
+                                     moe=gw.nn.MoE(experts=4, top_k=2, ffn=24) if moe else None)
+    return gw.models.ModelConfig(family, V, H, HEADS, 2, L)
+
+
+def _mode(tp):
+    import gridweave as gw
+
+    return gw.Row(2, sequence=True) if tp == "row:2+sp" else gw.modes.parse(tp)
+
+
+def _model(ctx, family, tp, sp, dp, attention, u, packed, moe):
+    import gridweave as gw
+
+    grid = ctx.init(tp=_mode(tp), sp=sp, dp=dp)
+    torch.manual_seed(0)
+    dense = _perturbed(gw.models.build(_config(family, moe), dtype=torch.float64, device=DEVICE))
+    stage = gw.models.GPTStage(dense, grid, _mode(tp), 0, 1, attention=attention, ulysses_degree=u)
+    seen = {}
+    for name in ("embed", "head"):
+        getattr(stage, name).register_forward_hook(lambda m, i, o, name=name: seen.__setitem__(name, tuple(o.shape)))
+    g = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randint(0, V, (B * dp, L), generator=g, device="cpu").to(DEVICE)
+    y = torch.randint(0, V, (B * dp, L), generator=g, device="cpu").to(DEVICE)
+    y[:, ::5] = gw.models.IGNORE  # some tokens not predicted: the count is the whole sequence's
+    docs = packed_documents(B * dp, L, 3) if packed else None
+    logits = dense(x, docs)
+    count = float((y != gw.models.IGNORE).sum())
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), y.reshape(-1), ignore_index=gw.models.IGNORE,
+                                             reduction="sum") / count
+    loss.backward()
+    rows = slice(grid.coords["dp"] * B, (grid.coords["dp"] + 1) * B)
+    mine = stage(x[rows], None if docs is None else docs[rows])
+    share = stage.loss(mine, y[rows], normalizer=count)
+    share.backward()
+    gw.reduce_gradients(stage, grid)
+    total = share.detach().reshape(1).clone()
+    grid.all_reduce(total, axis=("dp", "sp"))  # every rank's share: its replica's shard, over the global count
+    errs = {"logits": rel(stage.full_logits(mine), logits[rows]), "loss": rel(total, loss.detach().reshape(1))}
+    grads = stage.dense_state(pick=True)
+    for name, p in dense.named_parameters():
+        errs[name] = rel(grads[name], p.grad)
+    vocab = V // grid.axes.get("tp", 1) if stage.vocab_axis is not None else V
+    return errs, seen, tuple(mine.shape), vocab
+
+
+@pytest.mark.parametrize("family,tp,sp,dp,attention,u,packed,moe", [
+    ("gpt", "none", 4, 1, "ring", 1, False, False), ("gpt", "none", 2, 2, "rsa", 1, False, False),
+    ("gpt", "row:2", 2, 1, "ulysses", 1, False, False), ("gpt", "none", 4, 2, "usp", 2, False, False),
+    ("gpt", "none", 4, 1, "ring", 1, True, False), ("llama", "none", 4, 1, "ring", 1, False, False),
+    ("llama", "row:2+sp", 2, 2, "ring", 1, False, False), ("llama", "none", 2, 1, "ulysses", 1, True, False),
+    ("llama", "none", 4, 1, "usp", 2, True, False), ("llama", "square:2", 2, 1, "ring", 1, False, False),
+    ("llama", "none", 2, 2, "ring", 1, False, True), ("llama", "row:2", 2, 1, "ring", 1, True, True),
+    ("gpt", "subgraph:2", 2, 1, "ring", 1, False, False), ("llama", "cube:2", 1, 1, "ring", 1, False, False),
+    ("llama", "none", 1, 2, "ring", 1, False, True), ("llama", "row:2", 1, 1, "ring", 1, False, True)])
+def test_the_ends_run_on_sequence_shards_and_equal_the_dense_model(pool, family, tp, sp, dp, attention, u, packed,
+                                                                     moe):
+    """Each rank's embedding output and logits hold L/sp positions (and the vocabulary over tp
+    where the head splits it); gathered, the logits equal the dense model's; the shares of the loss
+    summed over sp and dp equal its loss; every gradient equals its gradient (float64 1e-10)."""
+    n = sp * dp * _mode(tp).ranks()
+    for errs, seen, logits, vocab in pool.run(_model, n, family, tp, sp, dp, attention, u, packed, moe):
+        assert max(errs.values()) < 1e-10, {name: e for name, e in errs.items() if e >= 1e-10}
+        assert seen["embed"][1] == L // sp and seen["head"][1] == L // sp, seen
+        assert logits == (B, L // sp, vocab), logits
+
+
+def _sharded_ends(ctx, sp):
+    """The largest activation the ends hold on a rank: the embedding output and the logits."""
+    import gridweave as gw
+
+    grid = ctx.init(sp=sp)
+    stage = gw.models.GPTStage(gw.models.build(_config("gpt", False), dtype=torch.float64, device=DEVICE), grid,
+                               None, 0, 1)
+    x = torch.zeros((B, L), dtype=torch.int64, device=DEVICE)
+    return stage.embed(stage.shard_tokens(x)).numel(), stage(x).numel()
+
+
+def test_the_ends_hold_one_over_sp_of_the_whole_sequence(pool):
+    """The embedding's output and the logits on each of N sequence ranks are 1/N of one process's."""
+    one = pool.run(_sharded_ends, 1, 1)[0]
+    for sp in (2, 4):
+        for got in pool.run(_sharded_ends, sp, sp):
+            assert got == (one[0] // sp, one[1] // sp)
