@@ -66,13 +66,16 @@ def test_ring_attention_matches_dense(pool, n, causal, algo):
             assert bwd == 6 * (n - 1) * b  # and 6(N-1)BZ(L/N)A backward
 
 
-def _ulysses(ctx, causal, L, heads):
+def _ulysses(ctx, causal, L, heads, kv=None):
     import gridweave as gw
     from gridweave.autograd.ulysses import ulysses_attention
 
     grid = ctx.init(sp=ctx.world_size)
-    q, k, v = (full((B, heads, L, A), s).requires_grad_() for s in (1, 2, 3))
-    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    kv = kv or heads
+    q, k, v = (full((B, h, L, A), s).requires_grad_() for s, h in ((1, heads), (2, kv), (3, kv)))
+    # one process: every key/value head repeated to its group of query heads (autograd sums the copies)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, *(t.repeat_interleave(heads // kv, dim=1) for t in (k, v)), is_causal=causal)
     dout = full(ref.shape, 4)
     ref.backward(dout)
     lay = _layout(False)  # contiguous shards: Ulysses gathers whole sequences in order
@@ -105,15 +108,36 @@ def test_ulysses_attention_matches_dense(pool, n, causal):
             assert sent == [4 * shard * (n - 1) // n] * 2, (sent, shard)
 
 
-def _usp(ctx, causal, L, heads, u):
+@pytest.mark.parametrize("n,heads,kv", [(2, 8, 2), (4, 8, 2), (4, 8, 4), (8, 8, 2), (4, 8, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ulysses_sends_grouped_key_value_heads_as_they_are(pool, n, heads, kv, causal):
+    """Grouped-query attention under Ulysses: key/value heads cross the all-to-all as they are where
+    the n ranks divide them, else each repeated to lcm(kv, n) (whole groups on every rank). The
+    bytes a rank sends per direction are (N-1)/N of B·(L/N)·A·(2 heads + 2 lcm(kv, n)) values
+    (q, out; k, v), against 4 heads once expanded; results and gradients equal one process."""
+    import math
+
+    L = 32
+    sent_heads = math.lcm(kv, n)
+    for errs, sent, ops in pool.run(_ulysses, n, causal, L, heads, kv):
+        assert max(errs.values()) < 1e-10, errs
+        values = B * (L // n) * A * (2 * heads + 2 * sent_heads)
+        assert ops == [4, 4] and sent == [values * 8 * (n - 1) // n] * 2, (sent, values)
+        if sent_heads < heads:
+            assert sent[0] < 4 * B * (L // n) * A * heads * 8 * (n - 1) // n  # fewer bytes than expanded
+
+
+def _usp(ctx, causal, L, heads, u, kv=None):
     import gridweave as gw
     from gridweave.autograd.ulysses import usp_attention
     from gridweave.nn.sequence import usp_positions
 
     grid = ctx.init(sp=ctx.world_size)
     n = ctx.world_size
-    q, k, v = (full((B, heads, L, A), s).requires_grad_() for s in (1, 2, 3))
-    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    kv = kv or heads
+    q, k, v = (full((B, h, L, A), s).requires_grad_() for s, h in ((1, heads), (2, kv), (3, kv)))
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, *(t.repeat_interleave(heads // kv, dim=1) for t in (k, v)), is_causal=causal)
     dout = full(ref.shape, 4)
     ref.backward(dout)
     # this rank's piece: the sequence in zigzag order over the n/u blocks (causal), cut in n pieces
@@ -137,6 +161,14 @@ def test_usp_attention_matches_dense(pool, n, u, causal):
     for errs, axes in pool.run(_usp, n, causal, 32, 8, u):
         assert max(errs.values()) < 1e-10, errs
         assert (f"sp:within{u}" in axes) == (u > 1) and (f"sp:across{u}" in axes) == (u < n), axes
+
+
+@pytest.mark.parametrize("n,u,kv", [(4, 2, 2), (8, 4, 2), (8, 2, 1)])
+def test_usp_under_grouped_query_attention_equals_one_process(pool, n, u, kv):
+    """USP's all-to-all sends grouped key/value heads as Ulysses does; the ring across its blocks
+    repeats them to the query heads."""
+    for errs, _ in pool.run(_usp, n, True, 32, 8, u, kv):
+        assert max(errs.values()) < 1e-10, errs
 
 
 def _ulysses_heads(ctx):

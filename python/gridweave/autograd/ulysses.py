@@ -6,11 +6,13 @@ forward: 4 all-to-alls (q, k, v, out) of B·(L/N)·H values each per rank. USP c
 ring: Ulysses inside blocks of sp ranks, the ring across them."""
 from __future__ import annotations
 
+import math
+
 import torch
-import torch.nn.functional as F
 
 from ..documents import check_documents, document_mask
 from ..errors import GridError
+from .heads import grouped_attention
 from .ring import ring_attention
 
 
@@ -55,23 +57,43 @@ def heads_to_seq(x, grid, axis):
     return _Exchange.apply(x, grid, axis, False)
 
 
-def ulysses_attention(q, k, v, grid, axis="sp", causal=False, documents=None):
-    """Attention of q, k, v (b, heads, s, d): this rank's contiguous sequence shard, every head
-    (key/value heads expanded to the query heads, as gw.nn.dense.split_heads gives them, so a
-    key/value head count below N needs nothing more). Returns (b, heads, s, d) of this shard.
-    documents: the (b, L) document ids of the whole sequence (packed documents)."""
-    n = grid.size(axis)
+def kv_heads_sent(kv_heads: int, n: int) -> int:
+    """Key/value heads Ulysses moves over n ranks under grouped-query attention: as they are where
+    n divides them, else each repeated to lcm(kv_heads, n), so that each rank receives whole
+    groups of its query heads (DeepSpeed-Ulysses replicates them only below n, Jacobs et al. §3.2)."""
+    return math.lcm(kv_heads, n)
+
+
+def _kv_to_send(k, v, n):
+    g = k.shape[1]
+    m = kv_heads_sent(g, n)
+    return (k, v) if m == g else tuple(t.repeat_interleave(m // g, dim=1) for t in (k, v))
+
+
+def _check_heads(q, k, n, axis, what):
     if q.shape[1] % n:
-        raise GridError(f"Ulysses splits the {q.shape[1]} attention heads of a rank over the {n} ranks of "
+        raise GridError(f"{what} splits the {q.shape[1]} attention heads of a rank over the {n} ranks of "
                         f"axis {axis!r}: they do not divide")
+    if q.shape[1] % k.shape[1]:
+        raise GridError(f"{k.shape[1]} key/value heads do not group {q.shape[1]} query heads")
+
+
+def ulysses_attention(q, k, v, grid, axis="sp", causal=False, documents=None):
+    """Attention of q (b, heads, s, d) over k, v (b, kv_heads, s, d): this rank's contiguous
+    sequence shard, every head; grouped key/value heads are sent as they are where the ranks
+    divide them (kv_heads_sent). Returns (b, heads, s, d) of this shard. documents: the (b, L)
+    document ids of the whole sequence (packed documents)."""
+    n = grid.size(axis)
+    _check_heads(q, k, n, axis, "Ulysses")
     if documents is not None:
         check_documents(documents, q.shape[0], q.shape[2] * n)
+    k, v = _kv_to_send(k, v, n)
     q, k, v = (seq_to_heads(t, grid, axis) for t in (q, k, v))
-    if documents is None:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # whole sequences: the fused kernel
-    else:
+    mask = None
+    if documents is not None:
         pos = torch.arange(q.shape[2], device=q.device)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(documents, pos, pos, causal))
+        mask = document_mask(documents, pos, pos, causal)
+    o = grouped_attention(q, k, v, causal, mask)  # whole sequences: the fused kernel where it can
     return heads_to_seq(o, grid, axis)
 
 
@@ -79,13 +101,15 @@ def usp_attention(q, k, v, grid, inner, outer, causal=False, documents=None):
     """USP (Fang & Zhao 2024; yunchang's LongContextAttention, Megatron's a2a+p2p): Ulysses over
     `inner` (a block of U consecutive sp ranks), the zigzag ring over `outer` (the blocks: R).
     This rank holds piece u of its block's chunk pair (chunks r and 2R-1-r of 2R, causal); the
-    all-to-all gathers the pair for 1/U of the heads, the ring attends over the R pairs, and the
+    all-to-all gathers the pair for 1/U of the heads (grouped key/value heads as Ulysses sends
+    them), the ring attends over the R pairs (its blocks repeat them to the query heads), and the
     inverse all-to-all returns this rank's piece of every head."""
     u = grid.size(inner)
-    if q.shape[1] % u:
-        raise GridError(f"USP splits the {q.shape[1]} attention heads of a rank over its Ulysses degree {u}: "
-                        "they do not divide")
+    _check_heads(q, k, u, inner, "USP's Ulysses degree")
     if u > 1:
+        k, v = _kv_to_send(k, v, u)
         q, k, v = (seq_to_heads(t, grid, inner) for t in (q, k, v))
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     o = ring_attention(q, k, v, grid, outer, causal, zigzag=causal, documents=documents)
     return heads_to_seq(o, grid, inner) if u > 1 else o

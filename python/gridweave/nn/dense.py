@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..autograd.heads import kernel_groups_heads
 from ..documents import check_documents, document_mask, document_positions
 from ..errors import GridError
 from ..sharding import values
@@ -202,8 +203,7 @@ def attention(qkv: torch.Tensor, heads: int, causal: bool, kv_heads: int | None 
     # to its math kernel, so there they are repeated. On CUDA only flash attention groups heads,
     # and it runs half precision alone: float32 there would take the math kernel with its (s x s)
     # scores kept (an H100 kept 46 MB more in the main job's step), so there they are repeated too
-    gqa = (kv_heads != heads and lowrank is None and documents is None
-           and (qkv.device.type != "cuda" or qkv.dtype in (torch.float16, torch.bfloat16)))
+    gqa = kv_heads != heads and lowrank is None and kernel_groups_heads(qkv, documents is not None)
     q, k, v = split_heads(qkv, heads, kv_heads, arch, positions, repeat_kv=not gqa)
     if lowrank is not None:
         out = linformer_attention(q, k, v, lowrank)

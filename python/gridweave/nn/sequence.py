@@ -179,7 +179,9 @@ def attend(qkv, heads, causal, grid, algorithm=SeqAttention.RING, kv_heads=None,
             if algorithm is SeqAttention.USP else positions(qkv.shape[1], sp, index, zigzag, qkv.device)
         if documents is not None:
             pos = document_positions(documents)[:, pos]
-    q, k, v = split_heads(qkv, heads, kv_heads, arch, pos)
+    # Ulysses and USP send grouped key/value heads as they are (the ring's blocks need them repeated)
+    grouped = algorithm in (SeqAttention.ULYSSES, SeqAttention.USP)
+    q, k, v = split_heads(qkv, heads, kv_heads, arch, pos, repeat_kv=not grouped)
     if algorithm is SeqAttention.RSA:
         o = ring_self_attention(q, k, v, grid, "sp", causal, documents)
     elif algorithm is SeqAttention.ULYSSES:
