@@ -290,6 +290,9 @@ class DataSection(Section):
     vocab: int = option(1024, "the BPE vocabulary's size", at_least=1)
     pack_documents: bool = option(False, "packed documents: attention within each document of a window, positions "
                                          "restarting at each")
+    balance_documents: bool = option(True, "packed documents over a ring (sp with attention ring or usp): each rank's "
+                                           "chunks of a window dealt by attention work, the blocks no document "
+                                           "crosses skipped (off: the zigzag by position, every block computed)")
 
     def rules(self):
         if not isinstance(self.tokenizer, str):

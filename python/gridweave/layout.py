@@ -109,6 +109,39 @@ def zigzag_order(length: int, n: int, device="cpu") -> torch.Tensor:
                       for r in range(n)])
 
 
+@dataclass(frozen=True)
+class ChunkOrder:
+    """A sequence cut in equal chunks of `chunk` tokens, dealt to the members of a ring: member r
+    holds chunks members[r] (ascending), its local sequence their concatenation (the zigzag is
+    the case of 2 chunks a member, r and 2R-1-r). visible: the (query chunk, key chunk) pairs with
+    a pair of tokens that may attend (packed documents, causality), or None (by position only).
+    Made on the host from the host's document ids (gw.documents.balanced_order): ring attention
+    skips the blocks of invisible pairs without reading the device."""
+    chunk: int
+    members: tuple
+    visible: frozenset | None = None
+
+    @property
+    def length(self) -> int:
+        return self.chunk * sum(len(m) for m in self.members)
+
+    def runs(self, member: int) -> list:
+        """(local slice, first global position, chunk index) of each chunk of a member's sequence."""
+        c = self.chunk
+        return [(slice(i * c, (i + 1) * c), j * c, j) for i, j in enumerate(self.members[member])]
+
+    def positions(self, member: int, device="cpu") -> torch.Tensor:
+        """Global positions of a member's local sequence."""
+        return torch.cat([torch.arange(g, g + self.chunk, device=device) for _, g, _ in self.runs(member)])
+
+    def permutation(self, device="cpu") -> torch.Tensor:
+        """Global positions in the members' order (the sequence as the ring members hold it, in turn)."""
+        return torch.cat([self.positions(r, device) for r in range(len(self.members))])
+
+    def sees(self, q_chunk: int, k_chunk: int) -> bool:
+        return self.visible is None or (q_chunk, k_chunk) in self.visible
+
+
 def scatter(full: torch.Tensor, layout: Layout, grid) -> torch.Tensor:
     """This rank's shard of `full` (every rank passes the same full tensor)."""
     layout.local_shape(full.shape, grid)  # GridError before anything moves

@@ -268,7 +268,10 @@ def _train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y, documents, pha
     def micro(t):  # t's m micro-batches, on the grid's device
         return [t[i * mb:(i + 1) * mb].to(grid.device) for i in range(m)]
 
-    xs, ys, ds = micro(x), micro(y), None if documents is None else micro(documents)
+    xs, ys, ds = micro(x), micro(y), None
+    if documents is not None:  # packed: each micro-batch's chunk order made from the host's ids
+        ds = [stage.pack(documents[i * mb:(i + 1) * mb]) for i in range(m)] if cfg.balance_documents else \
+            micro(documents)
     normalizer = None
     if cfg.masked_lm:  # the mean over the global batch's predicted tokens: their count summed over dp
         count = (y != models.IGNORE).sum().reshape(1).to(device=grid.device, dtype=torch.float64)

@@ -141,3 +141,99 @@ def test_the_main_job_packs_documents_on_composed_grids(tmp_path):
         assert max(abs(a - b) / abs(b) for a, b in zip(losses, one)) < 1e-5, (losses, one)
     unpacked = _train(tmp_path, "unpacked", 1, ["--dp", "1", "--pp", "1"], pack=False)
     assert max(abs(a - b) for a, b in zip(unpacked, one)) > 1e-4
+
+
+# ---- work-balanced shards over the ring ------------------------------------------------------
+
+def _skewed(batch, length, long_share, seed):
+    """(batch, length) ids: one long document of long_share of the row at a random place among short
+    ones of 4 to 24 tokens."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    out = torch.empty(batch, length, dtype=torch.int64, device="cpu")
+    for b in range(batch):
+        long_at = int(torch.randint(0, length - int(long_share * length), (1,), generator=g, device="cpu"))
+        i, d = 0, 0
+        while i < length:
+            n = int(long_share * length) if i <= long_at < i + 24 or i == long_at else \
+                int(torch.randint(4, 25, (1,), generator=g, device="cpu"))
+            out[b, i:i + n] = d
+            i, d = i + n, d + 1
+    return out
+
+
+def _pair_work(documents, order, causal):
+    """Each member's attention work counted token by token (numpy-free brute force): the pairs of
+    its query tokens and every key token that may attend, and the blocks holding any such pair."""
+    from gridweave.documents import document_mask
+
+    L = documents.shape[1]
+    pos = torch.arange(L, device="cpu")
+    visible = document_mask(documents, pos, pos, causal).any(0)[0]  # (L, L): any row
+    c = order.chunk
+    blocks = visible.reshape(L // c, c, L // c, c).any(3).any(1)
+    return visible, blocks
+
+
+@pytest.mark.parametrize("members,length,long_share,causal", [(4, 512, 0.5, True), (8, 1024, 0.4, True),
+                                                             (4, 512, 0.6, False), (2, 256, 0.5, True)])
+def test_balanced_order_evens_the_attention_work_of_skewed_documents(members, length, long_share, causal):
+    """One long document among many short: the zigzag (positions dealt evenly) leaves a member with
+    well over the mean work once the blocks no document crosses are skipped; the balanced order
+    keeps every member within 10% of the mean, each holding the same number of chunks. The chunk
+    visibility it skips by equals the token pairs' (brute force over the document mask)."""
+    from gridweave.documents import balanced_order, member_work
+
+    docs = _skewed(2, length, long_share, 7)
+    zig = balanced_order(docs, members, causal, balance=False)
+    even = balanced_order(docs, members, causal)
+    for order in (zig, even):
+        _, blocks = _pair_work(docs, order, causal)
+        assert order.visible == frozenset(map(tuple, blocks.nonzero().tolist()))
+        assert sorted(j for m in order.members for j in m) == list(range(blocks.shape[0]))  # a partition
+        assert len({len(m) for m in order.members}) == 1  # equal tokens on every member
+    mean = sum(member_work(even, causal)) / members
+    assert max(abs(w - mean) / mean for w in member_work(even, causal)) < 0.10, member_work(even, causal)
+    if causal:  # the skew is real (contiguous shards of a bidirectional model see across the long document)
+        zmean = sum(member_work(zig, causal)) / members
+        assert max(member_work(zig, causal)) / zmean > 1.10, member_work(zig, causal)
+
+
+def _ring_order(ctx, causal, n, u, seed):
+    """Ring attention (or USP) on shards dealt by a balanced order, packed documents, float64: its
+    output and gradients against torch's attention over the whole sequence with the document mask."""
+    import gridweave as gw
+    from gridweave.autograd.ring import ring_attention
+    from gridweave.autograd.ulysses import usp_attention
+    from gridweave.documents import balanced_order, document_mask
+
+    grid = ctx.init(sp=n)
+    heads, A, Lx = 4, 8, 256
+    docs = _skewed(2, Lx, 0.5, seed)
+    q, k, v = (full((2, heads, Lx, A), s).requires_grad_() for s in (21, 22, 23))
+    pos = torch.arange(Lx, device="cpu")
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(docs.to(DEVICE), pos,
+                                                                                              pos, causal))
+    dout = full(ref.shape, 24)
+    ref.backward(dout)
+    order = balanced_order(docs, n // u, causal)
+    mine = order.permutation("cpu")[grid.index("sp") * (Lx // n):(grid.index("sp") + 1) * (Lx // n)]
+    ql, kl, vl = (t.detach()[:, :, mine].contiguous().requires_grad_() for t in (q, k, v))
+    d = docs.to(DEVICE)
+    if u == 1:
+        out = ring_attention(ql, kl, vl, grid, causal=causal, documents=d, order=order)
+    else:
+        inner, outer = gw.LinePart(("sp",), gw.Span.WITHIN, u), gw.LinePart(("sp",), gw.Span.ACROSS, u)
+        out = usp_attention(ql, kl, vl, grid, inner, outer, causal, d, order)
+    out.backward(dout[:, :, mine].contiguous())
+    errs = {"out": rel(out, ref[:, :, mine])}
+    for name, loc, whole in (("dq", ql, q), ("dk", kl, k), ("dv", vl, v)):
+        errs[name] = rel(loc.grad, whole.grad[:, :, mine])
+    return errs
+
+
+@pytest.mark.parametrize("n,u,causal", [(2, 1, True), (4, 1, True), (4, 1, False), (4, 2, True), (8, 2, True)])
+def test_ring_attention_on_balanced_shards_equals_one_process(pool, n, u, causal):
+    """The ring (and USP's ring across its Ulysses blocks) on shards dealt by work, skipping the
+    blocks no document crosses: its output and every gradient equal one process's (float64)."""
+    for errs in pool.run(_ring_order, n, causal, n, u, 3):
+        assert max(errs.values()) < 1e-10, errs

@@ -55,7 +55,11 @@ def _model(ctx, family, tp, sp, dp, attention, u, packed, moe):
                                              reduction="sum") / count
     loss.backward()
     rows = slice(grid.coords["dp"] * B, (grid.coords["dp"] + 1) * B)
-    mine = stage(x[rows], None if docs is None else docs[rows])
+    mine_docs = None if docs is None else docs[rows]
+    if packed == "balanced":  # the trainer's path: the chunks each ring member holds dealt by work
+        mine_docs = stage.pack(mine_docs.cpu())
+        assert isinstance(mine_docs, gw.documents.Packed) == (sp > 1 and attention in ("ring", "usp"))
+    mine = stage(x[rows], mine_docs)
     share = stage.loss(mine, y[rows], normalizer=count)
     share.backward()
     gw.reduce_gradients(stage, grid)
@@ -77,12 +81,17 @@ def _model(ctx, family, tp, sp, dp, attention, u, packed, moe):
     ("llama", "none", 4, 1, "usp", 2, True, False), ("llama", "square:2", 2, 1, "ring", 1, False, False),
     ("llama", "none", 2, 2, "ring", 1, False, True), ("llama", "row:2", 2, 1, "ring", 1, True, True),
     ("gpt", "subgraph:2", 2, 1, "ring", 1, False, False), ("llama", "cube:2", 1, 1, "ring", 1, False, False),
-    ("llama", "none", 1, 2, "ring", 1, False, True), ("llama", "row:2", 1, 1, "ring", 1, False, True)])
+    ("llama", "none", 1, 2, "ring", 1, False, True), ("llama", "row:2", 1, 1, "ring", 1, False, True),
+    ("llama", "none", 4, 1, "ring", 1, "balanced", False), ("gpt", "none", 4, 2, "usp", 2, "balanced", False),
+    ("llama", "row:2+sp", 2, 2, "ring", 1, "balanced", False), ("llama", "row:2", 2, 1, "ring", 1, "balanced", True),
+    ("gpt", "none", 2, 1, "ulysses", 1, "balanced", False)])
 def test_the_ends_run_on_sequence_shards_and_equal_the_dense_model(pool, family, tp, sp, dp, attention, u, packed,
                                                                      moe):
     """Each rank's embedding output and logits hold L/sp positions (and the vocabulary over tp
     where the head splits it); gathered, the logits equal the dense model's; the shares of the loss
-    summed over sp and dp equal its loss; every gradient equals its gradient (float64 1e-10)."""
+    summed over sp and dp equal its loss; every gradient equals its gradient (float64 1e-10).
+    "balanced": packed documents as the trainer gives them (stage.pack: the ring's chunks dealt
+    by attention work; Ulysses keeps its contiguous shards)."""
     n = sp * dp * _mode(tp).ranks()
     for errs, seen, logits, vocab in pool.run(_model, n, family, tp, sp, dp, attention, u, packed, moe):
         assert max(errs.values()) < 1e-10, {name: e for name, e in errs.items() if e >= 1e-10}

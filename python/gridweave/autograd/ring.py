@@ -153,13 +153,21 @@ def _document_bias(documents, qs, q0, ks, k0, causal, dtype):
     return torch.zeros(visible.shape, dtype=dtype, device=documents.device).masked_fill_(~visible, float("-inf"))
 
 
-def _blocks(Lq, n, q_rank, k_rank, zigzag, causal):
+def _blocks(Lq, n, q_rank, k_rank, zigzag, causal, order=None):
     """(q slice, k slice, diagonal) of every block of scores with a visible pair. The local
     sequence is made of chunks of one partition of the positions, so two chunks overlap only
     when they are the same one: such a block is causal exactly as torch's is_causal (top-left
-    aligned); every other visible block is wholly visible. Decided on positions as Python
-    ints, so nothing waits on the device."""
+    aligned); every other visible block is wholly visible. order (a ChunkOrder): the chunks of
+    each member, and the blocks with no visible pair of packed documents, skipped. Decided on
+    positions as Python ints, so nothing waits on the device."""
     out = []
+    if order is not None:
+        for qs, q0, qc in order.runs(q_rank):
+            for ks, k0, kc in order.runs(k_rank):
+                if (causal and k0 > q0) or not order.sees(qc, kc):
+                    continue
+                out.append((qs, q0, ks, k0, causal and k0 == q0))
+        return out
     for qs, q0 in chunk_starts(Lq, n, q_rank, zigzag):
         q1 = q0 + qs.stop - qs.start - 1
         for ks, k0 in chunk_starts(Lq, n, k_rank, zigzag):
@@ -262,7 +270,7 @@ def _block_backward(dout, q, k, v, out, lse, diagonal, scale, bias=None):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, grid, axis, causal, zigzag, blocks, documents):
+    def forward(ctx, q, k, v, grid, axis, causal, zigzag, blocks, documents, order):
         ring = grid.ring(axis)
         n, r = ring.size, ring.rank
         B, Z, Lq, A = q.shape
@@ -275,7 +283,7 @@ class _RingAttention(torch.autograd.Function):
         kc, vc = k, v
         for s in range(n):
             ex = ring.pass_on([kc, vc], s) if s < n - 1 else None  # overlaps the block compute
-            for qs, q0, ks, k0, diagonal in _blocks(Lq, n, r, ring.source_at(s), zigzag, causal):
+            for qs, q0, ks, k0, diagonal in _blocks(Lq, n, r, ring.source_at(s), zigzag, causal, order):
                 bias = None if documents is None else _document_bias(documents, qs, q0, ks, k0, causal, q.dtype)
                 o, l = blocks.forward(q[..., qs, :].contiguous(), kc[..., ks, :].contiguous(),
                                       vc[..., ks, :].contiguous(), diagonal and bias is None, scale, bias)
@@ -285,7 +293,7 @@ class _RingAttention(torch.autograd.Function):
                 kc, vc = ex.wait()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.grid, ctx.axis, ctx.causal, ctx.zigzag, ctx.blocks = grid, axis, causal, zigzag, blocks
-        ctx.documents = documents
+        ctx.documents, ctx.order = documents, order
         return out
 
     @staticmethod
@@ -303,7 +311,7 @@ class _RingAttention(torch.autograd.Function):
             # K and V leave for the next rank at once; their dK, dV accumulators follow
             # once this rank has added its share.
             ex = ring.pass_on([kc, vc], 2 * s) if s < n - 1 else None
-            for qs, q0, ks, k0, diagonal in _blocks(Lq, n, r, ring.source_at(s), ctx.zigzag, ctx.causal):
+            for qs, q0, ks, k0, diagonal in _blocks(Lq, n, r, ring.source_at(s), ctx.zigzag, ctx.causal, ctx.order):
                 # rebuilt, not saved from forward: kept, the masks would hold (L/N)^2 per block
                 bias = None if ctx.documents is None else \
                     _document_bias(ctx.documents, qs, q0, ks, k0, ctx.causal, q.dtype)
@@ -318,17 +326,25 @@ class _RingAttention(torch.autograd.Function):
             if ex is not None:
                 kc, vc = ex.wait()
             dk, dv = back.wait()
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
-def ring_attention(q, k, v, grid, axis="sp", causal=False, zigzag=None, blocks=FusedBlocks, documents=None):
+def ring_attention(q, k, v, grid, axis="sp", causal=False, zigzag=None, blocks=FusedBlocks, documents=None,
+                   order=None):
     """Blockwise ring attention on (batch, heads, L/N, head_dim) shards. zigzag (default:
     when causal) expects the local sequence to be chunks rank and 2N-1-rank. documents: the
     (batch, L) document ids of the whole sequence (packed documents: each block masked to
-    its pairs within one document; documents of any length, as ring-flash-attn's varlen)."""
+    its pairs within one document; documents of any length, as ring-flash-attn's varlen).
+    order: a ChunkOrder of packed documents (gw.documents.balanced_order): the local sequence
+    is this member's chunks of it, and blocks with no visible pair are skipped."""
     zigzag = causal if zigzag is None else zigzag
-    check_sequence(q.shape[2], zigzag)
+    n = grid.size(axis)
+    if order is None:
+        check_sequence(q.shape[2], zigzag)
+    elif len(order.members) != n or order.chunk * len(order.members[grid.index(axis)]) != q.shape[2]:
+        raise GridError(f"a chunk order of {len(order.members)} members for a ring of {n} holding {q.shape[2]} "
+                        "tokens each")
     if documents is not None:
-        check_documents(documents, q.shape[0], q.shape[2] * grid.size(axis))
+        check_documents(documents, q.shape[0], q.shape[2] * n)
     return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), grid, axis, causal, zigzag, blocks,
-                                documents)
+                                documents, order)

@@ -97,13 +97,14 @@ def ulysses_attention(q, k, v, grid, axis="sp", causal=False, documents=None):
     return heads_to_seq(o, grid, axis)
 
 
-def usp_attention(q, k, v, grid, inner, outer, causal=False, documents=None):
+def usp_attention(q, k, v, grid, inner, outer, causal=False, documents=None, order=None):
     """USP (Fang & Zhao 2024; yunchang's LongContextAttention, Megatron's a2a+p2p): Ulysses over
     `inner` (a block of U consecutive sp ranks), the zigzag ring over `outer` (the blocks: R).
     This rank holds piece u of its block's chunk pair (chunks r and 2R-1-r of 2R, causal); the
     all-to-all gathers the pair for 1/U of the heads (grouped key/value heads as Ulysses sends
     them), the ring attends over the R pairs (its blocks repeat them to the query heads), and the
-    inverse all-to-all returns this rank's piece of every head."""
+    inverse all-to-all returns this rank's piece of every head. order: packed documents' ChunkOrder
+    over the R blocks (each block's chunks in place of its zigzag pair)."""
     u = grid.size(inner)
     _check_heads(q, k, u, inner, "USP's Ulysses degree")
     if u > 1:
@@ -111,5 +112,5 @@ def usp_attention(q, k, v, grid, inner, outer, causal=False, documents=None):
         q, k, v = (seq_to_heads(t, grid, inner) for t in (q, k, v))
     if k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    o = ring_attention(q, k, v, grid, outer, causal, zigzag=causal, documents=documents)
+    o = ring_attention(q, k, v, grid, outer, causal, zigzag=causal, documents=documents, order=order)
     return heads_to_seq(o, grid, inner) if u > 1 else o

@@ -9,10 +9,12 @@ from torch import nn
 
 from ..autograd.comm import gather_from_parallel, scatter_to_parallel
 from ..autograd.vocab import vocab_parallel_cross_entropy
+from ..documents import Packed, balanced_order, ids_of, order_of
 from ..errors import GridError
 from ..layout import Layout, gather, scatter
 from ..modes import parse, resolve
 from ..nn.dense import DenseTransformerLayer, values
+from ..nn.sequence import SeqAttention, shard_positions
 from ..nn.tensor1d import ColumnParallelLinear, VocabParallelEmbedding
 from ..nn.transformer import TransformerLayer
 from ..pipeline import resolve_ac, run_layers
@@ -116,6 +118,7 @@ class GPTStage(nn.Module):
                 place(p, placement_of(p).layout, partial=("dp",) + self.loss_partial)
         self.hidden = gpt.head.ln.normalized_shape[0]
         self._step_full = None  # the step's micro-batch (batch, seq, hidden): activation_shape sets it
+        self._order = None  # the chunk order of the micro-batch forward() last ran (packed documents)
         axis = self.mode.boundary_axis()
         self.boundary_axis = axis if axis is not None and grid.axes.get(axis, 1) > 1 and stages > 1 else None
 
@@ -140,12 +143,36 @@ class GPTStage(nn.Module):
         needs it."""
         if self.vocab_axis is not None:
             logits = gather(logits, Layout(*([()] * (logits.dim() - 1)), (self.vocab_axis,)), self.grid)
-        return logits if self.seq is None else gather(logits, self.seq, self.grid)
+        if self.seq is None:
+            return logits
+        if self._order is None:
+            return gather(logits, self.seq, self.grid)
+        dealt = gather(logits, Layout((), ("sp",)), self.grid)  # in the chunk order's sequence
+        return dealt.index_select(1, torch.argsort(self._order.permutation(logits.device)))
 
-    def shard_tokens(self, t):
+    def shard_tokens(self, t, order=None):
         """This rank's sequence shard of a (batch, seq) tensor of the whole sequence (token ids,
-        targets): what it embeds and scores (a local slice: no communication)."""
-        return t if self.seq is None else scatter(t, self.seq, self.grid)
+        targets): what it embeds and scores (a local slice: no communication). order: packed
+        documents' ChunkOrder (pack), or None: the layers' zigzag or contiguous shards."""
+        if self.seq is None:
+            return t
+        if order is None:
+            return scatter(t, self.seq, self.grid)
+        local = t.shape[1] // self.grid.axes["sp"]
+        return t.index_select(1, shard_positions(order, local, self.grid.index("sp"), t.device))
+
+    def pack(self, documents):
+        """A micro-batch's packed document ids (on the host, from the loader) as the layers take
+        them: where the ring (or USP's ring) splits the sequence, with the chunks each ring member
+        holds dealt by attention work (gw.documents.balanced_order; computed from the host's ids,
+        so nothing waits on the device); otherwise the ids. On the grid's device."""
+        attn = self.layers[0].attn
+        algorithm = getattr(attn, "attention", None)
+        ids = documents.to(self.grid.device)
+        if self.seq is None or algorithm not in (SeqAttention.RING, SeqAttention.USP):
+            return ids
+        members = algorithm.ring(self.grid.axes["sp"], attn.ulysses_degree) or self.grid.axes["sp"]
+        return Packed(ids, balanced_order(documents, members, attn.causal))
 
     def loss(self, logits, targets, normalizer=None):
         """Cross-entropy of the predicted tokens (targets: the whole sequence's, IGNORE not
@@ -156,7 +183,7 @@ class GPTStage(nn.Module):
         the loss (loss_partial)."""
         if self.seq is not None and normalizer is None:
             normalizer = (targets != IGNORE).sum().clamp(min=1)
-        targets = self.shard_tokens(targets).reshape(-1)
+        targets = self.shard_tokens(targets, self._order).reshape(-1)
         predicted = targets != IGNORE
         if self.vocab_axis is None:
             logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
@@ -186,14 +213,17 @@ class GPTStage(nn.Module):
 
     def forward(self, x, documents=None):
         """documents: the (batch, seq) ids of this replica's micro-batch of packed documents (every
-        stage is given them: its attention masks by them), or None."""
+        stage is given them: its attention masks by them), or them packed with their chunk order
+        (pack), or None. loss() and full_logits() read this micro-batch's order."""
+        self._order = order_of(documents)
         if self.embed is not None:
+            ids = ids_of(documents)
             if self.seq is None:
-                x = self.embed(x, documents)
+                x = self.embed(x, ids)
             else:  # this rank's tokens at their global positions
                 length = x.shape[1]
-                pos = self.shard_tokens(torch.arange(length, device=x.device).expand(1, length))[0]
-                x = self.embed(self.shard_tokens(x), documents, pos, length)
+                pos = self.shard_tokens(torch.arange(length, device=x.device).expand(1, length), self._order)[0]
+                x = self.embed(self.shard_tokens(x, self._order), ids, pos, length)
             self._full = tuple(x.shape)
             x = _ToLayout.apply(x, self.inner, self.grid)
         elif self.boundary_axis is not None:  # 1/t from each tensor rank of the previous stage
@@ -300,6 +330,9 @@ class ModelChunks(nn.Module):
 
     def loss(self, logits, targets, normalizer=None):
         return self.chunks[-1].loss(logits, targets, normalizer)
+
+    def pack(self, documents):
+        return self.chunks[0].pack(documents)
 
     @property
     def loss_partial(self) -> tuple:

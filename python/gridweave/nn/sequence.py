@@ -16,7 +16,7 @@ from torch import nn
 
 from ..autograd.ring import positions, ring_attention, ring_self_attention
 from ..autograd.ulysses import ulysses_attention, usp_attention
-from ..documents import check_documents, document_positions
+from ..documents import check_documents, document_positions, ids_of, order_of
 from ..errors import GridError
 from ..grid import LinePart, Span
 from ..layout import zigzag_order
@@ -144,6 +144,13 @@ def usp_positions(length_local: int, sp: int, index: int, ring: int, causal: boo
     return zigzag_order(length_local * sp, ring, device)[index * length_local:(index + 1) * length_local]
 
 
+def shard_positions(order, length_local: int, index: int, device) -> torch.Tensor:
+    """Global positions of sp rank `index`'s shard under a ChunkOrder over the ring's members (each
+    member's sequence cut in contiguous pieces over its ranks: USP's Ulysses blocks)."""
+    perm = order.permutation(device)
+    return perm[index * length_local:(index + 1) * length_local]
+
+
 def usp_parts(ulysses_degree: int) -> tuple:
     """USP's two halves of the sp line: its Ulysses blocks of ulysses_degree ranks and the ring
     across them (Fang & Zhao 2024)."""
@@ -166,6 +173,7 @@ def attend(qkv, heads, causal, grid, algorithm=SeqAttention.RING, kv_heads=None,
     of the whole sequence of this rank's rows (packed documents: attention within each, rotary
     positions restarting at each)."""
     kv_heads = heads if kv_heads is None else kv_heads
+    order, documents = order_of(documents), ids_of(documents)
     if not sequence_parallel(grid):
         return attention(qkv, heads, causal, kv_heads, arch, documents=documents)
     algorithm = SeqAttention.of(algorithm)
@@ -173,10 +181,16 @@ def attend(qkv, heads, causal, grid, algorithm=SeqAttention.RING, kv_heads=None,
     sp, index = grid.axes["sp"], grid.index("sp")
     if documents is not None:
         check_documents(documents, qkv.shape[0], qkv.shape[1] * sp)
+    if order is not None and algorithm not in (SeqAttention.RING, SeqAttention.USP):
+        raise GridError(f"a chunk order balances the ring's shards; attention={algorithm.value} keeps its own")
     pos = None
     if arch.rope_theta is not None:  # only rotary embeddings need the global positions
-        pos = usp_positions(qkv.shape[1], sp, index, sp // ulysses_degree, causal, qkv.device) \
-            if algorithm is SeqAttention.USP else positions(qkv.shape[1], sp, index, zigzag, qkv.device)
+        if order is not None:
+            pos = shard_positions(order, qkv.shape[1], index, qkv.device)
+        elif algorithm is SeqAttention.USP:
+            pos = usp_positions(qkv.shape[1], sp, index, sp // ulysses_degree, causal, qkv.device)
+        else:
+            pos = positions(qkv.shape[1], sp, index, zigzag, qkv.device)
         if documents is not None:
             pos = document_positions(documents)[:, pos]
     # Ulysses and USP send grouped key/value heads as they are (the ring's blocks need them repeated)
@@ -187,8 +201,8 @@ def attend(qkv, heads, causal, grid, algorithm=SeqAttention.RING, kv_heads=None,
     elif algorithm is SeqAttention.ULYSSES:
         o = ulysses_attention(q, k, v, grid, "sp", causal, documents)
     elif algorithm is SeqAttention.USP:
-        o = usp_attention(q, k, v, grid, *usp_parts(ulysses_degree), causal, documents)
+        o = usp_attention(q, k, v, grid, *usp_parts(ulysses_degree), causal, documents, order)
     else:
-        o = ring_attention(q, k, v, grid, "sp", causal, zigzag, documents=documents)
+        o = ring_attention(q, k, v, grid, "sp", causal, zigzag, documents=documents, order=order)
     b, s = qkv.shape[:2]
     return o.transpose(1, 2).reshape(b, s, -1)

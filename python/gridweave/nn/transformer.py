@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..autograd.comm import all_reduce_replicated
-from ..documents import document_rows
+from ..documents import document_rows, ids_of, with_ids
 from ..errors import GridError
 from ..layout import Layout, gather, scatter
 from ..sharding import DATA_AXES, group_order, place, placement_of, present_axes, set_row_order
@@ -127,7 +127,7 @@ class SelfAttention(nn.Module):
                 raise GridError("Linformer projects the whole sequence: it does not mask packed documents")
             return self.proj(self._linformer(self.qkv(x)))
         if documents is not None:
-            documents = document_rows(documents, self._qkv_layout, self.grid)
+            documents = with_ids(documents, document_rows(ids_of(documents), self._qkv_layout, self.grid))
         return self.proj(attend(self._normed(self.qkv(x)), self.heads // self.groups, self.causal, self.grid,
                                 self.attention, self.kv_heads // self.groups, self.arch, self.ulysses_degree,
                                 documents))
