@@ -12,6 +12,8 @@ sequence shards (Li et al.), and its memory per rank beside tensor parallelism's
    sent as they are) and with the ring without checkpointing; and the most tensor parallelism the
    model takes (its 4 key/value heads: tp row:4, dp 2 for the other ranks), with and without
    Megatron's sequence parallelism, checkpointed alike.
+3. Ulysses under grouped-query attention (32 query, 8 key/value heads, 8 ranks): the bytes a rank
+   sends and its peak memory with the key/value heads sent as they are, against repeated first.
 """
 from __future__ import annotations
 
@@ -24,11 +26,12 @@ from launch import bench_parser, peak_growth_per_rank, results_dir, run_ranks, s
 
 SEQ, BATCH, STEPS, RANKS = 2048, 8, 150, 8
 VOCAB = 1024  # the main job's tokenizer's
-GRIDS = {"sp8 ring, ac": dict(tp="none", sp=8, dp=1, attention="ring", ac="auto"),
-         "sp8 usp(4x2), ac": dict(tp="none", sp=8, dp=1, attention="usp", ulysses_degree=4, ac="auto"),
-         "sp8 ring": dict(tp="none", sp=8, dp=1, attention="ring", ac=1),
-         "tp row:4 x dp2, ac": dict(tp="row:4", sp=1, dp=2, ac="auto"),
-         "tp-sp row:4 x dp2, ac": dict(tp="row:4", tp_sp=True, sp=1, dp=2, ac="auto")}
+GQA_HEADS, GQA_KV, GQA_SEQ = 32, 8, 1 << 14  # Ulysses under grouped-query attention: 8 of 32 heads sent
+GRIDS = {"sp8-ring-ac": dict(tp="none", sp=8, dp=1, attention="ring", ac="auto"),
+         "sp8-usp4x2-ac": dict(tp="none", sp=8, dp=1, attention="usp", ulysses_degree=4, ac="auto"),
+         "sp8-ring": dict(tp="none", sp=8, dp=1, attention="ring", ac=1),
+         "tp4-dp2-ac": dict(tp="row:4", sp=1, dp=2, ac="auto"),
+         "tpsp4-dp2-ac": dict(tp="row:4", tp_sp=True, sp=1, dp=2, ac="auto")}
 
 
 def job(name):
@@ -70,10 +73,45 @@ def worker(out_path: str) -> None:
         results[name] = peak_growth_per_rank(build, step, drop, 1)
         drop()
         grid.shutdown()
+    results["gqa"] = gqa_exchange(store, gw)
     if rank == 0:
         Path(out_path).write_text(json.dumps(results))
     gw.shutdown()
     dist.destroy_process_group()
+
+
+def gqa_exchange(store, gw) -> dict:
+    """Ulysses over the 8 ranks (dividing the key/value heads: they cross as they are) on a
+    GQA_HEADS-head, GQA_KV-key/value-head layer's q, k, v of one
+    sequence of GQA_SEQ (forward and backward): the bytes a rank sends and its peak resident
+    growth with the key/value heads sent as they are (repeated only to lcm(kv, N)) and with them
+    repeated to the query heads first (what Ulysses sent before)."""
+    import torch
+
+    from gridweave import calibrate
+    from gridweave.autograd.ulysses import ulysses_attention
+
+    grid = gw.init(sp=RANKS, store=store, prefix="longctx-gqa")
+    out = {}
+    local = GQA_SEQ // RANKS
+    for expand in (False, True, False, True):  # the first two warm up (first-time allocations)
+        g = torch.Generator().manual_seed(1)
+        q = torch.randn(1, GQA_HEADS, local, 16, generator=g)
+        k, v = (torch.randn(1, GQA_KV, local, 16, generator=g) for _ in range(2))
+        with calibrate.resident_accounting():
+            calibrate.restart_peak()
+            base = calibrate.resident_bytes()
+            grid.reset_stats()
+            ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+            kk, vv = ((t.repeat_interleave(GQA_HEADS // GQA_KV, dim=1) for t in (kl, vl)) if expand else (kl, vl))
+            o = ulysses_attention(ql, kk, vv, grid, "sp", causal=True)
+            o.sum().backward()
+            peak = calibrate.peak_resident_bytes() - base
+        s = grid.stats()["sp"]
+        out["repeated" if expand else "as_is"] = {"sent_bytes": s["sent_intra"]["bytes"] + s["sent_inter"]["bytes"],
+                                                        "peak_bytes": peak}
+    grid.shutdown()
+    return out
 
 
 def plot(data, png):
@@ -100,26 +138,32 @@ def plot(data, png):
 
 def main():
     ap = bench_parser(__file__)
+    ap.add_argument("--memory-only", action="store_true", help="measure the memory again, keep the run's figures")
     args = ap.parse_args()
     if args.worker:
         worker(args.out)
         return
     out = results_dir(args)
-    folder = out / ".long_context_run"
+    folder = Path("/tmp") / "gridweave_long_context_run"  # its checkpoints stay out of the results
     cmd = [sys.executable, "-m", "gridweave.cli", "train", "--seq", str(SEQ), "--sp", "8", "--dp", "1", "--pp", "1",
            "--attention", "ring", "--ac", "auto", "--batch", str(BATCH), "--microbatches", "1", "--steps", str(STEPS),
            "--val-every", "50", "--val-samples", "16", "--out", str(folder)]
-    subprocess.run(cmd, check=True, stdin=subprocess.DEVNULL)
-    m = json.loads((folder / "metrics.json").read_text())
+    if args.memory_only:  # the run's figures as the last full run wrote them
+        m = json.loads((out / "long_context.json").read_text())["run"]
+    else:
+        subprocess.run(cmd, check=True, stdin=subprocess.DEVNULL)
+        m = json.loads((folder / "metrics.json").read_text())
     memory = run_ranks(__file__, RANKS, 29571, out, "longctx")
     data = {"seq": SEQ, "default_seq": 128, "batch": BATCH, "ranks": RANKS, "command": cmd[2:],
             "run": {k: m[k] for k in ("loss", "val_loss", "unigram_entropy_val", "tokens_per_s", "grid", "config")},
-            "memory_mib": {k: [v / 2 ** 20 for v in vs] for k, vs in memory.items()},
+            "memory_mib": {k: [v / 2 ** 20 for v in vs] for k, vs in memory.items() if k != "gqa"},
+            "gqa": {"heads": GQA_HEADS, "kv_heads": GQA_KV, "seq": GQA_SEQ, **memory["gqa"]},
             "grids": GRIDS}
     save(out, "long_context", data, plot)
     for k, vs in data["memory_mib"].items():
         print(f"{k:24s} peak {max(vs):7.1f} MiB a rank")
     print(f"final loss {m['loss'][-1]:.3f}, validation {m['val_loss'][-1] if m['val_loss'] else None}")
+    print("Ulysses under GQA:", data["gqa"])
 
 
 if __name__ == "__main__":
