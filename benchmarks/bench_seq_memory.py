@@ -281,26 +281,56 @@ def plot(data, png):
     plt.close(fig)
 
 
+def summarize(rows, weak_rows) -> dict:
+    errors = [abs(r["memory_error"]) for r in rows if r.get("memory_error") is not None]
+    errors += [abs(w["memory_error"]) for w in weak_rows]
+    return {"median_abs_memory_error": statistics.median(errors), "worst_abs_memory_error": max(errors),
+            "validated_points": len(errors), "undecided": sum(not r["decided"] for r in rows),
+            "runs": sum(len(r["measured_runs"]) for r in rows) + len(weak_rows)}
+
+
+def repredict(out: Path) -> None:
+    """The planner's predictions at the measured maxima and weak-scaling points again (after a
+    change to its memory model): the measurements are kept."""
+    data = json.loads((out / "seq_memory.json").read_text())
+    for r in data["maxima"]:
+        if r.get("max"):
+            r["predicted_at_max"] = predicted(r["model"], r["method"], r["ranks"], *case(r["model"], r["method"],
+                                                                                           r["ranks"], r["kind"],
+                                                                                           r["max"])[2:])
+            r["memory_error"] = r["predicted_at_max"] / r["measured_at_max"] - 1
+    for w in data["weak_scaling"]:
+        w["predicted"] = predicted("bert-base", w["method"], w["ranks"], w["seq"], w["batch"])
+        w["memory_error"] = w["predicted"] / w["measured"] - 1
+    data["summary"] = summarize(data["maxima"], data["weak_scaling"])
+    save(out, "seq_memory", data, plot)
+    s = data["summary"]
+    print(f"memory model vs peak RSS: median |error| {100 * s['median_abs_memory_error']:.1f}%, "
+          f"worst {100 * s['worst_abs_memory_error']:.1f}% over {s['validated_points']} points")
+
+
 def main():
     ap = bench_parser(__file__)
     ap.add_argument("spec", nargs="?")
+    ap.add_argument("--repredict", action="store_true", help="the planner's predictions again, the measurements kept")
     args = ap.parse_args()
     if args.worker:
         worker(args.spec, args.out)
         return
     out = results_dir(args)
+    if args.repredict:
+        repredict(out)
+        return
     rows = decide(proposals(), out)
     weak = weak_points()
     measured = measure({n: [["bert-base", m, seq, batch] for _, m, k, seq, batch in weak if k == n]
                         for n in sorted({w[2] for w in weak})}, out, "weak_")
-    errors = [abs(r["memory_error"]) for r in rows if r.get("memory_error") is not None]
     weak_rows = []
     for kind, method, n, seq, batch in weak:
         m = measured[(n, ("bert-base", method, seq, batch))]
         p = predicted("bert-base", method, n, seq, batch)
         weak_rows.append(dict(kind=kind, method=method, ranks=n, seq=seq, batch=batch, measured=m, predicted=p,
                               memory_error=p / m - 1))
-        errors.append(abs(p / m - 1))
 
     def best(name, method, n, kind):
         return next(r["max"] for r in rows if (r["model"], r["method"], r["ranks"], r["kind"]) == (name, method, n, kind))
@@ -316,10 +346,7 @@ def main():
                 for name, method, _ in combos() for kind in ("max_seq", "max_batch") if method in SP_METHODS}
     data = {"budget_bytes": BUDGET, "models": MODELS, "linformer_k": LINFORMER_K, "search_batch": SEARCH_BATCH,
             "batch_seq": BATCH_SEQ, "maxima": rows, "weak_scaling": weak_rows, "ratios": ratios,
-            "maxima_by_n": doubling, "paper": PAPER,
-            "summary": {"median_abs_memory_error": statistics.median(errors), "worst_abs_memory_error": max(errors),
-                        "validated_points": len(errors), "undecided": sum(not r["decided"] for r in rows),
-                        "runs": sum(len(r["measured_runs"]) for r in rows) + len(weak_rows)}}
+            "maxima_by_n": doubling, "paper": PAPER, "summary": summarize(rows, weak_rows)}
     save(out, "seq_memory", data, plot)
     for k, v in ratios.items():
         print(f"{k}: " + ", ".join(f"{a} x{b:.2f}" for a, b in v.items() if b is not None))
@@ -327,7 +354,7 @@ def main():
         print(f"{w['kind']} {w['method']} N={w['ranks']} seq {w['seq']} batch {w['batch']}: measured "
               f"{w['measured'] / 2 ** 20:.1f} MiB, predicted {w['predicted'] / 2 ** 20:.1f} ({100 * w['memory_error']:+.0f}%)")
     print(f"memory model vs peak RSS: median |error| {100 * data['summary']['median_abs_memory_error']:.1f}%, "
-          f"worst {100 * data['summary']['worst_abs_memory_error']:.1f}% over {len(errors)} points; "
+          f"worst {100 * data['summary']['worst_abs_memory_error']:.1f}% over {data['summary']['validated_points']} points; "
           f"{data['summary']['undecided']} maxima undecided")
 
 
