@@ -37,8 +37,10 @@ BUDGET = 64 << 20  # bytes per rank (Li et al.: 16 GB P100s; scaled with the mod
 MODELS = {"bert-base": dict(model="bert", hidden=128, heads=8, layers=2),
           "bert-large": dict(model="bert", hidden=176, heads=16, layers=4),
           "llama": dict(model="llama", hidden=128, heads=8, layers=2, kv_heads=8)}
-METHODS = ("tp", "tp-sp", "ring", "ulysses", "linformer")  # linformer: BERT only (it is not causal)
-SP_METHODS = ("ring", "ulysses", "linformer")
+# linformer: BERT only (it is not causal); ring-zero1: the ring with Adam's states sharded over the sequence
+# ranks (ZeRO-1, as Megatron's distributed optimizer shards them over dp x cp)
+METHODS = ("tp", "tp-sp", "ring", "ulysses", "linformer", "ring-zero1")
+SP_METHODS = ("ring", "ulysses", "linformer", "ring-zero1")
 LINFORMER_K = 128
 RANKS = (2, 4, 8)
 SEARCH_BATCH, BATCH_SEQ = 4, 512  # Fig. 5 fixes the batch (64 in the paper), Fig. 3 the length (512)
@@ -47,7 +49,7 @@ PAPER = {"max_seq_sp_over_tp": {16: 1.4, 64: 3.0}, "max_batch_sp_over_tp": {64: 
          "weak_batch_memory_mb": {"tp": [8477.28, 9520.47, 12232.52, None], "sp": [8477.53, 8478.76, 8481.26, 8490.75]},
          "weak_seq_memory_mb": {"tp": [3707.39, 4993.43, 8175.93, 14862.09], "sp": [3707.01, 4670.64, 6601.88, 10536.38]}}
 WARMUP = 2
-ROUNDS = 6  # measured steps up or down from the planner's proposal before giving up on a maximum
+ROUNDS = 10  # rounds of measured steps from the planner's proposal before giving up on a maximum
 
 
 def job(name: str, method: str, n: int, seq: int, batch: int, ac=1):
@@ -55,8 +57,9 @@ def job(name: str, method: str, n: int, seq: int, batch: int, ac=1):
     import gridweave as gw
 
     grid = dict(tp=f"row:{n}", sp=1, tp_sp=method == "tp-sp") if method in ("tp", "tp-sp") else dict(tp="none", sp=n)
-    attention = method if method in SP_METHODS else "ring"
+    attention = method if method in ("ring", "ulysses", "linformer") else "ring"
     return gw.train.TrainConfig(seq=seq, batch=batch, microbatches=1, dp=1, pp=1, offload=False, ac=ac,
+                                zero=1 if method.endswith("zero1") else 0,
                                 attention=attention, linformer_k=LINFORMER_K if method == "linformer" else 0,
                                 tokenizer="bytes", **grid, **MODELS[name])
 
@@ -66,7 +69,7 @@ def predicted(name, method, n, seq, batch) -> float:
     from gridweave import plan
 
     cfg = job(name, method, n, seq, batch)
-    grid = plan.GridShape(tp=cfg.mode, sp=cfg.sp)
+    grid = plan.GridShape(tp=cfg.mode, sp=cfg.sp, zero=cfg.zero)
     p = plan.predict(plan.model_of(cfg), grid, plan.load_cluster("local"), microbatches=1, offload_bsize=0)
     return p["memory_bytes"] + p["host_bytes"]
 
@@ -98,19 +101,19 @@ def largest(ok, unit: int, cap: int) -> int:
     return lo
 
 
-def combos():
+def combos(methods=METHODS):
     for name in MODELS:
-        for method in METHODS:
+        for method in methods:
             if method == "linformer" and MODELS[name]["model"] != "bert":
                 continue
             for n in RANKS:
                 yield name, method, n
 
 
-def proposals() -> list:
+def proposals(methods=METHODS) -> list:
     """Each maximum the planner proposes: (name, method, N, kind, proposal, unit)."""
     out = []
-    for name, method, n in combos():
+    for name, method, n in combos(methods):
         unit = 2 * n * 8  # the zigzag's 2N chunks, and whole blocks of 8 tokens
         seq = largest(lambda s: fits(name, method, n, s, SEARCH_BATCH), unit, 1 << 17)
         batch = largest(lambda b: fits(name, method, n, BATCH_SEQ, b), 1, 1 << 12)
@@ -204,12 +207,15 @@ def decide(props: list, out: Path) -> list:
             if lo is None and runs and min(runs) <= unit:
                 st["max"] = 0  # not even the smallest size fits
                 continue
+            hi = min((x for x in over if lo is None or x > lo), default=None)
             if not runs:
                 xs = [st["proposed"] or unit, (st["proposed"] or unit) + unit]
-            elif lo is None:
-                xs = [min(runs) - unit]
-            else:
-                xs = [lo + unit]
+            elif lo is None:  # stepping down, by steps that double
+                xs = [max(unit, hi - unit * 2 ** (len(over) - 1))]
+            elif hi is None:  # stepping up, by steps that double
+                xs = [lo + unit * 2 ** (len(fitting) - 1)]
+            else:  # between a size that fits and one that does not: halve the gap
+                xs = [lo + (hi - lo) // 2 // unit * unit]
             for x in xs:
                 if valid(name, method, n, *case(name, method, n, kind, x)[2:]):
                     want.setdefault(n, []).append(case(name, method, n, kind, x))
@@ -259,7 +265,7 @@ def plot(data, png):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, len(MODELS), figsize=(6 * len(MODELS), 9))
-    colors = dict(zip(METHODS, ("C0", "C5", "C1", "C2", "C4")))
+    colors = dict(zip(METHODS, ("C0", "C5", "C1", "C2", "C4", "C3")))
     for col, name in enumerate(MODELS):
         for row, kind in enumerate(("max_seq", "max_batch")):
             ax = axes[row][col]
@@ -313,6 +319,7 @@ def main():
     ap = bench_parser(__file__)
     ap.add_argument("spec", nargs="?")
     ap.add_argument("--repredict", action="store_true", help="the planner's predictions again, the measurements kept")
+    ap.add_argument("--add", nargs="+", choices=METHODS, help="measure these methods' maxima, keep the others'")
     args = ap.parse_args()
     if args.worker:
         worker(args.spec, args.out)
@@ -321,7 +328,18 @@ def main():
     if args.repredict:
         repredict(out)
         return
-    rows = decide(proposals(), out)
+    if args.add:  # these methods' maxima measured and added to the results of the others
+        old = json.loads((out / "seq_memory.json").read_text())
+        rows = [r for r in old["maxima"] if r["method"] not in args.add] + decide(proposals(tuple(args.add)), out)
+        rows.sort(key=lambda r: (list(MODELS).index(r["model"]), METHODS.index(r["method"]), r["ranks"]))
+        weak_rows = old["weak_scaling"]
+    else:
+        rows = decide(proposals(), out)
+        weak_rows = weak_scaling(out)
+    finish(out, rows, weak_rows)
+
+
+def weak_scaling(out: Path) -> list:
     weak = weak_points()
     measured = measure({n: [["bert-base", m, seq, batch] for _, m, k, seq, batch in weak if k == n]
                         for n in sorted({w[2] for w in weak})}, out, "weak_")
@@ -331,6 +349,11 @@ def main():
         p = predicted("bert-base", method, n, seq, batch)
         weak_rows.append(dict(kind=kind, method=method, ranks=n, seq=seq, batch=batch, measured=m, predicted=p,
                               memory_error=p / m - 1))
+    return weak_rows
+
+
+def finish(out: Path, rows: list, weak_rows: list) -> None:
+    """The ratios to tensor parallelism, the maxima by N, the planner's errors: saved and printed."""
 
     def best(name, method, n, kind):
         return next(r["max"] for r in rows if (r["model"], r["method"], r["ranks"], r["kind"]) == (name, method, n, kind))
@@ -340,7 +363,8 @@ def main():
         if method in SP_METHODS:
             ratios[f"{name}/{method}/N{n}"] = {
                 f"{kind}_over_{base}": (best(name, method, n, kind) / best(name, base, n, kind)
-                                        if best(name, base, n, kind) else None)
+                                        if best(name, base, n, kind) and best(name, method, n, kind) is not None
+                                        else None)
                 for kind in ("max_seq", "max_batch") for base in ("tp", "tp-sp")}
     doubling = {f"{name}/{method}/{kind}": [best(name, method, n, kind) for n in RANKS]
                 for name, method, _ in combos() for kind in ("max_seq", "max_batch") if method in SP_METHODS}
