@@ -151,7 +151,7 @@ def member_work(order: ChunkOrder, causal: bool) -> list:
     """Each ring member's attention work in (query, key) token pairs a ring that skips invisible
     blocks computes on it: chunk_work over its chunks, a block being chunk x chunk pairs."""
     n = len(order.members) * len(order.members[0])
-    visible = torch.zeros(n, n, dtype=torch.bool)
+    visible = torch.zeros(n, n, dtype=torch.bool, device="cpu")  # host bookkeeping
     for i, j in order.visible or ((i, j) for i in range(n) for j in range(n) if not causal or j <= i):
         visible[i, j] = True
     work = chunk_work(visible, causal)

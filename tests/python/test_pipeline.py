@@ -421,6 +421,9 @@ def _stage_members_agree(ctx, tp, sp, receive):
                                          dtype=torch.float64, schedule="message_driven", pipeline_limit=2,
                                          receive=receive)
     gw.reduce_gradients(stage, grid)
+    if loss is not None and stage.loss_partial:  # each sequence rank's share: their sum is the loss
+        loss = loss.detach().reshape(1).clone()
+        grid.all_reduce(loss, axis=stage.loss_partial)
     ref = dict(dense.named_parameters())
     errs = {k: rel(g, ref[k].grad) for k, g in stage.dense_state(True).items()}
     full = dense.loss(dense(ids), tgt).item()

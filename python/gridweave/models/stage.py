@@ -102,6 +102,10 @@ class GPTStage(nn.Module):
         self.first = range(stage * k, (stage + 1) * k)
         axis = self.mode.vocab_axis()
         self.vocab_axis = axis if axis is not None and grid.axes.get(axis, 1) > 1 else None
+        # the ends first in parameters() (embedding, head, then the layers: the optimizer's and the
+        # planner's order), though made once the layers' layout is known
+        self.register_module("embed", None)
+        self.register_module("head", None)
         self.layers = nn.ModuleList(TransformerLayer.from_dense(gpt.layers[i], grid, mode=self.mode, **layer_options)
                                     for i in self.first)
         self.ac = resolve_ac(ac, k, n)
