@@ -13,12 +13,19 @@ def kernel_groups_heads(t: torch.Tensor, masked: bool) -> bool:
     return not masked and (t.device.type != "cuda" or t.dtype in (torch.float16, torch.bfloat16))
 
 
+def repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Key or value heads (b, g, s, d) each repeated to `heads` (a multiple of g): group j's copies
+    in a row, so query head i reads copy i (grouped-query attention's map i -> i // (heads / g))."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
 def grouped_attention(q, k, v, causal: bool, mask=None) -> torch.Tensor:
     """torch's attention of q (b, h, s, d) over k, v (b, g, s', d) with g dividing h (query head i
-    reads key/value head i // (h / g)): the kernel groups them where it can, else they are repeated."""
+    reads key/value head i // (h / g)): the kernel groups them where it can, else they are repeated.
+    mask: a boolean (b, 1, s, s') mask (packed documents, causality included), or None."""
     if k.shape[1] == q.shape[1]:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal and mask is None, attn_mask=mask)
     if kernel_groups_heads(q, mask is not None):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal and mask is None, attn_mask=mask)

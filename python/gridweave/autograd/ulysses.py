@@ -12,7 +12,7 @@ import torch
 
 from ..documents import check_documents, document_mask
 from ..errors import GridError
-from .heads import grouped_attention
+from .heads import grouped_attention, repeat_kv
 from .ring import ring_attention
 
 
@@ -65,9 +65,8 @@ def kv_heads_sent(kv_heads: int, n: int) -> int:
 
 
 def _kv_to_send(k, v, n):
-    g = k.shape[1]
-    m = kv_heads_sent(g, n)
-    return (k, v) if m == g else tuple(t.repeat_interleave(m // g, dim=1) for t in (k, v))
+    m = kv_heads_sent(k.shape[1], n)
+    return repeat_kv(k, m), repeat_kv(v, m)
 
 
 def _check_heads(q, k, n, axis, what):
@@ -110,7 +109,6 @@ def usp_attention(q, k, v, grid, inner, outer, causal=False, documents=None, ord
     if u > 1:
         k, v = _kv_to_send(k, v, u)
         q, k, v = (seq_to_heads(t, grid, inner) for t in (q, k, v))
-    if k.shape[1] != q.shape[1]:
-        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])  # the ring's blocks take equal heads
     o = ring_attention(q, k, v, grid, outer, causal, zigzag=causal, documents=documents, order=order)
     return heads_to_seq(o, grid, inner) if u > 1 else o

@@ -203,7 +203,8 @@ class Embedding(nn.Module):
             pos = torch.arange(length, device=ids.device) if positions is None else positions
             if documents is not None:
                 check_documents(documents, ids.shape[0], length)
-                x = x + self.pos(document_positions(documents)[:, pos])
+                within = document_positions(documents)
+                x = x + self.pos(within if positions is None else within[:, pos])
             else:
                 x = x + self.pos(pos)
         return x if self.ln is None else self.ln(x)

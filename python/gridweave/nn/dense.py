@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..autograd.heads import kernel_groups_heads
+from ..autograd.heads import grouped_attention
+from ..autograd.heads import repeat_kv as repeat_heads
 from ..documents import check_documents, document_mask, document_positions
 from ..errors import GridError
 from ..sharding import values
@@ -168,8 +169,8 @@ def split_heads(qkv: torch.Tensor, heads: int, kv_heads: int, arch: Arch, positi
         if pos.dim() == 2:  # per-row positions (packed documents): broadcast over the heads
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    if kv_heads != heads and repeat_kv:
-        k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+    if repeat_kv:
+        k, v = repeat_heads(k, heads), repeat_heads(v, heads)
     return q, k, v
 
 
@@ -198,20 +199,17 @@ def attention(qkv: torch.Tensor, heads: int, causal: bool, kv_heads: int | None 
         positions = document_positions(documents) if positions is None else positions
     kv_heads = heads if kv_heads is None else kv_heads
     # Grouped heads in the fused kernel (torch's enable_gqa, as transformers' Llama calls it) where
-    # no mask is given: no repeated keys and values kept for backward, no sum over the copies
-    # there (the one-process step 2-4% behind transformers'); with a mask torch would fall back
-    # to its math kernel, so there they are repeated. On CUDA only flash attention groups heads,
-    # and it runs half precision alone: float32 there would take the math kernel with its (s x s)
-    # scores kept (an H100 kept 46 MB more in the main job's step), so there they are repeated too
-    gqa = kv_heads != heads and lowrank is None and kernel_groups_heads(qkv, documents is not None)
-    q, k, v = split_heads(qkv, heads, kv_heads, arch, positions, repeat_kv=not gqa)
+    # it groups them (grouped_attention): no repeated keys and values kept for backward, no sum
+    # over the copies there (the one-process step 2-4% behind transformers'). With a mask torch
+    # would fall back to its math kernel, and on CUDA float32 would keep the (s x s) scores (an
+    # H100 kept 46 MB more in the main job's step): there they are repeated
+    q, k, v = split_heads(qkv, heads, kv_heads, arch, positions, repeat_kv=lowrank is not None)
     if lowrank is not None:
         out = linformer_attention(q, k, v, lowrank)
-    elif documents is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
     else:
         pos = torch.arange(qkv.shape[1], device=qkv.device)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(documents, pos, pos, causal))
+        out = grouped_attention(q, k, v, causal, None if documents is None else document_mask(documents, pos, pos,
+                                                                                                  causal))
     b, s = qkv.shape[:2]
     return out.transpose(1, 2).reshape(b, s, -1)
 
