@@ -38,9 +38,14 @@ MODELS = {"bert-base": dict(model="bert", hidden=128, heads=8, layers=2),
           "bert-large": dict(model="bert", hidden=176, heads=16, layers=4),
           "llama": dict(model="llama", hidden=128, heads=8, layers=2, kv_heads=8)}
 # linformer: BERT only (it is not causal); ring-zero1: the ring with Adam's states sharded over the sequence
-# ranks (ZeRO-1, as Megatron's distributed optimizer shards them over dp x cp)
-METHODS = ("tp", "tp-sp", "ring", "ulysses", "linformer", "ring-zero1")
-SP_METHODS = ("ring", "ulysses", "linformer", "ring-zero1")
+# ranks (ZeRO-1, as Megatron's distributed optimizer shards them over dp x cp); ring-zero3: parameters,
+# gradients and states sharded too (ZeRO-3, as DeepSpeed-Ulysses runs: each rank then holds 1/N of the
+# model's state, as tensor parallelism does); ring-zero3-fused: and the head's projection fused with the loss
+# (fused_loss, Liger-Kernel's fused linear cross-entropy: no token's logits kept for the backward; where the
+# vocabulary is split over tp its rank's slice is narrower than the hidden size here, and the fused loss
+# would hold more, so tp keeps the unfused one)
+METHODS = ("tp", "tp-sp", "ring", "ulysses", "linformer", "ring-zero1", "ring-zero3", "ring-zero3-fused")
+SP_METHODS = ("ring", "ulysses", "linformer", "ring-zero1", "ring-zero3", "ring-zero3-fused")
 LINFORMER_K = 128
 RANKS = (2, 4, 8)
 SEARCH_BATCH, BATCH_SEQ = 4, 512  # Fig. 5 fixes the batch (64 in the paper), Fig. 3 the length (512)
@@ -58,8 +63,10 @@ def job(name: str, method: str, n: int, seq: int, batch: int, ac=1):
 
     grid = dict(tp=f"row:{n}", sp=1, tp_sp=method == "tp-sp") if method in ("tp", "tp-sp") else dict(tp="none", sp=n)
     attention = method if method in ("ring", "ulysses", "linformer") else "ring"
+    words = method.split("-")
+    zero = next((int(w[4:]) for w in words if w.startswith("zero")), 0)
     return gw.train.TrainConfig(seq=seq, batch=batch, microbatches=1, dp=1, pp=1, offload=False, ac=ac,
-                                zero=1 if method.endswith("zero1") else 0,
+                                zero=zero, fused_loss="fused" in words,
                                 attention=attention, linformer_k=LINFORMER_K if method == "linformer" else 0,
                                 tokenizer="bytes", **grid, **MODELS[name])
 
@@ -265,7 +272,7 @@ def plot(data, png):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, len(MODELS), figsize=(6 * len(MODELS), 9))
-    colors = dict(zip(METHODS, ("C0", "C5", "C1", "C2", "C4", "C3")))
+    colors = dict(zip(METHODS, ("C0", "C5", "C1", "C2", "C4", "C3", "C6", "C7")))
     for col, name in enumerate(MODELS):
         for row, kind in enumerate(("max_seq", "max_batch")):
             ax = axes[row][col]

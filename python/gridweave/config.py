@@ -221,6 +221,9 @@ class TrainingSection(Section):
     val_samples: int = option(32, "validation samples", at_least=1)
     ac: str | int = option(1, "activation checkpointing: none | auto (AxoNN's optimal) | N (every N-th layer's "
                               "input kept)")
+    fused_loss: bool = option(False, "the head's vocabulary projection and the cross-entropy fused, chunk by chunk "
+                                     "of tokens, their gradients made in the forward (Liger-Kernel's fused linear "
+                                     "cross-entropy): no token's logits are kept for the backward")
     max_bad_steps: int = option(3, "consecutive steps with a non-finite loss or gradient norm before the run stops",
                                 at_least=1)
     sample_tokens: int = option(48, "tokens of the end-of-run sample", at_least=0)

@@ -200,7 +200,8 @@ def build(cfg: TrainConfig, grid, model_cfg: ModelConfig) -> tuple:
         models.hf.from_pretrained(cfg.init_from, dtype=torch.float32).to(grid.device)  # its weights, on every rank
     model = model.to(cfg.compute.dtype)
     s, pp = grid.coords["pp"], grid.axes["pp"]
-    options = dict(ac=cfg.ac, overlap=cfg.overlap, attention=cfg.attention, ulysses_degree=cfg.ulysses_degree)
+    options = dict(ac=cfg.ac, fused_loss=cfg.fused_loss, overlap=cfg.overlap, attention=cfg.attention,
+                   ulysses_degree=cfg.ulysses_degree)
     if model_cfg.moe is not None:
         options["ep"] = cfg.expert_axis(grid)
     stage = models.ModelChunks(model, grid, cfg.mode, s, pp, cfg.chunks, **options) \

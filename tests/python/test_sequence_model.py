@@ -19,9 +19,11 @@ def _perturbed(model):
     return model
 
 
-def _config(family, moe):
+def _config(family, moe, tie=False):
     import gridweave as gw
 
+    if tie:
+        return gw.models.ModelConfig(family, V, H, HEADS, 2, L, tie=True)
     if family == "llama":  # grouped-query attention: 2 key/value heads for 4 query heads
         return gw.models.ModelConfig("llama", V, H, HEADS, 2, L, kv_heads=2,
                                      moe=gw.nn.MoE(experts=4, top_k=2, ffn=24) if moe else None)
@@ -34,16 +36,16 @@ def _mode(tp):
     return gw.Row(2, sequence=True) if tp == "row:2+sp" else gw.modes.parse(tp)
 
 
-def _model(ctx, family, tp, sp, dp, attention, u, packed, moe):
+def _model(ctx, family, tp, sp, dp, attention, u, packed, moe, fused=False, tie=False):
     import gridweave as gw
 
     grid = ctx.init(tp=_mode(tp), sp=sp, dp=dp)
     torch.manual_seed(0)
-    dense = _perturbed(gw.models.build(_config(family, moe), dtype=torch.float64, device=DEVICE))
-    stage = gw.models.GPTStage(dense, grid, _mode(tp), 0, 1, attention=attention, ulysses_degree=u)
+    dense = _perturbed(gw.models.build(_config(family, moe, tie), dtype=torch.float64, device=DEVICE))
+    stage = gw.models.GPTStage(dense, grid, _mode(tp), 0, 1, attention=attention, ulysses_degree=u, fused_loss=fused)
     seen = {}
-    for name in ("embed", "head"):
-        getattr(stage, name).register_forward_hook(lambda m, i, o, name=name: seen.__setitem__(name, tuple(o.shape)))
+    for name, mod in (("embed", stage.embed), ("head", stage.head.ln)):  # the head's tokens: its features'
+        mod.register_forward_hook(lambda m, i, o, name=name: seen.__setitem__(name, tuple(o.shape)))
     g = torch.Generator(device="cpu").manual_seed(1)
     x = torch.randint(0, V, (B * dp, L), generator=g, device="cpu").to(DEVICE)
     y = torch.randint(0, V, (B * dp, L), generator=g, device="cpu").to(DEVICE)
@@ -70,7 +72,7 @@ def _model(ctx, family, tp, sp, dp, attention, u, packed, moe):
     for name, p in dense.named_parameters():
         errs[name] = rel(grads[name], p.grad)
     vocab = V // grid.axes.get("tp", 1) if stage.vocab_axis is not None else V
-    return errs, seen, tuple(mine.shape), vocab
+    return errs, seen, tuple(mine.shape), H if fused else vocab
 
 
 @pytest.mark.parametrize("family,tp,sp,dp,attention,u,packed,moe", [
@@ -116,3 +118,44 @@ def test_the_ends_hold_one_over_sp_of_the_whole_sequence(pool):
     for sp in (2, 4):
         for got in pool.run(_sharded_ends, sp, sp):
             assert got == (one[0] // sp, one[1] // sp)
+
+
+@pytest.mark.parametrize("family,tp,sp,dp,attention,tie", [
+    ("gpt", "none", 4, 1, "ring", False), ("bert", "row:2", 2, 1, "ring", False),
+    ("llama", "row:2+sp", 2, 2, "ring", False), ("gpt", "row:2", 1, 2, "ring", False),
+    ("gpt", "none", 2, 1, "ulysses", True), ("bert", "none", 1, 1, "ring", False)])
+def test_the_fused_head_and_loss_equal_the_dense_model(pool, family, tp, sp, dp, attention, tie):
+    """fused_loss (Liger-Kernel's fused linear cross-entropy): the last stage returns the head's
+    features and the loss projects and scores them chunk by chunk, the gradients made in the
+    forward; the loss, the logits projected from the features and every gradient equal the dense
+    model's (float64 1e-10), on sequence shards, over a vocabulary split by tensor parallelism
+    (Megatron's: its sums all-reduced there), with a masked LM's projection bias and with the
+    projection tied to the embedding."""
+    n = sp * dp * _mode(tp).ranks()
+    for errs, seen, out, width in pool.run(_model, n, family, tp, sp, dp, attention, 1, False, False, True, tie):
+        assert max(errs.values()) < 1e-10, {name: e for name, e in errs.items() if e >= 1e-10}
+        assert out == (B, L // sp, H) and seen["head"] == out, (out, seen)
+
+
+def test_linear_cross_entropy_is_torch_s_and_makes_no_gradient_without_grad_mode():
+    """gw.autograd.vocab.linear_cross_entropy against F.cross_entropy(F.linear(...), reduction="sum")
+    (float64 1e-12; in float32 within 1e-5), chunks of one token, of several and of all of them,
+    ignored targets; under no_grad the sum alone."""
+    from gridweave.autograd.vocab import linear_cross_entropy
+
+    g = torch.Generator().manual_seed(3)
+    for dtype, tol, (rows, hidden, vocab) in ((torch.float64, 1e-12, (37, 16, 96)), (torch.float64, 1e-12, (5, 64, 8)),
+                                              (torch.float64, 1e-12, (4, 2, 16)), (torch.float32, 1e-5, (64, 32, 50))):
+        h, w, b = (torch.randn(shape, generator=g, dtype=dtype, device="cpu").to(DEVICE).requires_grad_()
+                   for shape in ((rows, hidden), (vocab, hidden), (vocab,)))
+        t = torch.randint(0, vocab, (rows,), generator=g, device="cpu").to(DEVICE)
+        t[::3] = -100
+        want = torch.nn.functional.cross_entropy(torch.nn.functional.linear(h, w, b), t, reduction="sum")
+        grads = torch.autograd.grad(want * 0.7, (h, w, b))
+        got = linear_cross_entropy(h, w, b, t)
+        assert rel(got, want) < tol
+        for a, e in zip(torch.autograd.grad(got * 0.7, (h, w, b)), grads):
+            assert rel(a, e) < tol
+        with torch.no_grad():
+            quiet = linear_cross_entropy(h, w, b, t)
+        assert rel(quiet, want) < tol and not quiet.requires_grad

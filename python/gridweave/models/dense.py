@@ -229,10 +229,14 @@ class Head(nn.Module):
         m.transform, m.act, m.ln, m.out = transform, act, ln, out
         return m
 
-    def forward(self, x):
+    def features(self, x):
+        """What the vocabulary projection takes: the transform (masked LM) and the final norm."""
         if self.transform is not None:
             x = self.act(self.transform(x))
-        return self.out(self.ln(x))
+        return self.ln(x)
+
+    def forward(self, x):
+        return self.out(self.features(x))
 
 
 class GPT(nn.Module):

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..autograd.comm import gather_from_parallel, scatter_to_parallel
-from ..autograd.vocab import vocab_parallel_cross_entropy
+from ..autograd.vocab import linear_cross_entropy, vocab_parallel_cross_entropy
 from ..documents import Packed, balanced_order, ids_of, order_of
 from ..errors import GridError
 from ..layout import Layout, gather, scatter
@@ -85,10 +85,17 @@ class GPTStage(nn.Module):
     transformer layers are gw.nn.TransformerLayer in `mode` (a mode object, a layer-mode
     name, or None for the grid's own). Gradients follow the parameters' placements."""
 
-    def __init__(self, gpt: GPT, grid, mode, stage: int, stages: int, ac=1, **layer_options):
+    def __init__(self, gpt: GPT, grid, mode, stage: int, stages: int, ac=1, fused_loss: bool = False,
+                 **layer_options):
         """ac: activation checkpointing (1: none, "auto": AxoNN's optimal ac, or a factor
-        of the stage's layers); layer_options go to each TransformerLayer (overlap, attention)."""
+        of the stage's layers); fused_loss: the last stage returns the head's features (its final
+        norm's output) and loss() projects and scores them chunk by chunk of tokens (Liger-Kernel's
+        fused linear cross-entropy: no token's logits are kept for the backward); layer_options go
+        to each TransformerLayer (overlap, attention)."""
         super().__init__()
+        if not isinstance(fused_loss, bool):
+            raise GridError(f"fused_loss must be True or False, got {fused_loss!r}")
+        self.fused_loss = fused_loss
 
         n = len(gpt.layers)
         if n % stages:
@@ -143,8 +150,10 @@ class GPTStage(nn.Module):
 
     def full_logits(self, logits):
         """The last stage's output as whole logits on every rank (gathered over the sequence and
-        the vocabulary axis where they are split; a copy otherwise). For inspection: the loss never
-        needs it."""
+        the vocabulary axis where they are split; a copy otherwise; with fused_loss the output is
+        the head's features, projected here). For inspection: the loss never needs it."""
+        if self.fused_loss:
+            logits = self.head.out(logits)
         if self.vocab_axis is not None:
             logits = gather(logits, Layout(*([()] * (logits.dim() - 1)), (self.vocab_axis,)), self.grid)
         if self.seq is None:
@@ -189,6 +198,10 @@ class GPTStage(nn.Module):
             normalizer = (targets != IGNORE).sum().clamp(min=1)
         targets = self.shard_tokens(targets, self._order).reshape(-1)
         predicted = targets != IGNORE
+        if self.fused_loss:  # `logits` are the head's features: projected and scored here
+            total = linear_cross_entropy(logits.reshape(-1, logits.shape[-1]), self.head.out.weight,
+                                         self.head.out.bias, targets, self.grid, self.vocab_axis, IGNORE)
+            return total / (predicted.sum().clamp(min=1) if normalizer is None else normalizer)
         if self.vocab_axis is None:
             logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
             if normalizer is None:
@@ -237,7 +250,8 @@ class GPTStage(nn.Module):
             return scatter_to_parallel(x, self.grid, self.boundary_axis, -1)
         if self.head is not None:
             shape = self._full if self.embed is not None else self._step_full or self._full_shape(x)
-            x = self.head(_FromLayout.apply(x, self.inner, self.grid, shape))
+            x = _FromLayout.apply(x, self.inner, self.grid, shape)
+            x = self.head.features(x) if self.fused_loss else self.head(x)
         return x
 
     def _full_shape(self, x):

@@ -53,7 +53,7 @@ def _dtype(model: Model):
 
 
 def schedule_of(model: Model, grid: GridShape, microbatches: int, stage: int = 0, bsize: int = 1 << 14,
-                coarsening: int = 4, clip: bool = True, overlap: bool = False):
+                coarsening: int = 4, clip: bool = True, overlap: bool = False, flat_gradients: bool = False):
     """The recorded step (recorder.step_schedule) of `model` on `grid`, on a rank of
     pipeline stage `stage`; a model of vocab 0 is its layer stack alone (Bian et al.'s and SUPER's
     measurements: no embedding, head, loss or optimizer)."""
@@ -63,7 +63,8 @@ def schedule_of(model: Model, grid: GridShape, microbatches: int, stage: int = 0
                          model.fused_attention, zero=grid.zero if model.vocab else 0,
                          attention=(model.attention, model.ulysses_degree), agreed=grid.resolved_schedule(model.config) == "message_driven",
                          overlap=overlap,
-                         experts=None if model.config.moe is None else Experts(grid.ep, model.expert_imbalance))
+                         experts=None if model.config.moe is None else Experts(grid.ep, model.expert_imbalance),
+                         flat_gradients=flat_gradients, fused_loss=model.fused_loss)
 
 
 def work_ops(micro) -> list:
@@ -183,7 +184,8 @@ class _StageTime:
 def stage_time(model: Model, grid: GridShape, costing: _Costing, microbatches: int, stage: int,
                offload_bsize, recompute, coarsening: int, clip: bool, overlap: bool) -> _StageTime:
     """One micro-batch of pipeline stage `stage` (recorded, costed); recompute as predict's."""
-    sched = schedule_of(model, grid, microbatches, stage, offload_bsize or FUSED_BUCKET, coarsening, clip, overlap)
+    sched = schedule_of(model, grid, microbatches, stage, offload_bsize or FUSED_BUCKET, coarsening, clip, overlap,
+                        _flat_gradients(model, grid, offload_bsize))
     mb = sched.microbatch
     compute = costing.busy(mb)
     # recomputation: each layer's forward again in backward, a third of its work (AxoNN eq. 3)
@@ -224,9 +226,12 @@ def stage_memory(model: Model, grid: GridShape, stage: int, sched, microbatches:
     phi_here = sched.parameters
     in_flight = min(m, grid.pp - stage) if grid.pp > 1 else 1
     # the recorded peak of one micro-batch (its kept activations, their gradients and the
-    # temporaries, the gradients made) beside the gradients, plus the others in flight
+    # temporaries, the gradients made, and DistributedAdam's flat copies of them as its buckets
+    # complete) beside the gradients, plus the others in flight
+    flat = _flat_gradients(model, grid, offload_bsize)
+    grads = e * phi_here * (2 if flat else 1)
     mb = sched.microbatch
-    act = max(mb.peak_bytes - e * phi_here, mb.saved_bytes) + mb.saved_bytes * (in_flight - 1)
+    act = max(mb.peak_bytes - grads, 0.0) + mb.saved_bytes * (in_flight - 1)
     if recompute is True:  # only each layer's input is kept, and one layer's activations at a time
         layers_here = model.layers // grid.pp
         act = (2 * b / m * model.seq / grid.sp * model.hidden * e * layers_here * in_flight
@@ -236,13 +241,26 @@ def stage_memory(model: Model, grid: GridShape, stage: int, sched, microbatches:
         payload = max((c.nbytes for c in mb.collectives if c.op == "send" and c.axis == "pp"), default=0)
         act += (2 + 1 + 1) * payload
     # OffloadAdam's bucket buffers and the flat gradient it sums (model dtype), or fused Adam's
-    # states and fp32 gradient (of this rank's ZeRO shard). The gradients are whole until the
-    # step (its reduce-scatter runs after the backward), so zero 2 saves them after the step only.
-    optimizer = 16 * offload_bsize + e * phi_here if offload_bsize else (16 - 4 * aliased) * sched.shard
+    # states and fp32 gradient (of this rank's ZeRO shard). At ZeRO 0 and 1 the flat copies are
+    # recorded among the gradients (all-reduced in place at 0; at 1 reduce-scattered into a shard
+    # in the model's dtype, which the step reads); ZeRO 2 and 3 drop each gradient as its copy is
+    # made (DistributedAdam._launch), so the recorded gradients stand for the copies there.
+    if offload_bsize:
+        optimizer = 16 * offload_bsize + e * phi_here
+    elif flat:
+        optimizer = (12 + (e if grid.zero else 0)) * sched.shard
+    else:
+        optimizer = (16 - 4 * aliased) * sched.shard
     # ZeRO-3: the shard, and the units gathered whole at once (the one computing, the one prefetched,
     # the ones kept from forward to backward)
     params = e * (sched.shard + sched.gathered) if grid.zero == 3 else e * phi_here
-    return {"parameters": params, "gradients": e * phi_here, "optimizer": optimizer, "activations": act}
+    return {"parameters": params, "gradients": grads, "optimizer": optimizer, "activations": act}
+
+
+def _flat_gradients(model: Model, grid: GridShape, offload_bsize) -> bool:
+    """DistributedAdam on the device at ZeRO 0 or 1: each bucket's flat gradient is made as the
+    backward completes it and kept beside the gradients (ZeRO 2 and 3 drop those) to the step."""
+    return bool(model.vocab) and not offload_bsize and grid.zero < 2
 
 
 def _aliased(model: Model, grid: GridShape, offload_bsize) -> bool:

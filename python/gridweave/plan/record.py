@@ -400,10 +400,10 @@ class Census(TorchDispatchMode):
         if not func.is_view:
             for t in (out if isinstance(out, (tuple, list)) else (out,)):
                 if isinstance(t, torch.Tensor):
-                    self._hold(t)
+                    self.hold(t)
         return out
 
-    def _hold(self, t):
+    def hold(self, t):
         """Count t's storage while it lives: until its last tensor or view dies (torch keeps
         one Python object per storage, so the finalizer fires when the storage is freed)."""
         st = t.untyped_storage()
@@ -511,7 +511,8 @@ class GroupedGemm(TorchFunctionMode):
 
 
 def record_stage(config, mode, dp, pp, sp, at, batch, per_stage, dtype=torch.bfloat16, ends=True,
-                 fused_attention=True, attention=("ring", 1), experts=None) -> tuple:
+                 fused_attention=True, attention=("ring", 1), experts=None, flat_gradients=False,
+                 fused_loss=False) -> tuple:
     """Forward and backward of one micro-batch of `batch` sequences through gw.models.GPTStage
     (embedding, loss, vocab-parallel pieces and the stage boundary's scatter / gather included)
     on the rank at coordinates `at` ((axis, index) pairs, the others 0; its stage at["pp"]), the
@@ -519,16 +520,19 @@ def record_stage(config, mode, dp, pp, sp, at, batch, per_stage, dtype=torch.bfl
     fused_attention: the attention core as a fused kernel (FusedAttention), else torch's math
     path with the scores kept (as Megatron ran before flash attention). attention: how it runs
     over sp (a SeqAttention value and the Ulysses degree). experts: a mixture of experts' Experts
-    (None: ep 1, balanced), routed as planned (nn.moe.plan_routing). Returns (schedule, pipeline
-    payload bytes)."""
+    (None: ep 1, balanced), routed as planned (nn.moe.plan_routing). flat_gradients: each gradient's
+    flat copy made as the backward completes it and kept to the end (DistributedAdam's buckets at
+    ZeRO 0 and 1), so the peak holds them as they appear. fused_loss: GPTStage's. Returns (schedule,
+    pipeline payload bytes)."""
     axes = _grid_axes(dp, pp, sp, mode)
     grid = RecordingGrid(axes, mode, _recorded_at(mode, axes, at))
     stage = grid.coords["pp"]
     options = dict(attention=attention[0], ulysses_degree=attention[1], **_moe_options(config, grid, experts))
+    head = dict(fused_loss=fused_loss)
     with MetaMemo():  # building it (its run is the Census's, which memoizes the same way)
         dense = _dense(config, pp * per_stage, dtype)
         if ends:
-            st = GPTStage(dense, grid, mode, stage, pp, **options)
+            st = GPTStage(dense, grid, mode, stage, pp, **head, **options)
             shape = st.activation_shape(batch, config.seq)
         else:  # the layers alone, on the stage's (dp-free) layout
             st = torch.nn.Module()
@@ -538,7 +542,12 @@ def record_stage(config, mode, dp, pp, sp, at, batch, per_stage, dtype=torch.bfl
     plan_routing(st, (experts or Experts()).imbalance)
     params = list(st.parameters())
     saved = _Saved(params)
+    # the optimizer's flat copies, made here (no kernel of the run) and counted from the moment the
+    # backward completes each gradient: they meet the activations not yet freed, not all of them
+    flats = {id(p): torch.empty_like(p) for p in params if flat_gradients and p.requires_grad}
     with Census() as census, GroupedGemm(), (FusedAttention() if fused_attention else contextlib.nullcontext()):
+        hooks = [p.register_post_accumulate_grad_hook(lambda p: census.hold(flats[id(p)]))
+                 for p in params if id(p) in flats]
         if not ends:
             x = torch.empty(shape, dtype=dtype, device=grid.device, requires_grad=True)
         elif stage == 0:
@@ -555,6 +564,8 @@ def record_stage(config, mode, dp, pp, sp, at, batch, per_stage, dtype=torch.bfl
             y.backward()
         else:
             y.backward(torch.empty_like(y))
+    for h in hooks:
+        h.remove()
     sched = LayerSchedule(tuple(grid.log), census.calls, sum(p.numel() for p in params), census.flops,
                           census.kernels, census.bytes, saved.bytes, census.attention_flops, census.peak,
                           census.fused_attention_flops, census.gemm_bytes, census.attention_rows)
@@ -632,11 +643,15 @@ def stage_role(pp: int, stage: int) -> tuple:
 
 @lru_cache(maxsize=1024)
 def _stage_recordings(config, mode, dp, pp, sp, at, dtype, ends, fused_attention, attention=("ring", 1),
-                      experts=None) -> tuple:
-    """record_stage with one and two layers a stage, at the mode's smallest batch b0 and 2 b0."""
+                      experts=None, flat_gradients=False, batch=None, fused_loss=False) -> tuple:
+    """record_stage with one and two layers a stage, at the two multiples lo and lo + b0 of the
+    mode's smallest batch b0 around `batch` (lo >= b0). Returns (recordings, lo, b0). Bytes and FLOPs
+    are affine in the batch, but the peak is not: it is the most of the activations (growing with
+    the batch) and the gradients (not), at whichever moment holds more, so it is recorded near."""
     b0 = batch_unit(mode, sp)
-    return {(k, b): record_stage(config, mode, dp, pp, sp, at, b, k, dtype, ends, fused_attention, attention, experts)
-            for k in (1, 2) for b in (b0, 2 * b0)}, b0
+    lo = max(b0, int(batch // b0) * b0) if batch is not None else b0
+    return {(k, b): record_stage(config, mode, dp, pp, sp, at, b, k, dtype, ends, fused_attention, attention, experts,
+                                 flat_gradients, fused_loss) for k in (1, 2) for b in (lo, lo + b0)}, lo, b0
 
 
 def _lerp(a: LayerSchedule, b: LayerSchedule, f: float) -> LayerSchedule:
@@ -654,7 +669,7 @@ def _lerp(a: LayerSchedule, b: LayerSchedule, f: float) -> LayerSchedule:
 def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch.bfloat16, bsize=1 << 14,
                   coarsening=4, clip=True, loss_scaling=False, ends=True, fused_attention=True,
                   announced=False, zero=0, offload=True, attention=("ring", 1), agreed=False,
-                  overlap=False, experts=None) -> StepSchedule:
+                  overlap=False, experts=None, flat_gradients=False, fused_loss=False) -> StepSchedule:
     """The collectives of one gw.train step on the rank at coordinates `at` ((axis, index) pairs,
     the others 0; its pipeline stage at["pp"]): `microbatches` micro-batches of `batch`
     sequences through the stage (recorded: gw.models.GPTStage on a RecordingGrid, its layers
@@ -670,16 +685,18 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
     they take (its first member's 16-byte broadcast over the stage's axes, on a host channel).
     overlap: OffloadAdam's overlap (gw.train's overlap_grad_reduce): its chunks in the backward's
     layout, each started in the last backward (StepSchedule.in_backward). experts: a mixture of
-    experts' (recorder.Experts; its layers are recorded on the whole dp, their line carved out of it)."""
+    experts' (recorder.Experts; its layers are recorded on the whole dp, their line carved out of it).
+    flat_gradients, fused_loss: record_stage's (DistributedAdam's flat gradient copies in the peak; the
+    head's fused projection and loss)."""
     stage = dict(at).get("pp", 0)
     rpp, rstage = stage_role(pp, stage)  # the recordings of grids that share this stage's shapes
     # a dense stage's layers are alike on every dp replica; a mixture of experts' line spans dp
     others = tuple((a, i) for a, i in at if a != "pp" and (a != "dp" or config.moe is not None))
-    rec, b0 = _stage_recordings(config, mode, _stage_dp(config, dp), rpp, sp, others + (("pp", rstage),), dtype, ends,
-                                fused_attention, attention, experts)
-    f = (batch - b0) / b0  # every byte and FLOP is affine in the batch: two recordings give any batch
-    one, two = (_lerp(rec[(k, b0)][0], rec[(k, 2 * b0)][0], f) for k in (1, 2))
-    payload = round(rec[(1, b0)][1] + (rec[(1, 2 * b0)][1] - rec[(1, b0)][1]) * f)
+    rec, lo, b0 = _stage_recordings(config, mode, _stage_dp(config, dp), rpp, sp, others + (("pp", rstage),), dtype,
+                                    ends, fused_attention, attention, experts, flat_gradients, batch, fused_loss)
+    f = (batch - lo) / b0  # affine between the two recordings (the peak too, near them)
+    one, two = (_lerp(rec[(k, lo)][0], rec[(k, lo + b0)][0], f) for k in (1, 2))
+    payload = round(rec[(1, lo)][1] + (rec[(1, lo + b0)][1] - rec[(1, lo)][1]) * f)
     layer = two.minus(one)
     stage_work = one.plus(layer, config.layers // pp - 1)  # the stage's layers are one layer's recording
     pipeline = []  # AxoNN: each micro-batch's activation forward, its gradient backward
