@@ -331,6 +331,13 @@ class LoggingSection(Section):
                                       "synchronises the device")
     host_reads: bool = option(False, "count what makes the host wait for the device in each training step (value "
                                      "reads, tensors made from Python data), by where: metrics.json's host_reads")
+    straggler_threshold: float = option(0.0, "name a rank whose forward and backward take more than this fraction "
+                                             "longer than its pipeline stage's median rank (e.g. 0.3), straggler_windows "
+                                             "windows running (0: off; on: every phase timed, as phase_times)",
+                                        at_least=0)
+    straggler_every: int = option(10, "steps in a straggler window (one all-gather of each rank's times each)",
+                                  at_least=1)
+    straggler_windows: int = option(2, "windows running a rank must be slow in before it is named", at_least=1)
 
     def rules(self):
         self.sinks = loggers.parse(self.log)  # an unknown or missing logger: before any rank starts

@@ -2,6 +2,7 @@
 calibration (gridweave.calibrate) and the main job's MFU read."""
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -120,6 +121,15 @@ class StepPhases:
     CUDA device every phase boundary synchronises it (what timing needs, and costs)."""
 
     NAMES = ("forward", "backward", "reduction", "optimizer", "waiting", "bookkeeping")
+    # a rank's own work, and where it waits for its peers (the reductions, the pipeline's receives,
+    # the loss's all-reduce in the step's bookkeeping): a straggler's peers wait in the latter
+    COMPUTE, WAIT = ("forward", "backward"), ("reduction", "waiting", "bookkeeping")
+
+    @classmethod
+    def compute_and_wait(cls, seconds: dict, before: dict | None = None) -> tuple:
+        """(compute, wait) seconds of a phases dict (less `before`'s, a snapshot of it)."""
+        before = before or dict.fromkeys(seconds, 0.0)
+        return tuple(sum(seconds[k] - before[k] for k in names) for names in (cls.COMPUTE, cls.WAIT))
 
     def __init__(self, device="cpu"):
         self._sync = device_sync(device)
@@ -154,6 +164,52 @@ class StepPhases:
         total = per_step["step"] or 1.0
         return ", ".join(f"{k} {per_step[k] * 1e3:.1f} ms ({100 * per_step[k] / total:.0f}%)" for k in cls.NAMES) + \
             f"; step {per_step['step'] * 1e3:.1f} ms"
+
+
+class StragglerDetector:
+    """Megatron-LM's straggler detector, per pipeline stage: every `every` steps each rank's
+    forward and backward seconds a step over the window (its StepPhases: the model's own work)
+    and its waits (StepPhases.WAIT) are gathered on every rank (one all-gather); a rank
+    whose forward and backward exceed its stage's median rank's by more than `threshold`, in
+    `windows` windows running, is named. Ranks of one stage do the same work, so their times
+    compare; a stage of one rank has no peer to be compared with."""
+
+    def __init__(self, grid, phases: StepPhases, threshold: float, every: int, windows: int):
+        self.grid, self.phases = grid, phases
+        self.threshold, self.every, self.windows = threshold, every, windows
+        self._last, self._last_steps = dict(phases.seconds), phases.steps
+        self._running: dict = {}  # rank -> windows running it was slow in
+        self.named: list = []  # every naming: its step, rank, coordinates, seconds, stage median
+
+    def after_step(self, step: int) -> list:
+        """Collective over the grid at the end of each window (every rank calls it every step):
+        the ranks named this window (each a dict: step, rank, coords, compute_s, wait_s,
+        median_s, windows)."""
+        if (step + 1) % self.every:
+            return []
+        n = max(self.phases.steps - self._last_steps, 1)
+        compute, wait = StepPhases.compute_and_wait(self.phases.seconds, self._last)
+        self._last, self._last_steps = dict(self.phases.seconds), self.phases.steps
+        mine = {"rank": self.grid.rank, "coords": dict(self.grid.coords), "compute_s": compute / n, "wait_s": wait / n}
+        everyone = self.grid.all_gather_json(mine)
+        named = []
+        for r in everyone:
+            peers = [p["compute_s"] for p in everyone if p["coords"].get("pp", 0) == r["coords"].get("pp", 0)]
+            median = statistics.median(peers)
+            slow = len(peers) > 1 and r["compute_s"] > median * (1 + self.threshold)
+            self._running[r["rank"]] = self._running.get(r["rank"], 0) + 1 if slow else 0
+            if self._running[r["rank"]] >= self.windows:
+                named.append({**r, "step": step + 1, "median_s": median, "windows": self._running[r["rank"]]})
+        self.named += named
+        return named
+
+    @staticmethod
+    def describe(s: dict) -> str:
+        """One log line of a naming."""
+        where = ", ".join(f"{a}={i}" for a, i in s["coords"].items())
+        return (f"straggler: rank {s['rank']} ({where}) forward+backward {s['compute_s'] * 1e3:.1f} ms a step, its "
+                f"pipeline stage's median rank {s['median_s'] * 1e3:.1f} ms (+{100 * (s['compute_s'] / s['median_s'] - 1):.0f}%), "
+                f"waiting {s['wait_s'] * 1e3:.1f} ms; slow {s['windows']} windows running, at step {s['step']}")
 
 
 def timed(phases: StepPhases | None, name: str, fn, *args):

@@ -33,7 +33,7 @@ from .config import AUTO, TrainConfig
 from .errors import Diverged, GridError
 from .generate import sample
 from .grid import Grid, init, shutdown
-from .measure import HostReads, StepPhases, gemm_rate, probe_size, timed
+from .measure import HostReads, StepPhases, StragglerDetector, gemm_rate, probe_size, timed
 from .models import ModelConfig
 from .nn.moe import routed_tokens, set_aux_grad_scale
 from .precision import LossScaler
@@ -524,7 +524,7 @@ class Meter:
     and the progress bar on rank 0."""
 
     def __init__(self, cfg: TrainConfig, grid, model_cfg: ModelConfig, start: int):
-        self.cfg = cfg
+        self.cfg, self.grid_rank = cfg, grid.rank
         self.flops_token = model_flops_per_token(dataclasses.replace(model_cfg, seq=cfg.seq))  # the trained length
         peak, self.peak_source = peak_flops(grid, cfg.compute.name)
         total = torch.tensor([peak], dtype=torch.float64, device=grid.device)
@@ -537,7 +537,7 @@ class Meter:
             from tqdm import tqdm
 
             self.bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step")
-        self.run_log, self.predicted_s, self._traffic = None, None, {}
+        self.run_log, self.predicted_s, self._traffic, self._phases = None, None, {}, None
         if cfg.sinks and (grid.rank == 0 or cfg.log_all_ranks):
             try:
                 self.predicted_s = predicted_step_s(cfg, grid)
@@ -569,9 +569,14 @@ class Meter:
         self.lr.append(lr)
         self.grad_norm.append(grad_norm)
 
-    def log(self, step: int, history: History, grid, scale: float | None) -> None:
+    def log(self, step: int, history: History, grid, scale: float | None, phases: StepPhases | None = None) -> None:
         """This rank's numbers of `step` to its loggers: the training state, speed beside the
-        planner's prediction, memory, and the bytes and messages its engine moved per axis."""
+        planner's prediction, memory, and the bytes and messages its engine moved per axis; with
+        phases timed, its forward and backward seconds (compute) and its waits for its peers
+        (StepPhases.WAIT) in the step (every rank's with log_all_ranks)."""
+        if phases is not None:
+            now = dict(phases.seconds)
+            before, self._phases = self._phases or dict.fromkeys(now, 0.0), now
         if self.run_log is None:
             return
         import resource
@@ -584,6 +589,8 @@ class Meter:
                   "memory/max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0}
         if self.experts:  # the busiest expert over an even share, the most unbalanced layer's (this stage's)
             values["moe/max_load_over_mean"] = max(max(c) * len(c) / max(sum(c), 1) for c in self.experts[-1])
+        if phases is not None:
+            values["perf/compute_s"], values["perf/wait_s"] = StepPhases.compute_and_wait(now, before)
         if grid.device.type == "cuda":
             values["memory/device_max_allocated_bytes"] = torch.cuda.max_memory_allocated(grid.device)
         if history.val and history.val[-1][0] == step + 1:
@@ -596,6 +603,16 @@ class Meter:
             values[f"comm/{label}/bytes"], values[f"comm/{label}/messages"] = now[0] - before[0], now[1] - before[1]
             self._traffic[label] = now
         self.run_log.step(step + 1, values)
+
+    def stragglers(self, step: int, named: list) -> None:
+        """Ranks the straggler detector named at `step`: a line (rank 0) and each one's time over
+        its stage's median to the loggers."""
+        for s in named:
+            if self.grid_rank == 0 and not self.cfg.quiet:
+                _say(StragglerDetector.describe(s))
+        if self.run_log is not None and named:
+            self.run_log.step(step + 1, {f"straggler/rank{s['rank']}/over_median": s["compute_s"] / s["median_s"]
+                                         for s in named})
 
     def show(self, history: History) -> None:
         if self.bar is None:
@@ -691,7 +708,9 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
     history = checkpoints.resume()
     validation = Validation(cfg, tokens, cfg.batch // grid.axes["dp"] // cfg.microbatches)
     meter, guard = Meter(cfg, grid, model_cfg, history.start), DivergenceGuard(cfg, opt, scaler)
-    phases = StepPhases(grid.device) if cfg.phase_times else None
+    phases = StepPhases(grid.device) if cfg.phase_times or cfg.straggler_threshold else None
+    stragglers = StragglerDetector(grid, phases, cfg.straggler_threshold, cfg.straggler_every,
+                                   cfg.straggler_windows) if cfg.straggler_threshold else None
     census = HostReads() if cfg.host_reads else None  # the training steps' host reads (validation, checkpoints aside)
     host_reads = []
     for step in range(history.start, cfg.steps):
@@ -715,7 +734,9 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
             census = HostReads()
         meter.record_experts(read.experts)
         validation.after_step(step, stage, grid, history)
-        meter.log(step, history, grid, read.scale)
+        meter.log(step, history, grid, read.scale, phases)
+        if stragglers is not None:
+            meter.stragglers(step, stragglers.after_step(step))
         meter.show(history)
         checkpoints.after_step(step, history)
     meter.close()
@@ -733,6 +754,8 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
         metrics["host_reads"] = grid.all_gather_json(host_reads)
     if phases is not None:  # every rank's mean seconds a step in each phase
         metrics["phase_seconds"] = grid.all_gather_json(phases.per_step())
+    if stragglers is not None:  # every naming (the same on every rank: gathered)
+        metrics["stragglers"] = stragglers.named
     shutdown()
     if grid.rank == 0:
         report(cfg, out, metrics, tokens, tokenizer, validation.windows, model_cfg)

@@ -1,9 +1,11 @@
 """The main job with a fault injected by the test harness (the library knows nothing of it):
 `python faulty_train.py RANK:STEP <gridweave train flags>` makes rank RANK die, as a killed
 process would, when it reaches step STEP; RANK:STEP:nan instead fills its first parameter with NaN
-there (a corrupted weight)."""
+there (a corrupted weight); RANK:STEP:slow makes every forward of its stage from then on 50 ms
+longer (a slow device)."""
 import os
 import sys
+import time
 
 import torch
 
@@ -20,6 +22,8 @@ def main() -> None:
             if what == ["nan"]:
                 with torch.no_grad():
                     next(state.stage.parameters()).fill_(float("nan"))
+            elif what == ["slow"]:
+                state.stage.register_forward_pre_hook(lambda *a: time.sleep(0.05))
             else:
                 os._exit(9)
 

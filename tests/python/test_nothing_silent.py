@@ -284,3 +284,47 @@ def test_every_subcommand_answers_bad_input_with_one_line(tmp_path, argv, needle
                        stdin=subprocess.DEVNULL)
     assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "Traceback" not in r.stderr and not any(tmp_path.iterdir())
+
+
+def test_a_rank_slowed_on_purpose_is_named_a_straggler(tmp_path):
+    """Rank 2 of dp 4 made 50 ms slower in every forward (the tests' harness: a slow device): the
+    straggler detector (Megatron-LM's, per pipeline stage: --straggler-threshold 0.5, windows of 3
+    steps, named after 2 running) names rank 2 and no other rank, at the end of the second window
+    and the third, in a line and in metrics.json, its forward and backward above its stage's median
+    by more than the threshold while the others wait for it."""
+    import json
+
+    out = tmp_path / "run"
+    loud = [a for a in ARGS if a != "--quiet"]
+    args = [os.path.join(HERE, "faulty_train.py"), "2:0:slow", *loud, "--nproc", "0", "--steps", "9", "--dp", "4",
+            "--val-every", "0", "--sample-tokens", "0", "--straggler-threshold", "0.5", "--straggler-every", "3",
+            "--straggler-windows", "2", "--log", "jsonl", "--log-all-ranks", "--timeout", "60", "--out", str(out)]
+    if os.environ.get(TRANSPORT_ENV) == "mpi":
+        r = mpirun(4, [*args, "--backend", "mpi"], 300)
+        codes, said = [r.returncode], r.stdout
+    else:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        procs = [subprocess.Popen([sys.executable, *args, "--backend", "gloo"], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+                                  env={**env, "RANK": str(k), "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4",
+                                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29705"}) for k in range(4)]
+        codes = [p.wait(timeout=300) for p in procs]
+        said = procs[0].stdout.read()
+    assert all(c == 0 for c in codes), (codes, said[-2000:])
+    named = json.loads((out / "metrics.json").read_text())["stragglers"]
+    assert [(s["rank"], s["step"]) for s in named] == [(2, 6), (2, 9)], named
+    assert all(s["compute_s"] > 1.5 * s["median_s"] and s["coords"]["dp"] == 2 for s in named), named
+    lines = [ln for ln in said.splitlines() if "straggler:" in ln]
+    assert len(lines) == 2 and all("straggler: rank 2 (dp=2" in ln for ln in lines), said[-2000:]
+    # every rank's logs: its compute and wait seconds each step; the slow rank computes longest, the others wait
+    logged = {k: [json.loads(ln) for ln in (out / "logs" / (f"rank{k}" if k else "") / "log.jsonl").read_text().splitlines()
+                  if '"step"' in ln] for k in range(4)}
+    assert [(e["step"], sorted(e)) for e in logged[0] if "train/loss" not in e] == \
+        [(6, ["step", "straggler/rank2/over_median"]), (9, ["step", "straggler/rank2/over_median"])], logged[0]
+    steps = {k: [e for e in v if "train/loss" in e] for k, v in logged.items()}
+    assert all(len(v) == 9 and all("perf/compute_s" in e and "perf/wait_s" in e for e in v) for v in steps.values())
+    compute = {k: sum(e["perf/compute_s"] for e in v) for k, v in steps.items()}
+    assert max(compute, key=compute.get) == 2, compute
+    assert all(compute[2] - compute[k] > 9 * 0.05 * 0.9 for k in (0, 1, 3)), compute  # 50 ms a micro-batch's forward
+    wait = {k: sum(e["perf/wait_s"] for e in v) for k, v in steps.items()}
+    assert min(wait, key=wait.get) == 2, wait

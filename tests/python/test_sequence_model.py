@@ -140,7 +140,7 @@ def test_the_fused_head_and_loss_equal_the_dense_model(pool, family, tp, sp, dp,
 def test_linear_cross_entropy_is_torch_s_and_makes_no_gradient_without_grad_mode():
     """gw.autograd.vocab.linear_cross_entropy against F.cross_entropy(F.linear(...), reduction="sum")
     (float64 1e-12; in float32 within 1e-5), chunks of one token, of several and of all of them,
-    ignored targets; under no_grad the sum alone."""
+    ignored targets; under no_grad the sum alone; features that take no gradient."""
     from gridweave.autograd.vocab import linear_cross_entropy
 
     g = torch.Generator().manual_seed(3)
@@ -159,3 +159,6 @@ def test_linear_cross_entropy_is_torch_s_and_makes_no_gradient_without_grad_mode
         with torch.no_grad():
             quiet = linear_cross_entropy(h, w, b, t)
         assert rel(quiet, want) < tol and not quiet.requires_grad
+        frozen = h.detach()  # the features' gradient is not made where they take none
+        got = torch.autograd.grad(linear_cross_entropy(frozen, w, b, t) * 0.7, (w, b))
+        assert all(rel(a, e) < tol for a, e in zip(got, grads[1:]))

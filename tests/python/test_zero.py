@@ -240,12 +240,13 @@ def one_process(tmp_path_factory):
       "--microbatches", "2"), 29805),
     (("--zero", "2", "--tp", "row:2", "--sp", "2", "--dp", "2", "--fused-loss"), 29807),
     # ZeRO-3 hybrid (one node's shard group) x pp 2 on the default schedule: auto, 1F1B here
-    (("--zero", "3", "--dp", "4", "--pp", "2", "--no-offload", "--zero-shard-group", "node"), 29809)])
+    (("--zero", "3", "--dp", "4", "--pp", "2", "--no-offload", "--zero-shard-group", "node", "--fused-loss"), 29809)])
 def test_the_main_job_with_each_stage_trains_like_one_process(one_process, tmp_path, extra, port):
     """gridweave train --zero 1 (hybrid, one node) / 3 (the interleaved schedule, device state) on dp 4 x pp 2
     and --zero 2 on row:2 x sp 2 x dp 2 with the head's projection fused with the loss (over the
-    vocabulary split by tp): the losses of one process (float32, 1e-5 relative), as the unsharded
-    optimizer and the unfused loss give."""
+    vocabulary split by tp), and ZeRO-3 with the fused loss (the head's parameters gathered for the
+    loss, which runs inside the head's call): the losses of one process (float32, 1e-5 relative),
+    as the unsharded optimizer and the unfused loss give."""
     from test_train import _close, _one_host_read_a_step, _train
 
     losses, out = _train(tmp_path, "zero", "--nproc", "8", *extra, "--host-reads", port=port)

@@ -4,6 +4,7 @@ logit in one buffer): 3 x b x s values instead of b x s x v."""
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -50,14 +51,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, bias, target, grid, axis, ignore_index, grads):
+        want_h, want_w, want_b = (grads and ctx.needs_input_grad[i] for i in range(3))
         rows, v_local = h.shape[0], weight.shape[0]
         start = grid.index(axis) * v_local if axis is not None else 0
         wide = torch.promote_types(h.dtype, torch.float32)  # the loss in fp32 or wider, as the unfused path
         chunk = max(1, -(-rows * h.shape[1] // v_local))  # a chunk's logits the size of the features (Liger's)
         total = torch.zeros((), dtype=wide, device=h.device)
-        grad_h = torch.empty_like(h) if grads else None
-        grad_w = torch.zeros(weight.shape, dtype=wide, device=h.device) if grads else None
-        grad_b = torch.zeros(v_local, dtype=wide, device=h.device) if grads and bias is not None else None
+        grad_h = torch.empty_like(h) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=wide, device=h.device) if want_w else None
+        grad_b = torch.zeros(v_local, dtype=wide, device=h.device) if want_b and bias is not None else None
         for lo in range(0, rows, chunk):
             hc, t = h[lo:lo + chunk], target[lo:lo + chunk]
             logits = torch.nn.functional.linear(hc, weight, bias).to(wide)
@@ -80,21 +82,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 g.scatter_add_(-1, local.unsqueeze(-1), -inside.unsqueeze(-1).to(g.dtype))
                 g.mul_(valid.unsqueeze(-1))
                 g = g.to(h.dtype)
-                grad_h[lo:lo + chunk] = g @ weight
-                grad_w += (g.t() @ hc).to(wide)
+                if grad_h is not None:
+                    grad_h[lo:lo + chunk] = g @ weight
+                if grad_w is not None:
+                    grad_w += (g.t() @ hc).to(wide)
                 if grad_b is not None:
                     grad_b += g.sum(dim=0).to(wide)
-        if grads and axis is not None:
+        if grad_h is not None and axis is not None:  # every rank of the axis decides it alike
             grid.all_reduce(grad_h, axis=axis)  # the features are whole on every rank of the split vocabulary
         ctx.grads = (grad_h, grad_w, grad_b, weight.dtype)
         return total
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         grad_h, grad_w, grad_b, dtype = ctx.grads  # made in the forward (grad mode on: else no backward)
-        ctx.grads = None
-        return (grad_h * g.to(grad_h.dtype), (grad_w * g).to(dtype),
-                (grad_b * g).to(dtype) if grad_b is not None else None, None, None, None, None, None)
+
+        def scaled(t, to):  # the scale (a loss scale over the micro-batches) applied in fp32 or wider
+            return None if t is None else (t.to(torch.promote_types(t.dtype, torch.float32)) * g).to(to)
+        return (scaled(grad_h, grad_h.dtype if grad_h is not None else None), scaled(grad_w, dtype),
+                scaled(grad_b, dtype), None, None, None, None, None)
 
 
 def linear_cross_entropy(h, weight, bias, target, grid=None, axis=None, ignore_index=-100):

@@ -229,14 +229,14 @@ class Head(nn.Module):
         m.transform, m.act, m.ln, m.out = transform, act, ln, out
         return m
 
-    def features(self, x):
-        """What the vocabulary projection takes: the transform (masked LM) and the final norm."""
+    def forward(self, x, score=None):
+        """The logits; or score(features, out): the transform (masked LM) and final norm's output
+        and the projection module, inside this module's call (hooks that make its parameters
+        whole, as ZeRO-3's, hold for the whole of it): a fused projection and loss."""
         if self.transform is not None:
             x = self.act(self.transform(x))
-        return self.ln(x)
-
-    def forward(self, x):
-        return self.out(self.features(x))
+        x = self.ln(x)
+        return self.out(x) if score is None else score(x, self.out)
 
 
 class GPT(nn.Module):

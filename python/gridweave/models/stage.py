@@ -88,8 +88,8 @@ class GPTStage(nn.Module):
     def __init__(self, gpt: GPT, grid, mode, stage: int, stages: int, ac=1, fused_loss: bool = False,
                  **layer_options):
         """ac: activation checkpointing (1: none, "auto": AxoNN's optimal ac, or a factor
-        of the stage's layers); fused_loss: the last stage returns the head's features (its final
-        norm's output) and loss() projects and scores them chunk by chunk of tokens (Liger-Kernel's
+        of the stage's layers); fused_loss: the last stage returns the head's input and loss() runs
+        the head, projecting and scoring its features chunk by chunk of tokens (Liger-Kernel's
         fused linear cross-entropy: no token's logits are kept for the backward); layer_options go
         to each TransformerLayer (overlap, attention)."""
         super().__init__()
@@ -151,9 +151,9 @@ class GPTStage(nn.Module):
     def full_logits(self, logits):
         """The last stage's output as whole logits on every rank (gathered over the sequence and
         the vocabulary axis where they are split; a copy otherwise; with fused_loss the output is
-        the head's features, projected here). For inspection: the loss never needs it."""
+        the head's input, run through it here). For inspection: the loss never needs it."""
         if self.fused_loss:
-            logits = self.head.out(logits)
+            logits = self.head(logits)
         if self.vocab_axis is not None:
             logits = gather(logits, Layout(*([()] * (logits.dim() - 1)), (self.vocab_axis,)), self.grid)
         if self.seq is None:
@@ -198,9 +198,9 @@ class GPTStage(nn.Module):
             normalizer = (targets != IGNORE).sum().clamp(min=1)
         targets = self.shard_tokens(targets, self._order).reshape(-1)
         predicted = targets != IGNORE
-        if self.fused_loss:  # `logits` are the head's features: projected and scored here
-            total = linear_cross_entropy(logits.reshape(-1, logits.shape[-1]), self.head.out.weight,
-                                         self.head.out.bias, targets, self.grid, self.vocab_axis, IGNORE)
+        if self.fused_loss:  # `logits` are the head's input: its features projected and scored in its call
+            total = self.head(logits, score=lambda f, out: linear_cross_entropy(
+                f.reshape(-1, f.shape[-1]), out.weight, out.bias, targets, self.grid, self.vocab_axis, IGNORE))
             return total / (predicted.sum().clamp(min=1) if normalizer is None else normalizer)
         if self.vocab_axis is None:
             logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
@@ -251,7 +251,7 @@ class GPTStage(nn.Module):
         if self.head is not None:
             shape = self._full if self.embed is not None else self._step_full or self._full_shape(x)
             x = _FromLayout.apply(x, self.inner, self.grid, shape)
-            x = self.head.features(x) if self.fused_loss else self.head(x)
+            x = x if self.fused_loss else self.head(x)
         return x
 
     def _full_shape(self, x):

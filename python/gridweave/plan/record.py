@@ -643,13 +643,11 @@ def stage_role(pp: int, stage: int) -> tuple:
 
 @lru_cache(maxsize=1024)
 def _stage_recordings(config, mode, dp, pp, sp, at, dtype, ends, fused_attention, attention=("ring", 1),
-                      experts=None, flat_gradients=False, batch=None, fused_loss=False) -> tuple:
-    """record_stage with one and two layers a stage, at the two multiples lo and lo + b0 of the
-    mode's smallest batch b0 around `batch` (lo >= b0). Returns (recordings, lo, b0). Bytes and FLOPs
-    are affine in the batch, but the peak is not: it is the most of the activations (growing with
-    the batch) and the gradients (not), at whichever moment holds more, so it is recorded near."""
+                      experts=None, flat_gradients=False, lo=None, fused_loss=False) -> tuple:
+    """record_stage with one and two layers a stage, at lo and lo + b0, b0 the mode's smallest
+    batch (lo: a multiple of it, default b0). Returns (recordings, lo, b0)."""
     b0 = batch_unit(mode, sp)
-    lo = max(b0, int(batch // b0) * b0) if batch is not None else b0
+    lo = lo or b0
     return {(k, b): record_stage(config, mode, dp, pp, sp, at, b, k, dtype, ends, fused_attention, attention, experts,
                                  flat_gradients, fused_loss) for k in (1, 2) for b in (lo, lo + b0)}, lo, b0
 
@@ -692,8 +690,13 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
     rpp, rstage = stage_role(pp, stage)  # the recordings of grids that share this stage's shapes
     # a dense stage's layers are alike on every dp replica; a mixture of experts' line spans dp
     others = tuple((a, i) for a, i in at if a != "pp" and (a != "dp" or config.moe is not None))
+    # bytes and FLOPs are affine in the batch, but the peak is not: the most of the activations
+    # (growing with the batch) and the gradients (not), whichever moment holds more; so the two
+    # recordings are the multiples of the smallest batch b0 around this one
+    b0 = batch_unit(mode, sp)
     rec, lo, b0 = _stage_recordings(config, mode, _stage_dp(config, dp), rpp, sp, others + (("pp", rstage),), dtype,
-                                    ends, fused_attention, attention, experts, flat_gradients, batch, fused_loss)
+                                    ends, fused_attention, attention, experts, flat_gradients,
+                                    max(b0, int(batch // b0) * b0), fused_loss)
     f = (batch - lo) / b0  # affine between the two recordings (the peak too, near them)
     one, two = (_lerp(rec[(k, lo)][0], rec[(k, lo + b0)][0], f) for k in (1, 2))
     payload = round(rec[(1, lo)][1] + (rec[(1, lo + b0)][1] - rec[(1, lo)][1]) * f)
