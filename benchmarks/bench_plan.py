@@ -49,7 +49,8 @@ def planner_model():
 
 
 def grids() -> list:
-    """Every grid of 8 ranks the main job's model allows, as (dp, pp, tp spec, sp)."""
+    """Every grid of 8 ranks the main job's model allows, as (dp, pp, tp spec, sp), each once: the
+    planner enumerates a grid once per ZeRO stage, and the main job runs ZeRO 0."""
     import gridweave as gw
     from gridweave import plan
 
@@ -59,7 +60,8 @@ def grids() -> list:
             job_config(dp=g.dp, pp=g.pp, tp=g.tp.spec(), sp=g.sp).grid_shape(8)
         except gw.GridError:
             continue
-        out.append((g.dp, g.pp, g.tp.spec(), g.sp))
+        if (g.dp, g.pp, g.tp.spec(), g.sp) not in out:
+            out.append((g.dp, g.pp, g.tp.spec(), g.sp))
     return out
 
 
