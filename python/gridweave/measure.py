@@ -125,16 +125,22 @@ class StepPhases:
     # the loss's all-reduce in the step's bookkeeping): a straggler's peers wait in the latter
     COMPUTE, WAIT = ("forward", "backward"), ("reduction", "waiting", "bookkeeping")
 
-    @classmethod
-    def compute_and_wait(cls, seconds: dict, before: dict | None = None) -> tuple:
-        """(compute, wait) seconds of a phases dict (less `before`'s, a snapshot of it)."""
-        before = before or dict.fromkeys(seconds, 0.0)
-        return tuple(sum(seconds[k] - before[k] for k in names) for names in (cls.COMPUTE, cls.WAIT))
-
     def __init__(self, device="cpu"):
         self._sync = device_sync(device)
         self.seconds = dict.fromkeys(self.NAMES, 0.0)
-        self.steps = 0
+        self.split: list = []  # each step's (compute, wait) seconds
+        self._closed = (0.0, 0.0)  # compute and wait summed over the steps closed so far
+
+    @property
+    def steps(self) -> int:
+        """Steps timed (closed by end_step)."""
+        return len(self.split)
+
+    def end_step(self) -> None:
+        """A step is over: its compute and wait seconds are kept (split)."""
+        now = tuple(sum(self.seconds[k] for k in names) for names in (self.COMPUTE, self.WAIT))
+        self.split.append((now[0] - self._closed[0], now[1] - self._closed[1]))
+        self._closed = now
 
     def clock(self) -> float:
         """A timestamp after the device's queued work (CUDA) has finished."""
@@ -177,7 +183,7 @@ class StragglerDetector:
     def __init__(self, grid, phases: StepPhases, threshold: float, every: int, windows: int):
         self.grid, self.phases = grid, phases
         self.threshold, self.every, self.windows = threshold, every, windows
-        self._last, self._last_steps = dict(phases.seconds), phases.steps
+        self._seen = len(phases.split)  # the steps of earlier windows
         self._running: dict = {}  # rank -> windows running it was slow in
         self.named: list = []  # every naming: its step, rank, coordinates, seconds, stage median
 
@@ -187,14 +193,16 @@ class StragglerDetector:
         median_s, windows)."""
         if (step + 1) % self.every:
             return []
-        n = max(self.phases.steps - self._last_steps, 1)
-        compute, wait = StepPhases.compute_and_wait(self.phases.seconds, self._last)
-        self._last, self._last_steps = dict(self.phases.seconds), self.phases.steps
-        mine = {"rank": self.grid.rank, "coords": dict(self.grid.coords), "compute_s": compute / n, "wait_s": wait / n}
+        window, self._seen = self.phases.split[self._seen:], len(self.phases.split)
+        compute, wait = (statistics.fmean(x) for x in zip(*window))
+        mine = {"rank": self.grid.rank, "coords": dict(self.grid.coords), "compute_s": compute, "wait_s": wait}
         everyone = self.grid.all_gather_json(mine)
+        stages = {}
+        for r in everyone:
+            stages.setdefault(r["coords"]["pp"], []).append(r["compute_s"])
         named = []
         for r in everyone:
-            peers = [p["compute_s"] for p in everyone if p["coords"].get("pp", 0) == r["coords"].get("pp", 0)]
+            peers = stages[r["coords"]["pp"]]
             median = statistics.median(peers)
             slow = len(peers) > 1 and r["compute_s"] > median * (1 + self.threshold)
             self._running[r["rank"]] = self._running.get(r["rank"], 0) + 1 if slow else 0

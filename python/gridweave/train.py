@@ -260,7 +260,7 @@ def train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y, documents=None,
         return phases.timed("bookkeeping", _train_step, cfg, grid, stage, opt, scaler, x, y, documents, phases)
     finally:
         opt.phases = None
-        phases.steps += 1
+        phases.end_step()
 
 
 def _train_step(cfg: TrainConfig, grid, stage, opt, scaler, x, y, documents, phases) -> tuple:
@@ -524,7 +524,7 @@ class Meter:
     and the progress bar on rank 0."""
 
     def __init__(self, cfg: TrainConfig, grid, model_cfg: ModelConfig, start: int):
-        self.cfg, self.grid_rank = cfg, grid.rank
+        self.cfg = cfg
         self.flops_token = model_flops_per_token(dataclasses.replace(model_cfg, seq=cfg.seq))  # the trained length
         peak, self.peak_source = peak_flops(grid, cfg.compute.name)
         total = torch.tensor([peak], dtype=torch.float64, device=grid.device)
@@ -537,7 +537,7 @@ class Meter:
             from tqdm import tqdm
 
             self.bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step")
-        self.run_log, self.predicted_s, self._traffic, self._phases = None, None, {}, None
+        self.run_log, self.predicted_s, self._traffic = None, None, {}
         if cfg.sinks and (grid.rank == 0 or cfg.log_all_ranks):
             try:
                 self.predicted_s = predicted_step_s(cfg, grid)
@@ -574,9 +574,6 @@ class Meter:
         planner's prediction, memory, and the bytes and messages its engine moved per axis; with
         phases timed, its forward and backward seconds (compute) and its waits for its peers
         (StepPhases.WAIT) in the step (every rank's with log_all_ranks)."""
-        if phases is not None:
-            now = dict(phases.seconds)
-            before, self._phases = self._phases or dict.fromkeys(now, 0.0), now
         if self.run_log is None:
             return
         import resource
@@ -590,7 +587,7 @@ class Meter:
         if self.experts:  # the busiest expert over an even share, the most unbalanced layer's (this stage's)
             values["moe/max_load_over_mean"] = max(max(c) * len(c) / max(sum(c), 1) for c in self.experts[-1])
         if phases is not None:
-            values["perf/compute_s"], values["perf/wait_s"] = StepPhases.compute_and_wait(now, before)
+            values["perf/compute_s"], values["perf/wait_s"] = phases.split[-1]
         if grid.device.type == "cuda":
             values["memory/device_max_allocated_bytes"] = torch.cuda.max_memory_allocated(grid.device)
         if history.val and history.val[-1][0] == step + 1:
@@ -604,12 +601,11 @@ class Meter:
             self._traffic[label] = now
         self.run_log.step(step + 1, values)
 
-    def stragglers(self, step: int, named: list) -> None:
+    def stragglers(self, step: int, named: list, grid) -> None:
         """Ranks the straggler detector named at `step`: a line (rank 0) and each one's time over
         its stage's median to the loggers."""
-        for s in named:
-            if self.grid_rank == 0 and not self.cfg.quiet:
-                _say(StragglerDetector.describe(s))
+        for s in named if grid.rank == 0 and not self.cfg.quiet else ():
+            _say(StragglerDetector.describe(s))
         if self.run_log is not None and named:
             self.run_log.step(step + 1, {f"straggler/rank{s['rank']}/over_median": s["compute_s"] / s["median_s"]
                                          for s in named})
@@ -736,7 +732,7 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
         validation.after_step(step, stage, grid, history)
         meter.log(step, history, grid, read.scale, phases)
         if stragglers is not None:
-            meter.stragglers(step, stragglers.after_step(step))
+            meter.stragglers(step, stragglers.after_step(step), grid)
         meter.show(history)
         checkpoints.after_step(step, history)
     meter.close()

@@ -201,17 +201,16 @@ class GPTStage(nn.Module):
         if self.fused_loss:  # `logits` are the head's input: its features projected and scored in its call
             total = self.head(logits, score=lambda f, out: linear_cross_entropy(
                 f.reshape(-1, f.shape[-1]), out.weight, out.bias, targets, self.grid, self.vocab_axis, IGNORE))
-            return total / (predicted.sum().clamp(min=1) if normalizer is None else normalizer)
-        if self.vocab_axis is None:
+        elif self.vocab_axis is None:
             logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
             if normalizer is None:
                 return GPT.loss(logits, targets)
-            per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets, ignore_index=IGNORE,
-                                        reduction="none")
+            total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets, ignore_index=IGNORE,
+                                    reduction="none").sum()
         else:
-            per_token = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets, self.grid,
-                                                     self.vocab_axis) * predicted
-        return per_token.sum() / (predicted.sum().clamp(min=1) if normalizer is None else normalizer)
+            total = (vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets, self.grid,
+                                                  self.vocab_axis) * predicted).sum()
+        return total / (predicted.sum().clamp(min=1) if normalizer is None else normalizer)
 
     def activation_shape(self, batch: int, seq: int) -> tuple:
         """What crosses a stage boundary on this rank (1/t of the hidden dim with scatter/gather).

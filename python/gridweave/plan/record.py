@@ -528,11 +528,10 @@ def record_stage(config, mode, dp, pp, sp, at, batch, per_stage, dtype=torch.bfl
     grid = RecordingGrid(axes, mode, _recorded_at(mode, axes, at))
     stage = grid.coords["pp"]
     options = dict(attention=attention[0], ulysses_degree=attention[1], **_moe_options(config, grid, experts))
-    head = dict(fused_loss=fused_loss)
     with MetaMemo():  # building it (its run is the Census's, which memoizes the same way)
         dense = _dense(config, pp * per_stage, dtype)
         if ends:
-            st = GPTStage(dense, grid, mode, stage, pp, **head, **options)
+            st = GPTStage(dense, grid, mode, stage, pp, fused_loss=fused_loss, **options)
             shape = st.activation_shape(batch, config.seq)
         else:  # the layers alone, on the stage's (dp-free) layout
             st = torch.nn.Module()
@@ -642,14 +641,11 @@ def stage_role(pp: int, stage: int) -> tuple:
 
 
 @lru_cache(maxsize=1024)
-def _stage_recordings(config, mode, dp, pp, sp, at, dtype, ends, fused_attention, attention=("ring", 1),
-                      experts=None, flat_gradients=False, lo=None, fused_loss=False) -> tuple:
-    """record_stage with one and two layers a stage, at lo and lo + b0, b0 the mode's smallest
-    batch (lo: a multiple of it, default b0). Returns (recordings, lo, b0)."""
-    b0 = batch_unit(mode, sp)
-    lo = lo or b0
+def _stage_recordings(config, mode, dp, pp, sp, at, dtype, ends, fused_attention, attention, experts,
+                      flat_gradients, fused_loss, batches: tuple) -> dict:
+    """record_stage with one and two layers a stage at each of `batches`: {(layers, batch): recording}."""
     return {(k, b): record_stage(config, mode, dp, pp, sp, at, b, k, dtype, ends, fused_attention, attention, experts,
-                                 flat_gradients, fused_loss) for k in (1, 2) for b in (lo, lo + b0)}, lo, b0
+                                 flat_gradients, fused_loss) for k in (1, 2) for b in batches}
 
 
 def _lerp(a: LayerSchedule, b: LayerSchedule, f: float) -> LayerSchedule:
@@ -694,9 +690,9 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
     # (growing with the batch) and the gradients (not), whichever moment holds more; so the two
     # recordings are the multiples of the smallest batch b0 around this one
     b0 = batch_unit(mode, sp)
-    rec, lo, b0 = _stage_recordings(config, mode, _stage_dp(config, dp), rpp, sp, others + (("pp", rstage),), dtype,
-                                    ends, fused_attention, attention, experts, flat_gradients,
-                                    max(b0, int(batch // b0) * b0), fused_loss)
+    lo = max(b0, int(batch // b0) * b0)
+    rec = _stage_recordings(config, mode, _stage_dp(config, dp), rpp, sp, others + (("pp", rstage),), dtype, ends,
+                            fused_attention, attention, experts, flat_gradients, fused_loss, (lo, lo + b0))
     f = (batch - lo) / b0  # affine between the two recordings (the peak too, near them)
     one, two = (_lerp(rec[(k, lo)][0], rec[(k, lo + b0)][0], f) for k in (1, 2))
     payload = round(rec[(1, lo)][1] + (rec[(1, lo + b0)][1] - rec[(1, lo)][1]) * f)
