@@ -35,6 +35,25 @@ Communicator::Communicator(CommInfo info) : info_(std::move(info)) {
     peer_is_intra_.push_back(info_.member_nodes[k] == info_.member_nodes[info_.rank]);
   for (int op = 0; op <= static_cast<int>(OpKind::Barrier); ++op)
     described_.push_back(description(info_, static_cast<OpKind>(op), -1));
+  if (info_.flight && info_.flight->capacity() == 0) info_.flight = nullptr;  // disabled: no per-op call
+  if (info_.flight && info_.flight_line < 0)
+    info_.flight_line = info_.flight->add_line(info_.name.empty() ? info_.axis : info_.name, info_.members);
+}
+
+FlightOp Communicator::flight_issue(OpKind op, const BufferView& buf, int root, int peer, int tag) {
+  if (!info_.flight) return FlightOp();
+  FlightEntry e;
+  e.line = info_.flight_line;
+  e.kind = static_cast<int>(op);
+  const bool p2p = op == OpKind::Send || op == OpKind::Recv;
+  e.seq = p2p ? p2p_seq_.fetch_add(1) + 1 : seq_ + 1;
+  e.tag = p2p ? tag : -1;
+  e.peer = peer >= 0 ? info_.members[peer] : -1;
+  e.root = root >= 0 ? info_.members[root] : -1;
+  e.count = buf.count;
+  e.bytes = buf.nbytes();
+  e.dtype = buf.dtype;
+  return FlightOp(info_.flight.get(), info_.flight->issue(e));
 }
 
 std::string Communicator::describe(OpKind op, int peer) const {
@@ -193,9 +212,10 @@ std::shared_ptr<Work> Communicator::all_gather(const BufferView& in, const Buffe
                                                << dtype_name(out.dtype));
   GW_CHECK(out.count == in.count * size(), describe(op) << ": output holds " << out.count << " elements, needs "
                                                         << size() << " x " << in.count);
+  FlightOp rec = flight_issue(op, in, -1, -1, -1);
   const Fingerprint fp = agree(op, in, -1);
   count(op, in, 0);
-  return run_collective(op, in, out, ReduceOp::Sum, 0, async_op, fp);
+  return flown(rec, run_collective(op, in, out, ReduceOp::Sum, 0, async_op, fp));
 }
 
 std::shared_ptr<Work> Communicator::reduce_scatter(const BufferView& in, const BufferView& out, ReduceOp rop, bool async_op) {
@@ -207,18 +227,20 @@ std::shared_ptr<Work> Communicator::reduce_scatter(const BufferView& in, const B
                                                << dtype_name(out.dtype));
   GW_CHECK(in.count == out.count * size(), describe(op) << ": input holds " << in.count << " elements, must be "
                                                         << size() << " x output (" << out.count << ")");
+  FlightOp rec = flight_issue(op, out, -1, -1, -1);
   const Fingerprint fp = agree(op, out, -1);
   count(op, in, 0);
-  return run_collective(op, in, out, rop, 0, async_op, fp);
+  return flown(rec, run_collective(op, in, out, rop, 0, async_op, fp));
 }
 
 std::shared_ptr<Work> Communicator::all_reduce(const BufferView& buf, ReduceOp rop, bool async_op) {
   const OpKind op = OpKind::AllReduce;
   check_usable(op);
   check_buffer(buf, "buffer", op);
+  FlightOp rec = flight_issue(op, buf, -1, -1, -1);
   const Fingerprint fp = agree(op, buf, -1);
   count(op, buf, 0);
-  return run_collective(op, buf, buf, rop, 0, async_op, fp);
+  return flown(rec, run_collective(op, buf, buf, rop, 0, async_op, fp));
 }
 
 std::shared_ptr<Work> Communicator::broadcast(const BufferView& buf, int root, bool async_op) {
@@ -226,9 +248,10 @@ std::shared_ptr<Work> Communicator::broadcast(const BufferView& buf, int root, b
   check_usable(op);
   check_buffer(buf, "buffer", op);
   check_root(root, op);
+  FlightOp rec = flight_issue(op, buf, root, -1, -1);
   const Fingerprint fp = agree(op, buf, root);
   count(op, buf, root);
-  return run_collective(op, buf, buf, ReduceOp::Sum, root, async_op, fp);
+  return flown(rec, run_collective(op, buf, buf, ReduceOp::Sum, root, async_op, fp));
 }
 
 std::shared_ptr<Work> Communicator::reduce(const BufferView& buf, ReduceOp rop, int root, bool async_op) {
@@ -236,9 +259,10 @@ std::shared_ptr<Work> Communicator::reduce(const BufferView& buf, ReduceOp rop, 
   check_usable(op);
   check_buffer(buf, "buffer", op);
   check_root(root, op);
+  FlightOp rec = flight_issue(op, buf, root, -1, -1);
   const Fingerprint fp = agree(op, buf, root);
   count(op, buf, root);
-  return run_collective(op, buf, buf, rop, root, async_op, fp);
+  return flown(rec, run_collective(op, buf, buf, rop, root, async_op, fp));
 }
 
 std::shared_ptr<Work> Communicator::scatter(const BufferView& in, const BufferView& out, int root, bool async_op) {
@@ -252,9 +276,10 @@ std::shared_ptr<Work> Communicator::scatter(const BufferView& in, const BufferVi
     GW_CHECK(in.count == out.count * size(), describe(op) << ": root input holds " << in.count
                                                           << " elements, needs " << size() << " x " << out.count);
   }
+  FlightOp rec = flight_issue(op, out, root, -1, -1);
   const Fingerprint fp = agree(op, out, root);
   count(op, out, root);
-  return run_collective(op, in, out, ReduceOp::Sum, root, async_op, fp);
+  return flown(rec, run_collective(op, in, out, ReduceOp::Sum, root, async_op, fp));
 }
 
 std::shared_ptr<Work> Communicator::gather(const BufferView& in, const BufferView& out, int root, bool async_op) {
@@ -268,9 +293,10 @@ std::shared_ptr<Work> Communicator::gather(const BufferView& in, const BufferVie
     GW_CHECK(out.count == in.count * size(), describe(op) << ": root output holds " << out.count
                                                           << " elements, needs " << size() << " x " << in.count);
   }
+  FlightOp rec = flight_issue(op, in, root, -1, -1);
   const Fingerprint fp = agree(op, in, root);
   count(op, in, root);
-  return run_collective(op, in, out, ReduceOp::Sum, root, async_op, fp);
+  return flown(rec, run_collective(op, in, out, ReduceOp::Sum, root, async_op, fp));
 }
 
 std::shared_ptr<Work> Communicator::all_to_all(const BufferView& in, const BufferView& out, bool async_op) {
@@ -282,9 +308,10 @@ std::shared_ptr<Work> Communicator::all_to_all(const BufferView& in, const Buffe
            describe(op) << ": input and output must have the same dtype and count");
   GW_CHECK(in.count % size() == 0, describe(op) << ": " << in.count << " elements do not split into " << size()
                                                 << " equal chunks");
+  FlightOp rec = flight_issue(op, in, -1, -1, -1);
   const Fingerprint fp = agree(op, in, -1);
   count(op, in, 0);
-  return run_collective(op, in, out, ReduceOp::Sum, 0, async_op, fp);
+  return flown(rec, run_collective(op, in, out, ReduceOp::Sum, 0, async_op, fp));
 }
 
 namespace {
@@ -339,6 +366,9 @@ class AckedWork : public Work {
                                        "; the receiving rank passed " + theirs.str());
   }
   int source() const override { return data_->source(); }
+  void attach_flight(const std::shared_ptr<FlightRecorder>& rec, std::uint64_t id) override {
+    data_->attach_flight(rec, id);  // the message's own Work stamps it
+  }
 
  private:
   BufferView view() {
@@ -407,9 +437,10 @@ void Communicator::check_p2p(OpKind op, const BufferView& buf, const std::vector
 std::shared_ptr<Work> Communicator::send(const BufferView& buf, int peer, int tag) {
   const OpKind op = OpKind::Send;
   check_p2p(op, buf, {peer}, tag);
+  FlightOp rec = flight_issue(op, buf, -1, peer, tag);
   count(op, buf, peer);
   const Fingerprint fp = p2p_fingerprint(op, buf, tag);
-  return acknowledged(run_p2p(op, buf, {peer}, tag, fp), fp, peer);
+  return flown(rec, acknowledged(run_p2p(op, buf, {peer}, tag, fp), fp, peer));
 }
 
 std::shared_ptr<Work> Communicator::recv(const BufferView& buf, int peer, int tag) {
@@ -419,9 +450,10 @@ std::shared_ptr<Work> Communicator::recv(const BufferView& buf, int peer, int ta
 std::shared_ptr<Work> Communicator::recv_any(const BufferView& buf, const std::vector<int>& peers, int tag) {
   const OpKind op = OpKind::Recv;
   check_p2p(op, buf, peers, tag);
+  FlightOp rec = flight_issue(op, buf, -1, peers.size() == 1 ? peers[0] : -1, tag);
   // Counted on completion, when the sender is known (see the transports).
   const Fingerprint fp = p2p_fingerprint(op, buf, tag);
-  return acknowledged(run_p2p(op, buf, peers, tag, fp), fp, peers.size() == 1 ? peers[0] : -1);
+  return flown(rec, acknowledged(run_p2p(op, buf, peers, tag, fp), fp, peers.size() == 1 ? peers[0] : -1));
 }
 
 std::vector<std::shared_ptr<Work>> Communicator::batch(const std::vector<P2P>& ops) {
@@ -432,10 +464,16 @@ std::vector<std::shared_ptr<Work>> Communicator::batch(const std::vector<P2P>& o
     check_p2p(o.op, o.buf, {o.peer}, o.tag);
     fps.push_back(p2p_fingerprint(o.op, o.buf, o.tag));
   }
+  // one guard an op; a batch is short (a pipeline's neighbours, an all-to-all's members)
+  std::vector<FlightOp> recs(info_.flight ? ops.size() : 0);
+  for (std::size_t k = 0; k < recs.size(); ++k) recs[k] = flight_issue(ops[k].op, ops[k].buf, -1, ops[k].peer, ops[k].tag);
   for (const P2P& o : ops)
     if (o.op == OpKind::Send) count(o.op, o.buf, o.peer);
   std::vector<std::shared_ptr<Work>> works = run_batch(ops, fps);
-  for (std::size_t k = 0; k < ops.size(); ++k) works[k] = acknowledged(works[k], fps[k], ops[k].peer);
+  for (std::size_t k = 0; k < ops.size(); ++k) {
+    works[k] = acknowledged(works[k], fps[k], ops[k].peer);
+    if (k < recs.size()) flown(recs[k], works[k]);
+  }
   return works;
 }
 
@@ -451,8 +489,9 @@ std::shared_ptr<Work> Communicator::barrier(bool async_op) {
   check_usable(OpKind::Barrier);
   BufferView none;
   none.device = device();
+  FlightOp rec = flight_issue(OpKind::Barrier, none, -1, -1, -1);
   const Fingerprint fp = agree(OpKind::Barrier, none, -1);
-  return run_collective(OpKind::Barrier, none, none, ReduceOp::Sum, 0, async_op, fp);
+  return flown(rec, run_collective(OpKind::Barrier, none, none, ReduceOp::Sum, 0, async_op, fp));
 }
 
 }  // namespace gridweave

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "dtype.h"
+#include "flight.h"
 #include "traffic.h"
 #include "work.h"
 
@@ -77,6 +78,9 @@ struct CommInfo {
   std::string session;             // names this line of this grid alike on all its members
   CheckLevel check = CheckLevel::Cheap;
   std::shared_ptr<Watchdog> watchdog;  // the grid's, for ops that complete on their own (may be null)
+  std::shared_ptr<FlightRecorder> flight;  // the grid's flight recorder (may be null: nothing recorded)
+  int flight_line = -1;  // this line in the recorder, when the grid registered it (else the constructor does)
+  std::string name;      // the line's name in the grid (a link's own), for the recorder; "" means axis
 };
 
 class Communicator : public std::enable_shared_from_this<Communicator> {
@@ -193,6 +197,13 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::shared_ptr<Work> acknowledged(std::shared_ptr<Work> data, const Fingerprint& fp, int peer);
   // The next collective's fingerprint; at the Detail level, verified against every member's.
   Fingerprint agree(OpKind op, const BufferView& buf, int root);
+  // Records an op in the flight recorder as issued (before agree, so an op whose members
+  // disagree is recorded too); the guard marks it failed unless a Work takes it over (flown).
+  FlightOp flight_issue(OpKind op, const BufferView& buf, int root, int peer, int tag);
+  std::shared_ptr<Work> flown(FlightOp& rec, std::shared_ptr<Work> work) const {
+    if (rec.id()) work->attach_flight(info_.flight, rec.release());
+    return work;
+  }
   std::atomic<bool> broken_{false};  // set by waiter and worker threads too
   mutable std::mutex why_mutex_;
   std::string broken_why_;  // the failure that broke it, when its thread said
@@ -201,6 +212,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::vector<std::string> described_;  // describe(op) of each OpKind
   std::vector<bool> peer_is_intra_;     // member k shares this rank's node
   std::uint64_t seq_ = 0;
+  std::atomic<std::uint64_t> p2p_seq_{0};  // p2p ops issued here (the flight recorder's sequence)
 };
 
 }  // namespace gridweave

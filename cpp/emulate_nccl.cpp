@@ -152,15 +152,28 @@ std::vector<std::shared_ptr<Work>> NcclRulesCommunicator::enqueue(std::vector<It
     auto c = weak.lock();
     return c ? c->running() : std::string();
   };
-  for (const Item& it : items) {
+  for (Item& it : items) {
     const bool p2p = it.op == OpKind::Send || it.op == OpKind::Recv;
     works.push_back(std::make_shared<RuledWork>(p2p ? describe(it.op, it.root) : describe(it.op), task,
                                                 it.op == OpKind::Recv ? it.root : -1, weak, running));
+    it.flight = works.back();
   }
   const std::uint64_t position = ++issued_ops_;
   // Raw `this`: the destructor drains the worker before the communicator goes.
   worker_->submit(task, [this, items = std::move(items), what, position]() {
     taken_.fetch_add(1);
+    // The flight recorder's stamps of the users' Works: started now, ended as the item ends
+    // (an exception that leaves here fails them; the item's own Works are stamped alike).
+    struct Flown {
+      const std::vector<Item>& items;
+      bool ok = false;
+      ~Flown() {
+        for (const Item& it : items)
+          if (it.flight) it.flight->flight_ended(ok);
+      }
+    } flown{items};
+    for (const Item& it : items)
+      if (it.flight) it.flight->flight_started();
     struct Finished {
       std::atomic<std::uint64_t>& n;
       ~Finished() { n.fetch_add(1); }
@@ -186,6 +199,7 @@ std::vector<std::shared_ptr<Work>> NcclRulesCommunicator::enqueue(std::vector<It
       const OpKind op = items.front().op;
       if (op == OpKind::Send || op == OpKind::Recv) run_group(items);
       else run_one_collective(items.front());
+      flown.ok = true;
     } catch (const Error& e) {
       std::lock_guard<std::mutex> lock(mu_);
       if (abort_what_.empty()) {
@@ -270,6 +284,7 @@ void NcclRulesCommunicator::run_group(const std::vector<Item>& items, std::vecto
     if (it.in.nbytes() <= eager_bytes_) {  // buffered: the send completes now, the message follows
       auto e = std::make_unique<Eager>();
       e->item = it;
+      e->item.flight = nullptr;  // the group's Works are stamped by the worker, not kept here
       e->copy.assign(static_cast<const char*>(it.in.ptr), static_cast<const char*>(it.in.ptr) + it.in.nbytes());
       e->item.in.ptr = e->copy.data();
       e->cts.assign(kCtsWords, 0);

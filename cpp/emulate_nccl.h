@@ -51,6 +51,10 @@ class NcclRulesCommunicator : public Communicator {
     int root = -1;  // collectives: the root; p2p: the peer
     int tag = 0;
     std::uint64_t order = 0;  // p2p: this pair's n-th message in this direction
+    // What the user holds, kept by the item until the worker has run it: its flight recorder's
+    // stamps (handed to the recorder once the issuing code attached the entry) are not lost
+    // when the caller drops its Work before the op runs.
+    std::shared_ptr<Work> flight;
   };
 
  protected:

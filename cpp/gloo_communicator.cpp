@@ -142,7 +142,10 @@ std::shared_ptr<Work> GlooCommunicator::run_collective(OpKind op, const BufferVi
                                                        const Fingerprint& fp) {
   auto work = std::make_shared<TaskWork>(describe(op));
   if (!async_op) {
-    int ran = worker_->run_inline([&]() { run_on_worker(op, in, out, rop, root, fp); });
+    int ran = worker_->run_inline([&]() {
+      work->flight_started();
+      run_on_worker(op, in, out, rop, root, fp);
+    });
     if (ran) {
       work->complete();
       return work;
@@ -373,6 +376,7 @@ std::shared_ptr<Work> GlooCommunicator::run_p2p(OpKind op, const BufferView& buf
                    pending_.end());
     pending_.push_back(ub);
   }
+  work->flight_started();  // posted: the transport moves it from now on
   // Posting never blocks; a waiter thread observes completion so test() can poll
   // and several p2p ops can be outstanding at once (the message-driven pipeline).
   auto self = std::static_pointer_cast<GlooCommunicator>(shared_from_this());

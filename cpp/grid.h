@@ -37,6 +37,10 @@ struct GridOptions {
   CheckLevel check = CheckLevel::Cheap;  // how every op verifies that the members agree
   Emulation emulate = Emulation::None;
   std::size_t eager_bytes = 0;           // under NCCL's rules: sends up to this size complete at once
+  // The flight recorder (cpp/flight.h): its entries (-1: GRIDWEAVE_FLIGHT_ENTRIES, else 2048; 0
+  // disables it) and the folder its dumps go to ("": none written, the ring still records).
+  long long flight_entries = -1;
+  std::string flight_dir;
 };
 
 class Grid {
@@ -83,13 +87,33 @@ class Grid {
 
   std::map<std::string, AxisCounters> stats() const { return counters_->snapshot(); }
   void reset_stats() { counters_->reset(); }
+  // Dumps the flight recorder (shutdown, then nothing more): the watched ops are tested once
+  // first, so those that completed unseen are stamped ended; a SIGTERM not yet dumped is dumped
+  // first.
   void shutdown();
+
+  // The flight recorder as JSON (reason: what the dump says happened).
+  std::string flight_json(const std::string& reason) const;
+  // Writes it to <flight_dir>/rank<R>.json (nothing without a folder, or once shut down). The
+  // first failure's reason stays the dump's reason (a later "shutdown" is added to its reasons);
+  // a dump that would say nothing new (same reason, no op recorded or stamped since) is skipped.
+  // Never throws: a dump that cannot be written is said on stderr.
+  void flight_dump(const std::string& reason);
+  const std::shared_ptr<FlightRecorder>& flight() const { return flight_; }
+  // flight_dump(reason) of every grid of this process not yet destroyed (a grid shut down
+  // writes nothing more): a communication error that reaches Python, a SIGTERM.
+  static void flight_dump_all(const std::string& reason);
+  // The reasons a dump keeps: the first, and this many of the latest (the others are counted).
+  static constexpr std::size_t kLatestReasons = 8;
 
  private:
   std::shared_ptr<Communicator> line(const std::vector<std::string>& axes, bool control);
   // The transport's communicator for `info` (a host one for control channels), with NCCL's
   // rules on top when emulated.
   std::shared_ptr<Communicator> make(CommInfo info, const std::string& store_prefix, bool control);
+  // Registers `info`'s line with the flight recorder under `name` and records its making.
+  FlightOp flight_connect(CommInfo& info, const std::string& name);
+  FlightHeader flight_header(const std::string& reason) const;  // under flight_mu_
   GridOptions options_;
   Placement placement_;
   std::shared_ptr<Store> store_;
@@ -99,6 +123,12 @@ class Grid {
   std::map<std::string, std::shared_ptr<Communicator>> comms_;
   bool sealed_ = false;
   Made made_;
+  std::shared_ptr<FlightRecorder> flight_;  // null when disabled
+  mutable std::mutex flight_mu_;  // the dumps' (never mu_: a dump must not wait on a line being made)
+  std::vector<std::string> flight_reasons_;  // the first, then the latest kLatestReasons
+  std::uint64_t flight_reasons_omitted_ = 0;  // distinct reasons dropped between them
+  std::uint64_t flight_written_ = 0;  // the recorder's version at the last dump written
+  bool flight_closed_ = false;
   // Last: destroyed first, so its thread never aborts a grid that is going away.
   std::shared_ptr<Watchdog> watchdog_;
 };

@@ -120,6 +120,12 @@ PYBIND11_MODULE(_C, m) {
     } catch (const Error& e) {
       const char* name = e.kind() == ErrorKind::Config ? "GridError"
                          : e.kind() == ErrorKind::Timeout ? "CommTimeout" : "CommError";
+      // Every engine error reaches Python here: a communication failure dumps the flight
+      // recorders (a grid's dump says nothing twice; its first failure stays the reason).
+      if (e.kind() != ErrorKind::Config) {
+        py::gil_scoped_release nogil;  // a dump writes a file; other threads may run meanwhile
+        Grid::flight_dump_all(std::string(name) + ": " + e.what());  // the grids not shut down
+      }
       py::object cls = py::module_::import("gridweave.errors").attr(name);
       PyErr_SetString(cls.ptr(), e.what());
     }
@@ -416,7 +422,8 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](const std::vector<std::pair<std::string, int>>& axes, const std::string& policy, int rpn,
                        int rank, const std::string& backend, double timeout_s, const std::string& hostname,
                        int device_index, std::shared_ptr<Store> store, const std::string& session,
-                       CheckLevel check, Emulation emulate, std::size_t eager_bytes) {
+                       CheckLevel check, Emulation emulate, std::size_t eager_bytes, long long flight_entries,
+                       const std::string& flight_dir) {
              GW_CHECK(policy == "naive" || policy == "topology",
                       "placement must be 'naive' or 'topology', got '" << policy << "'");
              GW_CHECK(backend == "gloo" || backend == "nccl" || backend == "mpi",
@@ -434,11 +441,21 @@ PYBIND11_MODULE(_C, m) {
              o.check = check;
              o.emulate = emulate;
              o.eager_bytes = eager_bytes;
+             o.flight_entries = flight_entries;
+             o.flight_dir = flight_dir;
              return std::make_shared<Grid>(o, store);
            }), py::arg("axes"), py::arg("policy"), py::arg("ranks_per_node"), py::arg("rank"), py::arg("backend"),
            py::arg("timeout_s"), py::arg("hostname"), py::arg("device_index"), py::arg("store"),
            py::arg("session") = "", py::arg("check") = CheckLevel::Cheap, py::arg("emulate") = Emulation::None,
-           py::arg("eager_bytes") = 0)
+           py::arg("eager_bytes") = 0, py::arg("flight_entries") = -1, py::arg("flight_dir") = "")
+      // The flight recorder (cpp/flight.h): its JSON, and a dump to the grid's folder.
+      .def_property_readonly("flight_enabled", [](const Grid& g) { return g.flight() != nullptr; })
+      .def_property_readonly("flight_dir", [](const Grid& g) { return g.options().flight_dir; })
+      .def("flight_json", &Grid::flight_json, py::arg("reason") = "")
+      .def("flight_dump", [](Grid& g, const std::string& reason) {
+        py::gil_scoped_release nogil;
+        g.flight_dump(reason);
+      }, py::arg("reason"))
       .def_property_readonly("nccl_rules", &Grid::nccl_rules)
       .def("link", [](Grid& g, const std::vector<std::string>& axes, int a, int b, int channel) {
         py::gil_scoped_release nogil;

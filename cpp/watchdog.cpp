@@ -37,6 +37,22 @@ std::size_t Watchdog::outstanding() const {
   return entries_.size();
 }
 
+void Watchdog::poll_outstanding() {
+  std::vector<std::shared_ptr<Work>> works;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    passed_.wait_for(lock, std::chrono::seconds(1), [&] { return !passing_; });
+    works.reserve(entries_.size());
+    for (const auto& e : entries_) works.push_back(e.work);
+  }
+  for (const auto& w : works) {
+    try {
+      w->test();
+    } catch (...) {  // the watchdog's next pass sees it too, and fails the grid
+    }
+  }
+}
+
 void Watchdog::fail(const Error& e) {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -57,6 +73,7 @@ void Watchdog::loop() {
       cv_.wait_for(lock, poll_, [&] { return stop_; });
       if (stop_) return;
       now.swap(entries_);  // polled outside the lock: test() may call into the driver
+      passing_ = true;
     }
     std::vector<Entry> keep;
     for (auto& e : now) {
@@ -64,10 +81,12 @@ void Watchdog::loop() {
         if (e.work->test()) continue;
         const std::string err = e.poll_error ? e.poll_error() : std::string();
         if (!err.empty()) {
+          e.work->flight_ended(false);
           fail(Error(ErrorKind::Comm, "gridweave: " + e.work->what() + " failed: " + err));
           continue;
         }
         if (Clock::now() > e.deadline) {
+          e.work->flight_ended(false);  // aborted: it never completes now
           fail(Error(ErrorKind::Timeout, "gridweave: " + e.work->what() +
                                              " timed out (the grid's watchdog aborted its communicators): a peer is "
                                              "slow, skipped this op or died"));
@@ -75,14 +94,20 @@ void Watchdog::loop() {
         }
         keep.push_back(std::move(e));
       } catch (const Error& err) {
+        e.work->flight_ended(false);
         fail(err);
       } catch (const std::exception& err) {
+        e.work->flight_ended(false);
         fail(Error(ErrorKind::Comm, std::string("gridweave: ") + e.work->what() + " failed: " + err.what()));
       }
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    if (failure_) keep.clear();  // aborted: nothing left to wait for
-    entries_.insert(entries_.begin(), std::make_move_iterator(keep.begin()), std::make_move_iterator(keep.end()));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (failure_) keep.clear();  // aborted: nothing left to wait for
+      entries_.insert(entries_.begin(), std::make_move_iterator(keep.begin()), std::make_move_iterator(keep.end()));
+      passing_ = false;
+    }
+    passed_.notify_all();
   }
 }
 

@@ -38,6 +38,10 @@ class Watchdog {
   void check() const;
   bool failed() const;
   std::size_t outstanding() const;
+  // Tests every outstanding op once on the calling thread (after the watchdog's pass under way,
+  // if any, is done): an op that completed but was not yet seen is stamped ended in the flight
+  // recorder (the grid's shutdown, before its dump). Its errors are left to the watchdog.
+  void poll_outstanding();
 
  private:
   struct Entry {
@@ -51,6 +55,8 @@ class Watchdog {
   std::chrono::milliseconds poll_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
+  std::condition_variable passed_;  // a pass over the ops ended
+  bool passing_ = false;            // the thread holds the ops (out of entries_) and tests them
   std::vector<Entry> entries_;
   std::unique_ptr<Error> failure_;
   bool stop_ = false;

@@ -1,8 +1,35 @@
 #include "work.h"
 
 #include "error.h"
+#include "flight.h"
 
 namespace gridweave {
+
+// Either side may come first: each writes its own field, then reads the other's (sequentially
+// consistent), so at least one of them hands the stamp to the recorder (which takes the first).
+void Work::attach_flight(const std::shared_ptr<FlightRecorder>& rec, std::uint64_t id) {
+  flight_ = rec;
+  flight_id_.store(id);
+  if (const std::int64_t s = flight_start_ns_.load()) rec->started(id, s);
+  if (const std::int64_t e = flight_end_.load()) rec->ended(id, e >> 1, e & 1);
+}
+
+void Work::flight_started() {
+  // no recorder records in this process (GRIDWEAVE_FLIGHT_ENTRIES=0): no clock read, no stamp
+  if (!flight_id_.load() && !FlightRecorder::any_enabled()) return;
+  std::int64_t none = 0;
+  const std::int64_t ns = FlightRecorder::now_ns();
+  if (!flight_start_ns_.compare_exchange_strong(none, ns)) return;
+  if (const std::uint64_t id = flight_id_.load()) flight_->started(id, ns);
+}
+
+void Work::flight_ended(bool ok) {
+  if (!flight_id_.load() && !FlightRecorder::any_enabled()) return;
+  std::int64_t none = 0;
+  const std::int64_t ns = FlightRecorder::now_ns();
+  if (!flight_end_.compare_exchange_strong(none, (ns << 1) | (ok ? 1 : 0))) return;
+  if (const std::uint64_t id = flight_id_.load()) flight_->ended(id, ns, ok);
+}
 
 bool TaskWork::test() {
   std::lock_guard<std::mutex> lock(mu_);
@@ -24,6 +51,7 @@ int TaskWork::source() const {
 }
 
 void TaskWork::complete(int source) {
+  flight_ended(true);
   {
     std::lock_guard<std::mutex> lock(mu_);
     done_ = true;
@@ -33,6 +61,7 @@ void TaskWork::complete(int source) {
 }
 
 void TaskWork::fail(std::exception_ptr error) {
+  flight_ended(false);
   {
     std::lock_guard<std::mutex> lock(mu_);
     done_ = true;
@@ -91,6 +120,7 @@ void Worker::loop() {
       queue_.pop_front();
       busy_ = true;
     }
+    item.first->flight_started();
     try {
       item.first->complete(item.second());
     } catch (...) {

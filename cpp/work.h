@@ -1,8 +1,10 @@
 // Work handles of asynchronous operations, and the per-communicator worker
 // thread that runs CPU collectives so communication overlaps with compute.
 #pragma once
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <exception>
 #include <functional>
@@ -12,6 +14,8 @@
 #include <thread>
 
 namespace gridweave {
+
+class FlightRecorder;
 
 class Work {
  public:
@@ -37,8 +41,23 @@ class Work {
   virtual void* stream() const { return nullptr; }
   const std::string& what() const { return what_; }
 
+  // The flight recorder's entry of this op (cpp/flight.h), attached once by the code that issued
+  // it. Whoever runs the op stamps when it starts and ends, maybe before the entry is attached (a
+  // worker may finish it first): those stamps are kept and handed over on attach. Lock-free: the
+  // issuing thread's attach and a worker's stamps never wait on each other. A Work that wraps
+  // another passes the entry on.
+  virtual void attach_flight(const std::shared_ptr<FlightRecorder>& rec, std::uint64_t id);
+  void flight_started();
+  void flight_ended(bool ok);
+
  protected:
   std::string what_;
+
+ private:
+  std::shared_ptr<FlightRecorder> flight_;  // written once, before flight_id_ publishes it
+  std::atomic<std::uint64_t> flight_id_{0};
+  std::atomic<std::int64_t> flight_start_ns_{0};
+  std::atomic<std::int64_t> flight_end_{0};  // (steady ns << 1) | ok; 0: not ended
 };
 
 // Completed by whoever runs it (a worker thread, a p2p waiter).

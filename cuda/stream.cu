@@ -84,6 +84,7 @@ EventWork::EventWork(std::string what, int device, cudaStream_t engine, cudaStre
       on_timeout_(std::move(on_timeout)) {
   event_ = acquire_event(device_);
   check_cuda(cudaEventRecord(event_, engine), "cudaEventRecord");
+  flight_started();  // on its stream: the recorder cannot see when the kernel itself begins
 }
 
 EventWork::~EventWork() {
@@ -94,6 +95,7 @@ bool EventWork::test() {
   cudaError_t s = cudaEventQuery(event_);
   if (s == cudaErrorNotReady) return false;
   check_cuda(s, "cudaEventQuery");
+  flight_ended(true);  // the first test that saw the event (the watchdog polls every watched op)
   return true;
 }
 

@@ -127,6 +127,42 @@ class MpiWork : public Work {
   bool test() override {
     std::lock_guard<std::recursive_mutex> lock(mpi_mutex());
     if (done_) return true;
+    try {
+      if (!settle()) return false;
+    } catch (...) {  // MPI itself failed (check_mpi): the op ends failed
+      flight_ended(false);
+      throw;
+    }
+    flight_ended(error_.empty());  // the flight recorder's end: the first test that saw it
+    return true;
+  }
+  void wait(std::chrono::milliseconds timeout) override {
+    const auto start = Clock::now();
+    const auto deadline = start + timeout;
+    while (!test()) {
+      const auto now = Clock::now();
+      if (now > deadline)
+        throw Error(ErrorKind::Timeout, "gridweave: " + what_ + " timed out after " +
+                                            std::to_string(timeout.count() / 1000.0) +
+                                            " s: a peer is slow, skipped this op or died");
+      // Poll as MPI's own blocking calls do (Poll); after 10 ms of waiting, sleep between polls.
+      if (now - start >= std::chrono::milliseconds(10)) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      else if (poll_ == Poll::Yield) std::this_thread::yield();
+    }
+    if (!error_.empty()) throw Error(ErrorKind::Comm, error_);
+  }
+  int source() const override { return source_; }
+  void cancel() {  // point-to-point requests only (a collective's may not be cancelled)
+    std::lock_guard<std::recursive_mutex> lock(mpi_mutex());
+    if (done_) return;
+    for (MPI_Request& r : requests_)
+      if (r != MPI_REQUEST_NULL) MPI_Cancel(&r);
+  }
+
+ private:
+  // test()'s body, under mpi_mutex(): true once every request (and round) is done, error_ set on
+  // a failure.
+  bool settle() {
     for (;;) {
       int flag = 0;
       check_mpi(MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &flag, statuses_.data()), what_);
@@ -161,30 +197,6 @@ class MpiWork : public Work {
     }
     return true;
   }
-  void wait(std::chrono::milliseconds timeout) override {
-    const auto start = Clock::now();
-    const auto deadline = start + timeout;
-    while (!test()) {
-      const auto now = Clock::now();
-      if (now > deadline)
-        throw Error(ErrorKind::Timeout, "gridweave: " + what_ + " timed out after " +
-                                            std::to_string(timeout.count() / 1000.0) +
-                                            " s: a peer is slow, skipped this op or died");
-      // Poll as MPI's own blocking calls do (Poll); after 10 ms of waiting, sleep between polls.
-      if (now - start >= std::chrono::milliseconds(10)) std::this_thread::sleep_for(std::chrono::microseconds(50));
-      else if (poll_ == Poll::Yield) std::this_thread::yield();
-    }
-    if (!error_.empty()) throw Error(ErrorKind::Comm, error_);
-  }
-  int source() const override { return source_; }
-  void cancel() {  // point-to-point requests only (a collective's may not be cancelled)
-    std::lock_guard<std::recursive_mutex> lock(mpi_mutex());
-    if (done_) return;
-    for (MPI_Request& r : requests_)
-      if (r != MPI_REQUEST_NULL) MPI_Cancel(&r);
-  }
-
- private:
   Poll poll_;
   std::function<void(const MPI_Status&)> on_done_;
   Next next_;
@@ -528,6 +540,7 @@ void MpiCommunicator::close() {
 std::shared_ptr<Work> MpiCommunicator::run_collective(OpKind op, const BufferView& in, const BufferView& out,
                                                       ReduceOp rop, int root, bool async_op, const Fingerprint& fp) {
   auto work = post_collective(op, in, out, rop, root, fp);
+  work->flight_started();  // posted: MPI moves it from now on
   if (async_op) Progress::get().add(std::static_pointer_cast<MpiWork>(work));  // moves while the caller computes
   return work;
 }
@@ -639,6 +652,7 @@ std::shared_ptr<Work> MpiCommunicator::run_p2p(OpKind op, const BufferView& buf,
   if (op == OpKind::Send) check_mpi(MPI_Isend(buf.ptr, n, t, peers[0], tag, comm_, work->request()), what);
   else check_mpi(MPI_Irecv(buf.ptr, n, t, peers.size() == 1 ? peers[0] : MPI_ANY_SOURCE, tag, comm_,
                            work->request()), what);
+  work->flight_started();
   return work;
 }
 

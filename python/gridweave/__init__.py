@@ -8,6 +8,8 @@ from .modes import CSub, Cube, Mode, Row, Sequence, Square, SubGraph
 from .layout import Layout, gather, scatter
 from .sharding import ParamPlacement, clip_grad_norm_, placement_of, reduce_gradients
 from . import autograd, checkpoint, config, data, hf, launch, models, modes, nn, optim, pipeline, plan, precision, train  # noqa: E402,F401
+from . import flight  # noqa: E402,F401  (gw.flight.analyse: the flight recorder's dumps read)
+from . import verify  # noqa: E402,F401  (gw.verify.run: a configuration against one process)
 
 __all__ = ["init", "shutdown", "current", "CheckLevel", "Grid", "LinePart", "Span", "P2POp", "Work", "Mode", "Row", "Square", "Cube", "SubGraph", "CSub",
            "Sequence", "ParamPlacement", "placement_of", "reduce_gradients", "clip_grad_norm_", "GridError",

@@ -114,6 +114,15 @@ def chunk_of(name: str, dense_shape, p, grid) -> dict:
             "order": [list(pl.order[0]), *pl.order[1:]] if pl.order else None}
 
 
+def block_of(dense: torch.Tensor, chunk: dict) -> torch.Tensor:
+    """The stored block `chunk` (chunk_of's) of a dense tensor: what the rank holding that chunk
+    holds of it (transposed and row order as it stores them)."""
+    index = [torch.as_tensor(i, dtype=torch.int64, device=dense.device)
+             for i in _dense_index(chunk, list(dense.shape))]
+    block = dense[_ix(index)]
+    return block.t() if chunk["transposed"] else block
+
+
 class FlatSlice:
     """Elements [lo, hi) of a parameter's local block in row-major order (a piece of a ZeRO
     shard, which cuts the flattened parameters anywhere): written by every rank that holds one,

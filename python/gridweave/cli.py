@@ -3,14 +3,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
+import random
 import re
 import subprocess
 import sys
+import tempfile
+import uuid
 
 from pathlib import Path
 
-from . import calibrate, checkpoint, configfile, data, launch, models, modes, plan, runfolder, train
+from . import calibrate, checkpoint, configfile, data, launch, models, modes, plan, runfolder, train, verify
+from . import flight
 from .errors import CommError, Diverged, GridError
 from .generate import check_sampling, sample
 from .hf import save_hf
@@ -41,15 +46,21 @@ def _section_flags(p, section) -> None:
             g.add_argument(flag, **extra)
 
 
-def _train_parser(sub):
-    p = sub.add_parser("train", help="train a Llama-style model (or the GPT, or BERT's masked LM) on a tokenized text "
-                                     "corpus over ranks")
+def _job_flags(p):
+    """train's flags (every section's, and --config), which verify takes too; returns --config's group."""
     for section in (LaunchSection, *JOB_SECTIONS):  # the TOML file's tables, the launcher's first
         _section_flags(p, section)
     c = p.add_argument_group("configuration file")
     c.add_argument("--config", default=None,
                    help="a TOML file of sections (" + ", ".join(sec.NAME for sec in SECTIONS) + ") whose keys are "
                         "these flags' names; flags given as well override it")
+    return c
+
+
+def _train_parser(sub):
+    p = sub.add_parser("train", help="train a Llama-style model (or the GPT, or BERT's masked LM) on a tokenized text "
+                                     "corpus over ranks")
+    c = _job_flags(p)
     c.add_argument("--print-config", action="store_true", help="print the resolved configuration as TOML and exit")
     c.add_argument("--dry-run", action="store_true",
                    help="build the model on meta tensors, print its parameters, the grid and the memory per rank "
@@ -275,6 +286,149 @@ def _plan_grid(args, model, cluster) -> int:
     return 0
 
 
+def _verify_parser(sub):
+    p = sub.add_parser("verify", help="check that a job's parallel configuration computes what one process computes "
+                                      "(a float64 replica on CPU ranks against the dense model), or fuzz them all")
+    _job_flags(p)
+    v = p.add_argument_group("verify")
+    v.add_argument("--verify-steps", type=int, default=verify.STEPS, help="steps the replica and one process compare")
+    v.add_argument("--ranks", type=int, default=verify.RANKS,
+                   help="CPU ranks the replica may take (each degree of 2 or more stays at least 2)")
+    v.add_argument("--fuzz", type=int, default=0, metavar="N",
+                   help="verify N random configurations train accepts (--seed S: the draw's), not this job's; a "
+                        "one-line repro command for each that fails")
+    return p
+
+
+def _verify(args, parser, argv) -> int:
+    """gridweave verify: the launcher checks the job (train's errors), says what the replica keeps
+    and reduces, starts its ranks on this machine and prints their report: exit 0 ok, 1 a
+    divergence (its first), 2 a bad job. A rank of it (GRIDWEAVE_VERIFY_JOB set) runs gw.verify.run."""
+    if os.environ.get(VERIFY_JOB):
+        return _verify_rank(args)
+    try:
+        args = with_config_file(args, parser, argv)
+        for name in ("verify_steps", "ranks"):
+            if getattr(args, name) < 1:
+                raise GridError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+        if args.fuzz:
+            return _fuzz(args)
+        LaunchSection(**launch_fields(args))  # the job's nodes, checked: they say its world
+        if args.nproc < 1:
+            raise GridError("verify starts its own ranks on this machine: give the job's --nproc (and --nnodes); "
+                            "inside a launched world, call gw.verify.run on every rank")
+        job_world = args.nproc * args.nnodes
+        cfg = train_config(args)
+        replica, lines, world = verify.scale_down(cfg, job_world, args.ranks)
+    except (GridError, OSError) as e:
+        print(f"gridweave verify: {as_flags(getattr(e, 'strerror', None) or e)}", file=sys.stderr)
+        return 2
+    print(f"gridweave verify: the job on {job_world} ranks as {verify.describe(replica, world)} on {world} CPU "
+          f"ranks in float64 ({'; '.join(lines)})", flush=True)
+    report = _verify_ranks(_without_launcher_flags(argv), world, job_world, args.verify_steps,
+                           args.master_port, args.timeout)
+    if report is None:
+        return 2
+    print(report.line())
+    return 0 if report.ok else 1
+
+
+VERIFY_JOB = "GRIDWEAVE_VERIFY_JOB"  # a verify rank's environment: the job's world size ...
+VERIFY_REPORT = "GRIDWEAVE_VERIFY_REPORT"  # ... and where rank 0 writes the report
+
+
+def _verify_ranks(rank_argv, world: int, job_world: int, steps: int, port, timeout: float):
+    """Start `world` ranks of `gridweave verify rank_argv` here; their Report, or None (they said why)."""
+    with tempfile.TemporaryDirectory(prefix="gridweave-verify-") as tmp:
+        path = Path(tmp) / "report.json"
+        os.environ.update({VERIFY_JOB: str(job_world), VERIFY_REPORT: str(path), "GRIDWEAVE_SPAWNED": "1",
+                           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+        try:
+            nodes = launch.Nodes(nproc=world, master_port=port or launch.default_port())
+            code = launch.torchrun(nodes, ["gridweave.cli", "verify", *rank_argv, "--verify-steps", str(steps)],
+                                   uuid.uuid4().hex, timeout)
+        finally:
+            for k in (VERIFY_JOB, VERIFY_REPORT, "GRIDWEAVE_SPAWNED"):
+                os.environ.pop(k, None)
+        if code or not path.exists():
+            return None
+        return verify.Report.from_dict(json.loads(path.read_text()))
+
+
+def _verify_rank(args) -> int:
+    launch.die_with_parent()
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        report = verify.run(train_config(args), steps=args.verify_steps, job_world=int(os.environ[VERIFY_JOB]))
+    except (GridError, CommError) as e:
+        if rank == 0:
+            print(f"gridweave verify: {as_flags(e)}", file=sys.stderr)
+        return 2
+    if rank == 0:
+        checkpoint.atomic_write(Path(os.environ[VERIFY_REPORT]),
+                                lambda t: Path(t).write_text(json.dumps(report.to_dict())))
+    return 0
+
+
+def _flags_of(cfg: TrainConfig) -> list:
+    """The command-line words of cfg's fields that differ from train's defaults."""
+    out = []
+    for f in dataclasses.fields(TrainConfig):
+        if not f.init or getattr(cfg, f.name) == f.default:
+            continue
+        v, flag = getattr(cfg, f.name), "--" + f.name.replace("_", "-")
+        if isinstance(v, bool) and f.type == "bool":
+            out.append(flag if v else "--no-" + flag[2:])
+        else:
+            # offload's words are on / off; an unset clipping norm (None) is written 0
+            out += [flag, {True: "on", False: "off"}.get(v, str(v)) if f.name == "offload" else
+                    "0" if v is None else str(v)]
+    return out
+
+
+def _fuzz(args) -> int:
+    """--fuzz N: N drawn configurations verified one after the other, each by its own `gridweave
+    verify` (the repro command printed for each that fails is exactly what ran)."""
+    rng = random.Random(args.seed)
+    failed = 0
+    for i in range(args.fuzz):
+        cfg, world = verify.draw(rng, args.ranks)
+        flags = ["--nproc", str(world), *_flags_of(cfg), "--verify-steps", str(args.verify_steps)]
+        env = {**os.environ, launch.PORT_ENV: str((args.master_port or launch.default_port()) + i % 100)}
+        try:
+            ran = subprocess.run([sys.executable, "-m", "gridweave.cli", "verify", *flags], capture_output=True,
+                                 text=True, env=env, timeout=args.timeout * 4)
+            said = (ran.stdout.strip().splitlines() or [""])[-1] if ran.returncode in (0, 1) else \
+                "error: " + " / ".join(ran.stderr.strip().splitlines()[-3:])
+            code = ran.returncode
+        except subprocess.TimeoutExpired:
+            said, code = f"error: no answer in {args.timeout * 4:.0f} s", 2
+        print(f"fuzz {i + 1}/{args.fuzz}: {verify.describe(cfg, world)}: {said}", flush=True)
+        if code:
+            failed += 1
+            print("  repro: gridweave verify " + " ".join(flags), flush=True)
+    print(f"verify --fuzz {args.fuzz} --seed {args.seed}: {args.fuzz - failed} ok, {failed} failed")
+    return 1 if failed else 0
+
+
+def _flight_parser(sub):
+    p = sub.add_parser("flight", help="name the rank that hung or failed a job, from its ranks' flight recorder dumps")
+    p.add_argument("dir", help="the folder of rank<R>.json dumps (a run's flight/, or GRIDWEAVE_FLIGHT_DIR)")
+    return p
+
+
+def _flight(args) -> int:
+    """The culprit's line first, then who waited on what; exit 1 with one line when the folder
+    cannot be read."""
+    try:
+        report = flight.analyse(args.dir)
+    except GridError as e:
+        print(f"gridweave flight: {e}", file=sys.stderr)
+        return 1
+    print("\n".join(report.lines()))
+    return 0
+
+
 def _bench_parser(sub):
     p = sub.add_parser("bench", help="measure this machine for gw.plan")
     p.add_argument("--calibrate", action="store_true", required=True,
@@ -322,7 +476,14 @@ def main(argv=None) -> int:
     _export_parser(sub)
     _plan_parser(sub)
     _bench_parser(sub)
+    _flight_parser(sub)
+    verify_parser = _verify_parser(sub)
     args = ap.parse_args(argv)
+    if args.command == "verify":
+        argv = list(sys.argv[1:] if argv is None else argv)
+        return _verify(args, verify_parser, argv[argv.index("verify") + 1:])
+    if args.command == "flight":
+        return _flight(args)
     if args.command == "plan":
         return _plan(args)
     if args.command in ("generate", "export"):

@@ -345,7 +345,7 @@ class Grid(LineArithmetic):
     """Named axes over the world's ranks. Use gw.init() to make one."""
 
     def __init__(self, dims: ParallelDims, *, rank, backend, placement, ranks_per_node, timeout, store, hostname,
-                 device_index=-1, device=None, session="", check=None, emulate=None):
+                 device_index=-1, device=None, session="", check=None, emulate=None, flight_dir=""):
         axes = dims.axes()
         self.dims = dims  # the validated degrees
         self.axes = dict(axes)
@@ -362,7 +362,7 @@ class Grid(LineArithmetic):
         self.emulate = emulation(emulate)
         self._native = _C.Grid(list(axes), placement, int(ranks_per_node), int(rank), backend, self.timeout,
                                hostname, int(device_index), store, session, self.check, EMULATIONS[self.emulate],
-                               eager_bytes())
+                               eager_bytes(), flight_dir=flight_dir)
         self.placement = self._native.placement
         self._names = [a for a, _ in axes]
         self._comms = {}  # axis argument -> native communicator: one lookup per op, not a native call
@@ -849,7 +849,26 @@ class Grid(LineArithmetic):
         every rank exchanges a message with each member of its line, itself included."""
         return self.placement.traffic(self._axis_tuple(axis), op, int(nbytes))
 
+    # ---- flight recorder ------------------------------------------------------------
+    def flight_records(self) -> list[dict]:
+        """This rank's last operations as the engine's flight recorder holds them, oldest first: one
+        dict an op (kind, line, members, seq, tag, peer, root, count, bytes, dtype, state and the
+        steady-clock times issued_s / started_s / ended_s, None where not reached). Empty when the
+        recorder is disabled (GRIDWEAVE_FLIGHT_ENTRIES=0)."""
+        if not self._native.flight_enabled:
+            return []
+        return json.loads(self._native.flight_json())["entries"]
+
+    def flight_dump(self, reason: str) -> None:
+        """Writes the flight recorder to <flight_dir>/rank<R>.json now (nothing without a folder):
+        what the engine does itself on a communication failure, a SIGTERM (a handler of the engine's,
+        which then chains to the one set before it, so a rank blocked in a wait dumps too) and
+        shutdown."""
+        self._native.flight_dump(str(reason))
+
     def shutdown(self) -> None:
+        """Dumps the flight recorder (reason "shutdown", unless a failure was dumped first) and
+        closes the grid's communicators."""
         self._comms.clear()
         self._native.shutdown()
 
@@ -943,7 +962,7 @@ class _Session:
 def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", placement: str = "topology",
          ranks_per_node: int | None = None, timeout: float = 300.0, *, rank: int | None = None,
          world_size: int | None = None, store=None, prefix: str | None = None, device=None,
-         check: "CheckLevel | None" = None, emulate: str | None = None) -> Grid:
+         check: "CheckLevel | None" = None, emulate: str | None = None, flight_dir=None) -> Grid:
     """Build the grid. Rendezvous uses torchrun's variables (RANK, WORLD_SIZE,
     LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) unless rank/world_size/store are given.
     check: how every op verifies that the ranks of its line passed the same op, count,
@@ -955,6 +974,9 @@ def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", 
     time in issue order, a send waits for its receive, a pair's messages match in order, no
     receive-from-any), so code that would deadlock on GPUs times out on CPU; default from
     GRIDWEAVE_EMULATE.
+    flight_dir: where each rank writes its flight recorder (its last operations) as rank<R>.json
+    on a communication failure, a SIGTERM and shutdown, for `gridweave flight`; default from
+    GRIDWEAVE_FLIGHT_DIR; none: nothing is written (grid.flight_records() still reads it).
     Every check here is local, so bad input raises GridError on every rank before any
     communication starts."""
     dims = ParallelDims(dp=dp, pp=pp, sp=sp, tp=tp)
@@ -997,6 +1019,9 @@ def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", 
     check = check_level() if check is None else check
     if not isinstance(check, CheckLevel):
         raise GridError(f"check must be a gw.CheckLevel, got {check!r}")
+    flight_dir = os.environ.get("GRIDWEAVE_FLIGHT_DIR", "") if flight_dir is None else flight_dir
+    if not isinstance(flight_dir, (str, os.PathLike)):
+        raise GridError(f"flight_dir must be a folder's path, got {flight_dir!r}")
     rpn = ranks_per_node if ranks_per_node is not None else (local or world_size)
     if not isinstance(rpn, int) or rpn < 1:
         raise GridError(f"ranks_per_node must be a positive integer, got {rpn!r}")
@@ -1019,7 +1044,7 @@ def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", 
     hostname = launch.advertised_address(all_local=(local or world_size) >= world_size)
     grid = Grid(dims, rank=rank, backend=backend, placement=placement, ranks_per_node=rpn, timeout=timeout,
                 store=native_store, hostname=hostname, device_index=device_index, device=device,
-                session=session, check=check, emulate=emulate)
+                session=session, check=check, emulate=emulate, flight_dir=os.fspath(flight_dir))
     grid._torch_store = keep
     _Session.current = grid
     return grid

@@ -34,7 +34,9 @@ class Precision:
 
 PRECISIONS = {"fp32": Precision("fp32", torch.float32, False),
               "bf16": Precision("bf16", torch.bfloat16, False),
-              "fp16": Precision("fp16", torch.float16, True)}
+              "fp16": Precision("fp16", torch.float16, True),
+              # float64 throughout: what gridweave verify compares against one process (to 1e-9)
+              "fp64": Precision("fp64", torch.float64, False)}
 
 
 class LossScaler:

@@ -43,9 +43,9 @@ from .sharding import first_copy
 RESUME_KEYS = ("model", "tokenizer", "seq", "batch", "seed")
 
 # Nominal dense peak FLOP/s per GPU and compute dtype (vendor data sheets), for MFU.
-GPU_PEAK = {"H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-            "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-            "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}}
+GPU_PEAK = {"H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "fp64": 67e12},
+            "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "fp64": 67e12},
+            "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12, "fp64": 19.5e12}}
 
 
 def save_checkpoint(out: Path, step, cfg, grid, stage, opt, losses, reader=None, model_cfg=None, val=None,
@@ -339,14 +339,20 @@ def setup_grid(cfg: TrainConfig) -> Grid:
     """The run's grid on the launched ranks, every check before the rendezvous. auto: init picks
     NCCL on one GPU per rank when it can, else Gloo on the CPU; cuda with fewer GPUs than ranks
     shares them through Gloo."""
-    shape = cfg.grid_shape(launch.launched_world_size(cfg.backend))
+    # every rank's flight recorder goes to the run folder when communication fails (gridweave flight)
+    return init(**grid_options(cfg, launch.launched_world_size(cfg.backend)), flight_dir=str(Path(cfg.out) / "flight"))
+
+
+def grid_options(cfg: TrainConfig, world: int) -> dict:
+    """gw.init's arguments for cfg's grid on `world` ranks, every check made first."""
+    shape = cfg.grid_shape(world)
     device = None if cfg.device == "auto" else cfg.device
     if device == "cuda" and not torch.cuda.is_available():
         raise GridError("device=cuda was asked for but this process sees no CUDA GPU "
                         "(torch.cuda.is_available() is False); use device=cpu")
     if device == "cuda":
         cfg.compute.check_device(torch.device("cuda", torch.cuda.current_device()))
-    return init(dp=shape["dp"], pp=shape["pp"], tp=cfg.mode, sp=shape["sp"], timeout=cfg.timeout, device=device,
+    return dict(dp=shape["dp"], pp=shape["pp"], tp=cfg.mode, sp=shape["sp"], timeout=cfg.timeout, device=device,
                 backend=cfg.backend, placement=cfg.placement)
 
 

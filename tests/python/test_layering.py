@@ -48,7 +48,7 @@ PKG = ROOT / "python" / "gridweave"
 # Bottom first. A module may import its own layer's modules (without a loop) and any layer
 # below; the package faces (__init__.py) re-export and may import their own package.
 LAYERS = (
-    ("base", {"_C", "errors", "launch", "_buffers", "axes", "precision", "measure"}),
+    ("base", {"_C", "errors", "launch", "_buffers", "axes", "precision", "measure", "flight"}),
     ("layout", {"layout", "documents"}),
     ("grid", {"grid", "sharding", "ring"}),
     ("beside models (pipeline, optim, zero, checkpoint: sharding, layout and grid only)",
@@ -59,7 +59,7 @@ LAYERS = (
     ("models", {"models", "hf"}),
     ("plan", {"plan", "recorder", "_plan_worker"}),
     ("jobs (the run's logs and record beside the jobs that write them)",
-     {"config", "train", "calibrate", "generate", "data", "loggers", "runfolder", "configfile"}),
+     {"config", "train", "calibrate", "generate", "data", "loggers", "runfolder", "configfile", "verify"}),
     ("cli", {"cli", "__main__"}),
 )
 LEVEL = {top: i for i, (_, tops) in enumerate(LAYERS) for top in tops}

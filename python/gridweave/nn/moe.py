@@ -236,11 +236,12 @@ def swiglu_experts(x: torch.Tensor, counts, gate_up: torch.Tensor, down: torch.T
     outs = []
     sizes = sizes if sizes is not None else counts.tolist() if on_device else counts
     for e, rows in enumerate(torch.split(x, sizes)):
-        if rows.shape[0] == 0:
-            continue
+        # an expert no row reached still multiplies its (empty) rows: its weights get their (zero)
+        # gradient in every micro-batch on every rank, as grouped_mm gives them, so the optimizer's
+        # hooks count the same backwards everywhere and start each reduction at one point of the step
         gate, up = (rows @ gate_up[e].t()).chunk(2, dim=-1)
         outs.append((F.silu(gate) * up) @ down[e].t())
-    return torch.cat(outs) if outs else x.new_zeros(0, down.shape[1])
+    return torch.cat(outs)
 
 
 class _AttachAux(torch.autograd.Function):

@@ -81,9 +81,11 @@ class OffloadAdam(GridOptimizer):
         self._order, self._offset, self._chunks = gradient_chunks(self.params, grid, self.bsize, self.k,
                                                                   backward=self.overlap)
         host = torch.device("cpu")
-        flat = torch.empty(self.numel, dtype=torch.float32, device=host)
+        # fp32 masters of half-precision models; a float64 model (gridweave verify's) keeps float64
+        self.dtype = torch.promote_types(self.params[0].dtype if self.params else torch.float32, torch.float32)
+        flat = torch.empty(self.numel, dtype=self.dtype, device=host)
         for i, p in enumerate(self.params):
-            flat[self._offset[i]:self._offset[i] + p.numel()] = p.detach().reshape(-1).to(host, torch.float32)
+            flat[self._offset[i]:self._offset[i] + p.numel()] = p.detach().reshape(-1).to(host, self.dtype)
         self.master = _pinned(flat)
         # the flat buffer's decayed elements, as ranges (each parameter's, the adjacent ones merged)
         self._decayed = []
@@ -99,7 +101,7 @@ class OffloadAdam(GridOptimizer):
         self._init_steps(dev)
         self.staged = self.master.device != dev if staged is None else bool(staged)
         # Device buffers reused across buckets: weights, two states, descaled gradients (two slots).
-        self._staging = _Staging(self.bsize, torch.float32, dev) if self.staged else None
+        self._staging = _Staging(self.bsize, self.dtype, dev) if self.staged else None
         self.backwards_per_step = 1  # the pipeline's micro-batches: gw.train.train_step sets it
         self.phases = None  # a gw.measure.StepPhases timing the reduction's waits (gw.train.train_step sets it)
         self._grads = None  # the flat gradient the hooks fill (overlap)
@@ -259,8 +261,8 @@ class OffloadAdam(GridOptimizer):
     def _update(self, grads, lo, hi, scale, found_inf=None):
         """AdamW in place on the flat buffers' elements [lo, hi) (unstaged: they live on the device)."""
         g = grads[lo:hi]
-        if g.dtype != torch.float32 or isinstance(scale, torch.Tensor) or scale != 1.0:
-            g = g.to(torch.float32) * scale  # descale the half-precision gradient in fp32
+        if g.dtype != self.dtype or isinstance(scale, torch.Tensor) or scale != 1.0:
+            g = g.to(self.dtype) * scale  # descale the half-precision gradient in the master's dtype
         adamw_(self.master[lo:hi], self.exp_avg[lo:hi], self.exp_avg_sq[lo:hi], g, self.lr, self.betas, self.eps,
                self._steps, self.weight_decay, self._decayed, lo, found_inf)
 
