@@ -12,7 +12,7 @@
 # waits for its receive, no receive-from-any) over every test whose correctness depends on
 # communication order: the ring and RSA, every pipeline schedule and receive strategy, the cube
 # with overlap, sub-graph parallelism, sharded checkpoints, the layers, expert parallelism, packed documents, and the
-# main job on three composed grids, BERT and Linformer on every mode. The documentation site is built first, with warnings as errors.
+# main job on three composed grids, BERT and Linformer on every mode, the flight recorder's stamps. The documentation site is built first, with warnings as errors.
 # The first pass includes the emulated cluster (tests/python/test_cluster.py: two network-namespace
 # nodes; Linux as root, skipped with its reason elsewhere): the main job through torchrun and
 # mpirun across nodes, failures ending within the timeout, elastic restart.
@@ -37,7 +37,7 @@ python3 -m pytest -q --durations=10 --transport=$transport --default-device=meta
   "tests/python/test_train.py::test_the_main_job_under_mpirun_gives_one_process_losses"
 python3 -m pytest -q --timeout 300 --emulate=nccl tests/python/test_sequence.py tests/python/test_pipeline.py \
   tests/python/test_plan_counters.py tests/python/test_tensor3d.py tests/python/test_subgraph.py \
-  tests/python/test_checkpoint.py tests/python/test_layers.py tests/python/test_moe.py \
+  tests/python/test_checkpoint.py tests/python/test_layers.py tests/python/test_moe.py tests/python/test_flight.py \
   "tests/python/test_documents.py::test_every_mode_masks_packed_documents_like_the_dense_layer" \
   "tests/python/test_documents.py::test_ring_attention_on_balanced_shards_equals_one_process" \
   tests/python/test_sequence_model.py \
