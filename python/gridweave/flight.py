@@ -5,11 +5,15 @@ The rules, in order (the first that finds a rank names it):
 1. never joined: a member of a line others waited on that wrote no dump, never made the line's
    communicator, or issued nothing on it;
 2. mismatch: the members' ops at one sequence number of one line differ (kind, bytes, dtype,
-   root): the minority is named;
+   root): the minority is named (as many on each side: no culprit, both sides said);
 3. behind: a member issued fewer collectives on a line than the sequence number the others wait
-   at (it skipped one, or is stuck elsewhere); the one not itself waiting on anything is named
-   (following who waits on whom), and a point-to-point op's peer that waits on nothing likewise.
-Otherwise no culprit, and why. Standard library only: it runs anywhere the dumps are copied to."""
+   at and waits on nothing itself;
+4. out of step: every rank behind waits elsewhere (one skipped a collective and went on): each
+   waited line's issued counts are a vote, and the rank at odds with the most majorities is named
+   (or the idle point-to-point peer it waits on); else who waits on whom is followed to its end;
+5. a point-to-point op's peer that waits on nothing.
+Every dump a clean shutdown's: no culprit. Otherwise no culprit, and why. Standard library only:
+it runs anywhere the dumps are copied to."""
 from __future__ import annotations
 
 import json
