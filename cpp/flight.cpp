@@ -181,7 +181,7 @@ std::string flight_json(const FlightRecorder& rec, const FlightHeader& h) {
   std::snprintf(buf, sizeof(buf), "%.6f", rec.steady_to_wall_s());
   os << "{\n  \"format\": \"gridweave-flight/1\",\n  \"rank\": " << h.rank << ",\n  \"world_size\": " << h.world_size
      << ",\n  \"coords\": " << pairs(h.coords) << ",\n  \"axes\": " << pairs(h.axes) << ",\n  \"pid\": " << getpid()
-     << ",\n  \"reason\": " << quoted(h.reason) << ",\n  \"reasons\": [";
+     << ",\n  \"run\": " << quoted(h.run) << ",\n  \"reason\": " << quoted(h.reason) << ",\n  \"reasons\": [";
   for (std::size_t i = 0; i < h.reasons.size(); ++i) os << (i ? ", " : "") << quoted(h.reasons[i]);
   os << "],\n  \"reasons_omitted\": " << h.reasons_omitted << ",\n  \"dumped_s\": " << seconds(FlightRecorder::now_ns()) << ",\n  \"steady_to_wall_s\": " << buf
      << ",\n  \"capacity\": " << rec.capacity() << ",\n  \"recorded\": " << s.recorded << ",\n  \"lines\": [";

@@ -136,6 +136,7 @@ struct FlightHeader {
   std::string reason;                               // the first failure's, else the latest
   std::vector<std::string> reasons;                 // distinct reasons, in order: the first and the latest few
   std::uint64_t reasons_omitted = 0;                // distinct reasons left out between them
+  std::string run;                                  // the job (and restart) this rank is of
 };
 std::string flight_json(const FlightRecorder& rec, const FlightHeader& header);
 // Writes `text` to `path` through a temporary file in the same folder (a name of its own: this

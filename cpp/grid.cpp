@@ -226,6 +226,7 @@ FlightHeader Grid::flight_header(const std::string& reason) const {
   }
   h.reasons = flight_reasons_;
   h.reasons_omitted = flight_reasons_omitted_;
+  h.run = options_.flight_run;
   if (!reason.empty() && std::find(h.reasons.begin(), h.reasons.end(), reason) == h.reasons.end())
     h.reasons.push_back(reason);
   // the first failure is the dump's reason; "shutdown" only when nothing failed

@@ -41,6 +41,9 @@ struct GridOptions {
   // disables it) and the folder its dumps go to ("": none written, the ring still records).
   long long flight_entries = -1;
   std::string flight_dir;
+  // Names the job (and its restart) alike on all its ranks: the dumps say which run they are of,
+  // so a folder a later run writes into is read run by run.
+  std::string flight_run;
 };
 
 class Grid {

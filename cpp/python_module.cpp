@@ -423,7 +423,7 @@ PYBIND11_MODULE(_C, m) {
                        int rank, const std::string& backend, double timeout_s, const std::string& hostname,
                        int device_index, std::shared_ptr<Store> store, const std::string& session,
                        CheckLevel check, Emulation emulate, std::size_t eager_bytes, long long flight_entries,
-                       const std::string& flight_dir) {
+                       const std::string& flight_dir, const std::string& flight_run) {
              GW_CHECK(policy == "naive" || policy == "topology",
                       "placement must be 'naive' or 'topology', got '" << policy << "'");
              GW_CHECK(backend == "gloo" || backend == "nccl" || backend == "mpi",
@@ -443,11 +443,13 @@ PYBIND11_MODULE(_C, m) {
              o.eager_bytes = eager_bytes;
              o.flight_entries = flight_entries;
              o.flight_dir = flight_dir;
+             o.flight_run = flight_run;
              return std::make_shared<Grid>(o, store);
            }), py::arg("axes"), py::arg("policy"), py::arg("ranks_per_node"), py::arg("rank"), py::arg("backend"),
            py::arg("timeout_s"), py::arg("hostname"), py::arg("device_index"), py::arg("store"),
            py::arg("session") = "", py::arg("check") = CheckLevel::Cheap, py::arg("emulate") = Emulation::None,
-           py::arg("eager_bytes") = 0, py::arg("flight_entries") = -1, py::arg("flight_dir") = "")
+           py::arg("eager_bytes") = 0, py::arg("flight_entries") = -1, py::arg("flight_dir") = "",
+           py::arg("flight_run") = "")
       // The flight recorder (cpp/flight.h): its JSON, and a dump to the grid's folder.
       .def_property_readonly("flight_enabled", [](const Grid& g) { return g.flight() != nullptr; })
       .def_property_readonly("flight_dir", [](const Grid& g) { return g.options().flight_dir; })

@@ -67,6 +67,7 @@ class Report:
     reasons: dict = field(default_factory=dict)
     coords: dict = field(default_factory=dict)
     folder: str = ""
+    stale: list = field(default_factory=list)  # ranks whose dump is of an earlier run (left out)
 
     def headline(self) -> str:
         return f"culprit: rank {self.culprit} {self.why}" if self.culprit is not None else f"no culprit: {self.why}"
@@ -76,7 +77,8 @@ class Report:
         out = [self.headline()]
         world = len(self.ranks) + len(self.missing)
         out.append(f"read {len(self.ranks)} dumps of a world of {world} from {self.folder}" +
-                   (f"; no dump from rank(s) {_ranks(self.missing)}" if self.missing else ""))
+                   (f"; no dump from rank(s) {_ranks(self.missing)}" if self.missing else "") +
+                   (f"; left out the dump(s) of rank(s) {_ranks(self.stale)}: an earlier run's" if self.stale else ""))
         by_reason = {}
         for r, why in sorted(self.reasons.items()):
             by_reason.setdefault(why, []).append(r)
@@ -135,7 +137,8 @@ def load(folder) -> dict:
 
 
 # The fields the analysis reads, and their types (a dump is data from another machine: checked).
-_DUMP_FIELDS = {"world_size": int, "dumped_s": (int, float), "steady_to_wall_s": (int, float), "reasons": list}
+_DUMP_FIELDS = {"world_size": int, "dumped_s": (int, float), "steady_to_wall_s": (int, float), "reasons": list,
+                "run": (str, type(None))}
 _LINE_FIELDS = {"name": str, "members": list, "collectives": int}
 _ENTRY_FIELDS = {"kind": str, "line": str, "members": list, "seq": int, "peer": int, "root": int, "bytes": int,
                  "dtype": str, "state": str, "issued_s": (int, float), "ended_s": (int, float, type(None)),
@@ -185,14 +188,26 @@ def _sig_str(s) -> str:
     return f"{kind} of {nbytes} bytes {dtype}".rstrip() + (f", root {root}" if root >= 0 else "")
 
 
+def _newest_run(dumps: dict) -> tuple:
+    """(the dumps of the run that dumped last, the ranks of earlier runs' dumps): a folder a later
+    run (or a restart) wrote into may hold a rank's file from before, which says nothing of this one."""
+    runs = {}
+    for r, d in dumps.items():
+        runs.setdefault(d.get("run", ""), []).append(r)
+    if len(runs) < 2:
+        return dumps, []
+    newest = max(runs, key=lambda run: max(dumps[r]["dumped_s"] + dumps[r]["steady_to_wall_s"] for r in runs[run]))
+    return {r: dumps[r] for r in runs[newest]}, sorted(r for run, rs in runs.items() if run != newest for r in rs)
+
+
 def analyse(folder) -> Report:
     """Reads every rank<R>.json in `folder` and names the culprit (see the module's rules)."""
-    dumps = load(folder)
+    dumps, stale = _newest_run(load(folder))
     world = max(max(d["world_size"] for d in dumps.values()), max(dumps) + 1)
     report = Report(None, "", _waits(dumps), sorted(dumps), [r for r in range(world) if r not in dumps],
                     {r: d.get("reason", "") for r, d in dumps.items()},
                     {r: {a: c for a, c in d.get("coords", {}).items() if d.get("axes", {}).get(a, 2) > 1}
-                     for r, d in dumps.items()}, str(folder))  # coordinates on the axes of size 1 say nothing
+                     for r, d in dumps.items()}, str(folder), stale)  # coordinates on the axes of size 1 say nothing
     # each rank's lines: how many collectives it issued on each (the ring forgets, these do not)
     issued = {r: {} for r in dumps}
     for r, d in dumps.items():

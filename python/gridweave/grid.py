@@ -341,6 +341,14 @@ class LineArithmetic:
         return order_free(list(self.axes), axis)
 
 
+def flight_run(session: str) -> str:
+    """What names this job (and its restart) alike on all its ranks, for the flight recorder's
+    dumps: the launcher's run id (gridweave's spawn, torchrun's agent) or the rendezvous prefix,
+    and torchrun's restart count; "" where the launcher gives none."""
+    job = os.environ.get("GRIDWEAVE_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or session
+    return f"{job}#{launch.restart_count()}" if job else ""
+
+
 class Grid(LineArithmetic):
     """Named axes over the world's ranks. Use gw.init() to make one."""
 
@@ -362,7 +370,7 @@ class Grid(LineArithmetic):
         self.emulate = emulation(emulate)
         self._native = _C.Grid(list(axes), placement, int(ranks_per_node), int(rank), backend, self.timeout,
                                hostname, int(device_index), store, session, self.check, EMULATIONS[self.emulate],
-                               eager_bytes(), flight_dir=flight_dir)
+                               eager_bytes(), flight_dir=flight_dir, flight_run=flight_run(session))
         self.placement = self._native.placement
         self._names = [a for a, _ in axes]
         self._comms = {}  # axis argument -> native communicator: one lookup per op, not a native call

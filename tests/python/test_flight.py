@@ -227,3 +227,20 @@ def test_a_dump_with_a_bad_field_is_one_clear_error(tmp_path, capsys):
         gw.flight.analyse(tmp_path)
     assert cli.main(["flight", str(tmp_path)]) == 1
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_an_earlier_runs_dump_in_the_folder_is_left_out(tmp_path, capsys):
+    """A run writes into a folder an earlier run dumped in: rank 1 was killed this time (no dump
+    of this run), and its file is the earlier run's clean shutdown. The report reads this run's
+    dumps only, so rank 1 is the one that never joined."""
+    a = [0, 1]
+    old = _dump(1, [("a", a, 3, 0)], [])
+    old["run"], old["reason"], old["reasons"], old["dumped_s"] = "job-1#0", "shutdown", ["shutdown"], 5.0
+    new = _dump(0, [("a", a, 1, 0)], [("all_reduce", "a", a, 2, -1, "started")])
+    new["run"] = "job-2#0"
+    _write(tmp_path, [old, new])
+    report = gw.flight.analyse(tmp_path)
+    assert report.stale == [1] and report.missing == [1] and report.ranks == [0], report.lines()
+    assert report.culprit == 1 and report.why.startswith("never joined: it wrote no flight record"), report.why
+    assert cli.main(["flight", str(tmp_path)]) == 0
+    assert "left out the dump(s) of rank(s) 1: an earlier run's" in capsys.readouterr().out
