@@ -1,0 +1,231 @@
+"""Pipeline schedules as tables: each stage's operations in the order it runs them, F (a
+micro-batch's forward through one model chunk), BW (its whole backward), or B (the backward for
+the chunk's input: on the critical path) and W (for its weights: deferrable), after Qi et al.,
+"Zero Bubble Pipeline Parallelism" (ICLR 2024). One table feeds what runs a schedule, what checks
+it, and what predicts its bubble and memory (simulate, peaks), so the three cannot disagree.
+
+Chunk c of stage s is virtual stage c * p + s ("loop": Megatron's interleaving) or, in a V, chunk
+0 on s and chunk 1 on 2p - 1 - s ("v": ZB-V's and DualPipeV's placement)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from .errors import GridError
+
+
+class Kind(enum.Enum):
+    F = "F"    # forward
+    B = "B"    # backward for the input
+    W = "W"    # backward for the weights
+    BW = "BW"  # the whole backward (B then W at once)
+
+
+class Op(NamedTuple):
+    kind: Kind
+    chunk: int
+    mb: int
+
+
+class Placement(enum.Enum):
+    LOOP = "loop"
+    V = "v"
+
+
+@dataclass(frozen=True)
+class Table:
+    """name, p stages, m micro-batches, chunks a stage and their placement; ops[s]: stage s's ops."""
+    name: str
+    stages: int
+    microbatches: int
+    chunks: int
+    placement: Placement
+    ops: tuple
+
+    def virtual(self, stage: int, chunk: int) -> int:
+        """The virtual stage (its place in the model, from the input) of `chunk` on `stage`."""
+        p = self.stages
+        if self.placement is Placement.V:
+            return stage if chunk == 0 else 2 * p - 1 - stage
+        return chunk * p + stage
+
+    def stage_of(self, virtual: int) -> int:
+        """The stage that holds a virtual stage."""
+        p = self.stages
+        if self.placement is Placement.V:
+            return virtual if virtual < p else 2 * p - 1 - virtual
+        return virtual % p
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.stages * self.chunks
+
+
+def _check(p: int, m: int, chunks: int = 1) -> None:
+    for name, v, least in (("stages", p, 2), ("microbatches", m, 1), ("chunks", chunks, 1)):
+        if not (isinstance(v, int) and not isinstance(v, bool) and v >= least):
+            raise GridError(f"a pipeline schedule needs {name} >= {least}, got {v!r}")
+
+
+def one_f_one_b(p: int, m: int) -> Table:
+    """1F1B (PipeDream-Flush, Megatron-LM): stage s warms up with p - 1 - s forwards, then
+    alternates a forward and a whole backward, then drains the backwards."""
+    _check(p, m)
+    ops = []
+    for s in range(p):
+        warm = min(p - 1 - s, m)
+        mine = [Op(Kind.F, 0, i) for i in range(warm)]
+        for i in range(m - warm):
+            mine += [Op(Kind.F, 0, warm + i), Op(Kind.BW, 0, i)]
+        mine += [Op(Kind.BW, 0, i) for i in range(m - warm, m)]
+        ops.append(tuple(mine))
+    return Table("1f1b", p, m, 1, Placement.LOOP, tuple(ops))
+
+
+def interleaved(p: int, m: int, v: int) -> Table:
+    """Megatron-LM's interleaved 1F1B (Fig. 4), in the order cpp/pipeline.cpp's run_interleaved
+    runs it: the k-th forward is micro-batch (k // (p v)) p + k % p of chunk (k // p) % v, the
+    k-th backward the same micro-batch of the chunks in reverse; stage s warms up with
+    2 (p - 1 - s) + (v - 1) p forwards."""
+    _check(p, m, v)
+    if m % p:
+        raise GridError(f"the interleaved schedule needs a multiple of the {p} stages as micro-batches, got {m}")
+    total = m * v
+
+    def mb_of(k):
+        return (k // (p * v)) * p + k % p
+
+    ops = []
+    for s in range(p):
+        warm = min((p - s - 1) * 2 + (v - 1) * p, total)
+        mine = [Op(Kind.F, (k // p) % v, mb_of(k)) for k in range(warm)]
+        for f in range(warm, total):
+            b = f - warm
+            mine += [Op(Kind.F, (f // p) % v, mb_of(f)), Op(Kind.BW, v - 1 - (b // p) % v, mb_of(b))]
+        mine += [Op(Kind.BW, v - 1 - (b // p) % v, mb_of(b)) for b in range(total - warm, total)]
+        ops.append(tuple(mine))
+    return Table("interleaved", p, m, v, Placement.LOOP, tuple(ops))
+
+
+def zb_h1(p: int, m: int) -> Table:
+    """ZB-H1 (Qi et al. §3.1): 1F1B with each backward split into B and W; stage s runs the W
+    of its oldest pending B from its s-th steady step on (the later a stage, the longer it defers
+    W, the sooner its B reaches the stages before it), and drains B then W. Its peak activations
+    (forwards not yet through W) stay at 1F1B's stage 0's, p micro-batches."""
+    _check(p, m)
+    ops = []
+    for s in range(p):
+        warm = min(p - 1 - s, m)
+        mine = [Op(Kind.F, 0, i) for i in range(warm)]
+        pending = []
+        for j in range(m - warm):
+            mine += [Op(Kind.F, 0, warm + j), Op(Kind.B, 0, j)]
+            pending.append(j)
+            if j >= s:
+                mine.append(Op(Kind.W, 0, pending.pop(0)))
+        for i in range(m - warm, m):
+            mine.append(Op(Kind.B, 0, i))
+            pending.append(i)
+            mine.append(Op(Kind.W, 0, pending.pop(0)))
+        mine += [Op(Kind.W, 0, i) for i in pending]
+        ops.append(tuple(mine))
+    return Table("zb1", p, m, 1, Placement.LOOP, tuple(ops))
+
+
+def validate(t: Table) -> None:
+    """Every (chunk, micro-batch) of every stage runs F once and then either BW once or B then W
+    once each; one clear error otherwise."""
+    for s, ops in enumerate(t.ops):
+        seen = {}
+        for op in ops:
+            if not (0 <= op.chunk < t.chunks and 0 <= op.mb < t.microbatches):
+                raise GridError(f"schedule {t.name}: stage {s} runs {op.kind.value} of chunk {op.chunk}, micro-batch "
+                                f"{op.mb}: out of its {t.chunks} chunk(s) and {t.microbatches} micro-batches")
+            done = seen.setdefault((op.chunk, op.mb), [])
+            need = {Kind.F: [], Kind.BW: [Kind.F], Kind.B: [Kind.F], Kind.W: [Kind.F, Kind.B]}[op.kind]
+            if done != need:
+                raise GridError(f"schedule {t.name}: stage {s} runs {op.kind.value} of chunk {op.chunk}, micro-batch "
+                                f"{op.mb} after {[k.value for k in done] or 'nothing'}")
+            done.append(op.kind)
+        for c in range(t.chunks):
+            for mb in range(t.microbatches):
+                if seen.get((c, mb)) not in ([Kind.F, Kind.BW], [Kind.F, Kind.B, Kind.W]):
+                    raise GridError(f"schedule {t.name}: stage {s} does not run chunk {c}, micro-batch {mb} "
+                                    f"through (it runs {[k.value for k in seen.get((c, mb), [])]})")
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """A simulated step: its span, each stage's busy time and idle fraction (the bubble), and
+    each op's (start, end) by stage."""
+    span: float
+    busy: tuple
+    times: tuple
+
+    @property
+    def bubbles(self) -> tuple:
+        return tuple(1 - b / self.span for b in self.busy)
+
+    @property
+    def bubble(self) -> float:
+        """The stages' idle time over their span: sum(idle) / (p * span)."""
+        return 1 - sum(self.busy) / (len(self.busy) * self.span)
+
+
+def simulate(t: Table, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0, t_msg: float = 0.0) -> Timeline:
+    """Each stage runs its ops in order, an op as soon as what it needs has arrived: a forward the
+    previous virtual stage's forward of its micro-batch (t_msg later), a backward the next virtual
+    stage's backward (the last virtual stage's its own forward). BW takes t_b + t_w. One clear
+    error where the table cannot run (a stage would wait on an op that waits on it)."""
+    validate(t)
+    cost = {Kind.F: t_f, Kind.B: t_b, Kind.W: t_w, Kind.BW: t_b + t_w}
+    last = t.virtual_stages - 1
+    end = {}  # (kind F or B, virtual stage, mb) -> when it ended; B stands for BW too
+    place = [0] * t.stages  # each stage's next op
+    free = [0.0] * t.stages
+    busy = [0.0] * t.stages
+    times = [[] for _ in range(t.stages)]
+    remaining = sum(len(o) for o in t.ops)
+    while remaining:
+        progressed = False
+        for s in range(t.stages):
+            while place[s] < len(t.ops[s]):
+                op = t.ops[s][place[s]]
+                v = t.virtual(s, op.chunk)
+                if op.kind is Kind.F:
+                    dep = None if v == 0 else ("F", v - 1, op.mb)
+                elif op.kind in (Kind.B, Kind.BW):
+                    dep = ("F", v, op.mb) if v == last else ("B", v + 1, op.mb)
+                else:
+                    dep = None  # W follows its own B on this stage (validate)
+                if dep is not None and dep not in end:
+                    break
+                ready = 0.0 if dep is None else end[dep] + (t_msg if t.stage_of(dep[1]) != s else 0.0)
+                start = max(free[s], ready)
+                free[s] = start + cost[op.kind]
+                busy[s] += cost[op.kind]
+                times[s].append((op, start, free[s]))
+                if op.kind is not Kind.W:
+                    end[("F" if op.kind is Kind.F else "B", v, op.mb)] = free[s]
+                place[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = ", ".join(f"stage {s} at {t.ops[s][place[s]].kind.value}(chunk {t.ops[s][place[s]].chunk}, mb "
+                              f"{t.ops[s][place[s]].mb})" for s in range(t.stages) if place[s] < len(t.ops[s]))
+            raise GridError(f"schedule {t.name} cannot run: every stage waits on another ({stuck})")
+    return Timeline(max(free), tuple(busy), tuple(tuple(x) for x in times))
+
+
+def peaks(t: Table) -> tuple:
+    """Per stage, the most (chunk, micro-batch) activations held at once: from its forward until
+    its backward has finished with them (BW, or W: a deferred W keeps what it multiplies)."""
+    out = []
+    for ops in t.ops:
+        live = peak = 0
+        for op in ops:
+            live += 1 if op.kind is Kind.F else -1 if op.kind in (Kind.BW, Kind.W) else 0
+            peak = max(peak, live)
+        out.append(peak)
+    return tuple(out)

@@ -1,0 +1,57 @@
+"""Pipeline schedules as tables (gw.schedules): each runs every micro-batch through every chunk,
+and its simulated bubble is the paper's (1F1B: (p - 1) / (m + p - 1); interleaved: (p - 1) /
+(v m + p - 1), Megatron-LM §2.2; ZB-H1: at most half of 1F1B's at 1F1B's peak memory, Qi et al.)."""
+import math
+
+import pytest
+
+import gridweave as gw
+from gridweave import schedules as S
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_the_simulated_bubbles_are_the_papers(p, k):
+    m = k * p
+    one = S.simulate(S.one_f_one_b(p, m))  # F = B = W: BW takes twice a forward
+    assert math.isclose(one.bubble, (p - 1) / (m + p - 1), rel_tol=1e-12)
+    assert all(math.isclose(b, (p - 1) / (m + p - 1), rel_tol=1e-12) for b in one.bubbles)  # every stage alike
+    for v in (2, 4):  # v chunks a stage, each 1/v of the work
+        inter = S.simulate(S.interleaved(p, m, v), 1 / v, 1 / v, 1 / v)
+        assert math.isclose(inter.bubble, (p - 1) / (v * m + p - 1), rel_tol=1e-12)
+    zb = S.simulate(S.zb_h1(p, m))
+    assert zb.bubble <= one.bubble / 2, (zb.bubble, one.bubble)
+    # its peak activations are 1F1B's stage 0's (p micro-batches) on every stage
+    assert S.peaks(S.zb_h1(p, m)) == (min(p, m),) * p
+    assert S.peaks(S.one_f_one_b(p, m)) == tuple(min(p - s, m) for s in range(p))
+
+
+def test_a_message_time_delays_each_stage_boundary():
+    for p, m in ((2, 4), (4, 8)):
+        base, slow = S.simulate(S.one_f_one_b(p, m)), S.simulate(S.one_f_one_b(p, m), t_msg=0.5)
+        # the fill and the drain cross p - 1 boundaries each way, a message later each; no op waits
+        # on more than one message, and every op of the longest chain is one of m + p - 1 rounds
+        assert 2 * (p - 1) * 0.5 <= slow.span - base.span <= 2 * (m + p - 1) * 0.5, (slow.span, base.span)
+
+
+def test_a_table_that_cannot_run_is_one_clear_error():
+    t = S.one_f_one_b(2, 2)
+    # stage 0 waits on a backward that needs its own later forward
+    broken = S.Table(t.name, 2, 2, 1, t.placement, ((S.Op(S.Kind.F, 0, 0), S.Op(S.Kind.BW, 0, 0),
+                                                       S.Op(S.Kind.BW, 0, 1), S.Op(S.Kind.F, 0, 1)), t.ops[1]))
+    with pytest.raises(gw.GridError, match="runs BW of chunk 0, micro-batch 1 after nothing"):
+        S.simulate(broken)
+    # stage 0 sends micro-batch 1 only after micro-batch 0's backward; stage 1 wants micro-batch 1 first
+    first_backward = (S.Op(S.Kind.F, 0, 0), S.Op(S.Kind.BW, 0, 0), S.Op(S.Kind.F, 0, 1), S.Op(S.Kind.BW, 0, 1))
+    stuck = S.Table(t.name, 2, 2, 1, t.placement, (first_backward, (S.Op(S.Kind.F, 0, 1), S.Op(S.Kind.BW, 0, 1),
+                                                                   S.Op(S.Kind.F, 0, 0), S.Op(S.Kind.BW, 0, 0))))
+    with pytest.raises(gw.GridError, match="cannot run: every stage waits on another"):
+        S.simulate(stuck)
+    missing = S.Table(t.name, 2, 2, 1, t.placement, (t.ops[0][:-1], t.ops[1]))
+    with pytest.raises(gw.GridError, match="does not run chunk 0, micro-batch 1 through"):
+        S.validate(missing)
+    for bad in ((1, 4), (2, 0), (4, 2.0)):
+        with pytest.raises(gw.GridError, match="needs"):
+            S.zb_h1(*bad)
+    with pytest.raises(gw.GridError, match="multiple of the 4 stages"):
+        S.interleaved(4, 6, 2)
