@@ -133,6 +133,51 @@ def zb_h1(p: int, m: int) -> Table:
     return Table("zb1", p, m, 1, Placement.LOOP, tuple(ops))
 
 
+def zbv(p: int, m: int) -> Table:
+    """ZB-V (Qi et al. §4): two chunks a stage in a V (chunk 0 on stage s, chunk 1 on 2p - 1 - s,
+    so stage 0 holds both the first and the last virtual stage), each backward split into B and
+    W. Stage r: 2 (p - r) - 1 forwards of chunk 0; r pairs (F chunk 1, F chunk 0); p - r triples
+    (F, B, W of chunk 1); then the steady (F, B, W of chunk 0, F, B, W of chunk 1) while forwards
+    remain; then r pairs (B chunk 0, B chunk 1), p - r pairs (B, W of chunk 0), and the Ws left,
+    chunk 1's first. Made for max(2p - 1, m) micro-batches, those past m left out. Near zero
+    bubble at 1F1B's peak memory (2p chunk activations: p micro-batches) for m >= 2p."""
+    _check(p, m)
+    n = max(2 * p - 1, m)
+    ops = []
+    for r in range(p):
+        taken, mine = {}, []
+
+        def emit(kind, c):  # the next micro-batch of this kind on chunk c
+            i = taken.get((kind, c), 0)
+            taken[(kind, c)] = i + 1
+            if i < m:
+                mine.append(Op(kind, c, i))
+
+        for _ in range(2 * (p - r) - 1):
+            emit(Kind.F, 0)
+        for _ in range(r):
+            emit(Kind.F, 1)
+            emit(Kind.F, 0)
+        for _ in range(p - r):
+            for kind in (Kind.F, Kind.B, Kind.W):
+                emit(kind, 1)
+        while taken.get((Kind.F, 0), 0) < n or taken.get((Kind.F, 1), 0) < n:
+            for c in (0, 1):
+                for kind in (Kind.F, Kind.B, Kind.W):
+                    emit(kind, c)
+        for _ in range(r):
+            emit(Kind.B, 0)
+            emit(Kind.B, 1)
+        for _ in range(p - r):
+            emit(Kind.B, 0)
+            emit(Kind.W, 0)
+        for c in (1, 0):
+            while taken.get((Kind.W, c), 0) < n:
+                emit(Kind.W, c)
+        ops.append(tuple(mine))
+    return Table("zbv", p, m, 2, Placement.V, tuple(ops))
+
+
 def validate(t: Table) -> None:
     """Every (chunk, micro-batch) of every stage runs F once and then either BW once or B then W
     once each; one clear error otherwise."""

@@ -1,6 +1,6 @@
 """Pipeline schedules as tables (gw.schedules): each runs every micro-batch through every chunk,
 and its simulated bubble is the paper's (1F1B: (p - 1) / (m + p - 1); interleaved: (p - 1) /
-(v m + p - 1), Megatron-LM §2.2; ZB-H1: at most half of 1F1B's at 1F1B's peak memory, Qi et al.)."""
+(v m + p - 1), Megatron-LM §2.2; ZB-H1: at most half of 1F1B's and ZB-V a quarter from m = 2p, at 1F1B's peak memory, Qi et al.)."""
 import math
 
 import pytest
@@ -24,6 +24,14 @@ def test_the_simulated_bubbles_are_the_papers(p, k):
     # its peak activations are 1F1B's stage 0's (p micro-batches) on every stage
     assert S.peaks(S.zb_h1(p, m)) == (min(p, m),) * p
     assert S.peaks(S.one_f_one_b(p, m)) == tuple(min(p - s, m) for s in range(p))
+    v = S.zbv(p, m)  # two chunks a stage in a V, each half a stage's work
+    assert [v.virtual(s, 1) for s in range(p)] == [2 * p - 1 - s for s in range(p)]
+    zbv = S.simulate(v, 0.5, 0.5, 0.5)
+    if k >= 2:  # Qi et al.'s near zero bubble, from m = 2p: at most a quarter of 1F1B's
+        assert zbv.bubble <= one.bubble / 4, (zbv.bubble, one.bubble)
+        assert S.peaks(v) == (2 * p,) * p  # 2p half-stage activations: 1F1B's stage 0's p micro-batches
+    else:
+        assert zbv.bubble <= zb.bubble + 1e-12
 
 
 def test_a_message_time_delays_each_stage_boundary():
