@@ -178,6 +178,69 @@ def zbv(p: int, m: int) -> Table:
     return Table("zbv", p, m, 2, Placement.V, tuple(ops))
 
 
+def dualpipev(p: int, m: int) -> Table:
+    """DualPipeV (DeepSeek-V3's DualPipe folded into a V, as torch.distributed.pipelining's
+    ScheduleDualPipeV orders it): the V placement of ZB-V; in its steady phase each forward of one
+    chunk pairs with the whole backward of the other (run one after the other here: overlapping
+    them needs two streams), and B and W part only in the drain, where a W fills each gap. Stage
+    r: 2 (p - r - 1) forwards of chunk 0; r + 1 pairs (F chunk 0, F chunk 1); p - r - 1 of (B
+    chunk 1, a pending W, F chunk 1); m - 2p + r + 1 rounds of (F chunk 0 + BW chunk 1, F chunk 1
+    + BW chunk 0); p - r - 1 of (BW chunk 1, F chunk 1 + BW chunk 0); r + 1 pairs of backwards
+    (chunk 1, chunk 0), split into B from the middle one on; p - r - 1 of (a pending W, chunk 0's
+    backward); the pending Ws. Needs m >= 2p."""
+    _check(p, m)
+    if m < 2 * p:
+        raise GridError(f"DualPipeV needs at least twice the {p} stages as micro-batches, got {m}")
+    ops = []
+    for r in range(p):
+        taken, pending, mine = {}, [], []
+
+        def run(kind, c):  # the next micro-batch of this kind on chunk c (BW takes B's and W's turn)
+            key = Kind.B if kind is Kind.BW else kind
+            i = taken.get((key, c), 0)
+            mine.append(Op(kind, c, i))
+            taken[(key, c)] = i + 1
+            if kind is Kind.B:
+                pending.append((c, i))
+
+        def a_pending_w():
+            if pending:
+                c, i = pending.pop(0)
+                mine.append(Op(Kind.W, c, i))
+
+        for _ in range(2 * (p - r - 1)):
+            run(Kind.F, 0)
+        for _ in range(r + 1):
+            run(Kind.F, 0)
+            run(Kind.F, 1)
+        for _ in range(p - r - 1):
+            run(Kind.B, 1)
+            a_pending_w()
+            run(Kind.F, 1)
+        for _ in range(m - 2 * p + r + 1):
+            run(Kind.F, 0)
+            run(Kind.BW, 1)
+            run(Kind.F, 1)
+            run(Kind.BW, 0)
+        for _ in range(p - r - 1):
+            run(Kind.BW, 1)
+            run(Kind.F, 1)
+            run(Kind.BW, 0)
+        split = False
+        for i in range(r + 1):  # from the middle pair on (odd stages: before chunk 1's), B and W apart
+            split = split or (i == (r + 1) // 2 and r % 2 == 1)
+            run(Kind.B if split else Kind.BW, 1)
+            split = split or (i == (r + 1) // 2 and r % 2 == 0)
+            run(Kind.B if split else Kind.BW, 0)
+        for _ in range(p - r - 1):
+            a_pending_w()
+            run(Kind.B if split else Kind.BW, 0)
+        while pending:
+            a_pending_w()
+        ops.append(tuple(mine))
+    return Table("dualpipev", p, m, 2, Placement.V, tuple(ops))
+
+
 def validate(t: Table) -> None:
     """Every (chunk, micro-batch) of every stage runs F once and then either BW once or B then W
     once each; one clear error otherwise."""

@@ -30,8 +30,15 @@ def test_the_simulated_bubbles_are_the_papers(p, k):
     if k >= 2:  # Qi et al.'s near zero bubble, from m = 2p: at most a quarter of 1F1B's
         assert zbv.bubble <= one.bubble / 4, (zbv.bubble, one.bubble)
         assert S.peaks(v) == (2 * p,) * p  # 2p half-stage activations: 1F1B's stage 0's p micro-batches
+        # DualPipeV on one stream (each overlapped pair run in turn): ZB-V's bubble, its peak half a
+        # micro-batch more (DeepSeek-V3's 2p + 1 chunk activations)
+        dual = S.dualpipev(p, m)
+        assert math.isclose(S.simulate(dual, 0.5, 0.5, 0.5).bubble, zbv.bubble, rel_tol=1e-9)
+        assert S.peaks(dual) == (2 * p + 1,) * p
     else:
         assert zbv.bubble <= zb.bubble + 1e-12
+        with pytest.raises(gw.GridError, match="DualPipeV needs at least twice the"):
+            S.dualpipev(p, m)
 
 
 def test_a_message_time_delays_each_stage_boundary():
