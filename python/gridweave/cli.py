@@ -7,6 +7,7 @@ import json
 import os
 import random
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -304,10 +305,16 @@ def _verify(args, parser, argv) -> int:
     """gridweave verify: the launcher checks the job (train's errors), says what the replica keeps
     and reduces, starts its ranks on this machine and prints their report: exit 0 ok, 1 a
     divergence (its first), 2 a bad job. A rank of it (GRIDWEAVE_VERIFY_JOB set) runs gw.verify.run."""
+    try:  # --config's values under the flags, on the launcher and on each rank alike
+        args = with_config_file(args, parser, argv)
+    except GridError as e:
+        print(f"gridweave verify: {e}", file=sys.stderr)
+        return 2
     if os.environ.get(VERIFY_JOB):
         return _verify_rank(args)
     try:
-        args = with_config_file(args, parser, argv)
+        if args.fuzz < 0:
+            raise GridError(f"--fuzz must be 0 or a positive integer, got {args.fuzz}")
         for name in ("verify_steps", "ranks"):
             if getattr(args, name) < 1:
                 raise GridError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
@@ -341,15 +348,20 @@ def _verify_ranks(rank_argv, world: int, job_world: int, steps: int, port, timeo
     """Start `world` ranks of `gridweave verify rank_argv` here; their Report, or None (they said why)."""
     with tempfile.TemporaryDirectory(prefix="gridweave-verify-") as tmp:
         path = Path(tmp) / "report.json"
-        os.environ.update({VERIFY_JOB: str(job_world), VERIFY_REPORT: str(path), "GRIDWEAVE_SPAWNED": "1",
-                           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+        ours = {VERIFY_JOB: str(job_world), VERIFY_REPORT: str(path), "GRIDWEAVE_SPAWNED": "1",
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        before = {k: os.environ.get(k) for k in ours}  # the ranks inherit ours; the caller keeps its own
+        os.environ.update(ours)
         try:
             nodes = launch.Nodes(nproc=world, master_port=port or launch.default_port())
             code = launch.torchrun(nodes, ["gridweave.cli", "verify", *rank_argv, "--verify-steps", str(steps)],
                                    uuid.uuid4().hex, timeout)
         finally:
-            for k in (VERIFY_JOB, VERIFY_REPORT, "GRIDWEAVE_SPAWNED"):
-                os.environ.pop(k, None)
+            for k, v in before.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         if code or not path.exists():
             return None
         return verify.Report.from_dict(json.loads(path.read_text()))
@@ -393,7 +405,8 @@ def _fuzz(args) -> int:
     failed = 0
     for i in range(args.fuzz):
         cfg, world = verify.draw(rng, args.ranks)
-        flags = ["--nproc", str(world), *_flags_of(cfg), "--verify-steps", str(args.verify_steps)]
+        flags = ["--nproc", str(world), *_flags_of(cfg), "--verify-steps", str(args.verify_steps), "--ranks",
+                 str(args.ranks)]
         env = {**os.environ, launch.PORT_ENV: str((args.master_port or launch.default_port()) + i % 100)}
         try:
             ran = subprocess.run([sys.executable, "-m", "gridweave.cli", "verify", *flags], capture_output=True,
@@ -406,7 +419,7 @@ def _fuzz(args) -> int:
         print(f"fuzz {i + 1}/{args.fuzz}: {verify.describe(cfg, world)}: {said}", flush=True)
         if code:
             failed += 1
-            print("  repro: gridweave verify " + " ".join(flags), flush=True)
+            print("  repro: gridweave verify " + shlex.join(flags), flush=True)
     print(f"verify --fuzz {args.fuzz} --seed {args.seed}: {args.fuzz - failed} ok, {failed} failed")
     return 1 if failed else 0
 

@@ -113,17 +113,23 @@ def _degrees(cfg: TrainConfig, shape: dict, ranks: int) -> tuple:
     usp_ring = cfg.attention == "usp" and 1 < cfg.ulysses_degree < shape["sp"]
     if usp_ring:
         floor["sp"] = 4
+    # experts over a part of the data line keep a line of 4 at least, so 2 of them stay a part
+    line_floor = 4 if 1 < cfg.ep < shape["dp"] * shape["sp"] else 1
 
     def world(d):
         return d["dp"] * d["pp"] * d["sp"] * _tp_ranks(mode, d["tp"])
 
+    def halved(d, k):
+        return {**d, k: max(floor[k], d[k] // 2)}
+
     while world(deg) > ranks:
-        over = [k for k in ("dp", "pp", "sp", "tp") if deg[k] > floor[k]]
+        over = [k for k in ("dp", "pp", "sp", "tp") if deg[k] > floor[k] and
+                (k not in ("dp", "sp") or halved(deg, k)["dp"] * halved(deg, k)["sp"] >= line_floor)]
         if not over:
             raise GridError(f"verify: the replica keeps each degree of 2 or more at 2 at least (USP's ring of "
                             f"Ulysses blocks at 4): {world(deg)} ranks, more than ranks={ranks}")
         k = max(over, key=lambda a: deg[a])
-        deg[k] = max(floor[k], deg[k] // 2)
+        deg = halved(deg, k)
     lines = [f"{k} {shape[k] if k != 'tp' else mode.spec()} -> {deg[k] if k != 'tp' else _spec(mode, deg['tp'])}"
              for k in ("dp", "pp", "sp", "tp")
              if (shape[k] if k != "tp" else (mode.size if mode.size_arg else 1)) != deg[k]]
@@ -143,12 +149,18 @@ def scale_down(cfg: TrainConfig, job_world: int, ranks: int = RANKS) -> tuple:
         raise GridError(f"verify takes a TrainConfig, got {type(cfg).__name__}")
     shape = cfg.grid_shape(job_world)
     deg, lines, world = _degrees(cfg, shape, ranks)
-    # experts over the whole data line stay so; a part of it stays a part (2) where the line allows
+    # experts over the whole data line stay so; over a part of it, the job's part where it still
+    # is one, else 2 (the line keeps 4 at least: _degrees)
     data_line = deg["dp"] * deg["sp"]
-    ep = 1 if cfg.ep == 1 else data_line if cfg.ep == shape["dp"] * shape["sp"] else math.gcd(min(cfg.ep, 2), data_line)
-    # Ulysses over all of sp stays so; USP's blocks inside a ring stay blocks of 2 (sp 4 at least)
+    ep = 1 if cfg.ep == 1 else data_line if cfg.ep == shape["dp"] * shape["sp"] else \
+        cfg.ep if data_line % cfg.ep == 0 and cfg.ep < data_line else 2
+    # Ulysses over all of sp stays so; USP's blocks inside a ring keep their size where sp still
+    # holds two of them, else blocks of 2 (sp 4 at least)
     ud = cfg.ulysses_degree
-    ulysses = 1 if ud == 1 else deg["sp"] if ud == shape["sp"] else 2
+    ulysses = 1 if ud == 1 else deg["sp"] if ud == shape["sp"] else \
+        ud if deg["sp"] % ud == 0 and ud < deg["sp"] else 2
+    lines += [f"{name} {old} -> {new}" for name, old, new in (("ep", cfg.ep, ep), ("ulysses_degree", ud, ulysses))
+              if old != new]
     chunks = min(cfg.chunks, 2)
     per_chunk = 2  # two layers a (virtual) stage: one hands over to the next (ZeRO-3's prefetch, 3-D's overlap)
     ac = cfg.ac if cfg.ac in (1, "auto") else 2
@@ -158,17 +170,22 @@ def scale_down(cfg: TrainConfig, job_world: int, ranks: int = RANKS) -> tuple:
     ratio = max(1, cfg.heads // kv)
     moe = cfg.model in ("mixtral", "qwen2-moe", "qwen3-moe")
     experts = ep * 2 if ep > 1 else min(cfg.experts, 4)
+    # routing still chooses among the experts (top_k below their count) unless the job routes to all
+    top_k = min(cfg.top_k, experts if cfg.top_k >= cfg.experts else experts - 1)
+    # key/value heads a tensor rank holds: the job's, up to 2 (a grouping inside a shard stays one)
+    tp_size = cfg.mode.size if cfg.mode.size_arg else 1
+    kv_here = min(2, max(1, kv // tp_size)) * (deg["tp"] if cfg.mode.keyword == "row" else 1)
     common = dict(dp=deg["dp"], pp=deg["pp"], sp=deg["sp"], tp=_spec(cfg.mode, deg["tp"]) if cfg.mode.size_arg
                   else cfg.tp, ep=ep, ulysses_degree=ulysses, chunks=chunks, ac=ac, layers=layers, precision="fp64",
                   device="cpu", backend="auto", init_from=None, data=None,
                   tokenizer="bytes", resume=None, val_every=0, checkpoint_every=0, log="none", quiet=True,
                   phase_times=False, host_reads=False, straggler_threshold=0.0, bsize=64,
-                  coarsening=min(cfg.coarsening, 4), experts=experts, top_k=min(cfg.top_k, experts))
+                  coarsening=min(cfg.coarsening, 4), experts=experts, top_k=top_k)
     last = None
     micro = dict.fromkeys((min(cfg.microbatches, max(4, 2 * deg["pp"])), deg["pp"], 2 * deg["pp"]))
     # the smallest first: sequence, rows a micro-batch per dp rank (3-D splits them), micro-batches, widths
-    for seq, rows, m, kv_r, head_dim in itertools.product((16, 32, 64, 128), (1, 2, 4, 8), micro, (1, 2, 4, 8),
-                                                           (8, 16)):
+    kvs = dict.fromkeys((kv_here, 1, 2, 4, 8))  # the job's per-rank grouping first
+    for seq, rows, m, kv_r, head_dim in itertools.product((16, 32, 64, 128), (1, 2, 4, 8), micro, kvs, (8, 16)):
         heads = kv_r * ratio
         hidden = heads * head_dim
         changes = dict(common, seq=seq, microbatches=m, batch=deg["dp"] * m * rows, heads=heads, kv_heads=kv_r,
@@ -478,7 +495,10 @@ def run(cfg: TrainConfig, steps: int = STEPS, *, job_world: int | None = None, r
         raise GridError(f"verify: the replica of this job takes {need} ranks ({describe(replica, need)}); this world "
                         f"has {world}: launch {need}")
     replica = dataclasses.replace(replica, steps=steps)
-    grid = (init or gw_init)(**train.grid_options(replica, world))
+    options = train.grid_options(replica, world)
+    if replica.zero and replica.zero_shard_group != optim.ShardGroup.ALL.value and world % 2 == 0:
+        options["ranks_per_node"] = world // 2  # hybrid sharding across two "nodes": the replica's halves
+    grid = (init or gw_init)(**options)
     try:
         return _verify(grid, replica, steps, rtol, scaled, need)
     finally:
@@ -569,8 +589,10 @@ def _verify(grid, replica: TrainConfig, steps: int, rtol: float, scaled: tuple, 
         outputs.reset()
         loss, _ = train.train_step(replica, grid, stage, opt, None, x, y, docs)
         ref = dense.step(lr, *_batch(replica, whole, starts))
-        if any(mods for _, _, mods in watched) and not outputs.out:
-            raise GridError("internal: verify recorded no module output of this rank's stage")
+        unseen = [(name, mb) for _, _, mods in watched for name, _ in mods for mb in range(replica.microbatches)
+                  if (name, mb) not in outputs.out]
+        if unseen:  # a module whose hook never fired would never be compared
+            raise GridError(f"internal: verify recorded no output of {unseen[0][0]} for micro-batch {unseen[0][1]}")
         _check_outputs(findings, outputs, dense, chunks, order, replica.batch // replica.microbatches // dp, r)
         findings.check("loss", "", "loss", abs(float(loss) - ref["loss"]) / max(abs(ref["loss"]), 1e-300), "", (0,))
         norm = opt.grad_norm_tensor

@@ -72,6 +72,7 @@ COMPOSED = [
     (dict(model="mixtral", ep=2, dp=2, sp=2, pp=1, zero=3, capacity_factor=1.0), 4),
     (dict(model="bert", tp="square:2", dp=2, pp=1), 8),
     (dict(tp="row:2", dp=2, pp=2, schedule="interleaved", chunks=2, zero=3, fused_loss=True), 8),
+    (dict(dp=4, pp=1, zero=2, zero_shard_group="node"), 4),  # hybrid sharding over the replica's two halves
 ]
 
 
@@ -126,6 +127,7 @@ def test_a_swapped_sequence_shard_is_named_at_the_embedding(pool):
 
 
 def test_the_replica_keeps_what_can_go_wrong_and_says_what_it_reduced():
+    import gridweave as gw
     from gridweave import verify
     from gridweave.config import TrainConfig
 
@@ -140,8 +142,18 @@ def test_the_replica_keeps_what_can_go_wrong_and_says_what_it_reduced():
     assert replica.heads // replica.kv_heads == 4 and replica.kv_heads // 2 == job.kv_heads // 8
     assert replica.layers == 2 * 2 and replica.hidden % replica.heads == 0
     assert "dp 64 -> 2" in lines and "tp row:8 -> row:2" in lines and "layers 32 -> 4" in lines
+    # what fits stays: experts over a part of the data line (4 of 8), USP's blocks of 4 in a ring of 2
+    moe, _, _ = verify.scale_down(TrainConfig(model="mixtral", dp=8, pp=1, ep=4, layers=2), 8, ranks=8)
+    assert (moe.dp, moe.ep) == (8, 4)
+    usp, _, _ = verify.scale_down(TrainConfig(sp=8, pp=1, attention="usp", ulysses_degree=4, layers=2), 8, ranks=8)
+    assert (usp.sp, usp.ulysses_degree) == (8, 4)
+    # experts over a part of the line stay a part when the line shrinks (it keeps 4 ranks), and it is said
+    part, lines, world = verify.scale_down(TrainConfig(model="mixtral", tp="row:2", dp=8, pp=2, ep=2, layers=4),
+                                           32, ranks=16)
+    assert (part.dp, part.ep, world) == (4, 2, 16) and "dp 8 -> 4" in lines
+    assert moe.top_k < moe.experts  # routing still chooses
     # larger jobs need more ranks than the CPU is given: one clear error, before anything starts
-    with pytest.raises(Exception, match="more than ranks=8"):
+    with pytest.raises(gw.GridError, match="more than ranks=8"):
         verify.scale_down(TrainConfig(tp="cube:2", dp=2, pp=2, layers=4), 32, ranks=8)
 
 
@@ -153,6 +165,12 @@ def test_gridweave_verify_on_the_command_line(tmp_path):
                         env=env, timeout=300)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert ok.stdout.strip().splitlines()[-1].startswith("verify: ok (2 steps on 4 ranks, llama on pp 2 x tp row:2")
+    # --config's job is the one the ranks verify (its values under the flags given)
+    (tmp_path / "job.toml").write_text('[model]\nmodel = "gpt"\n')
+    toml = subprocess.run([sys.executable, "-m", "gridweave.cli", "verify", "--nproc", "2", "--config",
+                           str(tmp_path / "job.toml")], capture_output=True, text=True, env=env, timeout=300)
+    assert toml.returncode == 0, toml.stdout + toml.stderr
+    assert toml.stdout.strip().splitlines()[-1].startswith("verify: ok (2 steps on 2 ranks, gpt on pp 2"), toml.stdout
     bad = subprocess.run([sys.executable, "-m", "gridweave.cli", "verify", "--nproc", "4", "--tp", "row:3"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("gridweave verify: "), bad.stderr
