@@ -203,6 +203,16 @@ void Communicator::count(OpKind op, const BufferView& buf, int root) const {
                          peer_is_intra_);
 }
 
+std::shared_ptr<Work> Communicator::issue_collective(OpKind op, const BufferView& in, const BufferView& out,
+                                                     ReduceOp rop, int root, bool async_op, const BufferView& same,
+                                                     const BufferView& counted) {
+  FlightOp rec = flight_issue(op, same, root, -1, -1);
+  const Fingerprint fp = agree(op, same, root);
+  const int at = root < 0 ? 0 : root;  // the transports' and the counters' root of an unrooted op
+  count(op, counted, at);
+  return flown(rec, run_collective(op, in, out, rop, at, async_op, fp));
+}
+
 std::shared_ptr<Work> Communicator::all_gather(const BufferView& in, const BufferView& out, bool async_op) {
   const OpKind op = OpKind::AllGather;
   check_usable(op);
@@ -212,10 +222,7 @@ std::shared_ptr<Work> Communicator::all_gather(const BufferView& in, const Buffe
                                                << dtype_name(out.dtype));
   GW_CHECK(out.count == in.count * size(), describe(op) << ": output holds " << out.count << " elements, needs "
                                                         << size() << " x " << in.count);
-  FlightOp rec = flight_issue(op, in, -1, -1, -1);
-  const Fingerprint fp = agree(op, in, -1);
-  count(op, in, 0);
-  return flown(rec, run_collective(op, in, out, ReduceOp::Sum, 0, async_op, fp));
+  return issue_collective(op, in, out, ReduceOp::Sum, -1, async_op, in, in);
 }
 
 std::shared_ptr<Work> Communicator::reduce_scatter(const BufferView& in, const BufferView& out, ReduceOp rop, bool async_op) {
@@ -227,20 +234,14 @@ std::shared_ptr<Work> Communicator::reduce_scatter(const BufferView& in, const B
                                                << dtype_name(out.dtype));
   GW_CHECK(in.count == out.count * size(), describe(op) << ": input holds " << in.count << " elements, must be "
                                                         << size() << " x output (" << out.count << ")");
-  FlightOp rec = flight_issue(op, out, -1, -1, -1);
-  const Fingerprint fp = agree(op, out, -1);
-  count(op, in, 0);
-  return flown(rec, run_collective(op, in, out, rop, 0, async_op, fp));
+  return issue_collective(op, in, out, rop, -1, async_op, out, in);
 }
 
 std::shared_ptr<Work> Communicator::all_reduce(const BufferView& buf, ReduceOp rop, bool async_op) {
   const OpKind op = OpKind::AllReduce;
   check_usable(op);
   check_buffer(buf, "buffer", op);
-  FlightOp rec = flight_issue(op, buf, -1, -1, -1);
-  const Fingerprint fp = agree(op, buf, -1);
-  count(op, buf, 0);
-  return flown(rec, run_collective(op, buf, buf, rop, 0, async_op, fp));
+  return issue_collective(op, buf, buf, rop, -1, async_op, buf, buf);
 }
 
 std::shared_ptr<Work> Communicator::broadcast(const BufferView& buf, int root, bool async_op) {
@@ -248,10 +249,7 @@ std::shared_ptr<Work> Communicator::broadcast(const BufferView& buf, int root, b
   check_usable(op);
   check_buffer(buf, "buffer", op);
   check_root(root, op);
-  FlightOp rec = flight_issue(op, buf, root, -1, -1);
-  const Fingerprint fp = agree(op, buf, root);
-  count(op, buf, root);
-  return flown(rec, run_collective(op, buf, buf, ReduceOp::Sum, root, async_op, fp));
+  return issue_collective(op, buf, buf, ReduceOp::Sum, root, async_op, buf, buf);
 }
 
 std::shared_ptr<Work> Communicator::reduce(const BufferView& buf, ReduceOp rop, int root, bool async_op) {
@@ -259,10 +257,7 @@ std::shared_ptr<Work> Communicator::reduce(const BufferView& buf, ReduceOp rop, 
   check_usable(op);
   check_buffer(buf, "buffer", op);
   check_root(root, op);
-  FlightOp rec = flight_issue(op, buf, root, -1, -1);
-  const Fingerprint fp = agree(op, buf, root);
-  count(op, buf, root);
-  return flown(rec, run_collective(op, buf, buf, rop, root, async_op, fp));
+  return issue_collective(op, buf, buf, rop, root, async_op, buf, buf);
 }
 
 std::shared_ptr<Work> Communicator::scatter(const BufferView& in, const BufferView& out, int root, bool async_op) {
@@ -276,10 +271,7 @@ std::shared_ptr<Work> Communicator::scatter(const BufferView& in, const BufferVi
     GW_CHECK(in.count == out.count * size(), describe(op) << ": root input holds " << in.count
                                                           << " elements, needs " << size() << " x " << out.count);
   }
-  FlightOp rec = flight_issue(op, out, root, -1, -1);
-  const Fingerprint fp = agree(op, out, root);
-  count(op, out, root);
-  return flown(rec, run_collective(op, in, out, ReduceOp::Sum, root, async_op, fp));
+  return issue_collective(op, in, out, ReduceOp::Sum, root, async_op, out, out);
 }
 
 std::shared_ptr<Work> Communicator::gather(const BufferView& in, const BufferView& out, int root, bool async_op) {
@@ -293,10 +285,7 @@ std::shared_ptr<Work> Communicator::gather(const BufferView& in, const BufferVie
     GW_CHECK(out.count == in.count * size(), describe(op) << ": root output holds " << out.count
                                                           << " elements, needs " << size() << " x " << in.count);
   }
-  FlightOp rec = flight_issue(op, in, root, -1, -1);
-  const Fingerprint fp = agree(op, in, root);
-  count(op, in, root);
-  return flown(rec, run_collective(op, in, out, ReduceOp::Sum, root, async_op, fp));
+  return issue_collective(op, in, out, ReduceOp::Sum, root, async_op, in, in);
 }
 
 std::shared_ptr<Work> Communicator::all_to_all(const BufferView& in, const BufferView& out, bool async_op) {
@@ -308,10 +297,7 @@ std::shared_ptr<Work> Communicator::all_to_all(const BufferView& in, const Buffe
            describe(op) << ": input and output must have the same dtype and count");
   GW_CHECK(in.count % size() == 0, describe(op) << ": " << in.count << " elements do not split into " << size()
                                                 << " equal chunks");
-  FlightOp rec = flight_issue(op, in, -1, -1, -1);
-  const Fingerprint fp = agree(op, in, -1);
-  count(op, in, 0);
-  return flown(rec, run_collective(op, in, out, ReduceOp::Sum, 0, async_op, fp));
+  return issue_collective(op, in, out, ReduceOp::Sum, -1, async_op, in, in);
 }
 
 namespace {

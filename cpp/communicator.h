@@ -197,6 +197,11 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::shared_ptr<Work> acknowledged(std::shared_ptr<Work> data, const Fingerprint& fp, int peer);
   // The next collective's fingerprint; at the Detail level, verified against every member's.
   Fingerprint agree(OpKind op, const BufferView& buf, int root);
+  // A checked collective issued: recorded in the flight recorder, agreed on, counted, run.
+  // `same`: what every member passes alike (the fingerprint's and the record's); `counted`: what
+  // the traffic counters count; root -1 for an unrooted op.
+  std::shared_ptr<Work> issue_collective(OpKind op, const BufferView& in, const BufferView& out, ReduceOp rop,
+                                         int root, bool async_op, const BufferView& same, const BufferView& counted);
   // Records an op in the flight recorder as issued (before agree, so an op whose members
   // disagree is recorded too); the guard marks it failed unless a Work takes it over (flown).
   FlightOp flight_issue(OpKind op, const BufferView& buf, int root, int peer, int tag);

@@ -103,12 +103,17 @@ def _tp_ranks(mode, size: int) -> int:
     return parse_mode(f"{mode.keyword}:{size}").ranks() if mode.size_arg else 1
 
 
+def _size(mode) -> int:
+    """A tensor mode's degree (row:N's N, square:Q's Q, ...); 1 for none."""
+    return mode.size if mode.size_arg else 1
+
+
 def _degrees(cfg: TrainConfig, shape: dict, ranks: int) -> tuple:
     """(degrees, lines): the job's dp, pp, sp and tensor-mode size reduced, the largest first,
     each halving at a time and never below 2 where it was 2 or more (USP keeps a ring of two
     Ulysses blocks: sp 4), until the replica fits `ranks`."""
     mode = cfg.mode
-    deg = {"dp": shape["dp"], "pp": shape["pp"], "sp": shape["sp"], "tp": mode.size if mode.size_arg else 1}
+    deg = {"dp": shape["dp"], "pp": shape["pp"], "sp": shape["sp"], "tp": _size(mode)}
     floor = {k: min(v, 2) for k, v in deg.items()}
     usp_ring = cfg.attention == "usp" and 1 < cfg.ulysses_degree < shape["sp"]
     if usp_ring:
@@ -132,7 +137,7 @@ def _degrees(cfg: TrainConfig, shape: dict, ranks: int) -> tuple:
         deg = halved(deg, k)
     lines = [f"{k} {shape[k] if k != 'tp' else mode.spec()} -> {deg[k] if k != 'tp' else _spec(mode, deg['tp'])}"
              for k in ("dp", "pp", "sp", "tp")
-             if (shape[k] if k != "tp" else (mode.size if mode.size_arg else 1)) != deg[k]]
+             if (shape[k] if k != "tp" else _size(mode)) != deg[k]]
     return deg, lines, world(deg)
 
 
@@ -165,16 +170,14 @@ def scale_down(cfg: TrainConfig, job_world: int, ranks: int = RANKS) -> tuple:
     per_chunk = 2  # two layers a (virtual) stage: one hands over to the next (ZeRO-3's prefetch, 3-D's overlap)
     ac = cfg.ac if cfg.ac in (1, "auto") else 2
     layers = deg["pp"] * chunks * per_chunk
-    llama = cfg.model not in ("gpt", "bert")
-    kv = cfg.kv_heads or (cfg.heads // 2 if llama and cfg.heads % 2 == 0 else cfg.heads)
+    kv = cfg.model_config(VOCAB).kv_heads  # the family's default where the job leaves it out
     ratio = max(1, cfg.heads // kv)
-    moe = cfg.model in ("mixtral", "qwen2-moe", "qwen3-moe")
+    moe = cfg.model in MOE_MODELS
     experts = ep * 2 if ep > 1 else min(cfg.experts, 4)
     # routing still chooses among the experts (top_k below their count) unless the job routes to all
     top_k = min(cfg.top_k, experts if cfg.top_k >= cfg.experts else experts - 1)
     # key/value heads a tensor rank holds: the job's, up to 2 (a grouping inside a shard stays one)
-    tp_size = cfg.mode.size if cfg.mode.size_arg else 1
-    kv_here = min(2, max(1, kv // tp_size)) * (deg["tp"] if cfg.mode.keyword == "row" else 1)
+    kv_here = min(2, max(1, kv // _size(cfg.mode))) * (deg["tp"] if cfg.mode.keyword == "row" else 1)
     common = dict(dp=deg["dp"], pp=deg["pp"], sp=deg["sp"], tp=_spec(cfg.mode, deg["tp"]) if cfg.mode.size_arg
                   else cfg.tp, ep=ep, ulysses_degree=ulysses, chunks=chunks, ac=ac, layers=layers, precision="fp64",
                   device="cpu", backend="auto", init_from=None, data=None,
