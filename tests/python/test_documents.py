@@ -123,7 +123,8 @@ def _train(tmp, name, n, extra, pack=True, port=29691, timeout=600):
     cmd = [sys.executable, "-m", "gridweave.cli", "train", *launcher_args(), "--nproc", str(n), "--model", "llama",
            "--hidden", "32", "--heads", "4", "--layers", "4", "--seq", "32", "--batch", "8", "--microbatches", "2",
            "--steps", "3", "--val-every", "0", "--sample-tokens", "0", "--tokenizer", "bytes", "--warmup", "1",
-           "--quiet", "--out", str(out), *(["--pack-documents"] if pack else []), *extra]
+           "--quiet", "--out", str(out), *(["--pack-documents"] if pack else []),
+           "--device", DEVICE.type, *extra]  # device auto puts 1 rank on a GPU and 8 sharing one on the host
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1", GRIDWEAVE_PORT=str(port)),
                        stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
@@ -210,7 +211,7 @@ def _ring_order(ctx, causal, n, u, seed):
     heads, A, Lx = 4, 8, 256
     docs = _skewed(2, Lx, 0.5, seed)
     q, k, v = (full((2, heads, Lx, A), s).requires_grad_() for s in (21, 22, 23))
-    pos = torch.arange(Lx, device="cpu")
+    pos = torch.arange(Lx, device=DEVICE)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(docs.to(DEVICE), pos,
                                                                                               pos, causal))
     dout = full(ref.shape, 24)
