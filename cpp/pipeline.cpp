@@ -4,6 +4,7 @@
 #include <cstring>
 #include <deque>
 #include <list>
+#include <map>
 #include <string>
 #include <thread>
 
@@ -139,13 +140,19 @@ class Outbox {
   }
   void send(std::int64_t kind, int mb, const void* data, int tag) {
     const bool forward = kind == kActivation;
+    send_to(forward ? ends_.to_next : ends_.to_prev, forward ? ends_.next : ends_.prev, kind, mb, data, tag);
+  }
+  // To an end of the caller's choosing (a V's chunk 1 sends against the usual directions);
+  // `stage`: the receiver's index on pp, which the control channel's announcement goes to.
+  void send_to(const Endpoint& to, int stage, std::int64_t kind, int mb, const void* data, int tag) {
+    const bool forward = kind == kActivation;
     GW_CHECK(data != nullptr || payload_ == 0, "pipeline: the " << (forward ? "forward" : "backward")
                                                                 << " of microbatch " << mb
                                                                 << " returned no bytes to send");
-    const Endpoint& to = forward ? ends_.to_next : ends_.to_prev;
+    GW_CHECK(to.comm != nullptr, "pipeline: no " << kind_name(kind) << " end towards stage " << stage);
     if (control_ != nullptr) {
       auto h = std::make_shared<Header>(kind, mb);
-      announced_.push_back({h, control_->send(h->view(), forward ? ends_.next : ends_.prev, kControlTag)});
+      announced_.push_back({h, control_->send(h->view(), stage, kControlTag)});
     }
     const void* bytes = payload_ > 0 ? data : token_->data();
     pending_.push_back({data, to.send(message_view(bytes, payload_, pp_.device(), stream_), tag)});
@@ -692,6 +699,113 @@ PipelineStats run_interleaved(Communicator& pp, const PipelineConfig& cfg, int c
     do_backward(b);
   }
   for (; b < total; ++b) do_backward(b);  // cool-down
+  out.reap(true);
+  return st;
+}
+
+PipelineStats run_table(Communicator& pp, const PipelineConfig& cfg, int chunks, ChunkPlacement placement,
+                        const std::vector<StageOp>& ops, const ChunkForward& forward, const SplitBackward& backward,
+                        const ChunkWeight& weight, const StageLinks& links) {
+  check(cfg, pp);
+  const int p = cfg.stages, s = cfg.stage, v = chunks;
+  const bool vee = placement == ChunkPlacement::V;
+  GW_CHECK(p >= 2, "pipeline table: needs at least 2 stages, got " << p);
+  GW_CHECK(v >= 1 && (!vee || v == 2), "pipeline table: a V places 2 chunks a stage, got " << v);
+  PipelineStats st;
+  const int last_virtual = p * v - 1;
+  auto virt = [&](int c) { return vee ? (c == 0 ? s : 2 * p - 1 - s) : c * p + s; };
+  auto stage_of = [&](int u) { return vee ? (u < p ? u : 2 * p - 1 - u) : u % p; };
+  auto chunk_of = [&](int u) { return vee ? (u < p ? 0 : 1) : u / p; };
+  // Loop: every chunk's activations come from the previous stage and go to the next. V: chunk 0's
+  // so too, chunk 1's the other way (act_* and grad_* ends); on the last stage neither leaves.
+  const Ends ends = vee ? ends_of(pp, links, s > 0 ? s - 1 : -1, s < p - 1 ? s + 1 : -1)
+                        : ends_of(pp, links, (s + p - 1) % p, (s + 1) % p);
+  auto pick = [&pp](const std::shared_ptr<Communicator>& link, int stage) {
+    if (stage < 0) return Endpoint{};
+    if (!link) return Endpoint{&pp, stage};
+    GW_CHECK(link->size() == 2, "pipeline: a link between two stages has 2 members, got " << link->size());
+    return Endpoint{link.get(), 1 - link->rank()};
+  };
+  const Endpoint act_to_prev = pick(links.act_to_prev, vee && s > 0 ? s - 1 : -1);
+  const Endpoint act_from_next = pick(links.act_from_next, vee && s < p - 1 ? s + 1 : -1);
+  const Endpoint grad_to_next = pick(links.grad_to_next, vee && s < p - 1 ? s + 1 : -1);
+  const Endpoint grad_from_prev = pick(links.grad_from_prev, vee && s > 0 ? s - 1 : -1);
+  auto act_in = [&](int c) -> const Endpoint& { return vee && c == 1 ? act_from_next : ends.from_prev; };
+  auto act_out = [&](int c) -> const Endpoint& { return vee && c == 1 ? act_to_prev : ends.to_next; };
+  auto grad_in = [&](int c) -> const Endpoint& { return vee && c == 1 ? grad_from_prev : ends.from_next; };
+  auto grad_out = [&](int c) -> const Endpoint& { return vee && c == 1 ? grad_to_next : ends.to_prev; };
+  auto box = [&](int c) { return vee ? c : 0; };  // a Loop's link brings every chunk's messages
+  // What each link brings, in the order the table takes it (message id: micro-batch * chunks +
+  // the receiving chunk, as run_interleaved numbers them)
+  std::vector<int> act_ids[2], grad_ids[2];
+  for (const StageOp& op : ops) {
+    GW_CHECK(op.chunk >= 0 && op.chunk < v && op.microbatch >= 0 && op.microbatch < cfg.microbatches,
+             "pipeline table: op (chunk " << op.chunk << ", micro-batch " << op.microbatch << ") outside "
+                                          << v << " chunks and " << cfg.microbatches << " micro-batches");
+    const int u = virt(op.chunk), id = op.microbatch * v + op.chunk;
+    if (op.kind == StageOpKind::F && u > 0 && stage_of(u - 1) != s) act_ids[box(op.chunk)].push_back(id);
+    if ((op.kind == StageOpKind::B || op.kind == StageOpKind::BW) && u < last_virtual && stage_of(u + 1) != s)
+      grad_ids[box(op.chunk)].push_back(id);
+  }
+  std::unique_ptr<Inbox> acts[2], grads[2];
+  for (int k = 0; k < (vee ? 2 : 1); ++k) {
+    if (!act_ids[k].empty()) acts[k] = std::make_unique<Inbox>(pp, act_in(k), kActivation, act_ids[k], cfg, st);
+    if (!grad_ids[k].empty()) grads[k] = std::make_unique<Inbox>(pp, grad_in(k), kGradient, grad_ids[k], cfg, st);
+  }
+  Outbox out(pp, cfg, ends);
+  std::map<int, const void*> local_act, local_grad;  // the V's turn on the last stage, by message id
+  auto handed = [&](std::map<int, const void*>& local, int id) {
+    auto it = local.find(id);
+    GW_CHECK(it != local.end(), "pipeline table: message " << id << " is used before the op that makes it");
+    const void* data = it->second;
+    local.erase(it);
+    return data;
+  };
+  auto release = [&](const void* data) {
+    if (cfg.sent) cfg.sent(data);
+  };
+  for (const StageOp& op : ops) {
+    const int c = op.chunk, mb = op.microbatch, u = virt(c), id = mb * v + c;
+    if (op.kind == StageOpKind::F) {
+      const bool local = u > 0 && stage_of(u - 1) == s;
+      const void* x = u == 0 ? nullptr : local ? handed(local_act, id) : acts[box(c)]->take(id);
+      const void* y;
+      {
+        Timer t(st.compute_s);
+        y = forward(mb, c, x);
+      }
+      ++st.forwards;
+      if (local) release(x);  // the callback copied it: the hand-off's bytes may go
+      if (u < last_virtual) {
+        const int to = mb * v + chunk_of(u + 1);
+        if (stage_of(u + 1) == s) local_act[to] = y;
+        else out.send_to(act_out(c), stage_of(u + 1), kActivation, to, y, ordered_tag(kActivation, to));
+      }
+    } else if (op.kind == StageOpKind::W) {
+      {
+        Timer t(st.compute_s);
+        weight(mb, c);
+      }
+      ++st.weights;
+    } else {
+      const bool local = u < last_virtual && stage_of(u + 1) == s;
+      const void* g = u == last_virtual ? nullptr : local ? handed(local_grad, id) : grads[box(c)]->take(id);
+      const void* dx;
+      {
+        Timer t(st.compute_s);
+        dx = backward(mb, c, g, op.kind == StageOpKind::B);
+      }
+      ++st.backwards;
+      if (local) release(g);
+      if (u > 0) {
+        const int to = mb * v + chunk_of(u - 1);
+        if (stage_of(u - 1) == s) local_grad[to] = dx;
+        else out.send_to(grad_out(c), stage_of(u - 1), kGradient, to, dx, ordered_tag(kGradient, to));
+      }
+    }
+    out.reap(false);
+  }
+  GW_CHECK(local_act.empty() && local_grad.empty(), "pipeline table: a hand-off on the last stage was never used");
   out.reap(true);
   return st;
 }

@@ -61,6 +61,10 @@ enum class ReceiveStrategy : int { Auto = 0, Any = 1, PerPeer = 2, Announced = 3
 struct StageLinks {
   std::shared_ptr<Communicator> to_next, from_prev;  // activations
   std::shared_ptr<Communicator> to_prev, from_next;  // gradients
+  // In a V (run_table, ChunkPlacement::V) the second chunk's activations travel back towards
+  // stage 0 and its gradients forward: four more ends, each still one kind from one sender.
+  std::shared_ptr<Communicator> act_to_prev, act_from_next;
+  std::shared_ptr<Communicator> grad_to_next, grad_from_prev;
 };
 
 struct PipelineConfig {
@@ -86,6 +90,7 @@ struct PipelineConfig {
 // callback that ran to its end before the message was needed (so the transfer could overlap it).
 struct PipelineStats {
   int forwards = 0, backwards = 0, messages = 0;
+  int weights = 0;  // W steps run apart from their backward (run_table's split schedules)
   double compute_s = 0, wait_s = 0;
   std::int64_t copies = 0, copied_bytes = 0;
   int posted_ahead = 0;
@@ -119,5 +124,31 @@ PipelineStats run_one_f_one_b(Communicator& pp, const PipelineConfig& cfg, const
 // receives are posted ahead as in 1F1B.
 PipelineStats run_interleaved(Communicator& pp, const PipelineConfig& cfg, int chunks, const ChunkForward& forward,
                               const ChunkBackward& backward, const StageLinks& links = {});
+
+// A schedule given as a table (gw.schedules): each stage's ops in the order it runs them. F runs a
+// micro-batch's forward through one chunk, BW its whole backward, B the backward for the chunk's
+// input alone (its input gradient is sent at once) and W the weight gradients B left (Qi et al.,
+// "Zero Bubble Pipeline Parallelism", ICLR 2024: B on the critical path, W in the bubbles).
+enum class StageOpKind : int { F = 0, B = 1, W = 2, BW = 3 };
+struct StageOp {
+  StageOpKind kind = StageOpKind::F;
+  int chunk = 0;
+  int microbatch = 0;
+};
+// Where a stage's chunks sit in the model: Loop, chunk c is virtual stage c * stages + stage
+// (Megatron's interleaving); V, chunk 0 is virtual stage `stage` and chunk 1 is 2 stages - 1 -
+// stage (ZB-V, DualPipeV), so the last stage hands chunk 0's output to its own chunk 1 and the
+// loss is on stage 0.
+enum class ChunkPlacement : int { Loop = 0, V = 1 };
+// backward(mb, chunk, grad, input_only): input_only for B (the weights' part left for W)
+using SplitBackward = std::function<const void*(int microbatch, int chunk, const void* grad, bool input_only)>;
+using ChunkWeight = std::function<void(int microbatch, int chunk)>;
+// Runs this stage's `ops`. Each link's messages are taken in the order the table uses them, which
+// is the order their sender sends them (per chunk, micro-batches in order: gw.schedules.validate);
+// receives are posted one ahead as in 1F1B. The V's hand-off on the last stage is local: chunk
+// 0's output is chunk 1's input, and chunk 1's input gradient chunk 0's output gradient.
+PipelineStats run_table(Communicator& pp, const PipelineConfig& cfg, int chunks, ChunkPlacement placement,
+                        const std::vector<StageOp>& ops, const ChunkForward& forward, const SplitBackward& backward,
+                        const ChunkWeight& weight, const StageLinks& links = {});
 
 }  // namespace gridweave

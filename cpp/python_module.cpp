@@ -321,13 +321,19 @@ PYBIND11_MODULE(_C, m) {
       // payload copies made for the messages: the engine makes none; gw.pipeline adds its callbacks'
       .def_readwrite("copies", &PipelineStats::copies)
       .def_readwrite("copied_bytes", &PipelineStats::copied_bytes)
-      .def_readonly("posted_ahead", &PipelineStats::posted_ahead);
+      .def_readonly("posted_ahead", &PipelineStats::posted_ahead)
+      .def_readonly("weights", &PipelineStats::weights);
   py::class_<StageLinks>(m, "StageLinks")
       .def(py::init([](std::shared_ptr<Communicator> to_next, std::shared_ptr<Communicator> from_prev,
-                       std::shared_ptr<Communicator> to_prev, std::shared_ptr<Communicator> from_next) {
-             return StageLinks{std::move(to_next), std::move(from_prev), std::move(to_prev), std::move(from_next)};
+                       std::shared_ptr<Communicator> to_prev, std::shared_ptr<Communicator> from_next,
+                       std::shared_ptr<Communicator> act_to_prev, std::shared_ptr<Communicator> act_from_next,
+                       std::shared_ptr<Communicator> grad_to_next, std::shared_ptr<Communicator> grad_from_prev) {
+             return StageLinks{std::move(to_next),     std::move(from_prev),     std::move(to_prev),
+                               std::move(from_next),   std::move(act_to_prev),   std::move(act_from_next),
+                               std::move(grad_to_next), std::move(grad_from_prev)};
            }), py::arg("to_next") = nullptr, py::arg("from_prev") = nullptr, py::arg("to_prev") = nullptr,
-           py::arg("from_next") = nullptr);
+           py::arg("from_next") = nullptr, py::arg("act_to_prev") = nullptr, py::arg("act_from_next") = nullptr,
+           py::arg("grad_to_next") = nullptr, py::arg("grad_from_prev") = nullptr);
   // an announcement's or a stage leader's [kind, microbatch]; a message itself carries its payload alone
   m.attr("pipeline_header_bytes") = kStageHeaderBytes;
   m.def("pipeline_message_bytes", [](std::size_t payload_bytes) { return stage_message_bytes(payload_bytes); },
@@ -373,6 +379,34 @@ PYBIND11_MODULE(_C, m) {
   }, py::arg("pp"), py::arg("stage"), py::arg("stages"), py::arg("chunks"), py::arg("microbatches"),
      py::arg("payload_bytes"), py::arg("forward"), py::arg("backward"), py::arg("links") = StageLinks{},
      py::arg("stream") = 0, py::arg("sent") = nullptr);
+  py::enum_<ChunkPlacement>(m, "ChunkPlacement").value("Loop", ChunkPlacement::Loop).value("V", ChunkPlacement::V);
+  // ops: (kind, chunk, micro-batch) with kind 0 F, 1 B, 2 W, 3 BW (gw.schedules.Kind's engine codes)
+  m.def("run_table", [](std::shared_ptr<Communicator> pp, int stage, int stages, int chunks, ChunkPlacement placement,
+                        int microbatches, const std::vector<std::tuple<int, int, int>>& table, std::size_t payload_bytes,
+                        std::function<std::uintptr_t(int, int, std::uintptr_t)> fwd,
+                        std::function<std::uintptr_t(int, int, std::uintptr_t, bool)> bwd,
+                        std::function<void(int, int)> wgt, const StageLinks& links, std::uintptr_t stream,
+                        std::function<void(std::uintptr_t)> sent) {
+    std::vector<StageOp> ops;
+    for (const auto& [kind, chunk, mb] : table) {
+      GW_CHECK(kind >= 0 && kind <= 3, "run_table: op kind " << kind << " is not 0 (F), 1 (B), 2 (W) or 3 (BW)");
+      ops.push_back(StageOp{static_cast<StageOpKind>(kind), chunk, mb});
+    }
+    PipelineConfig cfg{stage, stages, microbatches, 1, payload_bytes, ReceiveStrategy::PerPeer,
+                       reinterpret_cast<void*>(stream)};
+    if (sent) cfg.sent = [&sent](const void* data) { sent(reinterpret_cast<std::uintptr_t>(data)); };
+    ChunkForward f = [&fwd](int mb, int c, const void* x) {
+      return reinterpret_cast<const void*>(fwd(mb, c, reinterpret_cast<std::uintptr_t>(x)));
+    };
+    SplitBackward b = [&bwd](int mb, int c, const void* g, bool input_only) {
+      return reinterpret_cast<const void*>(bwd(mb, c, reinterpret_cast<std::uintptr_t>(g), input_only));
+    };
+    ChunkWeight w = [&wgt](int mb, int c) { wgt(mb, c); };
+    py::gil_scoped_release nogil;
+    return run_table(*pp, cfg, chunks, placement, ops, f, b, w, links);
+  }, py::arg("pp"), py::arg("stage"), py::arg("stages"), py::arg("chunks"), py::arg("placement"),
+     py::arg("microbatches"), py::arg("ops"), py::arg("payload_bytes"), py::arg("forward"), py::arg("backward"),
+     py::arg("weight"), py::arg("links") = StageLinks{}, py::arg("stream") = 0, py::arg("sent") = nullptr);
   // Engine-owned CUDA memory (pipeline messages) from torch's caching allocator: no cudaMalloc
   // or cudaFree (a device synchronisation) per message, as torch's own buffers.
   m.def("use_cuda_allocator", [](std::function<std::uintptr_t(std::size_t)> alloc,

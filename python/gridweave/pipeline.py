@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from . import _C
+from . import _C, schedules
+from .split import WeightStore, defer_weights
 from .axes import stage_axes
 from .errors import GridError
 from .grid import Control, Link
@@ -98,6 +99,11 @@ def _tensor_at(addr: int, shape, dtype, device, host_messages: bool) -> torch.Te
 
 SCHEDULES = {"message_driven": _C.PipelineSchedule.MessageDriven, "1f1b": _C.PipelineSchedule.OneFOneB,
              "interleaved": _C.PipelineSchedule.Interleaved}
+# The zero-bubble schedules, run from their tables (gw.schedules) by the engine's run_table:
+# ZB-H1 on one chunk a stage, ZB-V and DualPipeV on two in a V
+TABLES = {"zb1": schedules.zb_h1, "zbv": schedules.zbv, "dualpipev": schedules.dualpipev}
+V_SCHEDULES = ("zbv", "dualpipev")
+ENGINE_KINDS = {schedules.Kind.F: 0, schedules.Kind.B: 1, schedules.Kind.W: 2, schedules.Kind.BW: 3}
 # --schedule auto: the message-driven schedule where a micro-batch runs no collective over the data
 # axes, else 1F1B (pipeline.resolve_schedule)
 AUTO = "auto"
@@ -132,25 +138,33 @@ RECEIVE = {"auto": _C.ReceiveStrategy.Auto, "any": _C.ReceiveStrategy.Any, "per_
 ACTIVATIONS, GRADIENTS = 0, 1
 
 
-def _link_roles(s: int, prev: int | None, next_: int | None) -> dict:
+def _link_roles(s: int, prev: int | None, next_: int | None, vee: bool = False) -> dict:
     """{role: (sender, receiver, channel)} of stage s: activations to `next_` and from `prev`,
-    gradients to `prev` and from `next_` (None at an end of a plain pipeline)."""
+    gradients to `prev` and from `next_` (None at an end of a plain pipeline); in a V also the
+    second chunk's, which flow the other way."""
     want = {}
     if next_ is not None:
         want["to_next"] = (s, next_, ACTIVATIONS)
         want["from_next"] = (next_, s, GRADIENTS)
+        if vee:
+            want["act_from_next"] = (next_, s, ACTIVATIONS)
+            want["grad_to_next"] = (s, next_, GRADIENTS)
     if prev is not None:
         want["from_prev"] = (prev, s, ACTIVATIONS)
         want["to_prev"] = (s, prev, GRADIENTS)
+        if vee:
+            want["act_to_prev"] = (s, prev, ACTIVATIONS)
+            want["grad_from_prev"] = (prev, s, GRADIENTS)
     return want
 
 
-def stage_links(grid, axis, prev: int | None, next_: int | None):
+def stage_links(grid, axis, prev: int | None, next_: int | None, vee: bool = False):
     """This stage's links (engine StageLinks): activations to `next_` and from `prev`, gradients
-    to `prev` and from `next_` (stage indices; None at an end of a plain pipeline). Every rank
-    makes its links in one global order (by the pair's lower stage, then sender, then channel),
-    so no two stages can wait on each other's making (a job makes them at setup: comm_lines)."""
-    want = _link_roles(grid.index(axis), prev, next_)
+    to `prev` and from `next_` (stage indices; None at an end of a plain pipeline), and in a V
+    the second chunk's the other way. Every rank makes its links in one global order (by the
+    pair's lower stage, then sender, then channel), so no two stages can wait on each other's
+    making (a job makes them at setup: comm_lines)."""
+    want = _link_roles(grid.index(axis), prev, next_, vee)
     made = {}
     for key in sorted(set(want.values()), key=lambda k: (min(k[0], k[1]), max(k[0], k[1]), k[0], k[2])):
         made[key] = grid.link(axis, *key)
@@ -162,6 +176,8 @@ def _channels(grid, axis, schedule: str, receive: str, interleaved: bool, can_re
     comm_lines: ((prev, next) stages to link, or None; an announcing control channel over the pp
     line; the stage group's control axes, or ())."""
     s, n = grid.index(axis), grid.size(axis)
+    if schedule in TABLES:  # a known order, every message on a link of its own
+        return (s - 1 if s > 0 else None, s + 1 if s < n - 1 else None), False, ()
     message_driven = schedule == "message_driven" and not interleaved
     announced = receive == "announced" or (receive == "auto" and not can_recv_any)
     any_peer = message_driven and (receive == "any" or (receive == "auto" and can_recv_any))
@@ -176,13 +192,14 @@ def _channels(grid, axis, schedule: str, receive: str, interleaved: bool, can_re
 def comm_lines(grid, schedule: str, receive: str = "auto", chunks: int = 1, axis: str = "pp") -> list:
     """The communicators pipeline_step and pipeline_forward use with this schedule (Grid.connect
     items): the pp line, this stage's links, the control channels."""
-    interleaved = schedule == "interleaved" or chunks > 1
+    interleaved = schedule not in TABLES and (schedule == "interleaved" or chunks > 1)
     names = grid._axis_tuple(axis)
     neighbours, announced, group = _channels(grid, axis, schedule, receive, interleaved,
                                              grid.capabilities(None)["recv_any"])
     items = [axis]
     if neighbours is not None and grid.size(axis) > 1:
-        items += [Link(tuple(names), *key) for key in _link_roles(grid.index(axis), *neighbours).values()]
+        items += [Link(tuple(names), *key)
+                  for key in _link_roles(grid.index(axis), *neighbours, schedule in V_SCHEDULES).values()]
     if announced:
         items.append(Control(tuple(names)))
     if group:
@@ -218,7 +235,7 @@ def _microbatches(grid, pp, axis, inputs, targets) -> int:
     """The microbatch count, which only the first (inputs) and last (targets) stages know:
     every stage learns it from them."""
     s, n_stages = pp.rank, pp.size
-    m = len(inputs) if s == 0 else len(targets) if s == n_stages - 1 else None
+    m = len(inputs) if s == 0 else len(targets) if s == n_stages - 1 and targets is not None else None
     counts = torch.tensor([float(m if m is not None else -1)], dtype=torch.float64, device=grid.device)
     grid.all_reduce(counts, axis=axis, op="max")
     return int(counts.item())
@@ -237,8 +254,10 @@ class _StageCallbacks:
     here (pipeline_step adds them to the engine's PipelineStats)."""
 
     def __init__(self, chunks, pp, inputs, targets, loss_fn, m, activation_shape, dtype, device, documents=None,
-                 phases=None):
+                 phases=None, vee=False, stores=None):
         self.chunks, self.inputs, self.targets, self.loss_fn, self.m = chunks, inputs, targets, loss_fn, m
+        self.vee = vee  # chunks in a V: the loss is stage 0's second chunk
+        self.stores = stores  # per chunk, the weight gradients B leaves for W (split schedules), or None
         self.phases = phases  # a gw.measure.StepPhases timing the callbacks, or None
         self.documents = documents  # per micro-batch (packed documents), given to every chunk, or None
         self.shape, self.dtype, self.device = tuple(activation_shape), dtype, device
@@ -255,13 +274,24 @@ class _StageCallbacks:
         return self.first and c == 0
 
     def _tail(self, c):
-        return self.last and c == len(self.chunks) - 1
+        return (self.first if self.vee else self.last) and c == len(self.chunks) - 1
 
     def forward(self, mb, c, addr):
         return timed(self.phases, "forward", self._forward, mb, c, addr)
 
-    def backward(self, mb, c, addr):
-        return timed(self.phases, "backward", self._backward, mb, c, addr)
+    def backward(self, mb, c, addr, input_only=False):
+        if not input_only:
+            return timed(self.phases, "backward", self._backward, mb, c, addr)
+        store = self.stores[c]
+        store.deferring = mb  # this micro-batch's weight gradients wait for weight(mb, c)
+        try:
+            return timed(self.phases, "backward", self._backward, mb, c, addr)
+        finally:
+            store.deferring = None
+
+    def weight(self, mb, c):
+        """W: the weight gradients micro-batch mb's B left on chunk c."""
+        timed(self.phases, "backward", self.stores[c].run, mb)  # W is backward work
 
     def sent(self, addr):
         """The engine sends from `addr` no more: the tensor there may go."""
@@ -349,9 +379,12 @@ def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_s
     the micro-batches' forward and backward times are added to, or None. microbatches: the count,
     where every stage knows it (a job's configuration): no collective agrees on it each step.
     """
-    if schedule not in SCHEDULES:
-        raise GridError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+    if schedule not in SCHEDULES and schedule not in TABLES:
+        raise GridError(f"schedule must be one of {sorted([*SCHEDULES, *TABLES])}, got {schedule!r}")
     chunks = _chunks(stage)
+    if schedule in TABLES:
+        return _table_step(schedule, chunks, grid, inputs, targets, loss_fn, activation_shape, dtype, axis,
+                           documents, phases, microbatches)
     interleaved = schedule == "interleaved" or len(chunks) > 1 or isinstance(stage, (list, tuple))
     if receive not in RECEIVE:
         raise GridError(f"receive must be one of {sorted(RECEIVE)}, got {receive!r}")
@@ -388,6 +421,49 @@ def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_s
                             RECEIVE[receive], grid.control(axis, "pipeline") if announced else None, links,
                             _stage_stream(grid, pp), grid.control(group, "pipeline stage") if group else None,
                             cb.sent)
+    return cb.loss(), _with_copies(stats, cb)
+
+
+def table_for(schedule: str, stages: int, microbatches: int, chunks: int):
+    """The gw.schedules table a zero-bubble schedule runs, or one clear error: ZB-H1 on one chunk
+    a stage, ZB-V and DualPipeV on two (a V); DualPipeV needs 2 stages' worth of micro-batches."""
+    want = 2 if schedule in V_SCHEDULES else 1
+    if chunks != want:
+        raise GridError(f"the {schedule} schedule runs {want} model chunk{'s' if want > 1 else ''} a stage, got {chunks}")
+    return TABLES[schedule](stages, microbatches)
+
+
+def _table_step(schedule, chunks, grid, inputs, targets, loss_fn, activation_shape, dtype, axis, documents, phases,
+                microbatches):
+    """pipeline_step for a schedule given as a table: B and W apart (gw.split)."""
+    pp = grid.comm(axis, "pipeline")
+    if pp.size < 2:
+        raise GridError(f"the {schedule} schedule needs at least 2 pipeline stages")
+    vee = schedule in V_SCHEDULES
+    m = _microbatches(grid, pp, axis, inputs, targets) if microbatches is None else int(microbatches)
+    if m < 1:
+        raise GridError("pipeline_step needs at least one microbatch")
+    table = table_for(schedule, pp.size, m, len(chunks))
+    tail = 0 if vee else pp.size - 1  # the stage with the loss: in a V the first
+    for held, where, name in ((inputs, 0, "inputs"), (targets, tail, "targets")):
+        if pp.rank == where and (held is None or len(held) != m):
+            raise GridError(f"microbatches={m}, but stage {where} holds "
+                            f"{'no' if held is None else len(held)} micro-batches of {name}")
+    if documents is not None and len(documents) != m:
+        raise GridError(f"documents: {len(documents)} micro-batches of document ids for {m} micro-batches")
+    stores = [WeightStore() for _ in chunks]
+    for chunk, store in zip(chunks, stores):
+        defer_weights(chunk, store)
+    cb = _StageCallbacks(chunks, pp, inputs, targets, loss_fn, m, activation_shape, dtype, grid.device, documents,
+                         phases, vee=vee, stores=stores)
+    neighbours, _, _ = _channels(grid, axis, schedule, "auto", False, pp.can_recv_any)
+    ops = [(ENGINE_KINDS[op.kind], op.chunk, op.mb) for op in table.ops[pp.rank]]
+    stats = _C.run_table(pp, pp.rank, pp.size, len(chunks), _C.ChunkPlacement.V if vee else _C.ChunkPlacement.Loop,
+                         m, ops, cb.payload, cb.forward, cb.backward, cb.weight,
+                         stage_links(grid, axis, *neighbours, vee), _stage_stream(grid, pp), cb.sent)
+    left = [(c, mb) for c, store in enumerate(stores) for mb in store.pending]
+    if left:
+        raise GridError(f"the {schedule} table left weight gradients unapplied: (chunk, micro-batch) {left}")
     return cb.loss(), _with_copies(stats, cb)
 
 

@@ -18,6 +18,7 @@ from ..nn.sequence import SeqAttention, shard_positions
 from ..nn.tensor1d import ColumnParallelLinear, VocabParallelEmbedding
 from ..nn.transformer import TransformerLayer
 from ..pipeline import resolve_ac, run_layers
+from ..schedules import Placement
 from ..sharding import place, placement_of
 from .dense import GPT, IGNORE, Embedding, Head
 
@@ -335,15 +336,21 @@ class ModelChunks(nn.Module):
     thinner slices of the model and the pipeline bubble shrinks v-fold. gw.pipeline
     .pipeline_step runs them with schedule "interleaved"."""
 
-    def __init__(self, gpt: GPT, grid, mode, stage: int, stages: int, chunks: int, **stage_options):
+    def __init__(self, gpt: GPT, grid, mode, stage: int, stages: int, chunks: int, placement=Placement.LOOP,
+                 **stage_options):
         super().__init__()
         if not isinstance(chunks, int) or chunks < 1:
             raise GridError(f"chunks must be a positive integer, got {chunks!r}")
+        if placement is Placement.V and chunks != 2:
+            raise GridError(f"a V places 2 model chunks on each stage, got {chunks}")
         if len(gpt.layers) % (chunks * stages):
             raise GridError(f"{len(gpt.layers)} layers do not split into {chunks} chunks on each of {stages} "
                             "pipeline stages")
-        self.chunks = nn.ModuleList(GPTStage(gpt, grid, mode, c * stages + stage, chunks * stages, **stage_options)
-                                    for c in range(chunks))
+        # Loop: chunk c is virtual stage c p + s; V (ZB-V, DualPipeV): chunk 1 is 2p - 1 - s, back towards stage 0
+        virtual = [stage, 2 * stages - 1 - stage] if placement is Placement.V else \
+            [c * stages + stage for c in range(chunks)]
+        self.placement = placement
+        self.chunks = nn.ModuleList(GPTStage(gpt, grid, mode, u, chunks * stages, **stage_options) for u in virtual)
 
     def loss(self, logits, targets, normalizer=None):
         return self.chunks[-1].loss(logits, targets, normalizer)

@@ -1,0 +1,90 @@
+"""The zero-bubble schedules (Qi et al., ICLR 2024: ZB-H1, ZB-V; DeepSeek-V3's DualPipe in a V)
+run from their tables by the engine: every gradient and the loss equal the dense model's, each
+backward split into B and W where the table splits it."""
+
+import pytest
+import torch
+
+from tp_refs import rel
+
+CPU = torch.device("cpu")
+
+
+def _zero_bubble(ctx, schedule, tp, pp, m, layers_per_chunk=1):
+    import gridweave as gw
+    from gridweave.schedules import Kind, Placement
+    from gridweave.split import deferred_store
+
+    mode = gw.modes.parse(tp)
+    grid = ctx.init(tp=mode, pp=pp)
+    vee = schedule in ("zbv", "dualpipev")
+    chunks = 2 if vee else 1
+    torch.manual_seed(0)
+    dense = gw.models.Llama(64, 32, 4, layers_per_chunk * chunks * pp, 16, kv_heads=2, ffn_hidden=40,
+                            dtype=torch.float64, device=grid.device)
+    s = grid.coords["pp"]
+    stage = gw.models.ModelChunks(dense, grid, mode, s, pp, chunks, Placement.V if vee else Placement.LOOP)
+    rows = 2 * m
+    ids = torch.randint(0, 64, (rows, 16), generator=torch.Generator().manual_seed(1), device=CPU).to(grid.device)
+    tgt = torch.randint(0, 64, (rows, 16), generator=torch.Generator().manual_seed(2), device=CPU).to(grid.device)
+    dense.loss(dense(ids), tgt).backward()
+    xs, ys = [ids[i * 2:(i + 1) * 2] for i in range(m)], [tgt[i * 2:(i + 1) * 2] for i in range(m)]
+    loss, st = gw.pipeline.pipeline_step(stage, grid, xs, ys, stage.loss, stage.activation_shape(2, 16),
+                                         dtype=torch.float64, schedule=schedule)
+    ref = dict(dense.named_parameters())
+    gw.reduce_gradients(stage, grid)
+    errs = {k: rel(g, ref[k].grad) for c in stage.chunks for k, g in c.dense_state(True).items()}
+    full = dense.loss(dense(ids), tgt).item()
+    table = gw.pipeline.table_for(schedule, pp, m, chunks)
+    ws = sum(op.kind is Kind.W for op in table.ops[s])
+    deferrable = sum(deferred_store(x) is not None for x in stage.modules())
+    return errs, (None if loss is None else abs(loss.item() - full) / full), st.forwards, st.backwards, st.weights, \
+        ws, deferrable, s
+
+
+@pytest.mark.parametrize("schedule,tp,pp,m", [
+    ("zb1", "none", 2, 2), ("zb1", "none", 2, 5), ("zb1", "none", 4, 8), ("zb1", "row:2", 2, 3),
+    ("zbv", "none", 2, 2), ("zbv", "none", 2, 4), ("zbv", "none", 4, 8), ("zbv", "row:2", 2, 4),
+    ("zbv", "none", 3, 5),
+    ("dualpipev", "none", 2, 4), ("dualpipev", "none", 4, 8), ("dualpipev", "none", 2, 5), ("dualpipev", "row:2", 2, 4)])
+def test_zero_bubble_schedules_equal_the_dense_model(pool, schedule, tp, pp, m):
+    """Each stage's ops as the table orders them (gw.schedules), B then W apart where it splits:
+    every gradient and the loss equal one process's (float64 1e-10), every forward, backward and
+    W run once, and the layers' weights really waited for W (their linears deferrable)."""
+    n = pp * (1 if tp == "none" else 2)
+    chunks = 2 if schedule in ("zbv", "dualpipev") else 1
+    res = pool.run(_zero_bubble, n, schedule, tp, pp, m)
+    losses = [r[1] for r in res if r[1] is not None]
+    assert losses and max(losses) < 1e-10
+    for errs, _, fw, bw, weights, ws, deferrable, stage in res:
+        assert max(errs.values()) < 1e-10, {k: v for k, v in errs.items() if v >= 1e-10}
+        assert fw == bw == chunks * m, (stage, fw, bw)
+        assert weights == ws and (ws > 0 or schedule == "dualpipev"), (stage, weights, ws)
+        assert deferrable > 0 if tp == "none" else True
+    if schedule != "dualpipev":
+        assert all(r[5] > 0 for r in res)  # every stage splits some backward
+
+
+def _bad(ctx, schedule, chunks, m):
+    import gridweave as gw
+    from gridweave.schedules import Placement
+
+    grid = ctx.init(pp=2)
+    dense = gw.models.GPT(64, 32, 4, 4, 16, device=grid.device)
+    s = grid.coords["pp"]
+    place = Placement.V if chunks == 2 else Placement.LOOP
+    stage = gw.models.ModelChunks(dense, grid, gw.modes.parse("none"), s, 2, chunks, place)
+    xs = [torch.zeros(2, 16, dtype=torch.int64, device=grid.device)] * m
+    try:
+        gw.pipeline.pipeline_step(stage, grid, xs, xs, stage.loss, stage.activation_shape(2, 16), schedule=schedule)
+    except gw.GridError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("schedule,chunks,m,match", [("zbv", 1, 4, "runs 2 model chunks"),
+                                                     ("zb1", 2, 4, "runs 1 model chunk"),
+                                                     ("dualpipev", 2, 3, "at least twice")])
+def test_a_schedule_that_cannot_run_is_one_clear_error(pool, schedule, chunks, m, match):
+    errs = pool.run(_bad, 2, schedule, chunks, m)
+    assert all(e is not None and match in e for e in errs), errs
