@@ -177,10 +177,12 @@ class ParallelismSection(Section):
                             choices=plan.PLACEMENTS)
     overlap: bool = option(False, "3-D: prefetch the next weights' all-gathers")
     schedule: str = option(AUTO, "the pipeline's schedule; auto: message_driven unless a micro-batch runs a "
-                                 "collective over the data axes (ZeRO-3, a mixture of experts over dp), then 1f1b",
-                           choices=tuple(sorted([*pipeline.SCHEDULES, pipeline.AUTO])))
-    chunks: int = option(1, "model chunks per pipeline stage (schedule interleaved: Megatron's virtual stages)",
-                         at_least=1)
+                                 "collective over the data axes (ZeRO-3, a mixture of experts over dp), then 1f1b; "
+                                 "zb1, zbv, dualpipev: zero-bubble (the backward split into input and weight "
+                                 "gradients; zbv and dualpipev run 2 chunks a stage in a V)",
+                           choices=tuple(sorted(pipeline.SCHEDULE_NAMES)))
+    chunks: int = option(1, "model chunks per pipeline stage (schedule interleaved: Megatron's virtual stages; "
+                            "zbv and dualpipev: 2, taken when 1 is given)", at_least=1)
     pipeline_limit: int = option(0, "the message-driven pipeline's micro-batches in flight (0: no limit)",
                                  at_least=0)
     zero: int = option(0, "ZeRO stage: 1 shards the fp32 master weights and Adam states over the data axes, 2 the "
@@ -205,8 +207,9 @@ class ParallelismSection(Section):
             self.mode = dataclasses.replace(self.mode, sequence=True)
         if self.zero_shard_group != optim.ShardGroup.ALL.value and not self.zero:
             raise GridError(f"zero_shard_group={self.zero_shard_group} is hybrid sharding: it needs zero 1, 2 or 3")
-        if self.chunks > 1 and self.schedule != "interleaved":
-            raise GridError(f"chunks={self.chunks} needs schedule=interleaved")
+        if self.schedule in pipeline.V_SCHEDULES and self.chunks == 1:
+            self.chunks = 2  # a V's two chunks, the schedule's own
+        pipeline.check_chunks(self.schedule, self.chunks)
 
 
 @dataclass

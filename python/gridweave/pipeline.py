@@ -107,8 +107,21 @@ ENGINE_KINDS = {schedules.Kind.F: 0, schedules.Kind.B: 1, schedules.Kind.W: 2, s
 # --schedule auto: the message-driven schedule where a micro-batch runs no collective over the data
 # axes, else 1F1B (pipeline.resolve_schedule)
 AUTO = "auto"
+SCHEDULE_NAMES = (*SCHEDULES, *TABLES, AUTO)
 
 
+def placement_of(schedule: str) -> schedules.Placement:
+    """Where a schedule puts a stage's chunks: a V for ZB-V and DualPipeV, else a loop."""
+    return schedules.Placement.V if schedule in V_SCHEDULES else schedules.Placement.LOOP
+
+
+def check_chunks(schedule: str, chunks: int) -> None:
+    """One clear error unless `schedule` runs `chunks` model chunks a stage: several need
+    interleaved, and the V schedules run exactly 2."""
+    if schedule in V_SCHEDULES and chunks != 2:
+        raise GridError(f"the {schedule} schedule runs 2 model chunks a stage (a V), got chunks={chunks}")
+    if chunks > 1 and schedule not in ("interleaved", *V_SCHEDULES):
+        raise GridError(f"chunks={chunks} needs schedule=interleaved (or zbv / dualpipev with 2)")
 def fixed_order_reason(pp: int, dp: int, zero: int, moe: bool) -> str | None:
     """Why this pipeline needs every data replica of a stage to run its micro-batches in one order
     (a collective over the data axes inside each micro-batch), or None. The message-driven schedule
@@ -254,10 +267,11 @@ class _StageCallbacks:
     here (pipeline_step adds them to the engine's PipelineStats)."""
 
     def __init__(self, chunks, pp, inputs, targets, loss_fn, m, activation_shape, dtype, device, documents=None,
-                 phases=None, vee=False, stores=None):
+                 phases=None, vee=False, stores=None, split=()):
         self.chunks, self.inputs, self.targets, self.loss_fn, self.m = chunks, inputs, targets, loss_fn, m
         self.vee = vee  # chunks in a V: the loss is stage 0's second chunk
         self.stores = stores  # per chunk, the weight gradients B leaves for W (split schedules), or None
+        self.split = frozenset(split)  # the (micro-batch, chunk)s whose backward is B then W
         self.phases = phases  # a gw.measure.StepPhases timing the callbacks, or None
         self.documents = documents  # per micro-batch (packed documents), given to every chunk, or None
         self.shape, self.dtype, self.device = tuple(activation_shape), dtype, device
@@ -277,17 +291,22 @@ class _StageCallbacks:
         return (self.first if self.vee else self.last) and c == len(self.chunks) - 1
 
     def forward(self, mb, c, addr):
-        return timed(self.phases, "forward", self._forward, mb, c, addr)
+        return self._split(mb, c, "forward", self._forward, addr)
 
     def backward(self, mb, c, addr, input_only=False):
-        if not input_only:
-            return timed(self.phases, "backward", self._backward, mb, c, addr)
+        return self._split(mb, c, "backward", self._backward, addr)
+
+    def _split(self, mb, c, phase, fn, addr):
+        """fn timed as `phase`; where this micro-batch's backward is split, its chunk's linears
+        defer their weight gradients (the forward builds them so; B's recomputation too)."""
+        if (mb, c) not in self.split:
+            return timed(self.phases, phase, fn, mb, c, addr)
         store = self.stores[c]
-        store.deferring = mb  # this micro-batch's weight gradients wait for weight(mb, c)
+        store.current = mb
         try:
-            return timed(self.phases, "backward", self._backward, mb, c, addr)
+            return timed(self.phases, phase, fn, mb, c, addr)
         finally:
-            store.deferring = None
+            store.current = None
 
     def weight(self, mb, c):
         """W: the weight gradients micro-batch mb's B left on chunk c."""
@@ -427,9 +446,9 @@ def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_s
 def table_for(schedule: str, stages: int, microbatches: int, chunks: int):
     """The gw.schedules table a zero-bubble schedule runs, or one clear error: ZB-H1 on one chunk
     a stage, ZB-V and DualPipeV on two (a V); DualPipeV needs 2 stages' worth of micro-batches."""
-    want = 2 if schedule in V_SCHEDULES else 1
-    if chunks != want:
-        raise GridError(f"the {schedule} schedule runs {want} model chunk{'s' if want > 1 else ''} a stage, got {chunks}")
+    if schedule not in V_SCHEDULES and chunks != 1:
+        raise GridError(f"the {schedule} schedule runs 1 model chunk a stage, got {chunks}")
+    check_chunks(schedule, chunks)
     return TABLES[schedule](stages, microbatches)
 
 
@@ -455,7 +474,8 @@ def _table_step(schedule, chunks, grid, inputs, targets, loss_fn, activation_sha
     for chunk, store in zip(chunks, stores):
         defer_weights(chunk, store)
     cb = _StageCallbacks(chunks, pp, inputs, targets, loss_fn, m, activation_shape, dtype, grid.device, documents,
-                         phases, vee=vee, stores=stores)
+                         phases, vee=vee, stores=stores,
+                         split=[(op.mb, op.chunk) for op in table.ops[pp.rank] if op.kind is schedules.Kind.B])
     neighbours, _, _ = _channels(grid, axis, schedule, "auto", False, pp.can_recv_any)
     ops = [(ENGINE_KINDS[op.kind], op.chunk, op.mb) for op in table.ops[pp.rank]]
     stats = _C.run_table(pp, pp.rank, pp.size, len(chunks), _C.ChunkPlacement.V if vee else _C.ChunkPlacement.Loop,
@@ -474,21 +494,30 @@ def pipeline_forward(stage: nn.Module, grid, inputs, targets, loss_fn, activatio
     microbatch loss on the last stage (None elsewhere)."""
     pp = grid.comm(axis, "pipeline")
     s, n_stages = pp.rank, pp.size
-    m = _microbatches(grid, pp, axis, inputs, targets)
-    losses = []
     chunks = _chunks(stage)
     v = len(chunks)
+    # the virtual stages' places (gw.schedules.Table): chunk c of stage s in a loop or a V
+    table = schedules.Table("forward", n_stages, 1, v, getattr(stage, "placement", schedules.Placement.LOOP), ())
+    last = table.virtual_stages - 1
+    m = _microbatches(grid, pp, axis, inputs, targets)
+    losses = []
     with torch.no_grad():
         for mb in range(m):
-            for c, chunk in enumerate(chunks):  # virtual stage c * n_stages + s, one after another
-                if s == 0 and c == 0:
+            here = None  # the output handed to this stage's next chunk (a V's turn)
+            for c, chunk in enumerate(chunks):  # in virtual order: a V's chunk 1 is after its chunk 0
+                u = table.virtual(s, c)
+                if u == 0:
                     x = inputs[mb]
+                elif table.stage_of(u - 1) == s:
+                    x = here
                 else:
                     x = torch.empty(activation_shape, dtype=dtype, device=grid.device)
-                    grid.recv(x, (s - 1) % n_stages, axis)
+                    grid.recv(x, table.stage_of(u - 1), axis)
                 y = chunk(x)
-                if s == n_stages - 1 and c == v - 1:
+                if u == last:
                     losses.append(loss_fn(y, targets[mb]).detach())
+                elif table.stage_of(u + 1) == s:
+                    here = y
                 else:
-                    grid.send(y.to(dtype).contiguous(), (s + 1) % n_stages, axis)
+                    grid.send(y.to(dtype).contiguous(), table.stage_of(u + 1), axis)
     return torch.stack(losses).mean() if losses else None

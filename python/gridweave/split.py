@@ -2,10 +2,12 @@
 gradient for a chunk's input, which the stage before waits for, and W, the gradients for its
 weights, which nothing waits for and a schedule runs in its bubbles.
 
-A chunk's linears are made deferrable (defer_weights): while its store defers (B of one
-micro-batch), each one's backward returns the input gradient alone and keeps (input, output
-gradient) for W; W sums them into the weights' gradients through autograd's own accumulation, so
-the hooks on it (overlapped data-parallel reductions, OffloadAdam's) fire as after a whole backward.
+A chunk's linears are made deferrable (defer_weights). In a micro-batch whose backward is split
+(its store's `current`, set around that micro-batch's forward and B), a linear's weights enter the
+graph detached: its backward returns the input gradient alone and keeps (input, output gradient)
+for W, and autograd never reaches the weights in B (even a None gradient would fire their hooks).
+W sums them into the weights' gradients through autograd's own accumulation, so the hooks on it
+(overlapped data-parallel reductions, OffloadAdam's) fire once, as after a whole backward.
 Every other parameter (norms, embeddings, tensor-parallel layers) gets its gradient in B: a layer
 whose weights cannot wait is correct, only not deferred."""
 from __future__ import annotations
@@ -17,15 +19,16 @@ import torch.nn as nn
 
 
 class WeightStore:
-    """One chunk's deferred weight gradients, by micro-batch. `deferring`: the micro-batch whose B
-    runs now (set by the pipeline around it), or None: a whole backward computes them at once."""
+    """One chunk's deferred weight gradients, by micro-batch. `current`: the micro-batch whose
+    forward or B runs now with its backward split (set by the pipeline around them), or None: the
+    linears run as torch's, their weight gradients in the backward."""
 
     def __init__(self):
-        self.deferring = None
+        self.current = None
         self._held: dict = {}
 
-    def keep(self, fn) -> None:
-        self._held.setdefault(self.deferring, []).append(fn)
+    def keep(self, mb, fn) -> None:
+        self._held.setdefault(mb, []).append(fn)
 
     def run(self, mb) -> None:
         """W of micro-batch `mb`: every weight gradient its B left, into the weights' .grad."""
@@ -43,39 +46,36 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
     torch.autograd.backward(torch.autograd.graph.get_gradient_edge(param), grad)
 
 
-class _DeferrableLinear(torch.autograd.Function):
+class _DeferredLinear(torch.autograd.Function):
+    """y = x W^T + b with W and b detached (params: the leaves themselves, out of the graph): the
+    backward gives dx, and W (store.run(mb)) later adds dW = dy^T x and db = sum dy to them."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, store):
+    def forward(ctx, x, weight, bias, params, store, mb):
         ctx.save_for_backward(x, weight)
-        ctx.has_bias, ctx.store = bias is not None, store
-        ctx.params = (weight, bias)  # the leaves whose .grad W adds to
+        ctx.params, ctx.store, ctx.mb = params, store, mb
         return torch.nn.functional.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, gy):
         x, weight = ctx.saved_tensors
-        dx = gy @ weight if ctx.needs_input_grad[0] else None
-        wants = ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
-
-        def grads():
-            g2, x2 = gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1])
-            return (g2.t() @ x2 if wants[0] else None), (g2.sum(0) if wants[1] else None)
-
-        store = ctx.store
-        if store is None or store.deferring is None:
-            return (dx, *grads(), None)
-        params = ctx.params
+        weight_param, bias_param = ctx.params
 
         def w():
-            for p, g in zip(params, grads()):
-                if g is not None:
-                    _accumulate(p, g)
-        store.keep(w)
-        return dx, None, None, None
+            g2, x2 = gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1])
+            if weight_param.requires_grad:
+                _accumulate(weight_param, g2.t() @ x2)
+            if bias_param is not None and bias_param.requires_grad:
+                _accumulate(bias_param, g2.sum(0))
+        ctx.store.keep(ctx.mb, w)
+        return (gy @ weight if ctx.needs_input_grad[0] else None), None, None, None, None, None
 
 
 def _deferrable_forward(linear: nn.Linear, store: WeightStore, x):
-    return _DeferrableLinear.apply(x, linear.weight, linear.bias, store)
+    if store.current is None:
+        return torch.nn.functional.linear(x, linear.weight, linear.bias)
+    bias = None if linear.bias is None else linear.bias.detach()
+    return _DeferredLinear.apply(x, linear.weight.detach(), bias, (linear.weight, linear.bias), store, store.current)
 
 
 def deferred_store(module: nn.Module):
@@ -88,8 +88,9 @@ def deferred_store(module: nn.Module):
 def defer_weights(chunk: nn.Module, store: WeightStore) -> int:
     """Every linear of `chunk` whose forward is nn.Linear's own (nn.Linear and subclasses that keep
     it, as the replicated linears of the sequence-parallel layers) made to defer its weight
-    gradients into `store`: its forward replaced on the instance, class, parameters and state as
-    they were (an optimizer made before still holds them). Returns how many there are."""
+    gradients into `store` in the micro-batches it names: its forward replaced on the instance,
+    class, parameters and state as they were (an optimizer made before still holds them).
+    Returns how many there are."""
     n = 0
     for m in chunk.modules():
         if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward:

@@ -204,8 +204,9 @@ def build(cfg: TrainConfig, grid, model_cfg: ModelConfig) -> tuple:
                    ulysses_degree=cfg.ulysses_degree)
     if model_cfg.moe is not None:
         options["ep"] = cfg.expert_axis(grid)
-    stage = models.ModelChunks(model, grid, cfg.mode, s, pp, cfg.chunks, **options) \
-        if cfg.schedule == "interleaved" else models.GPTStage(model, grid, cfg.mode, s, pp, **options)
+    stage = models.ModelChunks(model, grid, cfg.mode, s, pp, cfg.chunks, pipeline.placement_of(cfg.schedule),
+                               **options) \
+        if cfg.chunks > 1 or cfg.schedule == "interleaved" else models.GPTStage(model, grid, cfg.mode, s, pp, **options)
     if optim.uses_distributed(cfg.zero, cfg.offload):  # ZeRO, or the state on the device
         opt = optim.DistributedAdam(stage.parameters(), grid, lr=cfg.lr, weight_decay=cfg.weight_decay, zero=cfg.zero,
                                     offload=cfg.offload, bsize=cfg.bsize, max_grad_norm=cfg.max_grad_norm,

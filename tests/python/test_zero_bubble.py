@@ -88,3 +88,72 @@ def _bad(ctx, schedule, chunks, m):
 def test_a_schedule_that_cannot_run_is_one_clear_error(pool, schedule, chunks, m, match):
     errs = pool.run(_bad, 2, schedule, chunks, m)
     assert all(e is not None and match in e for e in errs), errs
+
+
+# ---- the main job: each schedule composed with the other axes equals one process --------------
+
+JOB = ["--steps", "3", "--hidden", "32", "--layers", "8", "--heads", "4", "--seq", "32", "--batch", "8",
+       "--tokenizer", "bytes", "--warmup", "1", "--val-every", "3", "--val-samples", "8", "--sample-tokens", "0",
+       "--quiet", "--microbatches", "4"]
+MIXTRAL = ["--model", "mixtral", "--experts", "4", "--aux-coef", "0.02", "--z-coef", "0.001"]
+
+
+def _job(tmp, name, *extra, port):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from rankpool import launcher_args
+
+    out = tmp / name
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GRIDWEAVE_PORT": str(port)}
+    env.pop("RANK", None)
+    r = subprocess.run([sys.executable, "-m", "gridweave.cli", "train", *JOB, "--out", str(out), *launcher_args(),
+                        *extra], capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return json.loads((out / "metrics.json").read_text())["loss"], out
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("zb-one")
+    return {name: _job(tmp, name, "--nproc", "1", *extra, port=29801)[0]
+            for name, extra in (("llama", []), ("mixtral", MIXTRAL), ("packed", ["--pack-documents"]))}
+
+
+@pytest.mark.parametrize("schedule,spec,n,model,port", [
+    ("zb1", ["--dp", "2", "--pp", "2"], 4, "llama", 29803),
+    ("zb1", ["--tp", "row:2", "--tp-sp", "--dp", "2", "--pp", "2", "--zero", "2"], 8, "llama", 29805),
+    ("zb1", ["--sp", "2", "--pp", "4", "--pack-documents"], 8, "packed", 29807),
+    ("zb1", ["--dp", "2", "--pp", "2", "--ep", "2"], 4, "mixtral", 29809),
+    ("zbv", ["--dp", "2", "--pp", "2", "--zero", "1"], 4, "llama", 29811),
+    ("zbv", ["--tp", "row:2", "--dp", "2", "--pp", "2"], 8, "llama", 29813),
+    ("zbv", ["--sp", "2", "--attention", "ulysses", "--dp", "2", "--pp", "2", "--pack-documents"], 8, "packed", 29815),
+    ("zbv", ["--dp", "2", "--pp", "2", "--ep", "2"], 4, "mixtral", 29817),
+    ("dualpipev", ["--dp", "2", "--pp", "2"], 4, "llama", 29819),
+    ("dualpipev", ["--tp", "square:2", "--pp", "2"], 8, "llama", 29821),
+    ("dualpipev", ["--sp", "2", "--dp", "2", "--pp", "2", "--zero", "2"], 8, "llama", 29823),
+])
+def test_the_main_job_on_each_schedule_equals_one_process(one_process, tmp_path, schedule, spec, n, model, port):
+    """`--schedule zb1 | zbv | dualpipev` composed with dp, ZeRO 1 and 2, tp (1-D with Megatron-SP,
+    2-D), sp (ring, Ulysses), experts over dp and packed documents: one process's losses (float32,
+    1e-5 relative)."""
+    extra = MIXTRAL if model == "mixtral" else []
+    losses, _ = _job(tmp_path, schedule, "--nproc", str(n), "--schedule", schedule, *spec, *extra, port=port)
+    ref = one_process[model]
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref)) < 1e-5, (losses, ref)
+
+
+def test_a_checkpoint_moves_between_schedules(one_process, tmp_path):
+    """Two steps on 1F1B, the third resumed on ZB-V (two chunks a stage in a V), and the other way
+    from ZB-H1 to interleaved: the uninterrupted run's losses."""
+    ref = one_process["llama"]
+    for first, then, port in ((["--schedule", "1f1b"], ["--schedule", "zbv"], 29825),
+                              (["--schedule", "zb1"], ["--schedule", "interleaved", "--chunks", "2"], 29827)):
+        _, half = _job(tmp_path, f"half-{port}", "--nproc", "4", "--dp", "2", "--pp", "2", *first, "--steps", "2",
+                       port=port)
+        later, _ = _job(tmp_path, f"later-{port}", "--nproc", "4", "--dp", "2", "--pp", "2", *then, "--resume",
+                        str(half), port=port)
+        assert len(later) == len(ref) and max(abs(a - b) / abs(b) for a, b in zip(later, ref)) < 1e-5, \
+            (first, then, later, ref)  # the resumed run carries the first steps' losses

@@ -100,8 +100,8 @@ class GridShape:
     sp: int = 1
     placement: str = "topology"
     zero: int = 0  # the ZeRO stage of the optimizer (gw.optim.DistributedAdam above 0)
-    schedule: str = pipeline.AUTO  # the pipeline's schedule (a gw.pipeline.SCHEDULES key, or auto)
-    chunks: int = 1  # model chunks per pipeline stage (the interleaved schedule)
+    schedule: str = pipeline.AUTO  # the pipeline's schedule (a gw.pipeline.SCHEDULE_NAMES name)
+    chunks: int = 1  # model chunks per pipeline stage (interleaved; ZB-V and DualPipeV: 2, in a V)
     ep: int = 1  # a mixture of experts: expert parallelism, carved out of dp x sp (nn.moe.expert_line)
 
     def __post_init__(self):
@@ -115,13 +115,11 @@ class GridShape:
         if self.zero and self.dp * self.sp == 1:
             raise GridError(f"zero={self.zero} shards the optimizer state over the data axes; this grid has dp 1 "
                             "and sp 1 (zero=0, or more ranks for dp)")
-        if self.schedule not in pipeline.SCHEDULES and self.schedule != pipeline.AUTO:
-            raise GridError(f"schedule must be one of {sorted([*pipeline.SCHEDULES, pipeline.AUTO])}, got "
-                            f"{self.schedule!r}")
+        if self.schedule not in pipeline.SCHEDULE_NAMES:
+            raise GridError(f"schedule must be one of {sorted(pipeline.SCHEDULE_NAMES)}, got {self.schedule!r}")
         if not isinstance(self.chunks, int) or isinstance(self.chunks, bool) or self.chunks < 1:
             raise GridError(f"chunks must be a positive integer, got {self.chunks!r}")
-        if self.chunks > 1 and self.schedule != "interleaved":
-            raise GridError(f"chunks={self.chunks} needs schedule=interleaved")
+        pipeline.check_chunks(self.schedule, self.chunks)
         if not isinstance(self.ep, int) or isinstance(self.ep, bool) or self.ep < 1:
             raise GridError(f"ep must be a positive integer, got {self.ep!r}")
 
@@ -146,6 +144,14 @@ class GridShape:
         if self.schedule == "interleaved" and (self.pp < 2 or microbatches % self.pp):
             raise GridError(f"the interleaved schedule needs pp >= 2 and microbatches a multiple of pp, got pp "
                             f"{self.pp}, microbatches {microbatches}")
+        if self.schedule in pipeline.TABLES:
+            if self.pp < 2:
+                raise GridError(f"the {self.schedule} schedule needs pp >= 2, got pp {self.pp}")
+            if self.zero == 3:
+                raise GridError(f"zero=3 with schedule={self.schedule}: ZeRO-3 gathers a layer's parameters for each "
+                                "forward and backward and frees them after, and W runs a layer's weight gradients "
+                                "later, apart from its backward; use zero 1 or 2, or schedule 1f1b or interleaved")
+            pipeline.table_for(self.schedule, self.pp, microbatches, self.chunks)  # the table's own needs
         if cfg.tie and self.pp > 1:
             raise GridError("tie needs the embedding and the head on one pipeline stage (pp 1)")
         why = pipeline.fixed_order_reason(self.pp, self.dp, self.zero, cfg.moe is not None)
