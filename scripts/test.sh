@@ -34,10 +34,13 @@ python3 -m pytest -q --durations=10 --transport=$transport --default-device=meta
   tests/python/test_nccl_rules.py tests/python/test_agreement.py tests/python/test_sharding.py \
   tests/python/test_moe.py \
   "tests/python/test_zero.py::test_zero_equals_adamw_on_the_dense_model" \
+  "tests/python/test_zero_bubble.py::test_zero_bubble_schedules_equal_the_dense_model" \
   "tests/python/test_train.py::test_the_main_job_under_mpirun_gives_one_process_losses"
 python3 -m pytest -q --timeout 300 --emulate=nccl tests/python/test_sequence.py tests/python/test_pipeline.py \
   tests/python/test_plan_counters.py tests/python/test_tensor3d.py tests/python/test_subgraph.py \
   tests/python/test_checkpoint.py tests/python/test_layers.py tests/python/test_moe.py tests/python/test_flight.py \
+  "tests/python/test_zero_bubble.py::test_zero_bubble_schedules_equal_the_dense_model" \
+  "tests/python/test_zero_bubble.py::test_the_main_job_on_each_schedule_equals_one_process" \
   "tests/python/test_documents.py::test_every_mode_masks_packed_documents_like_the_dense_layer" \
   "tests/python/test_documents.py::test_ring_attention_on_balanced_shards_equals_one_process" \
   tests/python/test_sequence_model.py \

@@ -15,7 +15,7 @@ import uuid
 
 from pathlib import Path
 
-from . import calibrate, checkpoint, configfile, data, launch, models, modes, plan, runfolder, train, verify
+from . import calibrate, checkpoint, configfile, data, launch, models, modes, pipeline, plan, runfolder, train, verify
 from . import flight
 from .errors import CommError, Diverged, GridError
 from .generate import check_sampling, sample
@@ -181,6 +181,9 @@ def _plan_parser(sub):
                         "selective: the attention core's)")
     p.add_argument("--workers", type=int, default=None,
                    help="processes that predict the grids (default: one per core, each given 256 grids or more)")
+    p.add_argument("--schedules", default=pipeline.AUTO, metavar="LIST",
+                   help="the pipeline schedules ranked on grids with stages, a comma list of "
+                        f"{', '.join(s for s in pipeline.SCHEDULE_NAMES if s != 'interleaved')} (default: auto)")
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--explain", type=int, default=None, metavar="N",
                    help="why grid N (1-based, as listed) ranks above grid N+1, part by part")
@@ -207,7 +210,12 @@ def _plan(args) -> int:
             return _plan_grid(args, model, cluster)
         if args.gpus is None:
             raise GridError("--gpus: how many ranks to plan for (or --grid, one grid to evaluate)")
-        rows = plan.plan(args.gpus, model, cluster, workers=args.workers)
+        schedules = tuple(x.strip() for x in args.schedules.split(",") if x.strip())
+        bad = [x for x in schedules if x not in pipeline.SCHEDULE_NAMES or x == "interleaved"]
+        if bad or not schedules:
+            raise GridError(f"--schedules {args.schedules!r}: choose from "
+                            f"{', '.join(s for s in pipeline.SCHEDULE_NAMES if s != 'interleaved')}")
+        rows = plan.plan(args.gpus, model, cluster, workers=args.workers, schedules=schedules)
         if not args.json:  # the table: rows that differ only in a stage that changes nothing, as one
             rows = plan.fold_equal(rows)
         if args.explain is not None and not 1 <= args.explain < len(rows):

@@ -157,3 +157,59 @@ def test_a_checkpoint_moves_between_schedules(one_process, tmp_path):
                         str(half), port=port)
         assert len(later) == len(ref) and max(abs(a - b) / abs(b) for a, b in zip(later, ref)) < 1e-5, \
             (first, then, later, ref)  # the resumed run carries the first steps' losses
+
+
+# ---- the planner knows them ---------------------------------------------------------------------
+
+def test_the_planner_takes_each_schedules_bubble_and_memory_from_its_table():
+    """plan.bubble_fraction: (p-1)/m for 1F1B, (p-1)/(v m) interleaved, and a zero-bubble table's
+    idle over busy time from its simulated step (T_F = T_B = T_W); ZB-H1 at most half of 1F1B's,
+    ZB-V and DualPipeV at most a quarter from m = 2p. The activations a stage holds at its peak are
+    the table's (chunk activations over the chunks)."""
+    import gridweave as gw
+    from gridweave import plan, schedules
+    from gridweave.plan.predict import activations_in_flight
+
+    for p in (2, 4, 8):
+        for m in (2 * p, 4 * p):
+            one = plan.bubble_fraction(p, m)
+            assert one == (p - 1) / m and plan.bubble_fraction(p, m, "interleaved", 2) == (p - 1) / (2 * m)
+            for name, chunks, goal in (("zb1", 1, 1 / 2), ("zbv", 2, 1 / 4), ("dualpipev", 2, 1 / 4)):
+                table = gw.pipeline.table_for(name, p, m, chunks)
+                line = schedules.simulate(table, 1 / chunks, 1 / chunks, 1 / chunks)
+                idle = line.span * p - sum(line.busy)
+                got = plan.bubble_fraction(p, m, name, chunks)
+                assert abs(got - idle / sum(line.busy)) < 1e-12 and got <= goal * one, (name, p, m, got, one)
+                grid = plan.GridShape(pp=p, schedule=name, chunks=chunks)
+                assert [activations_in_flight(grid, s, m) for s in range(p)] == \
+                    [k / chunks for k in schedules.peaks(table)]
+    assert [activations_in_flight(plan.GridShape(pp=4), s, 8) for s in range(4)] == [4, 3, 2, 1]
+
+
+def test_plan_ranks_the_schedules_it_is_given_with_the_grids(tmp_path):
+    """`gridweave plan --schedules auto,zb1,zbv,dualpipev` ranks each schedule on the grids with
+    stages, every one a grid train accepts with that schedule; a schedule it does not know is one
+    clear error."""
+    import json
+    import subprocess
+    import sys
+
+    from gridweave.cli import parse_train
+
+    base = ["--batch", "16", "--layers", "8", "--hidden", "64", "--heads", "4", "--seq", "64"]
+    r = subprocess.run([sys.executable, "-m", "gridweave.cli", "plan", "--gpus", "4", *base, "--json", "--top", "0",
+                        "--schedules", "auto,zb1,zbv,dualpipev", "--workers", "1"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(r.stdout)
+    rows = rows["rows"] if isinstance(rows, dict) else rows
+    staged = {row["schedule"] for row in rows if row["pp"] > 1}
+    assert staged >= {"auto", "zb1", "zbv", "dualpipev"}, staged
+    for row in rows:
+        if row["pp"] > 1 and row["schedule"] != "auto":
+            parse_train([*base, "--dp", str(row["dp"]), "--pp", str(row["pp"]), "--tp", row["tp"], "--sp",
+                         str(row["sp"]), "--zero", str(row["zero"]), "--schedule", row["schedule"], "--microbatches",
+                         str(row["microbatches"])]).grid_shape(4)
+    bad = subprocess.run([sys.executable, "-m", "gridweave.cli", "plan", "--gpus", "4", *base, "--schedules", "zb2"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--schedules 'zb2'" in bad.stderr, bad.stderr[-2000:]

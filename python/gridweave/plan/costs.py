@@ -7,8 +7,10 @@ import re
 from functools import lru_cache
 
 from .. import _C
+from ..pipeline import TABLES, table_for
 from ..errors import GridError
 from ..grid import Span, part_members
+from ..schedules import simulate
 from .cluster import Cluster
 from .shape import GridShape, Model
 
@@ -63,9 +65,17 @@ def _measured(op: str, nbytes: float, line: tuple, cluster: Cluster) -> float | 
     return cluster.measured_all_reduce(line[4], nbytes) if line[2] == 1 else None
 
 
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    """AxoNN / 003: the pipeline's idle time relative to its busy time, (p-1)/m."""
-    return (stages - 1) / microbatches
+def bubble_fraction(stages: int, microbatches: int, schedule: str = "1f1b", chunks: int = 1) -> float:
+    """The pipeline's idle time relative to its busy time: (p-1)/m (AxoNN; Megatron-LM's 1F1B),
+    (p-1)/(v m) interleaved over v chunks (Megatron-LM §2.2); a zero-bubble schedule's from its
+    table's simulated step (gw.schedules.simulate) with T_F = T_B = T_W (Qi et al. §3's setting)."""
+    if stages < 2:
+        return 0.0
+    if schedule in TABLES:
+        share = 1 / chunks  # each op is one chunk's: that share of a stage's work
+        line = simulate(table_for(schedule, stages, microbatches, chunks), share, share, share)
+        return line.bubble / (1 - line.bubble)
+    return (stages - 1) / microbatches / chunks
 
 
 def transformer_flops(model: Model, recompute: bool = False) -> float:

@@ -8,8 +8,10 @@ from dataclasses import asdict
 from typing import TypedDict
 
 from .. import _C
+from ..pipeline import TABLES, table_for
 from ..errors import GridError
 from ..grid import part_members
+from ..schedules import peaks
 from .record import GROUPED_SEND, Experts, optimizer_census, step_schedule, tally_of
 from .cluster import Cluster
 from .costs import _label_line, _links, _measured, bubble_fraction, collective_time, transformer_flops
@@ -210,6 +212,20 @@ def optimizer_time(model: Model, sched, costing: _Costing, offload_bsize, coarse
     return 0.0
 
 
+def activations_in_flight(grid: GridShape, stage: int, microbatches: int) -> float:
+    """The micro-batches whose activations stage `stage` holds at its peak: pp - s under 1F1B
+    (Megatron-LM §2.2; the message-driven schedule's pipeline_limit max(pp, 2) is not lower); a
+    zero-bubble schedule's from its table (gw.schedules.peaks: chunk activations, each 1/chunks of
+    a micro-batch's on the stage; a deferred W keeps what it multiplies)."""
+    if grid.pp < 2:
+        return 1
+    schedule = grid.schedule
+    if schedule in TABLES:
+        table = table_for(schedule, grid.pp, microbatches, grid.chunks)
+        return peaks(table)[stage] / grid.chunks
+    return min(microbatches, grid.pp - stage)
+
+
 def stage_memory(model: Model, grid: GridShape, stage: int, sched, microbatches: int, offload_bsize,
                  recompute) -> dict:
     """Stage s's memory per rank: its parameters as its modules place them, their gradients
@@ -224,7 +240,7 @@ def stage_memory(model: Model, grid: GridShape, stage: int, sched, microbatches:
     b = model.batch // grid.dp
     aliased = _aliased(model, grid, offload_bsize)
     phi_here = sched.parameters
-    in_flight = min(m, grid.pp - stage) if grid.pp > 1 else 1
+    in_flight = activations_in_flight(grid, stage, m)
     # the recorded peak of one micro-batch (its kept activations, their gradients and the
     # temporaries, the gradients made, and DistributedAdam's flat copies of them as its buckets
     # complete) beside the gradients, plus the others in flight
@@ -305,7 +321,7 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
     critical = stages[s_star]
     t_stage, compute, redo, sched, per_axis = (critical.seconds, critical.compute, critical.recompute,
                                                critical.schedule, critical.per_axis)
-    bubble = bubble_fraction(grid.pp, m) / chunks if grid.pp > 1 else 0.0
+    bubble = bubble_fraction(grid.pp, m, grid.resolved_schedule(model.config), chunks)
     # (m + p - 1) micro-batch slots; where ranks share cores (cores_per_node), the ones idle in
     # the bubble lend theirs to the busy ones (the rates are calibrated with every rank busy), so
     # the bubble costs only what the shared cores cannot absorb

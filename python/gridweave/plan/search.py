@@ -8,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+from .. import pipeline
 from ..errors import GridError
 from ..models import ModelConfig
 from ..modes import known
@@ -76,13 +77,25 @@ def tensor_modes(n: int, model: Model) -> list:
 MIN_TOKENS_PER_SP_RANK = 64
 
 
+def _accepted(grid: GridShape, model: Model) -> bool:
+    """Whether train accepts the grid at the fewest micro-batches its schedule runs (one, or a
+    table's least: DualPipeV's 2 pp)."""
+    for m in (1, 2 * grid.pp) if grid.schedule in pipeline.TABLES else (1,):
+        try:
+            grid.check(model, m)
+        except GridError:
+            continue
+        return True
+    return False
+
+
 def enumerate_grids(n: int, model: Model, placements=PLACEMENTS, zeros=(0, 1, 2, 3),
-                    min_sp_tokens: int = MIN_TOKENS_PER_SP_RANK):
+                    min_sp_tokens: int = MIN_TOKENS_PER_SP_RANK, schedules=(pipeline.AUTO,)):
     """Every grid of n ranks that `gridweave train` accepts for the model (GridShape.check, train's
-    rule, at one micro-batch; the planner adds only its floor of min_sp_tokens tokens per
-    sequence-parallel rank), at each ZeRO stage where it has data axes, with the auto schedule
-    (pipeline.resolve_schedule: 1F1B's fixed order where a micro-batch needs it); a mixture of
-    experts at every expert-parallel degree."""
+    rule; the planner adds only its floor of min_sp_tokens tokens per sequence-parallel rank), at
+    each ZeRO stage where it has data axes, with each of `schedules` where it has pipeline stages
+    (auto: pipeline.resolve_schedule, 1F1B's fixed order where a micro-batch needs it; zbv and
+    dualpipev with their 2 chunks a stage); a mixture of experts at every expert-parallel degree."""
     out = []
     for mode in tensor_modes(n, model):
         rest = n // mode.ranks()
@@ -93,13 +106,15 @@ def enumerate_grids(n: int, model: Model, placements=PLACEMENTS, zeros=(0, 1, 2,
                 # a mixture of experts: every expert-parallel degree its experts and dp x sp split into
                 eps = (1,) if model.config.moe is None else \
                     [e for e in range(1, dp * sp + 1) if (dp * sp) % e == 0 and model.config.moe.experts % e == 0]
-                for pl, zero, ep in itertools.product(placements, zeros if dp * sp > 1 else (0,), eps):
-                    grid = GridShape(dp=dp, pp=pp, tp=mode, sp=sp, placement=pl, zero=zero, ep=ep)
+                scheds = schedules if pp > 1 else (pipeline.AUTO,)
+                for sched, pl, zero, ep in itertools.product(scheds, placements, zeros if dp * sp > 1 else (0,), eps):
                     try:
-                        grid.check(model, 1)
+                        grid = GridShape(dp=dp, pp=pp, tp=mode, sp=sp, placement=pl, zero=zero, ep=ep, schedule=sched,
+                                         chunks=2 if sched in pipeline.V_SCHEDULES else 1)
                     except GridError:
                         continue
-                    out.append(grid)
+                    if _accepted(grid, model):
+                        out.append(grid)
     return out
 
 
@@ -208,17 +223,18 @@ RUNS_PER_WORKER = 1  # the fewest runs worth a worker (it takes seconds to start
 
 
 def plan(n: int, model: Model, cluster: Cluster, top: int | None = None, microbatches: int | None = None,
-         workers: int | None = None, **kw) -> list:
+         workers: int | None = None, schedules=(pipeline.AUTO,), **kw) -> list:
     """Grids (with their ZeRO stage) ranked by predicted step time, the ones that fit in memory
     first, then by memory; of two placements that predict the same, the first. microbatches: the
     job's count (default: the fastest micro-batch size that fits, per grid). workers: processes that predict the grids
     (consecutive runs of GRIDS_PER_TASK each, the rows taken back in order: the same ranking as one
     process); None: one per core this process may use, as long as each has RUNS_PER_WORKER runs
-    (a worker takes seconds to start and holds its own recordings), else this process alone."""
+    (a worker takes seconds to start and holds its own recordings), else this process alone.
+    schedules: the pipeline schedules ranked on grids with stages (enumerate_grids)."""
     if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
         raise GridError(f"workers must be a positive integer (or None: one per core), got {workers!r}")
     _check_recompute(kw.get("recompute", False))  # predict's GridErrors below only skip a grid
-    grids = enumerate_grids(n, model)
+    grids = enumerate_grids(n, model, schedules=schedules)
     tasks = -(-len(grids) // GRIDS_PER_TASK)
     if workers is None:
         workers = max(1, min(len(os.sched_getaffinity(0)), tasks // RUNS_PER_WORKER))
@@ -228,7 +244,7 @@ def plan(n: int, model: Model, cluster: Cluster, top: int | None = None, microba
         rows = _in_workers(grids, model, cluster, microbatches, kw, workers)
     seen, unique = set(), []
     for r in rows:  # a placement that changes nothing (one node) is listed once
-        key = (r["dp"], r["pp"], r["tp"], r["sp"], r["zero"], r["step_time_s"], r["memory_bytes"])
+        key = (r["dp"], r["pp"], r["tp"], r["sp"], r["zero"], r["schedule"], r["step_time_s"], r["memory_bytes"])
         if key not in seen:
             seen.add(key)
             unique.append(r)
