@@ -46,6 +46,19 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
     torch.autograd.backward(torch.autograd.graph.get_gradient_edge(param), grad)
 
 
+def deferring(store, x) -> bool:
+    """Whether a layer defers its weights' gradients for input `x` now: its store is in a split
+    micro-batch and B reaches x (an input without a gradient takes them in the backward)."""
+    return store is not None and store.current is not None and x.requires_grad
+
+
+def defer(store: WeightStore, mb, params, grads) -> None:
+    """W's share of a layer for micro-batch `mb`: grads() gives the gradients of `params` (None
+    where one has none; a collective it needs is issued there, in the table's order, alike on every
+    rank of the layer's group), added to them then."""
+    store.keep(mb, lambda: _add(params, grads()))
+
+
 class _DeferredLinear(torch.autograd.Function):
     """y = x W^T + b with W and b detached (params: the leaves themselves, out of the graph): the
     backward gives dx, and W (store.run(mb)) later adds dW = dy^T x and db = sum dy to them."""
@@ -59,41 +72,60 @@ class _DeferredLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         x, weight = ctx.saved_tensors
-        weight_param, bias_param = ctx.params
 
-        def w():
+        def grads():
             g2, x2 = gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1])
-            if weight_param.requires_grad:
-                _accumulate(weight_param, g2.t() @ x2)
-            if bias_param is not None and bias_param.requires_grad:
-                _accumulate(bias_param, g2.sum(0))
-        ctx.store.keep(ctx.mb, w)
+            return g2.t() @ x2, g2.sum(0)
+        ctx.store.keep(ctx.mb, lambda: _add(ctx.params, grads()))
         return (gy @ weight if ctx.needs_input_grad[0] else None), None, None, None, None, None
 
 
-def _deferrable_forward(linear: nn.Linear, store: WeightStore, x):
-    if store.current is None:
-        return torch.nn.functional.linear(x, linear.weight, linear.bias)
-    bias = None if linear.bias is None else linear.bias.detach()
-    return _DeferredLinear.apply(x, linear.weight.detach(), bias, (linear.weight, linear.bias), store, store.current)
+def _add(params, grads) -> None:
+    for p, g in zip(params, grads):
+        if p is not None and g is not None and p.requires_grad:
+            _accumulate(p, g)
+
+
+def linear(x, weight, bias, store):
+    """F.linear(x, weight, bias), its weights' gradients deferred to W where `store` defers now."""
+    if not deferring(store, x):
+        return torch.nn.functional.linear(x, weight, bias)
+    return _DeferredLinear.apply(x, weight.detach(), None if bias is None else bias.detach(), (weight, bias), store,
+                                 store.current)
+
+
+def _deferrable_forward(linear_module: nn.Linear, store: WeightStore, x):
+    return linear(x, linear_module.weight, linear_module.bias, store)
 
 
 def deferred_store(module: nn.Module):
     """The WeightStore a linear's weight gradients wait in (defer_weights), or None."""
+    if isinstance(module, Deferrable):
+        return module.weight_store
     forward = module.__dict__.get("forward")
     return forward.args[1] if isinstance(forward, functools.partial) and forward.func is _deferrable_forward \
         else None
 
 
+class Deferrable:
+    """A layer that defers its weights' gradients itself (the tensor-parallel linears): its forward
+    passes `self.weight_store` to split.linear, or defers in its own backward (split.defer)."""
+
+    weight_store: WeightStore | None = None
+
+
 def defer_weights(chunk: nn.Module, store: WeightStore) -> int:
-    """Every linear of `chunk` whose forward is nn.Linear's own (nn.Linear and subclasses that keep
-    it, as the replicated linears of the sequence-parallel layers) made to defer its weight
-    gradients into `store` in the micro-batches it names: its forward replaced on the instance,
-    class, parameters and state as they were (an optimizer made before still holds them).
-    Returns how many there are."""
+    """Every linear of `chunk` made to defer its weight gradients into `store` in the micro-batches
+    it names: a Deferrable layer told its store; a linear whose forward is nn.Linear's own
+    (nn.Linear and subclasses that keep it, as the replicated linears of the sequence-parallel
+    layers) given a forward on the instance, class, parameters and state as they were (an optimizer
+    made before still holds them). Returns how many there are."""
     n = 0
     for m in chunk.modules():
-        if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward:
+        if isinstance(m, Deferrable):
+            m.weight_store = store
+            n += 1
+        elif isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward:
             m.forward = functools.partial(_deferrable_forward, m, store)
             n += 1
     return n

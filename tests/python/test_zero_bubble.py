@@ -15,7 +15,11 @@ def _zero_bubble(ctx, schedule, tp, pp, m, layers_per_chunk=1):
     from gridweave.schedules import Kind, Placement
     from gridweave.split import deferred_store
 
-    mode = gw.modes.parse(tp)
+    import dataclasses
+
+    mode = gw.modes.parse(tp.removesuffix("+sp"))
+    if tp.endswith("+sp"):  # Megatron's sequence parallelism inside 1-D
+        mode = dataclasses.replace(mode, sequence=True)
     grid = ctx.init(tp=mode, pp=pp)
     vee = schedule in ("zbv", "dualpipev")
     chunks = 2 if vee else 1
@@ -44,13 +48,16 @@ def _zero_bubble(ctx, schedule, tp, pp, m, layers_per_chunk=1):
 
 @pytest.mark.parametrize("schedule,tp,pp,m", [
     ("zb1", "none", 2, 2), ("zb1", "none", 2, 5), ("zb1", "none", 4, 8), ("zb1", "row:2", 2, 3),
+    ("zb1", "row:2+sp", 2, 4),
     ("zbv", "none", 2, 2), ("zbv", "none", 2, 4), ("zbv", "none", 4, 8), ("zbv", "row:2", 2, 4),
+    ("zbv", "row:2+sp", 2, 4),
     ("zbv", "none", 3, 5),
     ("dualpipev", "none", 2, 4), ("dualpipev", "none", 4, 8), ("dualpipev", "none", 2, 5), ("dualpipev", "row:2", 2, 4)])
 def test_zero_bubble_schedules_equal_the_dense_model(pool, schedule, tp, pp, m):
     """Each stage's ops as the table orders them (gw.schedules), B then W apart where it splits:
     every gradient and the loss equal one process's (float64 1e-10), every forward, backward and
-    W run once, and the layers' weights really waited for W (their linears deferrable)."""
+    W run once, and the layers' weights really waited for W (their linears deferrable: the dense
+    ones and Megatron's column and row linears, with sequence parallelism's all-gather again in W)."""
     n = pp * (1 if tp == "none" else 2)
     chunks = 2 if schedule in ("zbv", "dualpipev") else 1
     res = pool.run(_zero_bubble, n, schedule, tp, pp, m)
@@ -60,7 +67,7 @@ def test_zero_bubble_schedules_equal_the_dense_model(pool, schedule, tp, pp, m):
         assert max(errs.values()) < 1e-10, {k: v for k, v in errs.items() if v >= 1e-10}
         assert fw == bw == chunks * m, (stage, fw, bw)
         assert weights == ws and (ws > 0 or schedule == "dualpipev"), (stage, weights, ws)
-        assert deferrable > 0 if tp == "none" else True
+        assert deferrable > 0  # the dense and the 1-D tensor-parallel linears alike
     if schedule != "dualpipev":
         assert all(r[5] > 0 for r in res)  # every stage splits some backward
 
@@ -134,11 +141,13 @@ def one_process(tmp_path_factory):
     ("dualpipev", ["--dp", "2", "--pp", "2"], 4, "llama", 29819),
     ("dualpipev", ["--tp", "square:2", "--pp", "2"], 8, "llama", 29821),
     ("dualpipev", ["--sp", "2", "--dp", "2", "--pp", "2", "--zero", "2"], 8, "llama", 29823),
+    ("zbv", ["--dp", "2", "--pp", "2", "--ac", "none"], 4, "llama", 29829),  # no recomputation (ac 1 is the default)
 ])
 def test_the_main_job_on_each_schedule_equals_one_process(one_process, tmp_path, schedule, spec, n, model, port):
     """`--schedule zb1 | zbv | dualpipev` composed with dp, ZeRO 1 and 2, tp (1-D with Megatron-SP,
-    2-D), sp (ring, Ulysses), experts over dp and packed documents: one process's losses (float32,
-    1e-5 relative)."""
+    2-D), sp (ring, Ulysses), experts over dp, packed documents, with activation checkpointing (the
+    job's default: each layer recomputed in B, its linears deferring there) and without: one
+    process's losses (float32, 1e-5 relative)."""
     extra = MIXTRAL if model == "mixtral" else []
     losses, _ = _job(tmp_path, schedule, "--nproc", str(n), "--schedule", schedule, *spec, *extra, port=port)
     ref = one_process[model]
@@ -213,3 +222,56 @@ def test_plan_ranks_the_schedules_it_is_given_with_the_grids(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "gridweave.cli", "plan", "--gpus", "4", *base, "--schedules", "zb2"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--schedules 'zb2'" in bad.stderr, bad.stderr[-2000:]
+
+
+# ---- B and W apart, one process ------------------------------------------------------------------
+
+def test_a_split_backward_equals_the_whole_and_fires_each_hook_once():
+    """gw.split: a micro-batch's B gives the input's gradient and leaves every deferrable weight
+    untouched (no hook fired); its W adds exactly the whole backward's weight gradients (float64,
+    bitwise here), each weight's post-accumulate hook once; an input with no gradient (nothing for B
+    to reach) takes its weight gradients in the backward; out of a split micro-batch the linears are
+    torch's."""
+    import collections
+
+    import gridweave as gw
+    from gridweave.split import WeightStore, defer_weights, deferred_store
+
+    torch.manual_seed(0)
+
+    def model():
+        return torch.nn.Sequential(torch.nn.Linear(6, 5, dtype=torch.float64), torch.nn.LayerNorm(5, dtype=torch.float64),
+                                   torch.nn.GELU(), torch.nn.Linear(5, 4, bias=False, dtype=torch.float64))
+    whole, split = model(), model()
+    split.load_state_dict(whole.state_dict())
+    store = WeightStore()
+    assert defer_weights(split, store) == 2 and deferred_store(split[0]) is store and deferred_store(split[1]) is None
+    fired = collections.Counter()
+    for name, p in split.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda t, name=name: fired.update([name]))
+    x = torch.randn(3, 7, 6, dtype=torch.float64)
+    for mb in range(2):
+        a, b = x[:, mb:mb + 3].clone().requires_grad_(), x[:, mb:mb + 3].clone().requires_grad_()
+        whole(a).square().sum().backward()
+        store.current = mb
+        split(b).square().sum().backward()
+        store.current = None
+        assert torch.equal(a.grad, b.grad)
+        assert split[0].weight.grad is None if mb == 0 else True
+        assert store.pending == [mb] and fired["0.weight"] == fired["3.weight"] == mb
+        store.run(mb)
+        assert store.pending == []
+    for (name, p), q in zip(split.named_parameters(), whole.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+        assert fired[name] == 2, (name, fired)
+    # the first linear's input has no gradient: its weights' gradients come in the backward; the
+    # second's input (after the norm's weights) has one: it waits
+    split.zero_grad()
+    store.current = 0
+    split(x[:, :3]).square().sum().backward()
+    store.current = None
+    assert split[0].weight.grad is not None and split[3].weight.grad is None and store.pending == [0]
+    store.run(0)
+    assert split[3].weight.grad is not None
+    with pytest.raises(gw.GridError):
+        gw.pipeline.table_for("zbv", 2, 4, 1)

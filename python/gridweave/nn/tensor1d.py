@@ -8,6 +8,7 @@ from torch import nn
 
 from ..autograd.comm import (copy_to_parallel, gather_from_parallel, reduce_from_parallel, reduce_scatter_sequence,
                              scatter_to_parallel)
+from .. import split
 from ..errors import GridError
 from ..layout import Layout, gather, scatter
 from ..sharding import DATA_AXES, place
@@ -25,11 +26,13 @@ def _split(n: int, parts: int, what: str) -> int:
 class _SequenceColumnLinear(torch.autograd.Function):
     """all-gather + linear of Megatron's sequence parallelism (Korthikanti et al. 2022, §4.2.2):
     backward all-gathers the input again rather than keeping it, so only this rank's sequence
-    shard is saved (1/t of the activation), and reduce-scatters the input's gradient."""
+    shard is saved (1/t of the activation), and reduce-scatters the input's gradient. deferred:
+    (store, micro-batch, the parameters) where the weights' gradients wait for W (the weights come
+    detached), which all-gathers the input again itself (gw.split)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, grid, axis):
-        ctx.grid, ctx.axis, ctx.has_bias = grid, axis, bias is not None
+    def forward(ctx, x, weight, bias, grid, axis, deferred=None):
+        ctx.grid, ctx.axis, ctx.has_bias, ctx.deferred = grid, axis, bias is not None, deferred
         ctx.save_for_backward(x, weight)
         full = grid.all_gather(x.contiguous(), axis=axis, dim=1)
         return F.linear(full, weight, bias)
@@ -37,14 +40,23 @@ class _SequenceColumnLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        full = ctx.grid.all_gather(x.contiguous(), axis=ctx.axis, dim=1)
-        dx = ctx.grid.reduce_scatter((dy @ weight).contiguous(), axis=ctx.axis, dim=1)
-        dw = dy.reshape(-1, dy.shape[-1]).t() @ full.reshape(-1, full.shape[-1])
-        db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias else None
-        return dx, dw, db, None, None
+        grid, axis, has_bias = ctx.grid, ctx.axis, ctx.has_bias
+
+        def grads(full=None):
+            full = grid.all_gather(x.contiguous(), axis=axis, dim=1) if full is None else full
+            dw = dy.reshape(-1, dy.shape[-1]).t() @ full.reshape(-1, full.shape[-1])
+            return dw, (dy.reshape(-1, dy.shape[-1]).sum(0) if has_bias else None)
+        if ctx.deferred is not None:
+            store, mb, params = ctx.deferred
+            dx = grid.reduce_scatter((dy @ weight).contiguous(), axis=axis, dim=1)
+            split.defer(store, mb, params, grads)
+            return dx, None, None, None, None, None
+        full = grid.all_gather(x.contiguous(), axis=axis, dim=1)
+        dx = grid.reduce_scatter((dy @ weight).contiguous(), axis=axis, dim=1)
+        return (dx, *grads(full), None, None, None)
 
 
-class ColumnParallelLinear(ParallelLinearBase):
+class ColumnParallelLinear(ParallelLinearBase, split.Deferrable):
     """Y = X W^T + b with W split by output rows: f (identity fwd, all-reduce bwd) on the input;
     sequence=True (Megatron's sequence parallelism): the input is a sequence shard over the
     axis, all-gathered forward and its gradient reduce-scattered backward."""
@@ -69,10 +81,14 @@ class ColumnParallelLinear(ParallelLinearBase):
         return REPLICATED if self.gather_output else Layout((), (), (self.axis,))
 
     def forward(self, x):
-        if self.sequence:
+        if self.sequence and split.deferring(self.weight_store, x):  # the weights come detached
+            bias = None if self.bias is None else self.bias.detach()
+            y = _SequenceColumnLinear.apply(x, self.weight.detach(), bias, self.grid, self.axis,
+                                            (self.weight_store, self.weight_store.current, (self.weight, self.bias)))
+        elif self.sequence:
             y = _SequenceColumnLinear.apply(x, self.weight, self.bias, self.grid, self.axis)
         else:
-            y = F.linear(copy_to_parallel(x, self.grid, self.axis), self.weight, self.bias)
+            y = split.linear(copy_to_parallel(x, self.grid, self.axis), self.weight, self.bias, self.weight_store)
         return gather_from_parallel(y, self.grid, self.axis, -1) if self.gather_output else y
 
     def load_dense(self, dense, order=None):
@@ -90,7 +106,7 @@ class ColumnParallelLinear(ParallelLinearBase):
         return out
 
 
-class RowParallelLinear(ParallelLinearBase):
+class RowParallelLinear(ParallelLinearBase, split.Deferrable):
     """Y = X W^T + b with W split by input columns: g (all-reduce fwd, identity bwd) on the output;
     sequence=True: reduce-scattered to sequence shards over the axis instead (all-gather bwd)."""
 
@@ -119,7 +135,7 @@ class RowParallelLinear(ParallelLinearBase):
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_to_parallel(x, self.grid, self.axis, -1)
-        y = F.linear(x, self.weight)
+        y = split.linear(x, self.weight, None, self.weight_store)
         y = reduce_scatter_sequence(y, self.grid, self.axis) if self.sequence else \
             reduce_from_parallel(y, self.grid, self.axis)
         return y + self.bias if self.bias is not None else y
