@@ -122,6 +122,8 @@ def check_chunks(schedule: str, chunks: int) -> None:
         raise GridError(f"the {schedule} schedule runs 2 model chunks a stage (a V), got chunks={chunks}")
     if chunks > 1 and schedule not in ("interleaved", *V_SCHEDULES):
         raise GridError(f"chunks={chunks} needs schedule=interleaved (or zbv / dualpipev with 2)")
+
+
 def fixed_order_reason(pp: int, dp: int, zero: int, moe: bool) -> str | None:
     """Why this pipeline needs every data replica of a stage to run its micro-batches in one order
     (a collective over the data axes inside each micro-batch), or None. The message-driven schedule
@@ -402,9 +404,12 @@ def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_s
         raise GridError(f"schedule must be one of {sorted([*SCHEDULES, *TABLES])}, got {schedule!r}")
     chunks = _chunks(stage)
     if schedule in TABLES:
-        return _table_step(schedule, chunks, grid, inputs, targets, loss_fn, activation_shape, dtype, axis,
+        return _table_step(schedule, stage, chunks, grid, inputs, targets, loss_fn, activation_shape, dtype, axis,
                            documents, phases, microbatches)
     interleaved = schedule == "interleaved" or len(chunks) > 1 or isinstance(stage, (list, tuple))
+    if getattr(stage, "placement", schedules.Placement.LOOP) is not schedules.Placement.LOOP:
+        raise GridError(f"the {schedule} schedule runs chunks in a loop; these were built in a V (ModelChunks' "
+                        "placement: schedule zbv or dualpipev)")
     if receive not in RECEIVE:
         raise GridError(f"receive must be one of {sorted(RECEIVE)}, got {receive!r}")
     pp = grid.comm(axis, "pipeline")
@@ -452,8 +457,8 @@ def table_for(schedule: str, stages: int, microbatches: int, chunks: int):
     return TABLES[schedule](stages, microbatches)
 
 
-def _table_step(schedule, chunks, grid, inputs, targets, loss_fn, activation_shape, dtype, axis, documents, phases,
-                microbatches):
+def _table_step(schedule, chunks_of, chunks, grid, inputs, targets, loss_fn, activation_shape, dtype, axis, documents,
+                phases, microbatches):
     """pipeline_step for a schedule given as a table: B and W apart (gw.split)."""
     pp = grid.comm(axis, "pipeline")
     if pp.size < 2:
@@ -470,6 +475,10 @@ def _table_step(schedule, chunks, grid, inputs, targets, loss_fn, activation_sha
                             f"{'no' if held is None else len(held)} micro-batches of {name}")
     if documents is not None and len(documents) != m:
         raise GridError(f"documents: {len(documents)} micro-batches of document ids for {m} micro-batches")
+    placed = {getattr(stage, "placement", None) for stage in (chunks_of, *chunks)} - {None}
+    if placed and placed != {placement_of(schedule)}:
+        raise GridError(f"the {schedule} schedule runs its chunks in {placement_of(schedule).value} placement; these "
+                        f"were built in {', '.join(sorted(p.value for p in placed))} (ModelChunks' placement)")
     stores = [WeightStore() for _ in chunks]
     for chunk, store in zip(chunks, stores):
         defer_weights(chunk, store)
@@ -478,9 +487,15 @@ def _table_step(schedule, chunks, grid, inputs, targets, loss_fn, activation_sha
                          split=[(op.mb, op.chunk) for op in table.ops[pp.rank] if op.kind is schedules.Kind.B])
     neighbours, _, _ = _channels(grid, axis, schedule, "auto", False, pp.can_recv_any)
     ops = [(ENGINE_KINDS[op.kind], op.chunk, op.mb) for op in table.ops[pp.rank]]
-    stats = _C.run_table(pp, pp.rank, pp.size, len(chunks), _C.ChunkPlacement.V if vee else _C.ChunkPlacement.Loop,
-                         m, ops, cb.payload, cb.forward, cb.backward, cb.weight,
-                         stage_links(grid, axis, *neighbours, vee), _stage_stream(grid, pp), cb.sent)
+    try:
+        stats = _C.run_table(pp, pp.rank, pp.size, len(chunks),
+                             _C.ChunkPlacement.V if vee else _C.ChunkPlacement.Loop, m, ops, cb.payload, cb.forward,
+                             cb.backward, cb.weight, stage_links(grid, axis, *neighbours, vee),
+                             _stage_stream(grid, pp), cb.sent)
+    except BaseException:
+        for store in stores:  # a failed step's W, and all they hold, go
+            store.clear()
+        raise
     left = [(c, mb) for c, store in enumerate(stores) for mb in store.pending]
     if left:
         raise GridError(f"the {schedule} table left weight gradients unapplied: (chunk, micro-batch) {left}")

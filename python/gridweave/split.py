@@ -28,22 +28,32 @@ class WeightStore:
         self._held: dict = {}
 
     def keep(self, mb, fn) -> None:
+        """fn() gives (parameter, gradient) pairs: W's share of one layer call."""
         self._held.setdefault(mb, []).append(fn)
 
     def run(self, mb) -> None:
-        """W of micro-batch `mb`: every weight gradient its B left, into the weights' .grad."""
-        for fn in self._held.pop(mb, ()):
-            fn()
+        """W of micro-batch `mb`: every weight gradient its B left, summed per weight (a layer
+        called twice in a micro-batch gives one) and added in one pass through the weights'
+        AccumulateGrad nodes: .grad summed as autograd sums it, each hook fired once."""
+        sums = {}
+        with torch.no_grad():  # nothing in W is differentiated again
+            for fn in self._held.pop(mb, ()):
+                for p, g in fn():
+                    if p is not None and g is not None and p.requires_grad:
+                        sums[id(p)] = (p, g) if id(p) not in sums else (p, sums[id(p)][1] + g)
+        if sums:
+            torch.autograd.backward([torch.autograd.graph.get_gradient_edge(p) for p, _ in sums.values()],
+                                    [g for _, g in sums.values()])
+
+    def clear(self) -> None:
+        """Forget every W not run (a failed step: what they hold goes with them)."""
+        self._held.clear()
+        self.current = None
 
     @property
     def pending(self) -> list:
         """The micro-batches whose W has not run."""
         return sorted(self._held)
-
-
-def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
-    # through the parameter's AccumulateGrad node: .grad summed as autograd sums it, hooks fired
-    torch.autograd.backward(torch.autograd.graph.get_gradient_edge(param), grad)
 
 
 def deferring(store, x) -> bool:
@@ -56,7 +66,7 @@ def defer(store: WeightStore, mb, params, grads) -> None:
     """W's share of a layer for micro-batch `mb`: grads() gives the gradients of `params` (None
     where one has none; a collective it needs is issued there, in the table's order, alike on every
     rank of the layer's group), added to them then."""
-    store.keep(mb, lambda: _add(params, grads()))
+    store.keep(mb, lambda: zip(params, grads()))
 
 
 class _DeferredLinear(torch.autograd.Function):
@@ -73,17 +83,13 @@ class _DeferredLinear(torch.autograd.Function):
     def backward(ctx, gy):
         x, weight = ctx.saved_tensors
 
+        weight_param, bias_param = ctx.params
+
         def grads():
             g2, x2 = gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1])
-            return g2.t() @ x2, g2.sum(0)
-        ctx.store.keep(ctx.mb, lambda: _add(ctx.params, grads()))
+            return g2.t() @ x2, (None if bias_param is None else g2.sum(0))
+        defer(ctx.store, ctx.mb, ctx.params, grads)
         return (gy @ weight if ctx.needs_input_grad[0] else None), None, None, None, None, None
-
-
-def _add(params, grads) -> None:
-    for p, g in zip(params, grads):
-        if p is not None and g is not None and p.requires_grad:
-            _accumulate(p, g)
 
 
 def linear(x, weight, bias, store):

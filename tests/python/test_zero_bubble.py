@@ -72,14 +72,14 @@ def test_zero_bubble_schedules_equal_the_dense_model(pool, schedule, tp, pp, m):
         assert all(r[5] > 0 for r in res)  # every stage splits some backward
 
 
-def _bad(ctx, schedule, chunks, m):
+def _bad(ctx, schedule, chunks, m, place=None):
     import gridweave as gw
     from gridweave.schedules import Placement
 
     grid = ctx.init(pp=2)
     dense = gw.models.GPT(64, 32, 4, 4, 16, device=grid.device)
     s = grid.coords["pp"]
-    place = Placement.V if chunks == 2 else Placement.LOOP
+    place = Placement(place) if place else Placement.V if chunks == 2 else Placement.LOOP
     stage = gw.models.ModelChunks(dense, grid, gw.modes.parse("none"), s, 2, chunks, place)
     xs = [torch.zeros(2, 16, dtype=torch.int64, device=grid.device)] * m
     try:
@@ -89,11 +89,15 @@ def _bad(ctx, schedule, chunks, m):
     return None
 
 
-@pytest.mark.parametrize("schedule,chunks,m,match", [("zbv", 1, 4, "runs 2 model chunks"),
-                                                     ("zb1", 2, 4, "runs 1 model chunk"),
-                                                     ("dualpipev", 2, 3, "at least twice")])
-def test_a_schedule_that_cannot_run_is_one_clear_error(pool, schedule, chunks, m, match):
-    errs = pool.run(_bad, 2, schedule, chunks, m)
+@pytest.mark.parametrize("schedule,chunks,m,place,match", [("zbv", 1, 4, None, "runs 2 model chunks"),
+                                                           ("zb1", 2, 4, None, "runs 1 model chunk"),
+                                                           ("dualpipev", 2, 3, None, "at least twice"),
+                                                           ("zbv", 2, 4, "loop", "v placement"),
+                                                           ("interleaved", 2, 4, "v", "built in a V")])
+def test_a_schedule_that_cannot_run_is_one_clear_error(pool, schedule, chunks, m, place, match):
+    """Chunks a schedule does not run (their count or their placement), too few micro-batches: one
+    clear error on every stage, before any message."""
+    errs = pool.run(_bad, 2, schedule, chunks, m, place)
     assert all(e is not None and match in e for e in errs), errs
 
 
@@ -240,8 +244,9 @@ def test_a_split_backward_equals_the_whole_and_fires_each_hook_once():
     torch.manual_seed(0)
 
     def model():
-        return torch.nn.Sequential(torch.nn.Linear(6, 5, dtype=torch.float64), torch.nn.LayerNorm(5, dtype=torch.float64),
-                                   torch.nn.GELU(), torch.nn.Linear(5, 4, bias=False, dtype=torch.float64))
+        kw = dict(dtype=torch.float64, device=CPU)  # the suite may poison the default device
+        return torch.nn.Sequential(torch.nn.Linear(6, 5, **kw), torch.nn.LayerNorm(5, **kw), torch.nn.GELU(),
+                                   torch.nn.Linear(5, 4, bias=False, **kw))
     whole, split = model(), model()
     split.load_state_dict(whole.state_dict())
     store = WeightStore()
@@ -249,7 +254,7 @@ def test_a_split_backward_equals_the_whole_and_fires_each_hook_once():
     fired = collections.Counter()
     for name, p in split.named_parameters():
         p.register_post_accumulate_grad_hook(lambda t, name=name: fired.update([name]))
-    x = torch.randn(3, 7, 6, dtype=torch.float64)
+    x = torch.randn(3, 7, 6, dtype=torch.float64, device=CPU)
     for mb in range(2):
         a, b = x[:, mb:mb + 3].clone().requires_grad_(), x[:, mb:mb + 3].clone().requires_grad_()
         whole(a).square().sum().backward()
@@ -264,6 +269,20 @@ def test_a_split_backward_equals_the_whole_and_fires_each_hook_once():
     for (name, p), q in zip(split.named_parameters(), whole.parameters()):
         assert torch.equal(p.grad, q.grad), name
         assert fired[name] == 2, (name, fired)
+    # a linear called twice in a micro-batch: W sums its two shares, its hook fires once
+    twice, once = torch.nn.Linear(5, 5, dtype=torch.float64, device=CPU), collections.Counter()
+    ref = torch.nn.Linear(5, 5, dtype=torch.float64, device=CPU)
+    ref.load_state_dict(twice.state_dict())
+    twice.weight.register_post_accumulate_grad_hook(lambda t: once.update(["w"]))
+    defer_weights(twice, store)
+    z = torch.randn(4, 5, dtype=torch.float64, device=CPU, requires_grad=True)
+    ref(ref(z)).sum().backward()
+    store.current = 7
+    twice(twice(z.detach().requires_grad_())).sum().backward()
+    store.current = None
+    store.run(7)
+    assert once["w"] == 1 and torch.equal(twice.weight.grad, ref.weight.grad) and torch.equal(twice.bias.grad,
+                                                                                               ref.bias.grad)
     # the first linear's input has no gradient: its weights' gradients come in the backward; the
     # second's input (after the norm's weights) has one: it waits
     split.zero_grad()
