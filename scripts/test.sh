@@ -25,7 +25,9 @@ cmake --build build/ctest -j2
 # the documentation site, warnings as errors (its reference pages read the installed package)
 python3 -m mkdocs build --strict -d build/site  # not -q: it would hide the warnings strict counts
 ctest --test-dir build/ctest --output-on-failure -j2
-python3 -m pytest -q --durations=20 tests/python --transport=gloo --default-device=meta
+# the zero-bubble schedules' main jobs run once, in the NCCL-rules pass below (the stricter rules)
+python3 -m pytest -q --durations=20 tests/python --transport=gloo --default-device=meta \
+  --deselect tests/python/test_zero_bubble.py::test_the_main_job_on_each_schedule_equals_one_process
 transport=gloo
 if python3 -c "import sys, gridweave.launch as l; sys.exit(0 if l.mpi_installed() else 1)"; then transport=mpi; fi
 python3 -m pytest -q --durations=10 --transport=$transport --default-device=meta tests/python/test_mpi.py \
