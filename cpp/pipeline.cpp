@@ -115,15 +115,17 @@ struct Ends {
   const Endpoint& from(int stage) const { return stage == prev ? from_prev : from_next; }
 };
 
+// The end towards `stage` (-1: none): its two-member link, or the pp line itself (tags keep apart).
+Endpoint end_towards(Communicator& pp, const std::shared_ptr<Communicator>& link, int stage) {
+  if (stage < 0) return Endpoint{};
+  if (!link) return Endpoint{&pp, stage};
+  GW_CHECK(link->size() == 2, "pipeline: a link between two stages has 2 members, got " << link->size());
+  return Endpoint{link.get(), 1 - link->rank()};
+}
+
 Ends ends_of(Communicator& pp, const StageLinks& links, int prev, int next) {
-  auto pick = [&pp](const std::shared_ptr<Communicator>& link, int stage) {
-    if (stage < 0) return Endpoint{};
-    if (!link) return Endpoint{&pp, stage};
-    GW_CHECK(link->size() == 2, "pipeline: a link between two stages has 2 members, got " << link->size());
-    return Endpoint{link.get(), 1 - link->rank()};
-  };
-  Ends e{pick(links.to_next, next), pick(links.from_prev, prev), pick(links.to_prev, prev),
-         pick(links.from_next, next)};
+  Ends e{end_towards(pp, links.to_next, next), end_towards(pp, links.from_prev, prev),
+         end_towards(pp, links.to_prev, prev), end_towards(pp, links.from_next, next)};
   e.prev = prev;
   e.next = next;
   return e;
@@ -720,16 +722,10 @@ PipelineStats run_table(Communicator& pp, const PipelineConfig& cfg, int chunks,
   // so too, chunk 1's the other way (act_* and grad_* ends); on the last stage neither leaves.
   const Ends ends = vee ? ends_of(pp, links, s > 0 ? s - 1 : -1, s < p - 1 ? s + 1 : -1)
                         : ends_of(pp, links, (s + p - 1) % p, (s + 1) % p);
-  auto pick = [&pp](const std::shared_ptr<Communicator>& link, int stage) {
-    if (stage < 0) return Endpoint{};
-    if (!link) return Endpoint{&pp, stage};
-    GW_CHECK(link->size() == 2, "pipeline: a link between two stages has 2 members, got " << link->size());
-    return Endpoint{link.get(), 1 - link->rank()};
-  };
-  const Endpoint act_to_prev = pick(links.act_to_prev, vee && s > 0 ? s - 1 : -1);
-  const Endpoint act_from_next = pick(links.act_from_next, vee && s < p - 1 ? s + 1 : -1);
-  const Endpoint grad_to_next = pick(links.grad_to_next, vee && s < p - 1 ? s + 1 : -1);
-  const Endpoint grad_from_prev = pick(links.grad_from_prev, vee && s > 0 ? s - 1 : -1);
+  const Endpoint act_to_prev = end_towards(pp, links.act_to_prev, vee && s > 0 ? s - 1 : -1);
+  const Endpoint act_from_next = end_towards(pp, links.act_from_next, vee && s < p - 1 ? s + 1 : -1);
+  const Endpoint grad_to_next = end_towards(pp, links.grad_to_next, vee && s < p - 1 ? s + 1 : -1);
+  const Endpoint grad_from_prev = end_towards(pp, links.grad_from_prev, vee && s > 0 ? s - 1 : -1);
   auto act_in = [&](int c) -> const Endpoint& { return vee && c == 1 ? act_from_next : ends.from_prev; };
   auto act_out = [&](int c) -> const Endpoint& { return vee && c == 1 ? act_to_prev : ends.to_next; };
   auto grad_in = [&](int c) -> const Endpoint& { return vee && c == 1 ? grad_from_prev : ends.from_next; };

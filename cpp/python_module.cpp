@@ -380,18 +380,18 @@ PYBIND11_MODULE(_C, m) {
      py::arg("payload_bytes"), py::arg("forward"), py::arg("backward"), py::arg("links") = StageLinks{},
      py::arg("stream") = 0, py::arg("sent") = nullptr);
   py::enum_<ChunkPlacement>(m, "ChunkPlacement").value("Loop", ChunkPlacement::Loop).value("V", ChunkPlacement::V);
-  // ops: (kind, chunk, micro-batch) with kind 0 F, 1 B, 2 W, 3 BW (gw.schedules.Kind's engine codes)
+  py::enum_<StageOpKind>(m, "StageOpKind")
+      .value("F", StageOpKind::F).value("B", StageOpKind::B).value("W", StageOpKind::W).value("BW", StageOpKind::BW);
+  // ops: (kind, chunk, micro-batch), a stage's gw.schedules table
   m.def("run_table", [](std::shared_ptr<Communicator> pp, int stage, int stages, int chunks, ChunkPlacement placement,
-                        int microbatches, const std::vector<std::tuple<int, int, int>>& table, std::size_t payload_bytes,
+                        int microbatches, const std::vector<std::tuple<StageOpKind, int, int>>& table,
+                        std::size_t payload_bytes,
                         std::function<std::uintptr_t(int, int, std::uintptr_t)> fwd,
                         std::function<std::uintptr_t(int, int, std::uintptr_t, bool)> bwd,
                         std::function<void(int, int)> wgt, const StageLinks& links, std::uintptr_t stream,
                         std::function<void(std::uintptr_t)> sent) {
     std::vector<StageOp> ops;
-    for (const auto& [kind, chunk, mb] : table) {
-      GW_CHECK(kind >= 0 && kind <= 3, "run_table: op kind " << kind << " is not 0 (F), 1 (B), 2 (W) or 3 (BW)");
-      ops.push_back(StageOp{static_cast<StageOpKind>(kind), chunk, mb});
-    }
+    for (const auto& [kind, chunk, mb] : table) ops.push_back(StageOp{kind, chunk, mb});
     PipelineConfig cfg{stage, stages, microbatches, 1, payload_bytes, ReceiveStrategy::PerPeer,
                        reinterpret_cast<void*>(stream)};
     if (sent) cfg.sent = [&sent](const void* data) { sent(reinterpret_cast<std::uintptr_t>(data)); };

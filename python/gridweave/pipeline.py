@@ -103,7 +103,7 @@ SCHEDULES = {"message_driven": _C.PipelineSchedule.MessageDriven, "1f1b": _C.Pip
 # ZB-H1 on one chunk a stage, ZB-V and DualPipeV on two in a V
 TABLES = {"zb1": schedules.zb_h1, "zbv": schedules.zbv, "dualpipev": schedules.dualpipev}
 V_SCHEDULES = ("zbv", "dualpipev")
-ENGINE_KINDS = {schedules.Kind.F: 0, schedules.Kind.B: 1, schedules.Kind.W: 2, schedules.Kind.BW: 3}
+ENGINE_KINDS = {kind: getattr(_C.StageOpKind, kind.name) for kind in schedules.Kind}
 # --schedule auto: the message-driven schedule where a micro-batch runs no collective over the data
 # axes, else 1F1B (pipeline.resolve_schedule)
 AUTO = "auto"
@@ -117,9 +117,11 @@ def placement_of(schedule: str) -> schedules.Placement:
 
 def check_chunks(schedule: str, chunks: int) -> None:
     """One clear error unless `schedule` runs `chunks` model chunks a stage: several need
-    interleaved, and the V schedules run exactly 2."""
+    interleaved, the V schedules run exactly 2 and ZB-H1 one."""
     if schedule in V_SCHEDULES and chunks != 2:
         raise GridError(f"the {schedule} schedule runs 2 model chunks a stage (a V), got chunks={chunks}")
+    if schedule in TABLES and schedule not in V_SCHEDULES and chunks != 1:
+        raise GridError(f"the {schedule} schedule runs 1 model chunk a stage, got {chunks}")
     if chunks > 1 and schedule not in ("interleaved", *V_SCHEDULES):
         raise GridError(f"chunks={chunks} needs schedule=interleaved (or zbv / dualpipev with 2)")
 
@@ -256,6 +258,17 @@ def _microbatches(grid, pp, axis, inputs, targets) -> int:
     return int(counts.item())
 
 
+def _microbatch_count(grid, pp, axis, inputs, targets, microbatches, documents) -> int:
+    """pipeline_step's micro-batches: the job's count, or the one the end stages hold (agreed over
+    pp); at least one, and as many as the packed documents' ids."""
+    m = _microbatches(grid, pp, axis, inputs, targets) if microbatches is None else int(microbatches)
+    if m < 1:
+        raise GridError("pipeline_step needs at least one microbatch")
+    if documents is not None and len(documents) != m:
+        raise GridError(f"documents: {len(documents)} micro-batches of document ids for {m} micro-batches")
+    return m
+
+
 class _StageCallbacks:
     """The engine's forward(mb, chunk, addr) and backward(mb, chunk, addr) over this rank's
     model chunks (one for the plain schedules): chunk c of stage s is virtual stage
@@ -273,7 +286,7 @@ class _StageCallbacks:
         self.chunks, self.inputs, self.targets, self.loss_fn, self.m = chunks, inputs, targets, loss_fn, m
         self.vee = vee  # chunks in a V: the loss is stage 0's second chunk
         self.stores = stores  # per chunk, the weight gradients B leaves for W (split schedules), or None
-        self.split = frozenset(split)  # the (micro-batch, chunk)s whose backward is B then W
+        self.split = frozenset(split)  # the (micro-batch, chunk)s whose forward builds for a B then W
         self.phases = phases  # a gw.measure.StepPhases timing the callbacks, or None
         self.documents = documents  # per micro-batch (packed documents), given to every chunk, or None
         self.shape, self.dtype, self.device = tuple(activation_shape), dtype, device
@@ -293,15 +306,15 @@ class _StageCallbacks:
         return (self.first if self.vee else self.last) and c == len(self.chunks) - 1
 
     def forward(self, mb, c, addr):
-        return self._split(mb, c, "forward", self._forward, addr)
+        return self._split((mb, c) in self.split, mb, c, "forward", self._forward, addr)
 
     def backward(self, mb, c, addr, input_only=False):
-        return self._split(mb, c, "backward", self._backward, addr)
+        return self._split(input_only, mb, c, "backward", self._backward, addr)
 
-    def _split(self, mb, c, phase, fn, addr):
+    def _split(self, split, mb, c, phase, fn, addr):
         """fn timed as `phase`; where this micro-batch's backward is split, its chunk's linears
         defer their weight gradients (the forward builds them so; B's recomputation too)."""
-        if (mb, c) not in self.split:
+        if not split:
             return timed(self.phases, phase, fn, mb, c, addr)
         store = self.stores[c]
         store.current = mb
@@ -407,9 +420,7 @@ def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_s
         return _table_step(schedule, stage, chunks, grid, inputs, targets, loss_fn, activation_shape, dtype, axis,
                            documents, phases, microbatches)
     interleaved = schedule == "interleaved" or len(chunks) > 1 or isinstance(stage, (list, tuple))
-    if getattr(stage, "placement", schedules.Placement.LOOP) is not schedules.Placement.LOOP:
-        raise GridError(f"the {schedule} schedule runs chunks in a loop; these were built in a V (ModelChunks' "
-                        "placement: schedule zbv or dualpipev)")
+    _check_placement(stage, schedule)
     if receive not in RECEIVE:
         raise GridError(f"receive must be one of {sorted(RECEIVE)}, got {receive!r}")
     pp = grid.comm(axis, "pipeline")
@@ -418,17 +429,13 @@ def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_s
     if documents is not None and any(b is not None and len(b) != len(documents) for b in (inputs, targets)):
         raise GridError(f"documents: {len(documents)} micro-batches of document ids for "
                         f"{len(inputs if inputs is not None else targets)} micro-batches")
-    m = _microbatches(grid, pp, axis, inputs, targets) if microbatches is None else int(microbatches)
+    m = _microbatch_count(grid, pp, axis, inputs, targets, microbatches, documents)
     held = inputs if pp.rank == 0 else targets if pp.rank == pp.size - 1 else None
     if held is not None and len(held) != m:
         raise GridError(f"microbatches={m}, but this stage holds {len(held)} micro-batches")
-    if m < 1:
-        raise GridError("pipeline_step needs at least one microbatch")
     if interleaved and m % pp.size:
         raise GridError(f"the interleaved schedule needs a positive multiple of the {pp.size} stages as "
                         f"microbatches, got {m}")
-    if documents is not None and len(documents) != m:
-        raise GridError(f"documents: {len(documents)} micro-batches of document ids for {m} micro-batches")
     cb = _StageCallbacks(chunks, pp, inputs, targets, loss_fn, m, activation_shape, dtype, grid.device, documents,
                          phases)
     if receive == "any" and not pp.can_recv_any and not interleaved:
@@ -448,11 +455,18 @@ def pipeline_step(stage: nn.Module, grid, inputs, targets, loss_fn, activation_s
     return cb.loss(), _with_copies(stats, cb)
 
 
+def _check_placement(stage, schedule: str) -> None:
+    """One clear error where `stage`'s chunks were built in another placement than `schedule`
+    runs them in (ModelChunks' placement; a plain list of chunks says none)."""
+    built, runs = getattr(stage, "placement", None), placement_of(schedule)
+    if built is not None and built is not runs:
+        raise GridError(f"the {schedule} schedule runs its chunks in {runs.value} placement; these were built "
+                        f"{'in a V' if built is schedules.Placement.V else 'in a loop'} (ModelChunks' placement)")
+
+
 def table_for(schedule: str, stages: int, microbatches: int, chunks: int):
     """The gw.schedules table a zero-bubble schedule runs, or one clear error: ZB-H1 on one chunk
     a stage, ZB-V and DualPipeV on two (a V); DualPipeV needs 2 stages' worth of micro-batches."""
-    if schedule not in V_SCHEDULES and chunks != 1:
-        raise GridError(f"the {schedule} schedule runs 1 model chunk a stage, got {chunks}")
     check_chunks(schedule, chunks)
     return TABLES[schedule](stages, microbatches)
 
@@ -464,21 +478,14 @@ def _table_step(schedule, chunks_of, chunks, grid, inputs, targets, loss_fn, act
     if pp.size < 2:
         raise GridError(f"the {schedule} schedule needs at least 2 pipeline stages")
     vee = schedule in V_SCHEDULES
-    m = _microbatches(grid, pp, axis, inputs, targets) if microbatches is None else int(microbatches)
-    if m < 1:
-        raise GridError("pipeline_step needs at least one microbatch")
+    m = _microbatch_count(grid, pp, axis, inputs, targets, microbatches, documents)
     table = table_for(schedule, pp.size, m, len(chunks))
     tail = 0 if vee else pp.size - 1  # the stage with the loss: in a V the first
     for held, where, name in ((inputs, 0, "inputs"), (targets, tail, "targets")):
         if pp.rank == where and (held is None or len(held) != m):
             raise GridError(f"microbatches={m}, but stage {where} holds "
                             f"{'no' if held is None else len(held)} micro-batches of {name}")
-    if documents is not None and len(documents) != m:
-        raise GridError(f"documents: {len(documents)} micro-batches of document ids for {m} micro-batches")
-    placed = {getattr(stage, "placement", None) for stage in (chunks_of, *chunks)} - {None}
-    if placed and placed != {placement_of(schedule)}:
-        raise GridError(f"the {schedule} schedule runs its chunks in {placement_of(schedule).value} placement; these "
-                        f"were built in {', '.join(sorted(p.value for p in placed))} (ModelChunks' placement)")
+    _check_placement(chunks_of, schedule)
     stores = [WeightStore() for _ in chunks]
     for chunk, store in zip(chunks, stores):
         defer_weights(chunk, store)

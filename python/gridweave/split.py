@@ -8,8 +8,9 @@ graph detached: its backward returns the input gradient alone and keeps (input, 
 for W, and autograd never reaches the weights in B (even a None gradient would fire their hooks).
 W sums them into the weights' gradients through autograd's own accumulation, so the hooks on it
 (overlapped data-parallel reductions, OffloadAdam's) fire once, as after a whole backward.
-Every other parameter (norms, embeddings, tensor-parallel layers) gets its gradient in B: a layer
-whose weights cannot wait is correct, only not deferred."""
+Megatron's 1-D linears defer through the Deferrable protocol. Every other parameter (norms,
+embeddings, the 2-D, 3-D and sub-graph layers, experts) gets its gradient in B: a layer whose
+weights cannot wait is correct, only not deferred."""
 from __future__ import annotations
 
 import functools
@@ -82,12 +83,11 @@ class _DeferredLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         x, weight = ctx.saved_tensors
-
-        weight_param, bias_param = ctx.params
+        has_bias = ctx.params[1] is not None
 
         def grads():
             g2, x2 = gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1])
-            return g2.t() @ x2, (None if bias_param is None else g2.sum(0))
+            return g2.t() @ x2, (g2.sum(0) if has_bias else None)
         defer(ctx.store, ctx.mb, ctx.params, grads)
         return (gy @ weight if ctx.needs_input_grad[0] else None), None, None, None, None, None
 

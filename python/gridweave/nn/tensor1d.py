@@ -81,12 +81,12 @@ class ColumnParallelLinear(ParallelLinearBase, split.Deferrable):
         return REPLICATED if self.gather_output else Layout((), (), (self.axis,))
 
     def forward(self, x):
-        if self.sequence and split.deferring(self.weight_store, x):  # the weights come detached
-            bias = None if self.bias is None else self.bias.detach()
-            y = _SequenceColumnLinear.apply(x, self.weight.detach(), bias, self.grid, self.axis,
-                                            (self.weight_store, self.weight_store.current, (self.weight, self.bias)))
-        elif self.sequence:
-            y = _SequenceColumnLinear.apply(x, self.weight, self.bias, self.grid, self.axis)
+        if self.sequence:
+            store = self.weight_store
+            deferred = (store, store.current, (self.weight, self.bias)) if split.deferring(store, x) else None
+            w, b = (self.weight, self.bias) if deferred is None else \
+                (self.weight.detach(), None if self.bias is None else self.bias.detach())  # W adds their gradients
+            y = _SequenceColumnLinear.apply(x, w, b, self.grid, self.axis, deferred)
         else:
             y = split.linear(copy_to_parallel(x, self.grid, self.axis), self.weight, self.bias, self.weight_store)
         return gather_from_parallel(y, self.grid, self.axis, -1) if self.gather_output else y
