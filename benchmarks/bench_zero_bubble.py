@@ -5,19 +5,27 @@
 
 Each stage's work is emulated by sleeping: its forward T_F, its backward for the input T_B, its
 weight gradient T_W (a hook on the stage's linear weight, which runs where its gradient is made:
-in the backward of a whole-backward schedule, in W of a split one, gridweave's and torch's alike), each 10 ms a stage (a message costs about a millisecond here), halved for each of two chunks. A sleeping rank gives its core
-away, so p ranks on 2 shared cores keep the bubble a schedule leaves (busy ranks cannot borrow an
-idle rank's core, as they would with real compute): pp 2 and 4, m = p, 2p, 4p.
+in the backward of a whole-backward schedule, in W of a split one, gridweave's and torch's alike),
+each 40 ms a stage, halved for each of two chunks: long beside what a message and an op's Python
+cost on these cores (about a millisecond each), which would otherwise pass for bubble. How shared
+cores are kept from hiding the bubble: a sleeping rank gives its core away, and a rank waiting for
+a message sleeps too, so no rank's work is slowed by another's and none can run ahead on an idle
+rank's core (as real compute on shared cores would); at pp 2 each rank is also pinned to a core of
+its own. pp 2 and 4, m = p, 2p, 4p.
 
-Measured per run: the step time (the slowest rank's, median of 5 steps after one warm-up), each
-stage's idle fraction (1 - the work it ran over the step, the work timed inside the sleeps), and
-each stage's peak activation memory: the bytes of the stage's activations alive at once (each
-micro-batch's activation counted from its forward until its weight gradient has used it).
-Beside them: the planner's predicted bubble (plan.bubble_fraction, as an idle fraction).
+Measured per run: the step time (the slowest rank's, median of 5 steps after one warm-up); each
+stage's idle fraction (1 - the work it ran over the step, the work timed inside the sleeps); for
+gridweave's schedules the bubble from the engine's phases (the step's time blocked at a receive,
+PipelineStats.wait_s, over the step: what the schedule left idle) and the rest of the idle time
+(the ops' and messages' own costs); and each stage's peak activation memory: the bytes of the
+stage's activations alive at once (each micro-batch's activation counted from its forward until
+its weight gradient has used it). Beside them: the planner's predicted bubble
+(plan.bubble_fraction, as an idle fraction).
 """
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -26,7 +34,7 @@ from pathlib import Path
 
 from launch import bench_parser, results_dir, run_ranks, save, start_worker, stem
 
-T_MS = 10.0  # T_F = T_B = T_W a stage: long beside a message's milliseconds on shared cores
+T_MS = 40.0  # T_F = T_B = T_W a stage: long beside a message's and an op's milliseconds on shared cores
 ROWS, H = 64, 64  # a micro-batch's activation: ROWS x H float32
 STEPS = 5
 
@@ -110,6 +118,9 @@ def worker(part, out_path):
     from gridweave import plan
 
     n, rank, store = start_worker()
+    cores = sorted(os.sched_getaffinity(0))
+    if n <= len(cores):  # a core of its own
+        os.sched_setaffinity(0, {cores[rank]})
     grid = gw.init(pp=n, store=store, prefix="zb")
     s = grid.coords["pp"]
     runs = {}
@@ -123,14 +134,14 @@ def worker(part, out_path):
             meter = Meter()
             chunks = [_chunk(meter, 1 / v) for _ in range(v)]
             xs = [torch.ones(ROWS, H) for _ in range(m)]
-            times, busy, peak = [], [], []
+            times, busy, peak, waits = [], [], [], []
             try:
                 if name in GW:
                     stage = chunks if v > 1 else chunks[0]  # a V's chunks: chunk 1 is virtual stage 2p - 1 - s
 
                     def step():
-                        gw.pipeline.pipeline_step(stage, grid, xs, xs, lambda o, t: (o * t).sum(), (ROWS, H),
-                                                  schedule=name, microbatches=m)
+                        return gw.pipeline.pipeline_step(stage, grid, xs, xs, lambda o, t: (o * t).sum(), (ROWS, H),
+                                                         schedule=name, microbatches=m)[1].wait_s
                 else:
                     step = _torch_schedule(name, chunks, s, n, m)
                 for rep in range(STEPS + 1):
@@ -139,14 +150,15 @@ def worker(part, out_path):
                     meter.busy, meter.peak = 0.0, meter.live
                     dist.barrier()
                     t0 = time.perf_counter()
-                    step()
+                    wait = step() or 0.0
                     dt = time.perf_counter() - t0
-                    every = _gather(torch.tensor([dt, meter.busy, float(meter.peak)], dtype=torch.float64))
+                    every = _gather(torch.tensor([dt, meter.busy, float(meter.peak), wait], dtype=torch.float64))
                     if rep:  # the first is a warm-up
                         span = max(float(e[0]) for e in every)
                         times.append(span)
                         busy.append([float(e[1]) for e in every])
                         peak.append([float(e[2]) for e in every])
+                        waits.append([float(e[3]) / span for e in every])
             except Exception as e:  # a schedule this torch refuses at these sizes: said in the results
                 runs[f"{name}_m{m}"] = {"schedule": name, "microbatches": m, "error": f"{type(e).__name__}: {e}"}
                 dist.barrier()
@@ -160,6 +172,9 @@ def worker(part, out_path):
             if name in GW:
                 b = plan.bubble_fraction(n, m, name, v)  # idle over busy
                 row["predicted_bubble"] = b / (1 + b)
+                row["wait_fraction"] = [statistics.median(w[k] for w in waits) for k in range(n)]
+                row["measured_bubble"] = statistics.mean(row["wait_fraction"])  # from the phases
+                row["overhead"] = row["bubble"] - row["measured_bubble"]  # idle neither working nor waiting
             runs[f"{name}_m{m}"] = row
     if rank == 0:
         Path(out_path).write_text(json.dumps({"ranks": n, "t_ms": T_MS, "runs": runs}))
@@ -191,7 +206,7 @@ def _torch_schedule(name, chunks, s, n, m):
     def step():
         args = (x,) if first else ()
         kw = {"target": x, "losses": []} if last else {}
-        sched.step(*args, **kw)
+        sched.step(*args, **kw)  # no phases to read: None
     return step
 
 
@@ -205,18 +220,25 @@ def plot(data, png):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
-    for ax, key in zip(axes, ("pp2", "pp4")):
+    fig, axes = plt.subplots(2, 2, figsize=(14, 8))
+    for col, key in enumerate(("pp2", "pp4")):
         runs = data[key]["runs"]
-        names = [n for n in (*GW, *TORCH) if any(r.get("schedule") == n and "error" not in r for r in runs.values())]
         ms = sorted({r["microbatches"] for r in runs.values()})
-        width = 0.8 / max(len(names), 1)
-        for i, name in enumerate(names):
-            ys = [runs.get(f"{name}_m{m}", {}).get("bubble", float("nan")) for m in ms]
-            ax.bar([j + i * width for j in range(len(ms))], ys, width, label=name)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ms))], [f"m={m}" for m in ms])
-        ax.set(title=f"{key}: mean idle fraction a stage", ylabel="idle fraction")
-        ax.legend(fontsize=7)
+        for ax, field, title, libs in ((axes[0][col], "bubble", "idle fraction a stage (mean)", GW + TORCH),
+                                       (axes[1][col], "measured_bubble", "bubble from the phases (bars) and "
+                                        "predicted (dots)", GW)):
+            names = [n for n in libs if any(r.get("schedule") == n and field in r for r in runs.values())]
+            width = 0.8 / max(len(names), 1)
+            for i, name in enumerate(names):
+                got = [runs.get(f"{name}_m{m}", {}) for m in ms]
+                xs = [j + i * width for j in range(len(ms))]
+                bars = ax.bar(xs, [r.get(field, float("nan")) for r in got], width, label=name)
+                if field == "measured_bubble":
+                    ax.plot(xs, [r.get("predicted_bubble", float("nan")) for r in got], "o", ms=4,
+                            color=bars.patches[0].get_facecolor(), markeredgecolor="black")
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ms))], [f"m={m}" for m in ms])
+            ax.set(title=f"{key}: {title}", ylabel="fraction of the step")
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 
@@ -236,6 +258,10 @@ def main():
                 continue
             base = one[r["microbatches"]]
             r["bubble_over_1f1b"] = r["bubble"] / base["bubble"] if base["bubble"] > 0 else None
+            if "measured_bubble" in r:
+                r["measured_bubble_over_1f1b"] = r["measured_bubble"] / base["measured_bubble"] \
+                    if base["measured_bubble"] > 0 else None
+                r["predicted_over_1f1b"] = r["predicted_bubble"] / base["predicted_bubble"]
             r["peak_over_1f1b"] = max(r["peak_activation_bytes"]) / max(base["peak_activation_bytes"])
     save(out, stem("zero_bubble", args.transport), data, plot)
     for key in ("pp2", "pp4"):
@@ -243,8 +269,10 @@ def main():
             if "error" in r:
                 print(f"{key} {k:38s} {r['error'][:90]}")
                 continue
-            print(f"{key} {k:38s} step {r['step_s'] * 1e3:7.1f} ms bubble {r['bubble']:.3f} "
-                  f"(/1F1B {r['bubble_over_1f1b'] or 0:.2f}) predicted {r.get('predicted_bubble', float('nan')):.3f} "
+            print(f"{key} {k:38s} step {r['step_s'] * 1e3:7.1f} ms idle {r['bubble']:.3f} "
+                  f"(/1F1B {r['bubble_over_1f1b'] or 0:.2f}) bubble {r.get('measured_bubble', float('nan')):.3f} "
+                  f"(/1F1B {r.get('measured_bubble_over_1f1b') or float('nan'):.2f}) "
+                  f"predicted {r.get('predicted_bubble', float('nan')):.3f} "
                   f"peak act {max(r['peak_activation_bytes']) / r['microbatch_activation_bytes']:.1f} mb "
                   f"(/1F1B {r['peak_over_1f1b']:.2f})")
 

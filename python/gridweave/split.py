@@ -8,15 +8,20 @@ graph detached: its backward returns the input gradient alone and keeps (input, 
 for W, and autograd never reaches the weights in B (even a None gradient would fire their hooks).
 W sums them into the weights' gradients through autograd's own accumulation, so the hooks on it
 (overlapped data-parallel reductions, OffloadAdam's) fire once, as after a whole backward.
-Megatron's 1-D linears defer through the Deferrable protocol. Every other parameter (norms,
-embeddings, the 2-D, 3-D and sub-graph layers, experts) gets its gradient in B: a layer whose
-weights cannot wait is correct, only not deferred."""
+Megatron's 1-D linears defer through the Deferrable protocol, as do the 2-D (SUMMA) and 3-D
+(Bian et al.) linears and norms, whose weight products and reductions run in W, in the table's
+order on every rank. Layers of plain torch ops on their weights (torch's norms, the experts'
+grouped products, Qwen3's head norms, Linformer's projections, the vectors of the 2-D and 3-D
+layers) defer through `apart`, torch's own split of a graph at its weights. What keeps its
+gradient in B: the embeddings (their input has no gradient: nothing waits for it) and the fused
+linear cross-entropy's head (its gradients are made in the forward, chunk by chunk)."""
 from __future__ import annotations
 
 import functools
 
 import torch
 import torch.nn as nn
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 
 class WeightStore:
@@ -63,6 +68,16 @@ def deferring(store, x) -> bool:
     return store is not None and store.current is not None and x.requires_grad
 
 
+def deferral(store, x, params) -> tuple:
+    """For a layer's op on input x with weights `params`: ((store, micro-batch, params) where its
+    weights' gradients wait for W now, else None; the params as the op takes them, detached where
+    they wait, so autograd never reaches them in B)."""
+    params = tuple(params)
+    if not deferring(store, x):
+        return None, params
+    return (store, store.current, params), tuple(None if p is None else p.detach() for p in params)
+
+
 def defer(store: WeightStore, mb, params, grads) -> None:
     """W's share of a layer for micro-batch `mb`: grads() gives the gradients of `params` (None
     where one has none; a collective it needs is issued there, in the table's order, alike on every
@@ -92,6 +107,52 @@ class _DeferredLinear(torch.autograd.Function):
         return (gy @ weight if ctx.needs_input_grad[0] else None), None, None, None, None, None
 
 
+class _Apart(torch.autograd.Function):
+    """fn(x, *params) of plain torch ops (and autograd Functions reached from x alone) on a graph of
+    its own: B runs the nodes x's gradient needs, W the rest from the intermediates' gradients B
+    kept (torch.distributed.pipelining's stage_backward_input / stage_backward_weight, what its
+    zero-bubble schedules run on a whole stage), so no product runs twice and a collective on the
+    weights' side (a vector's reduce-scatter) runs in W."""
+
+    @staticmethod
+    def forward(ctx, x, fn, deferred, *detached):
+        with torch.enable_grad():  # the layer's own graph, kept to the backward
+            xl = x.detach().requires_grad_()
+            leaves = [None if p is None else p.detach().requires_grad_() for p in detached]
+            out = fn(xl, *leaves)
+            if out._is_view():  # torch's B detaches the output in place (its graph's memory goes)
+                out = out.clone()
+        ctx.graph, ctx.deferred = (xl, leaves, out), deferred
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, g):
+        xl, leaves, out = ctx.graph
+        del ctx.graph
+        store, mb, params = ctx.deferred
+        live = [p for p in leaves if p is not None]
+        with torch.enable_grad():  # torch's helpers find the leaves' accumulators through a view
+            (dx,), groups = stage_backward_input([out], [g], [xl], iter(live))
+        xl.grad = None
+
+        def grads():
+            with torch.enable_grad():
+                stage_backward_weight(iter(live), groups)
+            return [None if p is None else p.grad for p in leaves]
+        defer(store, mb, params, grads)
+        return (dx, None, None) + (None,) * len(leaves)
+
+
+def apart(store, fn, x, *params):
+    """fn(x, *params), its params' gradients deferred to W where `store` defers now (B: x's alone).
+    fn: torch ops on x and the params; autograd Functions in it must take the params alone or x
+    alone (a Function's backward makes every gradient it was asked for at once)."""
+    deferred, detached = deferral(store, x, params)
+    if deferred is None:
+        return fn(x, *params)
+    return _Apart.apply(x, fn, deferred, *detached)
+
+
 def linear(x, weight, bias, store):
     """F.linear(x, weight, bias), its weights' gradients deferred to W where `store` defers now."""
     if not deferring(store, x):
@@ -104,12 +165,25 @@ def _deferrable_forward(linear_module: nn.Linear, store: WeightStore, x):
     return linear(x, linear_module.weight, linear_module.bias, store)
 
 
+def _norm(module, x, weight, bias):
+    if isinstance(module, nn.RMSNorm):
+        return torch.nn.functional.rms_norm(x, module.normalized_shape, weight, module.eps)
+    return torch.nn.functional.layer_norm(x, module.normalized_shape, weight, bias, module.eps)
+
+
+def _deferrable_norm(norm: nn.Module, store: WeightStore, x):
+    return apart(store, functools.partial(_norm, norm), x, norm.weight, getattr(norm, "bias", None))
+
+
+_TORCH_FORWARDS = {nn.Linear: _deferrable_forward, nn.LayerNorm: _deferrable_norm, nn.RMSNorm: _deferrable_norm}
+
+
 def deferred_store(module: nn.Module):
     """The WeightStore a linear's weight gradients wait in (defer_weights), or None."""
     if isinstance(module, Deferrable):
         return module.weight_store
     forward = module.__dict__.get("forward")
-    return forward.args[1] if isinstance(forward, functools.partial) and forward.func is _deferrable_forward \
+    return forward.args[1] if isinstance(forward, functools.partial) and forward.func in _TORCH_FORWARDS.values() \
         else None
 
 
@@ -121,17 +195,19 @@ class Deferrable:
 
 
 def defer_weights(chunk: nn.Module, store: WeightStore) -> int:
-    """Every linear of `chunk` made to defer its weight gradients into `store` in the micro-batches
-    it names: a Deferrable layer told its store; a linear whose forward is nn.Linear's own
-    (nn.Linear and subclasses that keep it, as the replicated linears of the sequence-parallel
-    layers) given a forward on the instance, class, parameters and state as they were (an optimizer
-    made before still holds them). Returns how many there are."""
+    """Every layer of `chunk` with weights made to defer their gradients into `store` in the
+    micro-batches it names: a Deferrable layer told its store; a torch Linear, LayerNorm or RMSNorm
+    whose forward is torch's own (subclasses that keep it too, as the replicated linears and norms
+    of the sequence-parallel layers) given a forward on the instance, class, parameters and state
+    as they were (an optimizer made before still holds them). Returns how many there are."""
     n = 0
     for m in chunk.modules():
         if isinstance(m, Deferrable):
             m.weight_store = store
             n += 1
-        elif isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward:
-            m.forward = functools.partial(_deferrable_forward, m, store)
-            n += 1
+            continue
+        for base, forward in _TORCH_FORWARDS.items():
+            if isinstance(m, base) and type(m).forward is base.forward and next(m.parameters(False), None) is not None:
+                m.forward = functools.partial(forward, m, store)
+                n += 1
     return n

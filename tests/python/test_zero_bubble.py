@@ -52,13 +52,17 @@ def _zero_bubble(ctx, schedule, tp, pp, m, layers_per_chunk=1):
     ("zbv", "none", 2, 2), ("zbv", "none", 2, 4), ("zbv", "none", 4, 8), ("zbv", "row:2", 2, 4),
     ("zbv", "row:2+sp", 2, 4),
     ("zbv", "none", 3, 5),
-    ("dualpipev", "none", 2, 4), ("dualpipev", "none", 4, 8), ("dualpipev", "none", 2, 5), ("dualpipev", "row:2", 2, 4)])
+    ("dualpipev", "none", 2, 4), ("dualpipev", "none", 4, 8), ("dualpipev", "none", 2, 5), ("dualpipev", "row:2", 2, 4),
+    ("zbv", "square:2", 2, 4), ("zb1", "subgraph:2", 2, 3), ("dualpipev", "csub:2", 2, 4)])
 def test_zero_bubble_schedules_equal_the_dense_model(pool, schedule, tp, pp, m):
     """Each stage's ops as the table orders them (gw.schedules), B then W apart where it splits:
     every gradient and the loss equal one process's (float64 1e-10), every forward, backward and
-    W run once, and the layers' weights really waited for W (their linears deferrable: the dense
-    ones and Megatron's column and row linears, with sequence parallelism's all-gather again in W)."""
-    n = pp * (1 if tp == "none" else 2)
+    W run once, and the layers' weights really waited for W (deferrable: the dense linears and
+    norms, Megatron's column and row linears, with sequence parallelism's all-gather again in W,
+    SUMMA's and SUPER's layers)."""
+    import gridweave as gw
+
+    n = pp * gw.modes.parse(tp.removesuffix("+sp")).ranks()
     chunks = 2 if schedule in ("zbv", "dualpipev") else 1
     res = pool.run(_zero_bubble, n, schedule, tp, pp, m)
     losses = [r[1] for r in res if r[1] is not None]
@@ -248,7 +252,8 @@ def test_a_split_backward_equals_the_whole_and_fires_each_hook_once():
     whole, split = model(), model()
     split.load_state_dict(whole.state_dict())
     store = WeightStore()
-    assert defer_weights(split, store) == 2 and deferred_store(split[0]) is store and deferred_store(split[1]) is None
+    assert defer_weights(split, store) == 3 and deferred_store(split[0]) is store and deferred_store(split[1]) is store
+    assert deferred_store(split[2]) is None  # GELU: no weights
     fired = collections.Counter()
     for name, p in split.named_parameters():
         p.register_post_accumulate_grad_hook(lambda t, name=name: fired.update([name]))
@@ -261,7 +266,7 @@ def test_a_split_backward_equals_the_whole_and_fires_each_hook_once():
         store.current = None
         assert torch.equal(a.grad, b.grad)
         assert split[0].weight.grad is None if mb == 0 else True
-        assert store.pending == [mb] and fired["0.weight"] == fired["3.weight"] == mb
+        assert store.pending == [mb] and fired["0.weight"] == fired["1.weight"] == fired["3.weight"] == mb
         store.run(mb)
         assert store.pending == []
     for (name, p), q in zip(split.named_parameters(), whole.parameters()):
@@ -282,13 +287,81 @@ def test_a_split_backward_equals_the_whole_and_fires_each_hook_once():
     assert once["w"] == 1 and torch.equal(twice.weight.grad, ref.weight.grad) and torch.equal(twice.bias.grad,
                                                                                                ref.bias.grad)
     # the first linear's input has no gradient: its weights' gradients come in the backward; the
-    # second's input (after the norm's weights) has one: it waits
+    # norm's and the second linear's inputs (after the first's weights) have one: they wait
     split.zero_grad()
     store.current = 0
     split(x[:, :3]).square().sum().backward()
     store.current = None
-    assert split[0].weight.grad is not None and split[3].weight.grad is None and store.pending == [0]
+    assert split[0].weight.grad is not None and split[3].weight.grad is None and split[1].weight.grad is None
+    assert store.pending == [0]
     store.run(0)
-    assert split[3].weight.grad is not None
+    assert split[3].weight.grad is not None and split[1].bias.grad is not None
     with pytest.raises(gw.GridError):
         gw.pipeline.table_for("zbv", 2, 4, 1)
+
+
+# ---- every layer's backward apart: B, then W --------------------------------------------------
+
+def _layers_apart(ctx, family, tp, sp, dp, attention, ep, ac):
+    """One stage of the whole model on this grid, its backward fused, then split (every layer
+    deferring into one store: B, then W): the weights whose gradient came in B, and each
+    gradient's difference from the fused backward's."""
+    import dataclasses
+
+    import gridweave as gw
+    from gridweave.nn.moe import MoE, expert_line
+    from gridweave.split import WeightStore, defer_weights
+
+    mode = gw.modes.parse(tp.removesuffix("+sp"))
+    if tp.endswith("+sp"):
+        mode = dataclasses.replace(mode, sequence=True)
+    grid = ctx.init(tp=mode, sp=sp, dp=dp)
+    moe = MoE(experts=4, top_k=2, ffn=8, shared_ffn=6) if family in ("mixtral", "qwen3") else None
+    cfg = gw.models.ModelConfig("llama" if moe else family, 64, 32, 4, 2, 16, ffn_hidden=40, moe=moe,
+                                qk_norm=family == "qwen3", linformer_k=4 if attention == "linformer" else None)
+    torch.manual_seed(0)
+    dense = gw.models.build(cfg, dtype=torch.float64, device=grid.device)
+    opts = dict(ep=expert_line(grid, ep)) if ep else {}
+    stage = gw.models.GPTStage(dense, grid, mode, 0, 1, ac=ac, attention=attention, **opts)
+    g = torch.Generator(device="cpu").manual_seed(1 + grid.coords["dp"])
+    x = torch.randint(0, 64, (4, 16), generator=g, device=CPU).to(grid.device)  # the cube splits 4 ways
+    y = torch.randint(0, 64, (4, 16), generator=g, device=CPU).to(grid.device)
+    stage.loss(stage(x), y).backward()
+    fused = {k: p.grad.clone() for k, p in stage.named_parameters()}
+    stage.zero_grad(set_to_none=True)
+    store = WeightStore()
+    layers = defer_weights(stage, store)
+    store.current = 0
+    stage.loss(stage(x), y).backward()
+    store.current = None
+    in_b = sorted(k for k, p in stage.named_parameters() if p.grad is not None)
+    store.run(0)
+    errs = {k: (rel(p.grad, fused[k]) if p.numel() else float(p.grad is None)) for k, p in stage.named_parameters()}
+    return errs, in_b, layers
+
+
+@pytest.mark.parametrize("family,tp,sp,dp,attention,ep,ac", [
+    ("llama", "none", 1, 1, "ring", 0, 1), ("llama", "row:2", 1, 1, "ring", 0, 1),
+    ("llama", "row:2+sp", 1, 1, "ring", 0, 2), ("gpt", "square:2", 1, 1, "ring", 0, 1),
+    ("gpt", "cube:2", 1, 1, "ring", 0, 2), ("llama", "square:2", 1, 1, "ring", 0, 1),
+    ("gpt", "subgraph:2", 1, 1, "ring", 0, 1), ("gpt", "csub:2", 1, 1, "ring", 0, 1),
+    ("llama", "none", 2, 1, "ring", 0, 1), ("llama", "none", 2, 1, "ulysses", 0, 2),
+    ("llama", "none", 4, 1, "usp", 0, 1), ("bert", "none", 2, 1, "linformer", 0, 1),
+    ("bert", "row:2", 1, 1, "ring", 0, 1), ("mixtral", "none", 1, 2, "ring", 2, 1),
+    ("qwen3", "row:2", 1, 2, "ring", 2, 2)])
+def test_every_layers_split_backward_equals_its_fused_backward(pool, family, tp, sp, dp, attention, ep, ac):
+    """Qi et al.'s B and W apart in every layer: 1-D with and without Megatron's sequence
+    parallelism, 2-D (SUMMA's weight products and its vectors' reduce-scatters in W), 3-D (the
+    cube's weight product, Algorithm 8 for the vectors), SUPER's branches (D&SP and cSub), ring,
+    Ulysses and USP attention, BERT with Linformer's projections, the vocabulary-parallel head and
+    loss, Mixtral's and Qwen3's experts (expert and expert-tensor parallel, Qwen3's head norms),
+    with and without activation checkpointing: after B only the embeddings have gradients (their
+    input has none: nothing waits for them), and after W every gradient equals the fused
+    backward's (float64 1e-10)."""
+    import gridweave as gw
+
+    mode = gw.modes.parse(tp.removesuffix("+sp"))
+    for errs, in_b, layers in pool.run(_layers_apart, sp * dp * mode.ranks(), family, tp, sp, dp, attention, ep, ac):
+        assert max(errs.values()) < 1e-10, {k: v for k, v in errs.items() if v >= 1e-10}
+        assert in_b and all(k.startswith("embed.") and ".ln." not in k for k in in_b), in_b
+        assert layers > 0

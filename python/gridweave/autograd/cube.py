@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _C
+from .. import _C, split
 from ..grid import Work, by_name
 from ..layout import Layout
 from . import ops
@@ -74,8 +74,8 @@ def _product(grid, form, lhs, rhs, a, c, overlap, cache=None, rhs_gathered=None,
 
 class _CubeMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, lhs, rhs, grid, form, a, c, overlap, rhs_gathered):
-        ctx.grid, ctx.form, ctx.a, ctx.c, ctx.overlap = grid, form, a, c, overlap
+    def forward(ctx, lhs, rhs, grid, form, a, c, overlap, rhs_gathered, deferred):
+        ctx.grid, ctx.form, ctx.a, ctx.c, ctx.overlap, ctx.deferred = grid, form, a, c, overlap, deferred
         ctx.save_for_backward(lhs, rhs)
         return _product(grid, form, lhs, rhs, a, c, overlap, rhs_gathered=rhs_gathered)
 
@@ -84,16 +84,17 @@ class _CubeMatmul(torch.autograd.Function):
         lhs, rhs = ctx.saved_tensors
         ops = {0: lhs, 1: rhs, 2: g.contiguous()}
         grad_a, grad_b = _C.cube_backward(ctx.form, ctx.a, ctx.c)
-        cache = {}  # dC is all-gathered once for both gradients
-        works = []
-        for spec, needed in ((grad_a, ctx.needs_input_grad[0]), (grad_b, ctx.needs_input_grad[1])):
-            if needed:
-                works.append(_product(ctx.grid, spec.form, ops[spec.lhs], ops[spec.rhs], spec.a, spec.c,
-                                      ctx.overlap, cache, async_out=ctx.overlap))
-            else:
-                works.append(None)
+        cache = {}  # dC is all-gathered once for both gradients (W keeps B's gather)
+
+        def grad(spec, overlap):
+            return _product(ctx.grid, spec.form, ops[spec.lhs], ops[spec.rhs], spec.a, spec.c, overlap, cache,
+                            async_out=overlap)
+        works = [grad(spec, ctx.overlap) if needed else None
+                 for spec, needed in ((grad_a, ctx.needs_input_grad[0]), (grad_b, ctx.needs_input_grad[1]))]
+        if ctx.deferred is not None:  # the weight's product in W, in the table's order on every rank of the cube
+            split.defer(*ctx.deferred, lambda: (grad(grad_b, False),))
         da, db = (_resolve(w) for w in works)
-        return da, db, None, None, None, None, None, None
+        return da, db, None, None, None, None, None, None, None
 
 
 def product(grid, form, lhs, rhs, a, c):
@@ -101,13 +102,15 @@ def product(grid, form, lhs, rhs, a, c):
     return _product(grid, form, lhs, rhs, a, c, False)
 
 
-def cube_matmul(lhs, rhs, grid, form=AB, a="y", c="z", overlap=False, rhs_gathered=None):
-    """C = op(lhs) op(rhs) on the cube; operand layouts are _C.cube_layout(form, k, a, c).
-    Under torch.compile: ops.cube_matmul (no overlap: its gathers are one opaque op)."""
+def cube_matmul(lhs, rhs, grid, form=AB, a="y", c="z", overlap=False, rhs_gathered=None, store=None):
+    """C = op(lhs) op(rhs) on the cube; operand layouts are _C.cube_layout(form, k, a, c). rhs's
+    gradient waits for W where `store` defers now (gw.split). Under torch.compile:
+    ops.cube_matmul (no overlap: its gathers are one opaque op; nothing deferred)."""
     if torch.compiler.is_compiling():
         code = 0 if form is AB else 1 if form is ABT else 2  # int(form) of a pybind enum breaks dynamo's trace
         return _cube_matmul_op(lhs.contiguous(), rhs.contiguous(), grid.name, code, a, c)
-    return _CubeMatmul.apply(lhs.contiguous(), rhs.contiguous(), grid, form, a, c, overlap, rhs_gathered)
+    deferred, (rhs,) = split.deferral(store, lhs, (rhs,))
+    return _CubeMatmul.apply(lhs.contiguous(), rhs.contiguous(), grid, form, a, c, overlap, rhs_gathered, deferred)
 
 
 def is_diagonal(grid, col_axis, row_axis) -> bool:

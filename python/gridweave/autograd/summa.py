@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import split
+
 
 def _bcast(grid, t, axis, src, mine):
     buf = t.detach().clone() if mine else torch.empty_like(t)
@@ -12,8 +14,8 @@ def _bcast(grid, t, axis, src, mine):
 
 class _SummaMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, grid):
-        ctx.grid = grid
+    def forward(ctx, a, b, grid, deferred):
+        ctx.grid, ctx.deferred = grid, deferred
         ctx.save_for_backward(a, b)
         q, r, c = grid.axes["r"], grid.coords["r"], grid.coords["c"]
         out = a.new_zeros(a.shape[0], b.shape[1])
@@ -36,13 +38,23 @@ class _SummaMatmul(torch.autograd.Function):
                 grid.reduce(part, axis="c", dst=t)
                 if c == t:
                     da = part
-        if ctx.needs_input_grad[1]:  # dB_tc = sum_r A_rt^T dC_rc: reduce along the column to (t, c)
-            for t in range(q):
-                part = (_bcast(grid, a, "c", t, c == t).t() @ g).contiguous()
-                grid.reduce(part, axis="r", dst=t)
-                if r == t:
-                    db = part
-        return da, db, None
+        if ctx.needs_input_grad[1]:
+            db = _summa_weight_grad(grid, a, g)
+        elif ctx.deferred is not None:  # in W, in the table's order, alike on every rank of the grid
+            split.defer(*ctx.deferred, lambda: (_summa_weight_grad(grid, a, g),))
+        return da, db, None, None
+
+
+def _summa_weight_grad(grid, a, g):
+    """dB_tc = sum_r A_rt^T dC_rc: reduced along the column to (t, c)."""
+    q, r, c = grid.axes["r"], grid.coords["r"], grid.coords["c"]
+    db = None
+    for t in range(q):
+        part = (_bcast(grid, a, "c", t, c == t).t() @ g).contiguous()
+        grid.reduce(part, axis="r", dst=t)
+        if r == t:
+            db = part
+    return db
 
 
 class _SummaVector(torch.autograd.Function):
@@ -59,8 +71,10 @@ class _SummaVector(torch.autograd.Function):
         return ctx.grid.reduce_scatter(g.contiguous(), axis="r"), None
 
 
-def summa_matmul(a, b, grid):
-    return _SummaMatmul.apply(a.contiguous(), b.contiguous(), grid)
+def summa_matmul(a, b, grid, store=None):
+    """A B on the q x q grid; B's gradient waits for W where `store` defers now (gw.split)."""
+    deferred, (b,) = split.deferral(store, a, (b,))
+    return _SummaMatmul.apply(a.contiguous(), b.contiguous(), grid, deferred)
 
 
 def summa_vector(v, grid):

@@ -174,11 +174,17 @@ def split_heads(qkv: torch.Tensor, heads: int, kv_heads: int, arch: Arch, positi
     return q, k, v
 
 
-def linformer_attention(q, k, v, lowrank: torch.Tensor, total=None) -> torch.Tensor:
+def linformer_keys(kv: torch.Tensor, lowrank: torch.Tensor) -> torch.Tensor:
+    """(E K, F V): Linformer's projections (Wang et al. 2020, Eq. 7) of the stacked keys and values."""
+    return torch.einsum("ekl,ebhld->ebhkd", lowrank, kv)
+
+
+def linformer_attention(q, k, v, lowrank: torch.Tensor, total=None, project=linformer_keys) -> torch.Tensor:
     """Linformer (Wang et al. 2020, Eq. 7): softmax(Q (E K)^T / sqrt(d)) F V, with E, F = lowrank
     (2, K, L_local): the columns of this rank's tokens. total(t), where ranks split the sequence,
-    sums the partial products E_i K_i, F_i V_i over them (Li et al. §4.3: one all-reduce)."""
-    kv = torch.einsum("ekl,ebhld->ebhkd", lowrank, torch.stack((k, v)))
+    sums the partial products E_i K_i, F_i V_i over them (Li et al. §4.3: one all-reduce).
+    project: linformer_keys, or the same with E and F's gradients deferred (gw.split)."""
+    kv = project(torch.stack((k, v)), lowrank)
     if total is not None:
         kv = total(kv)
     return F.scaled_dot_product_attention(q, kv[0], kv[1])

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import split
 from ..autograd.comm import (all_to_all_v, copy_to_parallel, gather_from_parallel, reduce_from_parallel,
                              scatter_to_parallel)
 from ..errors import GridError
@@ -273,7 +274,7 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DenseMoE(nn.Module):
+class DenseMoE(nn.Module, split.Deferrable):
     """The sparse MLP on one process (the reference the expert-parallel block is checked
     against). Parameters as transformers names them: gate (the router, E x H), gate_up
     (E, 2F, H), down (E, H, F), shared_expert, shared_expert_gate. After each forward:
@@ -343,7 +344,14 @@ class DenseMoE(nn.Module):
     def _experts(self, rows, counts, sizes=None):
         """The experts this module holds on their rows (counts[e] rows each, in expert order; see
         swiglu_experts)."""
-        return swiglu_experts(rows, counts, self.gate_up, self.down, sizes=sizes)
+        return self._swiglu(rows, counts, sizes)
+
+    def _swiglu(self, rows, counts, sizes):
+        """swiglu_experts on this module's experts; their weights' grouped products wait for W
+        where the store defers now (gw.split)."""
+        return split.apart(self.weight_store, lambda x, gate_up, down: swiglu_experts(x, counts, gate_up, down,
+                                                                                      sizes=sizes),
+                           rows, self.gate_up, self.down)
 
     def _statistics(self, r: Routing) -> tuple:
         """(top-k counts per expert, probabilities summed per expert, log-sum-exp^2 summed,
@@ -474,7 +482,7 @@ class ExpertParallelMoE(DenseMoE):
             return super()._experts(rows, counts, sizes)
         # Megatron's f and g around a column- then row-parallel pair: the rows' gradient summed
         # over tp, each expert output summed over tp
-        y = swiglu_experts(copy_to_parallel(rows, self.grid, self.tp), counts, self.gate_up, self.down, sizes=sizes)
+        y = self._swiglu(copy_to_parallel(rows, self.grid, self.tp), counts, sizes)
         return reduce_from_parallel(y, self.grid, self.tp)
 
     def _run_experts(self, x, r: Routing):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import split
 from ..autograd import subgraph as sgops
 from ..axes import AxesView
 from ..errors import GridError
@@ -25,7 +26,7 @@ def subgraph_layout(mode, sp=False, causal=False):
     return cls(1).layout(AxesView({"sp": 2 if sp else 1}), causal)  # the mode's own sp rule
 
 
-class SubGraphAttention(nn.Module):
+class SubGraphAttention(nn.Module, split.Deferrable):
     """projection="branch": split -> [qkv_k, attention of head group k, proj_k] -> sum (the
     branches own their projections; their gradients are reduced within the sub-grid).
     projection="common": qkv (common) -> slice -> attention of group k -> concat -> proj.
@@ -91,7 +92,7 @@ class SubGraphAttention(nn.Module):
             xb = mode.split(x, grid, shape)
             y = self.proj(self._attend(self.qkv(xb)))
             out = mode.branch_sum(y, grid)
-            return out + self.proj_bias if self.proj_bias is not None else out
+            return split.apart(self.weight_store, torch.add, out, self.proj_bias) if self.proj_bias is not None else out
         qkv = self.qkv(x)
         qshape = tuple(shape[:-1]) + (sum(self.widths),) if shape is not None else None
         branch = mode.slice_(qkv, grid, self.method, qshape)

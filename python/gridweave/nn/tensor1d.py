@@ -138,7 +138,7 @@ class RowParallelLinear(ParallelLinearBase, split.Deferrable):
         y = split.linear(x, self.weight, None, self.weight_store)
         y = reduce_scatter_sequence(y, self.grid, self.axis) if self.sequence else \
             reduce_from_parallel(y, self.grid, self.axis)
-        return y + self.bias if self.bias is not None else y
+        return split.apart(self.weight_store, torch.add, y, self.bias) if self.bias is not None else y
 
     def load_dense(self, dense, order=None):
         w = dense.weight.detach()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import split
 from ..autograd.comm import all_reduce_replicated
 from ..autograd.summa import summa_matmul, summa_vector
 from ..errors import GridError
@@ -29,7 +30,7 @@ def _check_batch(x, grid):
     return q
 
 
-class Linear2D(ParallelLinearBase):
+class Linear2D(ParallelLinearBase, split.Deferrable):
     """Y = X W^T + b with X, W^T and Y in q x q blocks; SUMMA broadcasts per step."""
 
     input_layout = ACTIVATION
@@ -52,9 +53,9 @@ class Linear2D(ParallelLinearBase):
     def forward(self, x):
         _check_batch(x, self.grid)
         b, s, h = x.shape
-        y = summa_matmul(x.reshape(b * s, h), self.weight, self.grid)
-        if self.bias is not None:
-            y = y + summa_vector(self.bias, self.grid)
+        y = summa_matmul(x.reshape(b * s, h), self.weight, self.grid, self.weight_store)
+        if self.bias is not None:  # its gradient's reduce-scatter in r waits for W with the weight's
+            y = split.apart(self.weight_store, lambda y, v: y + summa_vector(v, self.grid), y, self.bias)
         return y.reshape(b, s, -1)
 
     def load_dense(self, dense, order=None):
@@ -72,7 +73,7 @@ class Linear2D(ParallelLinearBase):
         return out
 
 
-class LayerNorm2D(nn.Module):
+class LayerNorm2D(nn.Module, split.Deferrable):
     """LayerNorm (or RMSNorm: norm=Norm.RMS) over a hidden dim split over "c": statistics
     all-reduced in c."""
 
@@ -90,8 +91,11 @@ class LayerNorm2D(nn.Module):
 
     def forward(self, x):
         y = normalize(x, self.norm, self.eps, self.hidden, lambda t: all_reduce_replicated(t, self.grid, "c"))
-        y = y * summa_vector(self.weight, self.grid)
-        return y + summa_vector(self.bias, self.grid) if self.bias is not None else y
+        return split.apart(self.weight_store, self._affine, y, self.weight, self.bias)
+
+    def _affine(self, y, weight, bias):  # the weights' reduce-scatters in r wait for W where the store defers
+        y = y * summa_vector(weight, self.grid)
+        return y + summa_vector(bias, self.grid) if bias is not None else y
 
     @classmethod
     def from_dense(cls, dense: nn.Module, grid, **kw):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import _C
+from .. import _C, split
 from ..autograd.comm import all_reduce_replicated
 from ..autograd.cube import AB, activation_layout, cube_matmul, cube_vector, is_diagonal, matrix_layout, vector_layout
 from ..errors import GridError
@@ -29,7 +29,7 @@ def _check(n, parts, what):
         raise GridError(f"{what} = {n} does not split over {parts} ranks of the 3-D cube")
 
 
-class Linear3D(ParallelLinearBase):
+class Linear3D(ParallelLinearBase, split.Deferrable):
     """Y = X W^T + b. W^T is B_lji [c | (a, x)] (Algorithm 1); b is stored on the
     diagonal ranks (Fig. 5) and applied with Algorithm 7."""
 
@@ -79,9 +79,12 @@ class Linear3D(ParallelLinearBase):
             raise GridError(f"Linear3D expects a (batch, seq, {self.in_features // p}) shard, got {tuple(x.shape)}")
         b, s, h = x.shape
         pre, self._prefetched = self._prefetched, None
-        y = cube_matmul(x.reshape(b * s, h), self.weight, self.grid, AB, self.a, self.c, self.overlap, pre)
-        if self.bias is not None:  # C + b: columns split by a, broadcast along c (Algorithm 7)
-            y = y + cube_vector(self.bias, self.grid, self.a, self.c, self.out_features // (p * p))
+        y = cube_matmul(x.reshape(b * s, h), self.weight, self.grid, AB, self.a, self.c, self.overlap, pre,
+                        self.weight_store)
+        if self.bias is not None:  # C + b: columns split by a, broadcast along c (Algorithm 7); Algorithm 8 in W
+            n = self.out_features // (p * p)
+            y = split.apart(self.weight_store, lambda y, v: y + cube_vector(v, self.grid, self.a, self.c, n), y,
+                            self.bias)
         return y.reshape(b, s, -1)
 
     def load_dense(self, dense, order=None):
@@ -106,7 +109,7 @@ def _assemble_diagonal(local, n, layout, grid, diagonal):
     return assemble(local, (n,), layout, grid, owner=diagonal, over=CUBE)
 
 
-class LayerNorm3D(nn.Module):
+class LayerNorm3D(nn.Module, split.Deferrable):
     """LayerNorm (or RMSNorm: norm=Norm.RMS) over a hidden dim split over c; gamma and beta
     on the diagonal (Alg. 7-8)."""
 
@@ -136,8 +139,11 @@ class LayerNorm3D(nn.Module):
         p = self.grid.axes["x"]
         n = self.hidden // (p * p)
         y = normalize(x, self.norm, self.eps, self.hidden, lambda t: all_reduce_replicated(t, self.grid, self.c))
-        y = y * cube_vector(self.weight, self.grid, self.c, self.a, n)
-        return y + cube_vector(self.bias, self.grid, self.c, self.a, n) if self.bias is not None else y
+        return split.apart(self.weight_store, lambda y, w, b: self._affine(y, w, b, n), y, self.weight, self.bias)
+
+    def _affine(self, y, weight, bias, n):  # gamma and beta's Algorithm 8 waits for W where the store defers
+        y = y * cube_vector(weight, self.grid, self.c, self.a, n)
+        return y + cube_vector(bias, self.grid, self.c, self.a, n) if bias is not None else y
 
     @classmethod
     def from_dense(cls, dense: nn.Module, grid, **kw):

@@ -10,19 +10,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import split
 from ..autograd.comm import all_reduce_replicated
 from ..documents import document_rows, ids_of, with_ids
 from ..errors import GridError
 from ..layout import Layout, gather, scatter
 from ..sharding import DATA_AXES, group_order, place, placement_of, present_axes, set_row_order
-from .dense import (GPT2, Arch, DenseMLP, DenseSelfAttention, DenseTransformerLayer, linformer_attention, qk_normed,
-                    split_heads, values)
+from .dense import (GPT2, Arch, DenseMLP, DenseSelfAttention, DenseTransformerLayer, linformer_attention, linformer_keys,
+                    qk_normed, split_heads, values)
 from .moe import ExpertParallelMoE, expert_line
 from .sequence import SeqAttention, attend, attention_lines
 from .style import resolve
 
 
-class SelfAttention(nn.Module):
+class SelfAttention(nn.Module, split.Deferrable):
     """qkv -> attention on this rank's heads -> proj. Heads are split over the tensor-
     parallel groups (1-D: tp; 2-D: c; 3-D: the a direction of the qkv output); with
     grouped-query attention each group holds kv_heads / groups key/value heads (Megatron-
@@ -134,8 +135,12 @@ class SelfAttention(nn.Module):
 
     def _normed(self, qkv):
         """This rank's heads' queries and keys normalised (Qwen3's qk_norm), where the arch has it."""
-        return qk_normed(qkv, self.heads // self.groups, self.kv_heads // self.groups, self.q_norm, self.k_norm,
-                         self.arch.eps)
+        if self.q_norm is None:
+            return qkv
+        return split.apart(self.weight_store, lambda t, qn, kn: qk_normed(t, self.heads // self.groups,
+                                                                          self.kv_heads // self.groups, qn, kn,
+                                                                          self.arch.eps),
+                           qkv, self.q_norm, self.k_norm)
 
     def _linformer(self, qkv):
         """Li et al. §4.3 (Table 3): this rank projects its L/N keys and values with its L/N columns
@@ -146,7 +151,8 @@ class SelfAttention(nn.Module):
         q, k, v = split_heads(self._normed(qkv), self.heads // self.groups, self.kv_heads // self.groups, self.arch)
         axes = self._lowrank_axes
         total = (lambda t: all_reduce_replicated(t, self.grid, axes)) if axes else None
-        o = linformer_attention(q, k, v, self.lowrank, total)
+        o = linformer_attention(q, k, v, self.lowrank, total,  # E and F's gradients wait for W with the linears'
+                                lambda kv, e: split.apart(self.weight_store, linformer_keys, kv, e))
         b, s = qkv.shape[:2]
         return o.transpose(1, 2).reshape(b, s, -1)
 
