@@ -17,10 +17,14 @@ Measured per run: the step time (the slowest rank's, median of 5 steps after one
 stage's idle fraction (1 - the work it ran over the step, the work timed inside the sleeps); for
 gridweave's schedules the bubble from the engine's phases (the step's time blocked at a receive,
 PipelineStats.wait_s, over the step: what the schedule left idle) and the rest of the idle time
-(the ops' and messages' own costs); and each stage's peak activation memory: the bytes of the
-stage's activations alive at once (each micro-batch's activation counted from its forward until
-its weight gradient has used it). Beside them: the planner's predicted bubble
-(plan.bubble_fraction, as an idle fraction).
+(the ops' and messages' own costs); the same step with no work (every op's own host cost and its
+messages: about 0.8 ms an op on these cores, gridweave's and torch's alike) and the idle fraction
+net of it (idle less that step over the step: the bubble in the idle fraction once the ops' own
+cost, which a GPU's queued kernels hide, is taken out); and each stage's peak activation memory:
+the bytes of the stage's activations alive at once (each micro-batch's activation counted from
+its forward until its weight gradient has used it; a chunk's as its share of the stage's layers,
+half of two).
+Beside them: the planner's predicted bubble (plan.bubble_fraction, as an idle fraction).
 """
 from __future__ import annotations
 
@@ -51,8 +55,9 @@ class Meter:
         time.sleep(ms / 1e3)
         self.busy += time.perf_counter() - t0
 
-    def track(self, t):
-        n = t.numel() * t.element_size()
+    def track(self, t, share=1.0):
+        """t alive until it goes: a stage's activation, times the share of the stage's layers its chunk holds."""
+        n = int(t.numel() * t.element_size() * share)
         self.live += n
         self.peak = max(self.peak, self.live)
         weakref.finalize(t, self._free, n)
@@ -61,35 +66,38 @@ class Meter:
         self.live -= n
 
 
-def _chunk(meter, scale):
+def _chunk(meter, t_ms, share):
     """One chunk of a stage: Work (forward T_F, backward for its input T_B) then a linear whose
-    weight's gradient costs T_W (a hook on it), each scaled to the chunk's share."""
+    weight's gradient costs T_W (a hook on it), each t_ms (a stage's time times the chunk's share
+    of its layers, as its activation's bytes)."""
     import torch
 
     class Work(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x):
-            meter.sleep(T_MS * scale)
+            meter.sleep(t_ms)
             y = x * 1.0
-            meter.track(y)  # the activation the linear keeps for its weight gradient
+            meter.track(y, share)  # the activation the linear keeps for its weight gradient: a chunk's share
             return y
 
         @staticmethod
         def backward(ctx, g):
-            meter.sleep(T_MS * scale)
+            meter.sleep(t_ms)
             return g
 
     class Chunk(torch.nn.Module):
         def __init__(self):
             super().__init__()
+            # the first stage's B costs T_B too: its input (as a model's embedding output) has a gradient
+            self.shift = torch.nn.Parameter(torch.zeros(()))
             self.lin = torch.nn.Linear(H, H, bias=False)
             torch.nn.init.eye_(self.lin.weight)
             # a tensor hook: it runs where the weight's gradient is made, by torch's autograd.grad in
             # its W (stage_backward_weight assigns .grad itself: no post-accumulate hook runs there)
-            self.lin.weight.register_hook(lambda g: meter.sleep(T_MS * scale))
+            self.lin.weight.register_hook(lambda g: meter.sleep(t_ms))
 
         def forward(self, x):
-            return self.lin(Work.apply(x))
+            return self.lin(Work.apply(x + self.shift))
 
     return Chunk()
 
@@ -111,7 +119,6 @@ def _gather(t):
 
 
 def worker(part, out_path):
-    import torch
     import torch.distributed as dist
 
     import gridweave as gw
@@ -131,34 +138,9 @@ def worker(part, out_path):
                 continue  # DualPipeV needs 2p micro-batches
             if rank == 0:
                 print(f"zero_bubble pp{n}: {name} m={m}", file=sys.stderr, flush=True)
-            meter = Meter()
-            chunks = [_chunk(meter, 1 / v) for _ in range(v)]
-            xs = [torch.ones(ROWS, H) for _ in range(m)]
-            times, busy, peak, waits = [], [], [], []
             try:
-                if name in GW:
-                    stage = chunks if v > 1 else chunks[0]  # a V's chunks: chunk 1 is virtual stage 2p - 1 - s
-
-                    def step():
-                        return gw.pipeline.pipeline_step(stage, grid, xs, xs, lambda o, t: (o * t).sum(), (ROWS, H),
-                                                         schedule=name, microbatches=m)[1].wait_s
-                else:
-                    step = _torch_schedule(name, chunks, s, n, m)
-                for rep in range(STEPS + 1):
-                    for c in chunks:
-                        c.zero_grad(set_to_none=True)
-                    meter.busy, meter.peak = 0.0, meter.live
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    wait = step() or 0.0
-                    dt = time.perf_counter() - t0
-                    every = _gather(torch.tensor([dt, meter.busy, float(meter.peak), wait], dtype=torch.float64))
-                    if rep:  # the first is a warm-up
-                        span = max(float(e[0]) for e in every)
-                        times.append(span)
-                        busy.append([float(e[1]) for e in every])
-                        peak.append([float(e[2]) for e in every])
-                        waits.append([float(e[3]) / span for e in every])
+                times, busy, peak, waits = _measure(gw, grid, name, s, n, m, T_MS)
+                bare = statistics.median(_measure(gw, grid, name, s, n, m, 0.0)[0])  # the ops' own cost alone
             except Exception as e:  # a schedule this torch refuses at these sizes: said in the results
                 runs[f"{name}_m{m}"] = {"schedule": name, "microbatches": m, "error": f"{type(e).__name__}: {e}"}
                 dist.barrier()
@@ -167,6 +149,7 @@ def worker(part, out_path):
             idle = [1 - statistics.median(b[k] for b in busy) / step_s for k in range(n)]
             row = {"schedule": name, "library": "gridweave" if name in GW else "torch", "microbatches": m,
                    "chunks": v, "step_s": step_s, "idle_fraction": idle, "bubble": statistics.mean(idle),
+                   "bare_step_s": bare, "net_bubble": statistics.mean(idle) - bare / step_s,
                    "peak_activation_bytes": [max(p[k] for p in peak) for k in range(n)],
                    "microbatch_activation_bytes": ROWS * H * 4}
             if name in GW:
@@ -180,6 +163,43 @@ def worker(part, out_path):
         Path(out_path).write_text(json.dumps({"ranks": n, "t_ms": T_MS, "runs": runs}))
     gw.shutdown()
     dist.destroy_process_group()
+
+
+def _measure(gw, grid, name, s, n, m, t_ms):
+    """STEPS steps (after a warm-up) of schedule `name` on chunks whose ops take t_ms a stage: each
+    step's (slowest rank's time, each rank's work, peak activation bytes, wait fraction)."""
+    import torch
+    import torch.distributed as dist
+
+    v = CHUNKS[name]
+    meter = Meter()
+    chunks = [_chunk(meter, t_ms / v, 1 / v) for _ in range(v)]
+    xs = [torch.ones(ROWS, H) for _ in range(m)]
+    times, busy, peak, waits = [], [], [], []
+    if name in GW:
+        stage = chunks if v > 1 else chunks[0]  # a V's chunks: chunk 1 is virtual stage 2p - 1 - s
+
+        def step():
+            return gw.pipeline.pipeline_step(stage, grid, xs, xs, lambda o, t: (o * t).sum(), (ROWS, H),
+                                             schedule=name, microbatches=m)[1].wait_s
+    else:
+        step = _torch_schedule(name, chunks, s, n, m)
+    for rep in range(STEPS + 1):
+        for c in chunks:
+            c.zero_grad(set_to_none=True)
+        meter.busy, meter.peak = 0.0, meter.live
+        dist.barrier()
+        t0 = time.perf_counter()
+        wait = step() or 0.0
+        dt = time.perf_counter() - t0
+        every = _gather(torch.tensor([dt, meter.busy, float(meter.peak), wait], dtype=torch.float64))
+        if rep:  # the first is a warm-up
+            span = max(float(e[0]) for e in every)
+            times.append(span)
+            busy.append([float(e[1]) for e in every])
+            peak.append([float(e[2]) for e in every])
+            waits.append([float(e[3]) / span for e in every])
+    return times, busy, peak, waits
 
 
 def _torch_schedule(name, chunks, s, n, m):
@@ -225,15 +245,15 @@ def plot(data, png):
         runs = data[key]["runs"]
         ms = sorted({r["microbatches"] for r in runs.values()})
         for ax, field, title, libs in ((axes[0][col], "bubble", "idle fraction a stage (mean)", GW + TORCH),
-                                       (axes[1][col], "measured_bubble", "bubble from the phases (bars) and "
-                                        "predicted (dots)", GW)):
+                                       (axes[1][col], "net_bubble", "idle net of the ops' own cost (bars), "
+                                        "predicted (dots)", GW + TORCH)):
             names = [n for n in libs if any(r.get("schedule") == n and field in r for r in runs.values())]
             width = 0.8 / max(len(names), 1)
             for i, name in enumerate(names):
                 got = [runs.get(f"{name}_m{m}", {}) for m in ms]
                 xs = [j + i * width for j in range(len(ms))]
                 bars = ax.bar(xs, [r.get(field, float("nan")) for r in got], width, label=name)
-                if field == "measured_bubble":
+                if field == "net_bubble" and name in GW:
                     ax.plot(xs, [r.get("predicted_bubble", float("nan")) for r in got], "o", ms=4,
                             color=bars.patches[0].get_facecolor(), markeredgecolor="black")
             ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ms))], [f"m={m}" for m in ms])
@@ -258,6 +278,7 @@ def main():
                 continue
             base = one[r["microbatches"]]
             r["bubble_over_1f1b"] = r["bubble"] / base["bubble"] if base["bubble"] > 0 else None
+            r["net_bubble_over_1f1b"] = r["net_bubble"] / base["net_bubble"] if base["net_bubble"] > 0 else None
             if "measured_bubble" in r:
                 r["measured_bubble_over_1f1b"] = r["measured_bubble"] / base["measured_bubble"] \
                     if base["measured_bubble"] > 0 else None
@@ -272,6 +293,7 @@ def main():
             print(f"{key} {k:38s} step {r['step_s'] * 1e3:7.1f} ms idle {r['bubble']:.3f} "
                   f"(/1F1B {r['bubble_over_1f1b'] or 0:.2f}) bubble {r.get('measured_bubble', float('nan')):.3f} "
                   f"(/1F1B {r.get('measured_bubble_over_1f1b') or float('nan'):.2f}) "
+                  f"net {r['net_bubble']:.3f} (/1F1B {r['net_bubble_over_1f1b'] or float('nan'):.2f}) "
                   f"predicted {r.get('predicted_bubble', float('nan')):.3f} "
                   f"peak act {max(r['peak_activation_bytes']) / r['microbatch_activation_bytes']:.1f} mb "
                   f"(/1F1B {r['peak_over_1f1b']:.2f})")

@@ -23,6 +23,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
+from .errors import GridError
+
 
 class WeightStore:
     """One chunk's deferred weight gradients, by micro-batch. `current`: the micro-batch whose
@@ -107,26 +109,49 @@ class _DeferredLinear(torch.autograd.Function):
         return (gy @ weight if ctx.needs_input_grad[0] else None), None, None, None, None, None
 
 
+def _hooked() -> bool:
+    """Whether saved tensors pass through hooks now (activation checkpointing's, which drop them to
+    recompute them; where torch cannot say, as if they did)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(False) is not None
+
+
+def _graph(fn, x, params) -> tuple:
+    """(x's leaf, the params' leaves, fn's output) on a graph of their own."""
+    with torch.enable_grad():
+        xl = x.detach().requires_grad_()
+        leaves = [None if p is None else p.detach().requires_grad_() for p in params]
+        out = fn(xl, *leaves)
+        if out._is_view():  # torch's B detaches the output in place (its graph's memory goes)
+            out = out.clone()
+    return xl, leaves, out
+
+
 class _Apart(torch.autograd.Function):
     """fn(x, *params) of plain torch ops (and autograd Functions reached from x alone) on a graph of
     its own: B runs the nodes x's gradient needs, W the rest from the intermediates' gradients B
     kept (torch.distributed.pipelining's stage_backward_input / stage_backward_weight, what its
     zero-bubble schedules run on a whole stage), so no product runs twice and a collective on the
-    weights' side (a vector's reduce-scatter) runs in W."""
+    weights' side (a vector's reduce-scatter) runs in W. Under activation checkpointing the graph
+    is made again in B from the saved input (its tensors must go with the checkpoint's: kept from
+    the forward they would outlive it, and each of B's and W's graph tasks would recompute the
+    whole checkpointed block)."""
 
     @staticmethod
     def forward(ctx, x, fn, deferred, *detached):
-        with torch.enable_grad():  # the layer's own graph, kept to the backward
-            xl = x.detach().requires_grad_()
-            leaves = [None if p is None else p.detach().requires_grad_() for p in detached]
-            out = fn(xl, *leaves)
-            if out._is_view():  # torch's B detaches the output in place (its graph's memory goes)
-                out = out.clone()
-        ctx.graph, ctx.deferred = (xl, leaves, out), deferred
-        return out.detach()
+        ctx.fn, ctx.deferred = fn, deferred
+        if _hooked():
+            ctx.graph = None
+            ctx.save_for_backward(x, *detached)
+            return fn(x, *detached)
+        ctx.graph = _graph(fn, x, detached)
+        return ctx.graph[2].detach()
 
     @staticmethod
     def backward(ctx, g):
+        if ctx.graph is None:
+            x, *detached = ctx.saved_tensors
+            ctx.graph = _graph(ctx.fn, x, detached)
         xl, leaves, out = ctx.graph
         del ctx.graph
         store, mb, params = ctx.deferred
@@ -134,6 +159,10 @@ class _Apart(torch.autograd.Function):
         with torch.enable_grad():  # torch's helpers find the leaves' accumulators through a view
             (dx,), groups = stage_backward_input([out], [g], [xl], iter(live))
         xl.grad = None
+        grouped = [p for group in groups for p in group["params"]]
+        if len(grouped) != len(set(grouped)):  # W would add such a weight's gradient twice
+            raise GridError("gw.split.apart: a weight meets the input's path where another does; split the layer "
+                            "so that each weight meets it at ops of its own")
 
         def grads():
             with torch.enable_grad():
@@ -145,7 +174,8 @@ class _Apart(torch.autograd.Function):
 
 def apart(store, fn, x, *params):
     """fn(x, *params), its params' gradients deferred to W where `store` defers now (B: x's alone).
-    fn: torch ops on x and the params; autograd Functions in it must take the params alone or x
+    fn: torch ops on x and the params, each param meeting x's path at ops of its own (torch groups
+    the weights by where they meet it); autograd Functions in it must take the params alone or x
     alone (a Function's backward makes every gradient it was asked for at once)."""
     deferred, detached = deferral(store, x, params)
     if deferred is None:

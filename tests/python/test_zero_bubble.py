@@ -296,6 +296,27 @@ def test_a_split_backward_equals_the_whole_and_fires_each_hook_once():
     assert store.pending == [0]
     store.run(0)
     assert split[3].weight.grad is not None and split[1].bias.grad is not None
+    # under activation checkpointing (torch's, non-reentrant) a block of deferring layers runs its
+    # forward again once, in B, as the whole backward does, and never in W; the gradients equal
+    from torch.utils.checkpoint import checkpoint
+
+    runs = collections.Counter()
+
+    def block(m, t, key):
+        runs[key] += 1
+        return m(t)
+    whole.zero_grad(set_to_none=True)
+    split.zero_grad(set_to_none=True)
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    checkpoint(block, whole, a, "whole", use_reentrant=False).square().sum().backward()
+    store.current = 3
+    checkpoint(block, split, b, "split", use_reentrant=False).square().sum().backward()
+    store.current = None
+    assert runs == {"whole": 2, "split": 2} and split[1].weight.grad is None and torch.equal(a.grad, b.grad)
+    store.run(3)
+    assert runs["split"] == 2
+    for (name, p), q in zip(split.named_parameters(), whole.parameters()):
+        assert torch.equal(p.grad, q.grad), name
     with pytest.raises(gw.GridError):
         gw.pipeline.table_for("zbv", 2, 4, 1)
 

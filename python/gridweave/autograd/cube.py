@@ -84,15 +84,17 @@ class _CubeMatmul(torch.autograd.Function):
         lhs, rhs = ctx.saved_tensors
         ops = {0: lhs, 1: rhs, 2: g.contiguous()}
         grad_a, grad_b = _C.cube_backward(ctx.form, ctx.a, ctx.c)
-        cache = {}  # dC is all-gathered once for both gradients (W keeps B's gather)
+        cache = {}  # dC is all-gathered once for both gradients
 
-        def grad(spec, overlap):
+        def grad(spec, overlap, cache):
             return _product(ctx.grid, spec.form, ops[spec.lhs], ops[spec.rhs], spec.a, spec.c, overlap, cache,
                             async_out=overlap)
-        works = [grad(spec, ctx.overlap) if needed else None
+        works = [grad(spec, ctx.overlap, cache) if needed else None
                  for spec, needed in ((grad_a, ctx.needs_input_grad[0]), (grad_b, ctx.needs_input_grad[1]))]
         if ctx.deferred is not None:  # the weight's product in W, in the table's order on every rank of the cube
-            split.defer(*ctx.deferred, lambda: (grad(grad_b, False),))
+            mine = {id(ops[grad_b.lhs]), id(ops[grad_b.rhs])}  # W keeps B's gathers of its own operands alone
+            kept = {k: t for k, t in cache.items() if k[0] in mine}
+            split.defer(*ctx.deferred, lambda: (grad(grad_b, False, kept),))
         da, db = (_resolve(w) for w in works)
         return da, db, None, None, None, None, None, None, None
 
