@@ -21,7 +21,7 @@ from .errors import CommError, Diverged, GridError
 from .generate import check_sampling, sample
 from .hf import save_hf
 from .precision import PRECISIONS
-from .config import JOB_SECTIONS, SECTIONS, LaunchSection, TrainConfig, choices
+from .config import AUTO, JOB_SECTIONS, SECTIONS, LaunchSection, TrainConfig, choices
 from .train import load_model
 
 
@@ -542,6 +542,11 @@ def main(argv=None) -> int:
             try:
                 nodes = node_spec(args)
                 cfg = train_config(args)
+                chosen = None
+                if cfg.grid == AUTO:  # planned once here; the ranks of this world take it (train.GRID_ENV)
+                    cfg, rows = train.plan_grid(cfg, nodes.world_size, nodes.nproc)
+                    os.environ[train.GRID_ENV] = f"{nodes.world_size}:{train.plan_shape(rows[0]).spec()}"
+                    chosen = grid_choice(rows)
                 shape = cfg.grid_shape(nodes.world_size)
                 if args.print_config:  # the grid's degrees as this world resolves them
                     resolved = dataclasses.replace(cfg, dp=shape["dp"], pp=shape["pp"])
@@ -555,7 +560,7 @@ def main(argv=None) -> int:
                 print(f"gridweave train: {as_flags(getattr(e, 'strerror', None) or e)}", file=sys.stderr)
                 return 2
             if not cfg.quiet:  # what starts, said before any rank does
-                print(said, flush=True)
+                print(chosen + "\n" + said if chosen else said, flush=True)
             if nodes.world_size == 1:
                 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
             else:  # spawn the ranks, each running this command without the launcher's flags
@@ -654,7 +659,8 @@ def _train_rank(args) -> int:
     def record_config(step, state):  # the resolved configuration in the run folder, by rank 0, once
         if state.grid.rank == 0 and not recorded:
             g = state.grid
-            resolved = dataclasses.replace(cfg, dp=g.axes["dp"], pp=g.axes["pp"])
+            ran_on = state.config if cfg.grid == AUTO else cfg  # grid auto: the grid it chose, as given
+            resolved = dataclasses.replace(ran_on, dp=g.axes["dp"], pp=g.axes["pp"])
             ran = {"nproc": g.ranks_per_node, "nnodes": g.world_size // g.ranks_per_node}  # what ran, as launched
             if ran["nnodes"] > 1:
                 ran.update(master_addr=os.environ.get("MASTER_ADDR"), master_port=launch._env_int("MASTER_PORT"))
@@ -739,6 +745,18 @@ def launch_fields(args) -> dict:
 def _parameters(model_cfg) -> int:
     """The model's parameters, counted on meta tensors (no memory)."""
     return sum(p.numel() for p in models.build(model_cfg, device="meta").parameters())
+
+
+def grid_choice(rows: list) -> str:
+    """grid auto's choice in words: the planner's first row, and why it ranks above the second
+    (plan.explain)."""
+    first = train.plan_shape(rows[0])
+    head = (f"grid auto: {first.spec()}, {rows[0]['microbatches']} micro-batches: {rows[0]['step_time_s'] * 1e3:.2f} "
+            f"ms a step predicted, {rows[0]['memory_bytes'] / 2 ** 30:.2f} GiB a rank")
+    folded = plan.fold_equal(rows)  # grids equal in time and memory but for a stage that changes nothing, as one
+    if len(folded) < 2:
+        return head + " (the only grid this world takes)"
+    return head + "; why it ranks above the runner-up:\n  " + "\n  ".join(plan.explain(folded, 0))
 
 
 def start_line(cfg, nodes, shape, launcher: str) -> str:

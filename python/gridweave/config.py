@@ -28,6 +28,7 @@ from .nn.sequence import SeqAttention
 from .precision import PRECISIONS, Precision
 
 AUTO = "auto"  # resume=auto: the newest complete checkpoint of out, if any
+GIVEN = "given"  # grid=given: the degrees the job names
 PAD_VOCAB = 64  # the model's vocabulary is the tokenizer's rounded up (Megatron's divisible-by)
 # the mixture-of-experts models: Mixtral's block; Qwen2-MoE's (q/k/v biases, a gated shared expert,
 # top-k weights as the softmax gives them); Qwen3-MoE's (per-head q/k norms, renormalised top-k)
@@ -195,11 +196,25 @@ class ParallelismSection(Section):
     device: str = option("auto", "auto: cuda when every rank can have a GPU; cuda with fewer GPUs than ranks shares "
                                  "them through Gloo", choices=("auto", "cpu", "cuda"))
     timeout: float = option(120.0, "seconds any one communication may take before the grid aborts", above=0)
+    grid: str = option(GIVEN, "given: the degrees above; auto: the planner's fastest grid that fits the world, the "
+                              "model, the batch and the memory per rank (dp, pp, tp, sp, ep, the ZeRO stage, the "
+                              "schedule and the placement chosen, printed with the runner-up and why)",
+                       choices=(GIVEN, AUTO))
+    cluster: str = option("local", "the machine grid auto plans for: a preset (v100-ib, a100-ib, h100-ib; local: "
+                                   "this kind of machine) or a cluster JSON file (gridweave bench --calibrate "
+                                   "writes one)")
 
     def rules(self):
         self.mode = self.tp if isinstance(self.tp, Mode) else parse(self.tp or "none")
         if not isinstance(self.tp, Mode):
             self.tp = self.mode.spec()  # written once: None, "none" (a file's) and a flag's spelling compare equal
+        if self.grid == AUTO:
+            chosen = {"dp": 0, "pp": 0, "tp": "none", "sp": 1, "ep": 1, "zero": 0, "schedule": pipeline.AUTO,
+                      "chunks": 1, "tp_sp": False, "placement": "topology"}
+            given = [k for k, default in chosen.items() if getattr(self, k) != default]
+            if given:
+                raise GridError(f"grid auto chooses {', '.join(chosen)}: leave out {', '.join(given)} (or give the "
+                                "whole grid with grid given)")
         if self.tp_sp:
             if not hasattr(self.mode, "sequence"):
                 raise GridError(f"tp_sp is Megatron's sequence parallelism inside 1-D tensor parallelism (tp row:N); "
@@ -483,6 +498,13 @@ class TrainConfig(LoggingSection, CheckpointSection, DataSection, OptimizerSecti
         over: blocks of ep consecutive ranks (Megatron's and torchtitan's expert-parallel group,
         carved out of the data-parallel ranks; the other part of the line holds the copies)."""
         return expert_line(grid, self.ep)
+
+    def on_grid(self, shape: "plan.GridShape"):
+        """This config on `shape` as if the job gave it (grid auto's choice): its degrees, ZeRO
+        stage, schedule, chunks and placement."""
+        return dataclasses.replace(self, grid=GIVEN, dp=shape.dp, pp=shape.pp, tp=shape.tp.spec(), sp=shape.sp,
+                                   ep=shape.ep, zero=shape.zero, schedule=shape.schedule, chunks=shape.chunks,
+                                   placement=shape.placement)
 
     def grid_shape(self, world: int) -> dict:
         """The grid's axes on `world` ranks: the ones not given derived from the ones given (pp

@@ -99,11 +99,13 @@ def load_model(run_dir, dtype=torch.float32, device="cpu"):
 
 @dataclass
 class StepState:
-    """What a per-step hook sees: the grid, this rank's stage, its optimizer and loss scaler."""
+    """What a per-step hook sees: the grid, this rank's stage, its optimizer and loss scaler, and
+    the configuration as it runs (grid auto's choice made, the schedule and offload decided)."""
     grid: "Grid"
     stage: torch.nn.Module
     optimizer: "optim.GridOptimizer"
     scaler: LossScaler | None
+    config: TrainConfig | None = None
 
 
 def model_flops_per_token(m: ModelConfig) -> float:
@@ -148,6 +150,42 @@ def plan_job(cfg: TrainConfig, degrees: dict, cluster) -> dict:
     checkpointing counts as every layer."""
     return plan.predict(plan.model_of(cfg), cfg.plan_shape(degrees["dp"], degrees["pp"]), cluster,
                         microbatches=cfg.microbatches, recompute=cfg.ac != 1, **cfg.planned_optimizer())
+
+
+GRID_ENV = "GRIDWEAVE_GRID"  # grid auto: the launcher's choice, "WORLD:SPEC", which ranks of that world take
+GRID_FIELDS = ("dp", "pp", "tp", "sp", "zero", "placement", "schedule", "chunks", "ep")  # a plan row's grid
+
+
+def plan_grid(cfg: TrainConfig, world: int, per_node: int) -> tuple:
+    """grid auto: (cfg on the planner's fastest grid of `world` ranks, `per_node` a node, that fits
+    the memory of a rank on cfg.cluster, the planner's rows). One clear error where none fits."""
+    cluster = plan.load_cluster(cfg.cluster, per_node)
+    rows = plan.plan(world, plan.model_of(cfg), cluster, microbatches=cfg.microbatches, workers=1,
+                     recompute=cfg.ac != 1, **cfg.planned_optimizer())
+    if not rows:
+        raise GridError(f"grid auto: no grid of {world} ranks takes this model ({cfg.layers} layers, {cfg.heads} "
+                        f"heads, hidden {cfg.hidden}) at batch {cfg.batch} in {cfg.microbatches} micro-batches")
+    if not rows[0]["fits"]:
+        least = min(r["memory_bytes"] for r in rows)
+        raise GridError(f"grid auto: no grid of {world} ranks fits a rank's memory on {cluster.name} "
+                        f"({cluster.memory_bytes / 2 ** 30:.2f} GiB); the least any needs is {least / 2 ** 30:.2f} GiB")
+    return cfg.on_grid(plan_shape(rows[0])), rows
+
+
+def plan_shape(row: dict) -> "plan.GridShape":
+    """The grid of a planner's row."""
+    return plan.GridShape.parse(",".join(f"{k}={row[k]}" for k in GRID_FIELDS))
+
+
+def chosen_grid(cfg: TrainConfig, world: int, per_node: int) -> TrainConfig:
+    """cfg on its grid: as given, or grid auto's choice for this world (the launcher's, passed in
+    GRID_ENV, where it planned this world; else planned here, alike on every rank)."""
+    if cfg.grid != AUTO:
+        return cfg
+    planned, _, spec = os.environ.get(GRID_ENV, "").partition(":")
+    if planned == str(world):
+        return cfg.on_grid(plan.GridShape.parse(spec))
+    return plan_grid(cfg, world, per_node)[0]
 
 
 def predicted_step_s(cfg: TrainConfig, grid) -> float:
@@ -684,6 +722,8 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
     (progress hooks, profilers; the tests' fault injection)."""
     if not isinstance(cfg, TrainConfig):
         raise GridError(f"train.run takes a TrainConfig, got {type(cfg).__name__}")
+    auto = cfg.grid == AUTO
+    cfg = chosen_grid(cfg, launch.launched_world_size(cfg.backend), launch.local_world_size() or 1)
     grid, out = setup_grid(cfg), Path(cfg.out)
     cfg = resolve_resume(cfg, grid)
     schedule = cfg.resolved_schedule(grid.axes["dp"], grid.axes["pp"])
@@ -719,7 +759,7 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
     for step in range(history.start, cfg.steps):
         checkpoints.land()
         if on_step is not None:
-            on_step(step, StepState(grid, stage, opt, scaler))
+            on_step(step, StepState(grid, stage, opt, scaler, cfg))
         t0 = time.perf_counter()
         opt.lr = cfg.lr_at(step)
         if cfg.masked_lm:  # the mask token is the first id past the tokenizer's
@@ -748,7 +788,9 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
     checkpoints.save(cfg.steps, history)
     metrics = {"loss": history.losses, "val_loss": history.val,
                "unigram_entropy_val": data.unigram_entropy(tokens.val, tokens.vocab_size), **meter.as_dict(),
-               "config": cfg.run_config(model_cfg), "grid": dict(grid.axes), "backend": grid.backend,
+               "config": cfg.run_config(model_cfg), "grid": dict(grid.axes),
+               "grid_shape": cfg.plan_shape(grid.axes["dp"], grid.axes["pp"]).spec(),
+               "grid_policy": AUTO if auto else cfg.grid, "backend": grid.backend,
                "device": str(grid.device), "precision": cfg.compute.name, "traffic": traffic_by_node(grid),
                **memory_per_rank(grid, stage, opt)}
     made = grid.communicators()

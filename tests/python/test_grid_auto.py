@@ -1,0 +1,67 @@
+"""`--grid auto`: `gridweave train` runs the planner's fastest grid that fits the world, the model,
+the batch and the memory per rank, and says why it ranks above the runner-up."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rankpool import launcher_args
+
+JOB = ["--steps", "2", "--hidden", "32", "--layers", "4", "--heads", "4", "--seq", "32", "--batch", "8",
+       "--microbatches", "2", "--tokenizer", "bytes", "--val-every", "0", "--sample-tokens", "0", "--device", "cpu"]
+MODELS = {"llama": [], "gpt": ["--model", "gpt"], "mixtral": ["--model", "mixtral", "--experts", "4"]}
+
+
+def _train(out, *args, port):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GRIDWEAVE_PORT": str(port)}
+    env.pop("RANK", None)
+    env.pop("GRIDWEAVE_GRID", None)
+    return subprocess.run([sys.executable, "-m", "gridweave.cli", "train", *JOB, "--out", str(out), *args],
+                          capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("model,port", [("llama", 29861), ("gpt", 29863), ("mixtral", 29865)])
+def test_grid_auto_trains_on_the_planners_first_row(tmp_path, model, port):
+    """The chosen grid (printed, run and recorded in metrics.json) is the first row of the planner
+    asked here for the same job on 4 ranks of this machine's preset; the job trains on it."""
+    from gridweave import plan, train
+    from gridweave.config import TrainConfig
+
+    r = _train(tmp_path / model, "--grid", "auto", "--nproc", "4", *MODELS[model], *launcher_args(), port=port)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    given = dict(model=model, hidden=32, layers=4, heads=4, seq=32, batch=8, microbatches=2, tokenizer="bytes",
+                 **({"experts": 4} if model == "mixtral" else {}))
+    cfg = TrainConfig(**given)
+    rows = plan.plan(4, plan.model_of(cfg), plan.load_cluster("local", 4), microbatches=2, workers=1,
+                     recompute=False, **cfg.planned_optimizer())
+    first = rows[0]
+    assert first["fits"]
+    want = train.plan_shape(first)
+    assert f"grid auto: {want.spec()}" in r.stdout, r.stdout[-3000:]
+    assert "ranks above the runner-up" in r.stdout or "the only grid" in r.stdout
+    metrics = json.loads((tmp_path / model / "metrics.json").read_text())
+    ran = plan.GridShape.parse(metrics["grid_shape"])
+    assert metrics["grid_policy"] == "auto"
+    for k in ("dp", "pp", "tp", "sp", "zero", "placement", "chunks", "ep"):
+        assert getattr(ran, k) == getattr(want, k), (k, metrics["grid_shape"], want.spec())
+    if want.schedule != "auto":
+        assert ran.schedule == want.schedule
+    losses = metrics["loss"]
+    assert len(losses) == 2 and all(x == x and 0 < x < 20 for x in losses)
+
+
+def test_grid_auto_refuses_given_degrees_and_a_world_nothing_fits(tmp_path):
+    """grid auto with a degree given, or on a machine whose ranks hold too little memory for any
+    grid: one clear line, before any rank starts."""
+    from gridweave import plan
+    r = _train(tmp_path / "a", "--grid", "auto", "--dp", "2", "--nproc", "4", port=29867)
+    assert r.returncode == 2 and "grid auto chooses" in r.stderr and "leave out dp" in r.stderr, r.stderr[-2000:]
+    tiny = tmp_path / "tiny.json"
+    preset = json.loads((plan.PRESETS / "local.json").read_text())
+    tiny.write_text(json.dumps(dict(preset, name="tiny", memory_bytes=1024)))
+    r = _train(tmp_path / "b", "--grid", "auto", "--cluster", str(tiny), "--nproc", "4", port=29869)
+    assert r.returncode == 2 and "no grid of 4 ranks fits a rank's memory on tiny" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())
