@@ -141,8 +141,9 @@ def one_process(tmp_path_factory):
     ("zb1", ["--dp", "2", "--pp", "2"], 4, "llama", 29803),
     ("zb1", ["--tp", "row:2", "--tp-sp", "--dp", "2", "--pp", "2", "--zero", "2"], 8, "llama", 29805),
     ("zb1", ["--sp", "2", "--pp", "4", "--pack-documents"], 8, "packed", 29807),
-    # no recomputation (the job's default, ac 1, recomputes each layer in B)
-    ("zbv", ["--dp", "2", "--pp", "2", "--zero", "1", "--ac", "none"], 4, "llama", 29811),
+    # activation checkpointing (the job's default, ac 1, keeps every layer's activations): each chunk's
+    # 2 layers recomputed in B, their weights' gradients deferred to W from there
+    ("zbv", ["--dp", "2", "--pp", "2", "--zero", "1", "--ac", "2"], 4, "llama", 29811),
     ("zbv", ["--sp", "2", "--attention", "ulysses", "--dp", "2", "--pp", "2", "--pack-documents"], 8, "packed", 29815),
     ("zbv", ["--dp", "2", "--pp", "2", "--ep", "2"], 4, "mixtral", 29817),
     ("dualpipev", ["--dp", "2", "--pp", "2"], 4, "llama", 29819),
@@ -151,9 +152,9 @@ def one_process(tmp_path_factory):
 ])
 def test_the_main_job_on_each_schedule_equals_one_process(one_process, tmp_path, schedule, spec, n, model, port):
     """`--schedule zb1 | zbv | dualpipev` composed with dp, ZeRO 1 and 2, tp (1-D with Megatron-SP,
-    2-D), sp (ring, Ulysses), experts over dp, packed documents, with activation checkpointing (the
-    job's default: each layer recomputed in B, its linears deferring there) and without: one
-    process's losses (float32, 1e-5 relative)."""
+    2-D), sp (ring, Ulysses), experts over dp, packed documents, with activation checkpointing (ZB-V's
+    ZeRO-1 job: each chunk recomputed in B, its layers deferring there) and without: one process's
+    losses (float32, 1e-5 relative)."""
     extra = MIXTRAL if model == "mixtral" else []
     losses, _ = _job(tmp_path, schedule, "--nproc", str(n), "--schedule", schedule, *spec, *extra, port=port)
     ref = one_process[model]
