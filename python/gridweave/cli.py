@@ -332,7 +332,7 @@ def _verify(args, parser, argv) -> int:
         if args.nproc < 1:
             raise GridError("verify starts its own ranks on this machine: give the job's --nproc (and --nnodes); "
                             "inside a launched world, call gw.verify.run on every rank")
-        job_world = args.nproc * args.nnodes
+        job_world = args.nproc * launch.node_range(args.nnodes)[1]
         cfg = train_config(args)
         replica, lines, world = verify.scale_down(cfg, job_world, args.ranks)
     except (GridError, OSError) as e:
@@ -548,6 +548,12 @@ def main(argv=None) -> int:
                     os.environ[train.GRID_ENV] = f"{nodes.world_size}:{train.plan_shape(rows[0]).spec()}"
                     chosen = grid_choice(rows)
                 shape = cfg.grid_shape(nodes.world_size)
+                for world in nodes.worlds() if cfg.grid != AUTO else ():  # an elastic job's smaller worlds too
+                    try:
+                        cfg.grid_shape(world)
+                    except GridError as e:
+                        raise GridError(f"--nnodes {args.nnodes}: on {world} ranks ({world // nodes.nproc} nodes) "
+                                        f"{e}") from None
                 if args.print_config:  # the grid's degrees as this world resolves them
                     resolved = dataclasses.replace(cfg, dp=shape["dp"], pp=shape["pp"])
                     print(configfile.dump(resolved, launch_fields(args)), end="")
@@ -588,12 +594,18 @@ def node_spec(args) -> launch.Nodes:
     LaunchSection(**launch_fields(args))  # the launcher's own section, checked (a config file's too)
     launcher = _launcher(args)
     starts = not (args.print_config or args.dry_run)  # on paper, no master is needed
-    if starts and args.nnodes > 1 and args.master_addr is None and launcher == "torchrun":
+    low, high = launch.node_range(args.nnodes)
+    if starts and high > 1 and args.master_addr is None and launcher == "torchrun":
         raise GridError(f"--nnodes {args.nnodes} needs --master-addr: the address every node reaches node 0 at")
-    nodes = launch.Nodes(nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+    if low < high and args.node_rank:
+        raise GridError(f"--node-rank with --nnodes {args.nnodes}: an elastic rendezvous numbers the nodes as they "
+                        "come (leave --node-rank out)")
+    nodes = launch.Nodes(nproc=args.nproc, nnodes=high, min_nodes=low, node_rank=args.node_rank,
                          master_addr=args.master_addr or "127.0.0.1",
                          master_port=args.master_port or launch.default_port(), max_restarts=args.max_restarts)
     if launcher == "mpirun":
+        if nodes.elastic:
+            raise GridError(f"--nnodes {args.nnodes} is torchrun's elastic rendezvous: use --launcher torchrun")
         if nodes.nnodes > 1 and args.hostfile is None:
             raise GridError("--launcher mpirun on --nnodes > 1 needs --hostfile (mpirun's list of the nodes)")
         if nodes.node_rank != 0:
@@ -618,7 +630,7 @@ def _launcher(args) -> str:
     asked = args.backend  # the user's choice of transport (not a name a transport reports)
     if args.hostfile is not None or asked == "mpi":  # the MPI transport needs MPI's ranks
         return "mpirun"
-    if args.nnodes > 1 or args.node_rank or args.master_addr is not None or args.max_restarts:
+    if launch.node_range(args.nnodes)[1] > 1 or args.node_rank or args.master_addr is not None or args.max_restarts:
         return "torchrun"
     return launch.default_launcher(args.device, args.backend)
 

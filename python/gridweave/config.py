@@ -369,7 +369,9 @@ class LaunchSection(Section):
     TITLE: ClassVar[str] = "launch (torchrun's words; the same command on every node, --node-rank apart)"
     nproc: int = option(8, "ranks to spawn on this node (0, or left out under torchrun / mpirun / srun --mpi: this "
                            "process is one of the launcher's ranks)", at_least=0)
-    nnodes: int = option(1, "machines in the job, each starting nproc ranks")
+    nnodes: int | str = option(1, "machines in the job, each starting nproc ranks: N, or MIN:MAX (torchrun's elastic "
+                                  "rendezvous: each restart runs on the nodes there are, MIN to MAX, the grid derived "
+                                  "again for that world)")
     node_rank: int = option(0, "this machine's index (0: the master)")
     master_addr: str | None = option(None, "the master's address or hostname, as every node reaches it (each node "
                                            "finds its own address on that route; GRIDWEAVE_HOSTNAME overrides); "
@@ -383,6 +385,9 @@ class LaunchSection(Section):
                                    "words, else the transport's", choices=("auto", "torchrun", "mpirun"))
     hostfile: str | None = option(None, "launcher mpirun: the nodes (mpirun's hostfile); mpirun, run once on the "
                                         "first, starts nproc ranks on each of the first nnodes")
+
+    def rules(self):
+        launch.node_range(self.nnodes)  # N or MIN:MAX
 
 
 def choices(name: str) -> tuple:

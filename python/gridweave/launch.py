@@ -90,19 +90,26 @@ def advertised_address(all_local: bool) -> str:
 class Nodes:
     """Where a job's ranks run, in torchrun's words: nnodes machines, this one node_rank, each
     starting nproc ranks; the master (node 0) at master_addr:master_port serves the
-    rendezvous store; a rank lost restarts every node's ranks up to max_restarts times."""
+    rendezvous store; a rank lost restarts every node's ranks up to max_restarts times. With
+    min_nodes below nnodes the world is elastic (torchrun's --nnodes MIN:MAX, its c10d
+    rendezvous): a restart runs on the nodes that come, MIN to MAX, node ranks as they arrive."""
     nproc: int
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = DEFAULT_PORT
     max_restarts: int = 0
+    min_nodes: int | None = None  # torchrun's --nnodes MIN:MAX: an elastic world of MIN to nnodes nodes
 
     def __post_init__(self):
-        for name in ("nproc", "nnodes"):
+        if self.min_nodes is None:
+            object.__setattr__(self, "min_nodes", self.nnodes)
+        for name in ("nproc", "nnodes", "min_nodes"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise GridError(f"{name} must be a positive integer, got {v!r}")
+        if self.min_nodes > self.nnodes:
+            raise GridError(f"nnodes {self.min_nodes}:{self.nnodes}: MIN is above MAX")
         if not (isinstance(self.node_rank, int) and 0 <= self.node_rank < self.nnodes):
             raise GridError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank!r}")
         if not (isinstance(self.master_port, int) and 0 < self.master_port < 65536):
@@ -115,6 +122,26 @@ class Nodes:
     @property
     def world_size(self) -> int:
         return self.nproc * self.nnodes
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the world may shrink to min_nodes and grow back (torchrun's c10d rendezvous)."""
+        return self.min_nodes < self.nnodes
+
+    def worlds(self) -> range:
+        """Every world size the job may run on: nproc ranks on each of min_nodes to nnodes nodes."""
+        return range(self.nproc * self.min_nodes, self.world_size + 1, self.nproc)
+
+
+def node_range(value) -> tuple:
+    """torchrun's --nnodes: N, or MIN:MAX (an elastic world), as (MIN, MAX) integers."""
+    text = str(value).strip()
+    low, colon, high = text.partition(":")
+    try:
+        lo, hi = int(low), int(high if colon else low)
+    except ValueError:
+        raise GridError(f"nnodes must be N or MIN:MAX (positive integers), got {value!r}") from None
+    return lo, hi  # their bounds: Nodes
 
 
 def local_world_size():
@@ -255,6 +282,9 @@ def _fork_server(module: str) -> None:
         sys.warnoptions[:] = saved
 
 
+ELASTIC_LAST_CALL_S = 5  # an elastic rendezvous waits this long past MIN nodes for more (torchrun's: 30)
+
+
 def torchrun(nodes: Nodes, module_argv: list, run_id: str, timeout: float) -> int:
     """This node's share of a job through torchrun's elastic agent, in this process: nodes.nproc
     ranks of `python -m <module_argv>` (the module's main(argv)), a static rendezvous at the master (node ranks as given,
@@ -271,10 +301,18 @@ def torchrun(nodes: Nodes, module_argv: list, run_id: str, timeout: float) -> in
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     # ... nor its stopping the other ranks once one failed (torch.multiprocessing's warning per rank)
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    config = LaunchConfig(min_nodes=nodes.nnodes, max_nodes=nodes.nnodes, nproc_per_node=nodes.nproc, run_id=run_id,
-                          rdzv_backend="static", rdzv_endpoint=f"{nodes.master_addr}:{nodes.master_port}",
-                          rdzv_configs={"rank": nodes.node_rank, "timeout": int(math.ceil(timeout))},
-                          max_restarts=nodes.max_restarts, monitor_interval=0.1, start_method="forkserver")
+    if nodes.elastic:  # c10d: the agents that come make the world (MIN to MAX nodes), node ranks in arrival order
+        rdzv = dict(rdzv_backend="c10d", rdzv_configs={"timeout": int(math.ceil(timeout)),
+                                                       "last_call_timeout": ELASTIC_LAST_CALL_S})
+        # each round's ranks meet in a store of their own (rank 0's, a fresh port): the agents' shared
+        # one keeps an earlier round's keys, and the agents' restart counts, which would set them apart,
+        # differ once a node restarted for another's loss
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    else:
+        rdzv = dict(rdzv_backend="static", rdzv_configs={"rank": nodes.node_rank, "timeout": int(math.ceil(timeout))})
+    config = LaunchConfig(min_nodes=nodes.min_nodes, max_nodes=nodes.nnodes, nproc_per_node=nodes.nproc, run_id=run_id,
+                          rdzv_endpoint=f"{nodes.master_addr}:{nodes.master_port}", max_restarts=nodes.max_restarts,
+                          monitor_interval=0.1, start_method="forkserver", **rdzv)
     from torch.distributed import DistError
     from torch.distributed.elastic.rendezvous import RendezvousError
 

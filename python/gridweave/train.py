@@ -144,6 +144,31 @@ def peak_flops(grid, precision: str) -> tuple:
                                                     f"{usable} threads a node")
 
 
+RESTARTS = "restarts.jsonl"  # in the run folder: one line a restart (metrics.json's restarts)
+
+
+def note_restart(out: Path, grid, cfg: TrainConfig, manifest: dict) -> dict:
+    """A restarted job resumed (rank 0): what changed, appended to out/RESTARTS: the restart, the
+    step it continues from, the world and grid it ran on (the checkpoint's) and runs on now, and
+    the seconds since the last step logged before the loss (the time lost, the redone steps aside)."""
+    log = out / "logs" / "log.jsonl"
+    record = {"restart": launch.restart_count(), "step": int(manifest["step"]),
+              "previous_world": manifest.get("world_size"),
+              "previous_grid": ",".join(f"{k}={v}" for k, v in (manifest.get("grid") or {}).items()),
+              "world": grid.world_size, "grid": ",".join(f"{k}={v}" for k, v in grid.axes.items() if k in ("dp", "pp",
+                                                                                                           "sp")),
+              "tp": cfg.mode.spec(), "seconds_lost": time.time() - log.stat().st_mtime if log.exists() else None}
+    with open(out / RESTARTS, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    return record
+
+
+def restarts(out: Path) -> list:
+    """The restarts recorded in this run folder (note_restart), oldest first."""
+    path = out / RESTARTS
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
 def plan_job(cfg: TrainConfig, degrees: dict, cluster) -> dict:
     """gw.plan's prediction of this job (time, memory, bytes per axis) with the grid's degrees
     ({"dp", "pp", "sp"}) on `cluster`. The planner recomputes every layer or none: any activation
@@ -501,7 +526,12 @@ class Checkpointer:
         if self.scaler is not None and manifest.get("loss_scaler"):
             self.scaler.load_state_dict(manifest["loss_scaler"])
         if self.grid.rank == 0:  # a restarted job says where it continues (and when: the time to recover)
-            again = f" (restart {launch.restart_count()})" if launch.restart_count() else ""
+            again = ""
+            if launch.restart_count() or manifest.get("world_size") != self.grid.world_size:  # restarted, or elastic
+                r = note_restart(self.out, self.grid, cfg, manifest)
+                again = (f" (restart {r['restart']}: {r['previous_world']} ranks {r['previous_grid']} -> "
+                         f"{r['world']} ranks {r['grid']}" +
+                         (f", {r['seconds_lost']:.1f} s after the last step logged)" if r["seconds_lost"] else ")"))
             print(f"gridweave train: resumed from step {manifest['step']} of {cfg.resume}{again}", flush=True)
         return History(list(manifest["losses"]), list(manifest.get("val", [])), manifest["step"])
 
@@ -790,7 +820,7 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
                "unigram_entropy_val": data.unigram_entropy(tokens.val, tokens.vocab_size), **meter.as_dict(),
                "config": cfg.run_config(model_cfg), "grid": dict(grid.axes),
                "grid_shape": cfg.plan_shape(grid.axes["dp"], grid.axes["pp"]).spec(),
-               "grid_policy": AUTO if auto else cfg.grid, "backend": grid.backend,
+               "grid_policy": AUTO if auto else cfg.grid, "restarts": restarts(out), "backend": grid.backend,
                "device": str(grid.device), "precision": cfg.compute.name, "traffic": traffic_by_node(grid),
                **memory_per_rank(grid, stage, opt)}
     made = grid.communicators()

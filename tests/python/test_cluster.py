@@ -224,7 +224,7 @@ def test_a_lost_rank_restarts_from_the_newest_checkpoint(tmp_path):
         codes = [p.wait(timeout=300) for p in procs]
         text = [log.read_text(errors="replace") for log in logs]
         assert codes == [0, 0], [t[-3000:] for t in text]
-        assert "resumed from step" in text[0] and "(restart 1)" in text[0], text[0][-3000:]
+        assert "resumed from step" in text[0] and "(restart 1: 4 ranks dp=2,pp=2,sp=1 -> 4 ranks" in text[0], text[0][-3000:]
         m = json.loads((out / "metrics.json").read_text())
         assert _close(m["loss"], one["loss"]), (m["loss"], one["loss"])
         assert _close([v for _, v in m["val_loss"]], [v for _, v in one["val_loss"]])
@@ -261,6 +261,11 @@ def test_resume_auto_starts_fresh_without_a_checkpoint_and_continues_with_one(tm
     (["--nnodes", "2", "--launcher", "mpirun"], "needs --hostfile"),
     (["--nnodes", "2", "--node-rank", "1", "--hostfile", "h", "--launcher", "mpirun"], "runs once, on the first"),
     (["--hostfile", "h", "--launcher", "torchrun"], "--hostfile is mpirun's"),
+    (["--nnodes", "3:2", "--master-addr", "10.0.0.1"], "MIN is above MAX"),
+    (["--nnodes", "two:3", "--master-addr", "10.0.0.1"], "must be N or MIN:MAX"),
+    (["--nnodes", "1:2", "--node-rank", "1", "--master-addr", "10.0.0.1"], "an elastic rendezvous numbers the nodes"),
+    (["--nnodes", "1:2", "--hostfile", "h", "--launcher", "mpirun"], "torchrun's elastic rendezvous"),
+    (["--nnodes", "1:2", "--master-addr", "10.0.0.1", "--tp", "row:2"], "--nnodes 1:2: on 2 ranks (1 nodes)"),
 ])
 def test_bad_node_flags_are_one_clear_error_before_anything_starts(tmp_path, flags, needle):
     r = subprocess.run([sys.executable, "-m", "gridweave.cli", "train", "--nproc", "2", "--pp", "2", *flags,
@@ -328,3 +333,39 @@ def test_torchrun_forks_the_ranks_from_one_server_that_imported_the_program(tmp_
         assert all(r_["imported_in"] == r_["ppid"] != r_["pid"] and r_["world"] == 3 for r_ in ranks), ranks
         if code == 0:
             assert len({r_["ppid"] for r_ in ranks}) == 1 and len({r_["pid"] for r_ in ranks}) == 3, ranks
+
+
+@needs_cluster
+def test_an_elastic_job_finishes_on_the_nodes_left_with_uninterrupted_losses(tmp_path):
+    """--nnodes 2:3 (torchrun's elastic rendezvous) --max-restarts 2 --resume auto: 3 nodes x 2 ranks,
+    node 2 lost for good (every process killed) after the first checkpoints. The other two restart on 4
+    ranks (dp 3 x pp 2 -> dp 2 x pp 2, the global batch kept), reshard the newest checkpoint and finish with the
+    losses of an uninterrupted run (one process, float32 1e-5); metrics.json records the restart
+    (the worlds and grids before and after, the step, the time lost)."""
+    job = [*MODEL, "--batch", "24", "--steps", "12", "--val-every", "6", "--checkpoint-every", "2"]
+    one = _one(tmp_path, job, 29650)
+    with cl.Cluster(3, prefix="gwe", subnet="10.231.82") as c:
+        out = tmp_path / "run"
+        args = [*job, "--out", out, "--timeout", TIMEOUT, "--resume", "auto", "--max-restarts", "2", "--sync-save"]
+        logs = [tmp_path / f"elastic{k}.log" for k in range(3)]
+        cmd = [sys.executable, "-m", "gridweave.cli", "train", "--nnodes", "2:3", "--master-addr", c.addr(0),
+               "--master-port", 29651, "--nproc", 2, "--launcher", "torchrun", *args]
+        procs = [c.popen(k, cmd, logs[k]) for k in range(3)]
+        t0 = time.monotonic()
+        while not (out / "checkpoint" / "latest").exists():
+            assert time.monotonic() - t0 < 180 and all(p.poll() is None for p in procs), \
+                [log.read_text()[-2000:] for log in logs]
+            time.sleep(0.05)
+        c.sh("kill", 2)  # the node and everything on it, never back
+        codes = [p.wait(timeout=400) for p in procs[:2]]
+        text = [log.read_text(errors="replace") for log in logs]
+        assert codes == [0, 0], [t[-3000:] for t in text]
+        m = json.loads((out / "metrics.json").read_text())
+        assert m["grid"] == {"dp": 2, "pp": 2, "sp": 1} and _close(m["loss"], one["loss"]), (m["grid"], m["loss"],
+                                                                                               one["loss"])
+        assert _close([v for _, v in m["val_loss"]], [v for _, v in one["val_loss"]])
+        (r,) = m["restarts"]
+        assert r["previous_world"] == 6 and r["world"] == 4 and r["restart"] >= 1 and r["step"] >= 2, r
+        assert r["previous_grid"] == "dp=3,pp=2,sp=1" and r["grid"] == "dp=2,pp=2,sp=1" and r["seconds_lost"] > 0, r
+        assert "resumed from step" in text[0] and "6 ranks dp=3,pp=2,sp=1 -> 4 ranks" in text[0], text[0][-3000:]
+        assert c.wait_empty(5) is not None
