@@ -335,15 +335,25 @@ def test_torchrun_forks_the_ranks_from_one_server_that_imported_the_program(tmp_
             assert len({r_["ppid"] for r_ in ranks}) == 1 and len({r_["pid"] for r_ in ranks}) == 3, ranks
 
 
+ELASTIC = {  # the model, the job's grid flags, its grids on 6 ranks and on 4
+    "dense": ([], [], "dp=3,pp=2,sp=1", "dp=2,pp=2,sp=1"),
+    "moe-zero3": (["--model", "mixtral", "--experts", "4"], ["--ep", "2", "--pp", "1", "--zero", "3"],
+                  "dp=6,pp=1,sp=1", "dp=4,pp=1,sp=1")}
+
+
 @needs_cluster
-def test_an_elastic_job_finishes_on_the_nodes_left_with_uninterrupted_losses(tmp_path):
+@pytest.mark.parametrize("job", ELASTIC)
+def test_an_elastic_job_finishes_on_the_nodes_left_with_uninterrupted_losses(tmp_path, job):
     """--nnodes 2:3 (torchrun's elastic rendezvous) --max-restarts 2 --resume auto: 3 nodes x 2 ranks,
     node 2 lost for good (every process killed) after the first checkpoints. The other two restart on 4
-    ranks (dp 3 x pp 2 -> dp 2 x pp 2, the global batch kept), reshard the newest checkpoint and finish with the
-    losses of an uninterrupted run (one process, float32 1e-5); metrics.json records the restart
-    (the worlds and grids before and after, the step, the time lost)."""
-    job = [*MODEL, "--batch", "24", "--steps", "12", "--val-every", "6", "--checkpoint-every", "2"]
+    ranks (dense: dp 3 x pp 2 -> dp 2 x pp 2; Mixtral at ZeRO 3, experts over ep 2: dp 6 -> 4, the
+    experts' copies and the ZeRO shards resharded), the global batch kept, and finish with the losses of
+    an uninterrupted run (one process, float32 1e-5); metrics.json records the restart (the worlds
+    and grids before and after, the step, the time lost)."""
+    model, grid, before, after = ELASTIC[job]
+    job = [*MODEL, "--batch", "24", "--steps", "12", "--val-every", "6", "--checkpoint-every", "2", *model]
     one = _one(tmp_path, job, 29650)
+    job += grid
     with cl.Cluster(3, prefix="gwe", subnet="10.231.82") as c:
         out = tmp_path / "run"
         args = [*job, "--out", out, "--timeout", TIMEOUT, "--resume", "auto", "--max-restarts", "2", "--sync-save"]
@@ -361,11 +371,11 @@ def test_an_elastic_job_finishes_on_the_nodes_left_with_uninterrupted_losses(tmp
         text = [log.read_text(errors="replace") for log in logs]
         assert codes == [0, 0], [t[-3000:] for t in text]
         m = json.loads((out / "metrics.json").read_text())
-        assert m["grid"] == {"dp": 2, "pp": 2, "sp": 1} and _close(m["loss"], one["loss"]), (m["grid"], m["loss"],
-                                                                                               one["loss"])
+        ran = ",".join(f"{k}={v}" for k, v in m["grid"].items())
+        assert ran == after and _close(m["loss"], one["loss"]), (ran, m["loss"], one["loss"])
         assert _close([v for _, v in m["val_loss"]], [v for _, v in one["val_loss"]])
         (r,) = m["restarts"]
         assert r["previous_world"] == 6 and r["world"] == 4 and r["restart"] >= 1 and r["step"] >= 2, r
-        assert r["previous_grid"] == "dp=3,pp=2,sp=1" and r["grid"] == "dp=2,pp=2,sp=1" and r["seconds_lost"] > 0, r
-        assert "resumed from step" in text[0] and "6 ranks dp=3,pp=2,sp=1 -> 4 ranks" in text[0], text[0][-3000:]
+        assert r["previous_grid"] == before and r["grid"] == after and r["seconds_lost"] > 0, r
+        assert "resumed from step" in text[0] and f"6 ranks {before} -> 4 ranks" in text[0], text[0][-3000:]
         assert c.wait_empty(5) is not None
