@@ -1122,6 +1122,34 @@ def _resolve_device(device, backend: str, local_ranks: int) -> torch.device:
     return torch.device("cuda", index)
 
 
+def rendezvous_store(timeout: float = 300.0):
+    """The store gw.init meets in on this launched world (torchrun's TCPStore; a HashStore for one
+    rank), for its ranks to agree on something before their grid exists: pass it on as
+    init(store=). None under an MPI launcher (its ranks meet through MPI)."""
+    if launch.mpi_launched():
+        return None
+    world = _env_int("WORLD_SIZE") or 1
+    return _default_store(launch.launched_rank() or 0 if world > 1 else 0, world, timeout)
+
+
+def decided_once(store, key: str, decide, timeout: float) -> str:
+    """decide() (a string) run by rank 0 alone and read by every rank from `store` (rendezvous_store's)
+    within `timeout` seconds; a GridError rank 0 meets is every rank's."""
+    adapter = _TorchStore(store, timeout)
+    if (launch.launched_rank() or 0) == 0:
+        try:
+            value = "ok:" + decide()
+        except GridError as e:
+            value = "error:" + str(e)
+        adapter.set(key, value.encode())
+    else:
+        value = bytes(adapter.get(key, timeout)).decode()
+    kind, _, text = value.partition(":")
+    if kind == "error":
+        raise GridError(text)
+    return text
+
+
 def _default_store(rank: int, world_size: int, timeout: float):
     from torch.distributed import HashStore, TCPStore
 

@@ -32,7 +32,7 @@ from . import checkpoint, data, launch, loggers, models, optim, pipeline, plan, 
 from .config import AUTO, TrainConfig
 from .errors import Diverged, GridError
 from .generate import sample
-from .grid import Grid, init, shutdown
+from .grid import Grid, decided_once, init, rendezvous_store, shutdown
 from .measure import HostReads, StepPhases, StragglerDetector, gemm_rate, probe_size, timed
 from .models import ModelConfig
 from .nn.moe import routed_tokens, set_aux_grad_scale
@@ -202,15 +202,22 @@ def plan_shape(row: dict) -> "plan.GridShape":
     return plan.GridShape.parse(",".join(f"{k}={row[k]}" for k in GRID_FIELDS))
 
 
-def chosen_grid(cfg: TrainConfig, world: int, per_node: int) -> TrainConfig:
-    """cfg on its grid: as given, or grid auto's choice for this world (the launcher's, passed in
-    GRID_ENV, where it planned this world; else planned here, alike on every rank)."""
+PLAN_WAIT_S = 600.0  # grid auto: how long the other ranks wait for rank 0's plan
+
+
+def chosen_grid(cfg: TrainConfig, world: int, per_node: int, store=None) -> TrainConfig:
+    """cfg on its grid: as given, or grid auto's choice for this world: the launcher's, passed in
+    GRID_ENV, where it planned this world; else (a restart on another world) rank 0's, shared
+    through `store` (grid.rendezvous_store's; None: planned alike on every rank)."""
     if cfg.grid != AUTO:
         return cfg
     planned, _, spec = os.environ.get(GRID_ENV, "").partition(":")
-    if planned == str(world):
-        return cfg.on_grid(plan.GridShape.parse(spec))
-    return plan_grid(cfg, world, per_node)[0]
+    if planned != str(world):
+        def decide():
+            return plan_shape(plan_grid(cfg, world, per_node)[1][0]).spec()
+        spec = decide() if store is None else \
+            decided_once(store, f"gridweave/{launch.restart_count()}/grid-auto/{world}", decide, PLAN_WAIT_S)
+    return cfg.on_grid(plan.GridShape.parse(spec))
 
 
 def predicted_step_s(cfg: TrainConfig, grid) -> float:
@@ -399,12 +406,14 @@ def read_step(loss, taken, opt, scaler=None, experts=None) -> StepRead:
     return StepRead(loss_value, took, norm_value, scale, slots)
 
 
-def setup_grid(cfg: TrainConfig) -> Grid:
+def setup_grid(cfg: TrainConfig, store=None) -> Grid:
     """The run's grid on the launched ranks, every check before the rendezvous. auto: init picks
     NCCL on one GPU per rank when it can, else Gloo on the CPU; cuda with fewer GPUs than ranks
-    shares them through Gloo."""
+    shares them through Gloo. store: the rendezvous store, where the ranks already met (else
+    init's own)."""
     # every rank's flight recorder goes to the run folder when communication fails (gridweave flight)
-    return init(**grid_options(cfg, launch.launched_world_size(cfg.backend)), flight_dir=str(Path(cfg.out) / "flight"))
+    return init(**grid_options(cfg, launch.launched_world_size(cfg.backend)), flight_dir=str(Path(cfg.out) / "flight"),
+                store=store)
 
 
 def grid_options(cfg: TrainConfig, world: int) -> dict:
@@ -753,8 +762,9 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
     if not isinstance(cfg, TrainConfig):
         raise GridError(f"train.run takes a TrainConfig, got {type(cfg).__name__}")
     auto = cfg.grid == AUTO
-    cfg = chosen_grid(cfg, launch.launched_world_size(cfg.backend), launch.local_world_size() or 1)
-    grid, out = setup_grid(cfg), Path(cfg.out)
+    store = rendezvous_store(cfg.timeout) if auto else None  # where rank 0's plan is shared, then the grid's
+    cfg = chosen_grid(cfg, launch.launched_world_size(cfg.backend), launch.local_world_size() or 1, store)
+    grid, out = setup_grid(cfg, store), Path(cfg.out)
     cfg = resolve_resume(cfg, grid)
     schedule = cfg.resolved_schedule(grid.axes["dp"], grid.axes["pp"])
     if grid.rank == 0 and not cfg.quiet and grid.axes["pp"] > 1:

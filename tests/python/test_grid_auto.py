@@ -65,3 +65,25 @@ def test_grid_auto_refuses_given_degrees_and_a_world_nothing_fits(tmp_path):
     r = _train(tmp_path / "b", "--grid", "auto", "--cluster", str(tiny), "--nproc", "4", port=29869)
     assert r.returncode == 2 and "no grid of 4 ranks fits a rank's memory on tiny" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())
+
+
+def test_grid_auto_under_the_users_own_torchrun_is_rank_0s_plan(tmp_path):
+    """Ranks started by torchrun itself (no gridweave launcher planned for them): rank 0 plans, the
+    others take its choice from the rendezvous store, and they train on the planner's first row."""
+    from gridweave import launch, plan, train
+    from gridweave.config import TrainConfig
+
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("GRIDWEAVE_GRID", None)
+    r = subprocess.run([*launch.torchrun_command(2, 29871), "-m", "gridweave.cli", "train", *JOB,
+                        "--grid", "auto", "--out", str(out)], capture_output=True, text=True, timeout=300, env=env,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    cfg = TrainConfig(hidden=32, layers=4, heads=4, seq=32, batch=8, microbatches=2, tokenizer="bytes")
+    rows = plan.plan(2, plan.model_of(cfg), plan.load_cluster("local", 2), microbatches=2, workers=1,
+                     recompute=False, **cfg.planned_optimizer())
+    want = train.plan_shape(rows[0])
+    ran = plan.GridShape.parse(json.loads((out / "metrics.json").read_text())["grid_shape"])
+    assert (ran.dp, ran.pp, ran.tp, ran.sp, ran.zero) == (want.dp, want.pp, want.tp, want.sp, want.zero), \
+        (ran.spec(), want.spec())
