@@ -334,6 +334,9 @@ def _verify(args, parser, argv) -> int:
                             "inside a launched world, call gw.verify.run on every rank")
         job_world = args.nproc * launch.node_range(args.nnodes)[1]
         cfg = train_config(args)
+        if cfg.grid == AUTO:  # the grid the job would run on, and its ranks take it (train.GRID_ENV)
+            cfg, rows = train.plan_grid(cfg, job_world, args.nproc)
+            os.environ[train.GRID_ENV] = f"{job_world}:{train.plan_shape(rows[0]).spec()}"
         replica, lines, world = verify.scale_down(cfg, job_world, args.ranks)
     except (GridError, OSError) as e:
         print(f"gridweave verify: {as_flags(getattr(e, 'strerror', None) or e)}", file=sys.stderr)
@@ -379,7 +382,9 @@ def _verify_rank(args) -> int:
     launch.die_with_parent()
     rank = int(os.environ.get("RANK", "0"))
     try:
-        report = verify.run(train_config(args), steps=args.verify_steps, job_world=int(os.environ[VERIFY_JOB]))
+        job_world = int(os.environ[VERIFY_JOB])
+        report = verify.run(train.chosen_grid(train_config(args), job_world, args.nproc), steps=args.verify_steps,
+                            job_world=job_world)
     except (GridError, CommError) as e:
         if rank == 0:
             print(f"gridweave verify: {as_flags(e)}", file=sys.stderr)

@@ -87,3 +87,22 @@ def test_grid_auto_under_the_users_own_torchrun_is_rank_0s_plan(tmp_path):
     ran = plan.GridShape.parse(json.loads((out / "metrics.json").read_text())["grid_shape"])
     assert (ran.dp, ran.pp, ran.tp, ran.sp, ran.zero) == (want.dp, want.pp, want.tp, want.sp, want.zero), \
         (ran.spec(), want.spec())
+
+
+def test_verify_checks_the_grid_auto_would_choose(tmp_path):
+    """`gridweave verify --grid auto` verifies the grid the job would run on (the planner's first row
+    for its world), not the default degrees."""
+    from gridweave import plan, train
+    from gridweave.config import TrainConfig
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GRIDWEAVE_PORT": "29873"}
+    env.pop("GRIDWEAVE_GRID", None)
+    r = subprocess.run([sys.executable, "-m", "gridweave.cli", "verify", "--nproc", "4", "--grid", "auto", *JOB[2:]],
+                       capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL, cwd=tmp_path)
+    assert r.returncode == 0 and "verify: ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    cfg = TrainConfig(hidden=32, layers=4, heads=4, seq=32, batch=8, microbatches=2, tokenizer="bytes")
+    rows = plan.plan(4, plan.model_of(cfg), plan.load_cluster("local", 4), microbatches=2, workers=1,
+                     recompute=False, **cfg.planned_optimizer())
+    want = train.plan_shape(rows[0])
+    said = "dp " + str(want.dp) + (f" x pp {want.pp}" if want.pp > 1 else "")
+    assert f"the job on 4 ranks as llama on {said}" in r.stdout, (want.spec(), r.stdout[-2000:])
