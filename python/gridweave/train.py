@@ -148,9 +148,10 @@ RESTARTS = "restarts.jsonl"  # in the run folder: one line a restart (metrics.js
 
 
 def note_restart(out: Path, grid, cfg: TrainConfig, manifest: dict) -> dict:
-    """A restarted job resumed (rank 0): what changed, appended to out/RESTARTS: the restart, the
-    step it continues from, the world and grid it ran on (the checkpoint's) and runs on now, and
-    the seconds since the last step logged before the loss (the time lost, the redone steps aside)."""
+    """A job resumed on another world than its checkpoint's (rank 0; an elastic restart): the
+    change, appended to out/RESTARTS: torch's restart count, the step it continues from, the world
+    and grid it ran on and runs on now, and the seconds since the last step logged before (the
+    time lost, the redone steps aside)."""
     log = out / "logs" / "log.jsonl"
     record = {"restart": launch.restart_count(), "step": int(manifest["step"]),
               "previous_world": manifest.get("world_size"),
@@ -535,12 +536,13 @@ class Checkpointer:
         if self.scaler is not None and manifest.get("loss_scaler"):
             self.scaler.load_state_dict(manifest["loss_scaler"])
         if self.grid.rank == 0:  # a restarted job says where it continues (and when: the time to recover)
-            again = ""
-            if launch.restart_count() or manifest.get("world_size") != self.grid.world_size:  # restarted, or elastic
+            again = f" (restart {launch.restart_count()})" if launch.restart_count() else ""
+            if manifest.get("world_size") != self.grid.world_size:  # a world that changed: metrics' restarts
                 r = note_restart(self.out, self.grid, cfg, manifest)
-                again = (f" (restart {r['restart']}: {r['previous_world']} ranks {r['previous_grid']} -> "
-                         f"{r['world']} ranks {r['grid']}" +
-                         (f", {r['seconds_lost']:.1f} s after the last step logged)" if r["seconds_lost"] else ")"))
+                which = f"restart {r['restart']}: " if r["restart"] else ""
+                lost = f", {r['seconds_lost']:.1f} s after the last step logged" if r["seconds_lost"] else ""
+                again = (f" ({which}{r['previous_world']} ranks {r['previous_grid']} -> {r['world']} ranks "
+                         f"{r['grid']}{lost})")
             print(f"gridweave train: resumed from step {manifest['step']} of {cfg.resume}{again}", flush=True)
         return History(list(manifest["losses"]), list(manifest.get("val", [])), manifest["step"])
 

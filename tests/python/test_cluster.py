@@ -224,7 +224,7 @@ def test_a_lost_rank_restarts_from_the_newest_checkpoint(tmp_path):
         codes = [p.wait(timeout=300) for p in procs]
         text = [log.read_text(errors="replace") for log in logs]
         assert codes == [0, 0], [t[-3000:] for t in text]
-        assert "resumed from step" in text[0] and "(restart 1: 4 ranks dp=2,pp=2,sp=1 -> 4 ranks" in text[0], text[0][-3000:]
+        assert "resumed from step" in text[0] and "(restart 1)" in text[0], text[0][-3000:]
         m = json.loads((out / "metrics.json").read_text())
         assert _close(m["loss"], one["loss"]), (m["loss"], one["loss"])
         assert _close([v for _, v in m["val_loss"]], [v for _, v in one["val_loss"]])
