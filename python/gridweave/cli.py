@@ -15,8 +15,8 @@ import uuid
 
 from pathlib import Path
 
-from . import calibrate, checkpoint, configfile, data, launch, models, modes, pipeline, plan, runfolder, train, verify
-from . import flight
+from . import autogrid, calibrate, checkpoint, configfile, data, launch, models, modes, pipeline, plan, runfolder
+from . import flight, train, verify
 from .errors import CommError, Diverged, GridError
 from .generate import check_sampling, sample
 from .hf import save_hf
@@ -334,9 +334,8 @@ def _verify(args, parser, argv) -> int:
                             "inside a launched world, call gw.verify.run on every rank")
         job_world = args.nproc * launch.node_range(args.nnodes)[1]
         cfg = train_config(args)
-        if cfg.grid == AUTO:  # the grid the job would run on, and its ranks take it (train.GRID_ENV)
-            cfg, rows = train.plan_grid(cfg, job_world, args.nproc)
-            os.environ[train.GRID_ENV] = f"{job_world}:{train.plan_shape(rows[0]).spec()}"
+        if cfg.grid == AUTO:  # the grid the job would run on, and its ranks take it (autogrid.GRID_ENV)
+            cfg = autogrid.plan_for_ranks(cfg, job_world, args.nproc)[0]
         replica, lines, world = verify.scale_down(cfg, job_world, args.ranks)
     except (GridError, OSError) as e:
         print(f"gridweave verify: {as_flags(getattr(e, 'strerror', None) or e)}", file=sys.stderr)
@@ -383,7 +382,7 @@ def _verify_rank(args) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         job_world = int(os.environ[VERIFY_JOB])
-        report = verify.run(train.chosen_grid(train_config(args), job_world, args.nproc), steps=args.verify_steps,
+        report = verify.run(autogrid.chosen_grid(train_config(args), job_world, args.nproc), steps=args.verify_steps,
                             job_world=job_world)
     except (GridError, CommError) as e:
         if rank == 0:
@@ -548,9 +547,8 @@ def main(argv=None) -> int:
                 nodes = node_spec(args)
                 cfg = train_config(args)
                 chosen = None
-                if cfg.grid == AUTO:  # planned once here; the ranks of this world take it (train.GRID_ENV)
-                    cfg, rows = train.plan_grid(cfg, nodes.world_size, nodes.nproc)
-                    os.environ[train.GRID_ENV] = f"{nodes.world_size}:{train.plan_shape(rows[0]).spec()}"
+                if cfg.grid == AUTO:  # planned once here; the ranks of this world take it (autogrid.GRID_ENV)
+                    cfg, rows = autogrid.plan_for_ranks(cfg, nodes.world_size, nodes.nproc)
                     chosen = grid_choice(rows)
                 shape = cfg.grid_shape(nodes.world_size)
                 for world in nodes.worlds() if cfg.grid != AUTO else ():  # an elastic job's smaller worlds too
@@ -602,12 +600,12 @@ def node_spec(args) -> launch.Nodes:
     low, high = launch.node_range(args.nnodes)
     if starts and high > 1 and args.master_addr is None and launcher == "torchrun":
         raise GridError(f"--nnodes {args.nnodes} needs --master-addr: the address every node reaches node 0 at")
-    if low < high and args.node_rank:
-        raise GridError(f"--node-rank with --nnodes {args.nnodes}: an elastic rendezvous numbers the nodes as they "
-                        "come (leave --node-rank out)")
     nodes = launch.Nodes(nproc=args.nproc, nnodes=high, min_nodes=low, node_rank=args.node_rank,
                          master_addr=args.master_addr or "127.0.0.1",
                          master_port=args.master_port or launch.default_port(), max_restarts=args.max_restarts)
+    if nodes.elastic and args.node_rank:
+        raise GridError(f"--node-rank with --nnodes {args.nnodes}: an elastic rendezvous numbers the nodes as they "
+                        "come (leave --node-rank out)")
     if launcher == "mpirun":
         if nodes.elastic:
             raise GridError(f"--nnodes {args.nnodes} is torchrun's elastic rendezvous: use --launcher torchrun")
@@ -767,7 +765,7 @@ def _parameters(model_cfg) -> int:
 def grid_choice(rows: list) -> str:
     """grid auto's choice in words: the planner's first row, and why it ranks above the second
     (plan.explain)."""
-    first = train.plan_shape(rows[0])
+    first = autogrid.plan_shape(rows[0])
     head = (f"grid auto: {first.spec()}, {rows[0]['microbatches']} micro-batches: {rows[0]['step_time_s'] * 1e3:.2f} "
             f"ms a step predicted, {rows[0]['memory_bytes'] / 2 ** 30:.2f} GiB a rank")
     folded = plan.fold_equal(rows)  # grids equal in time and memory but for a stage that changes nothing, as one

@@ -507,9 +507,8 @@ class TrainConfig(LoggingSection, CheckpointSection, DataSection, OptimizerSecti
     def on_grid(self, shape: "plan.GridShape"):
         """This config on `shape` as if the job gave it (grid auto's choice): its degrees, ZeRO
         stage, schedule, chunks and placement."""
-        return dataclasses.replace(self, grid=GIVEN, dp=shape.dp, pp=shape.pp, tp=shape.tp.spec(), sp=shape.sp,
-                                   ep=shape.ep, zero=shape.zero, schedule=shape.schedule, chunks=shape.chunks,
-                                   placement=shape.placement)
+        given = {f.name: getattr(shape, f.name) for f in dataclasses.fields(shape)}
+        return dataclasses.replace(self, grid=GIVEN, **given | {"tp": shape.tp.spec()})
 
     def grid_shape(self, world: int) -> dict:
         """The grid's axes on `world` ranks: the ones not given derived from the ones given (pp

@@ -1128,8 +1128,7 @@ def rendezvous_store(timeout: float = 300.0):
     init(store=). None under an MPI launcher (its ranks meet through MPI)."""
     if launch.mpi_launched():
         return None
-    world = _env_int("WORLD_SIZE") or 1
-    return _default_store(launch.launched_rank() or 0 if world > 1 else 0, world, timeout)
+    return _default_store(launch.launched_rank() or 0, _env_int("WORLD_SIZE") or 1, timeout)
 
 
 def decided_once(store, key: str, decide, timeout: float) -> str:

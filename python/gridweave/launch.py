@@ -287,8 +287,10 @@ ELASTIC_LAST_CALL_S = 5  # an elastic rendezvous waits this long past MIN nodes 
 
 def torchrun(nodes: Nodes, module_argv: list, run_id: str, timeout: float) -> int:
     """This node's share of a job through torchrun's elastic agent, in this process: nodes.nproc
-    ranks of `python -m <module_argv>` (the module's main(argv)), a static rendezvous at the master (node ranks as given,
-    so node k holds ranks k*nproc ... as the placement assumes), restarts as nodes says. The ranks
+    ranks of `python -m <module_argv>` (the module's main(argv)), a static rendezvous at the master
+    (node ranks as given, so node k holds ranks k*nproc ... as the placement assumes; an elastic
+    world's c10d rendezvous numbers the nodes as they come, each still holding consecutive ranks),
+    restarts as nodes says. The ranks
     are forked from one server that imported the module (torch included) once, rather than each
     importing it afresh: on a node whose ranks share few cores the imports were most of a short
     job's start. Returns the first failed rank's exit code (0: all finished). The agent's own

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from . import _C, schedules
-from .split import WeightStore, defer_weights
+from .split import chunk_store
 from .axes import stage_axes
 from .errors import GridError
 from .grid import Control, Link
@@ -486,9 +486,7 @@ def _table_step(schedule, chunks_of, chunks, grid, inputs, targets, loss_fn, act
             raise GridError(f"microbatches={m}, but stage {where} holds "
                             f"{'no' if held is None else len(held)} micro-batches of {name}")
     _check_placement(chunks_of, schedule)
-    stores = [WeightStore() for _ in chunks]
-    for chunk, store in zip(chunks, stores):
-        defer_weights(chunk, store)
+    stores = [chunk_store(chunk) for chunk in chunks]
     cb = _StageCallbacks(chunks, pp, inputs, targets, loss_fn, m, activation_shape, dtype, grid.device, documents,
                          phases, vee=vee, stores=stores,
                          split=[(op.mb, op.chunk) for op in table.ops[pp.rank] if op.kind is schedules.Kind.B])
@@ -505,6 +503,8 @@ def _table_step(schedule, chunks_of, chunks, grid, inputs, targets, loss_fn, act
         raise
     left = [(c, mb) for c, store in enumerate(stores) for mb in store.pending]
     if left:
+        for store in stores:  # kept for the chunk's next step: empty
+            store.clear()
         raise GridError(f"the {schedule} table left weight gradients unapplied: (chunk, micro-batch) {left}")
     return cb.loss(), _with_copies(stats, cb)
 

@@ -88,25 +88,25 @@ def defer(store: WeightStore, mb, params, grads) -> None:
 
 
 class _DeferredLinear(torch.autograd.Function):
-    """y = x W^T + b with W and b detached (params: the leaves themselves, out of the graph): the
+    """y = x W^T + b with W and b detached (deferral's: the leaves themselves out of the graph): the
     backward gives dx, and W (store.run(mb)) later adds dW = dy^T x and db = sum dy to them."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, params, store, mb):
+    def forward(ctx, x, weight, bias, deferred):
         ctx.save_for_backward(x, weight)
-        ctx.params, ctx.store, ctx.mb = params, store, mb
+        ctx.deferred, ctx.has_bias = deferred, bias is not None
         return torch.nn.functional.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, gy):
         x, weight = ctx.saved_tensors
-        has_bias = ctx.params[1] is not None
+        has_bias = ctx.has_bias
 
         def grads():
             g2, x2 = gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1])
             return g2.t() @ x2, (g2.sum(0) if has_bias else None)
-        defer(ctx.store, ctx.mb, ctx.params, grads)
-        return (gy @ weight if ctx.needs_input_grad[0] else None), None, None, None, None, None
+        defer(*ctx.deferred, grads)
+        return (gy @ weight if ctx.needs_input_grad[0] else None), None, None, None
 
 
 def _hooked() -> bool:
@@ -185,10 +185,10 @@ def apart(store, fn, x, *params):
 
 def linear(x, weight, bias, store):
     """F.linear(x, weight, bias), its weights' gradients deferred to W where `store` defers now."""
-    if not deferring(store, x):
+    deferred, (w, b) = deferral(store, x, (weight, bias))
+    if deferred is None:
         return torch.nn.functional.linear(x, weight, bias)
-    return _DeferredLinear.apply(x, weight.detach(), None if bias is None else bias.detach(), (weight, bias), store,
-                                 store.current)
+    return _DeferredLinear.apply(x, w, b, deferred)
 
 
 def _deferrable_forward(linear_module: nn.Linear, store: WeightStore, x):
@@ -222,6 +222,16 @@ class Deferrable:
     passes `self.weight_store` to split.linear, or defers in its own backward (split.defer)."""
 
     weight_store: WeightStore | None = None
+
+
+def chunk_store(chunk: nn.Module) -> WeightStore:
+    """The WeightStore `chunk`'s layers defer into, made (defer_weights) the first time a split
+    schedule runs the chunk and kept for its later steps (empty between steps)."""
+    store = chunk.__dict__.get("_weight_store")
+    if store is None:
+        store = chunk.__dict__["_weight_store"] = WeightStore()
+        defer_weights(chunk, store)
+    return store
 
 
 def defer_weights(chunk: nn.Module, store: WeightStore) -> int:

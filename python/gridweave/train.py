@@ -32,7 +32,8 @@ from . import checkpoint, data, launch, loggers, models, optim, pipeline, plan, 
 from .config import AUTO, TrainConfig
 from .errors import Diverged, GridError
 from .generate import sample
-from .grid import Grid, decided_once, init, rendezvous_store, shutdown
+from .autogrid import chosen_grid
+from .grid import Grid, init, rendezvous_store, shutdown
 from .measure import HostReads, StepPhases, StragglerDetector, gemm_rate, probe_size, timed
 from .models import ModelConfig
 from .nn.moe import routed_tokens, set_aux_grad_scale
@@ -153,12 +154,13 @@ def note_restart(out: Path, grid, cfg: TrainConfig, manifest: dict) -> dict:
     and grid it ran on and runs on now, and the seconds since the last step logged before (the
     time lost, the redone steps aside)."""
     log = out / "logs" / "log.jsonl"
+
+    def degrees(axes):  # as a checkpoint records a grid (save_checkpoint's "grid")
+        return ",".join(f"{k}={axes[k]}" for k in ("dp", "pp", "sp") if k in axes)
     record = {"restart": launch.restart_count(), "step": int(manifest["step"]),
-              "previous_world": manifest.get("world_size"),
-              "previous_grid": ",".join(f"{k}={v}" for k, v in (manifest.get("grid") or {}).items()),
-              "world": grid.world_size, "grid": ",".join(f"{k}={v}" for k, v in grid.axes.items() if k in ("dp", "pp",
-                                                                                                           "sp")),
-              "tp": cfg.mode.spec(), "seconds_lost": time.time() - log.stat().st_mtime if log.exists() else None}
+              "previous_world": manifest.get("world_size"), "previous_grid": degrees(manifest.get("grid") or {}),
+              "world": grid.world_size, "grid": degrees(grid.axes), "tp": cfg.mode.spec(),
+              "seconds_lost": time.time() - log.stat().st_mtime if log.exists() else None}
     with open(out / RESTARTS, "a") as f:
         f.write(json.dumps(record) + "\n")
     return record
@@ -176,49 +178,6 @@ def plan_job(cfg: TrainConfig, degrees: dict, cluster) -> dict:
     checkpointing counts as every layer."""
     return plan.predict(plan.model_of(cfg), cfg.plan_shape(degrees["dp"], degrees["pp"]), cluster,
                         microbatches=cfg.microbatches, recompute=cfg.ac != 1, **cfg.planned_optimizer())
-
-
-GRID_ENV = "GRIDWEAVE_GRID"  # grid auto: the launcher's choice, "WORLD:SPEC", which ranks of that world take
-GRID_FIELDS = ("dp", "pp", "tp", "sp", "zero", "placement", "schedule", "chunks", "ep")  # a plan row's grid
-
-
-def plan_grid(cfg: TrainConfig, world: int, per_node: int) -> tuple:
-    """grid auto: (cfg on the planner's fastest grid of `world` ranks, `per_node` a node, that fits
-    the memory of a rank on cfg.cluster, the planner's rows). One clear error where none fits."""
-    cluster = plan.load_cluster(cfg.cluster, per_node)
-    rows = plan.plan(world, plan.model_of(cfg), cluster, microbatches=cfg.microbatches, workers=1,
-                     recompute=cfg.ac != 1, **cfg.planned_optimizer())
-    if not rows:
-        raise GridError(f"grid auto: no grid of {world} ranks takes this model ({cfg.layers} layers, {cfg.heads} "
-                        f"heads, hidden {cfg.hidden}) at batch {cfg.batch} in {cfg.microbatches} micro-batches")
-    if not rows[0]["fits"]:
-        least = min(r["memory_bytes"] for r in rows)
-        raise GridError(f"grid auto: no grid of {world} ranks fits a rank's memory on {cluster.name} "
-                        f"({cluster.memory_bytes / 2 ** 30:.2f} GiB); the least any needs is {least / 2 ** 30:.2f} GiB")
-    return cfg.on_grid(plan_shape(rows[0])), rows
-
-
-def plan_shape(row: dict) -> "plan.GridShape":
-    """The grid of a planner's row."""
-    return plan.GridShape.parse(",".join(f"{k}={row[k]}" for k in GRID_FIELDS))
-
-
-PLAN_WAIT_S = 600.0  # grid auto: how long the other ranks wait for rank 0's plan
-
-
-def chosen_grid(cfg: TrainConfig, world: int, per_node: int, store=None) -> TrainConfig:
-    """cfg on its grid: as given, or grid auto's choice for this world: the launcher's, passed in
-    GRID_ENV, where it planned this world; else (a restart on another world) rank 0's, shared
-    through `store` (grid.rendezvous_store's; None: planned alike on every rank)."""
-    if cfg.grid != AUTO:
-        return cfg
-    planned, _, spec = os.environ.get(GRID_ENV, "").partition(":")
-    if planned != str(world):
-        def decide():
-            return plan_shape(plan_grid(cfg, world, per_node)[1][0]).spec()
-        spec = decide() if store is None else \
-            decided_once(store, f"gridweave/{launch.restart_count()}/grid-auto/{world}", decide, PLAN_WAIT_S)
-    return cfg.on_grid(plan.GridShape.parse(spec))
 
 
 def predicted_step_s(cfg: TrainConfig, grid) -> float:

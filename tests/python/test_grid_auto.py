@@ -27,7 +27,7 @@ def _train(out, *args, port):
 def test_grid_auto_trains_on_the_planners_first_row(tmp_path, model, port):
     """The chosen grid (printed, run and recorded in metrics.json) is the first row of the planner
     asked here for the same job on 2 ranks of this machine's preset; the job trains on it."""
-    from gridweave import plan, train
+    from gridweave import autogrid, plan
     from gridweave.config import TrainConfig
 
     r = _train(tmp_path / model, "--grid", "auto", "--nproc", "2", *MODELS[model], *launcher_args(), port=port)
@@ -39,7 +39,7 @@ def test_grid_auto_trains_on_the_planners_first_row(tmp_path, model, port):
                      recompute=False, **cfg.planned_optimizer())
     first = rows[0]
     assert first["fits"]
-    want = train.plan_shape(first)
+    want = autogrid.plan_shape(first)
     assert f"grid auto: {want.spec()}" in r.stdout, r.stdout[-3000:]
     assert "ranks above the runner-up" in r.stdout or "the only grid" in r.stdout
     metrics = json.loads((tmp_path / model / "metrics.json").read_text())
@@ -70,7 +70,7 @@ def test_grid_auto_refuses_given_degrees_and_a_world_nothing_fits(tmp_path):
 def test_grid_auto_under_the_users_own_torchrun_is_rank_0s_plan(tmp_path):
     """Ranks started by torchrun itself (no gridweave launcher planned for them): rank 0 plans, the
     others take its choice from the rendezvous store, and they train on the planner's first row."""
-    from gridweave import launch, plan, train
+    from gridweave import autogrid, launch, plan
     from gridweave.config import TrainConfig
 
     out = tmp_path / "run"
@@ -83,7 +83,7 @@ def test_grid_auto_under_the_users_own_torchrun_is_rank_0s_plan(tmp_path):
     cfg = TrainConfig(hidden=32, layers=4, heads=4, seq=32, batch=8, microbatches=2, tokenizer="bytes")
     rows = plan.plan(2, plan.model_of(cfg), plan.load_cluster("local", 2), microbatches=2, workers=1,
                      recompute=False, **cfg.planned_optimizer())
-    want = train.plan_shape(rows[0])
+    want = autogrid.plan_shape(rows[0])
     ran = plan.GridShape.parse(json.loads((out / "metrics.json").read_text())["grid_shape"])
     assert (ran.dp, ran.pp, ran.tp, ran.sp, ran.zero) == (want.dp, want.pp, want.tp, want.sp, want.zero), \
         (ran.spec(), want.spec())
@@ -92,7 +92,7 @@ def test_grid_auto_under_the_users_own_torchrun_is_rank_0s_plan(tmp_path):
 def test_verify_checks_the_grid_auto_would_choose(tmp_path):
     """`gridweave verify --grid auto` verifies the grid the job would run on (the planner's first row
     for its world), not the default degrees."""
-    from gridweave import plan, train
+    from gridweave import autogrid, plan
     from gridweave.config import TrainConfig
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GRIDWEAVE_PORT": "29873"}
@@ -103,6 +103,6 @@ def test_verify_checks_the_grid_auto_would_choose(tmp_path):
     cfg = TrainConfig(hidden=32, layers=4, heads=4, seq=32, batch=8, microbatches=2, tokenizer="bytes")
     rows = plan.plan(4, plan.model_of(cfg), plan.load_cluster("local", 4), microbatches=2, workers=1,
                      recompute=False, **cfg.planned_optimizer())
-    want = train.plan_shape(rows[0])
+    want = autogrid.plan_shape(rows[0])
     said = "dp " + str(want.dp) + (f" x pp {want.pp}" if want.pp > 1 else "")
     assert f"the job on 4 ranks as llama on {said}" in r.stdout, (want.spec(), r.stdout[-2000:])

@@ -59,7 +59,7 @@ LAYERS = (
     ("models", {"models", "hf"}),
     ("plan", {"plan", "recorder", "_plan_worker"}),
     ("jobs (the run's logs and record beside the jobs that write them)",
-     {"config", "train", "calibrate", "generate", "data", "loggers", "runfolder", "configfile", "verify"}),
+     {"config", "autogrid", "train", "calibrate", "generate", "data", "loggers", "runfolder", "configfile", "verify"}),
     ("cli", {"cli", "__main__"}),
 )
 LEVEL = {top: i for i, (_, tops) in enumerate(LAYERS) for top in tops}

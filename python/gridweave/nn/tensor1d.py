@@ -82,10 +82,7 @@ class ColumnParallelLinear(ParallelLinearBase, split.Deferrable):
 
     def forward(self, x):
         if self.sequence:
-            store = self.weight_store
-            deferred = (store, store.current, (self.weight, self.bias)) if split.deferring(store, x) else None
-            w, b = (self.weight, self.bias) if deferred is None else \
-                (self.weight.detach(), None if self.bias is None else self.bias.detach())  # W adds their gradients
+            deferred, (w, b) = split.deferral(self.weight_store, x, (self.weight, self.bias))  # W adds their gradients
             y = _SequenceColumnLinear.apply(x, w, b, self.grid, self.axis, deferred)
         else:
             y = split.linear(copy_to_parallel(x, self.grid, self.axis), self.weight, self.bias, self.weight_store)
