@@ -15,11 +15,20 @@ measured times, and the regret of the planner's first choice (its measured time 
 fastest grid's). The models are split before anything is looked at: FIT holds the shapes any
 term of the model may be tuned on (the main job's, and one more); every other shape is
 reported only.
+
+    python benchmarks/bench_plan_models.py --draw SEED      # fresh shapes: results/plan_models_draw<SEED>.json
+
+--draw replaces the fixed shapes by SHAPES drawn at random from the seed (recorded in the result):
+hidden 32-512, 2-12 layers, heads and key/value heads, sequence 32-1024, global batch 4-64, 1-8
+micro-batches, Llama, GPT and Mixtral, a step's work kept within what 8 ranks on 2 cores time in
+seconds. A drawn shape is never in FIT: the planner's terms never see it.
 """
 from __future__ import annotations
 
 import gc
 import json
+import math
+import random
 import statistics
 import time
 from pathlib import Path
@@ -45,6 +54,57 @@ MODELS = {
                     moe_ffn=192),
 }
 FIT = ("main", "gpt-mid")  # the only shapes a term of the model may be tuned on
+# A drawn step's floating-point work at most (6 N tokens + attention's 12 L s^2 h b): a few
+# seconds a step for the whole job of 8 ranks on 2 cores, so a draw times in minutes.
+DRAW_FLOPS = 3e10
+# What the planner must hold on shapes it never saw, over every drawn grid (the regret: each
+# shape's first choice against its fastest measured grid; tau: the median over the shapes).
+GOALS = {"median_abs_error": 0.15, "worst_abs_error": 0.35, "worst_regret": 0.10, "median_kendall_tau": 0.8}
+DRAW_MIN_GRIDS = 8  # a shape fewer grids accept says little about the ranking
+
+
+def log_uniform(rng: random.Random, lo: int, hi: int, step: int = 1) -> int:
+    return max(lo, min(hi, step * round(math.exp(rng.uniform(math.log(lo), math.log(hi))) / step)))
+
+
+def step_flops(f: dict) -> float:
+    """The step's work in the dense-model terms (forward and backward: 6 per parameter and token)."""
+    h, layers, s, b = f["hidden"], f["layers"], f["seq"], f["batch"]
+    ffn = f.get("moe_ffn", 0) * f.get("top_k", 0) * 3 or 8 * h  # SwiGLU's three matrices, GPT's two of 4h
+    block = 4 * h * h + ffn * h
+    return 6 * (layers * block + 2 * 1024 * h) * s * b + 12 * layers * s * s * h * b
+
+
+def draw(seed: int, count: int) -> dict:
+    """count shapes drawn from seed: the last a mixture of experts, the others Llama or GPT."""
+    import gridweave as gw
+
+    rng = random.Random(seed)
+    out = {}
+    while len(out) < count:
+        kind = "mixtral" if len(out) == count - 1 else rng.choice(("llama", "gpt"))
+        hidden = log_uniform(rng, 32, 512, 8)
+        heads = rng.choice([d for d in (1, 2, 4, 8, 16) if hidden % d == 0 and hidden // d >= 8])
+        f = dict(model=kind, hidden=hidden, heads=heads, layers=rng.randint(2, 12), seq=log_uniform(rng, 32, 1024, 16))
+        if kind != "gpt":
+            f["kv_heads"] = rng.choice([d for d in range(1, heads + 1) if heads % d == 0])
+        m = rng.randint(1, 8)
+        f["microbatches"], f["batch"] = m, m * rng.choice([k for k in range(1, 65) if 4 <= m * k <= 64])
+        if kind == "mixtral":
+            f.update(experts=rng.choice((4, 8)), top_k=rng.choice((1, 2)), moe_ffn=log_uniform(rng, hidden // 2, 4 * hidden, 8))
+        if step_flops(f) > DRAW_FLOPS:
+            continue
+        name = f"{kind}-{len(out)}"
+        MODELS[name] = f
+        try:
+            accepted = len(grids(name))
+        except gw.GridError:
+            accepted = 0
+        if accepted < DRAW_MIN_GRIDS:
+            del MODELS[name]
+            continue
+        out[name] = f
+    return out
 
 
 def job_config(name: str, **grid):
@@ -156,7 +216,14 @@ def predict(data: dict) -> dict:
             "median_abs_error": statistics.median(abs(r["error"]) for r in reported),
             "worst_abs_error": max(abs(r["error"]) for r in reported),
             "median_kendall_tau": statistics.median(s["kendall_tau"] for s in per),
-            "worst_regret": max(s["regret"] for s in per)}
+            "worst_regret": max(s["regret"] for s in per),
+            "min_kendall_tau": min(s["kendall_tau"] for s in per)}
+        r = summary["reported"]
+        summary["goals_met"] = {k: bool(ok) for k, ok in (
+            ("median_abs_error", r["median_abs_error"] <= GOALS["median_abs_error"]),
+            ("worst_abs_error", r["worst_abs_error"] <= GOALS["worst_abs_error"]),
+            ("worst_regret", r["worst_regret"] <= GOALS["worst_regret"]),
+            ("median_kendall_tau", r["median_kendall_tau"] >= GOALS["median_kendall_tau"]))}
     data["summary"] = summary
     return data
 
@@ -200,16 +267,29 @@ def main() -> None:
     ap = bench_parser(__file__)
     ap.add_argument("--from-json", help="re-predict a saved run (no ranks)")
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated names of MODELS")
+    ap.add_argument("--draw", type=int, help="time SHAPES shapes drawn at random from this seed instead")
+    ap.add_argument("--shapes", type=int, default=5, help="with --draw: how many (the last a mixture of experts)")
     args = ap.parse_args()
-    names = [m for m in args.models.split(",") if m]
+    drawn = draw(args.draw, args.shapes) if args.draw is not None else None
+    if drawn is not None:
+        MODELS.clear()
+        MODELS.update(drawn)
+    names = list(drawn) if drawn is not None else [m for m in args.models.split(",") if m]
     if args.worker:
         worker(args.out, names)
         return
     out = results_dir(args)
-    data = json.loads(Path(args.from_json).read_text()) if args.from_json else \
-        run_ranks(__file__, 8, 29581, out, "8", "--models", ",".join(names), transport=args.transport)
+    if args.from_json:
+        data = json.loads(Path(args.from_json).read_text())
+        MODELS.update(data["models"])
+    else:
+        extra = ("--draw", str(args.draw), "--shapes", str(args.shapes)) if drawn is not None else ()
+        data = run_ranks(__file__, 8, 29581, out, "8", "--models", ",".join(names), *extra, transport=args.transport)
+        if drawn is not None:
+            data["draw"] = {"seed": args.draw, "shapes": args.shapes}
     data = predict(data)
-    save(out, stem("plan_models", args.transport), data, plot)
+    name = f"plan_models_draw{data['draw']['seed']}" if "draw" in data else "plan_models"
+    save(out, stem(name, args.transport), data, plot)
     for r in data["rows"]:
         print(f"{r['model']:12s} {label(r):24s} measured {r['measured_s'] * 1e3:8.1f} ms  predicted "
               f"{r['predicted_s'] * 1e3:8.1f} ms ({100 * r['error']:+5.0f}%)")

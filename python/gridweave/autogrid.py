@@ -57,5 +57,5 @@ def chosen_grid(cfg: TrainConfig, world: int, per_node: int, store=None) -> Trai
         def decide():
             return plan_grid(cfg, world, per_node)[0].spec()
         spec = decide() if store is None else \
-            decided_once(store, f"gridweave/{launch.restart_count()}/grid-auto/{world}", decide, PLAN_WAIT_S)
+            decided_once(store, f"gridweave/{launch.store_generation()}/grid-auto/{world}", decide, PLAN_WAIT_S)
     return cfg.on_grid(plan.GridShape.parse(spec))

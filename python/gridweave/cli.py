@@ -553,7 +553,7 @@ def main(argv=None) -> int:
                 shape = cfg.grid_shape(nodes.world_size)
                 for world in nodes.worlds() if cfg.grid != AUTO else ():  # an elastic job's smaller worlds too
                     try:
-                        cfg.grid_shape(world)
+                        (cfg.fitted_microbatches(world) if nodes.elastic else cfg).grid_shape(world)
                     except GridError as e:
                         raise GridError(f"--nnodes {args.nnodes}: on {world} ranks ({world // nodes.nproc} nodes) "
                                         f"{e}") from None

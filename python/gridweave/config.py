@@ -523,6 +523,29 @@ class TrainConfig(LoggingSection, CheckpointSection, DataSection, OptimizerSecti
                             "(SUPER's branches); use another tensor mode")
         return {"dp": dims.dp, "pp": dims.pp, "sp": dims.sp}
 
+    def fitted_microbatches(self, world: int):
+        """This config on an elastic world of `world` ranks: the given micro-batches where the
+        world's data-parallel shard splits into them, else the count nearest them that does (the
+        fewer on a tie), so the global batch, hence each step's mathematics, is kept on the new
+        dp; self when no count fits (grid_shape then says why)."""
+        try:
+            self.grid_shape(world)
+            return self
+        except GridError:
+            pass
+        dims = ParallelDims.for_world(world, self.mode, self.sp, self.dp, self.pp, self.layers)
+        if self.batch % dims.dp:
+            return self
+        shard = self.batch // dims.dp
+        for m in sorted((k for k in range(1, shard + 1) if shard % k == 0), key=lambda k: (abs(k - self.microbatches), k)):
+            fitted = dataclasses.replace(self, microbatches=m)
+            try:
+                fitted.grid_shape(world)
+                return fitted
+            except GridError:
+                continue
+        return self
+
     def planned_optimizer(self) -> dict:
         """plan.predict's arguments for the optimizer build() makes of this config."""
         return dict(offload_bsize=self.bsize if self.offload is not False else None, coarsening=self.coarsening,

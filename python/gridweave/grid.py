@@ -1044,7 +1044,7 @@ def init(dp: int = 1, pp: int = 1, tp=None, sp: int = 1, backend: str = "auto", 
     # checks); the default counts this process's grids, which ranks of a sub-world may not share.
     session = prefix if prefix is not None else ""
     # a restarted job's ranks meet in the store its failed ranks wrote to: their keys apart
-    prefix = prefix if prefix is not None else f"gridweave/{launch.restart_count()}/{_Session.generation}"
+    prefix = prefix if prefix is not None else f"gridweave/{launch.store_generation()}/{_Session.generation}"
     # The Python half of a Store subclass must outlive the native grid that calls it.
     adapter = store if isinstance(store, _C.Store) else _TorchStore(store, timeout)
     native_store = _C.prefix_store(prefix, adapter)

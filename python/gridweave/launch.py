@@ -26,6 +26,7 @@ _MPI_LAUNCHED = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_PROCID"
 _RANK_OF_MANY = ("RANK", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
 DEFAULT_PORT = 29561
 PORT_ENV = "GRIDWEAVE_PORT"
+ELASTIC_ENV = "GRIDWEAVE_ELASTIC"  # set for the ranks of an elastic world (--nnodes MIN:MAX)
 HOSTNAME_ENV = "GRIDWEAVE_HOSTNAME"
 
 
@@ -185,6 +186,20 @@ def launched_rank():
     return rank if rank is not None else _env_int("SLURM_PROCID")
 
 
+def store_generation() -> int:
+    """What keeps a start's keys apart from an earlier start's in the store its ranks meet in:
+    torchrun's restart count where the agents' store outlives a start (it serves the ranks), 0
+    where each start's rank 0 serves a fresh store (an elastic world, TORCH_DISABLE_SHARE_RDZV_TCP_STORE):
+    there the agents' counts differ (a node that joined late counts none), and nothing is left over."""
+    return restart_count() if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else 0
+
+
+def elastic_world() -> bool:
+    """Whether this rank's launcher runs an elastic world (torchrun's --nnodes MIN:MAX through
+    gridweave's launcher): a world it may restart on smaller or larger than the job was given."""
+    return os.environ.get(ELASTIC_ENV) == "1"
+
+
 def restart_count() -> int:
     """How many times torchrun's agent has restarted this job's ranks (0: the first start): a
     restarted rank's rendezvous keys must not meet those its predecessor left in the store."""
@@ -310,6 +325,7 @@ def torchrun(nodes: Nodes, module_argv: list, run_id: str, timeout: float) -> in
         # one keeps an earlier round's keys, and the agents' restart counts, which would set them apart,
         # differ once a node restarted for another's loss
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        os.environ[ELASTIC_ENV] = "1"  # the ranks may adjust the micro-batches to the world they get
     else:
         rdzv = dict(rdzv_backend="static", rdzv_configs={"rank": nodes.node_rank, "timeout": int(math.ceil(timeout))})
     config = LaunchConfig(min_nodes=nodes.min_nodes, max_nodes=nodes.nnodes, nproc_per_node=nodes.nproc, run_id=run_id,

@@ -104,6 +104,24 @@ class RunLog:
             self._jsonl.write(json.dumps({"step": step, **values}) + "\n")
             self._jsonl.flush()
 
+    def restart(self, step: int, record: dict) -> None:
+        """A change of world at `step` (train.note_restart's record): TensorBoard's text and
+        scalars, W&B's values, a line of the JSON log."""
+        values = {"restart/world": record["world"], "restart/seconds_lost": record["seconds_lost"]}
+        values = {k: float(v) for k, v in values.items() if v is not None}
+        line = (f"step {step}: {record['previous_world']} ranks ({record['previous_grid']}) -> {record['world']} "
+                f"ranks ({record['grid']}), tp {record['tp']}")
+        if self._tb is not None:
+            self._tb.add_text("restarts", line, step)
+            for k, v in values.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(values, step=step)
+            self._wandb.summary["restarts"] = self._wandb.summary.get("restarts", 0) + 1
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"step": step, "restart": record}) + "\n")
+            self._jsonl.flush()
+
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()

@@ -462,6 +462,7 @@ class Checkpointer:
         self.cfg, self.grid, self.out, self.model_cfg = cfg, grid, out, model_cfg
         self.stage, self.opt, self.scaler, self.reader = stage, opt, scaler, reader
         self.pending = None
+        self.restarted = None  # note_restart's record when this start changed the world (rank 0)
 
     def resume(self) -> History:
         """The history of cfg.resume's checkpoint, its weights, optimizer state, reader position
@@ -497,7 +498,7 @@ class Checkpointer:
         if self.grid.rank == 0:  # a restarted job says where it continues (and when: the time to recover)
             again = f" (restart {launch.restart_count()})" if launch.restart_count() else ""
             if manifest.get("world_size") != self.grid.world_size:  # a world that changed: metrics' restarts
-                r = note_restart(self.out, self.grid, cfg, manifest)
+                r = self.restarted = note_restart(self.out, self.grid, cfg, manifest)
                 which = f"restart {r['restart']}: " if r["restart"] else ""
                 lost = f", {r['seconds_lost']:.1f} s after the last step logged" if r["seconds_lost"] else ""
                 again = (f" ({which}{r['previous_world']} ranks {r['previous_grid']} -> {r['world']} ranks "
@@ -724,8 +725,14 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
         raise GridError(f"train.run takes a TrainConfig, got {type(cfg).__name__}")
     auto = cfg.grid == AUTO
     store = rendezvous_store(cfg.timeout) if auto else None  # where rank 0's plan is shared, then the grid's
-    cfg = chosen_grid(cfg, launch.launched_world_size(cfg.backend), launch.local_world_size() or 1, store)
+    world, given = launch.launched_world_size(cfg.backend), cfg.microbatches
+    cfg = chosen_grid(cfg, world, launch.local_world_size() or 1, store)
+    if launch.elastic_world() and not auto:  # the global batch kept on the world this restart has
+        cfg = cfg.fitted_microbatches(world)
     grid, out = setup_grid(cfg, store), Path(cfg.out)
+    if grid.rank == 0 and cfg.microbatches != given:  # said as the restart is, quiet or not
+        _say(f"{cfg.microbatches} micro-batches a step (given {given}: the batch of {cfg.batch} on dp "
+             f"{grid.axes['dp']})")
     cfg = resolve_resume(cfg, grid)
     schedule = cfg.resolved_schedule(grid.axes["dp"], grid.axes["pp"])
     if grid.rank == 0 and not cfg.quiet and grid.axes["pp"] > 1:
@@ -752,6 +759,8 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
     history = checkpoints.resume()
     validation = Validation(cfg, tokens, cfg.batch // grid.axes["dp"] // cfg.microbatches)
     meter, guard = Meter(cfg, grid, model_cfg, history.start), DivergenceGuard(cfg, opt, scaler)
+    if checkpoints.restarted is not None and meter.run_log is not None:  # the change of world in the logs too
+        meter.run_log.restart(history.start, checkpoints.restarted)
     phases = StepPhases(grid.device) if cfg.phase_times or cfg.straggler_threshold else None
     stragglers = StragglerDetector(grid, phases, cfg.straggler_threshold, cfg.straggler_every,
                                    cfg.straggler_windows) if cfg.straggler_threshold else None

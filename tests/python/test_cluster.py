@@ -335,23 +335,44 @@ def test_torchrun_forks_the_ranks_from_one_server_that_imported_the_program(tmp_
             assert len({r_["ppid"] for r_ in ranks}) == 1 and len({r_["pid"] for r_ in ranks}) == 3, ranks
 
 
-ELASTIC = {  # the model, the job's grid flags, its grids on 6 ranks and on 4
-    "dense": ([], [], "dp=3,pp=2,sp=1", "dp=2,pp=2,sp=1"),
-    "moe-zero3": (["--model", "mixtral", "--experts", "4"], ["--ep", "2", "--pp", "1", "--zero", "3"],
-                  "dp=6,pp=1,sp=1", "dp=4,pp=1,sp=1")}
+def test_an_elastic_world_keeps_the_global_batch_in_the_micro_batches_nearest_the_given():
+    """TrainConfig.fitted_microbatches: the given count where the world's dp shard splits into it,
+    else the divisor of the shard nearest it (the fewer on a tie); nothing to fit where dp does
+    not divide the batch (grid_shape's error stands)."""
+    cfg = gw.train.TrainConfig(batch=12, microbatches=4)  # pp 2: dp 3 on 6 ranks, 2 on 4
+    assert cfg.fitted_microbatches(6) is cfg  # shards of 4
+    fitted = cfg.fitted_microbatches(4)  # shards of 6: 3 (2 and 6 are further from 4)
+    assert (fitted.microbatches, fitted.batch, fitted.grid_shape(4)) == (3, 12, {"dp": 2, "pp": 2, "sp": 1})
+    assert gw.train.TrainConfig(batch=24, microbatches=3).fitted_microbatches(4).microbatches == 3  # 12 / 3
+    assert gw.train.TrainConfig(batch=48, microbatches=5).fitted_microbatches(8).microbatches == 4  # 12: 4, 6
+    tie = gw.train.TrainConfig(batch=24, microbatches=3, pp=1)  # dp 3, shards of 8: 2 and 4 tie
+    assert tie.fitted_microbatches(3).microbatches == 2
+    odd = gw.train.TrainConfig(batch=8, microbatches=2)
+    assert odd.fitted_microbatches(6) is odd
+    with pytest.raises(gw.GridError, match="batch"):
+        odd.grid_shape(6)
+
+
+ELASTIC = {  # the model and batch, the job's grid flags, its grids on 6 ranks and on 4, whether the node rejoins
+    # dense: 4 micro-batches of 12 samples split dp 3's shards (4) but not dp 2's (6): 3 on 4 ranks
+    "dense": (["--batch", "12", "--microbatches", "4", "--steps", "24"], [], "dp=3,pp=2,sp=1", "dp=2,pp=2,sp=1",
+              True),
+    "moe-zero3": (["--batch", "24", "--steps", "12", "--model", "mixtral", "--experts", "4"],
+                  ["--ep", "2", "--pp", "1", "--zero", "3"], "dp=6,pp=1,sp=1", "dp=4,pp=1,sp=1", False)}
 
 
 @needs_cluster
 @pytest.mark.parametrize("job", ELASTIC)
 def test_an_elastic_job_finishes_on_the_nodes_left_with_uninterrupted_losses(tmp_path, job):
     """--nnodes 2:3 (torchrun's elastic rendezvous) --max-restarts 2 --resume auto: 3 nodes x 2 ranks,
-    node 2 lost for good (every process killed) after the first checkpoints. The other two restart on 4
-    ranks (dense: dp 3 x pp 2 -> dp 2 x pp 2; Mixtral at ZeRO 3, experts over ep 2: dp 6 -> 4, the
-    experts' copies and the ZeRO shards resharded), the global batch kept, and finish with the losses of
-    an uninterrupted run (one process, float32 1e-5); metrics.json records the restart (the worlds
-    and grids before and after, the step, the time lost)."""
-    model, grid, before, after = ELASTIC[job]
-    job = [*MODEL, "--batch", "24", "--steps", "12", "--val-every", "6", "--checkpoint-every", "2", *model]
+    node 2 lost (every process killed) after the first checkpoints. The other two restart on 4 ranks
+    (dense: dp 3 x pp 2 -> dp 2 x pp 2, its micro-batches 4 -> 3 so the global batch stays; Mixtral at
+    ZeRO 3, experts over ep 2: dp 6 -> 4, the experts' copies and the ZeRO shards resharded). Dense: the
+    node then comes back and the world grows to 6 ranks again. Each finishes with the losses of an
+    uninterrupted run (one process, float32 1e-5); metrics.json and the JSON log record each change of
+    world (the worlds and grids before and after, the step, the time lost)."""
+    model, grid, before, after, rejoins = ELASTIC[job]
+    job = [*MODEL, "--val-every", "6", "--checkpoint-every", "2", *model]
     one = _one(tmp_path, job, 29650)
     job += grid
     with cl.Cluster(3, prefix="gwe", subnet="10.231.82") as c:
@@ -361,21 +382,41 @@ def test_an_elastic_job_finishes_on_the_nodes_left_with_uninterrupted_losses(tmp
         cmd = [sys.executable, "-m", "gridweave.cli", "train", "--nnodes", "2:3", "--master-addr", c.addr(0),
                "--master-port", 29651, "--nproc", 2, "--launcher", "torchrun", *args]
         procs = [c.popen(k, cmd, logs[k]) for k in range(3)]
-        t0 = time.monotonic()
-        while not (out / "checkpoint" / "latest").exists():
-            assert time.monotonic() - t0 < 180 and all(p.poll() is None for p in procs), \
-                [log.read_text()[-2000:] for log in logs]
-            time.sleep(0.05)
-        c.sh("kill", 2)  # the node and everything on it, never back
-        codes = [p.wait(timeout=400) for p in procs[:2]]
+
+        def until(done, what):
+            t0 = time.monotonic()
+            while not done():
+                assert time.monotonic() - t0 < 180 and all(p.poll() is None for p in procs[:2]), \
+                    (what, [log.read_text()[-2000:] for log in logs])
+                time.sleep(0.05)
+        until(lambda: (out / "checkpoint" / "latest").exists(), "a first checkpoint")
+        c.sh("kill", 2)  # the node and everything on it
+        if rejoins:  # ... back once the others train on 4 ranks: the agents restart the ranks on 6
+            until(lambda: "-> 4 ranks" in logs[0].read_text(), "the restart on 4 ranks")
+            c.sh("rate", 1, "8mbit")  # steps of seconds until then, so the job is still running when it is back
+            procs[2] = c.popen(2, cmd, tmp_path / "rejoined.log")
+            until(lambda: "-> 6 ranks" in logs[0].read_text(), "the restart on 6 ranks")
+            c.sh("rate", 1, "none")
+        codes = [p.wait(timeout=400) for p in procs[:3 if rejoins else 2]]
         text = [log.read_text(errors="replace") for log in logs]
-        assert codes == [0, 0], [t[-3000:] for t in text]
+        assert codes == [0] * len(codes), [t[-3000:] for t in text]
         m = json.loads((out / "metrics.json").read_text())
         ran = ",".join(f"{k}={v}" for k, v in m["grid"].items())
-        assert ran == after and _close(m["loss"], one["loss"]), (ran, m["loss"], one["loss"])
+        assert ran == (before if rejoins else after) and _close(m["loss"], one["loss"]), (ran, m["loss"], one["loss"])
         assert _close([v for _, v in m["val_loss"]], [v for _, v in one["val_loss"]])
-        (r,) = m["restarts"]
-        assert r["previous_world"] == 6 and r["world"] == 4 and r["restart"] >= 1 and r["step"] >= 2, r
-        assert r["previous_grid"] == before and r["grid"] == after and r["seconds_lost"] > 0, r
-        assert "resumed from step" in text[0] and f"6 ranks {before} -> 4 ranks" in text[0], text[0][-3000:]
+        shrink, *grow = m["restarts"]
+        assert shrink["previous_world"] == 6 and shrink["world"] == 4 and shrink["restart"] >= 1, shrink
+        assert shrink["step"] >= 2 and shrink["previous_grid"] == before and shrink["grid"] == after, shrink
+        assert shrink["seconds_lost"] > 0 and "resumed from step" in text[0], text[0][-3000:]
+        assert f"6 ranks {before} -> 4 ranks" in text[0], text[0][-3000:]
+        if rejoins:
+            (g,) = grow
+            assert (g["previous_world"], g["world"], g["previous_grid"], g["grid"]) == (4, 6, after, before), g
+            assert g["step"] >= shrink["step"] and g["seconds_lost"] > 0, g  # (not a restart torch counts)
+            assert "3 micro-batches a step (given 4" in text[0] and f"4 ranks {after} -> 6 ranks" in text[0]
+        else:
+            assert grow == [], grow
+        logged = [json.loads(line)["restart"] for line in (out / "logs" / "log.jsonl").read_text().splitlines()
+                  if '"restart"' in line]
+        assert logged == m["restarts"], (logged, m["restarts"])
         assert c.wait_empty(5) is not None

@@ -77,6 +77,26 @@ def test_the_offline_wandb_run_holds_the_metrics(run):
         assert json.dumps(v).encode() in raw, v
 
 
+def test_a_change_of_world_reaches_tensorboard_and_the_json_log(tmp_path):
+    """An elastic restart's record (train.note_restart's) at the step it resumed from: TensorBoard's
+    scalars and text, the JSON log's line, as the record says."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    record = {"restart": 1, "step": 4, "previous_world": 6, "previous_grid": "dp=3,pp=2,sp=1", "world": 4,
+              "grid": "dp=2,pp=2,sp=1", "tp": "none", "seconds_lost": 12.5}
+    log = loggers.RunLog((loggers.Sink.TENSORBOARD, loggers.Sink.JSONL), tmp_path, 0, {}, "run")
+    log.restart(4, record)
+    log.close()
+    ev = EventAccumulator(str(tmp_path / "logs" / "tensorboard"))
+    ev.Reload()
+    assert [(e.step, e.value) for e in ev.Scalars("restart/world")] == [(4, 4.0)]
+    assert [(e.step, e.value) for e in ev.Scalars("restart/seconds_lost")] == [(4, 12.5)]
+    text = ev.Tensors("restarts/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "6 ranks (dp=3,pp=2,sp=1) -> 4 ranks (dp=2,pp=2,sp=1)" in text, text
+    lines = [json.loads(x) for x in (tmp_path / "logs" / "log.jsonl").read_text().splitlines()]
+    assert lines[-1] == {"step": 4, "restart": record}
+
+
 def test_auto_logs_to_wandb_only_where_it_is_configured(monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
