@@ -27,18 +27,21 @@ from .train import build, train_step
 
 
 def attention_costs(window: float = 1.0, device="cpu", dtype=torch.float32) -> tuple:
-    """(FLOP/s, seconds per query row) of torch's fused causal attention, forward and backward:
-    t = 12 b h s^2 d / rate + b h s x row_s (the FLOPs as the planner counts them, plus a cost for
-    each query row the kernel walks: its blocks' setup and softmax bookkeeping), fitted (relative
-    least squares) at the main job's heads over four (sequence, head size) at one token count: the
-    job's, a quarter of its sequence, four times its sequence at twice its head size, four times its
-    head size. On this CPU one rate ranged 31 GFLOP/s at sequence 32 to 93 at 1024; the two terms
-    fit nine shapes (head size 16-64, sequence 32-1024) within 14%. Row cost 0: the probes saw none."""
+    """(FLOP/s, seconds per query row, seconds per query x key pair) of torch's fused causal
+    attention, forward and backward: t = 12 b h s^2 d / rate + b h s x row_s + b h s^2 x score_s
+    (the FLOPs as the planner counts them; each row's blocks' setup and softmax bookkeeping; each
+    score's exponential and mask, which do not shrink with the head size), fitted (relative least
+    squares) at the main job's heads over six (sequence, head size) at one token count: the job's, a
+    quarter of its sequence, four times its sequence at twice its head size, four times its head
+    size, and half its head size at the job's and four times its sequence. On this CPU the kernel ran
+    5.9 ns a score at sequence 64 and head size 8 against 6.6 at head size 16 (one core): at small
+    heads the scores, not the FLOPs, are its time. A term the probes cannot see is 0."""
     job = TrainConfig()
     heads, d = job.heads, job.hidden // job.heads
     tokens = probe_size(device, "attention_batch") * job.seq
-    flops, rows, seconds = [], [], []
-    for seq, head_dim in ((job.seq // 4, d), (job.seq, d), (4 * job.seq, 2 * d), (job.seq, 4 * d)):
+    flops, rows, scores, seconds = [], [], [], []
+    for seq, head_dim in ((job.seq // 4, d), (job.seq, d), (4 * job.seq, 2 * d), (job.seq, 4 * d),
+                          (job.seq, d // 2), (4 * job.seq, d // 2)):
         batch = max(1, tokens // seq)
         shape = (batch, heads, seq, head_dim)
         q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
@@ -47,13 +50,32 @@ def attention_costs(window: float = 1.0, device="cpu", dtype=torch.float32) -> t
         def step():
             torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
 
-        seconds.append(1 / call_rate(step, window / 4, device))
+        seconds.append(1 / call_rate(step, window / 6, device))
         flops.append(3 * 4.0 * batch * heads * seq * seq * head_dim)
         rows.append(2.0 * batch * heads * seq)  # forward and backward kernels, each over every row
-    per_flop, per_row = relative_fit([flops, rows], seconds)
+        scores.append(2.0 * batch * heads * seq * seq)  # ... and every query x key pair
+    per_flop, per_row, per_score = relative_fit([flops, rows, scores], seconds)
     if not per_flop:
-        return flops[1] / seconds[1], 0.0
-    return 1 / per_flop, per_row
+        return flops[1] / seconds[1], 0.0, 0.0
+    return 1 / per_flop, per_row, per_score
+
+
+def softmax_costs(vector_Bps: float, window: float = 1.0, device="cpu", dtype=torch.float32) -> float:
+    """Seconds per element of a log-softmax over the main job's vocabulary (forward and backward,
+    the loss's kernels) beyond its bytes at `vector_Bps`: the further passes over each row (its
+    maximum, the sum of exponentials). On this CPU 0.7-1.2 ns an element against 0.33 for one pass
+    of its bytes (one core). 0 where one pass is all it costs."""
+    vocab = TrainConfig().vocab
+    rows = max(1, max(probe_size(device, "vector"), 1 << 22) // vocab)  # a step's logits: out of the caches
+    x = torch.randn(rows, vocab, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(rows, vocab, device=device, dtype=dtype)
+
+    def step():
+        torch.log_softmax(x, -1).backward(grad)
+
+    seconds = 1 / call_rate(step, window, device)
+    one_pass = 5 * dtype.itemsize * x.numel() / vector_Bps  # forward reads and writes, backward reads two, writes
+    return max(0.0, seconds - one_pass) / (2 * x.numel())
 
 
 def make_cublas_workspaces(device) -> None:
@@ -269,8 +291,12 @@ def measure(grid, fixed: bool = True, dtype=torch.float32) -> dict:
         local.extend(out if isinstance(out, tuple) else (out,))
     local = torch.tensor(local, dtype=torch.float64, device=grid.device)
     every = grid.all_gather(local.unsqueeze(0), "dp", dim=0) if grid.world_size > 1 else local.unsqueeze(0)
-    gemm, gemm_bandwidth, vector, launch, attention, attention_row = (
+    gemm, gemm_bandwidth, vector, launch, attention, attention_row, attention_score = (
         statistics.median(every[:, k].tolist()) for k in range(len(local)))
+    grid.barrier()
+    softmax = torch.tensor([softmax_costs(vector, device=grid.device, dtype=dtype)], dtype=torch.float64,
+                           device=grid.device)
+    softmax = statistics.median((grid.all_gather(softmax, "dp") if grid.world_size > 1 else softmax).tolist())
     preset = {"name": "local", "about": f"measured by gridweave bench --calibrate with {grid.world_size} ranks at once"
                                         f" in {str(dtype).removeprefix('torch.')}",
             "gpus_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", grid.world_size)),
@@ -278,6 +304,7 @@ def measure(grid, fixed: bool = True, dtype=torch.float32) -> dict:
             "inter_alpha_s": inter_alpha, "inter_bandwidth_Bps": 1 / inter_beta, "nics_per_node": 1,
             "gemm_flops": gemm, "gemm_bandwidth_Bps": gemm_bandwidth, "vector_bandwidth_Bps": vector,
             "launch_s": launch, "attention_flops": attention, "attention_row_s": attention_row,
+            "attention_score_s": attention_score, "softmax_element_s": softmax,
             "scalar_all_reduce_s": scalar, "all_reduce_s": fit_all_reduce(all_reduces),
             "measured_all_reduce_s": json.loads(json.dumps(all_reduces)),
             "memory_bytes": 24 * 2 ** 30, "ranks": grid.world_size,

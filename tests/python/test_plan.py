@@ -233,12 +233,14 @@ def test_the_cost_fits_recover_known_costs_in_relative_error():
 
 
 def test_the_recording_holds_each_products_operands_and_each_attention_row():
-    """The planner's operand and row terms (Cluster.gemm_bandwidth_Bps, attention_row_s): a Llama
-    layer's recording holds, for each of the dense layer's linear maps (in, out), 3 (T in + in out
-    + T out) values read or written over T tokens (the forward product and the input's and the
-    weight's gradients each touch the same three matrices), and 2 b h s query rows of fused
-    attention (its forward and backward kernels); predict charges them at the cluster's rates,
-    micro-batch by micro-batch."""
+    """The planner's operand, row, score and softmax terms (Cluster.gemm_bandwidth_Bps,
+    attention_row_s, attention_score_s, softmax_element_s): a Llama layer's recording holds, for
+    each of the dense layer's linear maps (in, out), 3 (T in + in out + T out) values read or
+    written over T tokens (the forward product and the input's and the weight's gradients each touch
+    the same three matrices), 2 b h s query rows and 2 b h s^2 query x key pairs of fused attention
+    (its forward and backward kernels), and a step's loss 2 T V softmax elements (log-softmax and its
+    backward over the vocabulary); predict charges them at the cluster's rates, micro-batch by
+    micro-batch."""
     import dataclasses
 
     import torch
@@ -256,16 +258,21 @@ def test_the_recording_holds_each_products_operands_and_each_attention_row():
     assert len(maps) == 4
     assert layer.gemm_bytes == 4 * sum(3 * (t * i + i * o + t * o) for i, o in maps)
     assert layer.attention_rows == 2 * b * cfg.heads * cfg.seq
+    assert layer.attention_scores == 2 * b * cfg.heads * cfg.seq ** 2 and layer.softmax_elements == 0
 
     model = plan.Model(cfg, batch=8, bytes_per_value=4)
     grid, m = plan.GridShape(dp=2), 2
     base = plan.load_cluster("a100-ib")
-    costed = dataclasses.replace(base, gemm_bandwidth_Bps=1e9, attention_row_s=1e-6)
+    costed = dataclasses.replace(base, gemm_bandwidth_Bps=1e9, attention_row_s=1e-6, attention_score_s=1e-9,
+                                 softmax_element_s=1e-10)
     mb = plan.schedule_of(model, grid, m, 0, plan.FUSED_BUCKET).microbatch
     assert mb.gemm_bytes > 0 and mb.attention_rows == 2 * 2 * (8 // 2 // m) * cfg.heads * cfg.seq
+    assert mb.attention_scores == mb.attention_rows * cfg.seq
+    assert mb.softmax_elements == 2 * (8 // 2 // m) * cfg.seq * cfg.vocab  # one stage: the loss's
     extra = (plan.predict(model, grid, costed, microbatches=m)["step_time_s"]
              - plan.predict(model, grid, base, microbatches=m)["step_time_s"])
-    assert extra == pytest.approx(m * (mb.gemm_bytes / 1e9 + mb.attention_rows * 1e-6), rel=1e-9)
+    assert extra == pytest.approx(m * (mb.gemm_bytes / 1e9 + mb.attention_rows * 1e-6 + mb.attention_scores * 1e-9
+                                       + mb.softmax_elements * 1e-10), rel=1e-9)
 
 
 def test_a_ring_steps_blocks_are_charged_one_fixed_cost(monkeypatch):

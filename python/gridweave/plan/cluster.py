@@ -31,6 +31,8 @@ class Cluster:
     step_s: float = 0.0  # fixed cost of each training step (its own bookkeeping: micro-batch cuts, loss, hooks)
     attention_flops: float = 0.0  # FLOP/s of the fused attention kernels, forward and backward (0: gemm_flops)
     attention_row_s: float = 0.0  # and their seconds per query row (batch x heads x sequence; 0: none)
+    attention_score_s: float = 0.0  # and per query x key pair (0: none)
+    softmax_element_s: float = 0.0  # a (log-)softmax kernel's seconds per element beyond its bytes' (0: none)
     gemm_bandwidth_Bps: float = 0.0  # bytes/s of the GEMMs' operands and outputs, read from memory (0: not counted)
     # measured seconds of a one-element all-reduce (the loss, the norm, the micro-batch count) over
     # every rank, its fixed costs included (0: alpha-beta). Gloo's ring sends only the non-empty

@@ -163,12 +163,14 @@ class _Costing:
         return t
 
     def busy(self, w) -> float:
-        """GEMMs at the GEMM rate and their operands' bandwidth (fused attention at its rate and row
-        cost), the other kernels at memory bandwidth, each a launch."""
+        """GEMMs at the GEMM rate and their operands' bandwidth (fused attention at its rate, row and
+        score costs), the other kernels at memory bandwidth (softmax's further passes per element),
+        each a launch."""
         cluster = self.cluster
         return ((w.flops - w.fused_attention_flops) / cluster.gemm_flops + self.gemm_bytes(w.gemm_bytes)
                 + w.fused_attention_flops / (cluster.attention_flops or cluster.gemm_flops)
-                + w.attention_rows * cluster.attention_row_s
+                + w.attention_rows * cluster.attention_row_s + w.attention_scores * cluster.attention_score_s
+                + w.softmax_elements * cluster.softmax_element_s
                 + (w.gemm_calls + w.kernels) * self.launch + self.vector(w.kernel_bytes))
 
 

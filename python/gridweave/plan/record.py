@@ -42,6 +42,9 @@ _FUSED_ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_
                     "_scaled_dot_product_flash_attention"}
 _ATTENTION = {"bmm", "baddbmm"} | _FUSED_ATTENTION
 _GEMMS = {"mm", "bmm", "addmm", "baddbmm"} | _FUSED_ATTENTION
+# kernels that pass over their rows more than once (max, sum of exponentials, normalise): their
+# bytes at memory bandwidth and a cost per element for the further passes (Cluster.softmax_element_s)
+_SOFTMAX = {"_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data"}
 
 
 # A send issued in one group with the send before it (Grid.all_to_all_v's batch of sends and
@@ -79,6 +82,8 @@ class LayerSchedule:
     fused_attention_flops: float = 0.0  # of the fused attention kernels, forward and backward (within flops)
     gemm_bytes: float = 0.0  # the other GEMM kernels' operands and outputs (read from memory: Cluster.gemm_bandwidth_Bps)
     attention_rows: float = 0.0  # query rows (batch x heads x sequence) of the fused attention kernels, forward and backward
+    attention_scores: float = 0.0  # their query x key pairs (each an exponential and a mask, whatever the head size)
+    softmax_elements: float = 0.0  # elements of the (log-)softmax kernels, forward and backward (within kernels)
 
     @cached_property
     def tally(self) -> tuple:
@@ -99,7 +104,8 @@ class LayerSchedule:
 
 # the fields that add up over layers; of them, the counts do not change with the batch
 _SUMMED = ("gemm_calls", "parameters", "flops", "kernels", "kernel_bytes", "saved_bytes", "attention_flops",
-           "peak_bytes", "fused_attention_flops", "gemm_bytes", "attention_rows")
+           "peak_bytes", "fused_attention_flops", "gemm_bytes", "attention_rows", "attention_scores",
+           "softmax_elements")
 _COUNTS = ("gemm_calls", "parameters", "kernels")
 
 
@@ -377,6 +383,8 @@ class Census(TorchDispatchMode):
         self.fused_attention_flops = 0.0  # fused attention kernels, forward and backward (their own rate)
         self.gemm_bytes = 0.0  # the other GEMMs' operands and outputs
         self.attention_rows = 0.0  # the fused attention kernels' query rows
+        self.attention_scores = 0.0  # and their query x key pairs
+        self.softmax_elements = 0.0  # the softmax kernels' elements
         self.forward = True  # the recorder sets it False before backward
         self.live, self.peak, self._alive = 0, 0, set()  # bytes of the tensors the run holds at once
 
@@ -392,9 +400,13 @@ class Census(TorchDispatchMode):
             if name.removesuffix("_backward") in _FUSED_ATTENTION:
                 self.fused_attention_flops += f
                 self.attention_rows += math.prod(args[0].shape[:-1])  # q: (batch, heads, s_q, d)
+                key = args[2] if name.endswith("_backward") else args[1]  # backward: (grad, q, k, v, ...)
+                self.attention_scores += math.prod(args[0].shape[:-1]) * key.shape[-2]
             else:
                 self.gemm_bytes += _kernel_bytes(func, args, out)
         elif not func.is_view:
+            if name in _SOFTMAX:
+                self.softmax_elements += out.numel()
             self.kernels += 1
             self.bytes += _kernel_bytes(func, args, out)
         if not func.is_view:
@@ -567,7 +579,8 @@ def record_stage(config, mode, dp, pp, sp, at, batch, per_stage, dtype=torch.bfl
         h.remove()
     sched = LayerSchedule(tuple(grid.log), census.calls, sum(p.numel() for p in params), census.flops,
                           census.kernels, census.bytes, saved.bytes, census.attention_flops, census.peak,
-                          census.fused_attention_flops, census.gemm_bytes, census.attention_rows)
+                          census.fused_attention_flops, census.gemm_bytes, census.attention_rows,
+                          census.attention_scores, census.softmax_elements)
     return sched, math.prod(shape) * dtype.itemsize
 
 
