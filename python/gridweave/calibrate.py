@@ -28,7 +28,7 @@ from .train import build, train_step
 
 def attention_costs(window: float = 1.0, device="cpu", dtype=torch.float32) -> tuple:
     """(FLOP/s, seconds per query row, seconds per query x key pair) of torch's fused causal
-    attention, forward and backward: t = 12 b h s^2 d / rate + b h s x row_s + b h s^2 x score_s
+    attention, forward and backward: t = 6 b h s^2 d / rate + b h s x row_s + b h s^2 / 2 x score_s
     (the FLOPs as the planner counts them; each row's blocks' setup and softmax bookkeeping; each
     score's exponential and mask, which do not shrink with the head size), fitted (relative least
     squares) at the main job's heads over six (sequence, head size) at one token count: the job's, a
@@ -51,9 +51,10 @@ def attention_costs(window: float = 1.0, device="cpu", dtype=torch.float32) -> t
             torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
 
         seconds.append(1 / call_rate(step, window / 6, device))
-        flops.append(3 * 4.0 * batch * heads * seq * seq * head_dim)
+        # as the recording counts them (plan.record.attention_pairs): the causal mask's half of the pairs
+        flops.append(3 * 4.0 * batch * heads * seq * seq / 2 * head_dim)
         rows.append(2.0 * batch * heads * seq)  # forward and backward kernels, each over every row
-        scores.append(2.0 * batch * heads * seq * seq)  # ... and every query x key pair
+        scores.append(2.0 * batch * heads * seq * seq / 2)  # ... and every query x key pair computed
     per_flop, per_row, per_score = relative_fit([flops, rows, scores], seconds)
     if not per_flop:
         return flops[1] / seconds[1], 0.0, 0.0

@@ -237,8 +237,8 @@ def test_the_recording_holds_each_products_operands_and_each_attention_row():
     attention_row_s, attention_score_s, softmax_element_s): a Llama layer's recording holds, for
     each of the dense layer's linear maps (in, out), 3 (T in + in out + T out) values read or
     written over T tokens (the forward product and the input's and the weight's gradients each touch
-    the same three matrices), 2 b h s query rows and 2 b h s^2 query x key pairs of fused attention
-    (its forward and backward kernels), and a step's loss 2 T V softmax elements (log-softmax and its
+    the same three matrices), 2 b h s query rows and 2 b h s^2 / 2 query x key pairs of fused causal
+    attention (its forward and backward kernels), and a step's loss 2 T V softmax elements (log-softmax and its
     backward over the vocabulary); predict charges them at the cluster's rates, micro-batch by
     micro-batch."""
     import dataclasses
@@ -258,7 +258,7 @@ def test_the_recording_holds_each_products_operands_and_each_attention_row():
     assert len(maps) == 4
     assert layer.gemm_bytes == 4 * sum(3 * (t * i + i * o + t * o) for i, o in maps)
     assert layer.attention_rows == 2 * b * cfg.heads * cfg.seq
-    assert layer.attention_scores == 2 * b * cfg.heads * cfg.seq ** 2 and layer.softmax_elements == 0
+    assert layer.attention_scores == 2 * b * cfg.heads * cfg.seq ** 2 / 2 and layer.softmax_elements == 0  # causal
 
     model = plan.Model(cfg, batch=8, bytes_per_value=4)
     grid, m = plan.GridShape(dp=2), 2
@@ -267,12 +267,35 @@ def test_the_recording_holds_each_products_operands_and_each_attention_row():
                                  softmax_element_s=1e-10)
     mb = plan.schedule_of(model, grid, m, 0, plan.FUSED_BUCKET).microbatch
     assert mb.gemm_bytes > 0 and mb.attention_rows == 2 * 2 * (8 // 2 // m) * cfg.heads * cfg.seq
-    assert mb.attention_scores == mb.attention_rows * cfg.seq
+    assert mb.attention_scores == mb.attention_rows * cfg.seq / 2
     assert mb.softmax_elements == 2 * (8 // 2 // m) * cfg.seq * cfg.vocab  # one stage: the loss's
     extra = (plan.predict(model, grid, costed, microbatches=m)["step_time_s"]
              - plan.predict(model, grid, base, microbatches=m)["step_time_s"])
     assert extra == pytest.approx(m * (mb.gemm_bytes / 1e9 + mb.attention_rows * 1e-6 + mb.attention_scores * 1e-9
                                        + mb.softmax_elements * 1e-10), rel=1e-9)
+
+
+def test_a_causal_attention_kernel_counts_half_the_pairs_a_whole_block_computes():
+    """The recording's fused attention work (plan.record.attention_pairs): a causal kernel (a
+    layer's, a ring's diagonal block) computes half its query x key pairs, a ring's off-diagonal
+    block all of them, so its FLOPs and scores are twice the causal kernel's of the same shape; the
+    causal flag is read by name, forward and backward alike (4 s_q s_k d per pair product, twice in
+    backward)."""
+    import torch
+
+    from gridweave.plan.record import Census
+
+    b, h, s, d = 2, 4, 64, 16
+    q, k, v = (torch.empty(b, h, s, d, device="meta") for _ in range(3))
+    counted = {}
+    for causal in (True, False):
+        with Census() as census:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(out, q, k, v, out, lse, 0.0, causal)
+        counted[causal] = (census.fused_attention_flops, census.attention_scores)
+    pairs = b * h * s * s
+    assert counted[False] == (3 * 4.0 * pairs * d, 2.0 * pairs)
+    assert counted[True] == (3 * 4.0 * pairs / 2 * d, pairs)
 
 
 def test_a_ring_steps_blocks_are_charged_one_fixed_cost(monkeypatch):
@@ -320,14 +343,19 @@ FREE = dict(intra_alpha_s=0.0, intra_bandwidth_Bps=float("inf"), inter_alpha_s=0
 
 @pytest.mark.parametrize("p,m", [(2, 2), (4, 8), (8, 8), (3, 12)])
 def test_pipeline_bubble_is_p_minus_1_over_m(p, m):
-    """Seeds 001/003: with communication free, a step is the compute time times 1 + (p-1)/m."""
+    """AxoNN's and Megatron-LM's bubble: with communication free, a step is the compute time times
+    1 + (p-1)/m; the compute is the paper's FLOPs formula (Narayanan et al.'s, full attention) less
+    the half of each attention product the causal mask skips (6 B s^2 l h), at the GEMM rate."""
     import dataclasses
 
     cluster = dataclasses.replace(plan.load_cluster("a100-ib"), **FREE)
     model = plan.Model(ModelConfig("gpt", 51200, hidden=512, heads=8, layers=24, seq=128), batch=48, embedding=False)
     r = plan.predict(model, plan.GridShape(pp=p), cluster, microbatches=m)
     assert r["bubble"] == pytest.approx((p - 1) / m)
-    assert r["step_time_s"] == pytest.approx(r["compute_s"] * (1 + (p - 1) / m), rel=1e-12)
+    busy = r["pipeline_s"] - r["time_breakdown_s"]["bubble"]
+    assert r["step_time_s"] == pytest.approx(busy * (1 + (p - 1) / m), rel=1e-12)
+    masked = 6 * 48 * 128 ** 2 * 24 * 512 / (p * cluster.gemm_flops)
+    assert busy == pytest.approx(r["compute_s"] - masked, rel=1e-12)
 
 
 def test_ranks_sharing_cores_fill_the_bubble():
@@ -425,7 +453,9 @@ def test_the_breakdowns_add_up_to_the_step_time_and_the_memory():
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2), (4, 1)])
 def test_recomputation_is_a_third_of_the_layers_gemm_work(tp, pp):
     """AxoNN eq. (3): with recomputation a layer costs 96 b s h^2 (1 + s/6h) instead of 72: the
-    extra third, on one rank of a Megatron 1-D grid, with only GEMMs costed."""
+    extra third, on one rank of a Megatron 1-D grid, with only GEMMs costed; the attention
+    products counted over the pairs the causal mask keeps (s/12h where the paper's full count has
+    s/6h)."""
     import dataclasses
 
     cluster = dataclasses.replace(plan.load_cluster("a100-ib"), vector_bandwidth_Bps=0.0, launch_s=0.0)
@@ -434,7 +464,7 @@ def test_recomputation_is_a_third_of_the_layers_gemm_work(tp, pp):
     r = plan.predict(m, g, cluster, recompute=True)
     b, s, h, L = 32 // 2, 256, 1024, 8 // pp
     assert r["time_breakdown_s"]["recompute"] == pytest.approx(
-        24 * b * s * L * h * h * (1 + s / (6 * h)) / tp / cluster.gemm_flops, rel=1e-9)
+        24 * b * s * L * h * h * (1 + s / (12 * h)) / tp / cluster.gemm_flops, rel=1e-9)
 
 
 def test_plan_reads_a_hugging_face_config_and_explains_its_ranking(tmp_path, capsys):

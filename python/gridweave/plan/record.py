@@ -262,9 +262,10 @@ class _RecordingRing:
         return _Done([torch.empty_like(t) for t in send])
 
 
-def _flops(name, args, out) -> float:
+def _flops(name, args, out, func=None, kwargs=None) -> float:
     """FLOPs of one GEMM-like kernel from its operands' shapes (2 per multiply-add); fused
-    attention: its two products (forward), twice that (backward)."""
+    attention: its two products (forward), twice that (backward), over the query x key pairs it
+    computes (attention_pairs: half of them where causal)."""
     shapes = [a.shape for a in args if isinstance(a, torch.Tensor)]
     if name in ("mm", "addmm"):
         a, b = shapes[-2], shapes[-1]
@@ -272,9 +273,23 @@ def _flops(name, args, out) -> float:
     if name in ("bmm", "baddbmm"):
         a, b = shapes[-2], shapes[-1]
         return 2.0 * a[0] * a[1] * a[2] * b[2]
-    q, k = shapes[0], shapes[1]  # (batch, heads, s_q, d), (batch, heads_kv, s_k, d)
-    f = 4.0 * math.prod(q[:-1]) * k[-2] * q[-1]
+    f = 4.0 * attention_pairs(func, args, kwargs or {}) * shapes[0][-1]
     return 2 * f if name.endswith("backward") else f
+
+
+def attention_pairs(func, args, kwargs) -> float:
+    """The query x key pairs a fused attention kernel computes: (batch x heads x s_q) rows of s_k
+    keys, half of them under its causal mask (a ring's off-diagonal blocks have none: whole blocks,
+    twice a diagonal block's work; one count for both would cost them alike). Read by the
+    argument's name in the op's schema (forward and backward kernels place it differently)."""
+    q = args[0]  # the query, or the backward's output gradient: (batch, heads, s_q, d) either way
+    key = args[2] if func.overloadpacket.__name__.endswith("_backward") else args[1]
+    pairs = float(math.prod(q.shape[:-1]) * key.shape[-2])
+    names = [a.name for a in func._schema.arguments]
+    causal = kwargs.get("is_causal", False)
+    if "is_causal" in names and names.index("is_causal") < len(args):
+        causal = args[names.index("is_causal")]
+    return pairs / 2 if causal else pairs
 
 
 class MetaOutputs:
@@ -393,15 +408,14 @@ class Census(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name in _GEMMS or name.removesuffix("_backward") in _GEMMS:
             self.calls += 1
-            f = _flops(name, args, out)
+            f = _flops(name, args, out, func, kwargs)
             self.flops += f
             if name in _ATTENTION and self.forward:
                 self.attention_flops += f
             if name.removesuffix("_backward") in _FUSED_ATTENTION:
                 self.fused_attention_flops += f
                 self.attention_rows += math.prod(args[0].shape[:-1])  # q: (batch, heads, s_q, d)
-                key = args[2] if name.endswith("_backward") else args[1]  # backward: (grad, q, k, v, ...)
-                self.attention_scores += math.prod(args[0].shape[:-1]) * key.shape[-2]
+                self.attention_scores += attention_pairs(func, args, kwargs or {})
             else:
                 self.gemm_bytes += _kernel_bytes(func, args, out)
         elif not func.is_view:
