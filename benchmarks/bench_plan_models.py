@@ -148,7 +148,9 @@ def worker(out_path: str, names: list, drawn: bool) -> None:
     rows, presets = [], {}
     for name in names:
         if drawn:  # the host's speed drifts (30% between two calibrations an hour apart): each shape's own
-            presets[name] = preset = calibrate.measure(world) if presets else preset
+            if presets:  # (the first shape's is the one just made)
+                preset = calibrate.measure(world)
+            presets[name] = preset
         for i, (dp, pp, tp, sp, ep) in enumerate(grids(name)):
             cfg = job_config(name, dp=dp, pp=pp, tp=tp, sp=sp, ep=ep)
             grid = gw.init(dp=dp, pp=pp, tp=cfg.mode, sp=sp, store=store, prefix=f"planm-{name}-{i}")

@@ -290,14 +290,12 @@ def measure(grid, fixed: bool = True, dtype=torch.float32) -> dict:
         grid.barrier()
         out = probe(device=grid.device, dtype=dtype)
         local.extend(out if isinstance(out, tuple) else (out,))
+    grid.barrier()
+    local.append(softmax_costs(local[2], device=grid.device, dtype=dtype))  # beyond this rank's vector bandwidth
     local = torch.tensor(local, dtype=torch.float64, device=grid.device)
     every = grid.all_gather(local.unsqueeze(0), "dp", dim=0) if grid.world_size > 1 else local.unsqueeze(0)
-    gemm, gemm_bandwidth, vector, launch, attention, attention_row, attention_score = (
+    gemm, gemm_bandwidth, vector, launch, attention, attention_row, attention_score, softmax = (
         statistics.median(every[:, k].tolist()) for k in range(len(local)))
-    grid.barrier()
-    softmax = torch.tensor([softmax_costs(vector, device=grid.device, dtype=dtype)], dtype=torch.float64,
-                           device=grid.device)
-    softmax = statistics.median((grid.all_gather(softmax, "dp") if grid.world_size > 1 else softmax).tolist())
     preset = {"name": "local", "about": f"measured by gridweave bench --calibrate with {grid.world_size} ranks at once"
                                         f" in {str(dtype).removeprefix('torch.')}",
             "gpus_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", grid.world_size)),

@@ -201,8 +201,8 @@ def elastic_world() -> bool:
 
 
 def restart_count() -> int:
-    """How many times torchrun's agent has restarted this job's ranks (0: the first start): a
-    restarted rank's rendezvous keys must not meet those its predecessor left in the store."""
+    """How many times torchrun's agent has restarted this job's ranks (0: the first start; what
+    keeps a start's store keys apart is store_generation, which reads it where that is needed)."""
     return _env_int("TORCHELASTIC_RESTART_COUNT") or 0
 
 

@@ -94,32 +94,33 @@ class RunLog:
             self._jsonl.write(json.dumps({"config": config}) + "\n")
 
     def step(self, step: int, values: dict) -> None:
-        values = {k: float(v) for k, v in values.items() if v is not None}
-        if self._tb is not None:
-            for k, v in values.items():
-                self._tb.add_scalar(k, v, step)
-        if self._wandb is not None:
-            self._wandb.log(values, step=step)
-        if self._jsonl is not None:
-            self._jsonl.write(json.dumps({"step": step, **values}) + "\n")
-            self._jsonl.flush()
+        values = self._scalars(step, values)
+        self._line({"step": step, **values})
 
     def restart(self, step: int, record: dict) -> None:
         """A change of world at `step` (train.note_restart's record): TensorBoard's text and
         scalars, W&B's values, a line of the JSON log."""
-        values = {"restart/world": record["world"], "restart/seconds_lost": record["seconds_lost"]}
-        values = {k: float(v) for k, v in values.items() if v is not None}
-        line = (f"step {step}: {record['previous_world']} ranks ({record['previous_grid']}) -> {record['world']} "
-                f"ranks ({record['grid']}), tp {record['tp']}")
         if self._tb is not None:
-            self._tb.add_text("restarts", line, step)
+            self._tb.add_text("restarts", f"step {step}: {record['previous_world']} ranks ({record['previous_grid']}) "
+                              f"-> {record['world']} ranks ({record['grid']}), tp {record['tp']}", step)
+        self._scalars(step, {"restart/world": record["world"], "restart/seconds_lost": record["seconds_lost"]})
+        if self._wandb is not None:
+            self._wandb.summary["restarts"] = self._wandb.summary.get("restarts", 0) + 1
+        self._line({"step": step, "restart": record})
+
+    def _scalars(self, step: int, values: dict) -> dict:
+        """`values` (None left out) as floats to TensorBoard's scalars and W&B at `step`."""
+        values = {k: float(v) for k, v in values.items() if v is not None}
+        if self._tb is not None:
             for k, v in values.items():
                 self._tb.add_scalar(k, v, step)
         if self._wandb is not None:
             self._wandb.log(values, step=step)
-            self._wandb.summary["restarts"] = self._wandb.summary.get("restarts", 0) + 1
+        return values
+
+    def _line(self, entry: dict) -> None:
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps({"step": step, "restart": record}) + "\n")
+            self._jsonl.write(json.dumps(entry) + "\n")
             self._jsonl.flush()
 
     def close(self) -> None:

@@ -262,9 +262,9 @@ class _RecordingRing:
         return _Done([torch.empty_like(t) for t in send])
 
 
-def _flops(name, args, out, func=None, kwargs=None) -> float:
+def _flops(name, args, pairs: float = 0.0) -> float:
     """FLOPs of one GEMM-like kernel from its operands' shapes (2 per multiply-add); fused
-    attention: its two products (forward), twice that (backward), over the query x key pairs it
+    attention: its two products (forward), twice that (backward), over the query x key `pairs` it
     computes (attention_pairs: half of them where causal)."""
     shapes = [a.shape for a in args if isinstance(a, torch.Tensor)]
     if name in ("mm", "addmm"):
@@ -273,7 +273,7 @@ def _flops(name, args, out, func=None, kwargs=None) -> float:
     if name in ("bmm", "baddbmm"):
         a, b = shapes[-2], shapes[-1]
         return 2.0 * a[0] * a[1] * a[2] * b[2]
-    f = 4.0 * attention_pairs(func, args, kwargs or {}) * shapes[0][-1]
+    f = 4.0 * pairs * shapes[0][-1]
     return 2 * f if name.endswith("backward") else f
 
 
@@ -408,14 +408,16 @@ class Census(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name in _GEMMS or name.removesuffix("_backward") in _GEMMS:
             self.calls += 1
-            f = _flops(name, args, out, func, kwargs)
+            fused = name.removesuffix("_backward") in _FUSED_ATTENTION
+            pairs = attention_pairs(func, args, kwargs or {}) if fused else 0.0
+            f = _flops(name, args, pairs)
             self.flops += f
             if name in _ATTENTION and self.forward:
                 self.attention_flops += f
-            if name.removesuffix("_backward") in _FUSED_ATTENTION:
+            if fused:
                 self.fused_attention_flops += f
                 self.attention_rows += math.prod(args[0].shape[:-1])  # q: (batch, heads, s_q, d)
-                self.attention_scores += attention_pairs(func, args, kwargs or {})
+                self.attention_scores += pairs
             else:
                 self.gemm_bytes += _kernel_bytes(func, args, out)
         elif not func.is_view:
