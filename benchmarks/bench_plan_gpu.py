@@ -1,13 +1,15 @@
 """gw.plan on one GPU (issue 18): calibrate on the GPU, then predict and measure a training
 step of the main job's model (gridweave train's defaults, fp32) and of a wider one in bf16
-that keeps the GPU busy: the step time (median of the timed steps) and the device memory
-(max_memory_allocated over a step, over what was allocated before the model, cuBLAS's
-workspace made first). GPU only (scripts/test_gpu.sh runs it).
+that keeps the GPU busy, the optimizer where gridweave train puts it (offload=auto: the device
+here), and the wide one again with its state in host memory: the step time (median of the timed
+steps) and the device memory (max_memory_allocated over a step, over what was allocated before
+the model, cuBLAS's workspace made first). GPU only (scripts/test_gpu.sh runs it).
 
     python benchmarks/bench_plan_gpu.py [--out benchmarks/results/gpu]
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -16,9 +18,13 @@ import torch
 from launch import bench_parser, results_dir, save
 
 STEPS, WARMUP = 5, 2
-JOBS = {"main_job": {}, "wide_bf16": dict(hidden=1024, heads=16, layers=8, seq=1024, batch=16, precision="bf16"),
+WIDE = dict(hidden=1024, heads=16, layers=8, seq=1024, batch=16, precision="bf16")
+JOBS = {"main_job": {}, "wide_bf16": WIDE,
         # a third shape: deep and narrow in bf16 (many small kernels: the launch term's share)
-        "deep_bf16": dict(hidden=512, heads=8, layers=24, seq=512, batch=16, precision="bf16")}
+        "deep_bf16": dict(hidden=512, heads=8, layers=24, seq=512, batch=16, precision="bf16"),
+        # the wide one with its optimizer state in host memory (what offload=auto picks where the
+        # state does not fit): OffloadAdam's device buckets, their kernels and their host link
+        "wide_bf16_offload": dict(WIDE, offload=True)}
 
 
 def measure(grid, cfg) -> dict:
@@ -56,6 +62,7 @@ def main() -> None:
     rows = {}
     for name, sizes in JOBS.items():
         cfg = gw.train.TrainConfig(device="cuda", **sizes)
+        cfg = dataclasses.replace(cfg, offload=gw.train.resolve_offload(cfg, grid))  # as gw.train decides it
         dtype = cfg.compute.dtype
         if dtype not in presets:
             presets[dtype] = calibrate.measure(grid, dtype=dtype)

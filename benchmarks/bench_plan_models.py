@@ -149,7 +149,7 @@ def worker(out_path: str, names: list, drawn: bool) -> None:
     for name in names:
         if drawn:  # the host's speed drifts (30% between two calibrations an hour apart): each shape's own
             if presets:  # (the first shape's is the one just made)
-                preset = calibrate.measure(world)
+                preset = calibrate.measure(world, prefix=f"calibrate-{name}")
             presets[name] = preset
         for i, (dp, pp, tp, sp, ep) in enumerate(grids(name)):
             cfg = job_config(name, dp=dp, pp=pp, tp=tp, sp=sp, ep=ep)

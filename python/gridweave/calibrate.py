@@ -21,6 +21,7 @@ from .grid import LinePart, Span, init, shutdown
 from .measure import call_rate, device_sync, gemm_costs, probe_size, relative_fit, vector_bandwidth
 from .models import ModelConfig
 from .nn.dense import DenseTransformerLayer
+from .optim import OffloadAdam
 from .plan.record import Census
 from .config import TrainConfig
 from .train import build, train_step
@@ -56,8 +57,8 @@ def attention_costs(window: float = 1.0, device="cpu", dtype=torch.float32) -> t
         rows.append(2.0 * batch * heads * seq)  # forward and backward kernels, each over every row
         scores.append(2.0 * batch * heads * seq * seq / 2)  # ... and every query x key pair computed
     per_flop, per_row, per_score = relative_fit([flops, rows, scores], seconds)
-    if not per_flop:
-        return flops[1] / seconds[1], 0.0, 0.0
+    if not per_flop:  # the FLOPs unseen beside the fixed costs (an H200 in bf16, once): the best rate seen
+        return max(f / t for f, t in zip(flops, seconds)), 0.0, 0.0
     return 1 / per_flop, per_row, per_score
 
 
@@ -77,6 +78,40 @@ def softmax_costs(vector_Bps: float, window: float = 1.0, device="cpu", dtype=to
     seconds = 1 / call_rate(step, window, device)
     one_pass = 5 * dtype.itemsize * x.numel() / vector_Bps  # forward reads and writes, backward reads two, writes
     return max(0.0, seconds - one_pass) / (2 * x.numel())
+
+
+def host_link(window: float = 1.0, device="cpu", dtype=torch.float32) -> float:
+    """Bytes/s of a copy from pinned host memory to the device and back, one after the other, as
+    an offloaded optimizer's buckets cross (PCIe); 0 where the device's memory is the host's."""
+    if torch.device(device) == torch.device("cpu"):
+        return 0.0
+    numel = probe_size(device, "vector")
+    host = torch.empty(numel, dtype=dtype, pin_memory=True)  # the host side, as OffloadAdam's pinned state
+    dev = torch.empty(numel, dtype=dtype, device=device)
+
+    def step():
+        dev.copy_(host, non_blocking=True)
+        host.copy_(dev, non_blocking=True)
+
+    return 2 * host.nbytes * call_rate(step, window, device)
+
+
+def offload_bucket(window: float = 1.0, device="cpu", dtype=torch.float32) -> float:
+    """Seconds of each bsize-element bucket of OffloadAdam's staged step (AxoNN's device buckets:
+    the host state copied in and out, the update's kernels), from steps of 8 and 32 buckets of a
+    bsize small enough that its bytes are a rounding error; 0 where the device's memory is the
+    host's (the state is updated in place, no buckets)."""
+    if torch.device(device) == torch.device("cpu"):
+        return 0.0
+    bsize = 1 << 12
+
+    def seconds(buckets: int) -> float:
+        p = torch.nn.Parameter(torch.zeros(buckets * bsize, device=device, dtype=dtype))
+        p.grad = torch.zeros_like(p)
+        opt = OffloadAdam([p], bsize=bsize)
+        return 1 / call_rate(opt.step, window, device)
+
+    return max(0.0, (seconds(32) - seconds(8)) / 24)
 
 
 def make_cublas_workspaces(device) -> None:
@@ -266,11 +301,13 @@ def fit_alpha_beta(times: dict) -> tuple:
     return alpha, max(beta, 1e-12)
 
 
-def measure(grid, fixed: bool = True, dtype=torch.float32) -> dict:
+def measure(grid, fixed: bool = True, dtype=torch.float32, prefix: str = "calibrate") -> dict:
     """Every rank of `grid` measures at once; the medians over ranks, as a cluster preset.
     fixed: also fit the per-kernel and per-collective costs on small training steps.
     dtype: the compute dtype of the jobs the preset will plan (the planner has one GEMM rate:
-    a GPU's bf16 rate is many times its fp32 one)."""
+    a GPU's bf16 rate is many times its fp32 one).
+    prefix: the store keys of the small grids the fixed costs are timed on; a second calibration
+    on the same store takes another (reused keys hand a rank its peers' stale addresses)."""
     g, per_node = grid.world_size, grid.ranks_per_node
     times = ring_all_gather(grid) if g > 1 else {8: 1e-5, 1 << 20: 1e-3}
     alpha, beta = fit_ring(times, g)
@@ -286,7 +323,7 @@ def measure(grid, fixed: bool = True, dtype=torch.float32) -> dict:
     scalar = scalar_all_reduce(grid) if g > 1 else 0.0
     all_reduces = all_reduce_lines(grid) if per_node > 1 else {}
     local = []
-    for probe in (gemm_costs, vector_bandwidth, launch_overhead, attention_costs):
+    for probe in (gemm_costs, vector_bandwidth, launch_overhead, attention_costs, host_link, offload_bucket):
         grid.barrier()
         out = probe(device=grid.device, dtype=dtype)
         local.extend(out if isinstance(out, tuple) else (out,))
@@ -294,7 +331,7 @@ def measure(grid, fixed: bool = True, dtype=torch.float32) -> dict:
     local.append(softmax_costs(local[2], device=grid.device, dtype=dtype))  # beyond this rank's vector bandwidth
     local = torch.tensor(local, dtype=torch.float64, device=grid.device)
     every = grid.all_gather(local.unsqueeze(0), "dp", dim=0) if grid.world_size > 1 else local.unsqueeze(0)
-    gemm, gemm_bandwidth, vector, launch, attention, attention_row, attention_score, softmax = (
+    gemm, gemm_bandwidth, vector, launch, attention, attention_row, attention_score, link, bucket, softmax = (
         statistics.median(every[:, k].tolist()) for k in range(len(local)))
     preset = {"name": "local", "about": f"measured by gridweave bench --calibrate with {grid.world_size} ranks at once"
                                         f" in {str(dtype).removeprefix('torch.')}",
@@ -303,14 +340,15 @@ def measure(grid, fixed: bool = True, dtype=torch.float32) -> dict:
             "inter_alpha_s": inter_alpha, "inter_bandwidth_Bps": 1 / inter_beta, "nics_per_node": 1,
             "gemm_flops": gemm, "gemm_bandwidth_Bps": gemm_bandwidth, "vector_bandwidth_Bps": vector,
             "launch_s": launch, "attention_flops": attention, "attention_row_s": attention_row,
-            "attention_score_s": attention_score, "softmax_element_s": softmax,
+            "attention_score_s": attention_score, "softmax_element_s": softmax, "host_link_Bps": link,
+            "offload_bucket_s": bucket,
             "scalar_all_reduce_s": scalar, "all_reduce_s": fit_all_reduce(all_reduces),
             "measured_all_reduce_s": json.loads(json.dumps(all_reduces)),
             "memory_bytes": 24 * 2 ** 30, "ranks": grid.world_size,
             "cores_per_node": len(os.sched_getaffinity(0)),
             "measured_all_gather_s": json.loads(json.dumps(times))}  # keys as strings
     if fixed and g > 1:
-        preset["step_s"], preset["collective_s"], preset["fixed_cost_steps"] = fixed_costs(grid, preset)
+        preset["step_s"], preset["collective_s"], preset["fixed_cost_steps"] = fixed_costs(grid, preset, prefix=prefix)
     return preset
 
 
@@ -320,7 +358,7 @@ _SMALL = dict(model="llama", hidden=32, heads=4, layers=2, seq=32, batch=8, micr
 _SMALL_GRIDS = ({}, {"tp": "row:2"}, {"sp": 2}, {"tp": "square:2"})
 
 
-def fixed_costs(grid, preset: dict, steps: int = 5) -> tuple:
+def fixed_costs(grid, preset: dict, steps: int = 5, prefix: str = "calibrate") -> tuple:
     """What each step and each collective cost beyond what is measured of them on this machine
     under this many ranks: small training steps on a few grids (the main job's code, a tiny
     Llama), each timed (the slowest rank, the median step) and recorded (gw.plan.predict's kernel
@@ -346,7 +384,7 @@ def fixed_costs(grid, preset: dict, steps: int = 5) -> tuple:
             shape = cfg.grid_shape(n)
         except Exception:  # a grid this world cannot hold
             continue
-        g = init_like(grid, shape, cfg, f"calibrate-{i}")
+        g = init_like(grid, shape, cfg, f"{prefix}-{i}")
         torch.manual_seed(0)
         _, stage, opt, scaler = build(cfg, g, cfg.model_config(256))
         x = torch.randint(0, 256, (cfg.batch // shape["dp"], cfg.seq), generator=torch.Generator().manual_seed(0),

@@ -855,6 +855,48 @@ def test_overlapped_gradient_chunks_hide_behind_the_last_backward():
     assert over["step_time_s"] == pytest.approx(after["step_time_s"], rel=1e-9)
 
 
+def test_a_staged_offload_is_costed_its_buckets_and_its_host_link():
+    """On a GPU OffloadAdam's state lives in host memory and is updated through device buckets
+    (AxoNN §V): the census of that path, extrapolated (fixed + per tensor + per bsize bucket),
+    counts the kernels a recorded staged step of other sizes makes; the prediction charges each
+    bucket the calibrated offload_bucket_s and each element 7 fp32 copies over the host link (the
+    weights and two states in and out, the write-back); without a host link, neither."""
+    import dataclasses
+
+    import torch
+
+    from gridweave.optim import OffloadAdam
+    from gridweave.plan.record import Census, RecordingGrid, _grid_axes, optimizer_census
+
+    bsize = 256
+    census = optimizer_census(bsize, 4, True, True, staged=True)
+    assert census["per_bucket"] > 0 and optimizer_census(bsize, 4, True, True)["per_bucket"] == 0
+    params = [torch.nn.Parameter(torch.zeros(n, 1, device="cpu")) for n in (bsize + 3, 3 * bsize - 10, bsize + 7)]
+    for q in params:
+        q.grad = torch.ones_like(q)
+    opt = OffloadAdam(params, grid=RecordingGrid(_grid_axes(1, 1, 1, None), None, device="cpu"), bsize=bsize,
+                      coarsening=4, max_grad_norm=1.0, decay=gw.optim.matrices_only, staged=True)
+    with Census() as recorded:
+        opt.step()
+    assert recorded.kernels + recorded.calls == census["fixed"] + 3 * census["per_tensor"] + 5 * census["per_bucket"]
+
+    model = plan.Model(ModelConfig("llama", 256, hidden=64, heads=4, layers=2, seq=64), batch=8, bytes_per_value=2)
+    n = sum(q.numel() for q in gw.models.build(model.config, device="cpu").parameters())
+    base = plan.load_cluster("v100-ib")
+
+    def step(**rates):
+        cluster = dataclasses.replace(base, **rates)
+        return plan.predict(model, plan.GridShape(), cluster, microbatches=1, offload_bsize=bsize)["step_time_s"]
+
+    link = step(host_link_Bps=1e9, offload_bucket_s=1e-3) - step(host_link_Bps=2e9, offload_bucket_s=1e-3)
+    assert link == pytest.approx(7 * 4 * n * (1 / 1e9 - 1 / 2e9), rel=1e-9)
+    buckets = step(host_link_Bps=1e9, offload_bucket_s=3e-3) - step(host_link_Bps=1e9, offload_bucket_s=1e-3)
+    assert buckets == pytest.approx(-(-n // bsize) * 2e-3, rel=1e-9)
+    # no host link (CPU ranks): the one pass over the flat buffers, no bucket or link term
+    assert step(host_link_Bps=0.0, offload_bucket_s=1.0) == step(host_link_Bps=0.0, offload_bucket_s=0.0)
+    assert step(host_link_Bps=0.0) < step(host_link_Bps=1e9, offload_bucket_s=1e-3)
+
+
 @pytest.mark.parametrize("spec", ["none", "row:2", "square:2", "cube:2", "subgraph:2", "csub:2"])
 def test_the_optimizer_recorded_on_a_stand_in_equals_the_whole_stage(spec, monkeypatch):
     """recorder._stand_in (a one-layer stage's parameters copied once a layer) gives the optimizer

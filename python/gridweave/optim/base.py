@@ -101,6 +101,9 @@ class _Staging:
     none of them (wait() before the host reads the state; order() before the device reads it).
     Without CUDA the same order runs synchronously."""
 
+    STATES = 3  # the weights and two Adam states: each copied in and out of a bucket, LINK_COPIES a step
+    LINK_COPIES = 2 * STATES
+
     def __init__(self, bsize: int, dtype, device):
         self.size = max(1, -(-bsize // 2))
         self.slots = [{k: torch.empty(self.size, dtype=dtype, device=device) for k in "wmvg"} for _ in range(2)]

@@ -36,6 +36,12 @@ def gradient_chunks(params, grid, bsize: int, coarsening: int, backward: bool = 
 
 
 
+def link_bytes_per_element(master_dtype: torch.dtype) -> int:
+    """Bytes a staged step moves between the host and the device per element: each bucket's weights
+    and two states in and out (_Staging), and the master's write-back to the parameter."""
+    return (_Staging.LINK_COPIES + 1) * master_dtype.itemsize
+
+
 class OffloadAdam(GridOptimizer):
     """AdamW with fp32 master weights and Adam states in host memory, updated `bsize`
     elements at a time; the model keeps its own (fp16/bf16/fp32) weights and gradients.

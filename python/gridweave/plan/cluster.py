@@ -34,6 +34,10 @@ class Cluster:
     attention_score_s: float = 0.0  # and per query x key pair (0: none)
     softmax_element_s: float = 0.0  # a (log-)softmax kernel's seconds per element beyond its bytes' (0: none)
     gemm_bandwidth_Bps: float = 0.0  # bytes/s of the GEMMs' operands and outputs, read from memory (0: not counted)
+    # bytes/s between the device and the host memory an offloaded optimizer keeps its state in (PCIe;
+    # 0: they are one memory, CPU ranks): OffloadAdam then goes through device buckets (AxoNN §V)
+    host_link_Bps: float = 0.0
+    offload_bucket_s: float = 0.0  # and seconds of each bsize-element bucket's copies and update (0: its kernels')
     # measured seconds of a one-element all-reduce (the loss, the norm, the micro-batch count) over
     # every rank, its fixed costs included (0: alpha-beta). Gloo's ring sends only the non-empty
     # chunks: one element over 8 CPU ranks took 0.7 ms where alpha-beta says 2 (g - 1) alpha = 11

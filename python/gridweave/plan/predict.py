@@ -11,6 +11,7 @@ from .. import _C
 from ..pipeline import TABLES, table_for
 from ..errors import GridError
 from ..grid import part_members
+from ..optim import link_bytes_per_element
 from ..schedules import peaks
 from .record import GROUPED_SEND, Experts, optimizer_census, step_schedule, tally_of
 from .cluster import Cluster
@@ -52,6 +53,13 @@ def _dtype(model: Model):
     import torch
 
     return {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[model.bytes_per_value]
+
+
+def _master_dtype(model: Model):
+    """OffloadAdam's master and state dtype for the model's: fp32, or the model's if wider."""
+    import torch
+
+    return torch.promote_types(_dtype(model), torch.float32)
 
 
 def schedule_of(model: Model, grid: GridShape, microbatches: int, stage: int = 0, bsize: int = 1 << 14,
@@ -205,10 +213,19 @@ def optimizer_time(model: Model, sched, costing: _Costing, offload_bsize, coarse
     """The optimizer's own work a step on this rank's elements (its parameters, or its ZeRO shard)."""
     phi_local = sched.shard
     if model.vocab and offload_bsize:  # OffloadAdam's own work (AxoNN §V-B: bsize-element buckets)
-        census = optimizer_census(offload_bsize, coarsening, clip, True)
-        kernels = census["fixed"] + census["per_tensor"] * sched.parameter_tensors + \
-            census["per_bucket"] * -(-phi_local // offload_bsize)
-        return kernels * costing.launch + costing.vector(census["bytes_per_element"] * phi_local)
+        staged = costing.cluster.host_link_Bps > 0  # the state in host memory apart from the device's
+        census = optimizer_census(offload_bsize, coarsening, clip, True, staged)
+        buckets = -(-phi_local // offload_bsize)
+        kernels = census["fixed"] + census["per_tensor"] * sched.parameter_tensors
+        # a staged bucket's measured seconds where calibrated: its copies and update are launched
+        # from Python without autograd's bookkeeping, cheaper each than launch_s's layer kernels
+        bucket_s = costing.cluster.offload_bucket_s if staged else 0.0
+        per_buckets = buckets * bucket_s if bucket_s else census["per_bucket"] * buckets * costing.launch
+        # staged, the buckets' copies also cross the host link (their device-side bytes, counted in
+        # the census too, are a rounding error beside it)
+        link = link_bytes_per_element(_master_dtype(model)) * phi_local / costing.cluster.host_link_Bps \
+            if staged else 0.0
+        return kernels * costing.launch + per_buckets + costing.vector(census["bytes_per_element"] * phi_local) + link
     if model.vocab:  # a fused Adam: weights and gradient read, fp32 master and two states read and written
         return costing.vector((3 * model.bytes_per_value + 2 * 12) * phi_local)
     return 0.0

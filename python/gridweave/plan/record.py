@@ -937,15 +937,17 @@ def _stand_in(config, mode, pp, sp, at, dtype, dp=1, experts=None):
 
 
 @lru_cache(maxsize=16)
-def optimizer_census(bsize: int, coarsening: int, clip: bool, decay: bool) -> dict:
+def optimizer_census(bsize: int, coarsening: int, clip: bool, decay: bool, staged: bool = False) -> dict:
     """gw.optim.OffloadAdam.step's own work, recorded on small CPU tensors: kernels a step, a
     parameter tensor and a bucket, and the bytes its kernels read and write per element (the
-    flat gradient, the clipping norm, the Adam update through the bucket buffers, the write-back)."""
+    flat gradient, the clipping norm, the Adam update through the bucket buffers, the write-back).
+    staged: the path a GPU runs (the state in host memory, updated through device buckets: each
+    bucket's copies and update its own kernels); else the CPU's one pass over the flat buffers."""
     def run(sizes):
         grid = RecordingGrid(_grid_axes(1, 1, 1, None), None, device="cpu")  # the optimizer reads its norm
         params = [torch.nn.Parameter(torch.zeros(n, 1, device="cpu")) for n in sizes]
         opt = OffloadAdam(params, grid=grid, bsize=bsize, coarsening=coarsening, max_grad_norm=1.0 if clip else None,
-                          decay=matrices_only if decay else None)
+                          decay=matrices_only if decay else None, staged=staged)
         for p in params:
             p.grad = torch.zeros_like(p)
         with Census() as census:
