@@ -16,11 +16,12 @@ if ! dpkg -s libgloo-dev libgtest-dev libbenchmark-dev fortunes openmpi-bin libo
 fi
 PIP="python3 -m pip install -q --disable-pip-version-check"
 # The CPU wheel of torch first, so nothing later pulls a CUDA build.
-say "Python packages (pip: torch 2.13.0 CPU, build tools, tokenizers, transformers, loggers, docs)"
+say "Python packages (pip: torch 2.13.0 CPU, build tools, tokenizers, transformers, torchao, loggers, docs)"
 python3 -c "import torch" 2>/dev/null || $PIP torch==2.13.0
 $PIP numpy "scikit-build-core>=0.10" "pybind11>=2.12" ninja pytest pytest-timeout matplotlib tqdm mpi4py \
-  safetensors tokenizers tomli-w transformers datasets tensorboard wandb "mkdocs==1.6.1" "mkdocstrings-python>=2"
-# transformers: the optional hf extra, which the tests check against; datasets: JSON Lines, Parquet and
+  safetensors tokenizers tomli-w transformers datasets tensorboard wandb "mkdocs==1.6.1" "mkdocstrings-python>=2" \
+  torchao==0.18.0
+# torchao: float8's casts and scales (the float8 extra, precision fp8); transformers: the optional hf extra, which the tests check against; datasets: JSON Lines, Parquet and
 # Arrow data (the data extra); tensorboard, wandb: the loggers (the log extra); mkdocs: the documentation site
 # NCCL headers and library, so the NCCL transport compiles wherever nvcc is found.
 if command -v nvcc >/dev/null 2>&1; then $PIP nvidia-nccl-cu13; fi

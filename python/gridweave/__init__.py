@@ -7,7 +7,7 @@ from .grid import CheckLevel, Grid, LinePart, P2POp, Span, Work, current, init, 
 from .modes import CSub, Cube, Mode, Row, Sequence, Square, SubGraph
 from .layout import Layout, gather, scatter
 from .sharding import ParamPlacement, clip_grad_norm_, placement_of, reduce_gradients
-from . import autograd, checkpoint, config, data, hf, launch, models, modes, nn, optim, pipeline, plan, precision, train  # noqa: E402,F401
+from . import autograd, checkpoint, config, data, float8, hf, launch, models, modes, nn, optim, pipeline, plan, precision, train  # noqa: E402,F401
 from . import flight  # noqa: E402,F401  (gw.flight.analyse: the flight recorder's dumps read)
 from . import verify  # noqa: E402,F401  (gw.verify.run: a configuration against one process)
 

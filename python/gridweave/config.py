@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from . import checkpoint, data, launch, loggers, models, optim, pipeline, plan
+from . import checkpoint, data, float8, launch, loggers, models, optim, pipeline, plan
 from .axes import ParallelDims
 from .data import TOKEN_DTYPES
 from .errors import GridError
@@ -132,7 +132,9 @@ class ModelSection(Section):
     ulysses_degree: int = option(1, "attention usp: the sp ranks of each Ulysses block", at_least=1)
     linformer_k: int = option(0, "attention linformer (model bert): keys and values projected from seq to K rows "
                                  "(Li et al. §4.3: the projections split over the sequence shards)", at_least=0)
-    precision: str = option("fp32", "compute dtype; fp16 with dynamic loss scaling; fp32 master weights always",
+    precision: str = option("fp32", "compute dtype; fp16 with dynamic loss scaling; fp8 and fp8-rowwise: the linear "
+                                    "layers' products in float8 (torchao's tensorwise and rowwise recipes), bf16 elsewhere; "
+                                    "fp32 master weights always",
                             choices=tuple(sorted(PRECISIONS)))
 
     def rules(self):
@@ -521,7 +523,24 @@ class TrainConfig(LoggingSection, CheckpointSection, DataSection, OptimizerSecti
         if self.pack_documents and not self.mode.packs_documents:
             raise GridError(f"pack_documents: tp {self.mode.spec()}'s attention does not mask by documents "
                             "(SUPER's branches); use another tensor mode")
+        if self.compute.float8 is not None:
+            self._check_float8(dims)
         return {"dp": dims.dp, "pp": dims.pp, "sp": dims.sp}
+
+    def _check_float8(self, dims) -> None:
+        """What float8 products cannot take, refused before any rank starts: a mode or a mixture of
+        experts whose products are not in float8 yet, and a micro-batch's tokens on a rank (the
+        weight gradient's contraction) not a multiple of 16 (each linear's own sizes are checked
+        where it is converted, on its rank's shard)."""
+        if not self.mode.float8:
+            raise GridError(f"precision {self.precision}: tp {self.mode.spec()}'s linears have no float8 products yet "
+                            "(none, row:N and subgraph:G have them); use bf16")
+        if self.model in MOE_MODELS:
+            raise GridError(f"precision {self.precision}: a mixture of experts' grouped products are not in float8 "
+                            f"yet (model {self.model}); use bf16")
+        tokens = self.batch // dims.dp // self.microbatches * (self.seq // dims.sp)
+        float8.check_sizes(f"precision {self.precision}: a micro-batch's tokens on a rank (batch {self.batch} / dp "
+                           f"{dims.dp} / {self.microbatches} micro-batches x seq {self.seq} / sp {dims.sp})", tokens)
 
     def fitted_microbatches(self, world: int):
         """This config on an elastic world of `world` ranks: the given micro-batches where the

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
+from . import float8
 from .errors import GridError
+from .float8 import Float8Recipe
 
 
 @dataclass(frozen=True)
@@ -17,6 +19,8 @@ class Precision:
     name: str
     dtype: torch.dtype
     loss_scaling: bool
+    # the linear layers' products in float8 with this recipe, the rest in dtype (None: none)
+    float8: Float8Recipe | None = None
 
     @classmethod
     def parse(cls, name: str) -> "Precision":
@@ -30,11 +34,16 @@ class Precision:
         if self.dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise GridError(f"bf16 was asked for but {torch.cuda.get_device_name(device)} cannot compute it "
                             "(needs compute capability 8.0 or newer); use precision=fp16 or fp32")
+        if self.float8 is not None:
+            float8.check_device(device)
 
 
 PRECISIONS = {"fp32": Precision("fp32", torch.float32, False),
               "bf16": Precision("bf16", torch.bfloat16, False),
               "fp16": Precision("fp16", torch.float16, True),
+              # the linear layers' products in float8 (torchao's recipes), bf16 elsewhere
+              "fp8": Precision("fp8", torch.bfloat16, False, Float8Recipe.TENSORWISE),
+              "fp8-rowwise": Precision("fp8-rowwise", torch.bfloat16, False, Float8Recipe.ROWWISE),
               # float64 throughout: what gridweave verify compares against one process (to 1e-9)
               "fp64": Precision("fp64", torch.float64, False)}
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
+from . import float8
 from .errors import GridError
 
 
@@ -92,21 +93,27 @@ class _DeferredLinear(torch.autograd.Function):
     backward gives dx, and W (store.run(mb)) later adds dW = dy^T x and db = sum dy to them."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, deferred):
+    def forward(ctx, x, weight, bias, deferred, recipe=None):
         ctx.save_for_backward(x, weight)
-        ctx.deferred, ctx.has_bias = deferred, bias is not None
+        ctx.deferred, ctx.has_bias, ctx.recipe = deferred, bias is not None, recipe
+        if recipe is not None:
+            y = float8.output(x, weight, recipe)
+            return y if bias is None else y + bias.to(y.dtype)
         return torch.nn.functional.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, gy):
         x, weight = ctx.saved_tensors
-        has_bias = ctx.has_bias
+        has_bias, recipe = ctx.has_bias, ctx.recipe
 
         def grads():
             g2, x2 = gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1])
-            return g2.t() @ x2, (g2.sum(0) if has_bias else None)
+            dw = float8.grad_weight(g2, x2, recipe) if recipe is not None else g2.t() @ x2
+            return dw, (g2.sum(0) if has_bias else None)
         defer(*ctx.deferred, grads)
-        return (gy @ weight if ctx.needs_input_grad[0] else None), None, None, None
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        return (float8.grad_input(gy, weight, recipe) if recipe is not None else gy @ weight), None, None, None, None
 
 
 def _hooked() -> bool:
@@ -183,12 +190,13 @@ def apart(store, fn, x, *params):
     return _Apart.apply(x, fn, deferred, *detached)
 
 
-def linear(x, weight, bias, store):
-    """F.linear(x, weight, bias), its weights' gradients deferred to W where `store` defers now."""
+def linear(x, weight, bias, store, recipe=None):
+    """F.linear(x, weight, bias), its weights' gradients deferred to W where `store` defers now;
+    recipe: a gw.float8.Float8Recipe its three products run with (None: x's dtype)."""
     deferred, (w, b) = deferral(store, x, (weight, bias))
     if deferred is None:
-        return torch.nn.functional.linear(x, weight, bias)
-    return _DeferredLinear.apply(x, w, b, deferred)
+        return torch.nn.functional.linear(x, weight, bias) if recipe is None else float8.linear(x, weight, bias, recipe)
+    return _DeferredLinear.apply(x, w, b, deferred, recipe)
 
 
 def _deferrable_forward(linear_module: nn.Linear, store: WeightStore, x):

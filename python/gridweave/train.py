@@ -28,7 +28,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from . import checkpoint, data, launch, loggers, models, optim, pipeline, plan, runfolder
+from . import checkpoint, data, float8, launch, loggers, models, optim, pipeline, plan, runfolder
 from .config import AUTO, TrainConfig
 from .errors import Diverged, GridError
 from .generate import sample
@@ -237,6 +237,8 @@ def build(cfg: TrainConfig, grid, model_cfg: ModelConfig) -> tuple:
     stage = models.ModelChunks(model, grid, cfg.mode, s, pp, cfg.chunks, pipeline.placement_of(cfg.schedule),
                                **options) \
         if cfg.chunks > 1 or cfg.schedule == "interleaved" else models.GPTStage(model, grid, cfg.mode, s, pp, **options)
+    if cfg.compute.float8 is not None:  # the head's products stay bf16; grid_shape checked the rest
+        float8.convert(stage, cfg.compute.float8)
     if optim.uses_distributed(cfg.zero, cfg.offload):  # ZeRO, or the state on the device
         opt = optim.DistributedAdam(stage.parameters(), grid, lr=cfg.lr, weight_decay=cfg.weight_decay, zero=cfg.zero,
                                     offload=cfg.offload, bsize=cfg.bsize, max_grad_norm=cfg.max_grad_norm,

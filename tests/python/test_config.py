@@ -56,7 +56,7 @@ def test_one_declaration_gives_flag_key_and_reference(docs_hooks):
     (config.OptimizerSection, dict(lr=-1.0), "lr must be a finite positive number"),
     (config.OptimizerSection, dict(min_lr=1.0), "min_lr must be in [0, lr=0.003]"),
     (config.ModelSection, dict(attention="linformer"), "attention=linformer and linformer_k go together"),
-    (config.ModelSection, dict(precision="fp8"), "precision must be one of"),
+    (config.ModelSection, dict(precision="fp4"), "precision must be one of"),
     (config.ParallelismSection, dict(chunks=2), "chunks=2 needs schedule=interleaved"),
     (config.ParallelismSection, dict(zero_shard_group="node"), "it needs zero 1, 2 or 3"),
     (config.MoESection, dict(experts=0), "experts must be a positive integer"),

@@ -31,7 +31,7 @@ def test_loss_scaler_backs_off_and_grows():
     with pytest.raises(gw.GridError):
         gw.precision.LossScaler(backoff_factor=2.0)
     with pytest.raises(gw.GridError, match="precision must be one of"):
-        gw.precision.Precision.parse("fp8")
+        gw.precision.Precision.parse("fp4")
 
 
 def _overflow(ctx, bad_rank, bad_step, steps=5):

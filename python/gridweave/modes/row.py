@@ -23,6 +23,7 @@ class Row(Mode):
     sequence: bool = False
     name = "1d"
     keyword = "row"
+    float8 = True
     size_field, size_axis = "n", "tp"
 
     def axes(self):

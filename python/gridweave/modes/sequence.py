@@ -17,6 +17,7 @@ class Sequence(Mode):
     name = "sp"
     default = True  # the layers of a grid without tensor axes
     keyword = "none"
+    float8 = True
     size_arg = False
 
     def spec(self):

@@ -25,6 +25,7 @@ class SubGraph(Mode, Branches):
     g: int
     name = "dsp"
     keyword = "subgraph"
+    float8 = True
     size_field, size_axis = "g", "sg"
     outer = True
 

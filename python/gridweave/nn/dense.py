@@ -355,6 +355,9 @@ def linear_tensors(dense: nn.Linear, order=None):
 class ParallelLinearBase(nn.Module):
     """from_dense / to_dense for every parallel linear; subclasses define load_dense and dense_state."""
 
+    FLOAT8 = False  # whether its products run in float8 when given a recipe (gw.float8.convert)
+    float8 = None  # the Float8Recipe its products run with (None: the parameters' dtype)
+
     @classmethod
     def from_dense(cls, dense: nn.Linear, grid, **kw):
         kw.setdefault("dtype", dense.weight.dtype)

@@ -14,6 +14,7 @@ import enum
 import torch
 from torch import nn
 
+from .. import split
 from ..autograd.ring import positions, ring_attention, ring_self_attention
 from ..autograd.ulysses import ulysses_attention, usp_attention
 from ..documents import check_documents, document_positions, ids_of, order_of
@@ -24,14 +25,20 @@ from ..sharding import DATA_AXES, place, present_axes
 from .dense import GPT2, Arch, Norm, attention, linear_tensors, split_heads, values
 
 
-class ReplicatedLinear(nn.Linear):
+class ReplicatedLinear(nn.Linear, split.Deferrable):
     """A torch Linear whose weights every rank holds (sequence and data parallel); its
     gradients are partial sums over `partial`."""
+
+    FLOAT8 = True  # its products in float8 when given a recipe (gw.float8.convert)
+    float8 = None
 
     def __init__(self, in_features, out_features, bias=True, dtype=None, device=None, partial=DATA_AXES):
         super().__init__(in_features, out_features, bias, dtype=dtype, device=device)
         for p in self.parameters():
             place(p, partial=partial)
+
+    def forward(self, x):
+        return split.linear(x, self.weight, self.bias, self.weight_store, self.float8)
 
     def load_dense(self, dense: nn.Linear, order=None):
         w, b = linear_tensors(dense, order)

@@ -22,6 +22,7 @@ class Style(TensorAxes):
     size_field = ""  # the paper's name of that size (n, q, p, g)
     size_axis = ""   # the grid axis whose length is that size (from_grid reads it)
     packs_documents = True  # its attention masks packed documents (attend() on the rows its qkv holds)
+    float8 = False  # its linears' products run in float8 (gw.float8.convert takes them)
 
     def __post_init__(self):
         if self.size_arg:

@@ -8,7 +8,7 @@ from torch import nn
 
 from ..autograd.comm import (copy_to_parallel, gather_from_parallel, reduce_from_parallel, reduce_scatter_sequence,
                              scatter_to_parallel)
-from .. import split
+from .. import float8, split
 from ..errors import GridError
 from ..layout import Layout, gather, scatter
 from ..sharding import DATA_AXES, place
@@ -31,35 +31,44 @@ class _SequenceColumnLinear(torch.autograd.Function):
     detached), which all-gathers the input again itself (gw.split)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, grid, axis, deferred=None):
-        ctx.grid, ctx.axis, ctx.has_bias, ctx.deferred = grid, axis, bias is not None, deferred
+    def forward(ctx, x, weight, bias, grid, axis, deferred=None, recipe=None):
+        ctx.grid, ctx.axis, ctx.has_bias, ctx.deferred, ctx.recipe = grid, axis, bias is not None, deferred, recipe
         ctx.save_for_backward(x, weight)
         full = grid.all_gather(x.contiguous(), axis=axis, dim=1)
-        return F.linear(full, weight, bias)
+        if recipe is None:
+            return F.linear(full, weight, bias)
+        y = float8.output(full, weight, recipe)
+        return y if bias is None else y + bias.to(y.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        grid, axis, has_bias = ctx.grid, ctx.axis, ctx.has_bias
+        grid, axis, has_bias, recipe = ctx.grid, ctx.axis, ctx.has_bias, ctx.recipe
 
         def grads(full=None):
             full = grid.all_gather(x.contiguous(), axis=axis, dim=1) if full is None else full
-            dw = dy.reshape(-1, dy.shape[-1]).t() @ full.reshape(-1, full.shape[-1])
-            return dw, (dy.reshape(-1, dy.shape[-1]).sum(0) if has_bias else None)
+            g2, x2 = dy.reshape(-1, dy.shape[-1]), full.reshape(-1, full.shape[-1])
+            dw = g2.t() @ x2 if recipe is None else float8.grad_weight(g2, x2, recipe)
+            return dw, (g2.sum(0) if has_bias else None)
+
+        def dx():
+            d = dy @ weight if recipe is None else float8.grad_input(dy, weight, recipe)
+            return grid.reduce_scatter(d.contiguous(), axis=axis, dim=1)
         if ctx.deferred is not None:
             store, mb, params = ctx.deferred
-            dx = grid.reduce_scatter((dy @ weight).contiguous(), axis=axis, dim=1)
+            d = dx()
             split.defer(store, mb, params, grads)
-            return dx, None, None, None, None, None
+            return d, None, None, None, None, None, None
         full = grid.all_gather(x.contiguous(), axis=axis, dim=1)
-        dx = grid.reduce_scatter((dy @ weight).contiguous(), axis=axis, dim=1)
-        return (dx, *grads(full), None, None, None)
+        return (dx(), *grads(full), None, None, None, None)
 
 
 class ColumnParallelLinear(ParallelLinearBase, split.Deferrable):
     """Y = X W^T + b with W split by output rows: f (identity fwd, all-reduce bwd) on the input;
     sequence=True (Megatron's sequence parallelism): the input is a sequence shard over the
     axis, all-gathered forward and its gradient reduce-scattered backward."""
+
+    FLOAT8 = True  # each rank's products on its shard
 
     def __init__(self, in_features, out_features, grid, bias=True, gather_output=False, axis="tp", dtype=None,
                  device=None, sequence=False):
@@ -83,9 +92,10 @@ class ColumnParallelLinear(ParallelLinearBase, split.Deferrable):
     def forward(self, x):
         if self.sequence:
             deferred, (w, b) = split.deferral(self.weight_store, x, (self.weight, self.bias))  # W adds their gradients
-            y = _SequenceColumnLinear.apply(x, w, b, self.grid, self.axis, deferred)
+            y = _SequenceColumnLinear.apply(x, w, b, self.grid, self.axis, deferred, self.float8)
         else:
-            y = split.linear(copy_to_parallel(x, self.grid, self.axis), self.weight, self.bias, self.weight_store)
+            y = split.linear(copy_to_parallel(x, self.grid, self.axis), self.weight, self.bias, self.weight_store,
+                             self.float8)
         return gather_from_parallel(y, self.grid, self.axis, -1) if self.gather_output else y
 
     def load_dense(self, dense, order=None):
@@ -106,6 +116,8 @@ class ColumnParallelLinear(ParallelLinearBase, split.Deferrable):
 class RowParallelLinear(ParallelLinearBase, split.Deferrable):
     """Y = X W^T + b with W split by input columns: g (all-reduce fwd, identity bwd) on the output;
     sequence=True: reduce-scattered to sequence shards over the axis instead (all-gather bwd)."""
+
+    FLOAT8 = True  # each rank's products on its shard; the all-reduce of their partial sums in bf16
 
     def __init__(self, in_features, out_features, grid, bias=True, input_is_parallel=True, axis="tp", dtype=None,
                  device=None, sequence=False):
@@ -132,9 +144,13 @@ class RowParallelLinear(ParallelLinearBase, split.Deferrable):
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_to_parallel(x, self.grid, self.axis, -1)
-        y = split.linear(x, self.weight, None, self.weight_store)
-        y = reduce_scatter_sequence(y, self.grid, self.axis) if self.sequence else \
-            reduce_from_parallel(y, self.grid, self.axis)
+        if self.float8 is not None and not self.sequence:  # g reduces the float8 product's rows in place
+            y = split.linear(x.reshape(-1, x.shape[-1]), self.weight, None, self.weight_store, self.float8)
+            y = reduce_from_parallel(y, self.grid, self.axis).view(*x.shape[:-1], -1)
+        else:
+            y = split.linear(x, self.weight, None, self.weight_store, self.float8)
+            y = reduce_scatter_sequence(y, self.grid, self.axis) if self.sequence else \
+                reduce_from_parallel(y, self.grid, self.axis)
         return split.apart(self.weight_store, torch.add, y, self.bias) if self.bias is not None else y
 
     def load_dense(self, dense, order=None):

@@ -1,0 +1,156 @@
+"""Float8 matrix products for training, on torchao's float8 pieces (its recipes' casts and dynamic
+scales, torch._scaled_mm beneath): a linear layer's three products, Y = X W^T, dX = dY W and
+dW = dY^T X, each operand cast to float8 with a scale taken from its own absolute maximum (one a
+tensor, or one a row of the contraction), multiplied with fp32 accumulation, the result in the
+operands' precision. gridweave's layers call these inside their own autograd Functions, on each
+rank's local blocks (a 1-D shard, a SUMMA tile, a 3-D block), so a layer carries its recipe as it
+carries its grid. torchao is imported on first use: a run that never asks for float8 never loads it."""
+from __future__ import annotations
+
+import enum
+from functools import lru_cache
+
+import torch
+
+from .errors import GridError
+
+# products float8 kernels take: every dimension a multiple of this (cuBLASLt's rule for _scaled_mm)
+ALIGNMENT = 16
+
+
+class Float8Recipe(enum.Enum):
+    """How operands are scaled (torchao's recipe names)."""
+    TENSORWISE = "tensorwise"  # one scale a tensor: e4m3 inputs and weights, e5m2 gradients
+    ROWWISE = "rowwise"  # one power-of-2 scale a row of the contraction: e4m3 throughout
+
+    def unit_roundoff(self, role: str) -> float:
+        """The largest relative error of rounding one scaled operand (`input`, `weight` or
+        `grad_output`) to its float8 format: 2^-(mantissa bits + 1), e4m3 2^-4, e5m2 2^-3."""
+        dtype = getattr(_config(self), f"cast_config_{role}").target_dtype
+        return torch.finfo(dtype).eps / 2
+
+
+def _ao():
+    try:
+        from torchao.float8 import config, float8_scaling_utils, float8_training_tensor
+    except ImportError as e:  # the one clear line, before anything runs
+        raise GridError("float8 precision needs torchao (pip install torchao)") from e
+    return config, float8_scaling_utils, float8_training_tensor
+
+
+@lru_cache(maxsize=None)
+def _config(recipe: Float8Recipe):
+    config = _ao()[0]
+    return config.Float8LinearConfig.from_recipe_name(recipe.value)
+
+
+@lru_cache(maxsize=None)
+def _mm_config(recipe: Float8Recipe):
+    """torchao's LinearMMConfig of the recipe: its three products' _scaled_mm settings."""
+    tt = _ao()[2]
+    c = _config(recipe)
+    return tt.LinearMMConfig(*(tt.ScaledMMConfig(c.emulate, g.use_fast_accum, False, c.pad_inner_dim)
+                               for g in (c.gemm_config_output, c.gemm_config_grad_input, c.gemm_config_grad_weight)))
+
+
+def _cast(t: torch.Tensor, recipe: Float8Recipe, cast: str, role: str, dim: int):
+    """t in float8 with its dynamic scale, as the recipe casts operand `cast` for its `role`; a
+    rowwise scale runs along `dim` (the product's contraction)."""
+    _, su, tt = _ao()
+    c = _config(recipe)
+    cc = getattr(c, f"cast_config_{cast}")
+    return su.hp_tensor_to_float8_dynamic(
+        t, cc.target_dtype, _mm_config(recipe), gemm_input_role=tt.GemmInputRole[role.upper()],
+        scaling_granularity=cc.scaling_granularity, axiswise_dim=su.get_maybe_axiswise_dim(dim, cc.scaling_granularity),
+        round_scales_to_power_of_2=c.round_scales_to_power_of_2)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
+def _unrows(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """y (rows, n) in like's leading shape; a 2-D product stays itself, not a view of itself (a
+    collective may then reduce it in place: Megatron's g)."""
+    return y if like.dim() == 2 else y.view(*like.shape[:-1], y.shape[-1])
+
+
+def output(x: torch.Tensor, weight: torch.Tensor, recipe: Float8Recipe) -> torch.Tensor:
+    """x @ weight^T in float8: x (..., in), weight (out, in)."""
+    return _unrows(torch.mm(_cast(_rows(x), recipe, "input", "input", -1),
+                            _cast(weight.t(), recipe, "weight", "weight", 0)), x)
+
+
+def grad_input(dy: torch.Tensor, weight: torch.Tensor, recipe: Float8Recipe) -> torch.Tensor:
+    """dy @ weight in float8: dy (..., out), weight (out, in)."""
+    g = _cast(_rows(dy), recipe, "grad_output", "grad_output", -1)
+    w = _cast(weight.t(), recipe, "weight_for_grad_input", "weight", -1)
+    return _unrows(torch.mm(g, w.t()), dy)
+
+
+def grad_weight(dy: torch.Tensor, x: torch.Tensor, recipe: Float8Recipe) -> torch.Tensor:
+    """dy^T @ x in float8, over every token: dy (..., out), x (..., in) -> (out, in)."""
+    g = _cast(_rows(dy), recipe, "grad_output_for_grad_weight", "grad_output", 0)
+    return torch.mm(g.t(), _cast(_rows(x), recipe, "input_for_grad_weight", "input", 0))
+
+
+class _Linear(torch.autograd.Function):
+    """x @ w^T on 2-D x, its three products in float8."""
+
+    @staticmethod
+    def forward(ctx, x, weight, recipe):
+        ctx.save_for_backward(x, weight)
+        ctx.recipe = recipe
+        return output(x, weight, recipe)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = grad_input(dy, weight, ctx.recipe) if ctx.needs_input_grad[0] else None
+        dw = grad_weight(dy, x, ctx.recipe) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Float8Recipe) -> torch.Tensor:
+    """F.linear with its three products in float8, forward and backward; the bias added in x's
+    precision. Unlike F.linear's, the output of an N-D x is a view of the product's rows: a
+    collective that reduces in place takes 2-D rows (RowParallelLinear does)."""
+    y = _unrows(_Linear.apply(_rows(x), weight, recipe), x)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def check_device(device: torch.device) -> None:
+    """One clear error, before anything runs, where float8 products cannot run: without torchao, or
+    on a GPU without float8 tensor cores (compute capability below 8.9: Ada, Hopper and later have
+    them). The CPU runs them (torch._scaled_mm), slowly: what the tests check numerics on."""
+    _ao()
+    if torch.device(device).type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise GridError(f"float8 was asked for but {torch.cuda.get_device_name(device)} cannot compute it (needs "
+                        "compute capability 8.9 or newer: Ada, Hopper); use precision=bf16")
+
+
+def check_sizes(what: str, *sizes: int) -> None:
+    """One clear error where a float8 product's dimension is not a multiple of ALIGNMENT."""
+    bad = [n for n in sizes if n % ALIGNMENT]
+    if bad:
+        raise GridError(f"{what}: float8 products need every dimension a multiple of {ALIGNMENT}, got "
+                        f"{', '.join(map(str, sizes))}")
+
+
+def convert(module: torch.nn.Module, recipe: Float8Recipe | None, keep=("head",)) -> int:
+    """Runs the products of every parallel linear in `module` in float8 with `recipe` (None: back to
+    the parameters' dtype), but those under a submodule named in `keep` (the vocabulary's head: its
+    logits stay in bf16, as torchtitan keeps the output layer); every linear is checked first, so a
+    layer float8 cannot take is one clear error before any is changed. Returns how many it set."""
+    chosen = [(name, m) for name, m in module.named_modules() if hasattr(m, "FLOAT8")
+              and not set(name.split(".")) & set(keep)]
+    if recipe is not None:
+        for name, m in chosen:
+            if not m.FLOAT8:
+                raise GridError(f"{name or type(m).__name__}: float8 products are not in {type(m).__name__} yet "
+                                "(1-D tensor parallelism's linears and the replicated linears of the data, sequence "
+                                "and sub-graph modes have them)")
+            check_sizes(f"{name} ({type(m).__name__}, this rank's weight {tuple(m.weight.shape)})", *m.weight.shape)
+    for _, m in chosen:
+        m.float8 = recipe
+    return len(chosen)
