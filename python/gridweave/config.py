@@ -534,7 +534,7 @@ class TrainConfig(LoggingSection, CheckpointSection, DataSection, OptimizerSecti
         where it is converted, on its rank's shard)."""
         if not self.mode.float8:
             raise GridError(f"precision {self.precision}: tp {self.mode.spec()}'s linears have no float8 products yet "
-                            "(none, row:N and subgraph:G have them); use bf16")
+                            "(none, row:N, square:Q and subgraph:G have them); use bf16")
         if self.model in MOE_MODELS:
             raise GridError(f"precision {self.precision}: a mixture of experts' grouped products are not in float8 "
                             f"yet (model {self.model}); use bf16")

@@ -148,7 +148,7 @@ def convert(module: torch.nn.Module, recipe: Float8Recipe | None, keep=("head",)
         for name, m in chosen:
             if not m.FLOAT8:
                 raise GridError(f"{name or type(m).__name__}: float8 products are not in {type(m).__name__} yet "
-                                "(1-D tensor parallelism's linears and the replicated linears of the data, sequence "
+                                "(1-D and 2-D tensor parallelism's linears and the replicated linears of the data, sequence "
                                 "and sub-graph modes have them)")
             check_sizes(f"{name} ({type(m).__name__}, this rank's weight {tuple(m.weight.shape)})", *m.weight.shape)
     for _, m in chosen:

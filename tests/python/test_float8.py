@@ -168,6 +168,50 @@ def test_megatron_1d_linears_in_float8_are_within_its_rounding(pool, n, sequence
             assert 2.0 ** -9 < rel < 2.0 ** -3, (name, v)
 
 
+def _two_d_float8(ctx, recipe_name):
+    """A SUMMA linear (2-D, q = 2) with each step's local product in float8: output, input and
+    weight gradients against the same bf16 values in float64 (as _one_d_float8)."""
+    import gridweave as gw
+
+    recipe = gw.float8.Float8Recipe(recipe_name)
+    grid = ctx.init(tp=gw.Square(2))
+    bf = torch.bfloat16
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(32, 64, dtype=bf, device=DEVICE)
+    lin = gw.nn.Linear2D.from_dense(dense, grid)
+    assert gw.float8.convert(lin, recipe) == 1
+    x, dy = full((4, 16, 32), 1, bf), full((4, 16, 64), 3, bf) * 1e-2
+    u = {r: recipe.unit_roundoff(r) for r in ("input", "weight", "grad_output")}
+    d = {r: getattr(gw.float8._config(recipe), f"cast_config_{r}").target_dtype for r in u}
+    xl = gw.scatter(x, lin.input_layout, grid).requires_grad_()
+    y = lin(xl)
+    y.backward(gw.scatter(dy, lin.output_layout, grid))
+    w, b = dense.weight.detach().double(), dense.bias.detach().double()
+    x64, dy64 = x.double().reshape(-1, 32), dy.double().reshape(-1, 64)
+    out = {}
+    for name, got, a, bm, ra, rb in (
+            ("y", gw.gather(y, lin.output_layout, grid).double().reshape(-1, 64) - b, x64, w.t(), "input", "weight"),
+            ("dx", gw.gather(xl.grad, lin.input_layout, grid).double().reshape(-1, 32), dy64, w, "grad_output",
+             "weight"),
+            ("dW", lin.dense_state(grad=True)["weight"].double(), dy64.t(), x64, "grad_output", "input")):
+        exact = a @ bm
+        bound = _bound(a, bm, u[ra], u[rb], d[ra], d[rb], got) + 2 * 2.0 ** -8 * (a.abs() @ bm.abs())  # q sums
+        out[name] = (float((got - exact).abs().max()), float(((got - exact).abs() - bound).max()),
+                     float((got - exact).norm() / exact.norm()))
+    return out
+
+
+@pytest.mark.parametrize("recipe", [r.value for r in RECIPES])
+def test_summa_2d_linear_in_float8_is_within_its_rounding(pool, recipe):
+    """Bian et al.'s 2-D baseline (SUMMA) with each step's local product in float8 on a 2 x 2
+    grid: output and both gradients within their operands' rounding (the q partial products'
+    bf16 sums added), float8's error, not bf16's."""
+    for out in pool.run(_two_d_float8, 4, recipe):
+        for name, (err, over, rel) in out.items():
+            assert over <= 0, (name, err, over, rel)
+            assert 2.0 ** -9 < rel < 2.0 ** -3, (name, err, over, rel)
+
+
 def test_a_linear_float8_cannot_take_is_refused_before_any_is_changed():
     """convert checks every linear (its local weight's sizes, its kind) before setting any."""
     import gridweave as gw
@@ -231,14 +275,14 @@ def test_the_main_job_in_float8_tracks_bf16_on_composed_grids(bf16, tmp_path, pr
 def test_what_float8_cannot_take_is_refused_before_any_rank_starts():
     import gridweave as gw
 
-    def shape(**kw):
+    def shape(world=4, **kw):
         cfg = gw.train.TrainConfig(**{**dict(hidden=32, heads=4, layers=4, ffn_hidden=96, seq=32, batch=8,
                                               tokenizer="bytes", precision="fp8"), **kw})
-        return cfg.grid_shape(4)
+        return cfg.grid_shape(world)
 
     assert shape(tp="row:2") == {"dp": 1, "pp": 2, "sp": 1}
-    with pytest.raises(GridError, match="tp square:2's linears have no float8 products yet"):
-        shape(tp="square:2")
+    with pytest.raises(GridError, match="tp cube:2's linears have no float8 products yet"):
+        shape(8, tp="cube:2")
     with pytest.raises(GridError, match="a mixture of experts' grouped products are not in float8 yet"):
         shape(model="mixtral", experts=4)
     with pytest.raises(GridError, match=r"tokens on a rank .* got 40"):

@@ -16,6 +16,7 @@ class Square(Mode):
     q: int
     name = "2d"
     keyword = "square"
+    float8 = True
     size_field, size_axis = "q", "r"
 
     def axes(self):

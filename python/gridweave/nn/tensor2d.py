@@ -33,6 +33,7 @@ def _check_batch(x, grid):
 class Linear2D(ParallelLinearBase, split.Deferrable):
     """Y = X W^T + b with X, W^T and Y in q x q blocks; SUMMA broadcasts per step."""
 
+    FLOAT8 = True  # each SUMMA step's local product (the sum over the steps in the parameters' dtype)
     input_layout = ACTIVATION
     output_layout = ACTIVATION
 
@@ -53,7 +54,7 @@ class Linear2D(ParallelLinearBase, split.Deferrable):
     def forward(self, x):
         _check_batch(x, self.grid)
         b, s, h = x.shape
-        y = summa_matmul(x.reshape(b * s, h), self.weight, self.grid, self.weight_store)
+        y = summa_matmul(x.reshape(b * s, h), self.weight, self.grid, self.weight_store, self.float8)
         if self.bias is not None:  # its gradient's reduce-scatter in r waits for W with the weight's
             y = split.apart(self.weight_store, lambda y, v: y + summa_vector(v, self.grid), y, self.bias)
         return y.reshape(b, s, -1)
