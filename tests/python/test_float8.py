@@ -239,18 +239,9 @@ ARGS = ["--steps", "12", "--hidden", "32", "--layers", "4", "--heads", "4", "--f
 
 
 def _train(tmp, name, *extra, port):
-    import json
-    import os
-    import subprocess
-    import sys
+    from test_precision import _train as train
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GRIDWEAVE_PORT": str(port)}
-    env.pop("RANK", None)
-    out = tmp / name
-    r = subprocess.run([sys.executable, "-m", "gridweave.cli", "train", *ARGS, "--out", str(out), *extra],
-                       capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    return json.loads((out / "metrics.json").read_text())["loss"]
+    return train(tmp, name, *extra, port=port, args=ARGS)
 
 
 @pytest.fixture(scope="module")

@@ -81,11 +81,12 @@ ARGS = ["--steps", "20", "--hidden", "32", "--layers", "4", "--heads", "4", "--s
 TOLERANCE = {"bf16": 2e-3, "fp16": 4e-4}
 
 
-def _train(tmp, name, *extra, port):
+def _train(tmp, name, *extra, port, args=ARGS):
+    """The losses of `gridweave train` with `args` and `extra` (metrics.json's), in its own process."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GRIDWEAVE_PORT": str(port)}
     env.pop("RANK", None)
     out = tmp / name
-    r = subprocess.run([sys.executable, "-m", "gridweave.cli", "train", *ARGS, "--out", str(out), *extra],
+    r = subprocess.run([sys.executable, "-m", "gridweave.cli", "train", *args, "--out", str(out), *extra],
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     if "--host-reads" in extra:
