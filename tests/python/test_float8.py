@@ -61,20 +61,33 @@ def test_each_product_is_within_float8s_rounding_of_float64(recipe, shape):
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_the_autograd_linear_equals_the_three_products(recipe):
-    """gw.float8.linear forward and backward: the same float8 products as output, grad_input and
-    grad_weight, bit for bit, and the bias's gradient exact."""
+def test_the_linear_equals_torchaos_float8_linear(recipe):
+    """gw.float8.linear forward and backward against torchao's own Float8Linear (its module swap,
+    the same recipe) on the same bf16 values: output, input, weight and bias gradients bit for bit;
+    and each of them the corresponding product of gw.float8 (output, grad_input, grad_weight)."""
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+
     g = torch.Generator().manual_seed(3)
+    ref = torch.nn.Linear(32, 48, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(48, 32, generator=g) * 0.1)
+        ref.bias.copy_(torch.randn(48, generator=g))
+    theirs = Float8Linear.from_float(ref, config=Float8LinearConfig.from_recipe_name(recipe.value))
     x = torch.randn(4, 16, 32, generator=g).to(torch.bfloat16).requires_grad_()
-    w = (torch.randn(48, 32, generator=g) * 0.1).to(torch.bfloat16).requires_grad_()
-    b = torch.randn(48, generator=g).to(torch.bfloat16).requires_grad_()
     dy = torch.randn(4, 16, 48, generator=g).to(torch.bfloat16)
+    w = ref.weight.detach().clone().requires_grad_()
+    b = ref.bias.detach().clone().requires_grad_()
     y = float8.linear(x, w, b, recipe)
     y.backward(dy)
+    xt = x.detach().clone().requires_grad_()
+    yt = theirs(xt)
+    yt.backward(dy)
+    assert torch.equal(y, yt) and torch.equal(x.grad, xt.grad)
+    assert torch.equal(w.grad, theirs.weight.grad) and torch.equal(b.grad, theirs.bias.grad)
     assert torch.equal(y, float8.output(x.detach(), w.detach(), recipe) + b.detach())
     assert torch.equal(x.grad, float8.grad_input(dy, w.detach(), recipe))
     assert torch.equal(w.grad, float8.grad_weight(dy, x.detach(), recipe))
-    assert torch.equal(b.grad, dy.float().sum((0, 1)).to(torch.bfloat16))
 
 
 def test_sizes_float8_cannot_take_are_one_clear_error():
