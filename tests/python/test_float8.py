@@ -34,12 +34,16 @@ def _dtype(recipe, role):
     return getattr(float8._config(recipe), f"cast_config_{role}").target_dtype
 
 
+@pytest.mark.parametrize("emulate", [True, False])
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("shape", [(64, 32, 48), (48, 96, 16), (32, 16, 160)])
-def test_each_product_is_within_float8s_rounding_of_float64(recipe, shape):
+def test_each_product_is_within_float8s_rounding_of_float64(recipe, shape, emulate, monkeypatch):
     """Y = X W^T, dX = dY W and dW = dY^T X in float8 against the same bf16 operands multiplied in
     float64: every element within the bound its operands' rounding allows (e4m3 2^-4 relative,
-    e5m2 2^-3, subnormals and accumulation included), and the error that of float8, not bf16's."""
+    e5m2 2^-3, subnormals and accumulation included), and the error that of float8, not bf16's;
+    through torch._scaled_mm (a GPU's path) and emulated (the float8 values multiplied in fp32:
+    the CPU's, where _scaled_mm is a reference loop)."""
+    monkeypatch.setattr(float8, "emulated", lambda device: emulate)
     tokens, n_in, n_out = shape
     g = torch.Generator().manual_seed(sum(shape))
     x = (torch.randn(tokens, n_in, generator=g) * 3).to(torch.bfloat16)
@@ -60,20 +64,27 @@ def test_each_product_is_within_float8s_rounding_of_float64(recipe, shape):
         assert 2.0 ** -9 < rel < max(u[ra], u[rb])  # float8's error (above bf16's), far inside the worst case
 
 
+@pytest.mark.parametrize("emulate", [True, False])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_the_linear_equals_torchaos_float8_linear(recipe):
+def test_the_linear_equals_torchaos_float8_linear(recipe, emulate, monkeypatch):
     """gw.float8.linear forward and backward against torchao's own Float8Linear (its module swap,
-    the same recipe) on the same bf16 values: output, input, weight and bias gradients bit for bit;
-    and each of them the corresponding product of gw.float8 (output, grad_input, grad_weight)."""
+    the same recipe, emulated or not alike) on the same bf16 values: output, input, weight and bias
+    gradients bit for bit; and each of them the corresponding product of gw.float8 (output,
+    grad_input, grad_weight)."""
+    import dataclasses
+
     from torchao.float8 import Float8LinearConfig
     from torchao.float8.float8_linear import Float8Linear
+
+    monkeypatch.setattr(float8, "emulated", lambda device: emulate)
 
     g = torch.Generator().manual_seed(3)
     ref = torch.nn.Linear(32, 48, dtype=torch.bfloat16)
     with torch.no_grad():
         ref.weight.copy_(torch.randn(48, 32, generator=g) * 0.1)
         ref.bias.copy_(torch.randn(48, generator=g))
-    theirs = Float8Linear.from_float(ref, config=Float8LinearConfig.from_recipe_name(recipe.value))
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe.value), emulate=emulate)
+    theirs = Float8Linear.from_float(ref, config=config)
     x = torch.randn(4, 16, 32, generator=g).to(torch.bfloat16).requires_grad_()
     dy = torch.randn(4, 16, 48, generator=g).to(torch.bfloat16)
     w = ref.weight.detach().clone().requires_grad_()
