@@ -37,15 +37,16 @@ from .grid import Grid, init, rendezvous_store, shutdown
 from .measure import HostReads, StepPhases, StragglerDetector, gemm_rate, probe_size, timed
 from .models import ModelConfig
 from .nn.moe import routed_tokens, set_aux_grad_scale
-from .precision import LossScaler
+from .precision import LossScaler, Precision
 from .sharding import first_copy
 
 # What a resumed run must share with its checkpoint (the model, the data order).
 RESUME_KEYS = ("model", "tokenizer", "seq", "batch", "seed")
 
-# Nominal dense peak FLOP/s per GPU and compute dtype (vendor data sheets), for MFU.
-GPU_PEAK = {"H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "fp64": 67e12},
-            "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "fp64": 67e12},
+# Nominal dense peak FLOP/s per GPU and compute dtype (vendor data sheets), for MFU; fp8's is the
+# float8 tensor cores' (the A100 has none: float8.check_device refuses it first)
+GPU_PEAK = {"H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "fp64": 67e12, "fp8": 1979e12},
+            "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "fp64": 67e12, "fp8": 1979e12},
             "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12, "fp64": 19.5e12}}
 
 
@@ -127,9 +128,10 @@ def peak_flops(grid, precision: str) -> tuple:
 
     if grid.device.type == "cuda":
         name = torch.cuda.get_device_name(grid.device)
+        kind = "fp8" if Precision.parse(precision).float8 is not None else precision  # either recipe
         for key, peaks in GPU_PEAK.items():
-            if key in name:
-                return peaks[precision], f"nominal {key} {precision}"
+            if key in name and kind in peaks:
+                return peaks[kind], f"nominal {key} {kind}"
         grid.barrier()  # a GPU without a datasheet entry: its float32 GEMM, every rank on its own GPU
         return best(), f"measured float32 GEMM ({n}^3) of the GPU"
     node = grid.node_of(grid.rank)

@@ -333,6 +333,29 @@ def test_bf16_training_on_a_shared_gpu_tracks_fp32(tmp_path):
     assert max(abs(a - b) / b for a, b in zip(out["bf16"], out["fp32"])) < 0.03
 
 
+@pytest.mark.skipif(GPU and torch.cuda.get_device_capability(0) < (8, 9), reason="float8 needs compute capability 8.9")
+def test_fp8_training_on_the_gpu_tracks_bf16_and_counts_against_the_float8_peak(tmp_path):
+    """The main job in fp8 (torch._scaled_mm on the GPU's float8 tensor cores, not emulated) within
+    1% of bf16's losses on the same GPU, its MFU against the float8 peak."""
+    pytest.importorskip("torchao")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GRIDWEAVE_PORT": "29735"}
+    env.pop("RANK", None)
+    corpus = str(Path(__file__).resolve().parents[2] / "README.md")
+    args = ["--steps", "10", "--hidden", "64", "--layers", "4", "--heads", "4", "--ffn-hidden", "192", "--seq", "32",
+            "--batch", "8", "--data", corpus, "--tokenizer", "bytes", "--warmup", "2", "--val-every", "0",
+            "--sample-tokens", "0", "--quiet", "--nproc", "1", "--device", "cuda"]
+    out = {}
+    for name in ("bf16", "fp8"):
+        r = subprocess.run([sys.executable, "-m", "gridweave.cli", "train", *args, "--precision", name, "--out",
+                            str(tmp_path / name)], capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out[name] = json.loads((tmp_path / name / "metrics.json").read_text())
+    from gridweave import float8
+    assert not float8.emulated(torch.device("cuda"))
+    assert max(abs(a - b) / b for a, b in zip(out["fp8"]["loss"], out["bf16"]["loss"])) < 0.01
+    assert "fp8" in out["fp8"]["peak_flops_source"]
+
+
 MPI_ON_CUDA = """
 import os, torch, gridweave as gw
 grid = gw.init(dp=2, backend="mpi", device="cuda", timeout=60.0)
