@@ -86,7 +86,7 @@ def host_link(window: float = 1.0, device="cpu", dtype=torch.float32) -> float:
     if torch.device(device) == torch.device("cpu"):
         return 0.0
     numel = probe_size(device, "vector")
-    host = torch.empty(numel, dtype=dtype, pin_memory=True)  # the host side, as OffloadAdam's pinned state
+    host = torch.empty(numel, dtype=dtype, device="cpu", pin_memory=True)  # the host side: OffloadAdam's pinned state
     dev = torch.empty(numel, dtype=dtype, device=device)
 
     def step():

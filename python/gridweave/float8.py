@@ -85,21 +85,30 @@ def _unrows(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return y if like.dim() == 2 else y.view(*like.shape[:-1], y.shape[-1])
 
 
-def output(x: torch.Tensor, weight: torch.Tensor, recipe: Float8Recipe) -> torch.Tensor:
-    """x @ weight^T in float8: x (..., in), weight (out, in)."""
-    return _unrows(torch.mm(_cast(_rows(x), recipe, "input", "input", -1),
-                            _cast(weight.t(), recipe, "weight", "weight", 0)), x)
+def output(x: torch.Tensor, weight: torch.Tensor, recipe: Float8Recipe | None, bias=None) -> torch.Tensor:
+    """x @ weight^T (+ bias) in float8: x (..., in), weight (out, in); recipe None: F.linear itself
+    (the layers' one call either way). The bias is added in x's precision."""
+    if recipe is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    y = _unrows(torch.mm(_cast(_rows(x), recipe, "input", "input", -1),
+                         _cast(weight.t(), recipe, "weight", "weight", 0)), x)
+    return y if bias is None else y + bias.to(y.dtype)
 
 
-def grad_input(dy: torch.Tensor, weight: torch.Tensor, recipe: Float8Recipe) -> torch.Tensor:
-    """dy @ weight in float8: dy (..., out), weight (out, in)."""
+def grad_input(dy: torch.Tensor, weight: torch.Tensor, recipe: Float8Recipe | None) -> torch.Tensor:
+    """dy @ weight in float8: dy (..., out), weight (out, in); recipe None: dy @ weight."""
+    if recipe is None:
+        return dy @ weight
     g = _cast(_rows(dy), recipe, "grad_output", "grad_output", -1)
     w = _cast(weight.t(), recipe, "weight_for_grad_input", "weight", -1)
     return _unrows(torch.mm(g, w.t()), dy)
 
 
-def grad_weight(dy: torch.Tensor, x: torch.Tensor, recipe: Float8Recipe) -> torch.Tensor:
-    """dy^T @ x in float8, over every token: dy (..., out), x (..., in) -> (out, in)."""
+def grad_weight(dy: torch.Tensor, x: torch.Tensor, recipe: Float8Recipe | None) -> torch.Tensor:
+    """dy^T @ x in float8, over every token: dy (..., out), x (..., in) -> (out, in); recipe None:
+    the same product in their dtype."""
+    if recipe is None:
+        return _rows(dy).t() @ _rows(x)
     g = _cast(_rows(dy), recipe, "grad_output_for_grad_weight", "grad_output", 0)
     return torch.mm(g.t(), _cast(_rows(x), recipe, "input_for_grad_weight", "input", 0))
 

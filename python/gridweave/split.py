@@ -96,10 +96,7 @@ class _DeferredLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, deferred, recipe=None):
         ctx.save_for_backward(x, weight)
         ctx.deferred, ctx.has_bias, ctx.recipe = deferred, bias is not None, recipe
-        if recipe is not None:
-            y = float8.output(x, weight, recipe)
-            return y if bias is None else y + bias.to(y.dtype)
-        return torch.nn.functional.linear(x, weight, bias)
+        return float8.output(x, weight, recipe, bias)
 
     @staticmethod
     def backward(ctx, gy):
@@ -107,13 +104,9 @@ class _DeferredLinear(torch.autograd.Function):
         has_bias, recipe = ctx.has_bias, ctx.recipe
 
         def grads():
-            g2, x2 = gy.reshape(-1, gy.shape[-1]), x.reshape(-1, x.shape[-1])
-            dw = float8.grad_weight(g2, x2, recipe) if recipe is not None else g2.t() @ x2
-            return dw, (g2.sum(0) if has_bias else None)
+            return float8.grad_weight(gy, x, recipe), (gy.reshape(-1, gy.shape[-1]).sum(0) if has_bias else None)
         defer(*ctx.deferred, grads)
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None
-        return (float8.grad_input(gy, weight, recipe) if recipe is not None else gy @ weight), None, None, None, None
+        return (float8.grad_input(gy, weight, recipe) if ctx.needs_input_grad[0] else None), None, None, None, None
 
 
 def _hooked() -> bool:

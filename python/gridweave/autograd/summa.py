@@ -22,7 +22,7 @@ class _SummaMatmul(torch.autograd.Function):
         for t in range(q):  # C_rc = sum_t A_rt B_tc
             a_t = _bcast(grid, a, "c", t, c == t)  # A_rt along the row
             b_t = _bcast(grid, b, "r", t, r == t)  # B_tc along the column
-            out += a_t @ b_t if recipe is None else float8.output(a_t, b_t.t(), recipe)  # B is W^T
+            out += float8.output(a_t, b_t.t(), recipe)  # B is W^T: the linear's weight transposed
         return out
 
     @staticmethod
@@ -36,7 +36,7 @@ class _SummaMatmul(torch.autograd.Function):
         if ctx.needs_input_grad[0]:  # dA_rt = sum_c dC_rc B_tc^T: reduce along the row to (r, t)
             for t in range(q):
                 b_t = _bcast(grid, b, "r", t, r == t)
-                part = (g @ b_t.t() if recipe is None else float8.grad_input(g, b_t.t(), recipe)).contiguous()
+                part = float8.grad_input(g, b_t.t(), recipe).contiguous()
                 grid.reduce(part, axis="c", dst=t)
                 if c == t:
                     da = part

@@ -35,10 +35,7 @@ class _SequenceColumnLinear(torch.autograd.Function):
         ctx.grid, ctx.axis, ctx.has_bias, ctx.deferred, ctx.recipe = grid, axis, bias is not None, deferred, recipe
         ctx.save_for_backward(x, weight)
         full = grid.all_gather(x.contiguous(), axis=axis, dim=1)
-        if recipe is None:
-            return F.linear(full, weight, bias)
-        y = float8.output(full, weight, recipe)
-        return y if bias is None else y + bias.to(y.dtype)
+        return float8.output(full, weight, recipe, bias)
 
     @staticmethod
     def backward(ctx, dy):
@@ -47,13 +44,10 @@ class _SequenceColumnLinear(torch.autograd.Function):
 
         def grads(full=None):
             full = grid.all_gather(x.contiguous(), axis=axis, dim=1) if full is None else full
-            g2, x2 = dy.reshape(-1, dy.shape[-1]), full.reshape(-1, full.shape[-1])
-            dw = g2.t() @ x2 if recipe is None else float8.grad_weight(g2, x2, recipe)
-            return dw, (g2.sum(0) if has_bias else None)
+            return float8.grad_weight(dy, full, recipe), (dy.reshape(-1, dy.shape[-1]).sum(0) if has_bias else None)
 
         def dx():
-            d = dy @ weight if recipe is None else float8.grad_input(dy, weight, recipe)
-            return grid.reduce_scatter(d.contiguous(), axis=axis, dim=1)
+            return grid.reduce_scatter(float8.grad_input(dy, weight, recipe).contiguous(), axis=axis, dim=1)
         if ctx.deferred is not None:
             store, mb, params = ctx.deferred
             d = dx()

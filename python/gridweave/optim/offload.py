@@ -36,10 +36,17 @@ def gradient_chunks(params, grid, bsize: int, coarsening: int, backward: bool = 
 
 
 
-def link_bytes_per_element(master_dtype: torch.dtype) -> int:
-    """Bytes a staged step moves between the host and the device per element: each bucket's weights
-    and two states in and out (_Staging), and the master's write-back to the parameter."""
-    return (_Staging.LINK_COPIES + 1) * master_dtype.itemsize
+def master_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """The masters' and states' dtype for a model's: fp32 of half-precision models; a float64 model
+    (gridweave verify's) keeps float64."""
+    return torch.promote_types(model_dtype, torch.float32)
+
+
+def link_bytes_per_element(model_dtype: torch.dtype) -> int:
+    """Bytes a staged step moves between the host and the device per element of a model in
+    `model_dtype`: each bucket's weights and two states in and out (_Staging), and the master's
+    write-back to the parameter."""
+    return (_Staging.LINK_COPIES + 1) * master_dtype(model_dtype).itemsize
 
 
 class OffloadAdam(GridOptimizer):
@@ -87,8 +94,7 @@ class OffloadAdam(GridOptimizer):
         self._order, self._offset, self._chunks = gradient_chunks(self.params, grid, self.bsize, self.k,
                                                                   backward=self.overlap)
         host = torch.device("cpu")
-        # fp32 masters of half-precision models; a float64 model (gridweave verify's) keeps float64
-        self.dtype = torch.promote_types(self.params[0].dtype if self.params else torch.float32, torch.float32)
+        self.dtype = master_dtype(self.params[0].dtype)
         flat = torch.empty(self.numel, dtype=self.dtype, device=host)
         for i, p in enumerate(self.params):
             flat[self._offset[i]:self._offset[i] + p.numel()] = p.detach().reshape(-1).to(host, self.dtype)

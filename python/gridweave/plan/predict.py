@@ -55,13 +55,6 @@ def _dtype(model: Model):
     return {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[model.bytes_per_value]
 
 
-def _master_dtype(model: Model):
-    """OffloadAdam's master and state dtype for the model's: fp32, or the model's if wider."""
-    import torch
-
-    return torch.promote_types(_dtype(model), torch.float32)
-
-
 def schedule_of(model: Model, grid: GridShape, microbatches: int, stage: int = 0, bsize: int = 1 << 14,
                 coarsening: int = 4, clip: bool = True, overlap: bool = False, flat_gradients: bool = False):
     """The recorded step (recorder.step_schedule) of `model` on `grid`, on a rank of
@@ -223,7 +216,7 @@ def optimizer_time(model: Model, sched, costing: _Costing, offload_bsize, coarse
         per_buckets = buckets * bucket_s if bucket_s else census["per_bucket"] * buckets * costing.launch
         # staged, the buckets' copies also cross the host link (their device-side bytes, counted in
         # the census too, are a rounding error beside it)
-        link = link_bytes_per_element(_master_dtype(model)) * phi_local / costing.cluster.host_link_Bps \
+        link = link_bytes_per_element(_dtype(model)) * phi_local / costing.cluster.host_link_Bps \
             if staged else 0.0
         return kernels * costing.launch + per_buckets + costing.vector(census["bytes_per_element"] * phi_local) + link
     if model.vocab:  # a fused Adam: weights and gradient read, fp32 master and two states read and written
