@@ -46,9 +46,9 @@ def test_each_product_is_within_float8s_rounding_of_float64(recipe, shape, emula
     monkeypatch.setattr(float8, "emulated", lambda device: emulate)
     tokens, n_in, n_out = shape
     g = torch.Generator().manual_seed(sum(shape))
-    x = (torch.randn(tokens, n_in, generator=g) * 3).to(torch.bfloat16)
-    w = (torch.randn(n_out, n_in, generator=g) * 0.05).to(torch.bfloat16)
-    dy = (torch.randn(tokens, n_out, generator=g) * 1e-3).to(torch.bfloat16)
+    x = (torch.randn(tokens, n_in, generator=g, device="cpu") * 3).to(torch.bfloat16)
+    w = (torch.randn(n_out, n_in, generator=g, device="cpu") * 0.05).to(torch.bfloat16)
+    dy = (torch.randn(tokens, n_out, generator=g, device="cpu") * 1e-3).to(torch.bfloat16)
     u = {r: recipe.unit_roundoff(r) for r in ("input", "weight", "grad_output")}
     d = {r: _dtype(recipe, r) for r in ("input", "weight", "grad_output")}
     x64, w64, dy64 = x.double(), w.double(), dy.double()
@@ -79,14 +79,14 @@ def test_the_linear_equals_torchaos_float8_linear(recipe, emulate, monkeypatch):
     monkeypatch.setattr(float8, "emulated", lambda device: emulate)
 
     g = torch.Generator().manual_seed(3)
-    ref = torch.nn.Linear(32, 48, dtype=torch.bfloat16)
+    ref = torch.nn.Linear(32, 48, dtype=torch.bfloat16, device="cpu")
     with torch.no_grad():
-        ref.weight.copy_(torch.randn(48, 32, generator=g) * 0.1)
-        ref.bias.copy_(torch.randn(48, generator=g))
+        ref.weight.copy_(torch.randn(48, 32, generator=g, device="cpu") * 0.1)
+        ref.bias.copy_(torch.randn(48, generator=g, device="cpu"))
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe.value), emulate=emulate)
     theirs = Float8Linear.from_float(ref, config=config)
-    x = torch.randn(4, 16, 32, generator=g).to(torch.bfloat16).requires_grad_()
-    dy = torch.randn(4, 16, 48, generator=g).to(torch.bfloat16)
+    x = torch.randn(4, 16, 32, generator=g, device="cpu").to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(4, 16, 48, generator=g, device="cpu").to(torch.bfloat16)
     w = ref.weight.detach().clone().requires_grad_()
     b = ref.bias.detach().clone().requires_grad_()
     y = float8.linear(x, w, b, recipe)
@@ -245,7 +245,7 @@ def test_a_linear_float8_cannot_take_is_refused_before_any_is_changed():
 
         def __init__(self, shape):
             super().__init__()
-            self.weight = torch.nn.Parameter(torch.zeros(shape))
+            self.weight = torch.nn.Parameter(torch.zeros(shape, device="cpu"))
 
     good, bad = Fake((32, 16)), Fake((32, 24))
     with pytest.raises(GridError, match="multiple of 16"):
