@@ -148,20 +148,36 @@ def peak_flops(grid, precision: str) -> tuple:
 
 
 RESTARTS = "restarts.jsonl"  # in the run folder: one line a restart (metrics.json's restarts)
+WORLD = "world.json"  # in the run folder: the world and grid of the job's latest start
 
 
-def note_restart(out: Path, grid, cfg: TrainConfig, manifest: dict) -> dict:
-    """A job resumed on another world than its checkpoint's (rank 0; an elastic restart): the
-    change, appended to out/RESTARTS: torch's restart count, the step it continues from, the world
-    and grid it ran on and runs on now, and the seconds since the last step logged before (the
-    time lost, the redone steps aside)."""
+def _degrees(axes) -> str:  # as a checkpoint records a grid (save_checkpoint's "grid")
+    return ",".join(f"{k}={axes[k]}" for k in ("dp", "pp", "sp") if k in axes)
+
+
+def note_world(out: Path, grid) -> None:
+    """This start's world and grid, for the next start to compare with (rank 0, written whole)."""
+    text = json.dumps({"world_size": grid.world_size, "grid": dict(grid.axes)})
+    checkpoint.atomic_write(out / WORLD, lambda tmp: tmp.write_text(text))
+
+
+def world_before(run: Path, manifest: dict) -> dict:
+    """The world and grid the job last ran on: the run folder's latest start (note_world), else
+    its checkpoint's. They differ when a world ended before it saved (an elastic job grown back
+    before the shrunk world's first checkpoint)."""
+    path = run / WORLD
+    return json.loads(path.read_text()) if path.exists() else manifest
+
+
+def note_restart(out: Path, grid, cfg: TrainConfig, manifest: dict, before: dict) -> dict:
+    """A job resumed on another world than the one it last ran on (rank 0; an elastic restart):
+    the change, appended to out/RESTARTS: torch's restart count, the step it continues from (the
+    checkpoint's), the world and grid it ran on and runs on now, and the seconds since the last
+    step logged before (the time lost, the redone steps aside)."""
     log = out / "logs" / "log.jsonl"
-
-    def degrees(axes):  # as a checkpoint records a grid (save_checkpoint's "grid")
-        return ",".join(f"{k}={axes[k]}" for k in ("dp", "pp", "sp") if k in axes)
     record = {"restart": launch.restart_count(), "step": int(manifest["step"]),
-              "previous_world": manifest.get("world_size"), "previous_grid": degrees(manifest.get("grid") or {}),
-              "world": grid.world_size, "grid": degrees(grid.axes), "tp": cfg.mode.spec(),
+              "previous_world": before.get("world_size"), "previous_grid": _degrees(before.get("grid") or {}),
+              "world": grid.world_size, "grid": _degrees(grid.axes), "tp": cfg.mode.spec(),
               "seconds_lost": time.time() - log.stat().st_mtime if log.exists() else None}
     with open(out / RESTARTS, "a") as f:
         f.write(json.dumps(record) + "\n")
@@ -501,8 +517,9 @@ class Checkpointer:
             self.scaler.load_state_dict(manifest["loss_scaler"])
         if self.grid.rank == 0:  # a restarted job says where it continues (and when: the time to recover)
             again = f" (restart {launch.restart_count()})" if launch.restart_count() else ""
-            if manifest.get("world_size") != self.grid.world_size:  # a world that changed: metrics' restarts
-                r = self.restarted = note_restart(self.out, self.grid, cfg, manifest)
+            before = world_before(Path(cfg.resume), manifest)
+            if before.get("world_size") != self.grid.world_size:  # a world that changed: metrics' restarts
+                r = self.restarted = note_restart(self.out, self.grid, cfg, manifest, before)
                 which = f"restart {r['restart']}: " if r["restart"] else ""
                 lost = f", {r['seconds_lost']:.1f} s after the last step logged" if r["seconds_lost"] else ""
                 again = (f" ({which}{r['previous_world']} ranks {r['previous_grid']} -> {r['world']} ranks "
@@ -761,6 +778,8 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
                          microbatches=cfg.microbatches)
     checkpoints = Checkpointer(cfg, grid, out, model_cfg, stage, opt, scaler, reader)
     history = checkpoints.resume()
+    if grid.rank == 0:
+        note_world(out, grid)
     validation = Validation(cfg, tokens, cfg.batch // grid.axes["dp"] // cfg.microbatches)
     meter, guard = Meter(cfg, grid, model_cfg, history.start), DivergenceGuard(cfg, opt, scaler)
     if checkpoints.restarted is not None and meter.run_log is not None:  # the change of world in the logs too

@@ -361,6 +361,12 @@ ELASTIC = {  # the model and batch, the job's grid flags, its grids on 6 ranks a
                   ["--ep", "2", "--pp", "1", "--zero", "3"], "dp=6,pp=1,sp=1", "dp=4,pp=1,sp=1", False)}
 
 
+def _said(log) -> str:
+    """A node's log without c10d's socket warnings and their stack frames: what the job said."""
+    noise = ("socket.cpp", "TCPStore.cpp", "frame #", "Exception raised from", "<omitting python frames>")
+    return "\n".join(ln for ln in log.read_text(errors="replace").splitlines() if not any(n in ln for n in noise))[-2000:]
+
+
 @needs_cluster
 @pytest.mark.parametrize("job", ELASTIC)
 def test_an_elastic_job_finishes_on_the_nodes_left_with_uninterrupted_losses(tmp_path, job):
@@ -377,7 +383,9 @@ def test_an_elastic_job_finishes_on_the_nodes_left_with_uninterrupted_losses(tmp
     job += grid
     with cl.Cluster(3, prefix="gwe", subnet="10.231.82") as c:
         out = tmp_path / "run"
-        args = [*job, "--out", out, "--timeout", TIMEOUT, "--resume", "auto", "--max-restarts", "2", "--sync-save"]
+        # a lost node ends its peers' ops at once (their sockets close); the timeout only bounds a hang, and the
+        # throttled steps' ops on a loaded host must not reach it (8 s once did)
+        args = [*job, "--out", out, "--timeout", 30, "--resume", "auto", "--max-restarts", "2", "--sync-save"]
         logs = [tmp_path / f"elastic{k}.log" for k in range(3)]
         cmd = [sys.executable, "-m", "gridweave.cli", "train", "--nnodes", "2:3", "--master-addr", c.addr(0),
                "--master-port", 29651, "--nproc", 2, "--launcher", "torchrun", *args]
@@ -387,7 +395,7 @@ def test_an_elastic_job_finishes_on_the_nodes_left_with_uninterrupted_losses(tmp
             t0 = time.monotonic()
             while not done():
                 assert time.monotonic() - t0 < 180 and all(p.poll() is None for p in procs[:2]), \
-                    (what, [log.read_text()[-2000:] for log in logs])
+                    (what, [p.poll() for p in procs], [_said(log) for log in logs])
                 time.sleep(0.05)
         until(lambda: (out / "checkpoint" / "latest").exists(), "a first checkpoint")
         c.sh("kill", 2)  # the node and everything on it

@@ -144,6 +144,21 @@ def _ranks_of(launcher: int, out: str) -> list:
                                                      procs.get(procs[p][0], (0, "", False))[1])]
 
 
+def _kill_all(launcher: subprocess.Popen, out) -> None:
+    """SIGKILL the launcher's group and every live rank of the run (they are in sessions of their own)."""
+    ranks = _ranks_of(launcher.pid, str(out)) if launcher.poll() is None else []
+    for pid in ranks + [p for p, (_, cmd, zombie) in _processes().items() if str(out) in cmd and not zombie]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(launcher.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    launcher.wait(timeout=30)
+
+
 def _alive(pids) -> list:
     procs = _processes()
     return [p for p in pids if p in procs and not procs[p][2]]
@@ -158,21 +173,25 @@ def test_ranks_end_when_their_launcher_is_killed(tmp_path):
     p = subprocess.Popen([sys.executable, "-m", "gridweave.cli", "train", *ARGS, *launcher_args(), "--nproc", "2",
                           "--steps", "100000", "--out", str(out)], stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-    deadline = time.monotonic() + 120
     ranks = []
-    while time.monotonic() < deadline and len(ranks) < 2:
-        ranks = _ranks_of(p.pid, str(out))
-        time.sleep(0.5)
-    assert len(ranks) == 2, ranks
-    while time.monotonic() < deadline and not (out / "tokens.json").exists():  # the ranks are training
-        time.sleep(0.5)
-    assert (out / "tokens.json").exists()
-    os.killpg(p.pid, signal.SIGKILL)
-    p.wait(timeout=30)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and _alive(ranks):
-        time.sleep(0.5)
-    assert not _alive(ranks)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (out / "tokens.json").exists():  # the ranks are training
+            time.sleep(0.5)
+        assert (out / "tokens.json").exists()
+        # counted once they train: a child forked but not yet exec'd carries its parent's command line
+        while time.monotonic() < deadline and len(ranks) != 2:
+            ranks = _ranks_of(p.pid, str(out))
+            time.sleep(0.5)
+        assert len(ranks) == 2, ranks
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _alive(ranks):
+            time.sleep(0.5)
+        assert not _alive(ranks)
+    finally:  # a failed assertion leaves no job training on (it would hold its port and the cores)
+        _kill_all(p, out)
 
 
 def _failed_write(ctx, folder):

@@ -440,3 +440,20 @@ def test_the_first_hour_says_what_starts_what_it_makes_and_where_the_run_is(tmp_
     assert lines[-1].startswith(f"gridweave train: done; the run is in {out}") and "gridweave generate --run" in \
         lines[-1] and "gridweave export --run" in lines[-1] and "--resume auto" in lines[-1], lines[-1]
     print(f"the first line after {first_s:.2f} s")  # measured, not asserted: 2 cores shared with the suite
+
+
+def test_a_restart_compares_the_world_with_the_one_that_last_ran(tmp_path):
+    """An elastic job shrunk 6 -> 4 ranks and grown back before the 4-rank world saved: the
+    checkpoint is the 6-rank world's, but the world before the growth is the 4 ranks that ran
+    (world.json, written whole at each start), so the growth is a change of world; without a
+    world.json (a run folder from before it) the checkpoint's world is the one that ran."""
+    from types import SimpleNamespace
+
+    from gridweave import train
+
+    manifest = {"world_size": 6, "grid": {"dp": 3, "pp": 2, "sp": 1}, "step": 2}
+    assert train.world_before(tmp_path, manifest) is manifest
+    train.note_world(tmp_path, SimpleNamespace(world_size=4, axes={"dp": 2, "pp": 2, "sp": 1}))
+    before = train.world_before(tmp_path, manifest)
+    assert before == {"world_size": 4, "grid": {"dp": 2, "pp": 2, "sp": 1}}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [train.WORLD]  # no temporary file left
