@@ -534,13 +534,16 @@ class TrainConfig(LoggingSection, CheckpointSection, DataSection, OptimizerSecti
         where it is converted, on its rank's shard)."""
         if not self.mode.float8:
             raise GridError(f"precision {self.precision}: tp {self.mode.spec()}'s linears have no float8 products yet "
-                            "(none, row:N, square:Q and subgraph:G have them); use bf16")
+                            "(none, row:N, square:Q, cube:P and subgraph:G have them); use bf16")
         if self.model in MOE_MODELS:
             raise GridError(f"precision {self.precision}: a mixture of experts' grouped products are not in float8 "
                             f"yet (model {self.model}); use bf16")
-        tokens = self.batch // dims.dp // self.microbatches * (self.seq // dims.sp)
-        float8.check_sizes(f"precision {self.precision}: a micro-batch's tokens on a rank (batch {self.batch} / dp "
-                           f"{dims.dp} / {self.microbatches} micro-batches x seq {self.seq} / sp {dims.sp})", tokens)
+        parts = self.mode.float8_token_parts
+        tokens = self.batch // dims.dp // self.microbatches * (self.seq // dims.sp) // parts
+        split = f" / {self.mode.spec()}'s {parts} row parts" if parts > 1 else ""
+        float8.check_sizes(f"precision {self.precision}: a micro-batch's tokens in a rank's products (batch "
+                           f"{self.batch} / dp {dims.dp} / {self.microbatches} micro-batches x seq {self.seq} / sp "
+                           f"{dims.sp}{split})", tokens)
 
     def fitted_microbatches(self, world: int):
         """This config on an elastic world of `world` ranks: the given micro-batches where the

@@ -113,6 +113,25 @@ def grad_weight(dy: torch.Tensor, x: torch.Tensor, recipe: Float8Recipe | None) 
     return torch.mm(g.t(), _cast(_rows(x), recipe, "input_for_grad_weight", "input", 0))
 
 
+class Product(enum.Enum):
+    """Which of a linear's three products a local matrix product is: its operands' float8 roles."""
+    OUTPUT = "output"  # X W^T: a = X, b = W^T
+    GRAD_INPUT = "grad_input"  # dY W: a = dY, b = W
+    GRAD_WEIGHT = "grad_weight"  # X^T dY (W^T's gradient): a = X^T, b = dY
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, recipe: Float8Recipe | None, product: Product) -> torch.Tensor:
+    """a @ b (2-D) as `product` of a linear, its operands cast for their roles (recipe None: a @ b):
+    for layers whose local blocks hold W^T (the 2-D and 3-D algorithms' B)."""
+    if recipe is None:
+        return a @ b
+    if product is Product.OUTPUT:
+        return output(a, b.t(), recipe)
+    if product is Product.GRAD_INPUT:
+        return grad_input(a, b, recipe)
+    return grad_weight(b, a.t(), recipe).t()
+
+
 class _Linear(torch.autograd.Function):
     """x @ w^T on 2-D x, its three products in float8."""
 

@@ -192,17 +192,18 @@ def test_megatron_1d_linears_in_float8_are_within_its_rounding(pool, n, sequence
             assert 2.0 ** -9 < rel < 2.0 ** -3, (name, v)
 
 
-def _two_d_float8(ctx, recipe_name):
-    """A SUMMA linear (2-D, q = 2) with each step's local product in float8: output, input and
-    weight gradients against the same bf16 values in float64 (as _one_d_float8)."""
+def _tiled_float8(ctx, recipe_name, cube):
+    """A SUMMA linear (2-D, q = 2) with each step's local product in float8, or a 3-D linear (p = 2,
+    Bian et al.'s Algorithms 1-2) with each rank's product of its gathered blocks in float8: output,
+    input and weight gradients against the same bf16 values in float64 (as _one_d_float8)."""
     import gridweave as gw
 
     recipe = gw.float8.Float8Recipe(recipe_name)
-    grid = ctx.init(tp=gw.Square(2))
+    grid = ctx.init(tp=gw.Cube(2) if cube else gw.Square(2))
     bf = torch.bfloat16
     torch.manual_seed(0)
     dense = torch.nn.Linear(32, 64, dtype=bf, device=DEVICE)
-    lin = gw.nn.Linear2D.from_dense(dense, grid)
+    lin = (gw.nn.Linear3D if cube else gw.nn.Linear2D).from_dense(dense, grid)
     assert gw.float8.convert(lin, recipe) == 1
     x, dy = full((4, 16, 32), 1, bf), full((4, 16, 64), 3, bf) * 1e-2
     u = {r: recipe.unit_roundoff(r) for r in ("input", "weight", "grad_output")}
@@ -219,18 +220,21 @@ def _two_d_float8(ctx, recipe_name):
              "weight"),
             ("dW", lin.dense_state(grad=True)["weight"].double(), dy64.t(), x64, "grad_output", "input")):
         exact = a @ bm
-        bound = _bound(a, bm, u[ra], u[rb], d[ra], d[rb], got) + 2 * 2.0 ** -8 * (a.abs() @ bm.abs())  # q sums
+        # the 2 partial products' sums in bf16 (q's steps, or the cube's reduce-scatter and dp-like sums)
+        bound = _bound(a, bm, u[ra], u[rb], d[ra], d[rb], got) + 2 * 2.0 ** -8 * (a.abs() @ bm.abs())
         out[name] = (float((got - exact).abs().max()), float(((got - exact).abs() - bound).max()),
                      float((got - exact).norm() / exact.norm()))
     return out
 
 
+@pytest.mark.parametrize("cube", [False, True], ids=["summa-2x2", "cube-2x2x2"])
 @pytest.mark.parametrize("recipe", [r.value for r in RECIPES])
-def test_summa_2d_linear_in_float8_is_within_its_rounding(pool, recipe):
-    """Bian et al.'s 2-D baseline (SUMMA) with each step's local product in float8 on a 2 x 2
-    grid: output and both gradients within their operands' rounding (the q partial products'
-    bf16 sums added), float8's error, not bf16's."""
-    for out in pool.run(_two_d_float8, 4, recipe):
+def test_2d_and_3d_linears_in_float8_are_within_their_rounding(pool, recipe, cube):
+    """Bian et al.'s 2-D baseline (SUMMA, each step's local product) on a 2 x 2 grid and their 3-D
+    linear (each rank's product of its gathered blocks, forward and both gradients) on a 2 x 2 x 2
+    cube, in float8: output and both gradients within their operands' rounding (the partial
+    products' bf16 sums added), float8's error, not bf16's."""
+    for out in pool.run(_tiled_float8, 8 if cube else 4, recipe, cube):
         for name, (err, over, rel) in out.items():
             assert over <= 0, (name, err, over, rel)
             assert 2.0 ** -9 < rel < 2.0 ** -3, (name, err, over, rel)
@@ -296,9 +300,10 @@ def test_what_float8_cannot_take_is_refused_before_any_rank_starts():
         return cfg.grid_shape(world)
 
     assert shape(tp="row:2") == {"dp": 1, "pp": 2, "sp": 1}
-    with pytest.raises(GridError, match="tp cube:2's linears have no float8 products yet"):
-        shape(8, tp="cube:2")
+    assert shape(8, tp="cube:2") == {"dp": 1, "pp": 1, "sp": 1}
+    with pytest.raises(GridError, match=r"tokens in a rank's products .* cube:2's 2 row parts\): .* got 40"):
+        shape(8, tp="cube:2", batch=4, seq=20, microbatches=1)  # 80 tokens, 40 in each rank's products
     with pytest.raises(GridError, match="a mixture of experts' grouped products are not in float8 yet"):
         shape(model="mixtral", experts=4)
-    with pytest.raises(GridError, match=r"tokens on a rank .* got 40"):
+    with pytest.raises(GridError, match=r"tokens in a rank.s products .* got 40"):
         shape(seq=20, dp=4, pp=1, microbatches=1)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import _C, split
+from .. import _C, float8, split
+from ..errors import GridError
 from ..grid import Work, by_name
 from ..layout import Layout
 from . import ops
@@ -56,8 +57,10 @@ def _gather(grid, t, step, async_op, cache):
     return r
 
 
-def _product(grid, form, lhs, rhs, a, c, overlap, cache=None, rhs_gathered=None, async_out=False):
-    """One of Algorithms 1, 3, 5: all-gather lhs and rhs, local GEMM, reduce-scatter."""
+def _product(grid, form, lhs, rhs, a, c, overlap, cache=None, rhs_gathered=None, async_out=False, recipe=None,
+             role=None):
+    """One of Algorithms 1, 3, 5: all-gather lhs and rhs, local GEMM (in float8 as a linear's `role`
+    product where a recipe is given), reduce-scatter."""
     plan = _C.cube_plan(form, a, c)
     # The rhs gather (the weights, on x) is issued first and asynchronously when
     # overlapping, so it runs beside the lhs gather on another communicator.
@@ -67,17 +70,24 @@ def _product(grid, form, lhs, rhs, a, c, overlap, cache=None, rhs_gathered=None,
     if cache is not None:
         cache[(id(rhs), plan.gather_rhs.axis, plan.gather_rhs.dim)] = rhs_full
         cache[(id(lhs), plan.gather_lhs.axis, plan.gather_lhs.dim)] = lhs_full
-    out = (lhs_full.t() if plan.trans_lhs else lhs_full) @ (rhs_full.t() if plan.trans_rhs else rhs_full)
+    out = float8.matmul(lhs_full.t() if plan.trans_lhs else lhs_full, rhs_full.t() if plan.trans_rhs else rhs_full,
+                        recipe, role).contiguous()
     rs = plan.reduce_scatter_out
     return grid.reduce_scatter(out, axis=rs.axis, dim=rs.dim, async_op=async_out)
 
 
+# a linear's products in Algorithms 1-2 (Y = X W^T, B = W^T): the forward, then dA and dB
+LINEAR_ROLES = (float8.Product.OUTPUT, float8.Product.GRAD_INPUT, float8.Product.GRAD_WEIGHT)
+
+
 class _CubeMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, lhs, rhs, grid, form, a, c, overlap, rhs_gathered, deferred):
+    def forward(ctx, lhs, rhs, grid, form, a, c, overlap, rhs_gathered, deferred, recipe):
         ctx.grid, ctx.form, ctx.a, ctx.c, ctx.overlap, ctx.deferred = grid, form, a, c, overlap, deferred
+        ctx.recipe = recipe
         ctx.save_for_backward(lhs, rhs)
-        return _product(grid, form, lhs, rhs, a, c, overlap, rhs_gathered=rhs_gathered)
+        return _product(grid, form, lhs, rhs, a, c, overlap, rhs_gathered=rhs_gathered, recipe=recipe,
+                        role=LINEAR_ROLES[0])
 
     @staticmethod
     def backward(ctx, g):
@@ -86,17 +96,18 @@ class _CubeMatmul(torch.autograd.Function):
         grad_a, grad_b = _C.cube_backward(ctx.form, ctx.a, ctx.c)
         cache = {}  # dC is all-gathered once for both gradients
 
-        def grad(spec, overlap, cache):
+        def grad(spec, role, overlap, cache):
             return _product(ctx.grid, spec.form, ops[spec.lhs], ops[spec.rhs], spec.a, spec.c, overlap, cache,
-                            async_out=overlap)
-        works = [grad(spec, ctx.overlap, cache) if needed else None
-                 for spec, needed in ((grad_a, ctx.needs_input_grad[0]), (grad_b, ctx.needs_input_grad[1]))]
+                            async_out=overlap, recipe=ctx.recipe, role=role)
+        works = [grad(spec, role, ctx.overlap, cache) if needed else None
+                 for spec, role, needed in ((grad_a, LINEAR_ROLES[1], ctx.needs_input_grad[0]),
+                                            (grad_b, LINEAR_ROLES[2], ctx.needs_input_grad[1]))]
         if ctx.deferred is not None:  # the weight's product in W, in the table's order on every rank of the cube
             mine = {id(ops[grad_b.lhs]), id(ops[grad_b.rhs])}  # W keeps B's gathers of its own operands alone
             kept = {k: t for k, t in cache.items() if k[0] in mine}
-            split.defer(*ctx.deferred, lambda: (grad(grad_b, False, kept),))
+            split.defer(*ctx.deferred, lambda: (grad(grad_b, LINEAR_ROLES[2], False, kept),))
         da, db = (_resolve(w) for w in works)
-        return da, db, None, None, None, None, None, None, None
+        return da, db, None, None, None, None, None, None, None, None
 
 
 def product(grid, form, lhs, rhs, a, c):
@@ -104,15 +115,21 @@ def product(grid, form, lhs, rhs, a, c):
     return _product(grid, form, lhs, rhs, a, c, False)
 
 
-def cube_matmul(lhs, rhs, grid, form=AB, a="y", c="z", overlap=False, rhs_gathered=None, store=None):
+def cube_matmul(lhs, rhs, grid, form=AB, a="y", c="z", overlap=False, rhs_gathered=None, store=None, recipe=None):
     """C = op(lhs) op(rhs) on the cube; operand layouts are _C.cube_layout(form, k, a, c). rhs's
-    gradient waits for W where `store` defers now (gw.split). Under torch.compile:
-    ops.cube_matmul (no overlap: its gathers are one opaque op; nothing deferred)."""
+    gradient waits for W where `store` defers now (gw.split). recipe: a linear's products (form AB,
+    lhs X, rhs W^T) in float8 on each rank's gathered blocks. Under torch.compile:
+    ops.cube_matmul (no overlap: its gathers are one opaque op; nothing deferred; no float8)."""
+    if recipe is not None and form is not AB:
+        raise GridError("cube_matmul: float8 products are a linear's (form AB: X times W^T)")
     if torch.compiler.is_compiling():
+        if recipe is not None:
+            raise GridError("cube_matmul under torch.compile has no float8 products; call it eagerly")
         code = 0 if form is AB else 1 if form is ABT else 2  # int(form) of a pybind enum breaks dynamo's trace
         return _cube_matmul_op(lhs.contiguous(), rhs.contiguous(), grid.name, code, a, c)
     deferred, (rhs,) = split.deferral(store, lhs, (rhs,))
-    return _CubeMatmul.apply(lhs.contiguous(), rhs.contiguous(), grid, form, a, c, overlap, rhs_gathered, deferred)
+    return _CubeMatmul.apply(lhs.contiguous(), rhs.contiguous(), grid, form, a, c, overlap, rhs_gathered, deferred,
+                             recipe)
 
 
 def is_diagonal(grid, col_axis, row_axis) -> bool:

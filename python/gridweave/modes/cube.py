@@ -21,7 +21,12 @@ class Cube(Mode):
     p: int
     name = "3d"
     keyword = "cube"
+    float8 = True
     size_field, size_axis = "p", "x"
+
+    @property
+    def float8_token_parts(self) -> int:  # rows split over (x, a), a gathered for the product (Algorithm 1)
+        return self.p
 
     def axes(self):
         return [("z", self.p), ("y", self.p), ("x", self.p)]

@@ -19,6 +19,10 @@ class Square(Mode):
     float8 = True
     size_field, size_axis = "q", "r"
 
+    @property
+    def float8_token_parts(self) -> int:  # the rows split over "r"
+        return self.q
+
     def axes(self):
         return [("r", self.q), ("c", self.q)]
 

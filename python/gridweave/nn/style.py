@@ -23,6 +23,9 @@ class Style(TensorAxes):
     size_axis = ""   # the grid axis whose length is that size (from_grid reads it)
     packs_documents = True  # its attention masks packed documents (attend() on the rows its qkv holds)
     float8 = False  # its linears' products run in float8 (gw.float8.convert takes them)
+    # the parts a rank's micro-batch tokens are split into in its linears' local products (the weight
+    # gradient's contraction, which float8 needs a multiple of 16): 1 but where rows are split
+    float8_token_parts = 1
 
     def __post_init__(self):
         if self.size_arg:

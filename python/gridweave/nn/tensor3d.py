@@ -31,7 +31,10 @@ def _check(n, parts, what):
 
 class Linear3D(ParallelLinearBase, split.Deferrable):
     """Y = X W^T + b. W^T is B_lji [c | (a, x)] (Algorithm 1); b is stored on the
-    diagonal ranks (Fig. 5) and applied with Algorithm 7."""
+    diagonal ranks (Fig. 5) and applied with Algorithm 7. Float8 (gw.float8.convert): each rank's
+    local product of its gathered blocks, forward and both gradients."""
+
+    FLOAT8 = True
 
     def __init__(self, in_features, out_features, grid, bias=True, a="y", c="z", overlap=False, dtype=None,
                  device=None):
@@ -80,7 +83,7 @@ class Linear3D(ParallelLinearBase, split.Deferrable):
         b, s, h = x.shape
         pre, self._prefetched = self._prefetched, None
         y = cube_matmul(x.reshape(b * s, h), self.weight, self.grid, AB, self.a, self.c, self.overlap, pre,
-                        self.weight_store)
+                        self.weight_store, self.float8)
         if self.bias is not None:  # C + b: columns split by a, broadcast along c (Algorithm 7); Algorithm 8 in W
             n = self.out_features // (p * p)
             y = split.apart(self.weight_store, lambda y, v: y + cube_vector(v, self.grid, self.a, self.c, n), y,
