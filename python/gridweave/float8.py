@@ -107,10 +107,14 @@ def grad_input(dy: torch.Tensor, weight: torch.Tensor, recipe: Float8Recipe | No
 def grad_weight(dy: torch.Tensor, x: torch.Tensor, recipe: Float8Recipe | None) -> torch.Tensor:
     """dy^T @ x in float8, over every token: dy (..., out), x (..., in) -> (out, in); recipe None:
     the same product in their dtype."""
+    dy, x = _rows(dy), _rows(x)
     if recipe is None:
-        return _rows(dy).t() @ _rows(x)
-    g = _cast(_rows(dy), recipe, "grad_output_for_grad_weight", "grad_output", 0)
-    return torch.mm(g.t(), _cast(_rows(x), recipe, "input_for_grad_weight", "input", 0))
+        return dy.t() @ x
+    short = -dy.shape[0] % ALIGNMENT
+    if short and not emulated(dy.device):  # _scaled_mm's contraction a multiple of 16: zero tokens add nothing
+        dy, x = torch.nn.functional.pad(dy, (0, 0, 0, short)), torch.nn.functional.pad(x, (0, 0, 0, short))
+    g = _cast(dy, recipe, "grad_output_for_grad_weight", "grad_output", 0)
+    return torch.mm(g.t(), _cast(x, recipe, "input_for_grad_weight", "input", 0))
 
 
 class Product(enum.Enum):
@@ -186,9 +190,10 @@ def convert(module: torch.nn.Module, recipe: Float8Recipe | None, keep=("head",)
         for name, m in chosen:
             if not m.FLOAT8:
                 raise GridError(f"{name or type(m).__name__}: float8 products are not in {type(m).__name__} yet "
-                                "(1-D and 2-D tensor parallelism's linears and the replicated linears of the data, sequence "
-                                "and sub-graph modes have them)")
-            check_sizes(f"{name} ({type(m).__name__}, this rank's weight {tuple(m.weight.shape)})", *m.weight.shape)
+                                "(the linears of 1-D, 2-D and 3-D tensor parallelism, the replicated linears of the data, "
+                                "sequence and sub-graph modes, and the experts of a mixture have them)")
+            dims = tuple(m.float8_dims()) if hasattr(m, "float8_dims") else tuple(m.weight.shape)
+            check_sizes(f"{name} ({type(m).__name__}, this rank's products' dimensions {dims})", *dims)
     for _, m in chosen:
         m.float8 = recipe
     return len(chosen)

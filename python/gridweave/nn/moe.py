@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import split
+from .. import float8, split
 from ..autograd.comm import (all_to_all_v, copy_to_parallel, gather_from_parallel, reduce_from_parallel,
                              scatter_to_parallel)
 from ..errors import GridError
@@ -221,15 +221,16 @@ def can_group(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> boo
 
 
 def swiglu_experts(x: torch.Tensor, counts, gate_up: torch.Tensor, down: torch.Tensor,
-                   grouped: bool | None = None, sizes: list | None = None) -> torch.Tensor:
+                   grouped: bool | None = None, sizes: list | None = None, recipe=None) -> torch.Tensor:
     """The grouped GEMM: rows of x sorted by expert, counts[e] rows for expert e (of the experts
     gate_up, down hold: a list, or a tensor on the device, `sizes` the same as integers where the
     caller has them); each group through down_e silu(gate_e x) * (up_e x). grouped: torch's
     grouped_mm (one kernel for every expert, as transformers' default; its offsets computed on
     the device) or a loop of products over the groups (float64: needs the sizes on the host);
-    None: grouped where it can run."""
+    None: grouped where it can run. recipe: each expert's products in float8 (gw.float8), its own
+    scales from its own rows and weights, in the loop."""
     on_device = isinstance(counts, torch.Tensor)
-    if grouped if grouped is not None else can_group(x, gate_up, down):
+    if recipe is None and (grouped if grouped is not None else can_group(x, gate_up, down)):
         offs = torch.cumsum(counts, 0, dtype=torch.int32) if on_device else \
             torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=x.device)
         gate, up = F.grouped_mm(x, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
@@ -240,9 +241,16 @@ def swiglu_experts(x: torch.Tensor, counts, gate_up: torch.Tensor, down: torch.T
         # an expert no row reached still multiplies its (empty) rows: its weights get their (zero)
         # gradient in every micro-batch on every rank, as grouped_mm gives them, so the optimizer's
         # hooks count the same backwards everywhere and start each reduction at one point of the step
-        gate, up = (rows @ gate_up[e].t()).chunk(2, dim=-1)
-        outs.append((F.silu(gate) * up) @ down[e].t())
+        gate, up = _expert_product(rows, gate_up[e], recipe).chunk(2, dim=-1)
+        outs.append(_expert_product(F.silu(gate) * up, down[e], recipe))
     return torch.cat(outs)
+
+
+def _expert_product(rows: torch.Tensor, weight: torch.Tensor, recipe) -> torch.Tensor:
+    """rows @ weight^T; in float8 where a recipe is given and rows came (no scale of nothing)."""
+    if recipe is None or not rows.shape[0]:
+        return rows @ weight.t()
+    return float8.linear(rows, weight, None, recipe)
 
 
 class _AttachAux(torch.autograd.Function):
@@ -282,7 +290,12 @@ class DenseMoE(nn.Module, split.Deferrable):
     (a detached tensor, for logging; None without them); aux_grad_scale scales their gradient
     (the training step: a loss scaler's scale over the micro-batches, times the data ranks)."""
 
-    FLOAT8 = False  # its grouped expert products are not in float8 yet: gw.float8.convert refuses it
+    FLOAT8 = True  # each expert's products in float8 when given a recipe (the router's stays in bf16)
+    float8 = None
+
+    def float8_dims(self) -> tuple:
+        """The dimensions its float8 products take (each expert's width here and the hidden size)."""
+        return (self.gate_up.shape[1], self.hidden, self.down.shape[2])
 
     def __init__(self, hidden: int, moe: MoE, dtype=None, device=None, experts_here: int | None = None,
                  ffn_here: int | None = None):
@@ -352,7 +365,7 @@ class DenseMoE(nn.Module, split.Deferrable):
         """swiglu_experts on this module's experts; their weights' grouped products wait for W
         where the store defers now (gw.split)."""
         return split.apart(self.weight_store, lambda x, gate_up, down: swiglu_experts(x, counts, gate_up, down,
-                                                                                      sizes=sizes),
+                                                                                      sizes=sizes, recipe=self.float8),
                            rows, self.gate_up, self.down)
 
     def _statistics(self, r: Routing) -> tuple:
