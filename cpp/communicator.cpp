@@ -225,10 +225,15 @@ std::shared_ptr<Work> Communicator::all_gather(const BufferView& in, const Buffe
   return issue_collective(op, in, out, ReduceOp::Sum, -1, async_op, in, in);
 }
 
+void Communicator::check_reducible(const BufferView& b, OpKind op) const {
+  GW_CHECK(b.dtype != DType::UInt8, describe(op) << ": uint8 (float8's bytes) is moved, not reduced");
+}
+
 std::shared_ptr<Work> Communicator::reduce_scatter(const BufferView& in, const BufferView& out, ReduceOp rop, bool async_op) {
   const OpKind op = OpKind::ReduceScatter;
   check_usable(op);
   check_buffer(in, "input", op);
+  check_reducible(in, op);
   check_buffer(out, "output", op);
   GW_CHECK(in.dtype == out.dtype, describe(op) << ": input is " << dtype_name(in.dtype) << ", output "
                                                << dtype_name(out.dtype));
@@ -241,6 +246,7 @@ std::shared_ptr<Work> Communicator::all_reduce(const BufferView& buf, ReduceOp r
   const OpKind op = OpKind::AllReduce;
   check_usable(op);
   check_buffer(buf, "buffer", op);
+  check_reducible(buf, op);
   return issue_collective(op, buf, buf, rop, -1, async_op, buf, buf);
 }
 
@@ -256,6 +262,7 @@ std::shared_ptr<Work> Communicator::reduce(const BufferView& buf, ReduceOp rop, 
   const OpKind op = OpKind::Reduce;
   check_usable(op);
   check_buffer(buf, "buffer", op);
+  check_reducible(buf, op);
   check_root(root, op);
   return issue_collective(op, buf, buf, rop, root, async_op, buf, buf);
 }

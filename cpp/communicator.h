@@ -187,6 +187,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
 
  private:
   void check_buffer(const BufferView& b, const char* what, OpKind op) const;
+  void check_reducible(const BufferView& b, OpKind op) const;
   void check_root(int root, OpKind op) const;
 
   // The checks of a send to / receive from `peers` with `tag`, before anything is posted.

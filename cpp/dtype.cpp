@@ -15,6 +15,7 @@ std::size_t dtype_size(DType dtype) {
     case DType::BFloat16: return 2;
     case DType::Int32: return 4;
     case DType::Int64: return 8;
+    case DType::UInt8: return 1;
   }
   throw Error(ErrorKind::Config, "unknown dtype " + std::to_string(static_cast<int>(dtype)));
 }
@@ -27,6 +28,7 @@ const char* dtype_name(DType dtype) {
     case DType::BFloat16: return "bfloat16";
     case DType::Int32: return "int32";
     case DType::Int64: return "int64";
+    case DType::UInt8: return "uint8";
   }
   return "unknown";
 }
@@ -133,7 +135,9 @@ void reduce_into(void* out, const void* a, const void* b, std::size_t count, DTy
     case DType::Int64: return reduce_native<int64_t>(out, a, b, count, op);
     case DType::Float16: return reduce_half<F16>(out, a, b, count, op);
     case DType::BFloat16: return reduce_half<BF16>(out, a, b, count, op);
+    case DType::UInt8: break;
   }
+  throw Error(ErrorKind::Config, std::string("no reduction of ") + dtype_name(dtype) + " (its bytes are moved, not summed)");
 }
 
 }  // namespace gridweave

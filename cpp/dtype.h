@@ -6,7 +6,8 @@
 
 namespace gridweave {
 
-enum class DType : int { Float32 = 0, Float64, Float16, BFloat16, Int32, Int64 };
+// UInt8: bytes moved whole (float8 values with their scales elsewhere: ZeRO-3's float8 gathers); no reduction
+enum class DType : int { Float32 = 0, Float64, Float16, BFloat16, Int32, Int64, UInt8 };
 enum class Device : int { CPU = 0, CUDA = 1 };
 enum class ReduceOp : int { Sum = 0, Max, Min };
 

@@ -51,6 +51,7 @@ void wait_or_abort(gloo::transport::UnboundBuffer& ub, bool recv, std::chrono::s
 template <typename F>
 void with_width(DType dtype, F&& f) {
   switch (dtype_size(dtype)) {
+    case 1: return f(uint8_t{});
     case 2: return f(uint16_t{});
     case 4: return f(uint32_t{});
     case 8: return f(uint64_t{});

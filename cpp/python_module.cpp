@@ -138,7 +138,8 @@ PYBIND11_MODULE(_C, m) {
       .value("Float16", DType::Float16)
       .value("BFloat16", DType::BFloat16)
       .value("Int32", DType::Int32)
-      .value("Int64", DType::Int64);
+      .value("Int64", DType::Int64)
+      .value("UInt8", DType::UInt8);
   py::enum_<CheckLevel>(m, "CheckLevel").value("Cheap", CheckLevel::Cheap).value("Detail", CheckLevel::Detail);
   py::enum_<Device>(m, "Device").value("CPU", Device::CPU).value("CUDA", Device::CUDA);
   py::enum_<ReduceOp>(m, "ReduceOp").value("Sum", ReduceOp::Sum).value("Max", ReduceOp::Max).value("Min", ReduceOp::Min);

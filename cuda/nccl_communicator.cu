@@ -49,6 +49,7 @@ ncclDataType_t nccl_type(DType d) {
     case DType::BFloat16: return ncclBfloat16;
     case DType::Int32: return ncclInt32;
     case DType::Int64: return ncclInt64;
+    case DType::UInt8: return ncclUint8;
   }
   return ncclFloat32;
 }

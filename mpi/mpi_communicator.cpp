@@ -63,6 +63,7 @@ MPI_Datatype mpi_type(DType d) {
     case DType::Float64: return MPI_DOUBLE;
     case DType::Int32: return MPI_INT32_T;
     case DType::Int64: return MPI_INT64_T;
+    case DType::UInt8: return MPI_UINT8_T;
     case DType::Float16:
     case DType::BFloat16: return half_type(d);
   }

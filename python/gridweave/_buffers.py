@@ -10,7 +10,9 @@ from .errors import GridError
 # gridweave::DType, Device and ReduceOp (cpp/dtype.h), as the engine's enums.
 _D = _C.DType
 _TORCH = {torch.float32: _D.Float32, torch.float64: _D.Float64, torch.float16: _D.Float16,
-          torch.bfloat16: _D.BFloat16, torch.int32: _D.Int32, torch.int64: _D.Int64}
+          torch.bfloat16: _D.BFloat16, torch.int32: _D.Int32, torch.int64: _D.Int64, torch.uint8: _D.UInt8,
+          # float8's bytes, moved whole (gathered, sent), never reduced: the engine's UInt8
+          torch.float8_e4m3fn: _D.UInt8, torch.float8_e5m2: _D.UInt8}
 _NUMPY = {np.dtype("float32"): _D.Float32, np.dtype("float64"): _D.Float64, np.dtype("float16"): _D.Float16,
           np.dtype("int32"): _D.Int32, np.dtype("int64"): _D.Int64}
 CPU, CUDA = _C.Device.CPU, _C.Device.CUDA
@@ -20,7 +22,8 @@ REDUCE_OPS = {"sum": _C.ReduceOp.Sum, "max": _C.ReduceOp.Max, "min": _C.ReduceOp
 def engine_dtype(dtype):
     """The engine's DType of a torch dtype."""
     if dtype not in _TORCH:
-        raise GridError(f"dtype {dtype} is not supported (float32/64, float16, bfloat16, int32/64)")
+        raise GridError(f"dtype {dtype} is not supported (float32/64, float16, bfloat16, int32/64; uint8 and float8 "
+                        "moved, not reduced)")
     return _TORCH[dtype]
 
 

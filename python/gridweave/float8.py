@@ -161,6 +161,33 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rec
     return y if bias is None else y + bias.to(y.dtype)
 
 
+def gather_dtype() -> torch.dtype:
+    """The float8 format weights are all-gathered in (ZeRO-3): the tensorwise recipe's weights'."""
+    return _config(Float8Recipe.TENSORWISE).cast_config_weight.target_dtype
+
+
+def gather_scales(amax: torch.Tensor) -> torch.Tensor:
+    """Each weight's scale from its absolute maximum over every shard (torchao's amax_to_scale)."""
+    from torchao.float8.float8_utils import amax_to_scale
+
+    return amax_to_scale(amax, gather_dtype())
+
+
+def to_float8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x scaled and rounded to the gathers' float8 format, saturated (torchao's to_fp8_saturated)."""
+    from torchao.float8.float8_utils import to_fp8_saturated
+
+    return to_fp8_saturated(x.float() * scale, gather_dtype())
+
+
+def gathered_weights(module: torch.nn.Module) -> list:
+    """The weights ZeRO-3 may all-gather in float8 (torchao's float8 all-gather for FSDP2: tensorwise
+    scaling, one scale a weight): those of the linears whose products run in the tensorwise recipe.
+    A rowwise recipe's scales are the rows' of each product, not one a weight: gathered as they are."""
+    return [m.weight for m in module.modules()
+            if getattr(m, "FLOAT8_GATHER", False) and m.float8 is Float8Recipe.TENSORWISE]
+
+
 def check_device(device: torch.device) -> None:
     """One clear error, before anything runs, where float8 products cannot run: without torchao, or
     on a GPU without float8 tensor cores (compute capability below 8.9: Ada, Hopper and later have

@@ -261,7 +261,8 @@ def build(cfg: TrainConfig, grid, model_cfg: ModelConfig) -> tuple:
         opt = optim.DistributedAdam(stage.parameters(), grid, lr=cfg.lr, weight_decay=cfg.weight_decay, zero=cfg.zero,
                                     offload=cfg.offload, bsize=cfg.bsize, max_grad_norm=cfg.max_grad_norm,
                                     decay=optim.matrices_only, units=stage.shard_units() if cfg.zero == 3 else None,
-                                    shard_group=optim.ShardGroup(cfg.zero_shard_group))
+                                    shard_group=optim.ShardGroup(cfg.zero_shard_group),
+                                    float8_params=float8.gathered_weights(stage) if cfg.zero == 3 else ())
     else:  # AxoNN: every replica's state offloaded, the chunks' all-reduces started in the backward that
         # completes them (overlap_grad_reduce, as DDP's buckets), or after the backward
         opt = optim.OffloadAdam(stage.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, bsize=cfg.bsize,

@@ -388,3 +388,59 @@ def test_checkpoints_hold_the_masters_so_fp8_and_bf16_resume_each_other(bf16, tm
     assert as_bf16[:2] == full8[:2] and as_fp8[:2] == bf16[:2]
     for got, ref in ((as_bf16, bf16), (as_fp8, full8)):
         assert max(abs(a - b) / b for a, b in zip(got[2:], ref[2:])) < 1e-2, (got, ref)
+
+
+def _zero3_float8_gathers(ctx, dp):
+    """Two units of replicated linears (tensorwise float8) under ZeRO-3 over dp: the weights in float8
+    groups of their own, the biases in bf16 ones. One unit's gather: the weights arrive as float8
+    (one scale a weight from its amax over every shard, exactly torchao's cast of the whole weight,
+    scaled back), the biases exact; the bytes each rank sends are (dp - 1) shards, of 1 byte an element
+    in the float8 groups and 2 in the bf16 ones. The amaxes: one all-reduce of one float32 a weight.
+    Whole parameters (a checkpoint's read) are exact, float8 groups included."""
+    import gridweave as gw
+    from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
+
+    grid = ctx.init(dp=dp)
+    bf, recipe = torch.bfloat16, float8.Float8Recipe.TENSORWISE
+    torch.manual_seed(0)
+    units = torch.nn.ModuleList([torch.nn.Sequential(gw.nn.ReplicatedLinear(32, 48, dtype=bf, device=DEVICE),
+                                                     gw.nn.ReplicatedLinear(48, 32, dtype=bf, device=DEVICE))
+                                 for _ in range(2)])
+    dense = {k: v.detach().clone() for k, v in units.state_dict().items()}  # every rank alike (seeded)
+    assert float8.convert(units, recipe) == 4
+    weights = float8.gathered_weights(units)
+    opt = gw.optim.DistributedAdam(units.parameters(), grid, zero=3, units=list(units), float8_params=weights)
+    kinds = sorted((g.float8, tuple(p.dim() for _, p in g.members)) for g in opt.groups if g.unit == 0)
+    grid.reset_stats()
+    opt.units.rescale()
+    amax_sent = grid.stats()["dp"]
+    grid.reset_stats()
+    u0 = opt.units.units[0]
+    opt.units.gather(u0)
+    sent = grid.stats()["dp"]
+    want = sum((dp - 1) * g.shard * (1 if g.float8 else 2) for g in u0.groups)
+    e4m3 = float8.gather_dtype()
+    got_exact, got_float8 = [], []
+    for name, p in units[0].named_parameters():
+        ref = dense[f"0.{name}"]
+        if p.dim() == 2:
+            scale = amax_to_scale(ref.abs().max().float(), e4m3)
+            got_float8.append(torch.equal(p.detach(), (to_fp8_saturated(ref.float() * scale, e4m3).float() / scale)
+                                          .to(bf)))
+        else:
+            got_exact.append(torch.equal(p.detach(), ref))
+    opt.units.free_all()
+    with opt.whole_parameters():
+        whole = all(torch.equal(p.detach(), dense[k]) for k, p in units.named_parameters())
+    return (kinds, sent["sent_intra"]["bytes"] + sent["sent_inter"]["bytes"], want,
+            amax_sent["sent_intra"]["bytes"] + amax_sent["sent_inter"]["bytes"], got_float8, got_exact, whole)
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_zero3_gathers_float8_weights_with_one_scale_each_and_half_the_bytes(pool, dp):
+    for kinds, sent, want, amax_sent, got_float8, got_exact, whole in pool.run(_zero3_float8_gathers, dp, dp):
+        assert kinds == [(False, (1, 1)), (True, (2, 2))], kinds
+        assert sent == want, (sent, want)
+        # the amaxes: 4 weights' float32s, a ring all-reduce over dp (2 (dp - 1) chunks of 16 bytes / dp)
+        assert amax_sent == 2 * (dp - 1) * 16 // dp, amax_sent
+        assert got_float8 == [True, True] and got_exact == [True, True] and whole

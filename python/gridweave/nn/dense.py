@@ -357,6 +357,7 @@ class ParallelLinearBase(nn.Module):
 
     FLOAT8 = False  # whether its products run in float8 when given a recipe (gw.float8.convert)
     float8 = None  # the Float8Recipe its products run with (None: the parameters' dtype)
+    FLOAT8_GATHER = True  # one weight: ZeRO-3 may gather it in float8 (gw.float8.gathered_weights)
 
     @classmethod
     def from_dense(cls, dense: nn.Linear, grid, **kw):

@@ -30,6 +30,7 @@ class ReplicatedLinear(nn.Linear, split.Deferrable):
     gradients are partial sums over `partial`."""
 
     FLOAT8 = True  # its products in float8 when given a recipe (gw.float8.convert)
+    FLOAT8_GATHER = True  # one weight: ZeRO-3 may gather it in float8 (gw.float8.gathered_weights)
     float8 = None
 
     def __init__(self, in_features, out_features, bias=True, dtype=None, device=None, partial=DATA_AXES):

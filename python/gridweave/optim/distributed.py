@@ -93,14 +93,16 @@ class DistributedAdam(GridOptimizer):
 
     def __init__(self, params, grid, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, zero=1,
                  offload=False, bsize=1 << 20, average_dp=True, max_grad_norm=None, decay=None, bucket=None,
-                 overlap=True, units=None, prefetch=True, shard_group=ShardGroup.ALL):
+                 overlap=True, units=None, prefetch=True, shard_group=ShardGroup.ALL, float8_params=()):
         """bucket: elements per reduce-scatter (whole parameters, in backward order; None: BUCKET); overlap: each
         bucket's reduction starts during the backward that completes its gradients (the last of
         `backwards_per_step` passes: the pipeline's micro-batches), in bucket order on every rank.
         units (zero=3): the modules whose parameters are gathered together, in forward order
         (e.g. GPTStage.shard_units()): each one a bucket; prefetch: the next unit's all-gather
         starts while this one computes. shard_group: ShardGroup.NODE shards within each node and
-        keeps a replica per node (the gradient shards all-reduced across nodes)."""
+        keeps a replica per node (the gradient shards all-reduced across nodes). float8_params
+        (zero=3): weights whose all-gathers carry float8 with one scale each (gw.float8.gathered_weights:
+        torchao's float8 all-gather for FSDP2), in groups of their own."""
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise GridError("DistributedAdam got no parameters")
@@ -127,6 +129,9 @@ class DistributedAdam(GridOptimizer):
                                 "gathered with a unit)")
         elif units is not None:
             raise GridError(f"units are zero=3's (the parameters gathered together); zero is {zero}")
+        float8_ids = {id(p) for p in float8_params}
+        if float8_ids and zero != 3:
+            raise GridError(f"float8_params are gathered in float8 by zero=3; zero is {zero}")
         if zero and all(grid.axes.get(a, 1) == 1 for a in DATA_AXES):
             raise GridError(f"zero={zero} shards over the data axes (dp, sp); this grid has none of size > 1: "
                             f"{dict(grid.axes) if grid is not None else None}")
@@ -139,10 +144,10 @@ class DistributedAdam(GridOptimizer):
         self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
         self.average_dp, self.max_grad_norm = average_dp, max_grad_norm
         by_axes: dict = {}
-        for i, p in enumerate(self.params):
-            by_axes.setdefault(placement_of(p).reduce_axes(grid), []).append((i, p))
+        for i, p in enumerate(self.params):  # float8-gathered weights in groups of their own
+            by_axes.setdefault((placement_of(p).reduce_axes(grid), id(p) in float8_ids), []).append((i, p))
         parts = []  # (axes, members): a bucket, its members in backward order
-        for axes, members in by_axes.items():
+        for (axes, _), members in by_axes.items():
             members = members[::-1]  # backward order: the last parameters' gradients come first
             starts = bucket_starts([p.numel() for _, p in members], bucket,
                                    [unit_of[id(p)] for _, p in members] if zero == 3 else None)
@@ -154,6 +159,7 @@ class DistributedAdam(GridOptimizer):
             g = _Group(part, axes, tuple(a for a in axes if a in DATA_AXES) if zero else (), grid, start, shard_lo,
                        hybrid=shard_group is ShardGroup.NODE)
             g.unit = unit_of.get(id(part[0][1]))
+            g.float8 = id(part[0][1]) in float8_ids
             self.groups.append(g)
             start, shard_lo = start + g.padded, g.buf_hi
         self.padded = start
@@ -329,11 +335,13 @@ class DistributedAdam(GridOptimizer):
         return taken
 
     def _refresh_shards(self) -> None:
-        """ZeRO-3: each parameter shard the all-gathers read, from the updated master."""
+        """ZeRO-3: each parameter shard the all-gathers read, from the updated master; the float8
+        gathers' scales from them (one all-reduce of the amaxes)."""
         with torch.no_grad():
             for g in self.groups:
                 if not g.aliased:
                     g.param_shard.copy_(self.master[g.buf_lo:g.buf_hi])
+            self.units.rescale()
 
     def whole_parameters(self, writeback: bool = False):
         """A context in which every parameter is whole (zero 3 gathers them; the other stages hold

@@ -2,13 +2,17 @@
 units): between uses a unit's parameters hold no storage, only each rank's flat shard; a unit is
 all-gathered before its forward and again before its backward, freed after each, and the next
 unit is prefetched (forward: the one after; backward: the one before). gw.optim.DistributedAdam
-(zero=3) owns the flat layout (its groups) and hands each unit its groups."""
+(zero=3) owns the flat layout (its groups) and hands each unit its groups. A group of float8 weights
+is gathered in float8 (torchao's float8 all-gather for FSDP2): each weight's scale from its amax over
+every shard (one all-reduce of the amaxes a step), each rank's shard cast before the gather, the
+gathered bytes (half of bf16's) scaled back into the weights the products read."""
 from __future__ import annotations
 
 import contextlib
 
 import torch
 
+from .. import float8
 from ..errors import GridError
 
 
@@ -38,8 +42,60 @@ class _Unit:
         self.groups = [g for g in groups if g.shard_axes]  # the ones gathered and freed
         self.params = {id(p) for g in groups for _, p in g.members}
         self.work = None  # the all-gathers in flight
+        self.exact = False  # whether they carry the float8 groups in the model's dtype too
         self.gathered = not self.groups  # a unit with nothing sharded is always whole
         self.pending = 0  # its parameters whose gradient this backward has accumulated
+
+
+class _Float8Groups:
+    """The float8 all-gathers of the groups whose .float8 is set: the e4m3 buffer each gathers into,
+    each member weight's scale (torchao's amax_to_scale of its amax over every shard), and where each
+    member lies in the group's flat buffer and in this rank's shard of it."""
+
+    def __init__(self, grid, groups):
+        self.grid = grid
+        self.groups = [g for g in groups if g.float8 and g.shard_axes]
+        self.dtype = float8.gather_dtype()
+        for g in self.groups:
+            g.full8 = torch.empty(g.padded, dtype=self.dtype, device=g.full.device)
+            g.full8.untyped_storage().resize_(0)
+            spans, off, lo, hi = [], 0, g.lo - g.start, g.hi - g.start
+            for _, p in g.members:  # (member range in the buffer, its part of this rank's shard)
+                spans.append(((off, off + p.numel()), (max(off, lo) - lo, min(off + p.numel(), hi) - lo)))
+                off += p.numel()
+            g.float8_spans = spans
+        by_axes = {}  # the amaxes of every float8 group sharded over the same axes: one all-reduce
+        for g in self.groups:
+            by_axes.setdefault(g.shard_axes, []).append(g)
+        self.by_axes = list(by_axes.items())
+
+    def rescale(self) -> None:
+        """Each weight's scale from its amax over every shard (after the shards changed: a step)."""
+        for axes, groups in self.by_axes:
+            amax = torch.stack([g.param_shard[a:b].abs().max().float() if b > a else
+                                torch.zeros((), dtype=torch.float32, device=g.param_shard.device)
+                                for g in groups for _, (a, b) in g.float8_spans])
+            self.grid.all_reduce(amax, axis=axes, op="max")
+            scales = float8.gather_scales(amax).split([len(g.float8_spans) for g in groups])
+            for g, s in zip(groups, scales):
+                g.float8_scales = s
+
+    def start(self, g):
+        """The group's shard in float8, its all-gather into the float8 buffer started."""
+        g.full8.untyped_storage().resize_(g.padded * g.full8.element_size())
+        shard = torch.zeros(g.param_shard.shape, dtype=self.dtype, device=g.param_shard.device)
+        for k, (_, (a, b)) in enumerate(g.float8_spans):
+            if b > a:
+                shard[a:b] = float8.to_float8(g.param_shard[a:b], g.float8_scales[k])
+        return self.grid.all_gather(shard, axis=g.shard_axes, async_op=True, out=g.full8)
+
+    @staticmethod
+    def unpack(g) -> None:
+        """The gathered float8 weights scaled back into the group's buffer (the parameters' storage)."""
+        with torch.no_grad():
+            for k, ((a, b), _) in enumerate(g.float8_spans):
+                g.full[a:b] = (g.full8[a:b].float() / g.float8_scales[k]).to(g.full.dtype)
+        g.full8.untyped_storage().resize_(0)
 
 
 class ParameterUnits:
@@ -73,6 +129,8 @@ class ParameterUnits:
                     g.full[off:off + p.numel()].copy_(p.detach().reshape(-1))
                     p.data = g.full[off:off + p.numel()].view(p.shape)
                     off += p.numel()
+        self.float8 = _Float8Groups(grid, groups)
+        self.rescale()
         for u in self.units:
             self._free(u)
         self._hooks = []
@@ -81,22 +139,31 @@ class ParameterUnits:
             self._hooks.append(mod.register_forward_hook(lambda _m, _a, out, m=m: self._post_forward(m, out)))
 
     # ---- gathering and freeing -------------------------------------------------------------
-    def start(self, u: _Unit) -> None:
-        """The unit's all-gathers started (asynchronously), if it is sharded."""
+    def start(self, u: _Unit, exact: bool = False) -> None:
+        """The unit's all-gathers started (asynchronously), if it is sharded; exact: its float8
+        groups too in the model's dtype (whole parameters read or written outside a step)."""
         if u.gathered or u.work is not None:
             return
         work = []
         for g in u.groups:
             g.full.untyped_storage().resize_(g.padded * g.full.element_size())
-            work.append(self.grid.all_gather(g.param_shard, axis=g.shard_axes, async_op=True, out=g.full))
-        u.work = work
+            work.append(self.float8.start(g) if g.float8 and not exact else
+                        self.grid.all_gather(g.param_shard, axis=g.shard_axes, async_op=True, out=g.full))
+        u.work, u.exact = work, exact
 
-    def gather(self, u: _Unit) -> None:
+    def rescale(self) -> None:
+        """The float8 gathers' scales from the parameter shards (after they changed)."""
+        if self.float8.groups:
+            self.float8.rescale()
+
+    def gather(self, u: _Unit, exact: bool = False) -> None:
         """The unit whole: its all-gathers started if they were not, and waited for."""
-        self.start(u)
+        self.start(u, exact)
         if u.work is not None:
-            for w in u.work:
+            for w, g in zip(u.work, u.groups):
                 w.wait()
+                if g.float8 and not u.exact:
+                    self.float8.unpack(g)
             u.work = None
             u.gathered = True
 
@@ -109,6 +176,8 @@ class ParameterUnits:
             u.work = None
         for g in u.groups:
             g.full.untyped_storage().resize_(0)
+            if g.float8:
+                g.full8.untyped_storage().resize_(0)
         u.gathered = False
 
     def free_all(self) -> None:
@@ -181,8 +250,9 @@ class ParameterUnits:
         if any(u.work is not None for u in self.units):
             raise GridError("ZeRO-3: whole parameters were asked for while a unit's gather is in flight "
                             "(inside a forward or backward)")
+        self.free_all()  # a unit left gathered holds its float8 gather's values
         for u in self.units:
-            self.gather(u)
+            self.gather(u, exact=True)
         try:
             yield
         finally:
@@ -193,6 +263,7 @@ class ParameterUnits:
                             g.param_shard.copy_(g.full[g.lo - g.start:g.hi - g.start])
                             if on_write is not None:
                                 on_write(g)
+                self.rescale()
             self.free_all()
 
     def remove(self) -> None:
