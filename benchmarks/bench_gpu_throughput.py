@@ -2,7 +2,10 @@
 the GPU, through gridweave (GPTStage, the pipeline engine, OffloadAdam, bf16) and as plain
 torch (the same bf16 model and micro-batches, torch.optim.AdamW), side by side in one run;
 gridweave twice, with AdamW on the device and with OffloadAdam, so the offload's price
-(optimizer_s) is apart from the engine's.
+(optimizer_s) is apart from the engine's. Then float8 against bf16 at a size where the products
+dominate (FP8_CFG: hidden 4096): gridweave's linears in fp8 and fp8-rowwise (gw.float8.convert, as
+--precision fp8 builds them; torch._scaled_mm, eager) beside the same job in bf16, tokens/s and MFU
+against each precision's peak (the goal: 1.3x bf16's tokens/s on an H100).
 GPU only (scripts/test_gpu.sh runs it).
 
     python benchmarks/bench_gpu_throughput.py [--out benchmarks/results/gpu]
@@ -18,6 +21,8 @@ from launch import bench_parser, results_dir, save
 # bf16 dense peak FLOP/s (spec sheets) for the MFU denominator
 PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 CFG = dict(vocab=256, hidden=2048, heads=16, layers=16, seq=2048, batch=8, microbatches=2)
+FP8_CFG = dict(vocab=256, hidden=4096, heads=32, layers=8, seq=2048, batch=8, microbatches=2)
+FP8_PEAK = {"H100": 1979e12, "H200": 1979e12}  # dense float8 tensor cores (spec sheets)
 STEPS = 6
 
 
@@ -71,9 +76,10 @@ def plain_torch(cfg, device) -> tuple[float, float]:
     return _timed(step, opt.step)
 
 
-def gridweave_job(cfg, device, offload: bool) -> tuple[float, float]:
+def gridweave_job(cfg, device, offload: bool, recipe=None) -> tuple[float, float]:
     """offload: AxoNN's OffloadAdam (fp32 master weights and states on the host), else
-    torch's AdamW on the device, as plain torch: the difference is the offload's price."""
+    torch's AdamW on the device, as plain torch: the difference is the offload's price. recipe:
+    the linears' products in float8 (the head's in bf16, as the main job)."""
     import gridweave as gw
 
     grid = gw.init(device=device)
@@ -81,6 +87,9 @@ def gridweave_job(cfg, device, offload: bool) -> tuple[float, float]:
     model = gw.models.GPT(cfg["vocab"], cfg["hidden"], cfg["heads"], cfg["layers"], cfg["seq"],
                           device=grid.device).to(torch.bfloat16)
     stage = gw.models.GPTStage(model, grid, None, 0, 1)
+    if recipe is not None:
+        gw.float8.check_device(grid.device)
+        gw.float8.convert(stage, recipe)
     if offload:
         opt = gw.optim.OffloadAdam(stage.parameters(), lr=1e-4, bsize=1 << 24, grid=grid)
     else:
@@ -116,7 +125,27 @@ def main() -> None:
                        "optimizer_s": optimizer_s, "max_memory_bytes": torch.cuda.max_memory_allocated(device)}
         torch.cuda.reset_peak_memory_stats(device)
         print(label, rows[label], flush=True)
-    save(results_dir(args), f"throughput_{name.replace(' ', '_')}", {"device": name, "config": CFG, "rows": rows})
+    import gridweave as gw
+
+    fp8_rows, flops8 = {}, _flops_per_token(FP8_CFG)
+    for label, recipe in (("bf16", None), ("fp8", gw.float8.Float8Recipe.TENSORWISE),
+                          ("fp8_rowwise", gw.float8.Float8Recipe.ROWWISE)):
+        try:
+            seconds, optimizer_s = gridweave_job(FP8_CFG, device, offload=False, recipe=recipe)
+        except Exception as e:  # noqa: BLE001 (a GPU without float8: the row says why)
+            fp8_rows[label] = {"error": str(e)}
+            continue
+        tok_s = FP8_CFG["batch"] * FP8_CFG["seq"] / seconds
+        peak = _peak(name) if recipe is None else next((v for k, v in FP8_PEAK.items() if k in name), float("nan"))
+        fp8_rows[label] = {"tokens_per_s": tok_s, "mfu": tok_s * flops8 / peak, "step_s": seconds,
+                           "optimizer_s": optimizer_s, "max_memory_bytes": torch.cuda.max_memory_allocated(device)}
+        torch.cuda.reset_peak_memory_stats(device)
+        print("float8", label, fp8_rows[label], flush=True)
+    for label in ("fp8", "fp8_rowwise"):
+        if "tokens_per_s" in fp8_rows.get(label, {}) and "tokens_per_s" in fp8_rows.get("bf16", {}):
+            fp8_rows[label]["speedup_over_bf16"] = fp8_rows[label]["tokens_per_s"] / fp8_rows["bf16"]["tokens_per_s"]
+    save(results_dir(args), f"throughput_{name.replace(' ', '_')}", {"device": name, "config": CFG, "rows": rows,
+                                                                     "float8_config": FP8_CFG, "float8": fp8_rows})
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import torch
 
 from . import plan
 from .grid import LinePart, Span, init, shutdown
-from .measure import call_rate, device_sync, gemm_costs, probe_size, relative_fit, vector_bandwidth
+from .measure import call_rate, device_sync, float8_gemm_rate, gemm_costs, probe_size, relative_fit, vector_bandwidth
 from .models import ModelConfig
 from .nn.dense import DenseTransformerLayer
 from .optim import OffloadAdam
@@ -329,16 +329,19 @@ def measure(grid, fixed: bool = True, dtype=torch.float32, prefix: str = "calibr
         local.extend(out if isinstance(out, tuple) else (out,))
     grid.barrier()
     local.append(softmax_costs(local[2], device=grid.device, dtype=dtype))  # beyond this rank's vector bandwidth
+    grid.barrier()
+    local.append(float8_gemm_rate(device=grid.device))
     local = torch.tensor(local, dtype=torch.float64, device=grid.device)
     every = grid.all_gather(local.unsqueeze(0), "dp", dim=0) if grid.world_size > 1 else local.unsqueeze(0)
-    gemm, gemm_bandwidth, vector, launch, attention, attention_row, attention_score, link, bucket, softmax = (
+    gemm, gemm_bandwidth, vector, launch, attention, attention_row, attention_score, link, bucket, softmax, f8 = (
         statistics.median(every[:, k].tolist()) for k in range(len(local)))
     preset = {"name": "local", "about": f"measured by gridweave bench --calibrate with {grid.world_size} ranks at once"
                                         f" in {str(dtype).removeprefix('torch.')}",
             "gpus_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", grid.world_size)),
             "intra_alpha_s": alpha, "intra_bandwidth_Bps": 1 / beta,
             "inter_alpha_s": inter_alpha, "inter_bandwidth_Bps": 1 / inter_beta, "nics_per_node": 1,
-            "gemm_flops": gemm, "gemm_bandwidth_Bps": gemm_bandwidth, "vector_bandwidth_Bps": vector,
+            "gemm_flops": gemm, "float8_gemm_flops": f8, "gemm_bandwidth_Bps": gemm_bandwidth,
+            "vector_bandwidth_Bps": vector,
             "launch_s": launch, "attention_flops": attention, "attention_row_s": attention_row,
             "attention_score_s": attention_score, "softmax_element_s": softmax, "host_link_Bps": link,
             "offload_bucket_s": bucket,

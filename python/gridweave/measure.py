@@ -47,6 +47,30 @@ def gemm_rate(n: int | None = None, window: float = 1.0, device="cpu", dtype=tor
     return 2 * n ** 3 * call_rate(lambda: a @ b, window, device)
 
 
+def float8_gemm_rate(window: float = 1.0, device="cpu", dtype=None) -> float:
+    """FLOP/s of a float8 matrix product on this device, as the planner counts one (its operands'
+    casts apart): two e4m3 operands with their scales into bf16, through torch._scaled_mm on CUDA;
+    where float8 is emulated (gw.float8.emulated: every other device) the fp32 product of the upcast
+    operands, as torchao's emulation runs it. 0 without torchao (the planner then uses gemm_flops)."""
+    from . import float8
+
+    try:
+        e4m3 = float8.gather_dtype()
+    except Exception:  # noqa: BLE001 (torchao absent: float8 cannot run here at all)
+        return 0.0
+    n = probe_size(device, "gemm")
+    a = torch.randn(n, n, device=device).to(e4m3)
+    b = torch.randn(n, n, device=device).to(e4m3).t()  # column-major, as _scaled_mm takes its second operand
+    one = torch.ones((), device=device)
+    if float8.emulated(device):
+        def product():
+            return a.float() @ b.float()
+    else:
+        def product():
+            return torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)
+    return 2 * n ** 3 * call_rate(product, window, device)
+
+
 def relative_fit(columns: list, seconds: list, relative_to: list | None = None) -> list:
     """Least squares, in relative error, of seconds = sum_j x_j columns[j]: the per-unit costs
     x_j (none below 0: a term the probes cannot see is left out, the others refitted). Each

@@ -444,3 +444,42 @@ def test_zero3_gathers_float8_weights_with_one_scale_each_and_half_the_bytes(poo
         # the amaxes: 4 weights' float32s, a ring all-reduce over dp (2 (dp - 1) chunks of 16 bytes / dp)
         assert amax_sent == 2 * (dp - 1) * 16 // dp, amax_sent
         assert got_float8 == [True, True] and got_exact == [True, True] and whole
+
+
+def test_the_planner_costs_float8_products_at_their_rate_and_the_halved_gathers():
+    """The planner's recording of an fp8 job (ZeRO-3 over dp 4): its float8 FLOPs are the linears'
+    6 N tokens (N: the layers' linear weights, the head's bf16 aside: forward 2, backward 4), costed
+    at Cluster.float8_gemm_flops; each layer's float8 gather carries its linear weights at 1 byte an
+    element beside its norms at 2 (bf16: every element at 2); the step all-reduces one float32
+    amax a float8 weight (over dp)."""
+    import dataclasses
+
+    import gridweave as gw
+    from gridweave import plan
+    from gridweave.plan.cluster import load_cluster
+    from gridweave.plan.predict import _Costing, schedule_of
+    from gridweave.plan.shape import GridShape
+
+    h, ffn, layers, seq, batch, dp = 256, 768, 2, 128, 16, 4
+    got = {}
+    for precision in ("bf16", "fp8"):
+        cfg = gw.train.TrainConfig(hidden=h, heads=8, layers=layers, seq=seq, batch=batch, ffn_hidden=ffn,
+                                   tokenizer="bytes", precision=precision, zero=3)
+        got[precision] = (cfg, schedule_of(plan.model_of(cfg), GridShape(dp=dp, zero=3), 1))
+    cfg, s = got["fp8"]
+    model = gw.models.build(cfg.model_config(256), device="meta")
+    linear = sum(m.weight.numel() for m in model.layers[0].modules() if isinstance(m, torch.nn.Linear))
+    norms = sum(p.numel() for p in model.layers[0].parameters()) - linear
+    tokens = batch // dp * seq
+    assert s.microbatch.float8_flops == 6 * tokens * layers * linear
+    assert got["bf16"][1].microbatch.float8_flops == 0
+    gathers = {precision: sorted((c.elem, c.nbytes) for c in sch.microbatch.collectives if c.op == "all_gather")
+               for precision, (_, sch) in got.items()}
+    assert (1, float(linear)) in gathers["fp8"] and (2, 2.0 * norms) in gathers["fp8"]
+    assert (1, float(linear)) not in gathers["bf16"] and (2, 2.0 * (linear + norms)) in gathers["bf16"]
+    amax = [c for c in s.step if c.op == "all_reduce" and c.axis == "dp"]
+    assert [c.nbytes for c in amax] == [4.0 * 4 * layers]  # qkv, proj, fc1, fc2 a layer
+    cluster = load_cluster("h100-ib")
+    slow = dataclasses.replace(cluster, float8_gemm_flops=cluster.float8_gemm_flops / 2)
+    fast, half = (_Costing(GridShape(dp=dp, zero=3), c).busy(s.microbatch) for c in (cluster, slow))
+    assert half - fast == pytest.approx(s.microbatch.float8_flops / cluster.float8_gemm_flops, rel=1e-9)

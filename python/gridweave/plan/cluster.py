@@ -30,6 +30,9 @@ class Cluster:
     collective_s: float = 0.0  # fixed cost of each collective or message beyond alpha (threads handing off)
     step_s: float = 0.0  # fixed cost of each training step (its own bookkeeping: micro-batch cuts, loss, hooks)
     attention_flops: float = 0.0  # FLOP/s of the fused attention kernels, forward and backward (0: gemm_flops)
+    # FLOP/s of float8 products, their operands' casts included (0: gemm_flops): a GPU's float8
+    # tensor cores (the data sheets: twice bf16's on H100 / H200), the CPU's emulated products
+    float8_gemm_flops: float = 0.0
     attention_row_s: float = 0.0  # and their seconds per query row (batch x heads x sequence; 0: none)
     attention_score_s: float = 0.0  # and per query x key pair (0: none)
     softmax_element_s: float = 0.0  # a (log-)softmax kernel's seconds per element beyond its bytes' (0: none)

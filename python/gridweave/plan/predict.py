@@ -67,7 +67,7 @@ def schedule_of(model: Model, grid: GridShape, microbatches: int, stage: int = 0
                          attention=(model.attention, model.ulysses_degree), agreed=grid.resolved_schedule(model.config) == "message_driven",
                          overlap=overlap,
                          experts=None if model.config.moe is None else Experts(grid.ep, model.expert_imbalance),
-                         flat_gradients=flat_gradients, fused_loss=model.fused_loss)
+                         flat_gradients=flat_gradients, fused_loss=model.fused_loss, recipe=model.float8)
 
 
 def work_ops(micro) -> list:
@@ -168,7 +168,8 @@ class _Costing:
         score costs), the other kernels at memory bandwidth (softmax's further passes per element),
         each a launch."""
         cluster = self.cluster
-        return ((w.flops - w.fused_attention_flops) / cluster.gemm_flops + self.gemm_bytes(w.gemm_bytes)
+        return ((w.flops - w.fused_attention_flops - w.float8_flops) / cluster.gemm_flops
+                + self.gemm_bytes(w.gemm_bytes) + w.float8_flops / (cluster.float8_gemm_flops or cluster.gemm_flops)
                 + w.fused_attention_flops / (cluster.attention_flops or cluster.gemm_flops)
                 + w.attention_rows * cluster.attention_row_s + w.attention_scores * cluster.attention_score_s
                 + w.softmax_elements * cluster.softmax_element_s

@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .. import _C
+from .. import _C, float8
 from ..axes import AxesView
 from ..axes import grid_axes as _grid_axes
 from ..axes import stage_axes
@@ -41,7 +41,8 @@ from ..sharding import grad_norm_of, placement_of
 _FUSED_ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
                     "_scaled_dot_product_flash_attention"}
 _ATTENTION = {"bmm", "baddbmm"} | _FUSED_ATTENTION
-_GEMMS = {"mm", "bmm", "addmm", "baddbmm"} | _FUSED_ATTENTION
+_FLOAT8_GEMMS = {"_scaled_mm"}  # float8 products: their own rate (Cluster.float8_gemm_flops)
+_GEMMS = {"mm", "bmm", "addmm", "baddbmm"} | _FUSED_ATTENTION | _FLOAT8_GEMMS
 # kernels that pass over their rows more than once (max, sum of exponentials, normalise): their
 # bytes at memory bandwidth and a cost per element for the further passes (Cluster.softmax_element_s)
 _SOFTMAX = {"_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data"}
@@ -84,6 +85,7 @@ class LayerSchedule:
     attention_rows: float = 0.0  # query rows (batch x heads x sequence) of the fused attention kernels, forward and backward
     attention_scores: float = 0.0  # their query x key pairs (each an exponential and a mask, whatever the head size)
     softmax_elements: float = 0.0  # elements of the (log-)softmax kernels, forward and backward (within kernels)
+    float8_flops: float = 0.0  # of the float8 products (torch._scaled_mm), forward and backward (within flops)
 
     @cached_property
     def tally(self) -> tuple:
@@ -105,7 +107,7 @@ class LayerSchedule:
 # the fields that add up over layers; of them, the counts do not change with the batch
 _SUMMED = ("gemm_calls", "parameters", "flops", "kernels", "kernel_bytes", "saved_bytes", "attention_flops",
            "peak_bytes", "fused_attention_flops", "gemm_bytes", "attention_rows", "attention_scores",
-           "softmax_elements")
+           "softmax_elements", "float8_flops")
 _COUNTS = ("gemm_calls", "parameters", "kernels")
 
 
@@ -267,6 +269,9 @@ def _flops(name, args, pairs: float = 0.0) -> float:
     attention: its two products (forward), twice that (backward), over the query x key `pairs` it
     computes (attention_pairs: half of them where causal)."""
     shapes = [a.shape for a in args if isinstance(a, torch.Tensor)]
+    if name in _FLOAT8_GEMMS:  # (a, b, scale_a, scale_b, ...)
+        a, b = shapes[0], shapes[1]
+        return 2.0 * a[0] * a[1] * b[1]
     if name in ("mm", "addmm"):
         a, b = shapes[-2], shapes[-1]
         return 2.0 * a[0] * a[1] * b[1]
@@ -400,6 +405,7 @@ class Census(TorchDispatchMode):
         self.attention_rows = 0.0  # the fused attention kernels' query rows
         self.attention_scores = 0.0  # and their query x key pairs
         self.softmax_elements = 0.0  # the softmax kernels' elements
+        self.float8_flops = 0.0  # the float8 products'
         self.forward = True  # the recorder sets it False before backward
         self.live, self.peak, self._alive = 0, 0, set()  # bytes of the tensors the run holds at once
 
@@ -414,6 +420,8 @@ class Census(TorchDispatchMode):
             self.flops += f
             if name in _ATTENTION and self.forward:
                 self.attention_flops += f
+            if name in _FLOAT8_GEMMS or float8.is_float8(args[0]):  # torchao's float8 tensors' mm: _scaled_mm
+                self.float8_flops += f
             if fused:
                 self.fused_attention_flops += f
                 self.attention_rows += math.prod(args[0].shape[:-1])  # q: (batch, heads, s_q, d)
@@ -540,7 +548,7 @@ class GroupedGemm(TorchFunctionMode):
 
 def record_stage(config, mode, dp, pp, sp, at, batch, per_stage, dtype=torch.bfloat16, ends=True,
                  fused_attention=True, attention=("ring", 1), experts=None, flat_gradients=False,
-                 fused_loss=False) -> tuple:
+                 fused_loss=False, recipe=None) -> tuple:
     """Forward and backward of one micro-batch of `batch` sequences through gw.models.GPTStage
     (embedding, loss, vocab-parallel pieces and the stage boundary's scatter / gather included)
     on the rank at coordinates `at` ((axis, index) pairs, the others 0; its stage at["pp"]), the
@@ -550,8 +558,9 @@ def record_stage(config, mode, dp, pp, sp, at, batch, per_stage, dtype=torch.bfl
     over sp (a SeqAttention value and the Ulysses degree). experts: a mixture of experts' Experts
     (None: ep 1, balanced), routed as planned (nn.moe.plan_routing). flat_gradients: each gradient's
     flat copy made as the backward completes it and kept to the end (DistributedAdam's buckets at
-    ZeRO 0 and 1), so the peak holds them as they appear. fused_loss: GPTStage's. Returns (schedule,
-    pipeline payload bytes)."""
+    ZeRO 0 and 1), so the peak holds them as they appear. fused_loss: GPTStage's. recipe: the linears'
+    products in float8 (gw.float8.convert, as gw.train builds it). Returns (schedule, pipeline payload
+    bytes)."""
     axes = _grid_axes(dp, pp, sp, mode)
     grid = RecordingGrid(axes, mode, _recorded_at(mode, axes, at))
     stage = grid.coords["pp"]
@@ -566,6 +575,7 @@ def record_stage(config, mode, dp, pp, sp, at, batch, per_stage, dtype=torch.bfl
             st.layers = torch.nn.ModuleList(TransformerLayer.from_dense(d, grid, mode=mode, **options)
                                             for d in dense.layers[:per_stage])
             shape = st.layers[0].input_layout.without("dp").local_shape((batch, config.seq, config.hidden), grid)
+        float8.convert(st, recipe)
     plan_routing(st, (experts or Experts()).imbalance)
     params = list(st.parameters())
     saved = _Saved(params)
@@ -596,7 +606,7 @@ def record_stage(config, mode, dp, pp, sp, at, batch, per_stage, dtype=torch.bfl
     sched = LayerSchedule(tuple(grid.log), census.calls, sum(p.numel() for p in params), census.flops,
                           census.kernels, census.bytes, saved.bytes, census.attention_flops, census.peak,
                           census.fused_attention_flops, census.gemm_bytes, census.attention_rows,
-                          census.attention_scores, census.softmax_elements)
+                          census.attention_scores, census.softmax_elements, census.float8_flops)
     return sched, math.prod(shape) * dtype.itemsize
 
 
@@ -671,10 +681,10 @@ def stage_role(pp: int, stage: int) -> tuple:
 
 @lru_cache(maxsize=1024)
 def _stage_recordings(config, mode, dp, pp, sp, at, dtype, ends, fused_attention, attention, experts,
-                      flat_gradients, fused_loss, batches: tuple) -> dict:
+                      flat_gradients, fused_loss, batches: tuple, recipe=None) -> dict:
     """record_stage with one and two layers a stage at each of `batches`: {(layers, batch): recording}."""
     return {(k, b): record_stage(config, mode, dp, pp, sp, at, b, k, dtype, ends, fused_attention, attention, experts,
-                                 flat_gradients, fused_loss) for k in (1, 2) for b in batches}
+                                 flat_gradients, fused_loss, recipe) for k in (1, 2) for b in batches}
 
 
 def _lerp(a: LayerSchedule, b: LayerSchedule, f: float) -> LayerSchedule:
@@ -692,7 +702,7 @@ def _lerp(a: LayerSchedule, b: LayerSchedule, f: float) -> LayerSchedule:
 def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch.bfloat16, bsize=1 << 14,
                   coarsening=4, clip=True, loss_scaling=False, ends=True, fused_attention=True,
                   announced=False, zero=0, offload=True, attention=("ring", 1), agreed=False,
-                  overlap=False, experts=None, flat_gradients=False, fused_loss=False) -> StepSchedule:
+                  overlap=False, experts=None, flat_gradients=False, fused_loss=False, recipe=None) -> StepSchedule:
     """The collectives of one gw.train step on the rank at coordinates `at` ((axis, index) pairs,
     the others 0; its pipeline stage at["pp"]): `microbatches` micro-batches of `batch`
     sequences through the stage (recorded: gw.models.GPTStage on a RecordingGrid, its layers
@@ -721,7 +731,7 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
     b0 = batch_unit(mode, sp)
     lo = max(b0, int(batch // b0) * b0)
     rec = _stage_recordings(config, mode, _stage_dp(config, dp), rpp, sp, others + (("pp", rstage),), dtype, ends,
-                            fused_attention, attention, experts, flat_gradients, fused_loss, (lo, lo + b0))
+                            fused_attention, attention, experts, flat_gradients, fused_loss, (lo, lo + b0), recipe)
     f = (batch - lo) / b0  # affine between the two recordings (the peak too, near them)
     one, two = (_lerp(rec[(k, lo)][0], rec[(k, lo + b0)][0], f) for k in (1, 2))
     payload = round(rec[(1, lo)][1] + (rec[(1, lo + b0)][1] - rec[(1, lo)][1]) * f)
@@ -756,7 +766,7 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
     # the same recording (test_plan checks it), made once
     opt = _optimizer_schedule(dataclasses.replace(config, layers=config.layers // pp * rpp), mode, odp, rpp, sp,
                               tuple((a, i) for a, i in oat if a != "pp") + (("pp", rstage),), dtype, bsize, coarsening,
-                              clip, 1 if zero == 2 else zero, offload, overlap, experts)
+                              clip, 1 if zero == 2 else zero, offload, overlap, experts, recipe)
     micro = dataclasses.replace(micro, collectives=micro.collectives + opt["gathers"])
     return StepSchedule(micro, microbatches, tuple(grid.log) + opt["step"], opt["parameters"], opt["tensors"],
                         layer, config.layers // pp, opt["state"], opt["gathered"], opt["in_backward"])
@@ -764,7 +774,7 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
 
 @lru_cache(maxsize=1024)
 def _optimizer_schedule(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, clip, zero, offload,
-                        overlap=False, experts=None) -> dict:
+                        overlap=False, experts=None, recipe=None) -> dict:
     """The optimizer's part of a step, recorded from its own code over the stage's parameters as
     its modules place them (the same for every micro-batch count): its step collectives (gradient
     all-reduces or reduce-scatters, the clipping norm, the all-gathers), ZeRO-3's gathers of one
@@ -772,28 +782,30 @@ def _optimizer_schedule(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, 
     most elements gathered at once."""
     with MetaMemo():
         return _record_optimizer(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, clip, zero, offload, overlap,
-                                 experts)
+                                 experts, recipe)
 
 
 def _record_optimizer(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, clip, zero, offload, overlap,
-                      experts=None) -> dict:
+                      experts=None, recipe=None) -> dict:
     k = config.layers // pp
     if k > 3 and uses_distributed(zero, offload) and _layers_cut_alike(config, mode, dp, pp, sp, at, dtype, zero,
                                                                        experts):
         two, three = (_record_optimizer(dataclasses.replace(config, layers=j * pp), mode, dp, pp, sp, at, dtype, bsize,
-                                        coarsening, clip, zero, offload, overlap, experts) for j in (2, 3))
+                                        coarsening, clip, zero, offload, overlap, experts, recipe) for j in (2, 3))
         out = _repeated(two, three, k)
         if out is not None:
             return out
     grid = RecordingGrid(_grid_axes(dp, pp, sp, mode), mode, dict(at))
-    stage = _stand_in(config, mode, pp, sp, _without_dp(at), dtype, _stage_dp(config, dp), experts)
+    stage = _stand_in(config, mode, pp, sp, _without_dp(at), dtype, _stage_dp(config, dp), experts,
+                      recipe if zero == 3 else None)
     params_of = list(stage.parameters())
     out = {"parameters": sum(p.numel() for p in params_of), "tensors": len(params_of), "state": -1,
            "gathers": (), "gathered": 0, "in_backward": ()}
     if uses_distributed(zero, offload):  # the distributed optimizer's own calls, in its order
         opt = DistributedAdam(params_of, grid, zero=zero, decay=matrices_only, overlap=False,
-                              units=stage.shard_units() if zero == 3 else None)
+                              units=stage.shard_units() if zero == 3 else None, float8_params=stage.float8_params)
         if opt.units is not None:
+            grid.log = []  # made once (the float8 gathers' first scales): the step's own are below
             out["gathered"] = opt.units.rehearse()
             out["gathers"], grid.log = tuple(grid.log), []
         shards = opt.reduce_gradients()
@@ -801,6 +813,8 @@ def _record_optimizer(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, cl
             grad_norm_of(opt.norm_pieces(shards), grid)
         if opt.units is None:
             opt.gather_parameters()
+        else:
+            opt.units.rescale()  # the float8 gathers' scales for the next step (DistributedAdam.step's)
         out["state"] = opt.master.numel()
     else:
         size = params_of[0].element_size()
@@ -916,23 +930,28 @@ class _Copies(torch.nn.Module):
                 seen[id(p)] = q = torch.nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
                 q.__dict__.update(p.__dict__)
             self.register_parameter(f"p{i}", seen[id(p)])
+        self.of = {id(p): seen[id(p)] for p in module.parameters()}  # each original's copy
 
 
-def _stand_in(config, mode, pp, sp, at, dtype, dp=1, experts=None):
+def _stand_in(config, mode, pp, sp, at, dtype, dp=1, experts=None, recipe=None):
     """What the optimizer sees of a stage of config.layers // pp layers: its parameters in
     stage.parameters()' order (embedding, head, then layer by layer) and its ZeRO-3 units
     (shard_units: embedding, each layer, head), each a copy of a one-layer stage's modules, the
     layer's repeated. Exact: the stage's layers are one dense layer converted alike
     (_dense), so they hold equal parameters; the optimizer reads only the parameters, their
     order and the units (tests/python/test_plan.py compares the recordings with the full
-    stage's). Building a 1T model's 128-layer stage took most of its planning time."""
+    stage's). Building a 1T model's 128-layer stage took most of its planning time. recipe: its
+    linears in float8 (float8_params: the copies of the weights ZeRO-3 gathers in float8)."""
     one = _one_layer_stage(config, mode, pp, sp, at, dtype, dp, experts)
+    float8.convert(one, recipe)
+    gathered = [id(w) for w in float8.gathered_weights(one)]
     seen: dict = {}
     stand = torch.nn.Module()
     stand.embed = _Copies(one.embed, seen) if one.embed is not None else None
     stand.head = _Copies(one.head, seen) if one.head is not None else None
     stand.layers = torch.nn.ModuleList(_Copies(one.layers[0], {}) for _ in range(config.layers // pp))
     stand.shard_units = lambda: [m for m in (stand.embed, *stand.layers, stand.head) if m is not None]
+    stand.float8_params = [c.of[i] for c in stand.shard_units() for i in gathered if i in c.of]
     return stand
 
 

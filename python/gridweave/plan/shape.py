@@ -35,6 +35,7 @@ class Model:
     # The busiest expert's rank sets the step (its grouped GEMM and the rows it receives)
     expert_imbalance: float = 1.0
     fused_loss: bool = False  # the head's projection and loss fused (gw.train's fused_loss): no logits kept
+    float8: object = None  # the linears' products in float8 (a gw.float8.Float8Recipe; None: in the model's dtype)
 
     hidden = property(lambda self: self.config.hidden)
     layers = property(lambda self: self.config.layers)
@@ -52,7 +53,8 @@ def model_of(cfg) -> Model:
     it, in its precision, at its global batch."""
     # the trained sequence (an imported model's config holds its longest)
     return Model(dataclasses.replace(cfg.model_config(cfg.vocab), seq=cfg.seq), cfg.batch, cfg.compute.dtype.itemsize,
-                 attention=cfg.attention, ulysses_degree=cfg.ulysses_degree, fused_loss=cfg.fused_loss)
+                 attention=cfg.attention, ulysses_degree=cfg.ulysses_degree, fused_loss=cfg.fused_loss,
+                 float8=cfg.compute.float8)
 
 
 def model_from(source, batch: int, seq: int | None = None, **sizes) -> Model:
