@@ -1,5 +1,6 @@
 """The main job in float8 against bf16 over 200 steps (the float8 issue's numerics goal): on three
-composed grids of 8 CPU ranks, `gridweave train --precision fp8` (torchao's tensorwise recipe)
+composed grids of 8 CPU ranks (and the 3-D cube and Mixtral over expert parallelism beside them),
+`gridweave train --precision fp8` (torchao's tensorwise recipe; under ZeRO-3 its weights gathered in float8)
 and `fp8-rowwise` beside `--precision bf16` on the same grid, from the same initial weights and
 batches: each run's loss curve, the mean of its last 20 steps, and whether float8's ends within 2%
 of bf16's; plus whether any run diverged (a non-finite loss or a last mean above the first).
@@ -26,7 +27,11 @@ MODEL = ["--hidden", "32", "--layers", "4", "--heads", "4", "--ffn-hidden", "96"
          "--quiet"]
 GRIDS = {"row2-tpsp-pp2-dp2": ["--tp", "row:2", "--tp-sp", "--pp", "2", "--dp", "2"],
          "subgraph2-sp2-dp2": ["--tp", "subgraph:2", "--sp", "2", "--dp", "2", "--pp", "1"],
-         "sp2-dp4-zero3": ["--sp", "2", "--dp", "4", "--pp", "1", "--zero", "3"]}
+         "sp2-dp4-zero3": ["--sp", "2", "--dp", "4", "--pp", "1", "--zero", "3"],
+         # the cube's local weights are (in / p, out / p^2): hidden 64 and width 128 keep them multiples of 16
+         "cube2": ["--tp", "cube:2", "--hidden", "64", "--ffn-hidden", "128", "--microbatches", "1"],
+         "mixtral-ep2-dp8": ["--model", "mixtral", "--experts", "4", "--top-k", "2", "--ep", "2", "--dp", "8",
+                             "--pp", "1"]}
 PRECISIONS = ("bf16", "fp8", "fp8-rowwise")
 TAIL = 20
 
@@ -49,7 +54,7 @@ def plot(data, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(data["grids"]), figsize=(5 * len(data["grids"]), 4), sharey=True)
+    fig, axes = plt.subplots(1, len(data["grids"]), figsize=(4 * len(data["grids"]), 4))
     for ax, (name, runs) in zip(axes, data["grids"].items()):
         for p, run in runs.items():
             ax.plot(run["losses"], label=p, lw=1)

@@ -181,30 +181,40 @@ def test_calibrate_writes_a_usable_local_preset(tmp_path):
     assert rows and rows[0]["step_time_s"] > 0
 
 
-def test_calibration_probes_measure_in_the_dtype_asked():
+def test_calibration_probes_measure_in_the_dtype_asked(monkeypatch):
     """The planner has one GEMM rate, so a calibration measures in the jobs' compute dtype (a
     GPU's bf16 GEMM is many times its fp32 one): every probe computes in it, on the grid's device,
     and the preset says which; on a GPU the probes are larger than the CPU's, which are
-    launch-bound there (an H100 measured 1.1 TFLOP/s at 256^3)."""
+    launch-bound there (an H100 measured 1.1 TFLOP/s at 256^3). The float8 probe is float8's own
+    (e4m3 operands; where emulated, their fp32 product) and gives float8_gemm_flops."""
     import torch
 
     from gridweave import measure
 
-    seen = []
+    seen, inside = [], []
 
     class Dtypes(torch.utils._python_dispatch.TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if func.overloadpacket.__name__ in ("mm", "add", "_scaled_dot_product_flash_attention_for_cpu"):
+            if not inside and func.overloadpacket.__name__ in ("mm", "add",
+                                                               "_scaled_dot_product_flash_attention_for_cpu"):
                 seen.append((func.overloadpacket.__name__, out[0].dtype if isinstance(out, tuple) else out.dtype))
             return out
 
+    def float8_probe(**kw):
+        inside.append(True)
+        try:
+            return measure.float8_gemm_rate(**kw)
+        finally:
+            inside.pop()
+    monkeypatch.setattr(calibrate, "float8_gemm_rate", float8_probe)
     grid = gw.init()
     try:
         with Dtypes():
             preset = calibrate.measure(grid, fixed=False, dtype=torch.bfloat16)
     finally:
         gw.shutdown()
+    assert preset["float8_gemm_flops"] > 0
     assert {"mm", "add", "_scaled_dot_product_flash_attention_for_cpu"} <= {name for name, _ in seen}
     # the products and attention in bf16 only (a norm may add in float32 inside the layer)
     assert {d for n, d in seen if n != "add"} == {torch.bfloat16}, sorted({(n, str(d)) for n, d in seen})

@@ -803,7 +803,9 @@ def _record_optimizer(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, cl
            "gathers": (), "gathered": 0, "in_backward": ()}
     if uses_distributed(zero, offload):  # the distributed optimizer's own calls, in its order
         opt = DistributedAdam(params_of, grid, zero=zero, decay=matrices_only, overlap=False,
-                              units=stage.shard_units() if zero == 3 else None, float8_params=stage.float8_params)
+                              units=stage.shard_units() if zero == 3 else None,
+                              float8_params=(getattr(stage, "float8_params", None) or float8.gathered_weights(stage))
+                              if zero == 3 else ())
         if opt.units is not None:
             grid.log = []  # made once (the float8 gathers' first scales): the step's own are below
             out["gathered"] = opt.units.rehearse()
