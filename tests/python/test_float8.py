@@ -432,8 +432,15 @@ def _zero3_float8_gathers(ctx, dp):
     opt.units.free_all()
     with opt.whole_parameters():
         whole = all(torch.equal(p.detach(), dense[k]) for k, p in units.named_parameters())
+    refused = []
+    for t in (torch.zeros(4, dtype=torch.uint8, device=DEVICE), torch.zeros(4, dtype=e4m3, device=DEVICE)):
+        try:  # bytes are moved, never summed: refused before anything moves, on every rank alike
+            grid.all_reduce(t, "dp")
+        except Exception as e:  # noqa: BLE001
+            refused.append("moved, not reduced" in str(e))
     return (kinds, sent["sent_intra"]["bytes"] + sent["sent_inter"]["bytes"], want,
-            amax_sent["sent_intra"]["bytes"] + amax_sent["sent_inter"]["bytes"], got_float8, got_exact, whole)
+            amax_sent["sent_intra"]["bytes"] + amax_sent["sent_inter"]["bytes"], got_float8, got_exact, whole
+            and refused == [True, True])
 
 
 @pytest.mark.parametrize("dp", [2, 4])
