@@ -59,6 +59,13 @@ def render(results: Path = RESULTS) -> str:
                              for name, r in d["rows"].items())
             config = ", ".join(f"{k} {v}" for k, v in d["config"].items())
             out.append(f"- the main job's model ({config}): {rows}")
+            if d.get("float8"):  # fp8 against bf16 where the products dominate
+                f8 = "; ".join(f"{name} {r['tokens_per_s']:,.0f} tokens/s, MFU {100 * r['mfu']:.1f}% of its peak"
+                               + (f", {r['speedup_over_bf16']:.2f}x bf16" if "speedup_over_bf16" in r else "")
+                               if "tokens_per_s" in r else f"{name}: {r.get('error', 'not run')}"
+                               for name, r in d["float8"].items())
+                config = ", ".join(f"{k} {v}" for k, v in d["float8_config"].items())
+                out.append(f"- float8 ({config}): {f8}")
         plan = results / f"plan_gpu_{dev}.json"
         if plan.exists():
             rows = json.loads(plan.read_text())["rows"]
