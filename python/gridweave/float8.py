@@ -8,6 +8,8 @@ carries its grid. torchao is imported on first use: a run that never asks for fl
 from __future__ import annotations
 
 import enum
+import logging
+import sys
 from functools import lru_cache
 
 import torch
@@ -30,11 +32,21 @@ class Float8Recipe(enum.Enum):
         return torch.finfo(dtype).eps / 2
 
 
+@lru_cache(maxsize=None)
 def _ao():
+    # torchao's import logs warnings that say nothing about this run (its CUDA-only extensions absent
+    # from a CPU machine, a deprecated registration in torch's pytree) on every rank's stderr
+    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.ERROR)
     try:
         from torchao.float8 import config, float8_scaling_utils, float8_training_tensor
     except ImportError as e:  # the one clear line, before anything runs
         raise GridError("float8 precision needs torchao (pip install torchao)") from e
+    finally:
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
     return config, float8_scaling_utils, float8_training_tensor
 
 
@@ -163,9 +175,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rec
 
 
 def is_float8(t) -> bool:
-    """Whether t is a float8 operand torchao made (its matrix products run as torch._scaled_mm)."""
-    tt = _ao()[2]
-    return isinstance(t, tt.Float8TrainingTensor)
+    """Whether t is a float8 operand torchao made (its matrix products run as torch._scaled_mm);
+    torchao not loaded, none is (and asking does not load it)."""
+    tt = sys.modules.get("torchao.float8.float8_training_tensor")
+    return tt is not None and isinstance(t, tt.Float8TrainingTensor)
 
 
 def gather_dtype() -> torch.dtype:

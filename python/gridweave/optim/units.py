@@ -55,7 +55,7 @@ class _Float8Groups:
     def __init__(self, grid, groups):
         self.grid = grid
         self.groups = [g for g in groups if g.float8 and g.shard_axes]
-        self.dtype = float8.gather_dtype()
+        self.dtype = float8.gather_dtype() if self.groups else None  # torchao loaded only where used
         for g in self.groups:
             g.full8 = torch.empty(g.padded, dtype=self.dtype, device=g.full.device)
             g.full8.untyped_storage().resize_(0)
