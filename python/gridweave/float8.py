@@ -166,10 +166,13 @@ class _Linear(torch.autograd.Function):
         return dx, dw, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Float8Recipe) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           recipe: Float8Recipe | None) -> torch.Tensor:
     """F.linear with its three products in float8, forward and backward; the bias added in x's
-    precision. Unlike F.linear's, the output of an N-D x is a view of the product's rows: a
-    collective that reduces in place takes 2-D rows (RowParallelLinear does)."""
+    precision; recipe None: F.linear itself. Unlike F.linear's, the output of an N-D x is a view of
+    the product's rows: a collective that reduces in place takes 2-D rows (RowParallelLinear does)."""
+    if recipe is None:
+        return torch.nn.functional.linear(x, weight, bias)
     y = _unrows(_Linear.apply(_rows(x), weight, recipe), x)
     return y if bias is None else y + bias.to(y.dtype)
 

@@ -188,7 +188,7 @@ def linear(x, weight, bias, store, recipe=None):
     recipe: a gw.float8.Float8Recipe its three products run with (None: x's dtype)."""
     deferred, (w, b) = deferral(store, x, (weight, bias))
     if deferred is None:
-        return torch.nn.functional.linear(x, weight, bias) if recipe is None else float8.linear(x, weight, bias, recipe)
+        return float8.linear(x, weight, bias, recipe)
     return _DeferredLinear.apply(x, w, b, deferred, recipe)
 
 

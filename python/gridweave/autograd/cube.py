@@ -76,10 +76,6 @@ def _product(grid, form, lhs, rhs, a, c, overlap, cache=None, rhs_gathered=None,
     return grid.reduce_scatter(out, axis=rs.axis, dim=rs.dim, async_op=async_out)
 
 
-# a linear's products in Algorithms 1-2 (Y = X W^T, B = W^T): the forward, then dA and dB
-LINEAR_ROLES = (float8.Product.OUTPUT, float8.Product.GRAD_INPUT, float8.Product.GRAD_WEIGHT)
-
-
 class _CubeMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, lhs, rhs, grid, form, a, c, overlap, rhs_gathered, deferred, recipe):
@@ -87,25 +83,25 @@ class _CubeMatmul(torch.autograd.Function):
         ctx.recipe = recipe
         ctx.save_for_backward(lhs, rhs)
         return _product(grid, form, lhs, rhs, a, c, overlap, rhs_gathered=rhs_gathered, recipe=recipe,
-                        role=LINEAR_ROLES[0])
+                        role=float8.Product.OUTPUT)
 
     @staticmethod
     def backward(ctx, g):
         lhs, rhs = ctx.saved_tensors
         ops = {0: lhs, 1: rhs, 2: g.contiguous()}
-        grad_a, grad_b = _C.cube_backward(ctx.form, ctx.a, ctx.c)
+        grad_a, grad_b = _C.cube_backward(ctx.form, ctx.a, ctx.c)  # Algorithm 2: dA = dC B^T, dB = A^T dC
         cache = {}  # dC is all-gathered once for both gradients
 
         def grad(spec, role, overlap, cache):
             return _product(ctx.grid, spec.form, ops[spec.lhs], ops[spec.rhs], spec.a, spec.c, overlap, cache,
                             async_out=overlap, recipe=ctx.recipe, role=role)
         works = [grad(spec, role, ctx.overlap, cache) if needed else None
-                 for spec, role, needed in ((grad_a, LINEAR_ROLES[1], ctx.needs_input_grad[0]),
-                                            (grad_b, LINEAR_ROLES[2], ctx.needs_input_grad[1]))]
+                 for spec, role, needed in ((grad_a, float8.Product.GRAD_INPUT, ctx.needs_input_grad[0]),
+                                            (grad_b, float8.Product.GRAD_WEIGHT, ctx.needs_input_grad[1]))]
         if ctx.deferred is not None:  # the weight's product in W, in the table's order on every rank of the cube
             mine = {id(ops[grad_b.lhs]), id(ops[grad_b.rhs])}  # W keeps B's gathers of its own operands alone
             kept = {k: t for k, t in cache.items() if k[0] in mine}
-            split.defer(*ctx.deferred, lambda: (grad(grad_b, LINEAR_ROLES[2], False, kept),))
+            split.defer(*ctx.deferred, lambda: (grad(grad_b, float8.Product.GRAD_WEIGHT, False, kept),))
         da, db = (_resolve(w) for w in works)
         return da, db, None, None, None, None, None, None, None, None
 

@@ -53,7 +53,7 @@ def _summa_weight_grad(grid, a, g, recipe=None):
     db = None
     for t in range(q):
         a_t = _bcast(grid, a, "c", t, c == t)
-        part = (a_t.t() @ g if recipe is None else float8.grad_weight(g, a_t, recipe).t()).contiguous()
+        part = float8.matmul(a_t.t(), g, recipe, float8.Product.GRAD_WEIGHT).contiguous()
         grid.reduce(part, axis="r", dst=t)
         if r == t:
             db = part

@@ -241,16 +241,10 @@ def swiglu_experts(x: torch.Tensor, counts, gate_up: torch.Tensor, down: torch.T
         # an expert no row reached still multiplies its (empty) rows: its weights get their (zero)
         # gradient in every micro-batch on every rank, as grouped_mm gives them, so the optimizer's
         # hooks count the same backwards everywhere and start each reduction at one point of the step
-        gate, up = _expert_product(rows, gate_up[e], recipe).chunk(2, dim=-1)
-        outs.append(_expert_product(F.silu(gate) * up, down[e], recipe))
+        mine = recipe if len(rows) else None  # float8 where rows came (no scale of nothing)
+        gate, up = float8.linear(rows, gate_up[e], None, mine).chunk(2, dim=-1)
+        outs.append(float8.linear(F.silu(gate) * up, down[e], None, mine))
     return torch.cat(outs)
-
-
-def _expert_product(rows: torch.Tensor, weight: torch.Tensor, recipe) -> torch.Tensor:
-    """rows @ weight^T; in float8 where a recipe is given and rows came (no scale of nothing)."""
-    if recipe is None or not rows.shape[0]:
-        return rows @ weight.t()
-    return float8.linear(rows, weight, None, recipe)
 
 
 class _AttachAux(torch.autograd.Function):

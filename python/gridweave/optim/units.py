@@ -153,8 +153,7 @@ class ParameterUnits:
 
     def rescale(self) -> None:
         """The float8 gathers' scales from the parameter shards (after they changed)."""
-        if self.float8.groups:
-            self.float8.rescale()
+        self.float8.rescale()
 
     def gather(self, u: _Unit, exact: bool = False) -> None:
         """The unit whole: its all-gathers started if they were not, and waited for."""

@@ -41,8 +41,7 @@ from ..sharding import grad_norm_of, placement_of
 _FUSED_ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
                     "_scaled_dot_product_flash_attention"}
 _ATTENTION = {"bmm", "baddbmm"} | _FUSED_ATTENTION
-_FLOAT8_GEMMS = {"_scaled_mm"}  # float8 products: their own rate (Cluster.float8_gemm_flops)
-_GEMMS = {"mm", "bmm", "addmm", "baddbmm"} | _FUSED_ATTENTION | _FLOAT8_GEMMS
+_GEMMS = {"mm", "bmm", "addmm", "baddbmm"} | _FUSED_ATTENTION
 # kernels that pass over their rows more than once (max, sum of exponentials, normalise): their
 # bytes at memory bandwidth and a cost per element for the further passes (Cluster.softmax_element_s)
 _SOFTMAX = {"_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data"}
@@ -269,9 +268,6 @@ def _flops(name, args, pairs: float = 0.0) -> float:
     attention: its two products (forward), twice that (backward), over the query x key `pairs` it
     computes (attention_pairs: half of them where causal)."""
     shapes = [a.shape for a in args if isinstance(a, torch.Tensor)]
-    if name in _FLOAT8_GEMMS:  # (a, b, scale_a, scale_b, ...)
-        a, b = shapes[0], shapes[1]
-        return 2.0 * a[0] * a[1] * b[1]
     if name in ("mm", "addmm"):
         a, b = shapes[-2], shapes[-1]
         return 2.0 * a[0] * a[1] * b[1]
@@ -420,7 +416,7 @@ class Census(TorchDispatchMode):
             self.flops += f
             if name in _ATTENTION and self.forward:
                 self.attention_flops += f
-            if name in _FLOAT8_GEMMS or float8.is_float8(args[0]):  # torchao's float8 tensors' mm: _scaled_mm
+            if float8.is_float8(args[0]):  # an mm of torchao's float8 tensors: torch._scaled_mm beneath
                 self.float8_flops += f
             if fused:
                 self.fused_attention_flops += f
@@ -796,8 +792,7 @@ def _record_optimizer(config, mode, dp, pp, sp, at, dtype, bsize, coarsening, cl
         if out is not None:
             return out
     grid = RecordingGrid(_grid_axes(dp, pp, sp, mode), mode, dict(at))
-    stage = _stand_in(config, mode, pp, sp, _without_dp(at), dtype, _stage_dp(config, dp), experts,
-                      recipe if zero == 3 else None)
+    stage = _stand_in(config, mode, pp, sp, _without_dp(at), dtype, _stage_dp(config, dp), experts, recipe)
     params_of = list(stage.parameters())
     out = {"parameters": sum(p.numel() for p in params_of), "tensors": len(params_of), "state": -1,
            "gathers": (), "gathered": 0, "in_backward": ()}
