@@ -7,6 +7,8 @@ import time
 
 import torch
 
+from . import float8
+
 
 def device_sync(device):
     """What waits for the work queued on `device` (a timer's read on CUDA comes after it)."""
@@ -52,8 +54,6 @@ def float8_gemm_rate(window: float = 1.0, device="cpu", dtype=None) -> float:
     casts apart): two e4m3 operands with their scales into bf16, through torch._scaled_mm on CUDA;
     where float8 is emulated (gw.float8.emulated: every other device) the fp32 product of the upcast
     operands, as torchao's emulation runs it. 0 without torchao (the planner then uses gemm_flops)."""
-    from . import float8
-
     try:
         e4m3 = float8.gather_dtype()
     except Exception:  # noqa: BLE001 (torchao absent: float8 cannot run here at all)
