@@ -157,6 +157,81 @@ def test_qwen_moe_from_hf_equals_transformers(kind, coef):
     assert gw.hf.hf_kind(c) == kind
 
 
+def _deepseek(q_rank=24, interleave=True, **kw):
+    """transformers' DeepSeek-V3, small, float64: latent attention (q through its latent or not),
+    8 routed experts in 4 groups of which a token's 3 come from the best 2, 2 shared experts, the
+    first layer dense; routers, latent norms and balancing biases away from their start."""
+    torch.manual_seed(0)
+    c = tf.DeepseekV3Config(vocab_size=V, hidden_size=32, intermediate_size=40, moe_intermediate_size=12,
+                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=2,
+                            n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=q_rank,
+                            qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=10, n_group=4, topk_group=2,
+                            num_experts_per_tok=3, first_k_dense_replace=1, max_position_embeddings=S,
+                            rope_interleave=interleave, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+                            experts_implementation="eager", **kw)  # its grouped_mm has no float64
+    with CPU:
+        hf = tf.DeepseekV3ForCausalLM(c).double().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("gate.weight"):
+                p.normal_(0, 0.5)
+            elif "layernorm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn_like(b))
+    return hf
+
+
+@pytest.mark.parametrize("q_rank,interleave", [(24, True), (None, False)])
+def test_deepseek_v3_from_hf_equals_transformers(q_rank, interleave):
+    """DeepSeek-V3: latent attention (decoupled rotary keys, interleaved or halved pairs), sigmoid
+    routing with the balancing bias in the choice only, group-limited top-k, the routed scaling
+    factor, shared experts, a dense first layer: logits, loss and every gradient; the experts each
+    layer ran are those transformers' router chose."""
+    import gridweave as gw
+
+    hf = _deepseek(q_rank, interleave)
+    ours = gw.models.from_hf(hf)
+    c = ours.config
+    assert c.mla == gw.nn.MLA(kv_rank=16, q_rank=q_rank, nope=10, rope=8, v=12, interleave=interleave)
+    assert c.moe == gw.nn.MoE(experts=8, top_k=3, ffn=12, shared_ffn=24, scoring=gw.nn.Scoring.SIGMOID, scale=2.5,
+                              groups=4, topk_groups=2, expert_bias=True)
+    assert c.dense_layers == (0,) and c.ffn == 40 and not hasattr(ours.layers[0], "moe")
+    _compare(hf, ours, LLAMA_TOL)
+    ids = torch.randint(0, V, (3, S), generator=torch.Generator().manual_seed(1), device=CPU)
+    with torch.no_grad():
+        ours(ids)
+        for hf_layer, layer in zip(hf.model.layers[1:], ours.layers[1:]):
+            x = []
+            hook = hf_layer.mlp.gate.register_forward_hook(lambda m, i, o: x.append(o[2]))
+            hf(ids)
+            hook.remove()
+            chosen = torch.bincount(x[0].reshape(-1), minlength=8)
+            assert layer.moe.tokens_per_expert.tolist() == chosen.tolist()
+    assert gw.hf.hf_kind(c) == "deepseek_v3"
+
+
+def test_the_balancing_bias_chooses_and_moves_toward_an_even_load():
+    """DeepSeek-V3 §2.1.2 on one process: the bias changes which experts run, not their weights
+    (the scores as the router gave them); update_expert_bias adds rate * sign(mean - load)."""
+    import gridweave as gw
+    from gridweave.nn.moe import DenseMoE, route, update_expert_bias
+
+    moe = gw.nn.MoE(experts=4, top_k=1, ffn=8, scoring=gw.nn.Scoring.SIGMOID, expert_bias=True, bias_rate=0.01,
+                    normalize=False)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.5, 1.5, 0.0, 0.0]], dtype=torch.float64, device=CPU)
+    r = route(logits, moe, bias=torch.tensor([0.0, 0.0, 0.0, 0.0], device=CPU))
+    assert r.experts.reshape(-1).tolist() == [0, 1]
+    r = route(logits, moe, bias=torch.tensor([-1.0, 0.0, 0.9, 0.0], device=CPU))  # expert 2 pushed up, 0 down
+    assert r.experts.reshape(-1).tolist() == [2, 2]
+    assert torch.equal(r.weights.reshape(-1), torch.sigmoid(logits[:, 2]))  # unbiased scores weigh
+    block = DenseMoE(8, moe, dtype=torch.float64, device=CPU)
+    update_expert_bias(block, torch.tensor([[6, 2, 0, 0]], device=CPU))  # mean 2: over, even, under, under
+    assert block.expert_bias.tolist() == pytest.approx([-0.01, 0.0, 0.01, 0.01])
+    assert "expert_bias" in block.state_dict()  # in checkpoints and exports
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_gpt2_from_hf_equals_transformers(tie):
     import gridweave as gw
@@ -171,13 +246,21 @@ QWEN = {"qwen2_moe": dict(moe=dict(experts=4, top_k=2, ffn=16, normalize=False, 
         "qwen3_moe": dict(moe=dict(experts=4, top_k=2, ffn=16), qk_norm=True)}
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"])
 def test_export_folder_loads_in_from_pretrained(tmp_path, family):
     import gridweave as gw
     from gridweave.hf import save_hf
 
     torch.manual_seed(4)
-    if family == "mixtral":
+    if family == "deepseek_v3":
+        moe = gw.nn.MoE(experts=4, top_k=2, ffn=16, shared_ffn=16, scoring=gw.nn.Scoring.SIGMOID, scale=1.5, groups=2,
+                        topk_groups=1, expert_bias=True)
+        cfg = gw.models.ModelConfig("llama", V, 32, 4, 3, S, ffn_hidden=24, moe=moe, dense_layers=(0,),
+                                    mla=gw.nn.MLA(kv_rank=8, q_rank=12, nope=6, rope=4, v=10))
+        ours = gw.models.build(cfg, device=CPU).double()
+        for layer in ours.layers[1:]:
+            layer.moe.expert_bias.normal_(0, 0.05)
+    elif family == "mixtral":
         cfg = gw.models.ModelConfig("llama", V, 32, 4, 2, S, kv_heads=2, moe=gw.nn.MoE(experts=4, top_k=2, ffn=16))
         ours = gw.models.build(cfg, device=CPU).double()
     elif family in QWEN:
@@ -191,7 +274,7 @@ def test_export_folder_loads_in_from_pretrained(tmp_path, family):
             p.add_(0.05 * torch.randn_like(p))
     save_hf(ours, tmp_path)
     assert (tmp_path / "config.json").exists() and (tmp_path / "model.safetensors").exists()
-    eager = {"experts_implementation": "eager"} if family in ("mixtral", *QWEN) else {}  # grouped_mm: no float64
+    eager = {"experts_implementation": "eager"} if family in ("mixtral", "deepseek_v3", *QWEN) else {}  # grouped_mm: no float64
     with CPU:
         hf = tf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64, **eager).eval()
     ids = torch.randint(0, V, (2, S), generator=torch.Generator().manual_seed(5), device=CPU)
@@ -199,12 +282,16 @@ def test_export_folder_loads_in_from_pretrained(tmp_path, family):
     assert rel(ours(ids), hf(ids).logits) < tol
     back = gw.models.from_hf(hf)
     for k, v in ours.state_dict().items():
+        if family == "deepseek_v3" and k.endswith(("expert_bias", "moe.gate.weight")):
+            v = v.float().to(v.dtype)  # transformers loads DeepSeek's router and bias in float32 whatever the dtype
         assert torch.equal(back.state_dict()[k], v), k
     # the model's own method is the same conversion (issue 15's model.to_hf())
     exported = ours.to_hf()
     if eager:  # the same tensors (its float64 forward would need the eager experts switched on)
         theirs = hf.state_dict()
-        assert all(torch.equal(v, theirs[k]) for k, v in exported.state_dict().items())
+        fp32 = ("mlp.gate.weight", "e_score_correction_bias") if family == "deepseek_v3" else ()  # as loaded
+        assert all(torch.equal(v.float().to(v.dtype) if k.endswith(fp32) else v, theirs[k])
+                   for k, v in exported.state_dict().items())
     else:
         assert rel(exported(ids).logits, hf(ids).logits) == 0
     # one reader of config keys: the planner reads the saved config.json as from_hf reads transformers' config
@@ -235,6 +322,25 @@ def test_unsupported_llama_fields_are_a_clear_error(field, kw):
     c = tf.LlamaConfig(**{**base, **kw})
     with pytest.raises(gw.GridError, match=field.replace(".", r"\.")):
         gw.models.from_hf(c)
+
+
+@pytest.mark.parametrize("field,kw", [
+    ("rope_parameters.rope_type", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                                        "original_max_position_embeddings": 4})),
+    ("num_key_value_heads", dict(num_key_value_heads=2)),
+    ("n_shared_experts", dict(n_shared_experts=0)),
+    ("topk_groups 3 is above the group count 2", dict(n_group=2, topk_group=3)),
+    ("top_k 5 is above the 1 group", dict(n_group=4, topk_group=1, num_experts_per_tok=5)),
+])
+def test_unsupported_deepseek_fields_are_a_clear_error(field, kw):
+    import gridweave as gw
+
+    base = dict(vocab_size=V, hidden_size=32, intermediate_size=40, moe_intermediate_size=8, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, kv_lora_rank=8, q_lora_rank=None,
+                qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4, n_group=2, topk_group=1,
+                num_experts_per_tok=2, max_position_embeddings=S)
+    with pytest.raises(gw.GridError, match=field.replace(".", r"\.")):
+        gw.models.from_hf(tf.DeepseekV3Config(**{**base, **kw}))
 
 
 def test_unsupported_gpt2_activation_and_model_type():

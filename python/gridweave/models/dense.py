@@ -2,6 +2,7 @@
 positions, grouped-query attention), written once on one process, and their configuration."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 
 import torch
@@ -10,8 +11,8 @@ from torch import nn
 
 from ..documents import check_documents, document_positions
 from ..errors import GridError
-from ..nn.dense import BERT, GPT2, LLAMA, Activation, Arch, DenseTransformerLayer, Norm
-from ..nn.moe import MoE
+from ..nn.dense import BERT, GPT2, LLAMA, MLA, Activation, Arch, DenseTransformerLayer, Norm
+from ..nn.moe import MoE, Scoring
 
 
 # The one reader of a model config's keys: each field under gridweave's own name (to_dict:
@@ -22,8 +23,8 @@ CONFIG_KEYS = {"vocab": ("vocab", "vocab_size"), "hidden": ("hidden", "hidden_si
                "ffn_hidden": ("ffn_hidden", "intermediate_size", "n_inner"), "kv_heads": ("kv_heads", "num_key_value_heads"),
                "eps": ("eps", "rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps"),
                "tie": ("tie", "tie_word_embeddings")}
-HF_FAMILY = {"llama": "llama", "mixtral": "llama", "qwen2_moe": "llama", "qwen3_moe": "llama", "gpt2": "gpt",
-             "bert": "bert"}  # model_type -> family
+HF_FAMILY = {"llama": "llama", "mixtral": "llama", "qwen2_moe": "llama", "qwen3_moe": "llama", "deepseek_v3": "llama",
+             "gpt2": "gpt", "bert": "bert"}  # model_type -> family
 FAMILIES = ("gpt", "llama", "bert")
 ENCODERS = ("bert",)  # bidirectional, trained on the masked LM; the others are causal decoders
 IGNORE = -100  # a target that is not predicted (the masked LM's unmasked tokens): torch's ignore_index
@@ -54,10 +55,16 @@ class ModelConfig:
     moe: MoE | None = None
     qkv_bias: bool = False  # llama: biases on q, k and v (Qwen2-MoE's)
     qk_norm: bool = False  # llama: per-head RMSNorms of the queries and keys (Qwen3-MoE's)
+    mla: MLA | None = None  # llama: DeepSeek's multi-head latent attention (a dict is read as MLA's fields)
+    dense_layers: tuple = ()  # with moe: the layers whose MLP is dense (ffn_hidden wide; DeepSeek's first k)
 
     def __post_init__(self):
         if isinstance(self.moe, dict):
             object.__setattr__(self, "moe", MoE(**self.moe))
+        if isinstance(self.mla, dict):
+            object.__setattr__(self, "mla", MLA(**self.mla))
+        if not isinstance(self.dense_layers, tuple):
+            object.__setattr__(self, "dense_layers", tuple(self.dense_layers))
         if self.moe is not None and self.family != "llama":
             raise GridError(f"mixture-of-experts layers are Llama-family (Mixtral), got {self.family!r}")
         if self.family not in FAMILIES:
@@ -70,10 +77,17 @@ class ModelConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise GridError(f"model {name} must be a positive integer, got {v!r}")
-        if self.hidden % self.heads:
-            raise GridError(f"hidden {self.hidden} does not split into {self.heads} heads")
-        if (self.hidden // self.heads) % 2 and self.family == "llama":
-            raise GridError(f"rotary positions need an even head size, got {self.hidden // self.heads}")
+        if self.mla is not None and self.family != "llama":
+            raise GridError(f"multi-head latent attention is Llama-family (DeepSeek's), got {self.family!r}")
+        if self.dense_layers and (self.moe is None or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.layers for i in self.dense_layers)):
+            raise GridError(f"dense_layers names layers of a mixture-of-experts model (0..{self.layers - 1}), got "
+                            f"{list(self.dense_layers)!r}{'' if self.moe is not None else ' without moe'}")
+        if self.mla is None:  # latent attention sizes its heads itself
+            if self.hidden % self.heads:
+                raise GridError(f"hidden {self.hidden} does not split into {self.heads} heads")
+            if (self.hidden // self.heads) % 2 and self.family == "llama":
+                raise GridError(f"rotary positions need an even head size, got {self.hidden // self.heads}")
         self.arch.kv(self.heads)  # kv_heads divides heads; Linformer's K
 
     @property
@@ -81,12 +95,17 @@ class ModelConfig:
         if self.family == "llama":
             return Arch(Norm.RMS, Activation.SWIGLU, self.kv_heads, float(self.rope_theta),
                         LLAMA.eps if self.eps is None else self.eps, moe=self.moe, qkv_bias=self.qkv_bias,
-                        qk_norm=self.qk_norm)
+                        qk_norm=self.qk_norm, mla=self.mla)
         if self.family == "bert":
             return Arch(Norm.LAYER, Activation.GELU, self.kv_heads, None, BERT.eps if self.eps is None else self.eps,
                         post_norm=True, linformer=None if self.linformer_k is None else (self.linformer_k, self.seq))
         return Arch(Norm.LAYER, Activation(self.activation or "gelu"), self.kv_heads, None,
                     GPT2.eps if self.eps is None else self.eps)
+
+    def layer_arch(self, i: int) -> Arch:
+        """Layer i's block: the arch, its MLP dense where dense_layers names it."""
+        arch = self.arch
+        return dataclasses.replace(arch, moe=None) if i in self.dense_layers else arch
 
     @property
     def bias(self) -> bool:
@@ -110,23 +129,42 @@ class ModelConfig:
         projection and the MLP per layer, and the vocab x hidden embedding (tied or not, once).
         A mixture of experts: the router, every expert (active: the top-k a token runs) and the
         shared expert with its gate."""
-        kv = self.arch.kv(self.heads) * (self.hidden // self.heads)
-        mlp = self.hidden * self.ffn * (3 if self.family == "llama" else 2)
+        h = self.hidden
+        dense_mlp = h * self.ffn * (3 if self.family == "llama" else 2)
+        mlp = dense_mlp
         if self.moe is not None:
             m = self.moe
-            mlp = self.hidden * (m.experts + 3 * m.ffn * (m.top_k if active else m.experts)
-                                 + 3 * (m.shared_ffn or 0) + m.shared_gate)
-        per_layer = self.hidden * (self.hidden + 2 * kv) + self.hidden * self.hidden + mlp
-        return self.layers * per_layer + (self.vocab * self.hidden if embedding else 0)
+            mlp = h * (m.experts + 3 * m.ffn * (m.top_k if active else m.experts) + 3 * (m.shared_ffn or 0)
+                       + m.shared_gate)
+        sparse = 0 if self.moe is None else self.layers - len(self.dense_layers)
+        per_layer = self._attention_matrices()
+        return self.layers * per_layer + sparse * mlp + (self.layers - sparse) * dense_mlp + \
+            (self.vocab * h if embedding else 0)
+
+    def _attention_matrices(self) -> int:
+        """Parameters of one layer's attention matrices: q, k, v and the output projection, or
+        latent attention's down and up projections (DeepSeek-V2 §2.1)."""
+        h, m = self.hidden, self.mla
+        if m is None:
+            kv = self.arch.kv(self.heads) * (h // self.heads)
+            return h * (h + 2 * kv) + h * h
+        q = h * m.q_width(self.heads) if m.q_rank is None else (h + m.q_width(self.heads)) * m.q_rank
+        return q + h * (m.kv_rank + m.rope) + m.kv_rank * self.heads * (m.nope + m.v) + self.heads * m.v * h
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token (forward + backward, no recomputation): 6 x the matrices'
-        parameters plus the attention scores and values, 12 x layers x hidden x seq (PaLM's MFU
+        parameters plus the attention scores and values, 6 x layers x seq x (the queries' and the
+        values' widths): 12 x layers x hidden x seq for multi-head attention (PaLM's MFU
         convention, Chowdhery et al. 2022, App. B)."""
-        return 6 * self.matrix_parameters(active=True) + 12 * self.layers * self.hidden * self.seq
+        m = self.mla
+        widths = 2 * self.hidden if m is None else self.heads * (m.nope + m.rope + m.v)
+        return 6 * self.matrix_parameters(active=True) + 6 * self.layers * self.seq * widths
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        out["moe"] = None if self.moe is None else self.moe.record()
+        out["dense_layers"] = list(self.dense_layers)
+        return out
 
     @staticmethod
     def fields_of(d: dict) -> dict:
@@ -147,7 +185,17 @@ class ModelConfig:
         activation = d.get("activation") or HF_ACTIVATION.get(d.get("activation_function"))
         if activation:
             out["activation"] = activation
-        if d.get("moe"):
+        if d.get("model_type") == "deepseek_v3":  # latent attention, sigmoid routing, the first layers dense
+            out.pop("kv_heads", None)  # its keys have every head (num_key_value_heads = heads; hf checks)
+            out["mla"] = MLA(kv_rank=d["kv_lora_rank"], q_rank=d.get("q_lora_rank"), nope=d["qk_nope_head_dim"],
+                             rope=d["qk_rope_head_dim"], v=d["v_head_dim"], interleave=bool(d.get("rope_interleave", True)))
+            out["moe"] = MoE(experts=d["n_routed_experts"], top_k=d["num_experts_per_tok"], ffn=d["moe_intermediate_size"],
+                             normalize=bool(d.get("norm_topk_prob", True)),
+                             shared_ffn=d["moe_intermediate_size"] * d.get("n_shared_experts", 1) or None,
+                             scoring=Scoring.SIGMOID, scale=float(d.get("routed_scaling_factor", 1.0)),
+                             groups=d.get("n_group") or 1, topk_groups=d.get("topk_group") or 1, expert_bias=True)
+            out["dense_layers"] = tuple(range(min(d.get("first_k_dense_replace") or 0, out["layers"])))
+        elif d.get("moe"):
             out["moe"] = d["moe"]
         elif d.get("num_local_experts") or d.get("num_experts"):  # Mixtral's, Qwen2-MoE's, Qwen3-MoE's
             shared = d.get("shared_expert_intermediate_size") or None  # Qwen2-MoE's, behind a sigmoid gate
@@ -157,6 +205,9 @@ class ModelConfig:
                              normalize=bool(d.get("norm_topk_prob", True)),
                              aux_coef=float(d.get("router_aux_loss_coef") or 0.0), shared_ffn=shared,
                              shared_gate=shared is not None)
+        for key in ("mla", "dense_layers"):  # gridweave's own record
+            if d.get(key) and key not in out:
+                out[key] = d[key]
         if d.get("qkv_bias"):  # Qwen2-MoE's biases on q, k and v
             out["qkv_bias"] = True
         if d.get("qk_norm") or d.get("model_type") == "qwen3_moe":  # Qwen3's per-head norms
@@ -255,8 +306,8 @@ class GPT(nn.Module):
         self.embed = Embedding(cfg.vocab, cfg.hidden, cfg.seq, positions=arch.rope_theta is None,
                                norm=arch.dense_norm(cfg.hidden, **kw) if encoder else None, **kw)
         self.layers = nn.ModuleList(DenseTransformerLayer(cfg.hidden, cfg.heads, cfg.ffn, bias=cfg.bias,
-                                                          causal=cfg.causal, arch=arch, **kw)
-                                    for _ in range(cfg.layers))
+                                                          causal=cfg.causal, arch=cfg.layer_arch(i), **kw)
+                                    for i in range(cfg.layers))
         self.head = Head(cfg.vocab, cfg.hidden, arch=arch, masked_lm=encoder, **kw)
         if cfg.tie:
             self.head.out.weight = self.embed.tok.weight

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..errors import GridError
+from ..nn.moe import Scoring
 from .dense import FAMILIES, GPT, HF_ACTIVATION, HF_FAMILY, ModelConfig, build
 
 
@@ -101,8 +102,32 @@ def _qwen_moe_config(c) -> ModelConfig:
     return _llama_config(c)
 
 
+def _deepseek_config(c) -> ModelConfig:
+    """DeepSeek-V3's (DeepseekV3ForCausalLM): latent attention, sigmoid routing with its balancing
+    bias, group-limited top-k, shared experts, the first layers dense. Its multi-token prediction
+    layers are not part of transformers' model (nor of this one)."""
+    rope = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        _unsupported("rope_parameters.rope_type", rope_type, "rope scaling (YaRN's frequencies and softmax scale)")
+    for field, why in (("attention_bias", "attention biases"), ("attention_dropout", "dropout")):
+        if getattr(c, field, False):
+            _unsupported(field, getattr(c, field), why)
+    if c.hidden_act != "silu":
+        _unsupported("hidden_act", c.hidden_act, "an activation other than SwiGLU's silu")
+    if getattr(c, "pretraining_tp", 1) != 1:
+        _unsupported("pretraining_tp", c.pretraining_tp, "split-and-sum linears")
+    if c.num_key_value_heads != c.num_attention_heads:
+        _unsupported("num_key_value_heads", c.num_key_value_heads, "latent attention with grouped key/value heads")
+    if not c.n_shared_experts:
+        _unsupported("n_shared_experts", c.n_shared_experts, "DeepSeek's MoE without a shared expert")
+    return ModelConfig(**ModelConfig.fields_of(c.to_dict()))
+
+
 def config_from_hf(c) -> ModelConfig:
     kind = getattr(c, "model_type", None)
+    if kind == "deepseek_v3":
+        return _deepseek_config(c)
     if kind == "llama":
         return _llama_config(c)
     if kind == "mixtral":
@@ -114,7 +139,7 @@ def config_from_hf(c) -> ModelConfig:
     if kind == "bert":
         return _bert_config(c)
     raise GridError(f"Hugging Face model_type {kind!r}: gridweave reads 'llama', 'mixtral', 'qwen2_moe', 'qwen3_moe', "
-                    "'gpt2' and 'bert'")
+                    "'deepseek_v3', 'gpt2' and 'bert'")
 
 
 # One name table per family, read both ways: our name -> transformers' name(s). A layer
@@ -156,6 +181,18 @@ _SHARED_LAYER = {f"moe.shared_expert.{p}.weight": [f"mlp.shared_expert.{p}.weigh
     {"moe.shared_expert_gate.weight": ["mlp.shared_expert_gate.weight"]}
 _QWEN_ATTENTION = {"qkv.bias": ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]}
 _QK_NORMS = {"q_norm": ["self_attn.q_norm.weight"], "k_norm": ["self_attn.k_norm.weight"]}
+# transformers' DeepseekV3Attention (latent attention) and DeepseekV3MoE (shared experts unGated, the
+# router's balancing bias a buffer)
+_MLA = {"mla.kv_down.weight": ["self_attn.kv_a_proj_with_mqa.weight"],
+        "mla.kv_norm.weight": ["self_attn.kv_a_layernorm.weight"], "mla.kv_up.weight": ["self_attn.kv_b_proj.weight"],
+        "mla.proj.weight": ["self_attn.o_proj.weight"]}
+_MLA_Q = {None: {"mla.q.weight": ["self_attn.q_proj.weight"]},
+          "latent": {"mla.q_down.weight": ["self_attn.q_a_proj.weight"],
+                     "mla.q_norm.weight": ["self_attn.q_a_layernorm.weight"],
+                     "mla.q_up.weight": ["self_attn.q_b_proj.weight"]}}
+_DEEPSEEK_MOE = {**_MOE_LAYER, "moe.expert_bias": ["mlp.gate.e_score_correction_bias"],
+                 **{f"moe.shared_expert.{p}.weight": [f"mlp.shared_experts.{p}.weight"]
+                    for p in ("gate_proj", "up_proj", "down_proj")}}
 _LAYER_PREFIX = {"llama": "model.layers.{}.", "gpt": "transformer.h.{}.", "bert": "bert.encoder.layer.{}."}
 _SEGMENTS = "bert.embeddings.token_type_embeddings.weight"
 
@@ -165,9 +202,22 @@ def hf_kind(cfg: ModelConfig) -> str:
     renormalised top-k and nothing else; Qwen3-MoE with per-head q/k norms; Qwen2-MoE with q/k/v
     biases, a gated shared expert or top-k weights as the softmax gave them; else the family's.
     A model none of them holds is a GridError."""
+    if cfg.mla is not None:
+        m = cfg.moe
+        deepseek = m is not None and m.scoring is Scoring.SIGMOID and m.expert_bias and m.shared_ffn and \
+            not m.shared_gate and m.shared_ffn % m.ffn == 0 and m.capacity_factor is None and \
+            cfg.dense_layers == tuple(range(len(cfg.dense_layers))) and not cfg.tie
+        if not deepseek:
+            raise GridError("transformers' latent-attention model is DeepSeek-V3's: sigmoid routing with the "
+                            "balancing bias, ungated shared experts (a multiple of the experts' width), no capacity, "
+                            f"the dense layers first, untied: {cfg} has no Hugging Face form")
+        return "deepseek_v3"
     if cfg.moe is None and not (cfg.qkv_bias or cfg.qk_norm):
         return {"llama": "llama", "gpt": "gpt2", "bert": "bert"}[cfg.family]
     m = cfg.moe
+    if m is not None and (m.scoring is not Scoring.SOFTMAX or m.scale != 1 or m.groups > 1 or m.expert_bias
+                          or cfg.dense_layers):
+        raise GridError(f"Mixtral and Qwen-MoE route by softmax, every layer sparse: {cfg} has no Hugging Face form")
     if m is None or m.capacity_factor is not None or (m.shared_ffn and not m.shared_gate):
         raise GridError(f"transformers' mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) have no capacity "
                         f"limit and gate any shared expert; dense Qwen layers are not read here: {cfg} has no Hugging "
@@ -182,8 +232,14 @@ def hf_kind(cfg: ModelConfig) -> str:
     return "mixtral"
 
 
-def _layer_names(cfg: ModelConfig) -> dict:
-    """Our layer tensor names -> transformers' (the MLP's a mixture of experts' where it is one)."""
+def _layer_names(cfg: ModelConfig, i: int) -> dict:
+    """Layer i's tensor names -> transformers' (the MLP's a mixture of experts' where it is one)."""
+    if cfg.mla is not None:
+        hf_kind(cfg)
+        attention = {**_LAYER["llama"], **_MLA, **_MLA_Q[None if cfg.mla.q_rank is None else "latent"]}
+        names = {k: v for k, v in attention.items() if not k.startswith(("qkv", "proj"))}
+        return names if i in cfg.dense_layers else \
+            {**{k: v for k, v in names.items() if not k.startswith("fc")}, **_DEEPSEEK_MOE}
     if cfg.moe is None:
         hf_kind(cfg)  # a dense model with Qwen's attention options has no form here: one clear error
         return _LAYER[cfg.family]
@@ -215,7 +271,7 @@ def _our_state(sd: dict, cfg: ModelConfig) -> dict:
     if _SEGMENTS in sd:  # every token of segment 0: its embedding is a constant added to each position's
         out["embed.pos.weight"] = out["embed.pos.weight"] + sd[_SEGMENTS][0]
     for i in range(cfg.layers):
-        for ours, theirs in _layer_names(cfg).items():
+        for ours, theirs in _layer_names(cfg, i).items():
             w = torch.cat([sd[prefix.format(i) + t] for t in theirs])
             out[f"layers.{i}.{ours}"] = w.t() if _conv1d(cfg, ours) else w
     return out
@@ -229,7 +285,9 @@ def _hf_state(ours: dict, cfg) -> dict:
         out[_SEGMENTS] = ours["embed.pos.weight"].new_zeros(2, cfg.hidden)
         out["cls.predictions.bias"] = ours["head.out.bias"]  # the decoder's, where untied they are two
     for i in range(cfg.layers):
-        for o, theirs in _layer_names(cfg).items():
+        for o, theirs in _layer_names(cfg, i).items():
+            if f"layers.{i}.{o}" not in ours:  # a buffer (the balancing bias) in a state of gradients; to_hf
+                continue  # checks that every tensor of the model is covered
             w = ours[f"layers.{i}.{o}"]
             w = w.t().contiguous() if _conv1d(cfg, o) else w
             parts = w.split(_row_widths(cfg, o)) if len(theirs) > 1 else [w]
@@ -270,6 +328,18 @@ def hf_config(cfg: ModelConfig, special: dict | None = None):
         raise GridError(f"special token ids must be bos/eos/pad_token_id within the vocabulary of {cfg.vocab}: {bad}")
     ids = {k: special.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     kind = hf_kind(cfg)
+    if kind == "deepseek_v3":
+        m, a = cfg.moe, cfg.mla
+        return tf.DeepseekV3Config(
+            **ids, vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn, moe_intermediate_size=m.ffn,
+            num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.heads,
+            n_shared_experts=m.shared_ffn // m.ffn, n_routed_experts=m.experts, routed_scaling_factor=m.scale,
+            kv_lora_rank=a.kv_rank, q_lora_rank=a.q_rank, qk_rope_head_dim=a.rope, v_head_dim=a.v,
+            qk_nope_head_dim=a.nope, n_group=m.groups, topk_group=m.topk_groups, num_experts_per_tok=m.top_k,
+            first_k_dense_replace=len(cfg.dense_layers), norm_topk_prob=m.normalize, hidden_act="silu",
+            max_position_embeddings=cfg.seq, rms_norm_eps=cfg.arch.eps, tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, rope_interleave=a.interleave,
+            attention_bias=False, attention_dropout=0.0)
     if cfg.moe is not None:
         m = cfg.moe
         common = dict(**ids, vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
@@ -314,7 +384,8 @@ def hf_config(cfg: ModelConfig, special: dict | None = None):
 # transformers' model class of each model_type hf_kind names
 _HF_CLASS = {"llama": lambda tf: tf.LlamaForCausalLM, "gpt2": lambda tf: tf.GPT2LMHeadModel,
              "bert": lambda tf: tf.BertForMaskedLM, "mixtral": lambda tf: tf.MixtralForCausalLM,
-             "qwen2_moe": lambda tf: tf.Qwen2MoeForCausalLM, "qwen3_moe": lambda tf: tf.Qwen3MoeForCausalLM}
+             "qwen2_moe": lambda tf: tf.Qwen2MoeForCausalLM, "qwen3_moe": lambda tf: tf.Qwen3MoeForCausalLM,
+             "deepseek_v3": lambda tf: tf.DeepseekV3ForCausalLM}
 
 
 def _hf_class(cfg: ModelConfig, tf):

@@ -35,6 +35,35 @@ class Activation(enum.Enum):
 
 
 @dataclass(frozen=True)
+class MLA:
+    """DeepSeek's multi-head latent attention (DeepSeek-V2 §2.1, V3 §2.1.1): queries through a
+    low-rank latent of q_rank (None: projected directly), keys and values through one shared
+    latent of kv_rank (each normalised); per head, keys and queries of nope dimensions without
+    positions and rope dimensions rotated (the keys' rope part one vector shared by the heads: the
+    decoupled RoPE), values of v dimensions. interleave: the rope dimensions paired as (0, 1),
+    (2, 3), ... (DeepSeek's checkpoints; transformers' rope_interleave) rather than halves. The
+    softmax scale is (nope + rope)^-1/2."""
+    kv_rank: int = 64
+    q_rank: int | None = None
+    nope: int = 16
+    rope: int = 8
+    v: int = 16
+    interleave: bool = True
+    eps: float = 1e-6  # the latents' RMSNorms (transformers' DeepseekV3RMSNorm default, whatever rms_norm_eps)
+
+    def __post_init__(self):
+        for name in ("kv_rank", "nope", "rope", "v") + (("q_rank",) if self.q_rank is not None else ()):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise GridError(f"MLA {name} must be a positive integer, got {v!r}")
+        if self.rope % 2:
+            raise GridError(f"MLA's rotary dimensions must be even, got rope={self.rope}")
+
+    def q_width(self, heads: int) -> int:
+        return heads * (self.nope + self.rope)
+
+
+@dataclass(frozen=True)
 class Arch:
     """What one decoder block computes. kv_heads None: as many as query heads (MHA);
     rope_theta None: no rotary positions (the model adds learned ones)."""
@@ -48,6 +77,7 @@ class Arch:
     moe: MoE | None = None  # the MLP a mixture of SwiGLU experts (Mixtral, Qwen-MoE)
     qkv_bias: bool = False  # biases on q, k and v alone (Qwen2's), whatever the other linears have
     qk_norm: bool = False  # an RMSNorm over each query and key head before the rotation (Qwen3's)
+    mla: MLA | None = None  # DeepSeek's multi-head latent attention in place of q, k, v
 
     def __post_init__(self):
         if not isinstance(self.norm, Norm) or not isinstance(self.activation, Activation):
@@ -62,6 +92,10 @@ class Arch:
                 raise GridError(f"linformer must be (K, L) positive integers, got {self.linformer!r}")
             if self.rope_theta is not None:
                 raise GridError("Linformer projects keys along the sequence: it has no rotary form here")
+        if self.mla is not None and (self.rope_theta is None or self.linformer is not None or self.qk_norm
+                                     or self.qkv_bias or self.kv_heads is not None):
+            raise GridError("multi-head latent attention is DeepSeek's (rotary, its own projections and norms): "
+                            "no Linformer, q/k norms, q/k/v biases or key/value head count with it")
         if self.moe is not None and (self.activation is not Activation.SWIGLU or self.post_norm):
             raise GridError("mixture-of-experts layers are Llama's (pre-norm, SwiGLU experts): use the llama family")
 
@@ -241,6 +275,70 @@ class DenseSelfAttention(nn.Module):
                                    lowrank=self.lowrank))
 
 
+def mla_attention(q, kv, k_rope, heads: int, mla: MLA, theta: float, causal: bool, positions=None,
+                  documents=None) -> torch.Tensor:
+    """Multi-head latent attention's core (DeepSeek-V2 eq. 12-19) on this rank's heads: q (b, s,
+    heads (nope + rope)) the queries, kv (b, s, heads (nope + v)) the keys' nope parts and the values
+    up-projected from the latent, k_rope (b, s, rope) the keys' shared rope part (unrotated); the
+    rope parts rotated at `positions` (packed documents: restarting at each) -> (b, s, heads v)."""
+    b, s = q.shape[:2]
+    q = q.reshape(b, s, heads, mla.nope + mla.rope).transpose(1, 2)
+    kv = kv.reshape(b, s, heads, mla.nope + mla.v).transpose(1, 2)
+    q_nope, q_rope = q.split([mla.nope, mla.rope], dim=-1)
+    k_nope, v = kv.split([mla.nope, mla.v], dim=-1)
+    k_rope = k_rope[:, None]  # one rotary key for every head (the decoupled RoPE)
+    if mla.interleave:  # pairs (0, 1), (2, 3), ... to halves: the same rotation in the rotate-half form
+        q_rope, k_rope = (torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1) for t in (q_rope, k_rope))
+    if documents is not None:
+        check_documents(documents, b, s)
+        positions = document_positions(documents) if positions is None else positions
+    pos = torch.arange(s, device=q.device) if positions is None else positions
+    cos, sin = rotary(pos, mla.rope, theta, q.dtype)
+    if pos.dim() == 2:  # per-row positions: broadcast over the heads
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    q_rope, k_rope = apply_rotary(q_rope, cos, sin), apply_rotary(k_rope, cos, sin)
+    q = torch.cat([q_nope, q_rope], dim=-1)
+    k = torch.cat([k_nope, k_rope.expand(-1, heads, -1, -1)], dim=-1)
+    mask = None
+    if documents is not None:
+        at = torch.arange(s, device=q.device)
+        mask = document_mask(documents, at, at, causal)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal and mask is None, attn_mask=mask)
+    return out.transpose(1, 2).reshape(b, s, heads * mla.v)
+
+
+class DenseMLA(nn.Module):
+    """Multi-head latent attention on one process, its tensors as transformers' DeepseekV3Attention
+    holds them: q (hidden -> heads (nope + rope)) or q_down, q_norm, q_up through the q latent;
+    kv_down (hidden -> kv_rank + rope: the latent and the shared rotary key), kv_norm, kv_up
+    (kv_rank -> heads (nope + v)); proj (heads v -> hidden)."""
+
+    def __init__(self, hidden: int, heads: int, mla: MLA, theta: float, causal: bool = True, dtype=None,
+                 device=None):
+        super().__init__()
+        kw = dict(bias=False, dtype=dtype, device=device)
+        self.heads, self.mla, self.theta, self.causal = heads, mla, theta, causal
+        if mla.q_rank is None:
+            self.q = nn.Linear(hidden, mla.q_width(heads), **kw)
+        else:
+            self.q_down = nn.Linear(hidden, mla.q_rank, **kw)
+            self.q_norm = nn.RMSNorm(mla.q_rank, eps=mla.eps, dtype=dtype, device=device)
+            self.q_up = nn.Linear(mla.q_rank, mla.q_width(heads), **kw)
+        self.kv_down = nn.Linear(hidden, mla.kv_rank + mla.rope, **kw)
+        self.kv_norm = nn.RMSNorm(mla.kv_rank, eps=mla.eps, dtype=dtype, device=device)
+        self.kv_up = nn.Linear(mla.kv_rank, heads * (mla.nope + mla.v), **kw)
+        self.proj = nn.Linear(heads * mla.v, hidden, **kw)
+
+    def queries(self, x):
+        return self.q(x) if self.mla.q_rank is None else self.q_up(self.q_norm(self.q_down(x)))
+
+    def forward(self, x, documents=None):
+        latent, k_rope = self.kv_down(x).split([self.mla.kv_rank, self.mla.rope], dim=-1)
+        out = mla_attention(self.queries(x), self.kv_up(self.kv_norm(latent)), k_rope, self.heads, self.mla,
+                            self.theta, self.causal, documents=documents)
+        return self.proj(out)
+
+
 class DenseMLP(nn.Module):
     """fc2(act(fc1(x))): the dense reference of MLP (fc1 packs [gate | up] for SwiGLU)."""
 
@@ -268,8 +366,11 @@ class DenseTransformerLayer(nn.Module):
         self.heads, self.causal, self.arch = heads, causal, arch
         self.kv_heads = arch.kv(heads)
         self.ln1 = arch.dense_norm(hidden, **kw)
-        self.qkv = nn.Linear(hidden, sum(arch.qkv_widths(hidden, heads)), bias=bias or arch.qkv_bias, **kw)
-        self.proj = nn.Linear(hidden, hidden, bias=bias, **kw)
+        if arch.mla is None:
+            self.qkv = nn.Linear(hidden, sum(arch.qkv_widths(hidden, heads)), bias=bias or arch.qkv_bias, **kw)
+            self.proj = nn.Linear(hidden, hidden, bias=bias, **kw)
+        else:
+            self.mla = DenseMLA(hidden, heads, arch.mla, arch.rope_theta, causal, **kw)
         self.lowrank = arch.make_lowrank(**kw)
         self.q_norm, self.k_norm = arch.make_qk_norms(hidden, heads, **kw)
         self.ln2 = arch.dense_norm(hidden, **kw)
@@ -289,6 +390,8 @@ class DenseTransformerLayer(nn.Module):
         return self.moe(h) if self.arch.moe is not None else self.fc2(self.arch.act(self.fc1(h)))
 
     def _attn(self, h, documents):
+        if self.arch.mla is not None:
+            return self.mla(h, documents)
         qkv = qk_normed(self.qkv(h), self.heads, self.kv_heads, self.q_norm, self.k_norm, self.arch.eps)
         return self.proj(attention(qkv, self.heads, self.causal, self.kv_heads, self.arch,
                                    documents=documents, lowrank=self.lowrank))

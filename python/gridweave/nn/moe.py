@@ -20,6 +20,7 @@ transformers' MixtralExperts holds them, gate_up (E, 2F, H) rows [gate | up] and
 """
 from __future__ import annotations
 
+import enum
 import itertools
 import math
 from dataclasses import dataclass
@@ -37,6 +38,12 @@ from ..layout import Layout, gather, scatter
 from ..sharding import DATA_AXES, group_order, place, placement_of, present_axes, values
 
 
+class Scoring(enum.Enum):
+    """How the router turns logits into expert scores."""
+    SOFTMAX = "softmax"  # Mixtral, Qwen-MoE: a distribution over the experts
+    SIGMOID = "sigmoid"  # DeepSeek-V3 (§2.1.2, eq. 15): each expert's affinity on its own
+
+
 @dataclass(frozen=True)
 class MoE:
     """What a sparse MLP computes. experts: routed experts; top_k: experts per token; ffn: each
@@ -46,7 +53,15 @@ class MoE:
     expert (Qwen2-MoE, DeepSeek; None: none), shared_gate: its output scaled by
     sigmoid(w . x) per token (Qwen2-MoE's shared_expert_gate); router_fp32: the softmax and
     the k weights in float32 whatever the activations' dtype (transformers' and Megatron's
-    routers; False: in theirs, float32 at least)."""
+    routers; False: in theirs, float32 at least).
+
+    DeepSeek-V3's router (§2.1.2): scoring SIGMOID; scale: the routed experts' weights times this
+    (routed_scaling_factor); groups, topk_groups: group-limited routing (a token's experts taken
+    from the topk_groups groups of experts whose two best scores sum highest: node-limited
+    routing when a group is a node's experts); expert_bias: a per-expert bias added to the scores
+    for the choice only (auxiliary-loss-free balancing), moved by bias_rate after each step
+    against the step's load (update_expert_bias); seq_aux_coef: the sequence-wise balance loss
+    (eq. 17-20)."""
     experts: int = 8
     top_k: int = 2
     ffn: int = 128
@@ -57,8 +72,20 @@ class MoE:
     shared_ffn: int | None = None
     shared_gate: bool = False
     router_fp32: bool = True
+    scoring: Scoring = Scoring.SOFTMAX
+    scale: float = 1.0
+    groups: int = 1
+    topk_groups: int = 1
+    expert_bias: bool = False
+    bias_rate: float = 0.0
+    seq_aux_coef: float = 0.0
 
     def __post_init__(self):
+        if not isinstance(self.scoring, Scoring):  # a checkpoint's or export's record: the value
+            try:
+                object.__setattr__(self, "scoring", Scoring(self.scoring))
+            except ValueError:
+                raise GridError(f"MoE scoring must be one of {[s.value for s in Scoring]}, got {self.scoring!r}") from None
         for name in ("experts", "top_k", "ffn"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -73,6 +100,31 @@ class MoE:
             raise GridError(f"MoE shared_ffn must be a positive integer or None, got {self.shared_ffn!r}")
         if self.shared_gate and self.shared_ffn is None:
             raise GridError("MoE shared_gate needs a shared expert (shared_ffn)")
+        for name in ("groups", "topk_groups"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise GridError(f"MoE {name} must be a positive integer, got {v!r}")
+        if self.experts % self.groups:
+            raise GridError(f"MoE: {self.experts} experts do not split into {self.groups} groups")
+        if self.topk_groups > self.groups:
+            raise GridError(f"MoE topk_groups {self.topk_groups} is above the group count {self.groups}")
+        if self.groups > 1 and self.experts // self.groups < 2:
+            raise GridError(f"group-limited routing scores a group by its two best experts: {self.groups} groups of "
+                            f"{self.experts} experts have {self.experts // self.groups} each")
+        if self.top_k > self.topk_groups * (self.experts // self.groups):
+            raise GridError(f"MoE top_k {self.top_k} is above the {self.topk_groups} group(s) x "
+                            f"{self.experts // self.groups} experts a token may choose from")
+        if not (isinstance(self.scale, (int, float)) and self.scale > 0):
+            raise GridError(f"MoE scale (the routed scaling factor) must be positive, got {self.scale!r}")
+        if not (self.bias_rate >= 0 and self.seq_aux_coef >= 0):
+            raise GridError(f"MoE bias_rate and seq_aux_coef must be >= 0, got {self.bias_rate!r}, "
+                            f"{self.seq_aux_coef!r}")
+        if self.bias_rate and not self.expert_bias:
+            raise GridError("MoE bias_rate moves the experts' bias: it needs expert_bias")
+
+    def record(self) -> dict:
+        """Its fields as a checkpoint index or an export records them (JSON: the scoring's value)."""
+        return {f: (v.value if isinstance(v, enum.Enum) else v) for f, v in self.__dict__.items()}
 
     def capacity(self, tokens: int) -> int | None:
         """Slots each expert keeps of `tokens` tokens' top-k (None: all, dropless)."""
@@ -105,21 +157,36 @@ class Routing:
         return self.known if self.known is not None else self.counts
 
 
-def _top_k(logits: torch.Tensor, moe: MoE) -> tuple:
-    """(probabilities, the top-k's as the softmax gives them (what a capacity ranks slots by),
-    their weights (renormalised if moe.normalize), their experts)."""
-    probs = torch.softmax(_router_dtype(logits, moe), dim=-1)
-    chosen, experts = torch.topk(probs, moe.top_k, dim=-1)
-    top = chosen / chosen.sum(dim=-1, keepdim=True) if moe.normalize else chosen
-    return probs, chosen, top, experts
+def _top_k(logits: torch.Tensor, moe: MoE, bias: torch.Tensor | None = None) -> tuple:
+    """(scores, the top-k's scores (what a capacity ranks slots by), their weights (renormalised
+    if moe.normalize, times moe.scale), their experts). bias: DeepSeek-V3's per-expert bias,
+    added to the scores for the choice only (eq. 16)."""
+    logits = _router_dtype(logits, moe)
+    probs = torch.sigmoid(logits) if moe.scoring is Scoring.SIGMOID else torch.softmax(logits, dim=-1)
+    choice = probs if bias is None else probs + bias.to(probs.dtype)
+    if moe.groups > 1:  # DeepSeek-V3's group-limited routing: the best topk_groups groups by their top-2 sums
+        per_group = choice.reshape(-1, moe.groups, moe.experts // moe.groups)
+        best = per_group.topk(2, dim=-1).values.sum(dim=-1).topk(moe.topk_groups, dim=-1).indices
+        allowed = torch.zeros_like(per_group[..., 0], dtype=torch.bool).scatter_(1, best, True)
+        choice = per_group.masked_fill(~allowed[..., None], -torch.inf).reshape(choice.shape)
+    if choice is probs:
+        chosen, experts = torch.topk(probs, moe.top_k, dim=-1)
+    else:
+        experts = torch.topk(choice, moe.top_k, dim=-1).indices
+        chosen = probs.gather(1, experts)
+    # DeepSeek-V3 renormalises sigmoid scores with transformers' 1e-20 (no zero sum of sigmoids)
+    top = chosen / (chosen.sum(dim=-1, keepdim=True) + (1e-20 if moe.scoring is Scoring.SIGMOID else 0)) \
+        if moe.normalize else chosen
+    return probs, chosen, top * moe.scale if moe.scale != 1 else top, experts
 
 
-def route(logits: torch.Tensor, moe: MoE, kept=None) -> Routing:
-    """Top-k of softmax(logits) per token (softmax in float32 or wider, as transformers' and
-    Megatron's routers), renormalised if moe.normalize; the slots sorted by expert, each expert
-    capped at moe.capacity. kept(probs, experts) -> (T k,) bool: which slots a capacity keeps
-    (default kept_slots: among these tokens)."""
-    probs, chosen, top, experts = _top_k(logits, moe)
+def route(logits: torch.Tensor, moe: MoE, kept=None, bias=None) -> Routing:
+    """Top-k of the scores of logits per token (softmax or sigmoid, in float32 or wider, as
+    transformers' and Megatron's routers; chosen with `bias` added, DeepSeek-V3's), renormalised
+    if moe.normalize; the slots sorted by expert, each expert capped at moe.capacity.
+    kept(probs, experts) -> (T k,) bool: which slots a capacity keeps (default kept_slots: among
+    these tokens)."""
+    probs, chosen, top, experts = _top_k(logits, moe, bias)
     flat = experts.reshape(-1)
     if moe.capacity_factor is None:
         order = torch.sort(flat, stable=True).indices
@@ -142,13 +209,13 @@ def planned_counts(slots: int, experts: int, imbalance: float) -> list:
     return [hot] + [q + (i < r) for i in range(experts - 1)]
 
 
-def planned_route(logits: torch.Tensor, moe: MoE, imbalance: float, ranks: int = 1) -> Routing:
+def planned_route(logits: torch.Tensor, moe: MoE, imbalance: float, ranks: int = 1, bias=None) -> Routing:
     """route() with the slots' experts fixed in advance (planned_counts, every rank alike) and
     their counts known as integers: the router's kernels as route runs them, then slots in
     expert order. ranks: the ranks whose tokens a capacity is counted over (each holds this many
     tokens and routes them alike)."""
     t, k = logits.shape[0], moe.top_k
-    probs, _, top, _ = _top_k(logits, moe)
+    probs, _, top, _ = _top_k(logits, moe, bias)
     counts = planned_counts(t * k, moe.experts, imbalance)
     dev = logits.device
     experts = torch.repeat_interleave(torch.arange(moe.experts, device=dev), torch.tensor(counts, device=dev),
@@ -311,6 +378,10 @@ class DenseMoE(nn.Module, split.Deferrable):
                              persistent=False)
         # the kept slots this module's tokens sent to each expert, summed until routed_tokens reads them
         self.register_buffer("routed", torch.zeros(moe.experts, dtype=torch.int64, device=device), persistent=False)
+        # DeepSeek-V3's balancing bias (transformers' e_score_correction_bias): float32 or wider, in checkpoints
+        wide = torch.promote_types(dtype or torch.get_default_dtype(), torch.float32)
+        self.register_buffer("expert_bias", torch.zeros(moe.experts, dtype=wide, device=device)
+                             if moe.expert_bias else None)
         self.aux_loss = None
         self.aux_grad_scale = 1.0
         self.planned_imbalance = None  # plan_routing's: route by planned_route with this imbalance
@@ -319,9 +390,9 @@ class DenseMoE(nn.Module, split.Deferrable):
         shape = x.shape
         x = x.reshape(-1, self.hidden)
         if self.planned_imbalance is None:
-            r = route(self.gate(x), self.moe, self._kept)
+            r = route(self.gate(x), self.moe, self._kept, self.expert_bias)
         else:
-            r = planned_route(self.gate(x), self.moe, self.planned_imbalance, self._token_ranks())
+            r = planned_route(self.gate(x), self.moe, self.planned_imbalance, self._token_ranks(), self.expert_bias)
             if self.moe.capacity_factor is not None:  # the ranking's gather (its kept slots are planned)
                 self._gather_slots(r.weights.detach(), r.experts)
         if self.training:  # a training step's routing (validation's forwards are not counted)
@@ -590,3 +661,17 @@ def routed_tokens(module: nn.Module, grid) -> torch.Tensor | None:
     for b in blocks:
         b.routed.zero_()
     return counts
+
+
+def update_expert_bias(module: nn.Module, counts: torch.Tensor | None) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing (§2.1.2): each block's expert bias moved by its
+    bias_rate toward an even load, b_i += rate * sign(mean load - load_i), from `counts`
+    (routed_tokens' (blocks, experts): the step's slots over the blocks' token axes, so every
+    grid moves it alike). On the device, unread."""
+    blocks = [m for m in module.modules() if isinstance(m, DenseMoE)]
+    if counts is None or not blocks:
+        return
+    for b, load in zip(blocks, counts):
+        if b.moe.bias_rate and b.expert_bias is not None:
+            load = load.to(b.expert_bias.dtype)
+            b.expert_bias += b.moe.bias_rate * torch.sign(load.mean() - load)

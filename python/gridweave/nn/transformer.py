@@ -300,6 +300,9 @@ class TransformerLayer(nn.Module):
         device = device or grid.device
         self.grid, self.hidden, self.heads, self.causal = grid, hidden, heads, causal
         self.ffn_hidden, self.overlap, self.bias = ffn_hidden, overlap, bias
+        if arch.mla is not None:
+            raise GridError("multi-head latent attention (DeepSeek's) runs in the dense model (gw.models.build) "
+                            "only: its tensor- and sequence-parallel forms are not built yet")
         if arch.linformer is not None:
             self.mode.check_attention(SeqAttention.LINFORMER)  # SUPER's branches have no Linformer
         self.ln1, self.ln2 = (self.mode.norm(hidden, grid, dtype, device, arch.eps, arch.norm) for _ in range(2))
