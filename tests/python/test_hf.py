@@ -125,24 +125,32 @@ def _qwen_moe(kind, **kw):
         hf = hf.double().eval()
     with torch.no_grad():  # routers away from their near-uniform start; biases and norms away from 0 and 1
         for layer in hf.model.layers:
-            layer.mlp.gate.weight.normal_(0, 0.5)
+            if hasattr(layer.mlp, "gate"):  # a sparse layer's router
+                layer.mlp.gate.weight.normal_(0, 0.5)
             for name, p in layer.self_attn.named_parameters():
                 if name.endswith("bias") or "norm" in name:
                     p.add_(0.3 * torch.randn_like(p))
     return hf
 
 
-@pytest.mark.parametrize("kind,coef", [("qwen2_moe", 0.0), ("qwen2_moe", 0.02), ("qwen3_moe", 0.0),
-                                       ("qwen3_moe", 0.02)])
-def test_qwen_moe_from_hf_equals_transformers(kind, coef):
+@pytest.mark.parametrize("kind,coef,layout", [("qwen2_moe", 0.0, {}), ("qwen2_moe", 0.02, {}), ("qwen3_moe", 0.0, {}),
+                                              ("qwen3_moe", 0.02, {}), ("qwen2_moe", 0.02, {"decoder_sparse_step": 2}),
+                                              ("qwen3_moe", 0.0, {"mlp_only_layers": [1]})])
+def test_qwen_moe_from_hf_equals_transformers(kind, coef, layout):
     """Qwen2-MoE and Qwen3-MoE: logits, loss and every gradient (q/k/v biases, the shared expert
-    and its gate, the per-head q/k norms included), with and without the load-balancing loss."""
+    and its gate, the per-head q/k norms included), with and without the load-balancing loss;
+    with dense layers among the sparse ones (decoder_sparse_step 2: the first; mlp_only_layers)."""
     import gridweave as gw
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-    hf = _qwen_moe(kind, router_aux_loss_coef=coef)
+    hf = _qwen_moe(kind, router_aux_loss_coef=coef, **layout)
     ours = gw.models.from_hf(hf)
     c = ours.config
+    assert c.dense_layers == ((0,) if "decoder_sparse_step" in layout else tuple(layout.get("mlp_only_layers", ())))
+    assert [hasattr(layer, "moe") for layer in ours.layers] == [i not in c.dense_layers for i in range(2)]
+    if layout:  # the export is Qwen's, with its dense layers
+        back = gw.models.from_hf(gw.hf.to_hf(ours))
+        assert back.config == c and all(torch.equal(v, back.state_dict()[k]) for k, v in ours.state_dict().items())
     if kind == "qwen2_moe":
         assert c.qkv_bias and not c.qk_norm
         assert c.moe == gw.nn.MoE(experts=4, top_k=2, ffn=24, normalize=False, aux_coef=coef, shared_ffn=20,

@@ -208,6 +208,9 @@ class ModelConfig:
         for key in ("mla", "dense_layers"):  # gridweave's own record
             if d.get(key) and key not in out:
                 out[key] = d[key]
+        step, only = d.get("decoder_sparse_step") or 1, d.get("mlp_only_layers") or ()
+        if out.get("moe") is not None and (step > 1 or only):  # Qwen's dense layers among the sparse ones
+            out["dense_layers"] = tuple(i for i in range(out["layers"]) if i in only or (i + 1) % step)
         if d.get("qkv_bias"):  # Qwen2-MoE's biases on q, k and v
             out["qkv_bias"] = True
         if d.get("qk_norm") or d.get("model_type") == "qwen3_moe":  # Qwen3's per-head norms

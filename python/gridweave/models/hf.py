@@ -91,11 +91,8 @@ def _mixtral_config(c) -> ModelConfig:
 
 def _qwen_moe_config(c) -> ModelConfig:
     """Qwen2-MoE's (q/k/v biases, a gated shared expert) and Qwen3-MoE's (per-head q/k norms):
-    every layer sparse, no sliding window."""
-    if getattr(c, "decoder_sparse_step", 1) != 1:
-        _unsupported("decoder_sparse_step", c.decoder_sparse_step, "dense layers between the sparse ones")
-    if getattr(c, "mlp_only_layers", None):
-        _unsupported("mlp_only_layers", c.mlp_only_layers, "dense layers among the sparse ones")
+    dense layers where mlp_only_layers names them or decoder_sparse_step skips them, no sliding
+    window."""
     if getattr(c, "use_sliding_window", False):
         _unsupported("use_sliding_window", True, "sliding-window attention")
     c = c.__class__.from_dict({**c.to_dict(), "sliding_window": None})  # unused unless use_sliding_window
@@ -215,9 +212,8 @@ def hf_kind(cfg: ModelConfig) -> str:
     if cfg.moe is None and not (cfg.qkv_bias or cfg.qk_norm):
         return {"llama": "llama", "gpt": "gpt2", "bert": "bert"}[cfg.family]
     m = cfg.moe
-    if m is not None and (m.scoring is not Scoring.SOFTMAX or m.scale != 1 or m.groups > 1 or m.expert_bias
-                          or cfg.dense_layers):
-        raise GridError(f"Mixtral and Qwen-MoE route by softmax, every layer sparse: {cfg} has no Hugging Face form")
+    if m is not None and (m.scoring is not Scoring.SOFTMAX or m.scale != 1 or m.groups > 1 or m.expert_bias):
+        raise GridError(f"Mixtral and Qwen-MoE route by softmax: {cfg} has no Hugging Face form")
     if m is None or m.capacity_factor is not None or (m.shared_ffn and not m.shared_gate):
         raise GridError(f"transformers' mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) have no capacity "
                         f"limit and gate any shared expert; dense Qwen layers are not read here: {cfg} has no Hugging "
@@ -227,8 +223,8 @@ def hf_kind(cfg: ModelConfig) -> str:
             raise GridError("Qwen3-MoE has no q/k/v biases and no shared expert: a model with qk_norm and those has "
                             "no Hugging Face form")
         return "qwen3_moe"
-    if cfg.qkv_bias or m.shared_ffn or not m.normalize:
-        return "qwen2_moe"
+    if cfg.qkv_bias or m.shared_ffn or not m.normalize or cfg.dense_layers:
+        return "qwen2_moe"  # (Mixtral's layers are all sparse)
     return "mixtral"
 
 
@@ -243,8 +239,10 @@ def _layer_names(cfg: ModelConfig, i: int) -> dict:
     if cfg.moe is None:
         hf_kind(cfg)  # a dense model with Qwen's attention options has no form here: one clear error
         return _LAYER[cfg.family]
-    names = {**{k: v for k, v in _LAYER["llama"].items() if not k.startswith("fc")}, **_MOE_LAYER}
-    if cfg.moe.shared_ffn:
+    dense = i in cfg.dense_layers  # Qwen's dense layers: Llama's MLP names
+    names = {**{k: v for k, v in _LAYER["llama"].items() if dense or not k.startswith("fc")},
+             **({} if dense else _MOE_LAYER)}
+    if cfg.moe.shared_ffn and not dense:
         names.update(_SHARED_LAYER)
     if cfg.qkv_bias:
         names.update(_QWEN_ATTENTION)
@@ -351,7 +349,7 @@ def hf_config(cfg: ModelConfig, special: dict | None = None):
             return tf.MixtralConfig(**common, intermediate_size=m.ffn, num_local_experts=m.experts,
                                     router_jitter_noise=0.0, sliding_window=None)
         qwen = dict(common, intermediate_size=cfg.ffn, moe_intermediate_size=m.ffn, norm_topk_prob=m.normalize,
-                    decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
+                    decoder_sparse_step=1, mlp_only_layers=list(cfg.dense_layers), use_sliding_window=False,
                     head_dim=cfg.hidden // cfg.heads)
         if kind == "qwen3_moe":
             return tf.Qwen3MoeConfig(**qwen, num_experts=m.experts, attention_bias=False)
