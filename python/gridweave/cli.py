@@ -169,8 +169,12 @@ def _plan_parser(sub):
     p.add_argument("--top-k", type=int, default=None, help="train's mixture-of-experts models: experts per token")
     p.add_argument("--moe-ffn", type=int, default=None,
                    help="train's mixture-of-experts models: each expert's hidden width")
-    p.add_argument("--expert-imbalance", type=float, default=1.0,
-                   help="a mixture of experts: the most loaded expert's tokens over the mean (1: balanced)")
+    p.add_argument("--expert-imbalance", type=float, default=None,
+                   help="a mixture of experts: the most loaded expert's tokens over the mean (default 1: balanced)")
+    p.add_argument("--from-run", default=None, metavar="OUT",
+                   help="a run folder: its model (as --model OUT) and the expert imbalance its steps measured "
+                        "(metrics.json's tokens per expert: the busiest expert over an even share, averaged over "
+                        "layers and steps) in place of --expert-imbalance")
     p.add_argument("--grid", default=None, metavar="SPEC",
                    help='evaluate this grid instead of ranking them all: "dp=32,pp=8,tp=row:8" (keys dp, pp, tp, sp, '
                         "zero, placement, schedule, chunks, ep); prints its breakdown")
@@ -197,6 +201,15 @@ def _plan(args) -> int:
     try:
         cluster = plan.load_cluster(args.cluster, args.gpus_per_node)
         sizes = dict(hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab)
+        imbalance = 1.0 if args.expert_imbalance is None else args.expert_imbalance
+        if args.from_run is not None:
+            if args.model is not None or args.expert_imbalance is not None:
+                raise GridError("--from-run sets the model and the expert imbalance: leave out --model and "
+                                "--expert-imbalance")
+            imbalance, steps, layers = runfolder.measured_imbalance(args.from_run)
+            args.model = args.from_run
+            print(f"gridweave plan: expert imbalance {imbalance:.3f}, as {args.from_run} measured it ({steps} steps x "
+                  f"{layers} layers)", file=sys.stderr)
         if args.model and args.model not in choices("model"):  # a config file or a run folder
             model = plan.model_from(args.model, args.batch, args.seq, **sizes)
         else:  # the main job's model, as `gridweave train` builds it from the same flags
@@ -205,7 +218,7 @@ def _plan(args) -> int:
             cfg = TrainConfig(model=args.model or TrainConfig.model, batch=args.batch, precision=args.precision,
                               **given)
             model = plan.model_of(cfg)
-        model = dataclasses.replace(model, expert_imbalance=args.expert_imbalance)
+        model = dataclasses.replace(model, expert_imbalance=imbalance)
         if args.grid is not None:
             return _plan_grid(args, model, cluster)
         if args.gpus is None:

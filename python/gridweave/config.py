@@ -23,7 +23,7 @@ from .data import TOKEN_DTYPES
 from .errors import GridError
 from .models import ModelConfig
 from .modes import Mode, parse
-from .nn.moe import MoE, expert_line
+from .nn.moe import MoE, Scoring, expert_line
 from .nn.sequence import SeqAttention
 from .precision import PRECISIONS, Precision
 
@@ -161,6 +161,22 @@ class MoESection(Section):
     aux_coef: float = option(0.01, "the load-balancing loss's coefficient (Switch's 0.01, Mixtral)", at_least=0)
     z_coef: float = option(0.0, "the router z-loss's coefficient (ST-MoE's 0.001)", at_least=0)
     shared_ffn: int = option(0, "an always-on shared expert of this width (Qwen-MoE, DeepSeek; 0: none)", at_least=0)
+    scoring: str = option(Scoring.SOFTMAX.value, "the router's scores: softmax over the experts (Mixtral, Qwen) or "
+                                                 "each expert's sigmoid (DeepSeek-V3)",
+                          choices=tuple(s.value for s in Scoring))
+    routed_scale: float = option(1.0, "the routed experts' weights times this (DeepSeek-V3's routed scaling factor)",
+                                 above=0)
+    expert_groups: int = option(1, "group-limited routing: the experts in this many groups (DeepSeek-V3's n_group; "
+                                   "a node's experts, node-limited)", at_least=1)
+    topk_groups: int = option(1, "group-limited routing: a token's experts from the groups whose two best scores sum "
+                                 "highest, this many (DeepSeek-V3's topk_group)", at_least=1)
+    bias_rate: float = option(0.0, "auxiliary-loss-free balancing (DeepSeek-V3): each expert's bias, added to the "
+                                   "scores for the choice only, moved this much a step toward an even load (0: no "
+                                   "bias; DeepSeek-V3's 0.001)", at_least=0)
+    seq_aux_coef: float = option(0.0, "DeepSeek-V3's sequence-wise balance loss's coefficient (its 0.0001)",
+                                 at_least=0)
+    dense_first: int = option(0, "the first K layers' MLPs dense, ffn_hidden wide (DeepSeek-V3's "
+                                 "first_k_dense_replace)", at_least=0)
 
 
 @dataclass
@@ -497,8 +513,14 @@ class TrainConfig(LoggingSection, CheckpointSection, DataSection, OptimizerSecti
         shared = self.shared_ffn or (4 * ffn if qwen2 else None)
         moe = MoE(experts=self.experts, top_k=self.top_k, ffn=ffn, normalize=not qwen2,
                   capacity_factor=self.capacity_factor or None, aux_coef=self.aux_coef, z_coef=self.z_coef,
-                  shared_ffn=shared, shared_gate=qwen2)
-        return dataclasses.replace(cfg, moe=moe, qkv_bias=qwen2, qk_norm=self.model == "qwen3-moe")
+                  shared_ffn=shared, shared_gate=qwen2, scoring=Scoring(self.scoring), scale=self.routed_scale,
+                  groups=self.expert_groups, topk_groups=self.topk_groups, expert_bias=bool(self.bias_rate),
+                  bias_rate=self.bias_rate, seq_aux_coef=self.seq_aux_coef)
+        if self.dense_first >= self.layers:
+            raise GridError(f"dense_first={self.dense_first}: a mixture-of-experts model keeps at least one sparse "
+                            f"layer of its {self.layers}")
+        return dataclasses.replace(cfg, moe=moe, qkv_bias=qwen2, qk_norm=self.model == "qwen3-moe",
+                                   dense_layers=tuple(range(self.dense_first)))
 
     def expert_axis(self, grid):
         """The line part of the data axes (dp x sp, sp fastest) that model mixtral's experts split

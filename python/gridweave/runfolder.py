@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from . import checkpoint
+from .errors import GridError
 from .models.hf import SOURCE_FILES
 
 HF_SOURCE = "hf"  # OUT/hf: the Hugging Face files a run started from (SOURCE_FILES), which export writes back
@@ -148,3 +149,26 @@ def plot_experts(metrics, png) -> None:
     fig.tight_layout()
     fig.savefig(png, dpi=90)
     plt.close(fig)
+
+
+def load_imbalance(steps: list) -> float:
+    """The busiest expert's slots over an even share (the planner's expert imbalance), averaged
+    over the layers and steps of tokens_per_expert ([step][layer][expert]); a layer that routed
+    nothing in a step is left out."""
+    ratios = [max(layer) * len(layer) / sum(layer) for step in steps for layer in step if sum(layer)]
+    if not ratios:
+        raise GridError("no routed slots to measure an expert imbalance from")
+    return sum(ratios) / len(ratios)
+
+
+def measured_imbalance(run) -> tuple:
+    """(expert imbalance, steps, layers) a run folder's metrics.json measured (load_imbalance of
+    its tokens per expert): what `gridweave plan --from-run` plans the straggler cost of."""
+    path = Path(run) / "metrics.json"
+    try:
+        steps = json.loads(path.read_text()).get("tokens_per_expert")
+    except (OSError, ValueError) as e:
+        raise GridError(f"--from-run {run}: cannot read {path} ({e}): a finished run's folder") from None
+    if not steps:
+        raise GridError(f"--from-run {run}: {path} holds no tokens per expert (not a mixture-of-experts run)")
+    return load_imbalance(steps), len(steps), len(steps[0])

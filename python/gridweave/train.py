@@ -36,7 +36,7 @@ from .autogrid import chosen_grid
 from .grid import Grid, init, rendezvous_store, shutdown
 from .measure import HostReads, StepPhases, StragglerDetector, gemm_rate, probe_size, timed
 from .models import ModelConfig
-from .nn.moe import routed_tokens, set_aux_grad_scale
+from .nn.moe import routed_tokens, set_aux_grad_scale, update_expert_bias
 from .precision import LossScaler, Precision
 from .sharding import first_copy
 
@@ -68,12 +68,22 @@ def save_checkpoint(out: Path, step, cfg, grid, stage, opt, losses, reader=None,
                        f"{'this rank' if not finite else 'another rank'} holds non-finite parameters or optimizer "
                        "state (the previous checkpoint is untouched)")
     extra = {"optimizer_step": opt.step_count, "config": cfg.run_config(model_cfg), "losses": losses,
+             "biases": _biases(stage, grid),
              "val": val or [], "reader": reader.state_dict() if reader else None,
              "loss_scaler": scaler.state_dict() if scaler is not None else None,
              "layout": "KIND/NAME: the dense model's names (models.GPT / Llama); KIND param or OffloadAdam's "
                        "master, exp_avg, exp_avg_sq; each chunk a block of the stored tensor (transposed and "
                        "row order as recorded)"}
     return checkpoint.save(out / "checkpoint", step, stage.sharded_items(), grid, tensors_of, extra, wait=wait)
+
+
+def _biases(stage, grid) -> dict:
+    """Every stage's balancing biases (DeepSeek-V3's) by dense name, as JSON numbers (a float32
+    prints exactly; collective over pp): the index keeps them, being replicated and small."""
+    mine = {name: b.tolist() for name, b in stage.balancing_biases()}
+    if grid.axes.get("pp", 1) == 1:
+        return mine
+    return {k: v for part in grid.all_gather_json(mine, "pp") for k, v in part.items()}
 
 
 def load_checkpoint(path: Path):
@@ -89,6 +99,7 @@ def load_model(run_dir, dtype=torch.float32, device="cpu"):
     cfg = ModelConfig.from_dict(index["config"]["model"])
     model = models.build(cfg, dtype=dtype, device=device)
     state = checkpoint.export_dense(run_dir / "checkpoint")
+    state.update({name: torch.tensor(v, device=device) for name, v in index.get("biases", {}).items()})
     if cfg.tie:
         state.pop("head.out.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -512,6 +523,10 @@ class Checkpointer:
                  "params": list(range(len(opt.params)))}
         opt.load_state_dict({"state": state, "param_groups": [group]})
         opt.weight_decay = cfg.weight_decay
+        with torch.no_grad():
+            for name, b in self.stage.balancing_biases():
+                if name in manifest.get("biases", {}):  # (a checkpoint without: its model had none)
+                    b.copy_(torch.tensor(manifest["biases"][name], dtype=b.dtype, device=b.device))
         if manifest.get("reader"):
             self.reader.load_state_dict(manifest["reader"])
         if self.scaler is not None and manifest.get("loss_scaler"):
@@ -802,7 +817,9 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
             x, y, docs = reader.next_packed(tokens.documents) if cfg.pack_documents else (*reader.next(), None)
         with census if census is not None else contextlib.nullcontext():
             loss, taken = train_step(cfg, grid, stage, opt, scaler, x, y, docs, phases)
-            read = read_step(loss, taken, opt, scaler, routed_tokens(stage, grid))
+            experts = routed_tokens(stage, grid)
+            update_expert_bias(stage, experts)  # DeepSeek-V3's balancing, from the step's load over the token axes
+            read = read_step(loss, taken, opt, scaler, experts)
         history.losses.append(read.loss)
         guard.check(step, read, checkpoints)
         meter.record(time.perf_counter() - t0, opt.lr, read.norm)

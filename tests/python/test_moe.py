@@ -237,7 +237,13 @@ def test_all_to_all_v_delivers_every_row_and_counts_its_bytes(pool, n):
         assert errors and "send counts add up to" in errors[0]
 
 
-def _expert_parallel(ctx, shape, ep_spec, token_axes, capacity, tp=None, sequence=False):
+# DeepSeek-V3's router (sigmoid scores, the balancing bias in the choice, 4 groups of which a
+# token's experts come from 2, the routed scale) with its sequence-wise balance loss
+DEEPSEEK = dict(scoring="sigmoid", expert_bias=True, groups=4, topk_groups=2, scale=2.5, seq_aux_coef=0.03,
+                aux_coef=0.0)
+
+
+def _expert_parallel(ctx, shape, ep_spec, token_axes, capacity, tp=None, sequence=False, routing=None):
     """The expert-parallel block on this grid against DenseMoE on the whole batch (float64):
     every rank's output rows, its input gradient, the router's and its experts' gradients
     (summed over the ranks that hold them), the auxiliary loss and the tokens per expert.
@@ -252,12 +258,14 @@ def _expert_parallel(ctx, shape, ep_spec, token_axes, capacity, tp=None, sequenc
         shape = dict(shape, tp=dataclasses.replace(gw.modes.parse(tp), sequence=sequence))
     grid = ctx.init(**shape)
     ep = LinePart(tuple(ep_spec[0]), Span.WITHIN, ep_spec[1]) if isinstance(ep_spec, list) else ep_spec
-    moe = MoE(experts=8, top_k=2, ffn=8, aux_coef=0.05, z_coef=0.01, router_fp32=False, shared_ffn=5,
-              capacity_factor=capacity)
+    moe = MoE(**{**dict(experts=8, top_k=2, ffn=8, aux_coef=0.05, z_coef=0.01, router_fp32=False, shared_ffn=5,
+                        capacity_factor=capacity), **(routing or {})})
     torch.manual_seed(0)
     dense = DenseMoE(12, moe, dtype=torch.float64, device="cpu")
     with torch.no_grad():
         dense.gate.weight.normal_(0, 1.0)
+        if dense.expert_bias is not None:
+            dense.expert_bias.normal_(0, 0.3)
     shards = grid.size(token_axes)
     x = torch.randn(shards, 2, 6, 12, dtype=torch.float64, device="cpu")  # (shard, batch, seq, hidden)
     w = torch.randn(x.shape, dtype=torch.float64, device="cpu")
@@ -312,6 +320,52 @@ def test_expert_parallel_block_equals_one_process(pool, shape, ep, token_axes, c
     for errs, aux, counts, whole in pool.run(_expert_parallel, 4, shape, ep, token_axes, capacity):
         assert max(errs.values()) < 1e-10, errs
         assert aux < 1e-12 and counts and whole
+
+
+@pytest.mark.parametrize("shape,ep,token_axes,tp", [
+    (dict(dp=2, sp=2), ("dp", "sp"), ("dp", "sp"), None),  # a sequence's tokens over sp: its loss summed there
+    (dict(dp=4), [("dp",), 2], ("dp",), None),
+    (dict(dp=2), "dp", ("dp",), "row:2"),
+])
+def test_deepseek_routing_on_expert_grids_equals_one_process(pool, shape, ep, token_axes, tp):
+    """DeepSeek-V3's router and sequence-wise loss on expert-parallel grids (float64): the same
+    outputs, gradients (the router's through the loss too), loss and loads as DenseMoE."""
+    for errs, aux, counts, whole in pool.run(_expert_parallel, 4, shape, ep, token_axes, None, tp, False, DEEPSEEK):
+        assert max(errs.values()) < 1e-10, errs
+        assert aux < 1e-12 and counts and whole
+
+
+def test_the_sequence_wise_balance_loss_is_deepseek_v3s_formula():
+    """DeepSeek-V3 eq. 17-20, written out per sequence: f_i = E / (k T) x the tokens choosing i,
+    P_i = the mean over the sequence of the scores normalised over the experts; averaged over the
+    sequences; its gradient reaches the router through the block's output."""
+    from gridweave.nn.moe import DenseMoE
+
+    moe = MoE(experts=6, top_k=2, ffn=4, router_fp32=False, **{**DEEPSEEK, "groups": 3, "topk_groups": 2})
+    torch.manual_seed(1)
+    block = DenseMoE(8, moe, dtype=torch.float64, device="cpu")
+    with torch.no_grad():
+        block.gate.weight.normal_(0, 1.0)
+        block.expert_bias.normal_(0, 0.3)
+    x = torch.randn(3, 5, 8, dtype=torch.float64, device="cpu")
+    block(x)
+    want = 0.0
+    for seq in x:  # one sequence at a time, as the paper writes it
+        s = torch.sigmoid(seq @ block.gate.weight.T)
+        choice = (s + block.expert_bias).reshape(5, 3, 2)
+        groups = choice.topk(2, dim=-1).values.sum(-1).topk(2, dim=-1).indices
+        masked = torch.full_like(choice, -torch.inf)
+        for t in range(5):
+            masked[t, groups[t]] = choice[t, groups[t]]
+        top = masked.reshape(5, 6).topk(2, dim=-1).indices
+        f = torch.zeros(6, dtype=torch.float64).index_add_(0, top.reshape(-1), torch.ones(10, dtype=torch.float64))
+        f = f * 6 / (2 * 5)
+        p = (s / s.sum(-1, keepdim=True)).mean(0)
+        want += float((f * p).sum()) / 3
+    assert abs(float(block.aux_loss) - 0.03 * want) < 1e-12, (float(block.aux_loss), 0.03 * want)
+    out = block(x.requires_grad_(True))
+    out.sum().backward()
+    assert block.gate.weight.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("shape,ep,token_axes,capacity,tp,sequence", [
@@ -520,6 +574,35 @@ def test_the_planner_ranks_ep_with_the_other_axes_and_checks_it_as_train_does():
     for bad, match in ((dict(dp=4, ep=3), "ep=3 does not divide dp x sp"), (dict(dp=8, ep=8), "4 experts do not")):
         with pytest.raises(GridError, match=match):
             gw.plan.predict(model, gw.plan.GridShape(**bad), cluster)
+
+
+def test_plan_from_run_plans_the_imbalance_the_run_measured(tmp_path, capsys):
+    """gridweave plan --from-run OUT: the run's model and its measured loads (the busiest expert
+    over an even share, averaged over layers and steps, written out here) predict the step as
+    --expert-imbalance of that value does; a run without expert loads is one clear error."""
+    import json
+
+    import gridweave as gw
+    from gridweave import cli
+
+    cfg = gw.models.ModelConfig("llama", 256, 32, 4, 2, 16, kv_heads=2, moe=MoE(experts=4, top_k=2, ffn=16))
+    (tmp_path / "model_config.json").write_text(json.dumps(cfg.to_dict()))
+    steps = [[[10, 2, 2, 2], [4, 4, 4, 4]], [[6, 6, 2, 2], [0, 0, 0, 0]]]  # [step][layer][expert]
+    (tmp_path / "metrics.json").write_text(json.dumps({"tokens_per_expert": steps}))
+    measured = (10 * 4 / 16 + 1.0 + 6 * 4 / 16) / 3  # the silent layer left out
+    grid = ["--grid", "dp=4,ep=2", "--batch", "8", "--cluster", "a100-ib", "--json"]
+    assert cli.main(["plan", "--from-run", str(tmp_path), *grid]) == 0
+    out = capsys.readouterr()
+    assert f"expert imbalance {measured:.3f}" in out.err
+    assert cli.main(["plan", "--model", str(tmp_path), "--expert-imbalance", repr(measured), *grid]) == 0
+    assert capsys.readouterr().out == out.out
+    assert cli.main(["plan", "--model", str(tmp_path), *grid]) == 0  # balanced: faster
+    assert json.loads(capsys.readouterr().out)["step_time_s"] < json.loads(out.out)["step_time_s"]
+    (tmp_path / "metrics.json").write_text(json.dumps({"loss": [1.0]}))
+    assert cli.main(["plan", "--from-run", str(tmp_path), *grid]) == 2
+    assert "holds no tokens per expert" in capsys.readouterr().err
+    assert cli.main(["plan", "--from-run", str(tmp_path), "--model", "mixtral", *grid]) == 2
+    assert "leave out --model" in capsys.readouterr().err
 
 
 def test_init_from_a_mixtral_folder_sets_its_experts(tmp_path):

@@ -256,6 +256,34 @@ def test_qwen_moe_trains_on_composed_grids_with_one_process_losses(tmp_path, mod
     _one_host_read_a_step(out, dispatch=4 // pp * 2)  # the expert-parallel exchange's sizes, as Megatron-Core's
 
 
+# DeepSeek-V3's routing on the Mixtral-shaped model: sigmoid scores times the routed scale, the
+# experts in 2 groups of which a token's come from 1, the balancing bias moved after every step,
+# the first layer dense
+DEEPSEEK_ROUTING = ["--model", "mixtral", "--experts", "4", "--aux-coef", "0", "--scoring", "sigmoid",
+                    "--routed-scale", "2.0", "--expert-groups", "2", "--topk-groups", "1", "--bias-rate", "0.01",
+                    "--dense-first", "1"]
+
+
+def test_auxiliary_loss_free_balancing_moves_the_biases_alike_on_every_grid(tmp_path):
+    """DeepSeek-V3 §2.1.2: each step's load counted over the token axes moves every grid's biases
+    as one process's; they travel in checkpoints (saved on dp x pp x ep, resumed on row:2 x ep 4):
+    the losses and the last biases equal one process's."""
+    one, single = _train(tmp_path, "one", "--nproc", "1", *DEEPSEEK_ROUTING, port=29731)
+    _, first = _train(tmp_path, "first", "--nproc", "8", *DEEPSEEK_ROUTING, "--dp", "4", "--pp", "2", "--ep", "2",
+                      "--steps", "2", port=29733)
+    later, out = _train(tmp_path, "later", "--nproc", "8", *DEEPSEEK_ROUTING, "--tp", "row:2", "--dp", "4", "--pp",
+                        "1", "--ep", "4", "--resume", str(first), port=29735)
+    assert one[-1] < one[0] and _close(later, one, tol=1e-5), (later, one)
+    ref, ours = (gw.train.load_checkpoint(o)["biases"] for o in (single, out))
+    assert set(ref) == set(ours) == {f"layers.{i}.moe.expert_bias" for i in (1, 2, 3)}  # layer 0 dense
+    for name, b in ref.items():
+        assert 0 < max(abs(v) for v in b) <= 4 * 0.01 and all(round(v / 0.01) == round(w / 0.01)
+                                                               for v, w in zip(b, ours[name])), (name, b, ours[name])
+    # the export carries them to transformers' layout of the model (the dense model's buffers)
+    model, _, _ = gw.train.load_model(out)
+    assert torch.equal(model.layers[1].moe.expert_bias, torch.tensor(ours["layers.1.moe.expert_bias"]))
+
+
 def test_mixtral_checkpoint_moves_from_expert_tensor_parallelism(mixtral_single, tmp_path):
     """Experts split over tp inside (gate_up's rows regrouped [gate | up] per tp block) and over
     ep 2 continue on dp 4 with ep 4 and no tensor parallelism."""

@@ -14,6 +14,7 @@ from ..errors import GridError
 from ..layout import Layout, gather, scatter
 from ..modes import parse, resolve
 from ..nn.dense import DenseTransformerLayer, values
+from ..nn.moe import balancing_biases
 from ..nn.sequence import SeqAttention, shard_positions
 from ..nn.tensor1d import ColumnParallelLinear, VocabParallelEmbedding
 from ..nn.transformer import TransformerLayer
@@ -302,6 +303,12 @@ class GPTStage(nn.Module):
             out += [(f"layers.{i}.{k}", p, dense_shape(p)) for k, p in layer.dense_named_parameters()]
         return out
 
+    def balancing_biases(self) -> list:
+        """(dense name, tensor) of this stage's balancing biases (DeepSeek-V3's, replicated): state
+        beside the parameters that checkpoints keep."""
+        return [(f"layers.{i}.{layer.dense_name(k)}", b) for i, layer in zip(self.first, self.layers)
+                for k, b in balancing_biases(layer)]
+
     def load_dense_state(self, state: dict):
         """Load this stage's tensors from dense ones (a local slicing: no communication)."""
         with torch.no_grad():
@@ -367,6 +374,9 @@ class ModelChunks(nn.Module):
 
     def sharded_items(self) -> list:
         return [item for c in self.chunks for item in c.sharded_items()]
+
+    def balancing_biases(self) -> list:
+        return [item for c in self.chunks for item in c.balancing_biases()]
 
     def shard_units(self) -> list:
         return [u for c in self.chunks for u in c.shard_units()]

@@ -403,7 +403,7 @@ class DenseMoE(nn.Module, split.Deferrable):
         if self.shared_expert is not None:
             s = self.shared_expert(x)
             out = out + (torch.sigmoid(self.shared_expert_gate(x)) * s if self.shared_expert_gate is not None else s)
-        out = self._attach_losses(out, r)
+        out = self._attach_losses(out, r, shape[0] if len(shape) == 3 else 1)
         return out.reshape(shape)
 
     _kept = None  # route's default: a capacity among this module's tokens
@@ -440,17 +440,38 @@ class DenseMoE(nn.Module, split.Deferrable):
             torch.tensor(r.chosen_known, device=r.probs.device)
         return chosen, r.probs.sum(dim=0), _lse_squared(r).sum(), r.probs.shape[0]
 
-    def _attach_losses(self, out, r: Routing):
+    def _sequence_statistics(self, r: Routing, batch: int) -> tuple:
+        """Per sequence of this module's `batch` (rows batch-major): (top-k counts per expert,
+        the scores normalised over the experts summed per expert (DeepSeek-V3 eq. 19), tokens,
+        sequences over which the loss is averaged)."""
+        t, e = r.probs.shape[0] // batch, self.moe.experts
+        seq = torch.arange(batch * t, device=r.experts.device).repeat_interleave(self.moe.top_k) // t
+        chosen = torch.bincount(seq * e + r.experts.reshape(-1), minlength=batch * e).reshape(batch, e)
+        normed = r.probs / r.probs.sum(dim=-1, keepdim=True)
+        return chosen.to(r.probs.dtype), normed.reshape(batch, t, e).sum(dim=1), t, batch
+
+    def _sequence_loss(self, r: Routing, batch: int) -> torch.Tensor:
+        """DeepSeek-V3's sequence-wise balance loss (eq. 17-20), averaged over the sequences:
+        sum_i f_i P_i, f_i = E / (k T) x the sequence's tokens choosing i, P_i the mean normalised
+        score of i over its T tokens."""
+        chosen, score_sum, t, sequences = self._sequence_statistics(r, batch)
+        e, k = self.moe.experts, self.moe.top_k
+        return ((e / (k * t)) * chosen * (score_sum / t)).sum() / sequences
+
+    def _attach_losses(self, out, r: Routing, batch: int = 1):
         m = self.moe
-        if not (m.aux_coef or m.z_coef):
+        if not (m.aux_coef or m.z_coef or m.seq_aux_coef):
             self.aux_loss = None
             return out
-        chosen, prob_sum, lse2, tokens = self._statistics(r)
-        aux = prob_sum.new_zeros(())
-        if m.aux_coef:
-            aux = aux + m.aux_coef * load_balancing_loss(chosen, prob_sum, tokens)
-        if m.z_coef:
-            aux = aux + m.z_coef * lse2 / tokens
+        aux = r.probs.new_zeros(())
+        if m.aux_coef or m.z_coef:
+            chosen, prob_sum, lse2, tokens = self._statistics(r)
+            if m.aux_coef:
+                aux = aux + m.aux_coef * load_balancing_loss(chosen, prob_sum, tokens)
+            if m.z_coef:
+                aux = aux + m.z_coef * lse2 / tokens
+        if m.seq_aux_coef:
+            aux = aux + m.seq_aux_coef * self._sequence_loss(r, batch)
         self.aux_loss = aux.detach()  # a tensor: reading it is the caller's host sync, not every step's
         return _AttachAux.apply(out, aux, self.aux_grad_scale) if torch.is_grad_enabled() else out
 
@@ -527,6 +548,8 @@ class ExpertParallelMoE(DenseMoE):
         """Copy a DenseMoE's tensors: the router and shared expert whole, this rank's block of the
         experts as their placements split them (over ep, and with tp over each expert's width)."""
         with torch.no_grad():
+            if self.expert_bias is not None:
+                self.expert_bias.copy_(dense.expert_bias)
             for name, p in self.named_parameters():
                 src = dense.get_parameter(name).detach()
                 if name in ("gate_up", "down"):
@@ -539,7 +562,7 @@ class ExpertParallelMoE(DenseMoE):
         """DenseMoE's tensors (grad=True: their gradients; see nn.dense.values): the experts
         gathered as their placements split them (collective over ep and tp)."""
         pick = values(grad)
-        out = {}
+        out = {} if grad or self.expert_bias is None else {"expert_bias": self.expert_bias.clone()}
         for name, p in self.named_parameters():
             v = pick(p).detach()
             if name not in ("gate_up", "down"):
@@ -609,6 +632,23 @@ class ExpertParallelMoE(DenseMoE):
                                      self.token_axes, dim=1)
         return every[0], every[1].long()
 
+    def _sequence_statistics(self, r: Routing, batch: int) -> tuple:
+        chosen, score_sum, t, sequences = super()._sequence_statistics(r, batch)
+        # a sequence's tokens over the sequence axes (counts summed; the sums' gradient each rank's own
+        # tokens': Megatron's g); the loss averaged over the sequences of every data rank
+        along = tuple(a for a in self.token_axes if a == "sp" and self.grid.size(a) > 1)
+        across = tuple(a for a in self.token_axes if a not in along)
+        if along:
+            self.grid.all_reduce(chosen, along)
+            score_sum = reduce_from_parallel(score_sum, self.grid, along)
+            t *= self.grid.size(along)
+        return chosen, score_sum, t, sequences * (self.grid.size(across) if across else 1)
+
+    def _sequence_loss(self, r: Routing, batch: int) -> torch.Tensor:
+        loss = super()._sequence_loss(r, batch)  # this rank's sequences' part of the mean
+        across = tuple(a for a in self.token_axes if not (a == "sp" and self.grid.size(a) > 1))
+        return reduce_from_parallel(loss, self.grid, across) if across else loss
+
     def _statistics(self, r: Routing) -> tuple:
         chosen, prob_sum, lse2, tokens = super()._statistics(r)
         if not self.token_axes:
@@ -661,6 +701,13 @@ def routed_tokens(module: nn.Module, grid) -> torch.Tensor | None:
     for b in blocks:
         b.routed.zero_()
     return counts
+
+
+def balancing_biases(module: nn.Module) -> list:
+    """(name within `module`, tensor) of its blocks' balancing biases (DeepSeek-V3's): state the
+    optimizer does not hold, which checkpoints keep."""
+    return [(f"{name}.expert_bias" if name else "expert_bias", m.expert_bias) for name, m in module.named_modules()
+            if isinstance(m, DenseMoE) and m.expert_bias is not None]
 
 
 def update_expert_bias(module: nn.Module, counts: torch.Tensor | None) -> None:

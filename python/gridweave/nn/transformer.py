@@ -376,14 +376,17 @@ class TransformerLayer(nn.Module):
                    "mlp.fc2.": "fc2.", "attn.lowrank": "lowrank", "attn.q_norm": "q_norm", "attn.k_norm": "k_norm",
                    "mlp.": "moe."}  # the last: a mixture of experts
 
+    def dense_name(self, name: str) -> str:
+        """DenseTransformerLayer's name of one of this layer's tensors."""
+        for ours, theirs in self.DENSE_NAMES.items():
+            if name.startswith(ours):
+                return theirs + name[len(ours):]
+        return name
+
     def dense_named_parameters(self):
         """(DenseTransformerLayer's name, this rank's parameter) pairs."""
         for name, p in self.named_parameters():
-            for ours, theirs in self.DENSE_NAMES.items():
-                if name.startswith(ours):
-                    name = theirs + name[len(ours):]
-                    break
-            yield name, p
+            yield self.dense_name(name), p
 
     def dense_state(self, grad=False):
         """Full tensors under DenseTransformerLayer's names (grad=True: their gradients)."""
