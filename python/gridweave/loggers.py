@@ -108,6 +108,22 @@ class RunLog:
             self._wandb.summary["restarts"] = self._wandb.summary.get("restarts", 0) + 1
         self._line({"step": step, "restart": record})
 
+    def loads(self, step: int, tag: str, counts: list) -> None:
+        """A mixture-of-experts layer's slots per expert at `step`: a histogram over the expert ids
+        (TensorBoard's, W&B's) and the counts themselves in the JSON log."""
+        n = len(counts)
+        edges = [e - 0.5 for e in range(n + 1)]
+        if self._tb is not None:
+            total = sum(counts)
+            self._tb.add_histogram_raw(tag, min=0, max=n - 1, num=total, sum=sum(e * c for e, c in enumerate(counts)),
+                                       sum_squares=sum(e * e * c for e, c in enumerate(counts)),
+                                       bucket_limits=edges[1:], bucket_counts=list(counts), global_step=step)
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({tag: wandb.Histogram(np_histogram=(list(counts), edges))}, step=step)
+        self._line({"step": step, tag: list(counts)})
+
     def _scalars(self, step: int, values: dict) -> dict:
         """`values` (None left out) as floats to TensorBoard's scalars and W&B at `step`."""
         values = {k: float(v) for k, v in values.items() if v is not None}

@@ -606,8 +606,10 @@ class Meter:
     """Per-step measurements (tokens/s, model-FLOPs utilisation, learning rate, gradient norm)
     and the progress bar on rank 0."""
 
-    def __init__(self, cfg: TrainConfig, grid, model_cfg: ModelConfig, start: int):
+    def __init__(self, cfg: TrainConfig, grid, model_cfg: ModelConfig, start: int, moe_layers: list = ()):
+        """moe_layers: the model's indices of this stage's mixture-of-experts layers, in order."""
         self.cfg = cfg
+        self.moe_layers = list(moe_layers)
         self.flops_token = model_flops_per_token(dataclasses.replace(model_cfg, seq=cfg.seq))  # the trained length
         peak, self.peak_source = peak_flops(grid, cfg.compute.name)
         total = torch.tensor([peak], dtype=torch.float64, device=grid.device)
@@ -669,6 +671,9 @@ class Meter:
                   "memory/max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0}
         if self.experts:  # the busiest expert over an even share, the most unbalanced layer's (this stage's)
             values["moe/max_load_over_mean"] = max(max(c) * len(c) / max(sum(c), 1) for c in self.experts[-1])
+            for layer, counts in zip(self.moe_layers, self.experts[-1]):  # and each layer's, with its histogram
+                values[f"moe/layer{layer}/max_load_over_mean"] = max(counts) * len(counts) / max(sum(counts), 1)
+                self.run_log.loads(step + 1, f"moe/layer{layer}/tokens_per_expert", counts)
         if phases is not None:
             values["perf/compute_s"], values["perf/wait_s"] = phases.split[-1]
         if grid.device.type == "cuda":
@@ -797,7 +802,7 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
     if grid.rank == 0:
         note_world(out, grid)
     validation = Validation(cfg, tokens, cfg.batch // grid.axes["dp"] // cfg.microbatches)
-    meter, guard = Meter(cfg, grid, model_cfg, history.start), DivergenceGuard(cfg, opt, scaler)
+    meter, guard = Meter(cfg, grid, model_cfg, history.start, stage.moe_layers()), DivergenceGuard(cfg, opt, scaler)
     if checkpoints.restarted is not None and meter.run_log is not None:  # the change of world in the logs too
         meter.run_log.restart(history.start, checkpoints.restarted)
     phases = StepPhases(grid.device) if cfg.phase_times or cfg.straggler_threshold else None

@@ -97,6 +97,23 @@ def test_a_change_of_world_reaches_tensorboard_and_the_json_log(tmp_path):
     assert lines[-1] == {"step": 4, "restart": record}
 
 
+def test_expert_loads_reach_tensorboard_as_histograms_and_the_json_log(tmp_path):
+    """A layer's slots per expert: TensorBoard's histogram over the expert ids (each bucket an
+    expert's count), the JSON log's counts."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = loggers.RunLog((loggers.Sink.TENSORBOARD, loggers.Sink.JSONL), tmp_path, 0, {}, "run")
+    log.loads(3, "moe/layer2/tokens_per_expert", [5, 0, 9, 2])
+    log.close()
+    ev = EventAccumulator(str(tmp_path / "logs" / "tensorboard"))
+    ev.Reload()
+    (h,) = ev.Histograms("moe/layer2/tokens_per_expert")
+    assert h.step == 3 and list(h.histogram_value.bucket) == [5, 0, 9, 2] and h.histogram_value.num == 16
+    assert list(h.histogram_value.bucket_limit) == [0.5, 1.5, 2.5, 3.5]
+    lines = [json.loads(x) for x in (tmp_path / "logs" / "log.jsonl").read_text().splitlines()]
+    assert lines[-1] == {"step": 3, "moe/layer2/tokens_per_expert": [5, 0, 9, 2]}
+
+
 def test_auto_logs_to_wandb_only_where_it_is_configured(monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)

@@ -272,13 +272,19 @@ def test_auxiliary_loss_free_balancing_moves_the_biases_alike_on_every_grid(tmp_
     _, first = _train(tmp_path, "first", "--nproc", "8", *DEEPSEEK_ROUTING, "--dp", "4", "--pp", "2", "--ep", "2",
                       "--steps", "2", port=29733)
     later, out = _train(tmp_path, "later", "--nproc", "8", *DEEPSEEK_ROUTING, "--tp", "row:2", "--dp", "4", "--pp",
-                        "1", "--ep", "4", "--resume", str(first), port=29735)
+                        "1", "--ep", "4", "--resume", str(first), "--log", "jsonl", port=29735)
     assert one[-1] < one[0] and _close(later, one, tol=1e-5), (later, one)
     ref, ours = (gw.train.load_checkpoint(o)["biases"] for o in (single, out))
     assert set(ref) == set(ours) == {f"layers.{i}.moe.expert_bias" for i in (1, 2, 3)}  # layer 0 dense
     for name, b in ref.items():
         assert 0 < max(abs(v) for v in b) <= 4 * 0.01 and all(round(v / 0.01) == round(w / 0.01)
                                                                for v, w in zip(b, ours[name])), (name, b, ours[name])
+    # each sparse layer's load every step, in the log as metrics.json has it
+    routed = json.loads((out / "metrics.json").read_text())["tokens_per_expert"]
+    logged = [json.loads(x) for x in (out / "logs" / "log.jsonl").read_text().splitlines()[1:]]
+    for k, layer in enumerate((1, 2, 3)):
+        assert [x[f"moe/layer{layer}/tokens_per_expert"] for x in logged
+                if f"moe/layer{layer}/tokens_per_expert" in x] == [step[k] for step in routed[-2:]]
     # the export carries them to transformers' layout of the model (the dense model's buffers)
     model, _, _ = gw.train.load_model(out)
     assert torch.equal(model.layers[1].moe.expert_bias, torch.tensor(ours["layers.1.moe.expert_bias"]))

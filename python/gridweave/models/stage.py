@@ -303,6 +303,10 @@ class GPTStage(nn.Module):
             out += [(f"layers.{i}.{k}", p, dense_shape(p)) for k, p in layer.dense_named_parameters()]
         return out
 
+    def moe_layers(self) -> list:
+        """The model's indices of this stage's mixture-of-experts layers, in module order."""
+        return [i for i, layer in zip(self.first, self.layers) if layer.arch.moe is not None]
+
     def balancing_biases(self) -> list:
         """(dense name, tensor) of this stage's balancing biases (DeepSeek-V3's, replicated): state
         beside the parameters that checkpoints keep."""
@@ -377,6 +381,9 @@ class ModelChunks(nn.Module):
 
     def balancing_biases(self) -> list:
         return [item for c in self.chunks for item in c.balancing_biases()]
+
+    def moe_layers(self) -> list:
+        return [i for c in self.chunks for i in c.moe_layers()]
 
     def shard_units(self) -> list:
         return [u for c in self.chunks for u in c.shard_units()]
