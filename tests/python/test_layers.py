@@ -110,3 +110,83 @@ def _blocks(ctx, mode):
 def test_attention_and_mlp_blocks_match_dense(pool, mode, n):
     for errs in pool.run(_blocks, n, mode):
         assert max(errs.values()) < 1e-10, errs
+
+
+
+def _latent_arch(q_rank):
+    import gridweave as gw
+
+    mla = gw.nn.MLA(kv_rank=12, q_rank=q_rank, nope=6, rope=4, v=10)
+    return gw.nn.Arch(gw.nn.Norm.RMS, gw.nn.Activation.SWIGLU, rope_theta=500.0, eps=1e-6, mla=mla)
+
+
+def _latent_layer(ctx, shape, dtype_name, q_rank):
+    """DeepSeek's latent-attention layer (gw.nn.LatentAttention) with a dense SwiGLU MLP on a grid
+    against the dense layer: output, input gradient, every parameter gradient, to_dense."""
+    import gridweave as gw
+
+    dtype = getattr(torch, dtype_name)
+    grid = ctx.init(**{k: gw.modes.parse(v) if k == "tp" else v for k, v in shape.items()})
+    torch.manual_seed(0)
+    dense = gw.nn.DenseTransformerLayer(H, HEADS, 24, bias=False, dtype=dtype, device=DEVICE, arch=_latent_arch(q_rank))
+    with torch.no_grad():
+        for p in dense.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    layer = gw.nn.TransformerLayer.from_dense(dense, grid)
+    x = full((B, S, H), 11, dtype).requires_grad_()
+    y = dense(x)
+    dy = full(y.shape, 12, dtype)
+    y.backward(dy)
+    xl = gw.scatter(x.detach(), layer.input_layout, grid).requires_grad_()
+    grid.reset_stats()
+    yl = layer(xl)
+    yl.backward(gw.scatter(dy, layer.output_layout, grid))
+    tp_ops = grid.stats().get("tp", {}).get("ops", 0)
+    gw.reduce_gradients(layer, grid)
+    errs = {"y": rel(gw.gather(yl, layer.output_layout, grid), y),
+            "dx": rel(gw.gather(xl.grad, layer.input_layout, grid), x.grad)}
+    grads = layer.dense_state(grad=True)
+    for name, p in dense.named_parameters():
+        errs[name] = rel(grads[name], p.grad)
+    state = layer.to_dense().state_dict()
+    errs["to_dense"] = max(rel(state[k], v) for k, v in dense.state_dict().items())
+    return errs, tp_ops
+
+
+@pytest.mark.parametrize("shape,n,q_rank", [(dict(tp="row:2"), 2, 8), (dict(tp="row:4"), 4, None),
+                                            (dict(tp="row:2", dp=2), 4, 8), (dict(dp=4), 4, 8)])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_latent_attention_layer_matches_dense(pool, shape, n, q_rank, dtype):
+    """Megatron-Core's split of DeepSeek's latent attention: the heads over tp (up projections by
+    rows, the output projection by columns), the down projections and latent norms replicated; on
+    tp alone, tp x dp and dp alone. Over tp: g after the attention and the MLP forward, f on the q
+    (or its latent) and kv latents, the shared rotary key and the MLP's input backward: six
+    all-reduces."""
+    limit = 1e-10 if dtype == "float64" else 1e-5
+    for errs, tp_ops in pool.run(_latent_layer, n, shape, dtype, q_rank):
+        assert max(errs.values()) < limit, {k: v for k, v in errs.items() if v >= limit}
+        assert tp_ops == (6 if "tp" in shape else 0), tp_ops
+
+
+def _latent_refused(ctx, shape, tp_sp=False):
+    import dataclasses
+
+    import gridweave as gw
+
+    shape = dict(shape)
+    if "tp" in shape:
+        shape["tp"] = gw.modes.parse(shape["tp"])
+        if tp_sp:
+            shape["tp"] = dataclasses.replace(shape["tp"], sequence=True)
+    grid = ctx.init(**shape)
+    try:
+        gw.nn.TransformerLayer(H, HEADS, grid, ffn_hidden=24, bias=False, arch=_latent_arch(None))
+    except gw.GridError as e:
+        return str(e)
+    return "built"
+
+
+def test_latent_attention_refuses_the_modes_that_split_its_sequence_or_hidden(pool):
+    assert "sequence whole on each rank" in pool.run(_latent_refused, 2, dict(sp=2))[0]
+    assert "sequence whole on each rank" in pool.run(_latent_refused, 2, dict(tp="row:2"), True)[0]  # tp_sp
+    assert "by the up projections' rows" in pool.run(_latent_refused, 4, dict(tp="square:2"))[0]

@@ -11,15 +11,15 @@ import torch
 from torch import nn
 
 from .. import split
-from ..autograd.comm import all_reduce_replicated
+from ..autograd.comm import all_reduce_replicated, copy_to_parallel
 from ..documents import document_rows, ids_of, with_ids
 from ..errors import GridError
 from ..layout import Layout, gather, scatter
 from ..sharding import DATA_AXES, group_order, place, placement_of, present_axes, set_row_order
-from .dense import (GPT2, Arch, DenseMLP, DenseSelfAttention, DenseTransformerLayer, linformer_attention, linformer_keys,
-                    qk_normed, split_heads, values)
+from .dense import (GPT2, Arch, DenseMLA, DenseMLP, DenseSelfAttention, DenseTransformerLayer, Norm,
+                    linformer_attention, linformer_keys, mla_attention, qk_normed, split_heads, values)
 from .moe import ExpertParallelMoE, expert_line
-from .sequence import SeqAttention, attend, attention_lines
+from .sequence import ReplicatedLinear, SeqAttention, attend, attention_lines, replicated_norm
 from .style import resolve
 
 
@@ -222,6 +222,84 @@ class RingAttention(SelfAttention):
     from_dense = RingSelfAttention.__dict__["from_dense"]
 
 
+class LatentAttention(nn.Module):
+    """DeepSeek's multi-head latent attention (DeepSeek-V2 §2.1) on a grid, as Megatron-Core's MLA
+    splits it: the down projections and the latents' RMSNorms replicated (every rank of the tensor
+    group runs them on the same tokens), the up projections the mode's first linear (1-D: column
+    parallel, each rank a block of whole heads, f on its latent), the output projection its second
+    (row parallel, g); the rotary key every head shares goes through f too. Runs where the
+    sequence is whole on each rank and the heads split over at most one axis by output rows (tp
+    none or row:N without sequence parallelism); elsewhere one clear error."""
+
+    def __init__(self, hidden, heads, grid, mode=None, causal=True, dtype=None, device=None, arch: Arch | None = None):
+        super().__init__()
+        self.mode = resolve(mode, grid)
+        self.grid, self.hidden, self.heads, self.causal, self.arch = grid, hidden, heads, causal, arch
+        m = self.mla = arch.mla
+        device = device or grid.device
+        self.groups = self.mode.head_groups_count()
+        if heads % self.groups:
+            raise GridError(f"{heads} latent-attention heads do not split over {self.groups} tensor-parallel groups")
+        if self.input_layout.dims[1:2] != ((),):
+            raise GridError(f"multi-head latent attention runs with the sequence whole on each rank (tp none or row:N, "
+                            f"sp 1, no tp_sp): {self.mode!r} on {dict(grid.axes)} splits it")
+        first, second = self.mode.linear_pair(grid, False, dtype, device)
+        kw = dict(bias=False, dtype=dtype, device=device)
+        if m.q_rank is None:
+            self.q = first(hidden, m.q_width(heads))
+        else:
+            self.q_down = ReplicatedLinear(hidden, m.q_rank, **kw)
+            self.q_norm = replicated_norm(Norm.RMS, m.q_rank, m.eps, dtype, device)
+            self.q_up = first(m.q_rank, m.q_width(heads))
+        self.kv_down = ReplicatedLinear(hidden, m.kv_rank + m.rope, **kw)
+        self.kv_norm = replicated_norm(Norm.RMS, m.kv_rank, m.eps, dtype, device)
+        self.kv_up = first(m.kv_rank, heads * (m.nope + m.v))
+        self.proj = second(heads * m.v, hidden)
+        pl = placement_of(self.kv_up.weight)
+        if pl.transposed or pl.diagonal is not None or any(pl.layout.dims[1:]) or len(pl.layout.axes()) > 1:
+            raise GridError(f"multi-head latent attention splits its heads by the up projections' rows over one axis "
+                            f"(tp none or row:N), not {self.mode!r}")
+        self._head_axis = pl.layout.axes()[0] if pl.layout.axes() else None  # where the rotary key's f runs
+
+    @property
+    def input_layout(self):
+        return self.mode.layout(self.grid, False)
+
+    output_layout = input_layout
+
+    def comm_lines(self) -> list:
+        return []
+
+    def linears(self) -> tuple:
+        q = (self.q,) if self.mla.q_rank is None else (self.q_down, self.q_up)
+        return q + (self.kv_down, self.kv_up, self.proj)
+
+    def forward(self, x, documents=None):
+        if documents is not None:
+            raise GridError("packed documents with multi-head latent attention run in the dense model only")
+        m = self.mla
+        latent, k_rope = self.kv_down(x).split([m.kv_rank, m.rope], dim=-1)
+        q = self.q(x) if m.q_rank is None else self.q_up(self.q_norm(self.q_down(x)))
+        if self._head_axis is not None:  # every rank's heads read it: its gradient summed over them (f)
+            k_rope = copy_to_parallel(k_rope, self.grid, self._head_axis)
+        out = mla_attention(q, self.kv_up(self.kv_norm(latent)), k_rope, self.heads // self.groups, m,
+                            self.arch.rope_theta, self.causal)
+        return self.proj(out)
+
+    NAMES = ("q", "q_down", "q_norm", "q_up", "kv_down", "kv_norm", "kv_up", "proj")
+
+    def _parts(self):
+        return [(n, getattr(self, n)) for n in self.NAMES if hasattr(self, n)]
+
+    def load_dense(self, dense: DenseMLA):
+        for name, mod in self._parts():
+            mod.load_dense(getattr(dense, name))
+
+    def dense_state(self, grad=False) -> dict:
+        """DenseTransformerLayer's tensors of the latent attention (mla.*)."""
+        return {f"mla.{name}.{k}": v for name, mod in self._parts() for k, v in mod.dense_state(grad).items()}
+
+
 class MLP(nn.Module):
     """fc1 -> activation -> fc2 (1-D: column then row parallel; 3-D: directions swap and
     back). SwiGLU's packed [gate | up] is regrouped so each column block holds matching
@@ -300,14 +378,14 @@ class TransformerLayer(nn.Module):
         device = device or grid.device
         self.grid, self.hidden, self.heads, self.causal = grid, hidden, heads, causal
         self.ffn_hidden, self.overlap, self.bias = ffn_hidden, overlap, bias
-        if arch.mla is not None:
-            raise GridError("multi-head latent attention (DeepSeek's) runs in the dense model (gw.models.build) "
-                            "only: its tensor- and sequence-parallel forms are not built yet")
         if arch.linformer is not None:
             self.mode.check_attention(SeqAttention.LINFORMER)  # SUPER's branches have no Linformer
         self.ln1, self.ln2 = (self.mode.norm(hidden, grid, dtype, device, arch.eps, arch.norm) for _ in range(2))
-        self.attn = self.mode.attention(hidden, heads, grid, causal, bias, dtype, device, overlap, attention,
-                                        arch=arch, **attention_options)
+        if arch.mla is not None:  # DeepSeek's latent attention: its own split (LatentAttention)
+            self.attn = LatentAttention(hidden, heads, grid, self.mode, causal, dtype, device, arch)
+        else:
+            self.attn = self.mode.attention(hidden, heads, grid, causal, bias, dtype, device, overlap, attention,
+                                            arch=arch, **attention_options)
         if arch.moe is None:
             self.mlp = MLP(hidden, ffn_hidden, grid, self.mode, bias, overlap, dtype, device, arch)
         else:
@@ -326,7 +404,8 @@ class TransformerLayer(nn.Module):
     output_layout = input_layout
 
     def linears(self):
-        return (self.attn.qkv, self.attn.proj) + ((self.mlp.fc1, self.mlp.fc2) if self.arch.moe is None else ())
+        attn = self.attn.linears() if self.arch.mla is not None else (self.attn.qkv, self.attn.proj)
+        return attn + ((self.mlp.fc1, self.mlp.fc2) if self.arch.moe is None else ())
 
     def prefetch(self):
         """Start the weight gathers of this layer's linears that can run ahead (3-D: the
@@ -355,14 +434,18 @@ class TransformerLayer(nn.Module):
     @classmethod
     def from_dense(cls, dense: DenseTransformerLayer, grid, mode=None, **kw):
         hidden = dense.ln1.normalized_shape[0]
-        kw.setdefault("dtype", dense.qkv.weight.dtype)
-        m = cls(hidden, dense.heads, grid, mode, ffn_hidden=dense.ffn_hidden, bias=dense.proj.bias is not None,
-                causal=dense.causal, arch=dense.arch, **kw)
+        latent = dense.arch.mla is not None
+        kw.setdefault("dtype", (dense.mla.kv_down if latent else dense.qkv).weight.dtype)
+        m = cls(hidden, dense.heads, grid, mode, ffn_hidden=dense.ffn_hidden,
+                bias=not latent and dense.proj.bias is not None, causal=dense.causal, arch=dense.arch, **kw)
         m.load_dense(dense)
         return m
 
     def load_dense(self, dense):
-        self.attn.load_dense(dense.qkv, dense.proj, dense.lowrank, dense.q_norm, dense.k_norm)
+        if self.arch.mla is not None:
+            self.attn.load_dense(dense.mla)
+        else:
+            self.attn.load_dense(dense.qkv, dense.proj, dense.lowrank, dense.q_norm, dense.k_norm)
         if self.arch.moe is None:
             self.mlp.load_dense(dense.fc1, dense.fc2)
         else:
@@ -378,6 +461,8 @@ class TransformerLayer(nn.Module):
 
     def dense_name(self, name: str) -> str:
         """DenseTransformerLayer's name of one of this layer's tensors."""
+        if self.arch.mla is not None and name.startswith("attn."):  # latent attention: DenseMLA's names
+            return "mla." + name[len("attn."):]
         for ours, theirs in self.DENSE_NAMES.items():
             if name.startswith(ours):
                 return theirs + name[len(ours):]
@@ -399,7 +484,7 @@ class TransformerLayer(nn.Module):
         return out
 
     def to_dense(self):
-        w = self.attn.qkv.weight
+        w = next(self.attn.parameters())
         d = DenseTransformerLayer(self.hidden, self.heads, self.ffn_hidden, bias=self.bias, causal=self.causal,
                                   dtype=w.dtype, device=w.device, arch=self.arch)
         with torch.no_grad():
