@@ -23,6 +23,7 @@ from .data import TOKEN_DTYPES
 from .errors import GridError
 from .models import ModelConfig
 from .modes import Mode, parse
+from .nn.dense import MLA
 from .nn.moe import MoE, Scoring, expert_line
 from .nn.sequence import SeqAttention
 from .precision import PRECISIONS, Precision
@@ -32,7 +33,8 @@ GIVEN = "given"  # grid=given: the degrees the job names
 PAD_VOCAB = 64  # the model's vocabulary is the tokenizer's rounded up (Megatron's divisible-by)
 # the mixture-of-experts models: Mixtral's block; Qwen2-MoE's (q/k/v biases, a gated shared expert,
 # top-k weights as the softmax gives them); Qwen3-MoE's (per-head q/k norms, renormalised top-k)
-MOE_MODELS = ("mixtral", "qwen2-moe", "qwen3-moe")
+MOE_MODELS = ("mixtral", "qwen2-moe", "qwen3-moe", "deepseek-v3")
+DEEPSEEK = "deepseek-v3"  # DeepSeek-V3's: latent attention, sigmoid routing with the balancing bias, shared experts
 
 
 def option(default, help: str = "", *, choices=None, at_least=None, above=None, flags=(), cli=None):
@@ -110,7 +112,7 @@ class ModelSection(Section):
     NAME: ClassVar[str] = "model"
     TITLE: ClassVar[str] = "model"
     model: str = option("llama", "the architecture: Llama's block, a mixture of experts (Mixtral's, Qwen2-MoE's, "
-                                 "Qwen3-MoE's), the GPT, or BERT's masked LM",
+                                 "Qwen3-MoE's, DeepSeek-V3's), the GPT, or BERT's masked LM",
                         choices=("llama", *MOE_MODELS, "gpt", "bert"))
     init_from: str | None = option(None, "a local Hugging Face model folder (Llama, GPT-2, Mixtral, Qwen-MoE: "
                                          "config.json, safetensors, tokenizer.json): its model, weights and tokenizer, "
@@ -132,6 +134,14 @@ class ModelSection(Section):
     ulysses_degree: int = option(1, "attention usp: the sp ranks of each Ulysses block", at_least=1)
     linformer_k: int = option(0, "attention linformer (model bert): keys and values projected from seq to K rows "
                                  "(Li et al. §4.3: the projections split over the sequence shards)", at_least=0)
+    kv_rank: int = option(0, "model deepseek-v3: the keys' and values' latent (0: hidden / 2)", at_least=0)
+    q_rank: int = option(-1, "model deepseek-v3: the queries' latent (-1: three times kv_rank, DeepSeek-V3's ratio; "
+                             "0: the queries projected directly, DeepSeek-V2-Lite's)", at_least=-1)
+    qk_nope_dim: int = option(0, "model deepseek-v3: each head's query and key dimensions without positions "
+                                 "(0: hidden / heads)", at_least=0)
+    qk_rope_dim: int = option(0, "model deepseek-v3: each head's rotary dimensions, the key's shared by the heads "
+                                 "(0: half of qk_nope_dim, even)", at_least=0)
+    v_dim: int = option(0, "model deepseek-v3: each head's value dimensions (0: qk_nope_dim)", at_least=0)
     precision: str = option("fp32", "compute dtype; fp16 with dynamic loss scaling; fp8 and fp8-rowwise: the linear "
                                     "layers' products in float8 (torchao's tensorwise and rowwise recipes), bf16 elsewhere; "
                                     "fp32 master weights always",
@@ -161,9 +171,9 @@ class MoESection(Section):
     aux_coef: float = option(0.01, "the load-balancing loss's coefficient (Switch's 0.01, Mixtral)", at_least=0)
     z_coef: float = option(0.0, "the router z-loss's coefficient (ST-MoE's 0.001)", at_least=0)
     shared_ffn: int = option(0, "an always-on shared expert of this width (Qwen-MoE, DeepSeek; 0: none)", at_least=0)
-    scoring: str = option(Scoring.SOFTMAX.value, "the router's scores: softmax over the experts (Mixtral, Qwen) or "
-                                                 "each expert's sigmoid (DeepSeek-V3)",
-                          choices=tuple(s.value for s in Scoring))
+    scoring: str = option(AUTO, "the router's scores: softmax over the experts (Mixtral, Qwen) or each expert's "
+                                "sigmoid (DeepSeek-V3); auto: the model's",
+                          choices=(AUTO, *(s.value for s in Scoring)))
     routed_scale: float = option(1.0, "the routed experts' weights times this (DeepSeek-V3's routed scaling factor)",
                                  above=0)
     expert_groups: int = option(1, "group-limited routing: the experts in this many groups (DeepSeek-V3's n_group; "
@@ -499,7 +509,11 @@ class TrainConfig(LoggingSection, CheckpointSection, DataSection, OptimizerSecti
         if self.imported is not None:
             return self.imported
         llama = self.model in ("llama", *MOE_MODELS)
-        kv = self.kv_heads or (self.heads // 2 if llama and self.heads % 2 == 0 else self.heads)
+        deepseek = self.model == DEEPSEEK
+        kv = self.kv_heads or (self.heads // 2 if llama and self.heads % 2 == 0 and not deepseek else self.heads)
+        if deepseek and kv != self.heads:
+            raise GridError(f"model deepseek-v3's latent attention has no key/value head count: leave out kv_heads "
+                            f"(got {kv} of {self.heads} heads)")
         pad = math.lcm(PAD_VOCAB, self.mode.size if self.mode.vocab_axis() else 1)
         vocab += self.masked_lm
         cfg = ModelConfig("llama" if llama else self.model, -(-vocab // pad) * pad, self.hidden, self.heads,
@@ -509,13 +523,25 @@ class TrainConfig(LoggingSection, CheckpointSection, DataSection, OptimizerSecti
             return cfg
         qwen2 = self.model == "qwen2-moe"
         ffn = self.moe_ffn or cfg.ffn
-        # Qwen2-MoE always has a gated shared expert: 4 experts wide unless given (Qwen1.5-MoE-A2.7B's)
-        shared = self.shared_ffn or (4 * ffn if qwen2 else None)
+        # Qwen2-MoE always has a gated shared expert: 4 experts wide unless given (Qwen1.5-MoE-A2.7B's);
+        # DeepSeek-V3 an ungated one of the experts' width
+        shared = self.shared_ffn or (4 * ffn if qwen2 else ffn if deepseek else None)
+        scoring = Scoring.SIGMOID if self.scoring == AUTO and deepseek else \
+            Scoring.SOFTMAX if self.scoring == AUTO else Scoring(self.scoring)
         moe = MoE(experts=self.experts, top_k=self.top_k, ffn=ffn, normalize=not qwen2,
                   capacity_factor=self.capacity_factor or None, aux_coef=self.aux_coef, z_coef=self.z_coef,
-                  shared_ffn=shared, shared_gate=qwen2, scoring=Scoring(self.scoring), scale=self.routed_scale,
-                  groups=self.expert_groups, topk_groups=self.topk_groups, expert_bias=bool(self.bias_rate),
-                  bias_rate=self.bias_rate, seq_aux_coef=self.seq_aux_coef)
+                  shared_ffn=shared, shared_gate=qwen2, scoring=scoring, scale=self.routed_scale,
+                  groups=self.expert_groups, topk_groups=self.topk_groups,
+                  expert_bias=bool(self.bias_rate) or deepseek, bias_rate=self.bias_rate,
+                  seq_aux_coef=self.seq_aux_coef)
+        mla = None
+        if deepseek:  # DeepSeek-V3's proportions where not given
+            nope = self.qk_nope_dim or self.hidden // self.heads
+            kv_rank = self.kv_rank or max(self.hidden // 2, 1)
+            mla = MLA(kv_rank=kv_rank, q_rank=None if self.q_rank == 0 else self.q_rank if self.q_rank > 0
+                      else 3 * kv_rank, nope=nope, rope=self.qk_rope_dim or max(2, nope // 2 // 2 * 2),
+                      v=self.v_dim or nope)
+            cfg = dataclasses.replace(cfg, kv_heads=None, mla=mla)
         if self.dense_first >= self.layers:
             raise GridError(f"dense_first={self.dense_first}: a mixture-of-experts model keeps at least one sparse "
                             f"layer of its {self.layers}")

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from .errors import GridError
 from .models import GPT
-from .nn.dense import qk_normed, split_heads
+from .nn.dense import mla_heads, qk_normed, split_heads
 
 
 class KVCache:
@@ -40,6 +40,10 @@ def forward_cached(model: GPT, ids: torch.Tensor, cache: KVCache) -> torch.Tenso
     if model.embed.pos is not None:
         x = x + model.embed.pos(pos)
     for i, layer in enumerate(model.layers):
+        if layer.arch.mla is not None:  # DeepSeek's cache: each token's normalised latent and rotary key
+            x = x + _latent_cached(layer.mla, layer.ln1(x), cache, i, start, pos)
+            x = x + layer.feed_forward(layer.ln2(x))
+            continue
         qkv = qk_normed(layer.qkv(layer.ln1(x)), layer.heads, layer.kv_heads, layer.q_norm, layer.k_norm,
                         layer.arch.eps)
         q, k, v = split_heads(qkv, layer.heads, layer.kv_heads, layer.arch, pos)
@@ -51,6 +55,20 @@ def forward_cached(model: GPT, ids: torch.Tensor, cache: KVCache) -> torch.Tenso
         x = x + layer.feed_forward(layer.ln2(x))
     cache.length = start + n
     return model.head(x)
+
+
+def _latent_cached(attn, h: torch.Tensor, cache: KVCache, i: int, start: int, pos: torch.Tensor) -> torch.Tensor:
+    """A latent-attention layer's output for the new tokens h: the cache holds, per token, the
+    normalised kv latent and the unrotated rotary key (kv_rank + rope values: MLA's small cache,
+    DeepSeek-V2 §2.1.2); keys and values are up-projected from it."""
+    m, n = attn.mla, h.shape[1]
+    latent, k_rope = attn.kv_down(h).split([m.kv_rank, m.rope], dim=-1)
+    latent, k_rope = cache.append(i, attn.kv_norm(latent)[:, None], k_rope[:, None])
+    q, k, v = mla_heads(attn.queries(h), attn.kv_up(latent[:, 0]), k_rope[:, 0], attn.heads, m, attn.theta, pos,
+                        torch.arange(start + n, device=h.device))
+    mask = torch.ones(n, start + n, dtype=torch.bool, device=h.device).tril(start)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return attn.proj(o.transpose(1, 2).reshape(h.shape[0], n, -1))
 
 
 def pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator) -> torch.Tensor:

@@ -107,8 +107,12 @@ def test_kv_cache_logits_equal_the_full_forward():
     from gridweave.generate import KVCache, forward_cached
 
     torch.manual_seed(0)
+    deepseek = gw.models.ModelConfig("llama", 50, 32, 4, 2, 24, 40, dense_layers=(0,),  # latent attention's cache
+                                     mla=gw.nn.MLA(kv_rank=12, q_rank=16, nope=6, rope=4, v=10),
+                                     moe=gw.nn.MoE(experts=4, top_k=2, ffn=8, scoring="sigmoid", expert_bias=True))
     for model in (gw.models.Llama(50, 32, 4, 2, 24, kv_heads=2, ffn_hidden=40, dtype=torch.float64, device="cpu"),
-                  gw.models.GPT(50, 32, 4, 2, 24, dtype=torch.float64, device="cpu")):
+                  gw.models.GPT(50, 32, 4, 2, 24, dtype=torch.float64, device="cpu"),
+                  gw.models.build(deepseek, dtype=torch.float64, device="cpu")):
         ids = torch.randint(0, 50, (2, 20), device="cpu")
         full = model(ids)
         cache = KVCache(2)
@@ -162,6 +166,14 @@ def test_model_flops_per_token_counts_the_matrices():
     matrices = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "pos" not in n)
     embed = model.embed.tok.weight.numel()  # a lookup, not a product: counted once, as the head
     assert gw.train.model_flops_per_token(cfg) == 6 * (matrices - embed) + 12 * 2 * 64 * 32
+    # latent attention: its down and up projections, the scores over nope + rope dimensions, the values' v
+    for q_rank in (24, None):
+        mla = gw.nn.MLA(kv_rank=16, q_rank=q_rank, nope=8, rope=4, v=10)
+        cfg = gw.models.ModelConfig("llama", 256, 64, 4, 2, 32, 96, mla=mla)
+        model = gw.models.build(cfg, device="meta")
+        matrices = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2)
+        attention = 6 * 2 * 32 * 4 * (8 + 4 + 10)
+        assert gw.train.model_flops_per_token(cfg) == 6 * (matrices - embed) + attention
 
 
 @pytest.fixture(scope="module")

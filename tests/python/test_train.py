@@ -290,6 +290,35 @@ def test_auxiliary_loss_free_balancing_moves_the_biases_alike_on_every_grid(tmp_
     assert torch.equal(model.layers[1].moe.expert_bias, torch.tensor(ours["layers.1.moe.expert_bias"]))
 
 
+# A DeepSeek-V3-like model: latent attention, 4 experts (2 groups, a token's from 1) with sigmoid
+# scores and the balancing bias moving, a shared expert, the first layer dense
+DEEPSEEK_V3 = ["--model", "deepseek-v3", "--experts", "4", "--aux-coef", "0", "--seq-aux-coef", "0.001",
+               "--expert-groups", "2", "--topk-groups", "1", "--routed-scale", "2.0", "--bias-rate", "0.01",
+               "--dense-first", "1"]
+
+
+@pytest.fixture(scope="module")
+def deepseek_single(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("deepseek"), "one", "--nproc", "1", *DEEPSEEK_V3, port=29737)
+
+
+@pytest.mark.parametrize("spec,port", [
+    (["--dp", "2", "--pp", "2", "--ep", "2"], 29739),  # experts over ep 2 of dp 4 x the pipeline
+    (["--tp", "row:2", "--dp", "4", "--pp", "1", "--ep", "2"], 29743),  # the heads and each expert over tp
+    (["--dp", "4", "--pp", "2", "--ep", "4", "--zero", "3", "--no-offload"], 29745),  # ZeRO-3 x pp, ep 4
+], ids=["dp-pp-ep", "row-dp-ep", "zero3-pp-ep"])
+def test_deepseek_trains_on_composed_grids_with_one_process_losses(deepseek_single, tmp_path, spec, port):
+    """DeepSeek-V3's architecture in the main job (latent attention split as Megatron-Core does,
+    its routing and balancing, shared experts, a dense first layer) equals one process on grids
+    with ep, pp, tp and ZeRO-3: the losses (float32, 1e-5) and the balancing biases."""
+    one, single = deepseek_single
+    losses, out = _train(tmp_path, "run", "--nproc", "8", *DEEPSEEK_V3, *spec, port=port)
+    assert one[-1] < one[0] and _close(losses, one, tol=1e-5), (spec, losses, one)
+    ref, ours = (gw.train.load_checkpoint(o)["biases"] for o in (single, out))
+    assert set(ours) == set(ref) and all([round(v / 0.01) for v in ours[k]] == [round(v / 0.01) for v in ref[k]]
+                                         for k in ref), (ours, ref)
+
+
 def test_mixtral_checkpoint_moves_from_expert_tensor_parallelism(mixtral_single, tmp_path):
     """Experts split over tp inside (gate_up's rows regrouped [gate | up] per tp block) and over
     ep 2 continue on dp 4 with ep 4 and no tensor parallelism."""

@@ -275,30 +275,43 @@ class DenseSelfAttention(nn.Module):
                                    lowrank=self.lowrank))
 
 
-def mla_attention(q, kv, k_rope, heads: int, mla: MLA, theta: float, causal: bool, positions=None,
-                  documents=None) -> torch.Tensor:
-    """Multi-head latent attention's core (DeepSeek-V2 eq. 12-19) on this rank's heads: q (b, s,
-    heads (nope + rope)) the queries, kv (b, s, heads (nope + v)) the keys' nope parts and the values
-    up-projected from the latent, k_rope (b, s, rope) the keys' shared rope part (unrotated); the
-    rope parts rotated at `positions` (packed documents: restarting at each) -> (b, s, heads v)."""
+def _rotated(t: torch.Tensor, positions: torch.Tensor, mla: MLA, theta: float) -> torch.Tensor:
+    """t's rope part (b, h, s, rope) rotated at positions ((s,) or per row (b, s))."""
+    if mla.interleave:  # pairs (0, 1), (2, 3), ... to halves: the same rotation in the rotate-half form
+        t = torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
+    cos, sin = rotary(positions, mla.rope, theta, t.dtype)
+    if positions.dim() == 2:  # per-row positions: broadcast over the heads
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return apply_rotary(t, cos, sin)
+
+
+def mla_heads(q, kv, k_rope, heads: int, mla: MLA, theta: float, positions, key_positions=None) -> tuple:
+    """Multi-head latent attention's queries, keys and values (DeepSeek-V2 eq. 12-19), (b, heads,
+    s, d) each: q (b, s, heads (nope + rope)) the queries, kv (b, s', heads (nope + v)) the keys'
+    nope parts and the values up-projected from the latent, k_rope (b, s', rope) the keys' shared
+    rope part (unrotated); the rope parts rotated at `positions` (the keys' at key_positions when
+    they are other tokens: a cache's)."""
     b, s = q.shape[:2]
     q = q.reshape(b, s, heads, mla.nope + mla.rope).transpose(1, 2)
-    kv = kv.reshape(b, s, heads, mla.nope + mla.v).transpose(1, 2)
+    kv = kv.reshape(b, kv.shape[1], heads, mla.nope + mla.v).transpose(1, 2)
     q_nope, q_rope = q.split([mla.nope, mla.rope], dim=-1)
     k_nope, v = kv.split([mla.nope, mla.v], dim=-1)
-    k_rope = k_rope[:, None]  # one rotary key for every head (the decoupled RoPE)
-    if mla.interleave:  # pairs (0, 1), (2, 3), ... to halves: the same rotation in the rotate-half form
-        q_rope, k_rope = (torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1) for t in (q_rope, k_rope))
+    k_rope = _rotated(k_rope[:, None], positions if key_positions is None else key_positions, mla, theta)
+    q = torch.cat([q_nope, _rotated(q_rope, positions, mla, theta)], dim=-1)
+    k = torch.cat([k_nope, k_rope.expand(-1, heads, -1, -1)], dim=-1)  # one rotary key for every head
+    return q, k, v
+
+
+def mla_attention(q, kv, k_rope, heads: int, mla: MLA, theta: float, causal: bool, positions=None,
+                  documents=None) -> torch.Tensor:
+    """Multi-head latent attention's core on this rank's heads (mla_heads, then attention; packed
+    documents: within each, positions restarting at each) -> (b, s, heads v)."""
+    b, s = q.shape[:2]
     if documents is not None:
         check_documents(documents, b, s)
         positions = document_positions(documents) if positions is None else positions
     pos = torch.arange(s, device=q.device) if positions is None else positions
-    cos, sin = rotary(pos, mla.rope, theta, q.dtype)
-    if pos.dim() == 2:  # per-row positions: broadcast over the heads
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    q_rope, k_rope = apply_rotary(q_rope, cos, sin), apply_rotary(k_rope, cos, sin)
-    q = torch.cat([q_nope, q_rope], dim=-1)
-    k = torch.cat([k_nope, k_rope.expand(-1, heads, -1, -1)], dim=-1)
+    q, k, v = mla_heads(q, kv, k_rope, heads, mla, theta, pos)
     mask = None
     if documents is not None:
         at = torch.arange(s, device=q.device)

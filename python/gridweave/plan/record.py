@@ -467,8 +467,10 @@ class FusedAttention(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func is torch.nn.functional.scaled_dot_product_attention:
             kwargs.update(zip(self._NAMES, args[3:]))
-            if kwargs.get("attn_mask") is None:  # the fused kernels group key/value heads themselves
-                q, k, v = args[:3]
+            q, k, v = args[:3]
+            # the fused kernels group key/value heads themselves; values of another width than the
+            # keys (latent attention's) take torch's math path here, its FLOPs exact
+            if kwargs.get("attn_mask") is None and v.shape[-1] == q.shape[-1]:
                 return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     q, k, v, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False), scale=kwargs.get("scale"))[0]
             args = args[:3]
