@@ -442,14 +442,22 @@ def test_equal_slots_across_a_capacity_boundary_are_all_dropped():
     (dict(ep=3, dp=4), 4, "ep=3 does not divide dp x sp = 4 x 1"),
     (dict(tp="square:2"), 4, "splits each token's hidden vector"),
     (dict(tp="row:2", moe_ffn=15), 2, "experts of width 15 do not split over tp 2"),
+    # DeepSeek-V3's: group-limited routing beyond its groups, latent attention where its sequence or
+    # hidden vector is split, a key/value head count, a dense first layer for every layer
+    (dict(model="deepseek-v3", experts=4, expert_groups=2, topk_groups=3), 1, "topk_groups 3 is above the group count"),
+    (dict(model="deepseek-v3", experts=6, expert_groups=4), 1, "6 experts do not split into 4 groups"),
+    (dict(model="deepseek-v3", sp=2), 2, "latent attention runs with the sequence"),
+    (dict(model="deepseek-v3", tp="row:2", tp_sp=True), 2, "latent attention runs with the sequence"),
+    (dict(model="deepseek-v3", kv_heads=2), 1, "no key/value head count"),
+    (dict(model="deepseek-v3", dense_first=2), 1, "keeps at least one sparse layer"),
 ])
 def test_bad_expert_parallel_jobs_are_one_clear_error_before_any_rank_starts(kw, world, match):
     """What `gridweave train` checks on the launcher's side (TrainConfig and its grid_shape)."""
     import gridweave as gw
 
     with pytest.raises(GridError, match=match):
-        cfg = gw.train.TrainConfig(model="mixtral", hidden=32, heads=4, layers=2, seq=16, batch=8, tokenizer="bytes",
-                                   **{"pp": 1, **kw})
+        cfg = gw.train.TrainConfig(**{"model": "mixtral", "hidden": 32, "heads": 4, "layers": 2, "seq": 16, "batch": 8,
+                                      "tokenizer": "bytes", "pp": 1, **kw})
         cfg.grid_shape(world)
 
 

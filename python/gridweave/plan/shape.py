@@ -141,8 +141,12 @@ class GridShape:
         # a micro-batch in the layer's input layout: every sequence split at once (the zigzag's
         # chunks, tp's pieces), the replica's rows split as the mode splits them
         view = AxesView(dict(dims.axes()))
-        self.tp.layout(view, zigzag, attn.ring(self.sp, model.ulysses_degree)).without("dp").local_shape(
-            (model.batch // self.dp // microbatches, cfg.seq, cfg.hidden), view)
+        layout = self.tp.layout(view, zigzag, attn.ring(self.sp, model.ulysses_degree))
+        layout.without("dp").local_shape((model.batch // self.dp // microbatches, cfg.seq, cfg.hidden), view)
+        if cfg.mla is not None and (layout.dims[1] or layout.dims[2]):
+            raise GridError(f"multi-head latent attention runs with the sequence and each token's hidden vector whole "
+                            f"on each rank (tp none or row:N without tp_sp, sp 1): tp {self.tp.spec()} with sp "
+                            f"{self.sp} splits them")
         if self.schedule == "interleaved" and (self.pp < 2 or microbatches % self.pp):
             raise GridError(f"the interleaved schedule needs pp >= 2 and microbatches a multiple of pp, got pp "
                             f"{self.pp}, microbatches {microbatches}")
