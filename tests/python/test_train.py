@@ -304,19 +304,38 @@ def deepseek_single(tmp_path_factory):
 
 @pytest.mark.parametrize("spec,port", [
     (["--dp", "2", "--pp", "2", "--ep", "2"], 29739),  # experts over ep 2 of dp 4 x the pipeline
-    (["--tp", "row:2", "--dp", "4", "--pp", "1", "--ep", "2"], 29743),  # the heads and each expert over tp
+    (["--tp", "row:2", "--dp", "2", "--pp", "2", "--ep", "2"], 29743),  # the heads and each expert over tp, x pp
     (["--dp", "4", "--pp", "2", "--ep", "4", "--zero", "3", "--no-offload"], 29745),  # ZeRO-3 x pp, ep 4
-], ids=["dp-pp-ep", "row-dp-ep", "zero3-pp-ep"])
+], ids=["dp-pp-ep", "row-dp-pp-ep", "zero3-pp-ep"])
 def test_deepseek_trains_on_composed_grids_with_one_process_losses(deepseek_single, tmp_path, spec, port):
     """DeepSeek-V3's architecture in the main job (latent attention split as Megatron-Core does,
     its routing and balancing, shared experts, a dense first layer) equals one process on grids
-    with ep, pp, tp and ZeRO-3: the losses (float32, 1e-5) and the balancing biases."""
+    with ep, pp, tp and ZeRO-3: the losses (float32, 1e-5) and the balancing biases; each run
+    exports to the Hugging Face folder the one-process run exports (transformers' config, every
+    tensor within float32's reach), which transformers loads."""
+    from gridweave import cli
+    from safetensors.torch import load_file
+
     one, single = deepseek_single
     losses, out = _train(tmp_path, "run", "--nproc", "8", *DEEPSEEK_V3, *spec, port=port)
     assert one[-1] < one[0] and _close(losses, one, tol=1e-5), (spec, losses, one)
     ref, ours = (gw.train.load_checkpoint(o)["biases"] for o in (single, out))
     assert set(ours) == set(ref) and all([round(v / 0.01) for v in ours[k]] == [round(v / 0.01) for v in ref[k]]
                                          for k in ref), (ours, ref)
+    exported = []
+    for name, run in (("one", single), ("grid", out)):
+        assert cli.main(["export", "--run", str(run), "--out", str(tmp_path / f"hf-{name}")]) == 0
+        exported.append(load_file(str(tmp_path / f"hf-{name}" / "model.safetensors")))
+    theirs, mine = exported
+    assert set(mine) == set(theirs) and any(k.endswith("kv_b_proj.weight") for k in mine)
+    assert all(torch.allclose(mine[k], theirs[k], rtol=1e-3, atol=2e-4) for k in mine), \
+        [k for k in mine if not torch.allclose(mine[k], theirs[k], rtol=1e-3, atol=2e-4)]
+    assert json.loads((tmp_path / "hf-grid" / "config.json").read_text())["model_type"] == "deepseek_v3"
+    tf = pytest.importorskip("transformers")
+    with torch.device("cpu"):
+        hf = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "hf-grid", experts_implementation="eager")
+    assert sum(p.numel() for p in hf.parameters()) == sum(v.numel() for k, v in mine.items()
+                                                          if not k.endswith("e_score_correction_bias"))
 
 
 def test_mixtral_checkpoint_moves_from_expert_tensor_parallelism(mixtral_single, tmp_path):
