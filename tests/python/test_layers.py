@@ -120,9 +120,10 @@ def _latent_arch(q_rank):
     return gw.nn.Arch(gw.nn.Norm.RMS, gw.nn.Activation.SWIGLU, rope_theta=500.0, eps=1e-6, mla=mla)
 
 
-def _latent_layer(ctx, shape, dtype_name, q_rank):
+def _latent_layer(ctx, shape, dtype_name, q_rank, packed=False):
     """DeepSeek's latent-attention layer (gw.nn.LatentAttention) with a dense SwiGLU MLP on a grid
-    against the dense layer: output, input gradient, every parameter gradient, to_dense."""
+    against the dense layer: output, input gradient, every parameter gradient, to_dense; packed:
+    with packed documents (attention within each, rotary positions restarting)."""
     import gridweave as gw
 
     dtype = getattr(torch, dtype_name)
@@ -134,12 +135,15 @@ def _latent_layer(ctx, shape, dtype_name, q_rank):
             p.add_(0.1 * torch.randn_like(p))
     layer = gw.nn.TransformerLayer.from_dense(dense, grid)
     x = full((B, S, H), 11, dtype).requires_grad_()
-    y = dense(x)
+    docs = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2], [0, 0, 0, 0, 0], [0, 0, 0, 1, 1]], device=DEVICE) \
+        if packed else None
+    y = dense(x, docs)
     dy = full(y.shape, 12, dtype)
     y.backward(dy)
     xl = gw.scatter(x.detach(), layer.input_layout, grid).requires_grad_()
     grid.reset_stats()
-    yl = layer(xl)
+    dp, i = grid.axes.get("dp", 1), grid.index("dp") if "dp" in grid.axes else 0
+    yl = layer(xl, None if docs is None else docs[i * B // dp:(i + 1) * B // dp])  # this replica's rows
     yl.backward(gw.scatter(dy, layer.output_layout, grid))
     tp_ops = grid.stats().get("tp", {}).get("ops", 0)
     gw.reduce_gradients(layer, grid)
@@ -166,6 +170,11 @@ def test_latent_attention_layer_matches_dense(pool, shape, n, q_rank, dtype):
     for errs, tp_ops in pool.run(_latent_layer, n, shape, dtype, q_rank):
         assert max(errs.values()) < limit, {k: v for k, v in errs.items() if v >= limit}
         assert tp_ops == (6 if "tp" in shape else 0), tp_ops
+
+
+def test_latent_attention_masks_packed_documents_like_the_dense_layer(pool):
+    for errs, _ in pool.run(_latent_layer, 4, dict(tp="row:2", dp=2), "float64", 8, True):
+        assert max(errs.values()) < 1e-10, {k: v for k, v in errs.items() if v >= 1e-10}
 
 
 def _latent_refused(ctx, shape, tp_sp=False):

@@ -275,15 +275,17 @@ class LatentAttention(nn.Module):
         return q + (self.kv_down, self.kv_up, self.proj)
 
     def forward(self, x, documents=None):
+        """documents: this data-parallel replica's packed documents (ids or Packed): this rank's rows
+        of them mask the attention (its sequences are whole here)."""
         if documents is not None:
-            raise GridError("packed documents with multi-head latent attention run in the dense model only")
+            documents = document_rows(ids_of(documents), self.input_layout, self.grid)
         m = self.mla
         latent, k_rope = self.kv_down(x).split([m.kv_rank, m.rope], dim=-1)
         q = self.q(x) if m.q_rank is None else self.q_up(self.q_norm(self.q_down(x)))
         if self._head_axis is not None:  # every rank's heads read it: its gradient summed over them (f)
             k_rope = copy_to_parallel(k_rope, self.grid, self._head_axis)
         out = mla_attention(q, self.kv_up(self.kv_norm(latent)), k_rope, self.heads // self.groups, m,
-                            self.arch.rope_theta, self.causal)
+                            self.arch.rope_theta, self.causal, documents=documents)
         return self.proj(out)
 
     NAMES = ("q", "q_down", "q_norm", "q_up", "kv_down", "kv_norm", "kv_up", "proj")
