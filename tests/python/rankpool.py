@@ -20,6 +20,7 @@ from datetime import timedelta
 from multiprocessing.connection import Client, Listener
 
 TRANSPORT_ENV = "GRIDWEAVE_TEST_TRANSPORT"
+READY = "ready"
 TRANSPORTS = ("gloo", "mpi")
 
 
@@ -63,6 +64,7 @@ def _serve(conn, host: str, port: int) -> None:
     # MPI connects its ranks itself: no store (a grid then makes its own, never read)
     mpi = os.environ.get(TRANSPORT_ENV) == "mpi"
     store = None if mpi else TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
+    conn.send(READY)  # imported and connected: a task given now starts at once, as its peers' do
     while True:
         try:
             task = conn.recv()
@@ -148,6 +150,7 @@ class RankPool:
             self._listener = Listener((self.host, 0), backlog=size, authkey=self._key)  # all connect at once
             self._conns = self._start_job()
         else:
+            self._fresh = set()  # pids of workers not yet known ready
             self._workers = [self._spawn() for _ in range(size)]
 
     # ---- gloo: one multiprocessing worker per rank ------------------------------------
@@ -156,7 +159,15 @@ class RankPool:
         p = self._ctx.Process(target=_worker, args=(child, self.host, self.port), daemon=True)
         p.start()
         child.close()
+        self._fresh.add(p.pid)
         return p, parent
+
+    @staticmethod
+    def _await_ready(conn, timeout: float = 180.0) -> None:
+        """A new worker imports torch for seconds: a task waits for it, or a test's short timeouts
+        (its peers already connecting) would count the import."""
+        if not conn.poll(timeout) or conn.recv() != READY:
+            raise RuntimeError(f"a new pool worker was not ready within {timeout} s")
 
     # ---- mpi: one mpirun job of `size` ranks ------------------------------------------
     def _start_job(self):
@@ -173,6 +184,8 @@ class RankPool:
         for _ in range(self.size):
             c = self._listener.accept()
             conns[c.recv()] = c
+        for c in conns:
+            self._await_ready(c)
         return conns
 
     def _stop_job(self):
@@ -221,6 +234,11 @@ class RankPool:
         for r in range(n):
             if not self._alive(r):
                 self._replace(r)
+        if self.transport != "mpi":
+            for p, conn in self._workers[:n]:
+                if p.pid in self._fresh:
+                    self._await_ready(conn)
+                    self._fresh.discard(p.pid)
         for r in range(n):
             self._conn(r).send((fn, RankContext(r, n, self.host, self.port, prefix), args, kwargs))
         results, lost = [], []

@@ -372,8 +372,8 @@ def test_experts_in_float8_equal_torchaos_float8_linear_per_expert(recipe, emula
 def test_checkpoints_hold_the_masters_so_fp8_and_bf16_resume_each_other(bf16, tmp_path):
     """A checkpoint holds the fp32 masters whatever the products ran in: an fp8 run resumed in fp8
     is the uninterrupted fp8 run; resumed in bf16 it continues as bf16 does (within 1% of bf16's
-    uninterrupted losses), and a bf16 run resumed in fp8 as fp8 does. (The first runs stop at the
-    end of the warmup, where the learning rate does not yet depend on --steps.)"""
+    uninterrupted losses). (The first run stops at the end of the warmup, where the learning rate
+    does not yet depend on --steps.)"""
     def run(name, precision, *extra):
         out = tmp_path / name
         return _train(tmp_path, name, "--nproc", "1", "--precision", precision, *extra, port=29733), out
@@ -383,11 +383,8 @@ def test_checkpoints_hold_the_masters_so_fp8_and_bf16_resume_each_other(bf16, tm
     again, _ = run("again", "fp8", "--resume", str(half8))
     assert again == full8, (again, full8)
     as_bf16, _ = run("as_bf16", "bf16", "--resume", str(half8))
-    _, half16 = run("half16", "bf16", "--steps", "2")
-    as_fp8, _ = run("as_fp8", "fp8", "--resume", str(half16))
-    assert as_bf16[:2] == full8[:2] and as_fp8[:2] == bf16[:2]
-    for got, ref in ((as_bf16, bf16), (as_fp8, full8)):
-        assert max(abs(a - b) / b for a, b in zip(got[2:], ref[2:])) < 1e-2, (got, ref)
+    assert as_bf16[:2] == full8[:2]
+    assert max(abs(a - b) / b for a, b in zip(as_bf16[2:], bf16[2:])) < 1e-2, (as_bf16, bf16)
 
 
 def _zero3_float8_gathers(ctx, dp):

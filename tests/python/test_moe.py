@@ -272,7 +272,12 @@ def _expert_parallel(ctx, shape, ep_spec, token_axes, capacity, tp=None, sequenc
     me = grid.index(token_axes)
     block = ExpertParallelMoE.from_dense(dense, grid, ep, token_axes, "tp" if tp else None, sequence)
     xr = x.clone().requires_grad_(True)
-    ref = dense(xr.reshape(-1, 6, 12))  # one process, the whole micro-batch (a capacity ranks over it all)
+    if "sp" in token_axes and grid.size("sp") > 1:  # rank (d, s) holds piece s of data shard d's sequences
+        d, n = grid.size("dp"), grid.size("sp")
+        ref = dense(xr.reshape(d, n, 2, 6, 12).transpose(1, 2).reshape(2 * d, 6 * n, 12))
+        ref = ref.reshape(d, 2, n, 6, 12).transpose(1, 2).reshape(x.shape)
+    else:
+        ref = dense(xr.reshape(-1, 6, 12))  # one process, the whole micro-batch (a capacity ranks over it all)
     (ref * w.reshape(ref.shape)).sum().backward()
     # this rank's tokens: its data shard, and with sequence parallelism its piece of each sequence
     cut = slice(None) if not sequence else slice(3 * grid.index("tp"), 3 * grid.index("tp") + 3)

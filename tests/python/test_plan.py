@@ -144,7 +144,7 @@ def test_calibrate_writes_a_usable_local_preset(tmp_path):
     import os
 
     out = tmp_path / "local.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GRIDWEAVE_PORT": "29655"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GRIDWEAVE_PORT": "30655"}
     env.pop("RANK", None)
     r = subprocess.run([sys.executable, "-m", "gridweave.cli", "bench", "--calibrate", "--nproc", "2", "--out", str(out)],
                        capture_output=True, text=True, timeout=180, env=env)
