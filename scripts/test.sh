@@ -34,7 +34,7 @@ ctest --test-dir build/ctest --output-on-failure -j2
 # nothing silent) run after, with nothing beside them.
 # The zero-bubble schedules' main jobs run once, in the NCCL-rules pass below (the stricter rules).
 alone=(test_cluster test_nothing_silent test_faults test_flight test_flight_signal)
-shard_a=(test_train test_config test_precision test_bert test_float8 test_datasets test_gpu test_verify test_init_from)
+shard_a=(test_train test_config test_precision test_bert test_float8 test_datasets test_gpu test_verify)
 shard_b=()
 for f in tests/python/test_*.py; do
   name=$(basename "$f" .py)

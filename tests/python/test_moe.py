@@ -363,7 +363,8 @@ def test_the_sequence_wise_balance_loss_is_deepseek_v3s_formula():
         for t in range(5):
             masked[t, groups[t]] = choice[t, groups[t]]
         top = masked.reshape(5, 6).topk(2, dim=-1).indices
-        f = torch.zeros(6, dtype=torch.float64).index_add_(0, top.reshape(-1), torch.ones(10, dtype=torch.float64))
+        f = torch.zeros(6, dtype=torch.float64, device="cpu").index_add_(
+            0, top.reshape(-1), torch.ones(10, dtype=torch.float64, device="cpu"))
         f = f * 6 / (2 * 5)
         p = (s / s.sum(-1, keepdim=True)).mean(0)
         want += float((f * p).sum()) / 3
