@@ -671,3 +671,21 @@ def test_init_from_a_qwen_moe_folder_sets_its_model(tmp_path, kind):
     assert run.model == kind.replace("_", "-") and run.shared_ffn == (12 if kind == "qwen2_moe" else 0)
     got = run.model_config(256)
     assert (got.moe, got.qkv_bias, got.qk_norm) == (cfg.moe, cfg.qkv_bias, cfg.qk_norm)
+
+
+def test_init_from_a_deepseek_folder_sets_its_model(tmp_path):
+    """--init-from a DeepSeek-V3 folder: the run is model deepseek-v3 with that folder's latent
+    attention, routing and dense first layer, read back as written; on a grid that splits its
+    sequence, one error before any rank starts."""
+    import gridweave as gw
+
+    moe = MoE(experts=4, top_k=2, ffn=16, shared_ffn=16, scoring="sigmoid", scale=2.0, groups=2, topk_groups=1,
+              expert_bias=True)
+    cfg = gw.models.ModelConfig("llama", 256, 32, 4, 2, 16, 24, moe=moe, dense_layers=(0,),
+                                mla=gw.nn.MLA(kv_rank=8, q_rank=12, nope=6, rope=4, v=8))
+    gw.models.build(cfg, device="cpu").save_hf(tmp_path)
+    run = gw.train.TrainConfig(init_from=str(tmp_path), tokenizer="bytes", seq=16, batch=8, pp=1)
+    assert run.model == "deepseek-v3" and (run.experts, run.top_k, run.moe_ffn) == (4, 2, 16)
+    assert run.model_config(256) == dataclasses.replace(cfg, eps=1e-6)  # the export writes Llama's default
+    with pytest.raises(GridError, match="latent attention runs with the sequence"):
+        gw.train.TrainConfig(init_from=str(tmp_path), tokenizer="bytes", seq=16, batch=8, pp=1, sp=2).grid_shape(2)
