@@ -3,24 +3,9 @@ input gradient and every parameter gradient; Megatron's four all-reduces."""
 import pytest
 import torch
 
-from tp_refs import DEVICE, full, rel
+from tp_refs import DEVICE, full, layer_errors, rel
 
 H, HEADS, B, S = 32, 8, 4, 5
-
-
-def _errors(layer, dense, grid, x, xl, y, yl) -> dict:
-    """A layer's output, input gradient, every parameter gradient and to_dense against the dense
-    layer's (relative errors)."""
-    import gridweave as gw
-
-    errs = {"y": rel(gw.gather(yl, layer.output_layout, grid), y),
-            "dx": rel(gw.gather(xl.grad, layer.input_layout, grid), x.grad)}
-    grads = layer.dense_state(grad=True)
-    for name, p in dense.named_parameters():
-        errs[name] = rel(grads[name], p.grad)
-    state = layer.to_dense().state_dict()
-    errs["to_dense"] = max(rel(state[k], v) for k, v in dense.state_dict().items())
-    return errs
 
 
 def _layer(ctx, mode, dtype_name, overlap, bias):
@@ -46,7 +31,7 @@ def _layer(ctx, mode, dtype_name, overlap, bias):
     yl = layer(xl)
     yl.backward(gw.scatter(dy, layer.output_layout, grid))
     stats = grid.stats()
-    errs = _errors(layer, dense, grid, x, xl, y, yl)
+    errs = layer_errors(layer, dense, grid, x, xl, y, yl)
     # the planner's schedule, recorded on meta tensors, is the collectives this run issued
     from collections import Counter
 
@@ -156,7 +141,7 @@ def _latent_layer(ctx, shape, dtype_name, q_rank, packed=False):
     yl.backward(gw.scatter(dy, layer.output_layout, grid))
     tp_ops = grid.stats().get("tp", {}).get("ops", 0)
     gw.reduce_gradients(layer, grid)
-    return _errors(layer, dense, grid, x, xl, y, yl), tp_ops
+    return layer_errors(layer, dense, grid, x, xl, y, yl), tp_ops
 
 
 @pytest.mark.parametrize("shape,n,q_rank", [(dict(tp="row:2"), 2, 8), (dict(tp="row:4"), 4, None),

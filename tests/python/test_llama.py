@@ -4,7 +4,7 @@ every parameter gradient (float64, 1e-10); kv-heads the tensor groups do not spl
 import pytest
 import torch
 
-from tp_refs import DEVICE, full, rel
+from tp_refs import DEVICE, full, layer_errors, rel
 
 # two shapes: 8 heads over 4 kv heads; 6 heads in groups of 3 over 2 kv heads, a sequence of 12
 SHAPES = {"a": (32, 8, 4, 8, 48), "b": (24, 6, 4, 12, 40)}  # (hidden, heads, batch, seq, ffn)
@@ -43,14 +43,7 @@ def _llama_layer(ctx, mode, kv_heads, attention, causal=True, shape="a", qwen=No
     yl = layer(xl)
     yl.backward(gw.scatter(dy, lay, grid))
     gw.reduce_gradients(layer, grid)  # each gradient summed over its placement's partial axes
-    errs = {"y": rel(gw.gather(yl.detach(), lay, grid, shape=y.shape), y),
-            "dx": rel(gw.gather(xl.grad, lay, grid, shape=x.shape), x.grad)}
-    grads = layer.dense_state(grad=True)
-    for name, p in dense.named_parameters():
-        errs[name] = rel(grads[name], p.grad)
-    state = layer.to_dense().state_dict()
-    errs["to_dense"] = max(rel(state[k], v) for k, v in dense.state_dict().items())
-    return errs
+    return layer_errors(layer, dense, grid, x, xl, y, yl)
 
 
 @pytest.mark.parametrize("mode,n,kv", [("1d", 2, 2), ("1d", 4, 4), ("1d+sp", 4, 2), ("2d", 4, 2), ("3d", 8, 2),

@@ -34,3 +34,18 @@ def packed_documents(batch, length, seed):
             out[b, i:i + n] = d
             i, d = i + n, d + 1
     return out.to(DEVICE)
+
+
+def layer_errors(layer, dense, grid, x, xl, y, yl) -> dict:
+    """A parallel layer's output, input gradient, every parameter gradient and to_dense against
+    the dense layer's (relative errors); the gradients already reduced over their partial axes."""
+    import gridweave as gw
+
+    errs = {"y": rel(gw.gather(yl.detach(), layer.output_layout, grid, shape=y.shape), y),
+            "dx": rel(gw.gather(xl.grad, layer.input_layout, grid, shape=x.shape), x.grad)}
+    grads = layer.dense_state(grad=True)
+    for name, p in dense.named_parameters():
+        errs[name] = rel(grads[name], p.grad)
+    state = layer.to_dense().state_dict()
+    errs["to_dense"] = max(rel(state[k], v) for k, v in dense.state_dict().items())
+    return errs
