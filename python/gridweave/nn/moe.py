@@ -445,10 +445,13 @@ class DenseMoE(nn.Module, split.Deferrable):
         the scores normalised over the experts summed per expert (DeepSeek-V3 eq. 19), tokens,
         sequences over which the loss is averaged)."""
         t, e = r.probs.shape[0] // batch, self.moe.experts
+        # each slot counted at (its sequence, its expert); index_add, as bincount would read its size on the host
         seq = torch.arange(batch * t, device=r.experts.device).repeat_interleave(self.moe.top_k) // t
-        chosen = torch.bincount(seq * e + r.experts.reshape(-1), minlength=batch * e).reshape(batch, e)
+        flat = r.probs.new_zeros(batch * e).index_add_(0, seq * e + r.experts.reshape(-1),
+                                                        r.probs.new_ones(r.experts.numel()))
+        chosen = flat.reshape(batch, e)
         normed = r.probs / r.probs.sum(dim=-1, keepdim=True)
-        return chosen.to(r.probs.dtype), normed.reshape(batch, t, e).sum(dim=1), t, batch
+        return chosen, normed.reshape(batch, t, e).sum(dim=1), t, batch
 
     def _sequence_loss(self, r: Routing, batch: int) -> torch.Tensor:
         """DeepSeek-V3's sequence-wise balance loss (eq. 17-20), averaged over the sequences:
@@ -632,12 +635,16 @@ class ExpertParallelMoE(DenseMoE):
                                      self.token_axes, dim=1)
         return every[0], every[1].long()
 
+    def _sequence_axes(self) -> tuple:
+        """(the token axes that split each sequence, those that split the batch into sequences)."""
+        along = tuple(a for a in self.token_axes if a == "sp" and self.grid.size(a) > 1)
+        return along, tuple(a for a in self.token_axes if a not in along)
+
     def _sequence_statistics(self, r: Routing, batch: int) -> tuple:
         chosen, score_sum, t, sequences = super()._sequence_statistics(r, batch)
         # a sequence's tokens over the sequence axes (counts summed; the sums' gradient each rank's own
         # tokens': Megatron's g); the loss averaged over the sequences of every data rank
-        along = tuple(a for a in self.token_axes if a == "sp" and self.grid.size(a) > 1)
-        across = tuple(a for a in self.token_axes if a not in along)
+        along, across = self._sequence_axes()
         if along:
             self.grid.all_reduce(chosen, along)
             score_sum = reduce_from_parallel(score_sum, self.grid, along)
@@ -646,7 +653,7 @@ class ExpertParallelMoE(DenseMoE):
 
     def _sequence_loss(self, r: Routing, batch: int) -> torch.Tensor:
         loss = super()._sequence_loss(r, batch)  # this rank's sequences' part of the mean
-        across = tuple(a for a in self.token_axes if not (a == "sp" and self.grid.size(a) > 1))
+        across = self._sequence_axes()[1]
         return reduce_from_parallel(loss, self.grid, across) if across else loss
 
     def _statistics(self, r: Routing) -> tuple:
@@ -661,13 +668,17 @@ class ExpertParallelMoE(DenseMoE):
         return chosen, sums[:-1], sums[-1], tokens * self.grid.size(self.token_axes)
 
 
+def moe_blocks(module: nn.Module) -> list:
+    """The mixture-of-experts blocks of `module`, in module order (routed_tokens' rows)."""
+    return [m for m in module.modules() if isinstance(m, DenseMoE)]
+
+
 def set_aux_grad_scale(module: nn.Module, scale) -> None:
     """The gradient every mixture-of-experts block of `module` gives its auxiliary losses
     (gw.train: the loss scale over the micro-batches, times the data ranks the optimizer
     averages over)."""
-    for m in module.modules():
-        if isinstance(m, DenseMoE):
-            m.aux_grad_scale = scale
+    for m in moe_blocks(module):
+        m.aux_grad_scale = scale
 
 
 def expert_line(grid, ep: int) -> LinePart:
@@ -681,9 +692,8 @@ def plan_routing(module: nn.Module, imbalance: float | None) -> None:
     """Every mixture-of-experts block of `module` routes by planned_route with this expert
     imbalance (None: by its router again): the planner's recording on the meta device, where
     the router's choices cannot be read."""
-    for m in module.modules():
-        if isinstance(m, DenseMoE):
-            m.planned_imbalance = imbalance
+    for m in moe_blocks(module):
+        m.planned_imbalance = imbalance
 
 
 def routed_tokens(module: nn.Module, grid) -> torch.Tensor | None:
@@ -691,7 +701,7 @@ def routed_tokens(module: nn.Module, grid) -> torch.Tensor | None:
     each expert since the last call, summed over the blocks' token axes (collective over them; a
     tensor axis that holds the same tokens counts once), on the device, unread; the blocks'
     counters restart. None without such blocks."""
-    blocks = [m for m in module.modules() if isinstance(m, DenseMoE)]
+    blocks = moe_blocks(module)
     if not blocks:
         return None
     counts = torch.stack([b.routed for b in blocks])
@@ -715,10 +725,9 @@ def update_expert_bias(module: nn.Module, counts: torch.Tensor | None) -> None:
     bias_rate toward an even load, b_i += rate * sign(mean load - load_i), from `counts`
     (routed_tokens' (blocks, experts): the step's slots over the blocks' token axes, so every
     grid moves it alike). On the device, unread."""
-    blocks = [m for m in module.modules() if isinstance(m, DenseMoE)]
-    if counts is None or not blocks:
+    if counts is None:
         return
-    for b, load in zip(blocks, counts):
+    for b, load in zip(moe_blocks(module), counts):
         if b.moe.bias_rate and b.expert_bias is not None:
             load = load.to(b.expert_bias.dtype)
             b.expert_bias += b.moe.bias_rate * torch.sign(load.mean() - load)
