@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The tests: ctest (math, schedules, the Gloo transport on 2-8 forked processes, the MPI
 # transport under mpirun) and pytest (every op through the Python API on a pool of rank
-# processes) in three passes. First every test on the Gloo transport with torch's default device
-# poisoned to "meta" (in the pool, the main jobs' ranks and this process), so any tensor made
-# without an explicit device (library or test) fails loudly. Then, on the MPI transport (the pool
+# processes) in three passes, each with torch's default device poisoned to "meta" (in the pool,
+# the main jobs' ranks and this process), so any tensor made without an explicit device (library
+# or test) fails loudly. First every test on the Gloo transport (the layers' files apart: see below). Then, on the MPI transport (the pool
 # and the main jobs under mpirun; without MPI the pass stays on Gloo), the tests whose correctness
 # rests on the transport: the collectives and segmented collectives, the pipeline's receive
 # strategies, the attention rings, checkpoints, faults and timeouts, NCCL's rules, the ZeRO grid
@@ -33,12 +33,15 @@ ctest --test-dir build/ctest --output-on-failure -j2
 # whose assertions are timeouts and failure detection (the cluster, faults, the flight recorder,
 # nothing silent) run after, with nothing beside them.
 # The zero-bubble schedules' main jobs run once, in the NCCL-rules pass below (the stricter rules).
+# The layers' files branch on no transport capability (only the pipeline does): they run once,
+# in the NCCL-rules pass, whose rules are the stricter.
 alone=(test_cluster test_nothing_silent test_faults test_flight test_flight_signal)
 shard_a=(test_train test_config test_precision test_bert test_float8 test_datasets test_gpu test_verify)
+nccl_only=(test_layers test_tensor3d test_subgraph test_sequence_model)
 shard_b=()
 for f in tests/python/test_*.py; do
   name=$(basename "$f" .py)
-  if [[ " ${alone[*]} ${shard_a[*]} " != *" $name "* ]]; then shard_b+=("$name"); fi
+  if [[ " ${alone[*]} ${shard_a[*]} ${nccl_only[*]} " != *" $name "* ]]; then shard_b+=("$name"); fi
 done
 files() { for name in "$@"; do printf 'tests/python/%s.py ' "$name"; done; }
 pass1=(python3 -m pytest -q --durations=20 --transport=gloo --default-device=meta
@@ -62,7 +65,7 @@ python3 -m pytest -q --durations=10 --transport=$transport --default-device=meta
   "tests/python/test_zero.py::test_zero_equals_adamw_on_the_dense_model" \
   "tests/python/test_zero_bubble.py::test_zero_bubble_schedules_equal_the_dense_model" \
   "tests/python/test_train.py::test_the_main_job_under_mpirun_gives_one_process_losses"
-python3 -m pytest -q --timeout 300 --emulate=nccl tests/python/test_sequence.py tests/python/test_pipeline.py \
+python3 -m pytest -q --timeout 300 --emulate=nccl --default-device=meta tests/python/test_sequence.py tests/python/test_pipeline.py \
   tests/python/test_plan_counters.py tests/python/test_tensor3d.py tests/python/test_subgraph.py \
   tests/python/test_checkpoint.py tests/python/test_layers.py tests/python/test_moe.py tests/python/test_flight.py \
   "tests/python/test_zero_bubble.py::test_zero_bubble_schedules_equal_the_dense_model" \

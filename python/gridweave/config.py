@@ -337,6 +337,8 @@ class DataSection(Section):
                                    "tokenizer.json (or a folder holding one, e.g. a local GPT-2's): the corpus is "
                                    "tokenized with it")
     vocab: int = option(1024, "the BPE vocabulary's size", at_least=1)
+    data_timeout: float = option(3600.0, "seconds the data's preparation (tokenizer, token file) may take; the other "
+                                         "ranks wait that long, not the communication timeout", above=0)
     pack_documents: bool = option(False, "packed documents: attention within each document of a window, positions "
                                          "restarting at each")
     balance_documents: bool = option(True, "packed documents over a ring (sp with attention ring or usp): each rank's "

@@ -21,7 +21,6 @@ import functools
 
 import torch
 import torch.nn as nn
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from . import float8
 from .errors import GridError
@@ -155,6 +154,9 @@ class _Apart(torch.autograd.Function):
         xl, leaves, out = ctx.graph
         del ctx.graph
         store, mb, params = ctx.deferred
+        # imported here: it loads torch.distributed.pipelining, dynamo and DTensor (1.5 s a process)
+        from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
         live = [p for p in leaves if p is not None]
         with torch.enable_grad():  # torch's helpers find the leaves' accumulators through a view
             (dx,), groups = stage_backward_input([out], [g], [xl], iter(live))

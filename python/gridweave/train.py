@@ -450,31 +450,65 @@ def _say(line: str) -> None:
 def prepare_data(cfg: TrainConfig, grid, out: Path) -> tuple:
     """(token file, tokenizer): the tokenizer made once by rank 0 into out (from the resumed run's);
     the token file by rank 0 into out too, or with data_cache by each node's first rank into that
-    node-local folder. Every wait is a grid collective (bounded by the grid's timeout) that also
-    tells every rank whether a maker failed: no rank waits on a maker that gave up, and no two
-    processes write one file."""
+    node-local folder. No two processes write one file, and no rank waits on a maker that gave up:
+    see made_while_beating."""
     tok_from = str(Path(cfg.resume) / data.TOKENIZER_FILE) if cfg.resume else \
         (str(cfg.tokenizer_file) if cfg.tokenizer_file is not None else None)
     cache = Path(cfg.data_cache.replace("{host}", socket.gethostname())) if cfg.data_cache else None
 
     def made_by(maker: bool, folder: Path, tokenizer_from, tokenize=True) -> None:
-        failed = None
-        if maker:
-            try:
-                data.prepare(folder, cfg.source, cfg.tokenizer, cfg.vocab, tokenizer_from=tokenizer_from,
-                             tokenize=tokenize, say=None if cfg.quiet else _say, warn=_say)
-            except (GridError, OSError) as e:
-                failed = e
-        if grid.any(failed is not None):
-            if failed is not None:
-                raise failed
-            raise GridError(f"the data could not be prepared in {folder} (the rank that made it says why)")
+        made_while_beating(grid, maker, lambda: data.prepare(
+            folder, cfg.source, cfg.tokenizer, cfg.vocab, tokenizer_from=tokenizer_from, tokenize=tokenize,
+            say=None if cfg.quiet else _say, warn=_say), cfg.data_timeout, f"the data in {folder}")
 
     made_by(grid.rank == 0, out, tok_from, tokenize=cache is None)
     if cache is None:
         return data.open_tokens(out), data.load_tokenizer(out / data.TOKENIZER_FILE)
     made_by(launch.local_rank() == 0, cache, str(out / data.TOKENIZER_FILE))
     return data.open_tokens(cache), data.load_tokenizer(cache / data.TOKENIZER_FILE)
+
+
+HEARTBEAT_S = (0.02, 0.5)  # the first and the longest pause between made_while_beating's checks
+
+
+def made_while_beating(grid, maker: bool, make: Callable[[], None], within: float, what: str) -> None:
+    """make() run by the ranks where `maker` holds, on a thread, while every rank checks with the
+    others, in small world all-reduces, whether the makers have finished or failed: the wait is
+    bounded by `within` (one decision, every rank's), not by the grid's per-communication timeout,
+    which a slow tokenizer would pass (torch's barrier after a rank-0 step is bounded by the
+    collective timeout alone). What a maker meets is raised there; the others raise a GridError
+    saying it failed."""
+    import threading
+
+    box: dict = {}
+
+    def work():
+        try:
+            make()
+        except BaseException as e:  # raised on the maker's main thread; the others hear it failed
+            box["error"] = e
+        finally:
+            box["done"] = True
+
+    if maker:
+        threading.Thread(target=work, name="gridweave-prepare", daemon=True).start()
+    t0, pause = time.monotonic(), HEARTBEAT_S[0]
+    while True:
+        over = time.monotonic() - t0 > within
+        flags = torch.tensor([float(maker), float(box.get("done", False)), float("error" in box), float(over)],
+                             dtype=torch.float64, device=grid.device)
+        grid.all_reduce(flags, axis=None, op="sum")
+        makers, done, failed, late = (int(v) for v in flags.tolist())
+        if failed:
+            if "error" in box:
+                raise box["error"]
+            raise GridError(f"{what} could not be prepared (the rank that made it says why)")
+        if done == makers:
+            return
+        if late:
+            raise GridError(f"{what} was not prepared within data_timeout={within:g} s")
+        time.sleep(pause)
+        pause = min(2 * pause, HEARTBEAT_S[1])
 
 
 @dataclass

@@ -48,7 +48,7 @@ PKG = ROOT / "python" / "gridweave"
 # Bottom first. A module may import its own layer's modules (without a loop) and any layer
 # below; the package faces (__init__.py) re-export and may import their own package.
 LAYERS = (
-    ("base", {"_C", "errors", "launch", "_buffers", "axes", "precision", "measure", "flight", "schedules", "split", "float8"}),
+    ("base", {"_C", "errors", "launch", "_buffers", "_init", "axes", "precision", "measure", "flight", "schedules", "split", "float8"}),
     ("layout", {"layout", "documents"}),
     ("grid", {"grid", "sharding", "ring"}),
     ("beside models (pipeline, optim, zero, checkpoint: sharding, layout and grid only)",

@@ -239,6 +239,43 @@ def test_a_failed_write_fails_the_save_everywhere_and_keeps_the_previous_step(po
     assert leftovers == []
 
 
+def _slow_maker(ctx, case):
+    """gw.train.made_while_beating on 4 ranks whose grid timeout is 1 s: makers ranks 0 and 2 (the
+    node-local data cache's first ranks), rank 2 taking 3 s."""
+    from gridweave.train import made_while_beating
+
+    grid = ctx.init(dp=4, timeout=1.0)
+
+    def make():
+        if case == "fails" and ctx.rank == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        time.sleep(3.0 if ctx.rank == 2 else 0.1)
+
+    try:
+        made_while_beating(grid, ctx.rank in (0, 2), make, 1.5 if case == "late" else 60.0, "the data in F")
+    except (gw.GridError, OSError) as e:
+        return type(e).__name__, str(e)
+    t = torch.ones(2, device="cpu")  # the grid still works: every rank left together
+    grid.all_reduce(t, axis="dp")
+    return "made", t.tolist()
+
+
+@pytest.mark.parametrize("case", ["slow", "late", "fails"])
+def test_the_ranks_wait_for_a_data_maker_by_data_timeout_not_the_grid_timeout(pool, case):
+    """A maker 3 times slower than the grid's timeout: the others wait for it (no CommTimeout); past
+    data_timeout every rank stops with one error; a maker's failure is every rank's error."""
+    res = pool.run(_slow_maker, 4, case, timeout=60)
+    if case == "slow":
+        assert res == [("made", [4.0, 4.0])] * 4, res
+    elif case == "late":
+        assert all(r[0] == "GridError" and "the data in F was not prepared within data_timeout=1.5 s" in r[1]
+                   for r in res), res
+    else:
+        assert res[2][0] == "OSError" and "No space left" in res[2][1], res
+        assert all(res[k] == ("GridError", "the data in F could not be prepared (the rank that made it says why)")
+                   for k in (0, 1, 3)), res
+
+
 def test_atomic_write_names_the_path_and_the_limit(tmp_path):
     """A write past the process's file size limit (ulimit -f, the stand-in for a full disk
     here): WriteError naming the file and the limit; no temporary file stays."""

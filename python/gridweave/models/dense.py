@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import _init
 from ..documents import check_documents, document_positions
 from ..errors import GridError
 from ..nn.dense import BERT, GPT2, LLAMA, MLA, Activation, Arch, DenseTransformerLayer, Norm
@@ -232,8 +233,8 @@ class Embedding(nn.Module):
     def __init__(self, vocab, hidden, seq, dtype=None, device=None, positions=True, norm: nn.Module | None = None):
         """norm: a LayerNorm after the sum (BERT's embedding), or None."""
         super().__init__()
-        self.tok = nn.Embedding(vocab, hidden, dtype=dtype, device=device)
-        self.pos = nn.Embedding(seq, hidden, dtype=dtype, device=device) if positions else None
+        self.tok = _init.embedding(vocab, hidden, dtype=dtype, device=device)
+        self.pos = _init.embedding(seq, hidden, dtype=dtype, device=device) if positions else None
         self.ln = norm
 
     @classmethod

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import _init
 from ..autograd.heads import grouped_attention
 from ..autograd.heads import repeat_kv as repeat_heads
 from ..documents import check_documents, document_mask, document_positions
@@ -113,7 +114,7 @@ class Arch:
             return None
         k, length = self.linformer
         w = torch.empty(2, k, length, dtype=dtype, device=device)
-        nn.init.normal_(w, std=(2.0 / (k + length)) ** 0.5)
+        _init.normal_(w, std=(2.0 / (k + length)) ** 0.5)
         return nn.Parameter(w)
 
     def kv(self, heads: int) -> int:

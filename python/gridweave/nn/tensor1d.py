@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import _init
 from ..autograd.comm import (copy_to_parallel, gather_from_parallel, reduce_from_parallel, reduce_scatter_sequence,
                              scatter_to_parallel)
 from .. import float8, split
@@ -73,7 +74,7 @@ class ColumnParallelLinear(ParallelLinearBase, split.Deferrable):
         kw = dict(dtype=dtype, device=device or grid.device)
         self.weight = place(nn.Parameter(torch.empty(n, in_features, **kw)), Layout((axis,)))
         self.bias = place(nn.Parameter(torch.zeros(n, **kw)), Layout((axis,))) if bias else None
-        nn.init.normal_(self.weight, std=in_features ** -0.5)
+        _init.normal_(self.weight, std=in_features ** -0.5)
 
     @property
     def input_layout(self):
@@ -125,7 +126,7 @@ class RowParallelLinear(ParallelLinearBase, split.Deferrable):
         # with sequence parallelism, so its gradient is partial over the axis too)
         self.bias = place(nn.Parameter(torch.zeros(out_features, **kw)),
                           partial=DATA_AXES + ((axis,) if sequence else ())) if bias else None
-        nn.init.normal_(self.weight, std=in_features ** -0.5)
+        _init.normal_(self.weight, std=in_features ** -0.5)
 
     @property
     def input_layout(self):
@@ -176,7 +177,7 @@ class VocabParallelEmbedding(nn.Module):
         self.start = grid.index(axis) * n
         self.weight = place(nn.Parameter(torch.empty(n, embedding_dim, dtype=dtype, device=device or grid.device)),
                             Layout((axis,)))
-        nn.init.normal_(self.weight)
+        _init.normal_(self.weight)
 
     input_layout = REPLICATED
     output_layout = REPLICATED
@@ -200,7 +201,7 @@ class VocabParallelEmbedding(nn.Module):
         return {"weight": gather(w, Layout((self.axis,)), self.grid)}
 
     def to_dense(self):
-        e = nn.Embedding(self.num_embeddings, self.embedding_dim, dtype=self.weight.dtype, device=self.weight.device)
+        e = _init.embedding(self.num_embeddings, self.embedding_dim, dtype=self.weight.dtype, device=self.weight.device)
         with torch.no_grad():
             e.weight.copy_(self.dense_state()["weight"])
         return e

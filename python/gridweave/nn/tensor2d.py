@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import _init
 from .. import split
 from ..autograd.comm import all_reduce_replicated
 from ..autograd.summa import summa_matmul, summa_vector
@@ -49,7 +50,7 @@ class Linear2D(ParallelLinearBase, split.Deferrable):
         self.weight = place(nn.Parameter(torch.empty(in_features // q, out_features // q, **kw)), WEIGHT,
                             transposed=True)  # W^T, SUMMA's B
         self.bias = place(nn.Parameter(torch.zeros(out_features // (q * q), **kw)), VECTOR) if bias else None
-        nn.init.normal_(self.weight, std=in_features ** -0.5)
+        _init.normal_(self.weight, std=in_features ** -0.5)
 
     def forward(self, x):
         _check_batch(x, self.grid)

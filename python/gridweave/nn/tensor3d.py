@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import _init
 from .. import _C, split
 from ..autograd.comm import all_reduce_replicated
 from ..autograd.cube import AB, activation_layout, cube_matmul, cube_vector, is_diagonal, matrix_layout, vector_layout
@@ -47,7 +48,7 @@ class Linear3D(ParallelLinearBase, split.Deferrable):
         kw = dict(dtype=dtype, device=device or grid.device)
         self.weight = place(nn.Parameter(torch.empty(in_features // p, out_features // (p * p), **kw)),
                             self.weight_layout, transposed=True)  # W^T, as Algorithm 1's B
-        nn.init.normal_(self.weight, std=in_features ** -0.5)
+        _init.normal_(self.weight, std=in_features ** -0.5)
         self.diagonal = is_diagonal(grid, a, c)
         n_bias = out_features // (p * p)
         self.bias = place(nn.Parameter(torch.zeros(n_bias if self.diagonal else 0, **kw)), self.bias_layout,
