@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -130,15 +129,7 @@ def plot(data: dict, png: Path) -> None:
 
 
 def main() -> None:
-    ap = bench_parser(__file__)
-    ap.add_argument("--rate", default="200mbit", help="each node's link, both ways (tbf)")
-    args = ap.parse_args()
-    why = cl.unavailable()
-    if why:
-        sys.exit(f"bench_cluster: {why}")
-    work = Path("/tmp/gridweave-bench-cluster")
-    shutil.rmtree(work, ignore_errors=True)  # --resume auto must not find an earlier run's checkpoint
-    work.mkdir(parents=True)
+    args, work = cl.bench_setup(bench_parser(__file__), "bench_cluster")
     data = {"rate": args.rate, "model": MODEL, "steps": STEPS, "warmup": WARMUP, "runs": {}}
     with cl.Cluster(2, prefix="gwb", subnet="10.231.81", rate=args.rate) as c:
         data["preset"] = calibrate(c, work, 29660)

@@ -187,6 +187,9 @@ class MoESection(Section):
                                  at_least=0)
     dense_first: int = option(0, "the first K layers' MLPs dense, ffn_hidden wide (DeepSeek-V3's "
                                  "first_k_dense_replace)", at_least=0)
+    moe_overlap: bool = option(False, "with ep > 1 and a shared expert: the shared expert computed while the "
+                                      "dispatch's all-to-all runs, and its backward while the reverse exchange runs "
+                                      "(Megatron-Core's shared-expert overlap)")
 
 
 @dataclass
@@ -452,7 +455,11 @@ class TrainConfig(LoggingSection, CheckpointSection, DataSection, OptimizerSecti
         if self.ep > 1 and self.model not in MOE_MODELS:
             raise GridError(f"ep={self.ep} splits a mixture of experts: it needs model {' or '.join(MOE_MODELS)}, "
                             f"got {self.model}")
-        self.model_config(self.vocab)  # the model's own checks (heads vs hidden, kv heads, Linformer)
+        model = self.model_config(self.vocab)  # the model's own checks (heads vs hidden, kv heads, Linformer)
+        if self.moe_overlap and (self.ep < 2 or model.moe is None or not model.moe.shared_ffn):
+            raise GridError(f"moe_overlap computes the shared expert during the experts' dispatch: it needs ep > 1 and "
+                            f"a shared expert (shared_ffn), got ep {self.ep}, shared_ffn "
+                            f"{model.moe.shared_ffn if model.moe is not None else 0}")
 
     def section(self, section: type) -> Section:
         """This configuration's values of one section, as that section's own (checked) object."""

@@ -278,6 +278,21 @@ class Work:
         return self._native.source
 
 
+class _Together:
+    """Works waited as one (an uneven all-to-all's sends and receives): wait() returns `result`."""
+
+    def __init__(self, works: list, result):
+        self._works, self._result = works, result
+
+    def test(self) -> bool:
+        return all(w.test() for w in self._works)
+
+    def wait(self, timeout: float | None = None):
+        for w in self._works:
+            w.wait(timeout)
+        return self._result
+
+
 def _then(work: Work, back) -> Work:
     """A Work that waits for `work` (a Work is itself a native-like handle: wait, test,
     source) and returns back(its result): results of ops run on host copies go home."""
@@ -665,14 +680,15 @@ class Grid(LineArithmetic):
         out = empty_like_shape(t, tuple(t.shape))
         return self._run(c.all_to_all(view(src, "all_to_all input"), view(out), async_op), async_op, (src, out), lambda: out)
 
-    def all_to_all_v(self, t, send_counts, recv_counts, axis: AxisArg, tag: int = 0):
+    def all_to_all_v(self, t, send_counts, recv_counts, axis: AxisArg, tag: int = 0, async_op: bool = False):
         """Rows of `t` (dim 0) in member order: send_counts[k] rows go to member k, and the
         result holds recv_counts[j] rows from member j, in member order (torch's
         all_to_all_single with splits; MoE's token dispatch). The counts are the caller's, so
         every size is known before anything moves (exchange them first, e.g. all_to_all of
         the per-expert counts). One group of sends and receives (on NCCL grouped sends and
         receives, as ProcessGroupNCCL runs an uneven all-to-all); this rank's own rows are
-        copied, not sent; the messages count as the axis's sends and receives."""
+        copied, not sent; the messages count as the axis's sends and receives. async_op: a handle
+        whose wait() returns the result (the group started; other work runs meanwhile)."""
         c = self.comm(axis, "all_to_all_v")
         n, me = c.size, c.rank
         counts = [list(send_counts), list(recv_counts)]
@@ -694,7 +710,10 @@ class Grid(LineArithmetic):
                 ops.append(P2POp("isend", src[starts[0][k]:starts[0][k + 1]], k, axis, tag))
             if counts[1][k]:
                 ops.append(P2POp("irecv", out[starts[1][k]:starts[1][k + 1]], k, axis, tag))
-        for w in self.batch_isend_irecv(ops):
+        works = self.batch_isend_irecv(ops)
+        if async_op:
+            return _Together(works, out)
+        for w in works:
             w.wait()
         return out
 

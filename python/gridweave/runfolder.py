@@ -161,6 +161,20 @@ def load_imbalance(steps: list) -> float:
     return sum(ratios) / len(ratios)
 
 
+def busiest_expert_rank(ranks: list) -> dict:
+    """From every rank's {"rank", "member" (its index on the expert line), "slots" (routed to its
+    member's experts over the run, every layer), "compute_share" (its forward and backward over
+    its step, from the phases)}: the busiest member's slots over an even share and the largest
+    compute share among its ranks, against the mean rank's (the straggler routing makes)."""
+    members = {r["member"]: r["slots"] for r in ranks}
+    even = sum(members.values()) / len(members)
+    busiest = max(members, key=lambda m: (members[m], -m))
+    top = max((r for r in ranks if r["member"] == busiest), key=lambda r: r["compute_share"])
+    return {"rank": top["rank"], "member": busiest, "slots_over_even": members[busiest] / even if even else 1.0,
+            "compute_share": top["compute_share"],
+            "mean_compute_share": sum(r["compute_share"] for r in ranks) / len(ranks)}
+
+
 def measured_imbalance(run) -> tuple:
     """(expert imbalance, steps, layers) a run folder's metrics.json measured (load_imbalance of
     its tokens per expert): what `gridweave plan --from-run` plans the straggler cost of."""

@@ -36,7 +36,7 @@ from .autogrid import chosen_grid
 from .grid import Grid, init, rendezvous_store, shutdown
 from .measure import HostReads, StepPhases, StragglerDetector, gemm_rate, probe_size, timed
 from .models import ModelConfig
-from .nn.moe import routed_tokens, set_aux_grad_scale, update_expert_bias
+from .nn.moe import routed_tokens, set_aux_grad_scale, set_moe_overlap, update_expert_bias
 from .precision import LossScaler, Precision
 from .sharding import first_copy
 
@@ -268,6 +268,7 @@ def build(cfg: TrainConfig, grid, model_cfg: ModelConfig) -> tuple:
         if cfg.chunks > 1 or cfg.schedule == "interleaved" else models.GPTStage(model, grid, cfg.mode, s, pp, **options)
     if cfg.compute.float8 is not None:  # the head's products stay bf16; grid_shape checked the rest
         float8.convert(stage, cfg.compute.float8)
+    set_moe_overlap(stage, cfg.moe_overlap)
     if optim.uses_distributed(cfg.zero, cfg.offload):  # ZeRO, or the state on the device
         opt = optim.DistributedAdam(stage.parameters(), grid, lr=cfg.lr, weight_decay=cfg.weight_decay, zero=cfg.zero,
                                     offload=cfg.offload, bsize=cfg.bsize, max_grad_norm=cfg.max_grad_norm,
@@ -889,12 +890,28 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
         metrics["host_reads"] = grid.all_gather_json(host_reads)
     if phases is not None:  # every rank's mean seconds a step in each phase
         metrics["phase_seconds"] = grid.all_gather_json(phases.per_step())
+        if meter.experts and cfg.ep > 1:  # the rank whose experts were sent the most, and its share of the step
+            metrics["expert_ranks"] = grid.all_gather_json(expert_rank_load(cfg, grid, meter.experts, phases))
+            metrics["busiest_expert_rank"] = runfolder.busiest_expert_rank(metrics["expert_ranks"])
     if stragglers is not None:  # every naming (the same on every rank: gathered)
         metrics["stragglers"] = stragglers.named
     shutdown()
     if grid.rank == 0:
         report(cfg, out, metrics, tokens, tokenizer, validation.windows, model_cfg)
     return metrics
+
+
+def expert_rank_load(cfg: TrainConfig, grid, experts: list, phases: StepPhases) -> dict:
+    """This rank's part of runfolder.busiest_expert_rank: its member of the expert line, the slots
+    routed to that member's experts over the run (experts: [step][layer][expert], every layer's),
+    its forward and backward over its step."""
+    ep = cfg.expert_axis(grid)
+    member, per = grid.index(ep), len(experts[0][0]) // cfg.ep
+    per_step = phases.per_step()
+    compute = sum(per_step[k] for k in StepPhases.COMPUTE)
+    return {"rank": grid.rank, "member": member,
+            "slots": sum(sum(c[member * per:(member + 1) * per]) for step in experts for c in step),
+            "compute_share": compute / per_step["step"] if per_step["step"] else 0.0}
 
 
 def report(cfg: TrainConfig, out: Path, metrics: dict, tokens, tokenizer, windows, model_cfg: ModelConfig) -> None:
@@ -921,6 +938,11 @@ def report(cfg: TrainConfig, out: Path, metrics: dict, tokens, tokenizer, window
         if "phase_seconds" in metrics:  # the slowest rank's phases (it sets the step's pace)
             slowest = max(metrics["phase_seconds"], key=lambda p: p["step"])
             print("step phases (slowest rank): " + StepPhases.describe(slowest))
+        if "busiest_expert_rank" in metrics:
+            b = metrics["busiest_expert_rank"]
+            print(f"busiest expert rank {b['rank']} (expert-line member {b['member']}, {b['slots_over_even']:.2f}x an "
+                  f"even share of the slots): {100 * b['compute_share']:.0f}% of its step computing, the mean rank "
+                  f"{100 * b['mean_compute_share']:.0f}%")
         print(closing_line(cfg, out), flush=True)
 
 

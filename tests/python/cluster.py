@@ -4,6 +4,7 @@ started on every node as a user would (the same command, --node-rank apart)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -101,3 +102,17 @@ def train_cmd(nodes, k: int, master: str, port: int, nproc: int, args: list) -> 
     """`gridweave train` as node k of `nodes` runs it."""
     return [sys.executable, "-m", "gridweave.cli", "train", "--nnodes", nodes, "--node-rank", k, "--master-addr",
             master, "--master-port", port, "--nproc", nproc, "--launcher", "torchrun", *args]
+
+
+def bench_setup(parser, name: str) -> tuple:
+    """A cluster benchmark's arguments (its parser's, and --rate: each node's link) and its empty
+    work folder, /tmp/gridweave-<name>; exits saying why where no cluster can be made here."""
+    parser.add_argument("--rate", default="200mbit", help="each node's link, both ways (tbf)")
+    args = parser.parse_args()
+    why = unavailable()
+    if why:
+        sys.exit(f"{name}: {why}")
+    work = Path("/tmp") / f"gridweave-{name.replace('_', '-')}"
+    shutil.rmtree(work, ignore_errors=True)  # --resume auto must not find an earlier run's checkpoint
+    work.mkdir(parents=True)
+    return args, work

@@ -107,30 +107,38 @@ def test_attention_and_mlp_blocks_match_dense(pool, mode, n):
 
 
 
-def _latent_arch(q_rank):
+def _latent_arch(q_rank, v=10):
     import gridweave as gw
 
-    mla = gw.nn.MLA(kv_rank=12, q_rank=q_rank, nope=6, rope=4, v=10)
+    mla = gw.nn.MLA(kv_rank=12, q_rank=q_rank, nope=6, rope=4, v=v)
     return gw.nn.Arch(gw.nn.Norm.RMS, gw.nn.Activation.SWIGLU, rope_theta=500.0, eps=1e-6, mla=mla)
 
 
-def _latent_layer(ctx, shape, dtype_name, q_rank, packed=False):
+def _latent_layer(ctx, shape, dtype_name, q_rank, packed=False, v=10, attention="ring", ulysses_degree=1):
     """DeepSeek's latent-attention layer (gw.nn.LatentAttention) with a dense SwiGLU MLP on a grid
     against the dense layer: output, input gradient, every parameter gradient, to_dense; packed:
-    with packed documents (attention within each, rotary positions restarting)."""
+    with packed documents (attention within each, rotary positions restarting). With sp: the
+    sequence of 8 tokens split over it, attention as given."""
     import gridweave as gw
 
     dtype = getattr(torch, dtype_name)
     grid = ctx.init(**{k: gw.modes.parse(v) if k == "tp" else v for k, v in shape.items()})
     torch.manual_seed(0)
-    dense = gw.nn.DenseTransformerLayer(H, HEADS, 24, bias=False, dtype=dtype, device=DEVICE, arch=_latent_arch(q_rank))
+    arch = _latent_arch(q_rank, v)
+    dense = gw.nn.DenseTransformerLayer(H, HEADS, 24, bias=False, dtype=dtype, device=DEVICE, arch=arch)
     with torch.no_grad():
         for p in dense.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    layer = gw.nn.TransformerLayer.from_dense(dense, grid)
-    x = full((B, S, H), 11, dtype).requires_grad_()
-    docs = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2], [0, 0, 0, 0, 0], [0, 0, 0, 1, 1]], device=DEVICE) \
-        if packed else None
+    kw = dict(attention=attention, ulysses_degree=ulysses_degree) if "sp" in shape else {}
+    layer = gw.nn.TransformerLayer.from_dense(dense, grid, **kw)
+    seq = 8 if "sp" in shape else S
+    x = full((B, seq, H), 11, dtype).requires_grad_()
+    docs = None
+    if packed and seq == S:
+        docs = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2], [0, 0, 0, 0, 0], [0, 0, 0, 1, 1]], device=DEVICE)
+    elif packed:
+        docs = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1, 2, 2], [0] * 8, [0, 0, 0, 0, 0, 1, 1, 1]],
+                            device=DEVICE)
     y = dense(x, docs)
     dy = full(y.shape, 12, dtype)
     y.backward(dy)
@@ -164,7 +172,30 @@ def test_latent_attention_masks_packed_documents_like_the_dense_layer(pool):
         assert max(errs.values()) < 1e-10, {k: v for k, v in errs.items() if v >= 1e-10}
 
 
-def _latent_refused(ctx, shape, tp_sp=False):
+# values narrower than the queries (the ring pads them: DeepSeek-V3's 128 against 192), wider
+# (Ulysses' all-to-all takes them as they are), equal; the sequence split over sp with tp and dp
+@pytest.mark.parametrize("shape,n,q_rank,v,attention,u", [
+    (dict(sp=2), 2, 8, 6, "ring", 1), (dict(tp="row:2", sp=2), 4, None, 12, "ulysses", 1),
+    (dict(sp=4), 4, 8, 6, "usp", 2), (dict(dp=2, sp=2, tp="row:2"), 8, 8, 10, "ring", 1)])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_latent_attention_over_sequence_parallelism_matches_dense(pool, shape, n, q_rank, v, attention, u, dtype):
+    """Every projection the token's own on its sp shard, the rotary parts at the global positions,
+    the heads meeting over sp (the zigzag ring, Ulysses, USP): the dense layer's output and every
+    gradient; over tp still six all-reduces."""
+    limit = 1e-10 if dtype == "float64" else 1e-5
+    for errs, tp_ops in pool.run(_latent_layer, n, shape, dtype, q_rank, False, v, attention, u):
+        assert max(errs.values()) < limit, {k: e for k, e in errs.items() if e >= limit}
+        assert tp_ops == (6 if "tp" in shape else 0), tp_ops
+
+
+@pytest.mark.parametrize("attention,u", [("ring", 1), ("ulysses", 1), ("usp", 2)])
+def test_latent_attention_over_sp_masks_packed_documents_like_the_dense_layer(pool, attention, u):
+    for errs, _ in pool.run(_latent_layer, 4, dict(sp=4) if attention == "usp" else dict(tp="row:2", sp=2),
+                            "float64", 8, True, 6 if attention != "ulysses" else 12, attention, u):
+        assert max(errs.values()) < 1e-10, {k: e for k, e in errs.items() if e >= 1e-10}
+
+
+def _latent_refused(ctx, shape, tp_sp=False, attention="ring", v=10):
     import dataclasses
 
     import gridweave as gw
@@ -176,13 +207,17 @@ def _latent_refused(ctx, shape, tp_sp=False):
             shape["tp"] = dataclasses.replace(shape["tp"], sequence=True)
     grid = ctx.init(**shape)
     try:
-        gw.nn.TransformerLayer(H, HEADS, grid, ffn_hidden=24, bias=False, arch=_latent_arch(None))
+        gw.nn.TransformerLayer(H, HEADS, grid, ffn_hidden=24, bias=False, arch=_latent_arch(None, v),
+                               attention=attention)
     except gw.GridError as e:
         return str(e)
     return "built"
 
 
 def test_latent_attention_refuses_the_modes_that_split_its_sequence_or_hidden(pool):
-    assert "sequence whole on each rank" in pool.run(_latent_refused, 2, dict(sp=2))[0]
-    assert "sequence whole on each rank" in pool.run(_latent_refused, 2, dict(tp="row:2"), True)[0]  # tp_sp
-    assert "by the up projections' rows" in pool.run(_latent_refused, 4, dict(tp="square:2"))[0]
+    assert "split over sp alone" in pool.run(_latent_refused, 2, dict(tp="row:2"), True)[0]  # tp_sp
+    assert "(tp none or row:N, no tp_sp)" in pool.run(_latent_refused, 4, dict(tp="square:2"))[0]
+    assert "ring, ulysses or usp, not rsa" in pool.run(_latent_refused, 2, dict(sp=2), False, "rsa")[0]
+    assert "v_dim 12 is wider than qk_nope_dim + qk_rope_dim = 10" in \
+        pool.run(_latent_refused, 2, dict(sp=2), False, "ring", 12)[0]
+    assert pool.run(_latent_refused, 2, dict(sp=2), False, "ulysses", 12) == ["built", "built"]

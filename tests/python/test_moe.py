@@ -243,12 +243,15 @@ DEEPSEEK = dict(scoring="sigmoid", expert_bias=True, groups=4, topk_groups=2, sc
                 aux_coef=0.0)
 
 
-def _expert_parallel(ctx, shape, ep_spec, token_axes, capacity, tp=None, sequence=False, routing=None):
+def _expert_parallel(ctx, shape, ep_spec, token_axes, capacity, tp=None, sequence=False, routing=None,
+                     overlap=False):
     """The expert-parallel block on this grid against DenseMoE on the whole batch (float64):
     every rank's output rows, its input gradient, the router's and its experts' gradients
     (summed over the ranks that hold them), the auxiliary loss and the tokens per expert.
     tp: a row:N spec, each expert's width split over its ranks (with sequence: the tokens
-    arrive as sequence shards over them)."""
+    arrive as sequence shards over them). overlap: the shared expert computed during the
+    dispatch (set_moe_overlap); the exchanges' starts and waits and the shared expert's forward
+    and backward are logged, in order, as the fifth result."""
     import gridweave as gw
     from gridweave.grid import LinePart, Span
     from gridweave.nn.moe import DenseMoE, ExpertParallelMoE
@@ -271,6 +274,29 @@ def _expert_parallel(ctx, shape, ep_spec, token_axes, capacity, tp=None, sequenc
     w = torch.randn(x.shape, dtype=torch.float64, device="cpu")
     me = grid.index(token_axes)
     block = ExpertParallelMoE.from_dense(dense, grid, ep, token_axes, "tp" if tp else None, sequence)
+    events = []
+    if overlap:
+        from gridweave.nn.moe import set_moe_overlap
+
+        set_moe_overlap(block, True)
+        real = grid.all_to_all_v
+
+        class Logged:
+            def __init__(self, work):
+                self.work = work
+
+            def wait(self, timeout=None):
+                events.append("wait")
+                return self.work.wait(timeout)
+
+        def logged(t, send, recv, axis, tag=0, async_op=False):
+            events.append("start" if async_op else "exchange")
+            h = real(t, send, recv, axis, tag, async_op)
+            return Logged(h) if async_op else h
+
+        grid.all_to_all_v = logged
+        block.shared_expert.register_forward_hook(lambda *a: events.append("shared forward"))
+        block.shared_expert.register_full_backward_hook(lambda *a: events.append("shared backward"))
     xr = x.clone().requires_grad_(True)
     if "sp" in token_axes and grid.size("sp") > 1:  # rank (d, s) holds piece s of data shard d's sequences
         d, n = grid.size("dp"), grid.size("sp")
@@ -310,7 +336,7 @@ def _expert_parallel(ctx, shape, ep_spec, token_axes, capacity, tp=None, sequenc
     dense_counts = dense.tokens_per_expert[first:first + block.local_experts]
     state = block.dense_state()
     whole = torch.equal(state["gate_up"], dense.gate_up.detach()) and torch.equal(state["down"], dense.down.detach())
-    return errs, same_aux, counts.tolist() == dense_counts.tolist(), whole
+    return (errs, same_aux, counts.tolist() == dense_counts.tolist(), whole) + ((events,) if overlap else ())
 
 
 @pytest.mark.parametrize("shape,ep,token_axes,capacity", [
@@ -338,6 +364,25 @@ def test_deepseek_routing_on_expert_grids_equals_one_process(pool, shape, ep, to
     for errs, aux, counts, whole in pool.run(_expert_parallel, 4, shape, ep, token_axes, None, tp, False, DEEPSEEK):
         assert max(errs.values()) < 1e-10, errs
         assert aux < 1e-12 and counts and whole
+
+
+@pytest.mark.parametrize("shape,ep,token_axes,tp", [
+    (dict(dp=4), "dp", ("dp",), None), (dict(dp=2, sp=2), ("dp", "sp"), ("dp", "sp"), None),
+    (dict(dp=2), "dp", ("dp",), "row:2"),  # the shared expert's tensor-parallel all-reduces beside the exchange
+])
+def test_the_shared_expert_overlapped_with_the_dispatch_equals_one_process(pool, shape, ep, token_axes, tp):
+    """Megatron-Core's shared-expert overlap (moe_overlap): the shared expert runs after the
+    dispatch's exchange starts and before it is waited on, and its backward between the start
+    and the wait of the reverse exchange (autograd runs the nodes made between the two halves
+    there); the outputs and every gradient are DenseMoE's (float64)."""
+    for errs, aux, counts, whole, events in pool.run(_expert_parallel, 4, shape, ep, token_axes, None, tp, False,
+                                                     None, True):
+        assert max(errs.values()) < 1e-10, errs
+        assert aux < 1e-12 and counts and whole
+        # forward: the dispatch around the shared expert, the combine; backward: the combine's
+        # reverse, then the dispatch's reverse around the shared expert's backward
+        assert events == ["start", "shared forward", "wait", "exchange",
+                          "exchange", "start", "shared backward", "wait"], events
 
 
 def test_the_sequence_wise_balance_loss_is_deepseek_v3s_formula():
@@ -452,10 +497,13 @@ def test_equal_slots_across_a_capacity_boundary_are_all_dropped():
     # hidden vector is split, a key/value head count, a dense first layer for every layer
     (dict(model="deepseek-v3", experts=4, expert_groups=2, topk_groups=3), 1, "topk_groups 3 is above the group count"),
     (dict(model="deepseek-v3", experts=6, expert_groups=4), 1, "6 experts do not split into 4 groups"),
-    (dict(model="deepseek-v3", sp=2), 2, "latent attention runs with the sequence"),
+    (dict(model="deepseek-v3", sp=2, attention="rsa"), 2, "latent attention over sp runs with attention ring, "),
+    (dict(model="deepseek-v3", sp=2, v_dim=20), 2, "pads the values to the queries' width: v_dim 20 is wider"),
     (dict(model="deepseek-v3", tp="row:2", tp_sp=True), 2, "latent attention runs with the sequence"),
     (dict(model="deepseek-v3", kv_heads=2), 1, "no key/value head count"),
     (dict(model="deepseek-v3", dense_first=2), 1, "keeps at least one sparse layer"),
+    (dict(moe_overlap=True, ep=2, dp=2), 2, "moe_overlap computes the shared expert during the experts' dispatch"),
+    (dict(moe_overlap=True, shared_ffn=8), 1, "it needs ep > 1 and a shared expert"),
 ])
 def test_bad_expert_parallel_jobs_are_one_clear_error_before_any_rank_starts(kw, world, match):
     """What `gridweave train` checks on the launcher's side (TrainConfig and its grid_shape)."""
@@ -676,7 +724,7 @@ def test_init_from_a_qwen_moe_folder_sets_its_model(tmp_path, kind):
 def test_init_from_a_deepseek_folder_sets_its_model(tmp_path):
     """--init-from a DeepSeek-V3 folder: the run is model deepseek-v3 with that folder's latent
     attention, routing and dense first layer, read back as written; on a grid that splits its
-    sequence, one error before any rank starts."""
+    sequence over tp (Megatron's sequence parallelism), one error before any rank starts."""
     import gridweave as gw
 
     moe = MoE(experts=4, top_k=2, ffn=16, shared_ffn=16, scoring="sigmoid", scale=2.0, groups=2, topk_groups=1,
@@ -688,4 +736,5 @@ def test_init_from_a_deepseek_folder_sets_its_model(tmp_path):
     assert run.model == "deepseek-v3" and (run.experts, run.top_k, run.moe_ffn) == (4, 2, 16)
     assert run.model_config(256) == dataclasses.replace(cfg, eps=1e-6)  # the export writes Llama's default
     with pytest.raises(GridError, match="latent attention runs with the sequence"):
-        gw.train.TrainConfig(init_from=str(tmp_path), tokenizer="bytes", seq=16, batch=8, pp=1, sp=2).grid_shape(2)
+        gw.train.TrainConfig(init_from=str(tmp_path), tokenizer="bytes", seq=16, batch=8, pp=1, tp="row:2",
+                             tp_sp=True).grid_shape(2)

@@ -90,7 +90,14 @@ def test_planned_step_traffic_with_zero(pool, tp, dp, pp, sp, zero, offload):
                                               ("none", 2, 2, 1, dict(model="mixtral", experts=4, ep=2, imbalance=2.0)),
                                               ("none", 2, 1, 2, dict(model="mixtral", experts=4, ep=4, imbalance=1.5)),
                                               ("row:2", 2, 2, 1, dict(model="mixtral", experts=4, ep=2)),
-                                              ("none", 2, 1, 4, dict(attention="usp", ulysses_degree=2))])
+                                              ("none", 2, 1, 4, dict(attention="usp", ulysses_degree=2)),
+                                              # DeepSeek-V3: latent attention over tp and over sp's ring, the
+                                              # sequence-wise balance loss's statistics, a dense first layer
+                                              ("row:2", 2, 2, 1, dict(model="deepseek-v3", experts=4, ep=2,
+                                                                      expert_groups=2, topk_groups=1,
+                                                                      seq_aux_coef=0.001, dense_first=1)),
+                                              ("none", 2, 1, 2, dict(model="deepseek-v3", experts=4, ep=4,
+                                                                     imbalance=1.5, dense_first=1))])
 def test_planned_step_traffic_with_experts_and_line_parts(pool, tp, dp, pp, sp, more):
     import gridweave as gw
 

@@ -267,12 +267,13 @@ DEEPSEEK_ROUTING = ["--model", "mixtral", "--experts", "4", "--aux-coef", "0", "
 def test_auxiliary_loss_free_balancing_moves_the_biases_alike_on_every_grid(tmp_path):
     """DeepSeek-V3 §2.1.2: each step's load counted over the token axes moves every grid's biases
     as one process's; they travel in checkpoints (saved on dp x pp x ep, resumed on row:2 x ep 4):
-    the losses and the last biases equal one process's."""
+    the losses and the last biases equal one process's. The busiest expert rank's share of the
+    step, from its load and every rank's phases."""
     one, single = _train(tmp_path, "one", "--nproc", "1", *DEEPSEEK_ROUTING, port=29731)
     _, first = _train(tmp_path, "first", "--nproc", "8", *DEEPSEEK_ROUTING, "--dp", "4", "--pp", "2", "--ep", "2",
                       "--steps", "2", port=29733)
     later, out = _train(tmp_path, "later", "--nproc", "8", *DEEPSEEK_ROUTING, "--tp", "row:2", "--dp", "4", "--pp",
-                        "1", "--ep", "4", "--resume", str(first), "--log", "jsonl", port=29735)
+                        "1", "--ep", "4", "--resume", str(first), "--log", "jsonl", "--phase-times", port=29735)
     assert one[-1] < one[0] and _close(later, one, tol=1e-5), (later, one)
     ref, ours = (gw.train.load_checkpoint(o)["biases"] for o in (single, out))
     assert set(ref) == set(ours) == {f"layers.{i}.moe.expert_bias" for i in (1, 2, 3)}  # layer 0 dense
@@ -290,6 +291,17 @@ def test_auxiliary_loss_free_balancing_moves_the_biases_alike_on_every_grid(tmp_
     for k, layer in enumerate((1, 2, 3)):
         assert [x[f"moe/layer{layer}/tokens_per_expert"] for x in logged
                 if f"moe/layer{layer}/tokens_per_expert" in x] == [step[k] for step in routed[-2:]]
+    # the busiest expert rank: the member of the expert line (ep 4: one expert each) sent the most
+    # slots, the largest share of a step its ranks spent computing (the phases), the mean rank's
+    m = json.loads((out / "metrics.json").read_text())
+    slots = [sum(c[j] for step in routed for c in step) for j in range(4)]
+    assert sorted({r["member"]: r["slots"] for r in m["expert_ranks"]}.items()) == list(enumerate(slots))
+    shares = [(p["forward"] + p["backward"]) / p["step"] for p in m["phase_seconds"]]
+    assert [r["compute_share"] for r in m["expert_ranks"]] == pytest.approx(shares, rel=1e-12)
+    b, top = m["busiest_expert_rank"], max(range(4), key=lambda j: (slots[j], -j))
+    assert b["member"] == top and b["slots_over_even"] == pytest.approx(4 * slots[top] / sum(slots), rel=1e-12)
+    assert b["compute_share"] == max(shares[r["rank"]] for r in m["expert_ranks"] if r["member"] == top)
+    assert b["mean_compute_share"] == pytest.approx(sum(shares) / 8, rel=1e-12) and 0 < b["compute_share"] < 1
     # the export carries them to transformers' layout of the model (the dense model's buffers)
     model, _, _ = gw.train.load_model(out)
     assert torch.equal(model.layers[1].moe.expert_bias, torch.tensor(ours["layers.1.moe.expert_bias"], device="cpu"))
@@ -311,11 +323,14 @@ def deepseek_single(tmp_path_factory):
     (["--dp", "4", "--pp", "2", "--ep", "2"], 29739),  # experts over ep 2 of dp 4 x the pipeline
     (["--tp", "row:2", "--dp", "2", "--pp", "2", "--ep", "2"], 29743),  # the heads and each expert over tp, x pp
     (["--dp", "4", "--pp", "2", "--ep", "4", "--zero", "3", "--no-offload"], 29745),  # ZeRO-3 x pp, ep 4
-], ids=["dp-pp-ep", "row-dp-pp-ep", "zero3-pp-ep"])
+    # the sequence over sp (the zigzag ring, values padded to the queries' width) x the heads over tp
+    (["--sp", "2", "--tp", "row:2", "--dp", "2", "--ep", "2", "--moe-overlap"], 29747),  # the dispatch overlapped
+    (["--sp", "4", "--attention", "usp", "--ulysses-degree", "2", "--dp", "2", "--ep", "4"], 29749),  # USP, ep 4
+], ids=["dp-pp-ep", "row-dp-pp-ep", "zero3-pp-ep", "ring-row-dp-ep", "usp-dp-ep"])
 def test_deepseek_trains_on_composed_grids_with_one_process_losses(deepseek_single, tmp_path, spec, port):
     """DeepSeek-V3's architecture in the main job (latent attention split as Megatron-Core does,
     its routing and balancing, shared experts, a dense first layer) equals one process on grids
-    with ep, pp, tp and ZeRO-3: the losses (float32, 1e-5) and the balancing biases; each run
+    with ep, pp, tp, sp (ring, USP) and ZeRO-3: the losses (float32, 1e-5) and the balancing biases; each run
     exports to the Hugging Face folder the one-process run exports (transformers' config, every
     tensor within float32's reach), which transformers loads."""
     from gridweave import cli

@@ -155,3 +155,45 @@ class _AllToAllV(torch.autograd.Function):
 def all_to_all_v(x, grid, axis, send_counts, recv_counts):
     """Differentiable grid.all_to_all_v (MoE's dispatch and combine)."""
     return _AllToAllV.apply(x, grid, axis, list(send_counts), list(recv_counts))
+
+
+class _ExchangeStarted(torch.autograd.Function):
+    """An uneven all-to-all's first half: forward starts it (box["work"]); backward waits for the
+    reverse exchange its second half's backward started. What autograd runs between the two
+    halves' backwards (created between their forwards: the shared expert) overlaps it."""
+
+    @staticmethod
+    def forward(ctx, x, grid, axis, send, recv, box):
+        ctx.box = box
+        box.update(grid=grid, axis=axis, send=send, recv=recv,
+                   work=grid.all_to_all_v(x, send, recv, axis, async_op=True))
+        return x.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _):
+        return ctx.box.pop("back").wait(), None, None, None, None, None
+
+
+class _ExchangeFinished(torch.autograd.Function):
+    """The second half: forward waits for the rows; backward starts their gradients home."""
+
+    @staticmethod
+    def forward(ctx, started, box):
+        ctx.box = box
+        return box.pop("work").wait()
+
+    @staticmethod
+    def backward(ctx, g):
+        b = ctx.box
+        b["back"] = b["grid"].all_to_all_v(g.contiguous(), b["recv"], b["send"], b["axis"], async_op=True)
+        return g.new_empty(0), None
+
+
+def all_to_all_v_around(x, grid, axis, send_counts, recv_counts, work):
+    """all_to_all_v of x with work() run while it moves, forward and (its autograd nodes made in
+    between) backward: Megatron-Core's overlap of the experts' dispatch with the shared expert.
+    Returns (the rows received, work()'s result)."""
+    box: dict = {}
+    started = _ExchangeStarted.apply(x, grid, axis, list(send_counts), list(recv_counts), box)
+    side = work()
+    return _ExchangeFinished.apply(started, box), side

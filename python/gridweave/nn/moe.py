@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import float8, split
-from ..autograd.comm import (all_to_all_v, copy_to_parallel, gather_from_parallel, reduce_from_parallel,
+from ..autograd.comm import (all_to_all_v, all_to_all_v_around, copy_to_parallel, gather_from_parallel, reduce_from_parallel,
                              scatter_to_parallel)
 from ..errors import GridError
 from ..grid import LinePart, Span
@@ -385,6 +385,7 @@ class DenseMoE(nn.Module, split.Deferrable):
         self.aux_loss = None
         self.aux_grad_scale = 1.0
         self.planned_imbalance = None  # plan_routing's: route by planned_route with this imbalance
+        self.overlap_shared = False  # set_moe_overlap's: the shared expert computed during the dispatch
 
     def forward(self, x):
         shape = x.shape
@@ -397,12 +398,20 @@ class DenseMoE(nn.Module, split.Deferrable):
                 self._gather_slots(r.weights.detach(), r.experts)
         if self.training:  # a training step's routing (validation's forwards are not counted)
             self.routed += r.counts.detach()
-        y = self._run_experts(x, r)  # each kept slot's expert output, in r.order
+        side = {}
+
+        def shared():  # the shared expert, while the dispatch moves where it can (overlap_shared)
+            s = self.shared_expert(x)
+            side["out"] = torch.sigmoid(self.shared_expert_gate(x)) * s if self.shared_expert_gate is not None else s
+
+        overlap = self.overlap_shared and self.shared_expert is not None
+        y = self._run_experts(x, r, shared if overlap else None)  # each kept slot's expert output, in r.order
         w = r.weights.reshape(-1)[r.order].to(y.dtype)
         out = torch.zeros_like(x).index_add(0, r.order // self.moe.top_k, y * w[:, None])  # combine
         if self.shared_expert is not None:
-            s = self.shared_expert(x)
-            out = out + (torch.sigmoid(self.shared_expert_gate(x)) * s if self.shared_expert_gate is not None else s)
+            if "out" not in side:
+                shared()
+            out = out + side["out"]
         out = self._attach_losses(out, r, shape[0] if len(shape) == 3 else 1)
         return out.reshape(shape)
 
@@ -416,8 +425,9 @@ class DenseMoE(nn.Module, split.Deferrable):
         """The slots a capacity ranks: (probabilities, experts) of the micro-batch's tokens."""
         return chosen, experts
 
-    def _run_experts(self, x, r: Routing):
-        """Dispatch (each kept slot's token, grouped by expert), the grouped GEMM."""
+    def _run_experts(self, x, r: Routing, during=None):
+        """Dispatch (each kept slot's token, grouped by expert), the grouped GEMM. during: work to
+        run while the dispatch moves (nothing moves here: it runs after)."""
         self.tokens_per_expert = r.counts.detach()
         return self._experts(x[r.order // self.moe.top_k], r.group_sizes())
 
@@ -591,9 +601,9 @@ class ExpertParallelMoE(DenseMoE):
         y = self._swiglu(copy_to_parallel(rows, self.grid, self.tp), counts, sizes)
         return reduce_from_parallel(y, self.grid, self.tp)
 
-    def _run_experts(self, x, r: Routing):
+    def _run_experts(self, x, r: Routing, during=None):
         if self.ep_size == 1:
-            return super()._run_experts(x, r)
+            return super()._run_experts(x, r, during)
         n, e = self.ep_size, self.local_experts
         rows = x[r.order // self.moe.top_k]  # grouped by expert: by destination member, then its experts
         counts = r.counts.reshape(n, e)
@@ -605,7 +615,10 @@ class ExpertParallelMoE(DenseMoE):
         else:  # a planned routing: every member routes alike, so each sends me what I send my own experts
             mine = r.known[self.grid.index(self.ep) * e:][:e]
             send, got = [sum(r.known[j * e:(j + 1) * e]) for j in range(n)], [mine] * n
-        arrived = all_to_all_v(rows, self.grid, self.ep, send, [sum(g) for g in got])
+        if during is None:
+            arrived = all_to_all_v(rows, self.grid, self.ep, send, [sum(g) for g in got])
+        else:  # Megatron-Core's shared-expert overlap: computed while the rows move, forward and backward
+            arrived, _ = all_to_all_v_around(rows, self.grid, self.ep, send, [sum(g) for g in got], during)
         # member-major (j, i) blocks -> expert-major (i, j): each expert's rows contiguous
         blocks = arrived.split([c for g in got for c in g])
         by_expert = [blocks[j * e + i] for i in range(e) for j in range(n)]
@@ -671,6 +684,13 @@ class ExpertParallelMoE(DenseMoE):
 def moe_blocks(module: nn.Module) -> list:
     """The mixture-of-experts blocks of `module`, in module order (routed_tokens' rows)."""
     return [m for m in module.modules() if isinstance(m, DenseMoE)]
+
+
+def set_moe_overlap(module: nn.Module, on: bool) -> None:
+    """Every mixture-of-experts block of `module` computes its shared expert while its dispatch's
+    all-to-all runs (and the shared expert's backward while the reverse exchange runs), or after."""
+    for m in moe_blocks(module):
+        m.overlap_shared = bool(on)
 
 
 def set_aux_grad_scale(module: nn.Module, scale) -> None:

@@ -181,36 +181,71 @@ def attend(qkv, heads, causal, grid, algorithm=SeqAttention.RING, kv_heads=None,
     of the whole sequence of this rank's rows (packed documents: attention within each, rotary
     positions restarting at each)."""
     kv_heads = heads if kv_heads is None else kv_heads
-    order, documents = order_of(documents), ids_of(documents)
     if not sequence_parallel(grid):
-        return attention(qkv, heads, causal, kv_heads, arch, documents=documents)
+        return attention(qkv, heads, causal, kv_heads, arch, documents=ids_of(documents))
     algorithm = SeqAttention.of(algorithm)
-    zigzag = algorithm.zigzag(causal)
-    sp, index = grid.axes["sp"], grid.index("sp")
-    if documents is not None:
-        check_documents(documents, qkv.shape[0], qkv.shape[1] * sp)
-    if order is not None and algorithm not in (SeqAttention.RING, SeqAttention.USP):
-        raise GridError(f"a chunk order balances the ring's shards; attention={algorithm.value} keeps its own")
-    pos = None
-    if arch.rope_theta is not None:  # only rotary embeddings need the global positions
-        if order is not None:
-            pos = shard_positions(order, qkv.shape[1], index, qkv.device)
-        elif algorithm is SeqAttention.USP:
-            pos = usp_positions(qkv.shape[1], sp, index, sp // ulysses_degree, causal, qkv.device)
-        else:
-            pos = positions(qkv.shape[1], sp, index, zigzag, qkv.device)
-        if documents is not None:
-            pos = document_positions(documents)[:, pos]
+    pos = shard_positions_of(qkv.shape[0], qkv.shape[1], grid, algorithm, causal, ulysses_degree, documents)
+    pos = pos if arch.rope_theta is not None else None  # only rotary embeddings need the global positions
     # Ulysses and USP send grouped key/value heads as they are (the ring's blocks need them repeated)
     grouped = algorithm in (SeqAttention.ULYSSES, SeqAttention.USP)
     q, k, v = split_heads(qkv, heads, kv_heads, arch, pos, repeat_kv=not grouped)
-    if algorithm is SeqAttention.RSA:
-        o = ring_self_attention(q, k, v, grid, "sp", causal, documents)
-    elif algorithm is SeqAttention.ULYSSES:
-        o = ulysses_attention(q, k, v, grid, "sp", causal, documents)
-    elif algorithm is SeqAttention.USP:
-        o = usp_attention(q, k, v, grid, *usp_parts(ulysses_degree), causal, documents, order)
-    else:
-        o = ring_attention(q, k, v, grid, "sp", causal, zigzag, documents=documents, order=order)
+    o = attend_heads(q, k, v, causal, grid, algorithm, ulysses_degree, documents)
     b, s = qkv.shape[:2]
     return o.transpose(1, 2).reshape(b, s, -1)
+
+
+def shard_positions_of(b: int, length_local: int, grid, algorithm: SeqAttention, causal: bool, ulysses_degree: int,
+                       documents=None) -> torch.Tensor:
+    """The global positions of this sp rank's tokens as `algorithm` shards the sequence ((L/N,), or
+    (b, L/N) within packed documents: restarting at each). Checks the documents' shape."""
+    order, ids = order_of(documents), ids_of(documents)
+    sp, index = grid.axes["sp"], grid.index("sp")
+    device = grid.device
+    if ids is not None:
+        check_documents(ids, b, length_local * sp)
+    if order is not None and algorithm not in (SeqAttention.RING, SeqAttention.USP):
+        raise GridError(f"a chunk order balances the ring's shards; attention={algorithm.value} keeps its own")
+    if order is not None:
+        pos = shard_positions(order, length_local, index, device)
+    elif algorithm is SeqAttention.USP:
+        pos = usp_positions(length_local, sp, index, sp // ulysses_degree, causal, device)
+    else:
+        pos = positions(length_local, sp, index, algorithm.zigzag(causal), device)
+    return pos if ids is None else document_positions(ids)[:, pos]
+
+
+def check_latent_attention(algorithm: SeqAttention, mla) -> None:
+    """A GridError unless `algorithm` runs DeepSeek's latent attention (arch.mla) over sp: the ring
+    and USP take values no wider than the queries (padded to them: attend_heads), Ulysses any;
+    RSA (equal widths, whole score rows) and Linformer (a model of its own) none."""
+    if algorithm in (SeqAttention.RSA, SeqAttention.LINFORMER):
+        raise GridError(f"multi-head latent attention over sp runs with attention ring, ulysses or usp, not "
+                        f"{algorithm.value}")
+    if algorithm is not SeqAttention.ULYSSES and mla.v > mla.nope + mla.rope:
+        raise GridError(f"attention={algorithm.value} pads the values to the queries' width: v_dim {mla.v} is wider "
+                        f"than qk_nope_dim + qk_rope_dim = {mla.nope + mla.rope} (use attention=ulysses)")
+
+
+def attend_heads(q, k, v, causal, grid, algorithm: SeqAttention, ulysses_degree: int = 1, documents=None):
+    """Attention over "sp" of this rank's shard of q (b, heads, L/N, d), k (b, kv_heads, L/N, d)
+    and v (b, kv_heads, L/N, d_v), rotated already: (b, heads, L/N, d_v). The ring's block kernels
+    (torch's fused ones) take one head width: values narrower than the queries (DeepSeek's latent
+    attention: 128 against 192) go padded with zero columns, dropped from the output; the softmax
+    scale stays the queries' width's."""
+    order, ids = order_of(documents), ids_of(documents)
+    width = v.shape[-1]
+    ring = algorithm in (SeqAttention.RING, SeqAttention.USP, SeqAttention.RSA)
+    if ring and width != q.shape[-1]:
+        if width > q.shape[-1] or algorithm is SeqAttention.RSA:
+            raise GridError(f"attention={algorithm.value} with values {width} wide and queries {q.shape[-1]}: "
+                            "the ring takes values no wider than the queries (and RSA equal ones)")
+        v = torch.nn.functional.pad(v, (0, q.shape[-1] - width))
+    if algorithm is SeqAttention.RSA:
+        o = ring_self_attention(q, k, v, grid, "sp", causal, ids)
+    elif algorithm is SeqAttention.ULYSSES:
+        o = ulysses_attention(q, k, v, grid, "sp", causal, ids)
+    elif algorithm is SeqAttention.USP:
+        o = usp_attention(q, k, v, grid, *usp_parts(ulysses_degree), causal, ids, order)
+    else:
+        o = ring_attention(q, k, v, grid, "sp", causal, algorithm.zigzag(causal), documents=ids, order=order)
+    return o[..., :width] if o.shape[-1] != width else o

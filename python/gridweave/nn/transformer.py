@@ -17,9 +17,10 @@ from ..errors import GridError
 from ..layout import Layout, gather, scatter
 from ..sharding import DATA_AXES, group_order, place, placement_of, present_axes, set_row_order
 from .dense import (GPT2, Arch, DenseMLA, DenseMLP, DenseSelfAttention, DenseTransformerLayer, Norm,
-                    linformer_attention, linformer_keys, mla_attention, qk_normed, split_heads, values)
+                    linformer_attention, linformer_keys, mla_attention, mla_heads, qk_normed, split_heads, values)
 from .moe import ExpertParallelMoE, expert_line
-from .sequence import ReplicatedLinear, SeqAttention, attend, attention_lines, replicated_norm
+from .sequence import (ReplicatedLinear, SeqAttention, attend, attend_heads, attention_lines,
+                       check_latent_attention, replicated_norm, sequence_parallel, shard_positions_of)
 from .style import resolve
 
 
@@ -227,11 +228,14 @@ class LatentAttention(nn.Module):
     splits it: the down projections and the latents' RMSNorms replicated (every rank of the tensor
     group runs them on the same tokens), the up projections the mode's first linear (1-D: column
     parallel, each rank a block of whole heads, f on its latent), the output projection its second
-    (row parallel, g); the rotary key every head shares goes through f too. Runs where the
-    sequence is whole on each rank and the heads split over at most one axis by output rows (tp
-    none or row:N without sequence parallelism); elsewhere one clear error."""
+    (row parallel, g); the rotary key every head shares goes through f too. Where sp splits the
+    sequence, every projection is the token's own: the queries, keys and values of this rank's
+    shard (the rotary parts at their global positions) meet over sp in `attention` (the ring, its
+    values padded to the queries' width; Ulysses; USP). Heads split over at most one axis by output
+    rows (tp none or row:N); tp_sp, RSA and the 2-D, 3-D and sub-graph modes: one clear error."""
 
-    def __init__(self, hidden, heads, grid, mode=None, causal=True, dtype=None, device=None, arch: Arch | None = None):
+    def __init__(self, hidden, heads, grid, mode=None, causal=True, dtype=None, device=None, arch: Arch | None = None,
+                 attention="ring", ulysses_degree: int = 1):
         super().__init__()
         self.mode = resolve(mode, grid)
         self.grid, self.hidden, self.heads, self.causal, self.arch = grid, hidden, heads, causal, arch
@@ -240,9 +244,15 @@ class LatentAttention(nn.Module):
         self.groups = self.mode.head_groups_count()
         if heads % self.groups:
             raise GridError(f"{heads} latent-attention heads do not split over {self.groups} tensor-parallel groups")
-        if self.input_layout.dims[1:2] != ((),):
-            raise GridError(f"multi-head latent attention runs with the sequence whole on each rank (tp none or row:N, "
-                            f"sp 1, no tp_sp): {self.mode!r} on {dict(grid.axes)} splits it")
+        self.attention, self.ulysses_degree = SeqAttention.of(attention), ulysses_degree
+        sp = grid.axes.get("sp", 1)
+        self.attention.check(sp, ulysses_degree, heads // self.groups)
+        if sp > 1:
+            check_latent_attention(self.attention, m)
+        if self.input_layout.dims[1:2] not in (((),), (("sp",),)) or any(self.input_layout.dims[2:]):
+            raise GridError(f"multi-head latent attention runs with the sequence split over sp alone and each token's "
+                            f"hidden vector whole (tp none or row:N, no tp_sp): {self.mode!r} on {dict(grid.axes)} "
+                            "splits them otherwise")
         first, second = self.mode.linear_pair(grid, False, dtype, device)
         kw = dict(bias=False, dtype=dtype, device=device)
         if m.q_rank is None:
@@ -263,12 +273,14 @@ class LatentAttention(nn.Module):
 
     @property
     def input_layout(self):
-        return self.mode.layout(self.grid, False)
+        return self.mode.layout(self.grid, self.attention.zigzag(self.causal),
+                                self.attention.ring(self.grid.axes.get("sp", 1), self.ulysses_degree))
 
     output_layout = input_layout
 
     def comm_lines(self) -> list:
-        return []
+        """The lines its attention runs over beyond its mode's axes (Grid.connect items)."""
+        return attention_lines(self.grid, self.attention, self.ulysses_degree)
 
     def linears(self) -> tuple:
         q = (self.q,) if self.mla.q_rank is None else (self.q_down, self.q_up)
@@ -277,16 +289,24 @@ class LatentAttention(nn.Module):
     def forward(self, x, documents=None):
         """documents: this data-parallel replica's packed documents (ids or Packed): this rank's rows
         of them mask the attention (its sequences are whole here)."""
-        if documents is not None:
-            documents = document_rows(ids_of(documents), self.input_layout, self.grid)
-        m = self.mla
+        m, heads = self.mla, self.heads // self.groups
         latent, k_rope = self.kv_down(x).split([m.kv_rank, m.rope], dim=-1)
         q = self.q(x) if m.q_rank is None else self.q_up(self.q_norm(self.q_down(x)))
         if self._head_axis is not None:  # every rank's heads read it: its gradient summed over them (f)
             k_rope = copy_to_parallel(k_rope, self.grid, self._head_axis)
-        out = mla_attention(q, self.kv_up(self.kv_norm(latent)), k_rope, self.heads // self.groups, m,
-                            self.arch.rope_theta, self.causal, documents=documents)
-        return self.proj(out)
+        kv = self.kv_up(self.kv_norm(latent))
+        if not sequence_parallel(self.grid):
+            if documents is not None:
+                documents = document_rows(ids_of(documents), self.input_layout, self.grid)
+            return self.proj(mla_attention(q, kv, k_rope, heads, m, self.arch.rope_theta, self.causal,
+                                           documents=documents))
+        if documents is not None:
+            documents = with_ids(documents, document_rows(ids_of(documents), self.input_layout, self.grid))
+        b, s = x.shape[:2]
+        pos = shard_positions_of(b, s, self.grid, self.attention, self.causal, self.ulysses_degree, documents)
+        o = attend_heads(*mla_heads(q, kv, k_rope, heads, m, self.arch.rope_theta, pos), self.causal, self.grid,
+                         self.attention, self.ulysses_degree, documents)
+        return self.proj(o.transpose(1, 2).reshape(b, s, heads * m.v))
 
     NAMES = ("q", "q_down", "q_norm", "q_up", "kv_down", "kv_norm", "kv_up", "proj")
 
@@ -384,7 +404,8 @@ class TransformerLayer(nn.Module):
             self.mode.check_attention(SeqAttention.LINFORMER)  # SUPER's branches have no Linformer
         self.ln1, self.ln2 = (self.mode.norm(hidden, grid, dtype, device, arch.eps, arch.norm) for _ in range(2))
         if arch.mla is not None:  # DeepSeek's latent attention: its own split (LatentAttention)
-            self.attn = LatentAttention(hidden, heads, grid, self.mode, causal, dtype, device, arch)
+            self.attn = LatentAttention(hidden, heads, grid, self.mode, causal, dtype, device, arch, attention,
+                                        attention_options.get("ulysses_degree", 1))
         else:
             self.attn = self.mode.attention(hidden, heads, grid, causal, bias, dtype, device, overlap, attention,
                                             arch=arch, **attention_options)

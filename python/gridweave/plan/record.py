@@ -728,13 +728,23 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
     # recordings are the multiples of the smallest batch b0 around this one
     b0 = batch_unit(mode, sp)
     lo = max(b0, int(batch // b0) * b0)
-    rec = _stage_recordings(config, mode, _stage_dp(config, dp), rpp, sp, others + (("pp", rstage),), dtype, ends,
-                            fused_attention, attention, experts, flat_gradients, fused_loss, (lo, lo + b0), recipe)
     f = (batch - lo) / b0  # affine between the two recordings (the peak too, near them)
-    one, two = (_lerp(rec[(k, lo)][0], rec[(k, lo + b0)][0], f) for k in (1, 2))
-    payload = round(rec[(1, lo)][1] + (rec[(1, lo + b0)][1] - rec[(1, lo)][1]) * f)
-    layer = two.minus(one)
-    stage_work = one.plus(layer, config.layers // pp - 1)  # the stage's layers are one layer's recording
+
+    def recorded(kind):  # the stage of one and of two layers of one kind, and one layer's difference
+        rec = _stage_recordings(kind, mode, _stage_dp(config, dp), rpp, sp, others + (("pp", rstage),), dtype, ends,
+                                fused_attention, attention, experts, flat_gradients, fused_loss, (lo, lo + b0), recipe)
+        one, two = (_lerp(rec[(k, lo)][0], rec[(k, lo + b0)][0], f) for k in (1, 2))
+        return one, two.minus(one), round(rec[(1, lo)][1] + (rec[(1, lo + b0)][1] - rec[(1, lo)][1]) * f)
+
+    one, layer, payload = recorded(_uniform(config, False))
+    per, dense = config.layers // pp, _dense_in_stage(config, pp, stage)
+    stage_work = one.plus(layer, per - 1)  # the stage's layers are one layer's recording
+    if dense:  # DeepSeek-V3's dense first layers: each kind's layers from its own recordings, the
+        # stage's first layer (what a one-layer recording holds beyond a later layer) of its own kind
+        one_dense, dense_layer, _ = recorded(_uniform(config, True))
+        first_dense = stage * per in config.dense_layers
+        stage_work = (one_dense if first_dense else one).plus(layer, per - dense - (not first_dense)) \
+            .plus(dense_layer, dense - first_dense)
     pipeline = []  # AxoNN: each micro-batch's activation forward, its gradient backward
     message = float(_C.pipeline_message_bytes(payload))  # the payload alone: no message carries a header
     for peer in (stage + 1, stage - 1):
@@ -762,7 +772,7 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
     odp, oat = (dp, at) if zero or config.moe is not None else (min(dp, 2), _without_dp(at))
     # ZeRO-2 differs from ZeRO-1 only in dropping the whole gradients once reduced (DistributedAdam._launch):
     # the same recording (test_plan checks it), made once
-    opt = _optimizer_schedule(dataclasses.replace(config, layers=config.layers // pp * rpp), mode, odp, rpp, sp,
+    opt = _optimizer_schedule(_role_config(config, pp, stage, rpp, rstage), mode, odp, rpp, sp,
                               tuple((a, i) for a, i in oat if a != "pp") + (("pp", rstage),), dtype, bsize, coarsening,
                               clip, 1 if zero == 2 else zero, offload, overlap, experts, recipe)
     micro = dataclasses.replace(micro, collectives=micro.collectives + opt["gathers"])
@@ -839,6 +849,8 @@ def _layers_cut_alike(config, mode, dp, pp, sp, at, dtype, zero, experts=None) -
     layer is one."""
     if zero == 3:
         return True
+    if config.dense_layers:  # two kinds of layer: the stage is recorded whole
+        return False
     grid = RecordingGrid(_grid_axes(dp, pp, sp, mode), mode, dict(at))
     layer = _one_layer_stage(config, mode, pp, sp, _without_dp(at), dtype, _stage_dp(config, dp), experts).layers[0]
     by_axes: dict = {}
@@ -890,11 +902,41 @@ def _recorded_at(mode, axes, at) -> dict:
 
 
 def _dense(config, layers, dtype):
-    """The dense model on meta with `layers` layers, all one module (a stage converts only its own)."""
-    model = build(dataclasses.replace(config, layers=1, tie=config.tie and layers == config.layers), dtype=dtype,
-                  device="meta")
-    model.layers = torch.nn.ModuleList([model.layers[0]] * layers)
+    """The dense model on meta with `layers` layers, one module a kind of layer (the dense-MLP
+    layers config.dense_layers names, the others), each repeated where its kind is (a stage
+    converts only its own)."""
+    def one(cfg):
+        return build(dataclasses.replace(cfg, layers=1, tie=config.tie and layers == config.layers), dtype=dtype,
+                     device="meta")
+
+    model = one(_uniform(config, False))
+    kinds = {False: model.layers[0]}
+    if config.dense_layers:
+        kinds[True] = one(_uniform(config, True)).layers[0]
+    model.layers = torch.nn.ModuleList([kinds[i in config.dense_layers] for i in range(layers)])
     return model
+
+
+def _uniform(config, dense: bool):
+    """`config` with every layer of one kind: the dense MLP's of dense_layers (DeepSeek-V3's first
+    layers), or the mixture of experts' of the others."""
+    if not config.dense_layers:
+        return config
+    return dataclasses.replace(config, dense_layers=(), **({"moe": None} if dense else {}))
+
+
+def _dense_in_stage(config, pp: int, stage: int) -> int:
+    """How many of pipeline stage `stage`'s layers (a contiguous block of layers // pp) are dense."""
+    per = config.layers // pp
+    return sum(1 for i in config.dense_layers if stage * per <= i < (stage + 1) * per)
+
+
+def _role_config(config, pp: int, stage: int, rpp: int, rstage: int):
+    """The model of stage_role's smaller pipeline (rpp stages of this stage's layers), its stage
+    rstage holding the dense layers stage `stage` of pp holds, in their places."""
+    per = config.layers // pp
+    dense = tuple(rstage * per + j for j in range(per) if stage * per + j in config.dense_layers)
+    return dataclasses.replace(config, layers=per * rpp, dense_layers=dense)
 
 
 def _stage(config, mode, dp, pp, sp, at, dtype, experts=None):
@@ -941,14 +983,21 @@ def _stand_in(config, mode, pp, sp, at, dtype, dp=1, experts=None, recipe=None):
     order and the units (tests/python/test_plan.py compares the recordings with the full
     stage's). Building a 1T model's 128-layer stage took most of its planning time. recipe: its
     linears in float8 (float8_params: the copies of the weights ZeRO-3 gathers in float8)."""
-    one = _one_layer_stage(config, mode, pp, sp, at, dtype, dp, experts)
-    float8.convert(one, recipe)
-    gathered = [id(w) for w in float8.gathered_weights(one)]
+    one = _one_layer_stage(_uniform(config, False), mode, pp, sp, at, dtype, dp, experts)
+    kinds = {False: one}
+    if config.dense_layers:  # DeepSeek-V3's dense first layers: copies of a dense-MLP layer's
+        kinds[True] = _one_layer_stage(_uniform(config, True), mode, pp, sp, at, dtype, dp, experts)
+    gathered = []
+    for stage in kinds.values():
+        float8.convert(stage, recipe)
+        gathered += [id(w) for w in float8.gathered_weights(stage)]
     seen: dict = {}
     stand = torch.nn.Module()
     stand.embed = _Copies(one.embed, seen) if one.embed is not None else None
     stand.head = _Copies(one.head, seen) if one.head is not None else None
-    stand.layers = torch.nn.ModuleList(_Copies(one.layers[0], {}) for _ in range(config.layers // pp))
+    per, first = config.layers // pp, dict(at).get("pp", 0) * (config.layers // pp)
+    stand.layers = torch.nn.ModuleList(_Copies(kinds[first + j in config.dense_layers].layers[0], {})
+                                       for j in range(per))
     stand.shard_units = lambda: [m for m in (stand.embed, *stand.layers, stand.head) if m is not None]
     stand.float8_params = [c.of[i] for c in stand.shard_units() for i in gathered if i in c.of]
     return stand
