@@ -187,8 +187,8 @@ class MoESection(Section):
                                  at_least=0)
     dense_first: int = option(0, "the first K layers' MLPs dense, ffn_hidden wide (DeepSeek-V3's "
                                  "first_k_dense_replace)", at_least=0)
-    moe_overlap: bool = option(False, "with ep > 1 and a shared expert: the shared expert computed while the "
-                                      "dispatch's all-to-all runs, and its backward while the reverse exchange runs "
+    moe_overlap: bool = option(False, "with ep > 1 and a shared expert: its halves computed while the dispatch's "
+                                      "and the combine's rows move, their backwards while the reverse exchanges do "
                                       "(Megatron-Core's shared-expert overlap)")
 
 

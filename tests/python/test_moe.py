@@ -295,8 +295,11 @@ def _expert_parallel(ctx, shape, ep_spec, token_axes, capacity, tp=None, sequenc
             return Logged(h) if async_op else h
 
         grid.all_to_all_v = logged
-        block.shared_expert.register_forward_hook(lambda *a: events.append("shared forward"))
-        block.shared_expert.register_full_backward_hook(lambda *a: events.append("shared backward"))
+        se = block.shared_expert  # its first half begins with gate_proj, its second is down_proj
+        se.gate_proj.register_forward_hook(lambda *a: events.append("shared inner"))
+        se.down_proj.register_forward_hook(lambda *a: events.append("shared out"))
+        se.gate_proj.register_full_backward_hook(lambda *a: events.append("inner backward"))
+        se.down_proj.register_full_backward_hook(lambda *a: events.append("out backward"))
     xr = x.clone().requires_grad_(True)
     if "sp" in token_axes and grid.size("sp") > 1:  # rank (d, s) holds piece s of data shard d's sequences
         d, n = grid.size("dp"), grid.size("sp")
@@ -371,18 +374,19 @@ def test_deepseek_routing_on_expert_grids_equals_one_process(pool, shape, ep, to
     (dict(dp=2), "dp", ("dp",), "row:2"),  # the shared expert's tensor-parallel all-reduces beside the exchange
 ])
 def test_the_shared_expert_overlapped_with_the_dispatch_equals_one_process(pool, shape, ep, token_axes, tp):
-    """Megatron-Core's shared-expert overlap (moe_overlap): the shared expert runs after the
-    dispatch's exchange starts and before it is waited on, and its backward between the start
-    and the wait of the reverse exchange (autograd runs the nodes made between the two halves
-    there); the outputs and every gradient are DenseMoE's (float64)."""
+    """Megatron-Core's shared-expert overlap (moe_overlap): the shared expert's first half runs
+    after the dispatch's exchange starts and before it is waited on, its second half inside the
+    combine's; backward, each half's backward between the start and the wait of its exchange's
+    reverse (autograd runs the nodes made between an exchange's two halves there); the outputs
+    and every gradient are DenseMoE's (float64)."""
     for errs, aux, counts, whole, events in pool.run(_expert_parallel, 4, shape, ep, token_axes, None, tp, False,
                                                      None, True):
         assert max(errs.values()) < 1e-10, errs
         assert aux < 1e-12 and counts and whole
-        # forward: the dispatch around the shared expert, the combine; backward: the combine's
-        # reverse, then the dispatch's reverse around the shared expert's backward
-        assert events == ["start", "shared forward", "wait", "exchange",
-                          "exchange", "start", "shared backward", "wait"], events
+        # forward: the dispatch around the first half, the combine around the second; backward:
+        # the combine's reverse around the second half's backward, the dispatch's around the first's
+        assert events == ["start", "shared inner", "wait", "start", "shared out", "wait",
+                          "start", "out backward", "wait", "start", "inner backward", "wait"], events
 
 
 def test_the_sequence_wise_balance_loss_is_deepseek_v3s_formula():

@@ -340,7 +340,15 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(ffn, hidden, **kw)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.out(self.inner(x))
+
+    def inner(self, x):
+        """Its first half: silu(gate x) * up x (what an overlap runs beside the dispatch)."""
+        return F.silu(self.gate_proj(x)) * self.up_proj(x)
+
+    def out(self, h):
+        """Its second half: down h (beside the combine)."""
+        return self.down_proj(h)
 
 
 class DenseMoE(nn.Module, split.Deferrable):
@@ -400,17 +408,21 @@ class DenseMoE(nn.Module, split.Deferrable):
             self.routed += r.counts.detach()
         side = {}
 
-        def shared():  # the shared expert, while the dispatch moves where it can (overlap_shared)
-            s = self.shared_expert(x)
+        def inner():  # the shared expert's halves, beside the dispatch and the combine where they can run
+            side["h"] = self.shared_expert.inner(x)
+
+        def outer():
+            s = self.shared_expert.out(side.pop("h"))
             side["out"] = torch.sigmoid(self.shared_expert_gate(x)) * s if self.shared_expert_gate is not None else s
 
         overlap = self.overlap_shared and self.shared_expert is not None
-        y = self._run_experts(x, r, shared if overlap else None)  # each kept slot's expert output, in r.order
+        y = self._run_experts(x, r, (inner, outer) if overlap else None)  # each kept slot's expert output, in r.order
         w = r.weights.reshape(-1)[r.order].to(y.dtype)
         out = torch.zeros_like(x).index_add(0, r.order // self.moe.top_k, y * w[:, None])  # combine
         if self.shared_expert is not None:
             if "out" not in side:
-                shared()
+                inner()
+                outer()
             out = out + side["out"]
         out = self._attach_losses(out, r, shape[0] if len(shape) == 3 else 1)
         return out.reshape(shape)
@@ -426,8 +438,9 @@ class DenseMoE(nn.Module, split.Deferrable):
         return chosen, experts
 
     def _run_experts(self, x, r: Routing, during=None):
-        """Dispatch (each kept slot's token, grouped by expert), the grouped GEMM. during: work to
-        run while the dispatch moves (nothing moves here: it runs after)."""
+        """Dispatch (each kept slot's token, grouped by expert), the grouped GEMM. during: two
+        pieces of work to run while the dispatch and the combine move (nothing moves here: the
+        caller runs them after)."""
         self.tokens_per_expert = r.counts.detach()
         return self._experts(x[r.order // self.moe.top_k], r.group_sizes())
 
@@ -617,8 +630,8 @@ class ExpertParallelMoE(DenseMoE):
             send, got = [sum(r.known[j * e:(j + 1) * e]) for j in range(n)], [mine] * n
         if during is None:
             arrived = all_to_all_v(rows, self.grid, self.ep, send, [sum(g) for g in got])
-        else:  # Megatron-Core's shared-expert overlap: computed while the rows move, forward and backward
-            arrived, _ = all_to_all_v_around(rows, self.grid, self.ep, send, [sum(g) for g in got], during)
+        else:  # Megatron-Core's shared-expert overlap: its halves while the rows move, forward and backward
+            arrived, _ = all_to_all_v_around(rows, self.grid, self.ep, send, [sum(g) for g in got], during[0])
         # member-major (j, i) blocks -> expert-major (i, j): each expert's rows contiguous
         blocks = arrived.split([c for g in got for c in g])
         by_expert = [blocks[j * e + i] for i in range(e) for j in range(n)]
@@ -626,7 +639,9 @@ class ExpertParallelMoE(DenseMoE):
         y = self._experts(torch.cat(by_expert), self.tokens_per_expert if r.known is None else per_expert, per_expert)
         out = y.split([got[j][i] for i in range(e) for j in range(n)])
         back = torch.cat([out[i * n + j] for j in range(n) for i in range(e)])
-        return all_to_all_v(back, self.grid, self.ep, [sum(g) for g in got], send)
+        if during is None:
+            return all_to_all_v(back, self.grid, self.ep, [sum(g) for g in got], send)
+        return all_to_all_v_around(back, self.grid, self.ep, [sum(g) for g in got], send, during[1])[0]
 
     def _token_ranks(self) -> int:
         return self.grid.size(self.token_axes) if self.token_axes else 1
@@ -687,8 +702,9 @@ def moe_blocks(module: nn.Module) -> list:
 
 
 def set_moe_overlap(module: nn.Module, on: bool) -> None:
-    """Every mixture-of-experts block of `module` computes its shared expert while its dispatch's
-    all-to-all runs (and the shared expert's backward while the reverse exchange runs), or after."""
+    """Every mixture-of-experts block of `module` computes its shared expert's first half while
+    its dispatch's rows move and its second while the combine's do (their backwards while the
+    reverse exchanges move), or after them."""
     for m in moe_blocks(module):
         m.overlap_shared = bool(on)
 
