@@ -889,9 +889,10 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
     if cfg.host_reads:  # every rank's census of each step
         metrics["host_reads"] = grid.all_gather_json(host_reads)
     if phases is not None:  # every rank's mean seconds a step in each phase
-        metrics["phase_seconds"] = grid.all_gather_json(phases.per_step())
+        per_step = phases.per_step()
+        metrics["phase_seconds"] = grid.all_gather_json(per_step)
         if meter.experts and cfg.ep > 1:  # the rank whose experts were sent the most, and its share of the step
-            metrics["expert_ranks"] = grid.all_gather_json(expert_rank_load(cfg, grid, meter.experts, phases))
+            metrics["expert_ranks"] = grid.all_gather_json(expert_rank_load(cfg, grid, meter.experts, per_step))
             metrics["busiest_expert_rank"] = runfolder.busiest_expert_rank(metrics["expert_ranks"])
     if stragglers is not None:  # every naming (the same on every rank: gathered)
         metrics["stragglers"] = stragglers.named
@@ -901,13 +902,12 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
     return metrics
 
 
-def expert_rank_load(cfg: TrainConfig, grid, experts: list, phases: StepPhases) -> dict:
+def expert_rank_load(cfg: TrainConfig, grid, experts: list, per_step: dict) -> dict:
     """This rank's part of runfolder.busiest_expert_rank: its member of the expert line, the slots
     routed to that member's experts over the run (experts: [step][layer][expert], every layer's),
-    its forward and backward over its step."""
+    its forward and backward over its step (per_step: its StepPhases.per_step())."""
     ep = cfg.expert_axis(grid)
     member, per = grid.index(ep), len(experts[0][0]) // cfg.ep
-    per_step = phases.per_step()
     compute = sum(per_step[k] for k in StepPhases.COMPUTE)
     return {"rank": grid.rank, "member": member,
             "slots": sum(sum(c[member * per:(member + 1) * per]) for step in experts for c in step),

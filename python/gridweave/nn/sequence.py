@@ -184,8 +184,10 @@ def attend(qkv, heads, causal, grid, algorithm=SeqAttention.RING, kv_heads=None,
     if not sequence_parallel(grid):
         return attention(qkv, heads, causal, kv_heads, arch, documents=ids_of(documents))
     algorithm = SeqAttention.of(algorithm)
-    pos = shard_positions_of(qkv.shape[0], qkv.shape[1], grid, algorithm, causal, ulysses_degree, documents)
-    pos = pos if arch.rope_theta is not None else None  # only rotary embeddings need the global positions
+    check_shards(qkv.shape[0], qkv.shape[1], grid, algorithm, documents)
+    # only rotary embeddings need the global positions
+    pos = shard_positions_of(qkv.shape[0], qkv.shape[1], grid, algorithm, causal, ulysses_degree, documents) \
+        if arch.rope_theta is not None else None
     # Ulysses and USP send grouped key/value heads as they are (the ring's blocks need them repeated)
     grouped = algorithm in (SeqAttention.ULYSSES, SeqAttention.USP)
     q, k, v = split_heads(qkv, heads, kv_heads, arch, pos, repeat_kv=not grouped)
@@ -197,14 +199,11 @@ def attend(qkv, heads, causal, grid, algorithm=SeqAttention.RING, kv_heads=None,
 def shard_positions_of(b: int, length_local: int, grid, algorithm: SeqAttention, causal: bool, ulysses_degree: int,
                        documents=None) -> torch.Tensor:
     """The global positions of this sp rank's tokens as `algorithm` shards the sequence ((L/N,), or
-    (b, L/N) within packed documents: restarting at each). Checks the documents' shape."""
+    (b, L/N) within packed documents: restarting at each). Checks them first (check_shards)."""
+    check_shards(b, length_local, grid, algorithm, documents)
     order, ids = order_of(documents), ids_of(documents)
     sp, index = grid.axes["sp"], grid.index("sp")
     device = grid.device
-    if ids is not None:
-        check_documents(ids, b, length_local * sp)
-    if order is not None and algorithm not in (SeqAttention.RING, SeqAttention.USP):
-        raise GridError(f"a chunk order balances the ring's shards; attention={algorithm.value} keeps its own")
     if order is not None:
         pos = shard_positions(order, length_local, index, device)
     elif algorithm is SeqAttention.USP:
@@ -212,6 +211,16 @@ def shard_positions_of(b: int, length_local: int, grid, algorithm: SeqAttention,
     else:
         pos = positions(length_local, sp, index, algorithm.zigzag(causal), device)
     return pos if ids is None else document_positions(ids)[:, pos]
+
+
+def check_shards(b: int, length_local: int, grid, algorithm: SeqAttention, documents=None) -> None:
+    """A GridError unless packed documents (ids, or ids and a chunk order) fit b rows of this sp
+    rank's shards and a chunk order is the ring's or USP's."""
+    ids = ids_of(documents)
+    if ids is not None:
+        check_documents(ids, b, length_local * grid.axes["sp"])
+    if order_of(documents) is not None and algorithm not in (SeqAttention.RING, SeqAttention.USP):
+        raise GridError(f"a chunk order balances the ring's shards; attention={algorithm.value} keeps its own")
 
 
 def check_latent_attention(algorithm: SeqAttention, mla) -> None:

@@ -738,8 +738,9 @@ def step_schedule(config, mode, dp, pp, sp, at, microbatches, batch, dtype=torch
 
     one, layer, payload = recorded(_uniform(config, False))
     per, dense = config.layers // pp, _dense_in_stage(config, pp, stage)
-    stage_work = one.plus(layer, per - 1)  # the stage's layers are one layer's recording
-    if dense:  # DeepSeek-V3's dense first layers: each kind's layers from its own recordings, the
+    if not dense:
+        stage_work = one.plus(layer, per - 1)  # the stage's layers are one layer's recording
+    else:  # DeepSeek-V3's dense first layers: each kind's layers from its own recordings, the
         # stage's first layer (what a one-layer recording holds beyond a later layer) of its own kind
         one_dense, dense_layer, _ = recorded(_uniform(config, True))
         first_dense = stage * per in config.dense_layers
