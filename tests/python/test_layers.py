@@ -118,11 +118,19 @@ def _latent_layer(ctx, shape, dtype_name, q_rank, packed=False, v=10, attention=
     """DeepSeek's latent-attention layer (gw.nn.LatentAttention) with a dense SwiGLU MLP on a grid
     against the dense layer: output, input gradient, every parameter gradient, to_dense; packed:
     with packed documents (attention within each, rotary positions restarting). With sp: the
-    sequence of 8 tokens split over it, attention as given."""
+    sequence of 8 tokens split over it, attention as given; tp_sp: Megatron's sequence
+    parallelism on the tp mode."""
+    import dataclasses
+
     import gridweave as gw
 
     dtype = getattr(torch, dtype_name)
-    grid = ctx.init(**{k: gw.modes.parse(v) if k == "tp" else v for k, v in shape.items()})
+    shape = dict(shape)
+    tp_sp = shape.pop("tp_sp", False)
+    axes = {k: gw.modes.parse(v) if k == "tp" else v for k, v in shape.items()}
+    if tp_sp:
+        axes["tp"] = dataclasses.replace(axes["tp"], sequence=True)
+    grid = ctx.init(**axes)
     torch.manual_seed(0)
     arch = _latent_arch(q_rank, v)
     dense = gw.nn.DenseTransformerLayer(H, HEADS, 24, bias=False, dtype=dtype, device=DEVICE, arch=arch)
@@ -131,12 +139,12 @@ def _latent_layer(ctx, shape, dtype_name, q_rank, packed=False, v=10, attention=
             p.add_(0.1 * torch.randn_like(p))
     kw = dict(attention=attention, ulysses_degree=ulysses_degree) if "sp" in shape else {}
     layer = gw.nn.TransformerLayer.from_dense(dense, grid, **kw)
-    seq = 8 if "sp" in shape else S
+    seq = 8 if "sp" in shape or tp_sp else S
     x = full((B, seq, H), 11, dtype).requires_grad_()
     docs = None
     if packed and seq == S:
         docs = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2], [0, 0, 0, 0, 0], [0, 0, 0, 1, 1]], device=DEVICE)
-    elif packed:
+    elif packed and seq == 8:
         docs = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1, 2, 2], [0] * 8, [0, 0, 0, 0, 0, 1, 1, 1]],
                             device=DEVICE)
     y = dense(x, docs)
@@ -152,23 +160,39 @@ def _latent_layer(ctx, shape, dtype_name, q_rank, packed=False, v=10, attention=
     return layer_errors(layer, dense, grid, x, xl, y, yl), tp_ops
 
 
+def _tp_ops(shape) -> int:
+    """The layer's collectives over tp. Megatron's f / g: g after the attention and the MLP forward,
+    f on the q (or its latent) and kv latents, the shared rotary key and the MLP's input backward:
+    six all-reduces. With Megatron-SP (Korthikanti et al. §4.2.2) each of the three gathering
+    linears (q or its up projection, kv's up projection, the MLP's first) all-gathers forward and
+    again backward and reduce-scatters its input's gradient, each of the two reduce-scattering
+    ones all-gathers its gradient, and the rotary key is all-gathered and reduce-scattered back:
+    3 x 3 + 2 x 2 + 2 = 15."""
+    if "tp" not in shape:
+        return 0
+    return 15 if shape.get("tp_sp") else 6
+
+
 @pytest.mark.parametrize("shape,n,q_rank", [(dict(tp="row:2"), 2, 8), (dict(tp="row:4"), 4, None),
-                                            (dict(tp="row:2", dp=2), 4, 8), (dict(dp=4), 4, 8)])
+                                            (dict(tp="row:2", dp=2), 4, 8), (dict(dp=4), 4, 8),
+                                            (dict(tp="row:2", tp_sp=True), 2, None),
+                                            (dict(tp="row:4", tp_sp=True), 4, 8),
+                                            (dict(tp="row:2", tp_sp=True, dp=2), 4, 8)])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_latent_attention_layer_matches_dense(pool, shape, n, q_rank, dtype):
     """Megatron-Core's split of DeepSeek's latent attention: the heads over tp (up projections by
     rows, the output projection by columns), the down projections and latent norms replicated; on
-    tp alone, tp x dp and dp alone. Over tp: g after the attention and the MLP forward, f on the q
-    (or its latent) and kv latents, the shared rotary key and the MLP's input backward: six
-    all-reduces."""
+    tp alone, tp x dp and dp alone; with Megatron's sequence parallelism the down projections and
+    norms on each rank's piece of the sequence, the up projections gathering the latents."""
     limit = 1e-10 if dtype == "float64" else 1e-5
     for errs, tp_ops in pool.run(_latent_layer, n, shape, dtype, q_rank):
         assert max(errs.values()) < limit, {k: v for k, v in errs.items() if v >= limit}
-        assert tp_ops == (6 if "tp" in shape else 0), tp_ops
+        assert tp_ops == _tp_ops(shape), tp_ops
 
 
-def test_latent_attention_masks_packed_documents_like_the_dense_layer(pool):
-    for errs, _ in pool.run(_latent_layer, 4, dict(tp="row:2", dp=2), "float64", 8, True):
+@pytest.mark.parametrize("shape", [dict(tp="row:2", dp=2), dict(tp="row:2", tp_sp=True, dp=2)])
+def test_latent_attention_masks_packed_documents_like_the_dense_layer(pool, shape):
+    for errs, _ in pool.run(_latent_layer, 4, shape, "float64", 8, True):
         assert max(errs.values()) < 1e-10, {k: v for k, v in errs.items() if v >= 1e-10}
 
 
@@ -176,7 +200,9 @@ def test_latent_attention_masks_packed_documents_like_the_dense_layer(pool):
 # (Ulysses' all-to-all takes them as they are), equal; the sequence split over sp with tp and dp
 @pytest.mark.parametrize("shape,n,q_rank,v,attention,u", [
     (dict(sp=2), 2, 8, 6, "ring", 1), (dict(tp="row:2", sp=2), 4, None, 12, "ulysses", 1),
-    (dict(sp=4), 4, 8, 6, "usp", 2), (dict(dp=2, sp=2, tp="row:2"), 8, 8, 10, "ring", 1)])
+    (dict(sp=4), 4, 8, 6, "usp", 2), (dict(dp=2, sp=2, tp="row:2"), 8, 8, 10, "ring", 1),
+    (dict(tp="row:2", tp_sp=True, sp=2), 4, 8, 6, "ring", 1), (dict(tp="row:2", tp_sp=True, sp=2), 4, None, 12,
+                                                               "ulysses", 1)])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_latent_attention_over_sequence_parallelism_matches_dense(pool, shape, n, q_rank, v, attention, u, dtype):
     """Every projection the token's own on its sp shard, the rotary parts at the global positions,
@@ -185,7 +211,7 @@ def test_latent_attention_over_sequence_parallelism_matches_dense(pool, shape, n
     limit = 1e-10 if dtype == "float64" else 1e-5
     for errs, tp_ops in pool.run(_latent_layer, n, shape, dtype, q_rank, False, v, attention, u):
         assert max(errs.values()) < limit, {k: e for k, e in errs.items() if e >= limit}
-        assert tp_ops == (6 if "tp" in shape else 0), tp_ops
+        assert tp_ops == _tp_ops(shape), tp_ops
 
 
 @pytest.mark.parametrize("attention,u", [("ring", 1), ("ulysses", 1), ("usp", 2)])
@@ -215,8 +241,9 @@ def _latent_refused(ctx, shape, tp_sp=False, attention="ring", v=10):
 
 
 def test_latent_attention_refuses_the_modes_that_split_its_sequence_or_hidden(pool):
-    assert "split over sp alone" in pool.run(_latent_refused, 2, dict(tp="row:2"), True)[0]  # tp_sp
-    assert "(tp none or row:N, no tp_sp)" in pool.run(_latent_refused, 4, dict(tp="square:2"))[0]
+    assert pool.run(_latent_refused, 2, dict(tp="row:2"), True) == ["built", "built"]  # tp_sp
+    assert "each token's hidden vector whole (tp none or row:N)" in \
+        pool.run(_latent_refused, 4, dict(tp="square:2"))[0]
     assert "ring, ulysses or usp, not rsa" in pool.run(_latent_refused, 2, dict(sp=2), False, "rsa")[0]
     assert "v_dim 12 is wider than qk_nope_dim + qk_rope_dim = 10" in \
         pool.run(_latent_refused, 2, dict(sp=2), False, "ring", 12)[0]

@@ -503,7 +503,7 @@ def test_equal_slots_across_a_capacity_boundary_are_all_dropped():
     (dict(model="deepseek-v3", experts=6, expert_groups=4), 1, "6 experts do not split into 4 groups"),
     (dict(model="deepseek-v3", sp=2, attention="rsa"), 2, "latent attention over sp runs with attention ring, "),
     (dict(model="deepseek-v3", sp=2, v_dim=20), 2, "pads the values to the queries' width: v_dim 20 is wider"),
-    (dict(model="deepseek-v3", tp="row:2", tp_sp=True), 2, "latent attention runs with the sequence"),
+    (dict(model="deepseek-v3", tp="cube:2"), 8, "latent attention runs with the sequence split over sp"),
     (dict(model="deepseek-v3", kv_heads=2), 1, "no key/value head count"),
     (dict(model="deepseek-v3", dense_first=2), 1, "keeps at least one sparse layer"),
     (dict(moe_overlap=True, ep=2, dp=2), 2, "moe_overlap computes the shared expert during the experts' dispatch"),
@@ -727,8 +727,9 @@ def test_init_from_a_qwen_moe_folder_sets_its_model(tmp_path, kind):
 
 def test_init_from_a_deepseek_folder_sets_its_model(tmp_path):
     """--init-from a DeepSeek-V3 folder: the run is model deepseek-v3 with that folder's latent
-    attention, routing and dense first layer, read back as written; on a grid that splits its
-    sequence over tp (Megatron's sequence parallelism), one error before any rank starts."""
+    attention, routing and dense first layer, read back as written; on a grid that splits each
+    token's hidden vector (2-D), one error before any rank starts; Megatron's sequence parallelism
+    takes it."""
     import gridweave as gw
 
     moe = MoE(experts=4, top_k=2, ffn=16, shared_ffn=16, scoring="sigmoid", scale=2.0, groups=2, topk_groups=1,
@@ -740,5 +741,7 @@ def test_init_from_a_deepseek_folder_sets_its_model(tmp_path):
     assert run.model == "deepseek-v3" and (run.experts, run.top_k, run.moe_ffn) == (4, 2, 16)
     assert run.model_config(256) == dataclasses.replace(cfg, eps=1e-6)  # the export writes Llama's default
     with pytest.raises(GridError, match="latent attention runs with the sequence"):
-        gw.train.TrainConfig(init_from=str(tmp_path), tokenizer="bytes", seq=16, batch=8, pp=1, tp="row:2",
-                             tp_sp=True).grid_shape(2)
+        gw.train.TrainConfig(init_from=str(tmp_path), tokenizer="bytes", seq=16, batch=8, pp=1,
+                             tp="square:2").grid_shape(4)
+    assert gw.train.TrainConfig(init_from=str(tmp_path), tokenizer="bytes", seq=16, batch=8, pp=1, tp="row:2",
+                                tp_sp=True).grid_shape(2) == {"dp": 1, "pp": 1, "sp": 1}

@@ -97,7 +97,10 @@ def test_planned_step_traffic_with_zero(pool, tp, dp, pp, sp, zero, offload):
                                                                       expert_groups=2, topk_groups=1,
                                                                       seq_aux_coef=0.001, dense_first=1)),
                                               ("none", 2, 1, 2, dict(model="deepseek-v3", experts=4, ep=4,
-                                                                     imbalance=1.5, dense_first=1))])
+                                                                     imbalance=1.5, dense_first=1)),
+                                              # latent attention under Megatron's sequence parallelism
+                                              ("row:2", 2, 1, 1, dict(model="deepseek-v3", experts=4, ep=2,
+                                                                      tp_sp=True, dense_first=1))])
 def test_planned_step_traffic_with_experts_and_line_parts(pool, tp, dp, pp, sp, more):
     import gridweave as gw
 

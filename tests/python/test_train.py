@@ -321,7 +321,8 @@ def deepseek_single(tmp_path_factory):
 
 @pytest.mark.parametrize("spec,port", [
     (["--dp", "4", "--pp", "2", "--ep", "2"], 29739),  # experts over ep 2 of dp 4 x the pipeline
-    (["--tp", "row:2", "--dp", "2", "--pp", "2", "--ep", "2"], 29743),  # the heads and each expert over tp, x pp
+    # the heads and each expert over tp with Megatron's sequence parallelism, x pp
+    (["--tp", "row:2", "--tp-sp", "--dp", "2", "--pp", "2", "--ep", "2"], 29743),
     (["--dp", "4", "--pp", "2", "--ep", "4", "--zero", "3", "--no-offload"], 29745),  # ZeRO-3 x pp, ep 4
     # the sequence over sp (the zigzag ring, values padded to the queries' width) x the heads over tp
     (["--sp", "2", "--tp", "row:2", "--dp", "2", "--ep", "2", "--moe-overlap"], 29747),  # the dispatch overlapped
@@ -330,7 +331,7 @@ def deepseek_single(tmp_path_factory):
 def test_deepseek_trains_on_composed_grids_with_one_process_losses(deepseek_single, tmp_path, spec, port):
     """DeepSeek-V3's architecture in the main job (latent attention split as Megatron-Core does,
     its routing and balancing, shared experts, a dense first layer) equals one process on grids
-    with ep, pp, tp, sp (ring, USP) and ZeRO-3: the losses (float32, 1e-5) and the balancing biases; each run
+    with ep, pp, tp (with Megatron-SP), sp (ring, USP) and ZeRO-3: the losses (float32, 1e-5) and the balancing biases; each run
     exports to the Hugging Face folder the one-process run exports (transformers' config, every
     tensor within float32's reach), which transformers loads."""
     from gridweave import cli

@@ -138,6 +138,26 @@ def reduce_scatter_sequence(x, grid, axis, dim=1):
     return _ReduceScatterSequence.apply(x, grid, axis, dim % x.dim())
 
 
+class _GatherSequence(torch.autograd.Function):
+    """Megatron's sequence parallelism (Korthikanti et al. 2022, §4.2.2, g): all-gather the
+    sequence shards forward; every rank's consumer is its own (its heads), so the gradient is
+    partial and reduce-scattered back to the shards."""
+
+    @staticmethod
+    def forward(ctx, x, grid, axis, dim):
+        ctx.grid, ctx.axis, ctx.dim = grid, axis, dim
+        return grid.all_gather(x.contiguous(), axis=axis, dim=dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.grid.reduce_scatter(g.contiguous(), axis=ctx.axis, dim=ctx.dim), None, None, None
+
+
+def gather_sequence(x, grid, axis, dim=1):
+    """This rank's sequence shard -> the whole sequence, its gradient reduce-scattered back."""
+    return _GatherSequence.apply(x, grid, axis, dim % x.dim())
+
+
 class _AllToAllV(torch.autograd.Function):
     """grid.all_to_all_v forward; backward the same exchange reversed (the gradients of the
     rows received go back to their senders)."""

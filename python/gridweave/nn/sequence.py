@@ -235,6 +235,18 @@ def check_latent_attention(algorithm: SeqAttention, mla) -> None:
                         f"than qk_nope_dim + qk_rope_dim = {mla.nope + mla.rope} (use attention=ulysses)")
 
 
+def check_latent_layout(layout, what: str) -> tuple:
+    """A GridError unless DeepSeek's latent attention can run on a layer input in `layout`: its
+    sequence split over sp and Megatron-SP's tp pieces alone, each token's hidden vector whole.
+    The pieces its up projections gather (tp's under tp_sp)."""
+    seq = tuple(layout.dims[1]) if len(layout.dims) > 1 else ()
+    if any(a not in ("sp", "tp") for a in seq) or any(layout.dims[2:]):
+        raise GridError(f"multi-head latent attention runs with the sequence split over sp (and tp_sp's pieces) "
+                        f"alone and each token's hidden vector whole (tp none or row:N): {what} splits them "
+                        "otherwise")
+    return tuple(a for a in seq if a not in DATA_AXES)
+
+
 def attend_heads(q, k, v, causal, grid, algorithm: SeqAttention, ulysses_degree: int = 1, documents=None):
     """Attention over "sp" of this rank's shard of q (b, heads, L/N, d), k (b, kv_heads, L/N, d)
     and v (b, kv_heads, L/N, d_v), rotated already: (b, heads, L/N, d_v). The ring's block kernels

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .. import split
-from ..autograd.comm import all_reduce_replicated, copy_to_parallel
+from ..autograd.comm import all_reduce_replicated, copy_to_parallel, gather_sequence
 from ..documents import document_rows, ids_of, with_ids
 from ..errors import GridError
 from ..layout import Layout, gather, scatter
@@ -20,7 +20,8 @@ from .dense import (GPT2, Arch, DenseMLA, DenseMLP, DenseSelfAttention, DenseTra
                     linformer_attention, linformer_keys, mla_attention, mla_heads, qk_normed, split_heads, values)
 from .moe import ExpertParallelMoE, expert_line
 from .sequence import (ReplicatedLinear, SeqAttention, attend, attend_heads, attention_lines,
-                       check_latent_attention, replicated_norm, sequence_parallel, shard_positions_of)
+                       check_latent_attention, check_latent_layout, replicated_norm, sequence_parallel,
+                       shard_positions_of)
 from .style import resolve
 
 
@@ -228,11 +229,15 @@ class LatentAttention(nn.Module):
     splits it: the down projections and the latents' RMSNorms replicated (every rank of the tensor
     group runs them on the same tokens), the up projections the mode's first linear (1-D: column
     parallel, each rank a block of whole heads, f on its latent), the output projection its second
-    (row parallel, g); the rotary key every head shares goes through f too. Where sp splits the
-    sequence, every projection is the token's own: the queries, keys and values of this rank's
-    shard (the rotary parts at their global positions) meet over sp in `attention` (the ring, its
-    values padded to the queries' width; Ulysses; USP). Heads split over at most one axis by output
-    rows (tp none or row:N); tp_sp, RSA and the 2-D, 3-D and sub-graph modes: one clear error."""
+    (row parallel, g); the rotary key every head shares goes through f too. With Megatron's
+    sequence parallelism (row:N, tp_sp) the down projections and latent norms run on this rank's
+    sequence piece (their gradients partial over tp), the up projections all-gather the latents,
+    the rotary key is all-gathered (reduce-scattered backward) and the output projection
+    reduce-scatters, as Megatron-Core's MLA does. Where sp splits the sequence, every projection
+    is the token's own: the queries, keys and values of this rank's shard (the rotary parts at
+    their global positions) meet over sp in `attention` (the ring, its values padded to the
+    queries' width; Ulysses; USP). Heads split over at most one axis by output rows (tp none or
+    row:N); RSA and the 2-D, 3-D and sub-graph modes: one clear error."""
 
     def __init__(self, hidden, heads, grid, mode=None, causal=True, dtype=None, device=None, arch: Arch | None = None,
                  attention="ring", ulysses_degree: int = 1):
@@ -249,20 +254,20 @@ class LatentAttention(nn.Module):
         self.attention.check(sp, ulysses_degree, heads // self.groups)
         if sp > 1:
             check_latent_attention(self.attention, m)
-        if self.input_layout.dims[1:2] not in (((),), (("sp",),)) or any(self.input_layout.dims[2:]):
-            raise GridError(f"multi-head latent attention runs with the sequence split over sp alone and each token's "
-                            f"hidden vector whole (tp none or row:N, no tp_sp): {self.mode!r} on {dict(grid.axes)} "
-                            "splits them otherwise")
+        # Megatron-SP: the pieces of the sequence the up projections gather (tp's), where the
+        # replicated projections and norms run on distinct tokens
+        self._gathered = check_latent_layout(self.input_layout, f"{self.mode!r} on {dict(grid.axes)}")
         first, second = self.mode.linear_pair(grid, False, dtype, device)
-        kw = dict(bias=False, dtype=dtype, device=device)
+        tokens = DATA_AXES + self._gathered  # the axes a replicated part's gradient is partial over
+        kw = dict(bias=False, dtype=dtype, device=device, partial=tokens)
         if m.q_rank is None:
             self.q = first(hidden, m.q_width(heads))
         else:
             self.q_down = ReplicatedLinear(hidden, m.q_rank, **kw)
-            self.q_norm = replicated_norm(Norm.RMS, m.q_rank, m.eps, dtype, device)
+            self.q_norm = replicated_norm(Norm.RMS, m.q_rank, m.eps, dtype, device, partial=tokens)
             self.q_up = first(m.q_rank, m.q_width(heads))
         self.kv_down = ReplicatedLinear(hidden, m.kv_rank + m.rope, **kw)
-        self.kv_norm = replicated_norm(Norm.RMS, m.kv_rank, m.eps, dtype, device)
+        self.kv_norm = replicated_norm(Norm.RMS, m.kv_rank, m.eps, dtype, device, partial=tokens)
         self.kv_up = first(m.kv_rank, heads * (m.nope + m.v))
         self.proj = second(heads * m.v, hidden)
         pl = placement_of(self.kv_up.weight)
@@ -292,17 +297,21 @@ class LatentAttention(nn.Module):
         m, heads = self.mla, self.heads // self.groups
         latent, k_rope = self.kv_down(x).split([m.kv_rank, m.rope], dim=-1)
         q = self.q(x) if m.q_rank is None else self.q_up(self.q_norm(self.q_down(x)))
-        if self._head_axis is not None:  # every rank's heads read it: its gradient summed over them (f)
+        if self._gathered:  # Megatron-SP: the whole (sp shard's) sequence, its gradient reduce-scattered
+            (axis,) = self._gathered
+            k_rope = gather_sequence(k_rope, self.grid, axis)
+        elif self._head_axis is not None:  # every rank's heads read it: its gradient summed over them (f)
             k_rope = copy_to_parallel(k_rope, self.grid, self._head_axis)
         kv = self.kv_up(self.kv_norm(latent))
+        rows = self.input_layout  # its batch rows (dim 0: every sequence piece of a row is the row's)
         if not sequence_parallel(self.grid):
             if documents is not None:
-                documents = document_rows(ids_of(documents), self.input_layout, self.grid)
+                documents = document_rows(ids_of(documents), rows, self.grid)
             return self.proj(mla_attention(q, kv, k_rope, heads, m, self.arch.rope_theta, self.causal,
                                            documents=documents))
         if documents is not None:
-            documents = with_ids(documents, document_rows(ids_of(documents), self.input_layout, self.grid))
-        b, s = x.shape[:2]
+            documents = with_ids(documents, document_rows(ids_of(documents), rows, self.grid))
+        b, s = q.shape[:2]
         pos = shard_positions_of(b, s, self.grid, self.attention, self.causal, self.ulysses_degree, documents)
         o = attend_heads(*mla_heads(q, kv, k_rope, heads, m, self.arch.rope_theta, pos), self.causal, self.grid,
                          self.attention, self.ulysses_degree, documents)

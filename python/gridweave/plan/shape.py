@@ -14,7 +14,7 @@ from ..models import ModelConfig
 from ..axes import AxesView, ParallelDims
 from ..modes import Mode, Sequence
 from ..modes import parse as parse_mode
-from ..nn.sequence import SeqAttention, check_latent_attention
+from ..nn.sequence import SeqAttention, check_latent_attention, check_latent_layout
 
 
 @dataclass(frozen=True)
@@ -143,10 +143,8 @@ class GridShape:
         view = AxesView(dict(dims.axes()))
         layout = self.tp.layout(view, zigzag, attn.ring(self.sp, model.ulysses_degree))
         layout.without("dp").local_shape((model.batch // self.dp // microbatches, cfg.seq, cfg.hidden), view)
-        if cfg.mla is not None and (any(a != "sp" for a in layout.dims[1]) or layout.dims[2]):
-            raise GridError(f"multi-head latent attention runs with the sequence split over sp alone and each token's "
-                            f"hidden vector whole (tp none or row:N without tp_sp): tp {self.tp.spec()} with sp "
-                            f"{self.sp} splits them otherwise")
+        if cfg.mla is not None:
+            check_latent_layout(layout, f"tp {self.tp.spec()} with sp {self.sp}")
         if cfg.mla is not None and self.sp > 1:
             check_latent_attention(attn, cfg.mla)
         if self.schedule == "interleaved" and (self.pp < 2 or microbatches % self.pp):
