@@ -66,7 +66,9 @@ def plot(data: dict, png: Path) -> None:
 
 def main() -> None:
     args, work = cl.bench_setup(bench_parser(__file__), "bench_moe_overlap")
-    data = {"rate": args.rate, "model": MODEL, "steps": STEPS, "warmup": WARMUP, "runs": {}}
+    data = {"rate": args.rate, "model": MODEL, "steps": STEPS, "warmup": WARMUP, "runs": {},
+            "overlapped": "the shared expert's halves beside both exchanges: silu(gate x) * up x beside the "
+                          "dispatch, down beside the combine, their backwards beside the reverses"}
     port = 29671
     with cl.Cluster(2, prefix="gwo", subnet="10.231.82", rate=args.rate) as c:
         for _ in range(REPEATS):  # side by side: each configuration once, then again
