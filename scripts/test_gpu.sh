@@ -30,6 +30,9 @@ if [ "$DEV" != "none" ] && want suite; then
     tests/python/test_tensor3d.py tests/python/test_sequence.py tests/python/test_subgraph.py \
     tests/python/test_pipeline.py tests/python/test_sharding.py tests/python/test_sequence_model.py \
     tests/python/test_documents.py -rs 2>&1 | tee "$OUT/test_cuda_suite_${DEV}.txt" || rc=1
+  # the shared expert beside the experts' exchanges (--moe-overlap), the waits on the device
+  GRIDWEAVE_TEST_DEVICE=cuda python3 -m pytest -q tests/python/test_moe.py -rs -k "overlapped" 2>&1 \
+    | tee "$OUT/test_cuda_moe_overlap_${DEV}.txt" || rc=1
 fi
 if [ "$DEV" != "none" ] && want zero; then
   # ZeRO 1-3 and hybrid sharding on the GPU: the reduce-scatters start from autograd's
