@@ -91,11 +91,27 @@ def plot_loss(metrics, png) -> None:
     plt.close(fig)
 
 
+def _imbalance(ax, steps) -> None:
+    """Each sparse layer's busiest expert over an even share, step by step ([step][layer][expert])."""
+    experts = len(steps[0][0])
+    for l in range(len(steps[0])):
+        ax.plot(range(1, len(steps) + 1), [max(s[l]) * experts / max(sum(s[l]), 1) for s in steps],
+                label=f"layer {l}")
+    ax.axhline(1.0, color="gray", ls=":", lw=1)
+    ax.set(xlabel="step", ylabel="busiest expert / even share", title="load imbalance (max / mean)")
+
+
 def plot_run(metrics, png) -> None:
     """The run at a glance: the losses, speed (tokens/s) and MFU each on its own axes, the
-    gradient norm, each rank's peak memory, and the bytes each axis moved inside and across nodes."""
+    gradient norm, each rank's peak memory, and the bytes each axis moved inside and across nodes;
+    with a mixture of experts, each layer's max / mean expert load."""
     plt = _pyplot()
-    fig, ax = plt.subplots(2, 3, figsize=(15, 7))
+    moe = bool(metrics.get("tokens_per_expert"))
+    fig, ax = plt.subplots(2, 4 if moe else 3, figsize=(20 if moe else 15, 7))
+    if moe:
+        _imbalance(ax[0, 3], metrics["tokens_per_expert"])
+        ax[0, 3].legend(fontsize=7)
+        ax[1, 3].axis("off")
     _losses(ax[0, 0], metrics)
     ax[0, 0].set_title("loss")
     steps = range(1, len(metrics["tokens_per_s"]) + 1)
@@ -140,11 +156,7 @@ def plot_experts(metrics, png) -> None:
     ax[0].set(xlabel="expert", ylabel="slots routed (whole run)", title="tokens per expert")
     ax[0].set_xticks([e + 0.4 - width / 2 for e in range(experts)], range(experts))
     ax[0].legend(fontsize=7, ncol=2)
-    for l in range(layers):
-        ax[1].plot(range(1, len(steps) + 1), [max(s[l]) * experts / max(sum(s[l]), 1) for s in steps],
-                   label=f"layer {l}")
-    ax[1].axhline(1.0, color="gray", ls=":", lw=1)
-    ax[1].set(xlabel="step", ylabel="busiest expert / even share", title="load imbalance")
+    _imbalance(ax[1], steps)
     fig.suptitle(f"gridweave train: {experts} experts, {metrics['grid']}")
     fig.tight_layout()
     fig.savefig(png, dpi=90)

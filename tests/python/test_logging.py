@@ -142,6 +142,7 @@ def test_the_run_folder_records_what_ran(run):
     for name in ("config.toml", "environment.json", "metrics.json", "loss.png", "run.png", "tokenizer.json",
                  "logs/log.jsonl", "checkpoint/latest"):
         assert (out / name).exists(), name
+    assert int.from_bytes((out / "run.png").read_bytes()[16:20], "big") == 15 * 90  # PNG's width: three columns
     env = json.loads((out / "environment.json").read_text())
     assert env["versions"]["torch"] == torch.__version__ and env["grid"] == m["grid"] and env["world_size"] == 2
     source = env["gridweave_source"]

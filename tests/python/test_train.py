@@ -226,6 +226,8 @@ def test_mixtral_trains_on_composed_grids_with_one_process_losses(mixtral_single
     slots = [sum(layer) for step in routed for layer in step]
     assert all(n == 8 * 32 * 2 for n in slots) if cap == "0" else all(0 < n <= 8 * 32 * 2 for n in slots), slots
     assert (out / "experts.png").stat().st_size > 0
+    # run.png's fourth column, each layer's max / mean load: 20 inches at 90 dpi (a dense run's 15)
+    assert int.from_bytes((out / "run.png").read_bytes()[16:20], "big") == 20 * 90
 
 
 def test_mixtral_checkpoint_moves_between_expert_grids(mixtral_single, tmp_path):
