@@ -33,11 +33,12 @@ ctest --test-dir build/ctest --output-on-failure -j2
 # whose assertions are timeouts and failure detection (the cluster, faults, the flight recorder,
 # nothing silent) run after, with nothing beside them.
 # The zero-bubble schedules' main jobs run once, in the NCCL-rules pass below (the stricter rules).
-# The layers' files branch on no transport capability (only the pipeline does): they run once,
-# in the NCCL-rules pass, whose rules are the stricter.
+# The layers' files, the attention rings' and the experts' branch on no transport capability
+# (only the pipeline does): they run in the NCCL-rules pass, whose rules are the stricter (and
+# the rings and experts on MPI too), not again here.
 alone=(test_cluster test_nothing_silent test_faults test_flight test_flight_signal)
 shard_a=(test_train test_config test_precision test_bert test_float8 test_datasets test_gpu test_verify)
-nccl_only=(test_layers test_tensor3d test_subgraph test_sequence_model)
+nccl_only=(test_layers test_tensor3d test_subgraph test_sequence_model test_sequence test_moe)
 shard_b=()
 for f in tests/python/test_*.py; do
   name=$(basename "$f" .py)

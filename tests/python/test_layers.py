@@ -214,10 +214,12 @@ def test_latent_attention_over_sequence_parallelism_matches_dense(pool, shape, n
         assert tp_ops == _tp_ops(shape), tp_ops
 
 
-@pytest.mark.parametrize("attention,u", [("ring", 1), ("ulysses", 1), ("usp", 2)])
-def test_latent_attention_over_sp_masks_packed_documents_like_the_dense_layer(pool, attention, u):
-    for errs, _ in pool.run(_latent_layer, 4, dict(sp=4) if attention == "usp" else dict(tp="row:2", sp=2),
-                            "float64", 8, True, 6 if attention != "ulysses" else 12, attention, u):
+@pytest.mark.parametrize("attention,u,tp_sp", [("ring", 1, False), ("ulysses", 1, False), ("usp", 2, False),
+                                               ("ring", 1, True)])
+def test_latent_attention_over_sp_masks_packed_documents_like_the_dense_layer(pool, attention, u, tp_sp):
+    shape = dict(sp=4) if attention == "usp" else dict(tp="row:2", sp=2, tp_sp=tp_sp)
+    for errs, _ in pool.run(_latent_layer, 4, shape, "float64", 8, True, 6 if attention != "ulysses" else 12,
+                            attention, u):
         assert max(errs.values()) < 1e-10, {k: e for k, e in errs.items() if e >= 1e-10}
 
 

@@ -990,11 +990,11 @@ def test_workers_rank_as_one_process_does(monkeypatch):
     order as in this one (a row holds only what its own grid decides: its lines once listed
     whatever other grids had added to the lines' cache); a bad count is one clear error."""
     model = plan.Model(ModelConfig("gpt", 1000, hidden=256, heads=8, layers=4, seq=256), batch=64)
-    a100 = plan.load_cluster("a100-ib", 8)
-    monkeypatch.setattr(plan.search, "GRIDS_PER_TASK", 16)  # several runs a worker, so the order of their rows matters
-    alone = plan.plan(8, model, a100, workers=1)
-    assert len(alone) > 4 * plan.GRIDS_PER_TASK
-    assert plan.plan(8, model, a100, workers=2) == alone
+    a100 = plan.load_cluster("a100-ib", 4)
+    monkeypatch.setattr(plan.search, "GRIDS_PER_TASK", 8)  # several runs a worker, so the order of their rows matters
+    alone = plan.plan(4, model, a100, workers=1)  # 4 ranks: 84 grids (8 ranks' 208 took 2 minutes of CI)
+    assert len(alone) > 4 * plan.search.GRIDS_PER_TASK
+    assert plan.plan(4, model, a100, workers=2) == alone
     for bad in (0, -1, 1.5, True):
         with pytest.raises(gw.GridError, match="workers"):
             plan.plan(32, model, a100, workers=bad)
