@@ -117,45 +117,33 @@ def scatter_to_parallel(x, grid, axis, dim=-1):
     return _ScatterToParallel.apply(x, grid, axis, dim % x.dim())
 
 
-class _ReduceScatterSequence(torch.autograd.Function):
-    """Megatron's sequence parallelism (Korthikanti et al. 2022, §4.2.2, ḡ): reduce-scatter the
-    row-parallel linear's partial sums to sequence shards forward; all-gather the gradient
-    backward. (Its pair, all-gather before the column-parallel linear, is fused with that linear:
-    gw.nn.tensor1d.)"""
+class _SequenceExchange(torch.autograd.Function):
+    """Megatron's sequence parallelism (Korthikanti et al. 2022, §4.2.2): ḡ reduce-scatters partial
+    sums of the whole sequence to sequence shards forward and all-gathers the gradient backward;
+    g, its adjoint, all-gathers the shards forward and reduce-scatters the (partial) gradient
+    backward. (The all-gather before a column-parallel linear is fused with it: gw.nn.tensor1d.)"""
 
     @staticmethod
-    def forward(ctx, x, grid, axis, dim):
-        ctx.grid, ctx.axis, ctx.dim = grid, axis, dim
-        return grid.reduce_scatter(x.contiguous(), axis=axis, dim=dim)
+    def forward(ctx, x, grid, axis, dim, gather):
+        ctx.grid, ctx.axis, ctx.dim, ctx.gather = grid, axis, dim, gather
+        op = grid.all_gather if gather else grid.reduce_scatter
+        return op(x.contiguous(), axis=axis, dim=dim)
 
     @staticmethod
     def backward(ctx, g):
-        return ctx.grid.all_gather(g.contiguous(), axis=ctx.axis, dim=ctx.dim), None, None, None
+        op = ctx.grid.reduce_scatter if ctx.gather else ctx.grid.all_gather
+        return op(g.contiguous(), axis=ctx.axis, dim=ctx.dim), None, None, None, None
 
 
 def reduce_scatter_sequence(x, grid, axis, dim=1):
     """Partial sums of the whole sequence -> this rank's sequence shard of their sum."""
-    return _ReduceScatterSequence.apply(x, grid, axis, dim % x.dim())
-
-
-class _GatherSequence(torch.autograd.Function):
-    """Megatron's sequence parallelism (Korthikanti et al. 2022, §4.2.2, g): all-gather the
-    sequence shards forward; every rank's consumer is its own (its heads), so the gradient is
-    partial and reduce-scattered back to the shards."""
-
-    @staticmethod
-    def forward(ctx, x, grid, axis, dim):
-        ctx.grid, ctx.axis, ctx.dim = grid, axis, dim
-        return grid.all_gather(x.contiguous(), axis=axis, dim=dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.grid.reduce_scatter(g.contiguous(), axis=ctx.axis, dim=ctx.dim), None, None, None
+    return _SequenceExchange.apply(x, grid, axis, dim % x.dim(), False)
 
 
 def gather_sequence(x, grid, axis, dim=1):
-    """This rank's sequence shard -> the whole sequence, its gradient reduce-scattered back."""
-    return _GatherSequence.apply(x, grid, axis, dim % x.dim())
+    """This rank's sequence shard -> the whole sequence, read by this rank's own consumers (its
+    heads): its gradient, partial, reduce-scattered back."""
+    return _SequenceExchange.apply(x, grid, axis, dim % x.dim(), True)
 
 
 class _AllToAllV(torch.autograd.Function):
