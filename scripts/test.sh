@@ -3,7 +3,7 @@
 # transport under mpirun) and pytest (every op through the Python API on a pool of rank
 # processes) in three passes, each with torch's default device poisoned to "meta" (in the pool,
 # the main jobs' ranks and this process), so any tensor made without an explicit device (library
-# or test) fails loudly. First every test on the Gloo transport (the layers' files apart: see below). Then, on the MPI transport (the pool
+# or test) fails loudly. First every test on the Gloo transport (the layers', rings' and experts' files apart: see below). Then, on the MPI transport (the pool
 # and the main jobs under mpirun; without MPI the pass stays on Gloo), the tests whose correctness
 # rests on the transport: the collectives and segmented collectives, the pipeline's receive
 # strategies, the attention rings, checkpoints, faults and timeouts, NCCL's rules, the ZeRO grid
