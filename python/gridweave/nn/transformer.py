@@ -20,8 +20,7 @@ from .dense import (GPT2, Arch, DenseMLA, DenseMLP, DenseSelfAttention, DenseTra
                     linformer_attention, linformer_keys, mla_attention, mla_heads, qk_normed, split_heads, values)
 from .moe import ExpertParallelMoE, expert_line
 from .sequence import (ReplicatedLinear, SeqAttention, attend, attend_heads, attention_lines,
-                       check_latent_attention, check_latent_layout, replicated_norm, sequence_parallel,
-                       shard_positions_of)
+                       check_latent_attention, check_latent_layout, sequence_parallel, shard_positions_of)
 from .style import resolve
 
 
@@ -258,16 +257,17 @@ class LatentAttention(nn.Module):
         # replicated projections and norms run on distinct tokens
         self._gathered = check_latent_layout(self.input_layout, f"{self.mode!r} on {dict(grid.axes)}")
         first, second = self.mode.linear_pair(grid, False, dtype, device)
-        tokens = DATA_AXES + self._gathered  # the axes a replicated part's gradient is partial over
-        kw = dict(bias=False, dtype=dtype, device=device, partial=tokens)
+        # the down projections see the layer input's tokens, as the mode's norms do: their
+        # gradients partial over the axes that split those tokens
+        kw = dict(bias=False, dtype=dtype, device=device, partial=DATA_AXES + self._gathered)
         if m.q_rank is None:
             self.q = first(hidden, m.q_width(heads))
         else:
             self.q_down = ReplicatedLinear(hidden, m.q_rank, **kw)
-            self.q_norm = replicated_norm(Norm.RMS, m.q_rank, m.eps, dtype, device, partial=tokens)
+            self.q_norm = self.mode.norm(m.q_rank, grid, dtype, device, m.eps, Norm.RMS)
             self.q_up = first(m.q_rank, m.q_width(heads))
         self.kv_down = ReplicatedLinear(hidden, m.kv_rank + m.rope, **kw)
-        self.kv_norm = replicated_norm(Norm.RMS, m.kv_rank, m.eps, dtype, device, partial=tokens)
+        self.kv_norm = self.mode.norm(m.kv_rank, grid, dtype, device, m.eps, Norm.RMS)
         self.kv_up = first(m.kv_rank, heads * (m.nope + m.v))
         self.proj = second(heads * m.v, hidden)
         pl = placement_of(self.kv_up.weight)
@@ -303,14 +303,13 @@ class LatentAttention(nn.Module):
         elif self._head_axis is not None:  # every rank's heads read it: its gradient summed over them (f)
             k_rope = copy_to_parallel(k_rope, self.grid, self._head_axis)
         kv = self.kv_up(self.kv_norm(latent))
-        rows = self.input_layout  # its batch rows (dim 0: every sequence piece of a row is the row's)
         if not sequence_parallel(self.grid):
             if documents is not None:
-                documents = document_rows(ids_of(documents), rows, self.grid)
+                documents = document_rows(ids_of(documents), self.input_layout, self.grid)
             return self.proj(mla_attention(q, kv, k_rope, heads, m, self.arch.rope_theta, self.causal,
                                            documents=documents))
         if documents is not None:
-            documents = with_ids(documents, document_rows(ids_of(documents), rows, self.grid))
+            documents = with_ids(documents, document_rows(ids_of(documents), self.input_layout, self.grid))
         b, s = q.shape[:2]
         pos = shard_positions_of(b, s, self.grid, self.attention, self.causal, self.ulysses_degree, documents)
         o = attend_heads(*mla_heads(q, kv, k_rope, heads, m, self.arch.rope_theta, pos), self.causal, self.grid,
