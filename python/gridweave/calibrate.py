@@ -351,46 +351,47 @@ def measure(grid, fixed: bool = True, dtype=torch.float32, prefix: str = "calibr
             "cores_per_node": len(os.sched_getaffinity(0)),
             "measured_all_gather_s": json.loads(json.dumps(times))}  # keys as strings
     if fixed and g > 1:
-        preset["step_s"], preset["collective_s"], preset["fixed_cost_steps"] = fixed_costs(grid, preset, prefix=prefix)
+        terms, preset["fixed_cost_steps"] = fixed_costs(grid, preset, prefix=prefix)
+        preset.update(terms)
     return preset
 
 
-# The small steps fixed_costs times: the main job's code (gw.train.train_step) on a model too
-# small for its FLOPs and bytes to matter, on grids with few and with many collectives
+# The steps fixed_costs times: the main job's code (gw.train.train_step) on a model too small for
+# its FLOPs and bytes to matter, on grids with few and with many collectives; and on the main job's
+# own shape (one the planner may be tuned on), where the step's kernels are most of its time
 _SMALL = dict(model="llama", hidden=32, heads=4, layers=2, seq=32, batch=8, microbatches=1, tokenizer="bytes")
 _SMALL_GRIDS = ({}, {"tp": "row:2"}, {"sp": 2}, {"tp": "square:2"})
+_MAIN_GRIDS = ({}, {"tp": "row:2"})
+
+
+def _fixed_cost_configs() -> list:
+    """(what, grid) of each step fixed_costs times."""
+    return [("small", extra) for extra in _SMALL_GRIDS] + [("main", extra) for extra in _MAIN_GRIDS]
+
+
+def _config_of(what: str, extra: dict) -> tuple:
+    """The TrainConfig of a timed step and its model's vocabulary."""
+    extra = {"pp": 1, **extra}  # (TrainConfig's 0 lets the grid choose)
+    return (TrainConfig(**_SMALL, **extra), 256) if what == "small" else (TrainConfig(**extra), TrainConfig().vocab)
 
 
 def fixed_costs(grid, preset: dict, steps: int = 5, prefix: str = "calibrate") -> tuple:
-    """What each step and each collective cost beyond what is measured of them on this machine
-    under this many ranks: small training steps on a few grids (the main job's code, a tiny
-    Llama), each timed (the slowest rank, the median step) and recorded (gw.plan.predict's kernel
-    and collective counts); the time the rates, the measured all-reduces and the per-kernel cost
-    (launch_overhead, measured directly) leave unexplained, fitted (least squares, each error
-    relative to its step's time) as step_s + collectives x collective_s, over the collectives
-    collective_s is charged to (not the all-reduces timed whole: the data-parallel and row:2
-    steps have none, which tells the step's own cost apart, 4-8 ms on 8 ranks sharing 2 cores:
-    its micro-batch cuts, the loss's reductions, the optimizer's hooks, the slowest rank's lag).
-    Where ranks share cores, a collective's thread handoffs wait for a core; that, not alpha,
-    is what makes many small collectives expensive. The kernel cost is the probe's, not a second
-    unknown of the fit: kernels and collectives grow together over these grids, so a fit of both
-    traded one for the other from run to run (2 to 33 us a kernel on one machine).
-    Returns (step_s, collective_s, the steps as measured and recorded)."""
-    import dataclasses
-
+    """What the probes leave unexplained of real training steps on this machine under this
+    many ranks (the main job's code: a tiny Llama on a few grids, and the main job's shape), each
+    timed (the slowest rank, the median step): fit_fixed_costs's terms. Returns (those terms,
+    the steps as measured and recorded)."""
     n = grid.world_size
-    base = dataclasses.replace(plan.Cluster.of(preset), collective_s=0.0, step_s=0.0)
     rows = []
-    for i, extra in enumerate(_SMALL_GRIDS):
-        cfg = TrainConfig(**_SMALL, **extra, pp=1)
+    for i, (what, extra) in enumerate(_fixed_cost_configs()):
+        cfg, vocab = _config_of(what, extra)
         try:
             shape = cfg.grid_shape(n)
         except Exception:  # a grid this world cannot hold
             continue
         g = init_like(grid, shape, cfg, f"{prefix}-{i}")
         torch.manual_seed(0)
-        _, stage, opt, scaler = build(cfg, g, cfg.model_config(256))
-        x = torch.randint(0, 256, (cfg.batch // shape["dp"], cfg.seq), generator=torch.Generator().manual_seed(0),
+        _, stage, opt, scaler = build(cfg, g, cfg.model_config(vocab))
+        x = torch.randint(0, vocab, (cfg.batch // shape["dp"], cfg.seq), generator=torch.Generator().manual_seed(0),
                           device="cpu")  # a host batch, as the reader's
         times = []
         for step in range(steps + 2):
@@ -398,15 +399,52 @@ def fixed_costs(grid, preset: dict, steps: int = 5, prefix: str = "calibrate") -
             t0 = time.perf_counter()
             train_step(cfg, g, stage, opt, scaler, x, x.roll(1, 1))
             times.append(_slowest(grid, time.perf_counter() - t0))  # a step lasts as long as its slowest rank
+        del stage, opt
         g.shutdown()
-        shape_ = plan.GridShape(dp=shape["dp"], tp=cfg.mode, sp=shape["sp"])
-        r = plan.predict(plan.model_of(cfg), shape_, base, microbatches=1, **cfg.planned_optimizer())
-        measured = statistics.median(times[2:])
-        rows.append(dict(grid=extra, kernels=r["kernels"], collectives=r["fixed_cost_collectives"],
-                         measured_s=measured, unexplained_s=measured - r["step_time_s"]))
-    step_s, collective_s = relative_fit([[1.0] * len(rows), [r["collectives"] for r in rows]],
-                                        [r["unexplained_s"] for r in rows], [r["measured_s"] for r in rows])
-    return step_s, collective_s, rows
+        rows.append(dict(model=what, grid=extra, measured_s=statistics.median(times[2:])))
+    return fit_fixed_costs(preset, rows), rows
+
+
+def _predicted(preset: dict, row: dict, **terms) -> dict:
+    """gw.plan.predict of a timed step (fixed_costs's row) on the preset, its fitted terms as given
+    (none: not counted)."""
+    import dataclasses
+
+    cfg, vocab = _config_of(row["model"], row["grid"])
+    shape = cfg.grid_shape(preset["ranks"])
+    cluster = dataclasses.replace(plan.Cluster.of(preset), **{**dict(
+        collective_s=0.0, step_s=0.0, compute_scale=1.0, measured_call_s=0.0), **terms})
+    model = dataclasses.replace(plan.model_of(cfg), config=cfg.model_config(vocab))
+    grid = plan.GridShape(dp=shape["dp"], pp=shape["pp"], tp=cfg.mode, sp=shape["sp"])
+    return plan.predict(model, grid, cluster, microbatches=cfg.microbatches, **cfg.planned_optimizer())
+
+
+def fit_fixed_costs(preset: dict, rows: list) -> dict:
+    """The preset's fitted terms from timed steps (fixed_costs's rows: what, grid, measured_s;
+    each is given its prediction without them, its kernels, the collectives each term is charged
+    to, its kernels' seconds and what the terms leave unexplained): the least squares (each error
+    relative to its step's time) of what the prediction leaves unexplained as step_s +
+    collectives x collective_s + measured all-reduces x measured_call_s + (compute_scale - 1) x
+    the kernels' seconds.
+    The per-kernel cost is the probe's, not an unknown of the fit: kernels and collectives grow
+    together over these grids, so a fit of both traded one for the other from run to run (2 to
+    33 us a kernel on one machine). Where ranks share cores, a collective's thread handoffs wait
+    for a core; that, not alpha, is what makes many small collectives expensive; and a step's
+    kernels run slower than the probes that time one kind at a time."""
+    for r in rows:
+        p = _predicted(preset, r)
+        r.update(kernels=p["kernels"], collectives=p["fixed_cost_collectives"],
+                 measured_collectives=p["measured_collectives"], predicted_s=p["step_time_s"])
+        # the kernels' seconds: a step without a pipeline is linear in compute_scale
+        r["compute_s"] = _predicted(preset, r, compute_scale=2.0)["step_time_s"] - p["step_time_s"]
+    step_s, collective_s, call_s, scale = relative_fit(
+        [[1.0] * len(rows), [r["collectives"] for r in rows], [r["measured_collectives"] for r in rows],
+         [r["compute_s"] for r in rows]],
+        [r["measured_s"] - r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
+    terms = dict(step_s=step_s, collective_s=collective_s, measured_call_s=call_s, compute_scale=1.0 + scale)
+    for r in rows:  # what each step leaves unexplained, the terms fitted
+        r["unexplained_s"] = r["measured_s"] - _predicted(preset, r, **terms)["step_time_s"]
+    return terms
 
 
 def init_like(grid, shape: dict, cfg, prefix: str):

@@ -165,17 +165,24 @@ def test_calibrate_writes_a_usable_local_preset(tmp_path):
     assert g == 2 and fixed > 0
     if (want > 0).all():
         assert (fixed, per_byte) == (pytest.approx(want[0], rel=1e-6), pytest.approx(want[1], rel=1e-6))
-    # the per-kernel cost is the probe's; the per-step and per-collective costs the least squares,
-    # each error relative to its step's time, of what the steps leave unexplained
+    # the per-kernel cost is the probe's; the per-step, per-collective and per-measured-all-reduce
+    # costs and the kernels' contention the least squares, each error relative to its step's time,
+    # of what the steps' predictions without them leave unexplained (the main job's shape among them)
     steps = preset["fixed_cost_steps"]
-    assert len(steps) >= 2 and all(s["kernels"] > 0 and s["measured_s"] > 0 for s in steps)
+    assert {s["model"] for s in steps} == {"small", "main"}
+    assert len(steps) >= 4 and all(s["kernels"] > 0 and s["measured_s"] > 0 and s["compute_s"] > 0 for s in steps)
     m = np.array([s["measured_s"] for s in steps])
-    a = np.array([[1.0, s["collectives"]] for s in steps]) / m[:, None]
-    want, *_ = np.linalg.lstsq(a, np.array([s["unexplained_s"] for s in steps]) / m, rcond=None)
+    a = np.array([[1.0, s["collectives"], s["measured_collectives"], s["compute_s"]] for s in steps]) / m[:, None]
+    unexplained = np.array([s["measured_s"] - s["predicted_s"] for s in steps]) / m
+    fitted = np.array([c.step_s, c.collective_s, c.measured_call_s, c.compute_scale - 1])
+    want, *_ = np.linalg.lstsq(a, unexplained, rcond=None)
     if (want > 0).all():
-        assert (c.step_s, c.collective_s) == (pytest.approx(want[0], rel=1e-6), pytest.approx(want[1], rel=1e-6))
-    else:  # a cost the residuals cannot carry is left out
-        assert min(c.step_s, c.collective_s) == 0 <= max(c.step_s, c.collective_s)
+        assert fitted == pytest.approx(want, rel=1e-6)
+    else:  # a cost the residuals cannot carry is left out, the others refitted: no better fit exists
+        assert (fitted >= 0).all() and (fitted == 0).any()
+        kept = fitted > 0
+        again, *_ = np.linalg.lstsq(a[:, kept], unexplained, rcond=None)
+        assert fitted[kept] == pytest.approx(again, rel=1e-6)
     assert c.launch_s > 0  # launch_overhead, measured
     rows = plan.plan(2, plan.Model(ModelConfig("gpt", 51200, hidden=64, heads=4, layers=2, seq=32), batch=4), c)
     assert rows and rows[0]["step_time_s"] > 0

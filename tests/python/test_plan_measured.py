@@ -129,3 +129,57 @@ def test_a_residual_is_fitted_relative_to_the_time_it_is_part_of():
     falling = counts * 8e-4 - 0.01
     slope = float(((counts / steps) @ (falling / steps)) / ((counts / steps) @ (counts / steps)))
     assert relative_fit([[1.0] * 4, counts], falling, steps) == [0.0, pytest.approx(slope, rel=1e-9)]
+
+
+def test_a_measured_all_reduce_amid_a_step_costs_its_row_and_measured_call_s():
+    """measured_call_s: each all-reduce a row measured whole costs that much more inside a step
+    (Megatron-LM §3's four all-reduces a layer over the tp line); the one-element all-reduces over
+    every rank (timed as a step issues them) and the collectives costed alpha-beta do not."""
+    model, grid, m = _layers(), plan.GridShape(dp=4, tp=gw.Row(2)), 2
+    nbytes = (8 // 4 // m) * 32 * 64 * 4
+    base = dataclasses.replace(plan.load_cluster("a100-ib"), all_reduce_s=(ROW,))
+    for call_s in (0.0, 1e-3, 0.25):
+        r = plan.predict(model, grid, dataclasses.replace(base, measured_call_s=call_s), microbatches=m)
+        assert r["seconds_per_axis"]["tp"] == pytest.approx(3 * 4 * m * (ROW[1] + ROW[2] * nbytes + call_s), rel=1e-12)
+        assert r["measured_collectives"] == 3 * 4 * m and r["fixed_cost_collectives"] == 0
+    # the whole job: the loss's and the norm's scalars are not charged, nor the alpha-beta collectives
+    full = plan.Model(ModelConfig("llama", 256, hidden=64, heads=4, layers=2, seq=32), batch=8, bytes_per_value=4)
+    cluster = dataclasses.replace(base, scalar_all_reduce_s=1e-4)
+    for g in (plan.GridShape(dp=8), plan.GridShape(dp=2, tp=gw.Row(2), sp=2), plan.GridShape(dp=2, tp=gw.Square(2))):
+        cheap, costly = (plan.predict(full, g, dataclasses.replace(cluster, measured_call_s=c)) for c in (0.0, 1.0))
+        assert costly["step_time_s"] - cheap["step_time_s"] == pytest.approx(cheap["measured_collectives"], rel=1e-9)
+        assert cheap["measured_collectives"] + cheap["fixed_cost_collectives"] <= cheap["collectives"]
+
+
+def test_compute_scale_multiplies_the_kernels_of_the_busy_share_of_a_step():
+    """compute_scale: a step's kernels take that many times their probes' seconds, over the share
+    of the step its ranks compute: all of it without a pipeline; 1 / (1 + (p - 1) / m) with one
+    (Megatron-LM §2.2's 1F1B bubble (p - 1) / m), the busy ranks' contention. Communication is
+    not scaled."""
+    base = plan.load_cluster("a100-ib")
+    for grid, m in ((plan.GridShape(dp=4, tp=gw.Row(2)), 2), (plan.GridShape(dp=2, pp=2), 4),
+                    (plan.GridShape(dp=1, pp=4, sp=2), 2)):
+        busy = 1 / (1 + (grid.pp - 1) / m)
+        one, scaled = (plan.predict(_layers(layers=4), grid, dataclasses.replace(base, compute_scale=k), microbatches=m)
+                       for k in (1.0, 1.5))
+        a, b = one["time_breakdown_s"], scaled["time_breakdown_s"]
+        assert b["compute"] == pytest.approx(a["compute"] * (1 + 0.5 * busy), rel=1e-12)
+        assert b["communication"] == pytest.approx(a["communication"], rel=1e-12)
+
+
+def test_the_fixed_costs_fit_recovers_the_terms_of_steps_they_made():
+    """calibrate.fit_fixed_costs on steps whose times are the planner's own under known terms
+    (every grid calibrate times, the main job's shape among them) gives those terms back."""
+    preset = json.loads(plan.PRESETS.joinpath("a100-ib.json").read_text())
+    preset.update(ranks=8, gpus_per_node=8, cores_per_node=2, scalar_all_reduce_s=5e-4,
+                  all_reduce_s=[[2, 2e-3, 1e-9], [4, 4e-3, 2e-9], [8, 9e-3, 2e-9]])
+    true = dict(step_s=7e-3, collective_s=6e-4, measured_call_s=3e-4, compute_scale=1.3)
+    rows = []
+    for what, extra in calibrate._fixed_cost_configs():
+        row = dict(model=what, grid=extra)
+        row["measured_s"] = calibrate._predicted(preset, row, **true)["step_time_s"]
+        rows.append(row)
+    assert {r["model"] for r in rows} == {"small", "main"}
+    fitted = calibrate.fit_fixed_costs(preset, rows)
+    assert fitted == {k: pytest.approx(v, rel=1e-6) for k, v in true.items()}
+    assert all(abs(r["unexplained_s"]) < 1e-9 for r in rows)

@@ -51,6 +51,13 @@ class Cluster:
     # other by alpha-beta. Where ranks share cores a ring step is a turn of the cores, not a wire's
     # latency: an 8-member all-reduce's 14 steps took what the all-gather's 7 (alpha's fit) did
     all_reduce_s: tuple = ()
+    # fitted by calibrate on training steps of the main job's shape, beside step_s and collective_s
+    # (1, 0, 0: not counted). A step's kernels run slower than the probes time them alone (ranks
+    # sharing cores and caches mid-step): their seconds times compute_scale
+    compute_scale: float = 1.0
+    # each all-reduce all_reduce_s costs, further, amid a step: its peers arrive as the shared cores
+    # schedule them, where the calibration timed the calls in lockstep
+    measured_call_s: float = 0.0
 
     def __post_init__(self):  # a preset's JSON lists, hashable (the lines' cache keys on the cluster)
         object.__setattr__(self, "all_reduce_s", tuple(tuple(row) for row in self.all_reduce_s))

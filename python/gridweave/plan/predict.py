@@ -120,6 +120,7 @@ class Prediction(TypedDict):
     kernels: int  # what the critical rank issues a step
     collectives: int
     fixed_cost_collectives: int  # of them, those charged the cluster's collective_s
+    measured_collectives: int  # and those charged its measured_call_s
     time_breakdown_s: dict  # compute, recompute, communication per axis, bubble: they add up to step_time_s
     memory_breakdown_bytes: dict  # parameters, gradients, optimizer, activations: they add up to memory_bytes
     bytes_per_axis: dict  # {axis: {"intra", "inter"}}
@@ -130,8 +131,11 @@ class Prediction(TypedDict):
 class _Costing:
     """The cluster's rates and a grid's lines: what a piece of recorded work costs."""
 
-    def __init__(self, grid: GridShape, cluster: Cluster):
+    def __init__(self, grid: GridShape, cluster: Cluster, busy_share: float = 1.0):
         self.cluster, self.launch = cluster, cluster.launch_s
+        # a step's kernels against the probes', over the share of the step its ranks are busy
+        # (a pipeline's ranks idle in its bubble): the contention is the busy ranks'
+        self.scale = 1.0 + (cluster.compute_scale - 1.0) * busy_share
         self.links, _ = _links(grid, cluster)
         self.vector, self.gemm_bytes = _at(cluster.vector_bandwidth_Bps), _at(cluster.gemm_bandwidth_Bps)
 
@@ -140,10 +144,19 @@ class _Costing:
         cluster = self.cluster
         measured = _measured(op, nbytes, line, cluster)  # the whole call, as timed
         if measured is not None:
-            return measured, False
+            return measured + (cluster.measured_call_s if self.amid(op, nbytes, line) else 0.0), False
         if op == GROUPED_SEND:  # in its group's launch: its link's latency and bandwidth alone
             return collective_time("send", line[4], nbytes, line[:2], cluster), False
         return self.launch + cluster.collective_s + collective_time(op, line[4], nbytes, line[:2], cluster), True
+
+    def amid(self, op, nbytes, line) -> bool:
+        """Whether a collective is a measured line all-reduce, charged measured_call_s (the
+        one-element all-reduce over every rank was timed as a step issues it, between barriers)."""
+        return (_measured(op, nbytes, line, self.cluster) is not None
+                and not (nbytes <= 8 and self.cluster.scalar_all_reduce_s))
+
+    def measured_call(self, op, axis, nbytes) -> bool:  # comm charges it measured_call_s
+        return self.links[axis] is not None and self.amid(op, nbytes, self.links[axis])
 
     def fixed_cost(self, op, axis, nbytes) -> bool:  # comm charges it collective_s
         return self.links[axis] is not None and self.cost(op, nbytes, self.links[axis])[1]
@@ -166,14 +179,14 @@ class _Costing:
     def busy(self, w) -> float:
         """GEMMs at the GEMM rate and their operands' bandwidth (fused attention at its rate, row and
         score costs), the other kernels at memory bandwidth (softmax's further passes per element),
-        each a launch."""
+        each a launch; times the contention's scale."""
         cluster = self.cluster
-        return ((w.flops - w.fused_attention_flops - w.float8_flops) / cluster.gemm_flops
+        return self.scale * (((w.flops - w.fused_attention_flops - w.float8_flops) / cluster.gemm_flops
                 + self.gemm_bytes(w.gemm_bytes) + w.float8_flops / (cluster.float8_gemm_flops or cluster.gemm_flops)
                 + w.fused_attention_flops / (cluster.attention_flops or cluster.gemm_flops)
                 + w.attention_rows * cluster.attention_row_s + w.attention_scores * cluster.attention_score_s
                 + w.softmax_elements * cluster.softmax_element_s
-                + (w.gemm_calls + w.kernels) * self.launch + self.vector(w.kernel_bytes))
+                + (w.gemm_calls + w.kernels) * self.launch + self.vector(w.kernel_bytes)))
 
 
 @dataclasses.dataclass
@@ -325,7 +338,8 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
     grid.check_experts(model.config)
     b = model.batch // grid.dp  # sequences per data-parallel replica
     m = microbatches or (min(b, 4 * grid.pp) if grid.pp > 1 else 1)
-    costing = _Costing(grid, cluster)
+    bubble = bubble_fraction(grid.pp, m, grid.resolved_schedule(model.config), chunks)
+    costing = _Costing(grid, cluster, 1 / (1 + bubble))
     links = costing.links
     # the middle stages do what these do, without embedding or head
     stages = {s: stage_time(model, grid, costing, m, s, offload_bsize, recompute, coarsening, clip,
@@ -334,11 +348,11 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
     critical = stages[s_star]
     t_stage, compute, redo, sched, per_axis = (critical.seconds, critical.compute, critical.recompute,
                                                critical.schedule, critical.per_axis)
-    bubble = bubble_fraction(grid.pp, m, grid.resolved_schedule(model.config), chunks)
     # (m + p - 1) micro-batch slots; where ranks share cores (cores_per_node), the ones idle in
     # the bubble lend theirs to the busy ones (the rates are calibrated with every rank busy), so
     # the bubble costs only what the shared cores cannot absorb
-    share = max(1.0, cluster.gpus_per_node / cluster.cores_per_node) if cluster.cores_per_node else 1.0
+    shared = bool(cluster.cores_per_node) and cluster.gpus_per_node > cluster.cores_per_node
+    share = cluster.gpus_per_node / cluster.cores_per_node if shared else 1.0
     pipeline = m * t_stage * max(1.0, (1 + bubble) / share)
     step_comm = costing.comm(sched.step_tally, per_axis, 1)
     if sched.in_backward:  # overlapped chunks (DDP's buckets): they travel during the last backward (2/3 of a
@@ -347,7 +361,7 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
         reduce_s = costing.comm(tally_of(sched.in_backward), alone, 1)
         # where ranks share cores the chunks' transport threads take the cores the backward computes
         # on: nothing is hidden (the overlap then only saves the wait for the last chunk's peers)
-        hidden = 2 / 3 * compute if share <= 1.0 else 0.0
+        hidden = 0.0 if shared else 2 / 3 * compute
         exposed = max(costing.comm(tally_of(sched.in_backward[-1:]), {}, 1), reduce_s - hidden)
         for k, (sec, nbytes) in alone.items():
             acc = per_axis.setdefault(k, [0.0, 0.0])
@@ -383,6 +397,9 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
         # of them, those charged collective_s (the rest measured whole, or a group's later sends)
         fixed_cost_collectives=m * sum(n for k, n in sched.microbatch.tally if costing.fixed_cost(*k)) +
         sum(n for k, n in sched.step_tally + tally_of(sched.in_backward) if costing.fixed_cost(*k)),
+        # and those charged measured_call_s (line all-reduces timed whole)
+        measured_collectives=m * sum(n for k, n in sched.microbatch.tally if costing.measured_call(*k)) +
+        sum(n for k, n in sched.step_tally + tally_of(sched.in_backward) if costing.measured_call(*k)),
         # where the step time goes (they add up to step_time_s) and the memory (to memory_bytes)
         time_breakdown_s={"compute": compute * m + optimizer_s + cluster.step_s, "recompute": redo * m,
                           "communication": {k: v[0] for k, v in per_axis.items()},
