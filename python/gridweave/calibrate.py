@@ -369,10 +369,10 @@ def _fixed_cost_configs() -> list:
     return [("small", extra) for extra in _SMALL_GRIDS] + [("main", extra) for extra in _MAIN_GRIDS]
 
 
-def _config_of(what: str, extra: dict) -> tuple:
-    """The TrainConfig of a timed step and its model's vocabulary."""
+def _config_of(what: str, extra: dict) -> TrainConfig:
+    """The TrainConfig of a timed step (its vocabulary: 256 bytes, or the main job's)."""
     extra = {"pp": 1, **extra}  # (TrainConfig's 0 lets the grid choose)
-    return (TrainConfig(**_SMALL, **extra), 256) if what == "small" else (TrainConfig(**extra), TrainConfig().vocab)
+    return TrainConfig(**_SMALL, **extra) if what == "small" else TrainConfig(**extra)
 
 
 def fixed_costs(grid, preset: dict, steps: int = 5, prefix: str = "calibrate") -> tuple:
@@ -383,15 +383,15 @@ def fixed_costs(grid, preset: dict, steps: int = 5, prefix: str = "calibrate") -
     n = grid.world_size
     rows = []
     for i, (what, extra) in enumerate(_fixed_cost_configs()):
-        cfg, vocab = _config_of(what, extra)
+        cfg = _config_of(what, extra)
         try:
             shape = cfg.grid_shape(n)
         except Exception:  # a grid this world cannot hold
             continue
         g = init_like(grid, shape, cfg, f"{prefix}-{i}")
         torch.manual_seed(0)
-        _, stage, opt, scaler = build(cfg, g, cfg.model_config(vocab))
-        x = torch.randint(0, vocab, (cfg.batch // shape["dp"], cfg.seq), generator=torch.Generator().manual_seed(0),
+        _, stage, opt, scaler = build(cfg, g, cfg.model_config(cfg.vocab))
+        x = torch.randint(0, cfg.vocab, (cfg.batch // shape["dp"], cfg.seq), generator=torch.Generator().manual_seed(0),
                           device="cpu")  # a host batch, as the reader's
         times = []
         for step in range(steps + 2):
@@ -410,13 +410,12 @@ def _predicted(preset: dict, row: dict, **terms) -> dict:
     (none: not counted)."""
     import dataclasses
 
-    cfg, vocab = _config_of(row["model"], row["grid"])
+    cfg = _config_of(row["model"], row["grid"])
     shape = cfg.grid_shape(preset["ranks"])
     cluster = dataclasses.replace(plan.Cluster.of(preset), **{**dict(
         collective_s=0.0, step_s=0.0, compute_scale=1.0, measured_call_s=0.0), **terms})
-    model = dataclasses.replace(plan.model_of(cfg), config=cfg.model_config(vocab))
     grid = plan.GridShape(dp=shape["dp"], pp=shape["pp"], tp=cfg.mode, sp=shape["sp"])
-    return plan.predict(model, grid, cluster, microbatches=cfg.microbatches, **cfg.planned_optimizer())
+    return plan.predict(plan.model_of(cfg), grid, cluster, microbatches=cfg.microbatches, **cfg.planned_optimizer())
 
 
 def fit_fixed_costs(preset: dict, rows: list) -> dict:

@@ -54,15 +54,18 @@ def collective_time(op: str, g: int, nbytes: float, link: tuple, cluster: Cluste
     raise GridError(f"no cost model for {op!r}")
 
 
-def _measured(op: str, nbytes: float, line: tuple, cluster: Cluster) -> float | None:
-    """Seconds of a collective the calibration measured whole (a one-element all-reduce over
-    every rank; an all-reduce over a line inside a node of a measured size), else None: it is
-    costed alpha-beta plus collective_s. line: plan._Lines' (alpha, bandwidth, nodes, inter, size)."""
+def _measured(op: str, nbytes: float, line: tuple, cluster: Cluster) -> tuple | None:
+    """(seconds, whether measured_call_s is among them) of a collective the calibration measured
+    whole (a one-element all-reduce over every rank, timed as a step issues it; an all-reduce over
+    a line inside a node of a measured size, timed in lockstep, so amid a step measured_call_s
+    more), else None: it is costed alpha-beta plus collective_s. line: plan._Lines' (alpha,
+    bandwidth, nodes, inter, size)."""
     if op != "all_reduce":
         return None
     if nbytes <= 8 and cluster.scalar_all_reduce_s:
-        return cluster.scalar_all_reduce_s
-    return cluster.measured_all_reduce(line[4], nbytes) if line[2] == 1 else None
+        return cluster.scalar_all_reduce_s, False
+    row = cluster.measured_all_reduce(line[4], nbytes) if line[2] == 1 else None
+    return None if row is None else (row + cluster.measured_call_s, True)
 
 
 def bubble_fraction(stages: int, microbatches: int, schedule: str = "1f1b", chunks: int = 1) -> float:

@@ -140,26 +140,28 @@ class _Costing:
         self.vector, self.gemm_bytes = _at(cluster.vector_bandwidth_Bps), _at(cluster.gemm_bandwidth_Bps)
 
     def cost(self, op, nbytes, line) -> tuple:
-        """(seconds of one collective on `line`, whether they hold collective_s)."""
+        """(seconds of one collective on `line`, whether they hold collective_s, whether
+        measured_call_s)."""
         cluster = self.cluster
         measured = _measured(op, nbytes, line, cluster)  # the whole call, as timed
         if measured is not None:
-            return measured + (cluster.measured_call_s if self.amid(op, nbytes, line) else 0.0), False
+            return measured[0], False, measured[1]
         if op == GROUPED_SEND:  # in its group's launch: its link's latency and bandwidth alone
-            return collective_time("send", line[4], nbytes, line[:2], cluster), False
-        return self.launch + cluster.collective_s + collective_time(op, line[4], nbytes, line[:2], cluster), True
-
-    def amid(self, op, nbytes, line) -> bool:
-        """Whether a collective is a measured line all-reduce, charged measured_call_s (the
-        one-element all-reduce over every rank was timed as a step issues it, between barriers)."""
-        return (_measured(op, nbytes, line, self.cluster) is not None
-                and not (nbytes <= 8 and self.cluster.scalar_all_reduce_s))
-
-    def measured_call(self, op, axis, nbytes) -> bool:  # comm charges it measured_call_s
-        return self.links[axis] is not None and self.amid(op, nbytes, self.links[axis])
+            return collective_time("send", line[4], nbytes, line[:2], cluster), False, False
+        return self.launch + cluster.collective_s + collective_time(op, line[4], nbytes, line[:2], cluster), True, False
 
     def fixed_cost(self, op, axis, nbytes) -> bool:  # comm charges it collective_s
         return self.links[axis] is not None and self.cost(op, nbytes, self.links[axis])[1]
+
+    def measured_call(self, op, axis, nbytes) -> bool:  # comm charges it measured_call_s
+        return self.links[axis] is not None and self.cost(op, nbytes, self.links[axis])[2]
+
+    @staticmethod
+    def issued(sched, microbatches: int, holds) -> int:
+        """How many collectives a step of `sched` (its micro-batches', the step's own, the
+        overlapped chunks) issues that `holds` (fixed_cost, measured_call)."""
+        return (microbatches * sum(n for k, n in sched.microbatch.tally if holds(*k))
+                + sum(n for k, n in sched.step_tally + tally_of(sched.in_backward) if holds(*k)))
 
     def comm(self, tally, per_axis, repeat) -> float:
         """Seconds of the collectives of `tally` (((op, axis, nbytes), times issued), each of them
@@ -169,7 +171,7 @@ class _Costing:
             line = self.links[axis]
             if line is None:
                 continue
-            c, _ = self.cost(op, nbytes, line)
+            c = self.cost(op, nbytes, line)[0]
             acc = per_axis.setdefault(axis, [0.0, 0.0])
             acc[0] += c * n * repeat
             acc[1] += nbytes * n * repeat
@@ -395,11 +397,9 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
         kernels=m * (sched.microbatch.kernels + sched.microbatch.gemm_calls),
         collectives=m * sum(n for _, n in sched.microbatch.tally) + len(sched.step) + len(sched.in_backward),
         # of them, those charged collective_s (the rest measured whole, or a group's later sends)
-        fixed_cost_collectives=m * sum(n for k, n in sched.microbatch.tally if costing.fixed_cost(*k)) +
-        sum(n for k, n in sched.step_tally + tally_of(sched.in_backward) if costing.fixed_cost(*k)),
+        fixed_cost_collectives=costing.issued(sched, m, costing.fixed_cost),
         # and those charged measured_call_s (line all-reduces timed whole)
-        measured_collectives=m * sum(n for k, n in sched.microbatch.tally if costing.measured_call(*k)) +
-        sum(n for k, n in sched.step_tally + tally_of(sched.in_backward) if costing.measured_call(*k)),
+        measured_collectives=costing.issued(sched, m, costing.measured_call),
         # where the step time goes (they add up to step_time_s) and the memory (to memory_bytes)
         time_breakdown_s={"compute": compute * m + optimizer_s + cluster.step_s, "recompute": redo * m,
                           "communication": {k: v[0] for k, v in per_axis.items()},
