@@ -108,6 +108,14 @@ class RunLog:
             self._wandb.summary["restarts"] = self._wandb.summary.get("restarts", 0) + 1
         self._line({"step": step, "restart": record})
 
+    def logged_restarts(self) -> list | None:
+        """The restart records this rank's JSON log holds, oldest first (None: no JSON log)."""
+        if self._jsonl is None:
+            return None
+        self._jsonl.flush()
+        entries = [json.loads(line) for line in (self.folder / "log.jsonl").read_text().splitlines() if line.strip()]
+        return [e["restart"] for e in entries if "restart" in e]
+
     def loads(self, step: int, tag: str, counts: list) -> None:
         """A mixture-of-experts layer's slots per expert at `step`: a histogram over the expert ids
         (TensorBoard's, W&B's) and the counts themselves in the JSON log."""

@@ -201,6 +201,16 @@ def restarts(out: Path) -> list:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def unlogged_restarts(out: Path, run_log, restarted: dict | None) -> list:
+    """The recorded restarts (note_restart) the JSON log lacks, oldest first: this start's, and
+    any whose start ended between recording and logging it (its world changed again at once,
+    an elastic job's node back during the restart). Without a JSON log: this start's alone."""
+    logged = run_log.logged_restarts()
+    if logged is None:
+        return [restarted] if restarted is not None else []
+    return [r for r in restarts(out) if r not in logged]
+
+
 def plan_job(cfg: TrainConfig, degrees: dict, cluster) -> dict:
     """gw.plan's prediction of this job (time, memory, bytes per axis) with the grid's degrees
     ({"dp", "pp", "sp"}) on `cluster`. The planner recomputes every layer or none: any activation
@@ -838,8 +848,9 @@ def run(cfg: TrainConfig, on_step: Callable[[int, StepState], None] | None = Non
         note_world(out, grid)
     validation = Validation(cfg, tokens, cfg.batch // grid.axes["dp"] // cfg.microbatches)
     meter, guard = Meter(cfg, grid, model_cfg, history.start, stage.moe_layers()), DivergenceGuard(cfg, opt, scaler)
-    if checkpoints.restarted is not None and meter.run_log is not None:  # the change of world in the logs too
-        meter.run_log.restart(history.start, checkpoints.restarted)
+    if grid.rank == 0 and meter.run_log is not None:  # the changes of world in the logs too
+        for r in unlogged_restarts(out, meter.run_log, checkpoints.restarted):
+            meter.run_log.restart(r["step"], r)
     phases = StepPhases(grid.device) if cfg.phase_times or cfg.straggler_threshold else None
     stragglers = StragglerDetector(grid, phases, cfg.straggler_threshold, cfg.straggler_every,
                                    cfg.straggler_windows) if cfg.straggler_threshold else None

@@ -97,6 +97,31 @@ def test_a_change_of_world_reaches_tensorboard_and_the_json_log(tmp_path):
     assert lines[-1] == {"step": 4, "restart": record}
 
 
+def test_a_change_of_world_recorded_but_not_logged_is_logged_by_the_next_start(tmp_path):
+    """A start that recorded its change of world (restarts.jsonl) and ended before logging it (an
+    elastic job's node back at once): the next start logs it before its own, so the JSON log holds
+    metrics.json's restarts in order; without a JSON log a start logs its own alone."""
+    from gridweave import train
+
+    shrink = {"restart": 1, "step": 2, "previous_world": 6, "previous_grid": "dp=3,pp=2,sp=1", "world": 4,
+              "grid": "dp=2,pp=2,sp=1", "tp": "none", "seconds_lost": 20.25}
+    grow = {**shrink, "previous_world": 4, "previous_grid": "dp=2,pp=2,sp=1", "world": 6, "grid": "dp=3,pp=2,sp=1"}
+    (tmp_path / train.RESTARTS).write_text(json.dumps(shrink) + "\n" + json.dumps(grow) + "\n")
+    log = loggers.RunLog((loggers.Sink.JSONL,), tmp_path, 0, {}, "run")
+    assert log.logged_restarts() == []
+    missing = train.unlogged_restarts(tmp_path, log, grow)
+    assert missing == [shrink, grow]
+    for r in missing:
+        log.restart(r["step"], r)
+    assert train.unlogged_restarts(tmp_path, log, grow) == []
+    log.close()
+    lines = [json.loads(x) for x in (tmp_path / "logs" / "log.jsonl").read_text().splitlines()]
+    assert [e["restart"] for e in lines if "restart" in e] == train.restarts(tmp_path)
+    tb = loggers.RunLog((loggers.Sink.TENSORBOARD,), tmp_path / "tb", 0, {}, "run")
+    assert train.unlogged_restarts(tmp_path, tb, grow) == [grow] and train.unlogged_restarts(tmp_path, tb, None) == []
+    tb.close()
+
+
 def test_expert_loads_reach_tensorboard_as_histograms_and_the_json_log(tmp_path):
     """A layer's slots per expert: TensorBoard's histogram over the expert ids (each bucket an
     expert's count), the JSON log's counts."""
