@@ -12,6 +12,8 @@ from pathlib import Path
 
 from .errors import GridError
 
+FOLDER, JSON_LOG = "logs", "log.jsonl"  # in the run folder: rank 0's sinks, its JSON lines among them
+
 
 class Sink(enum.Enum):
     TENSORBOARD = "tensorboard"
@@ -74,7 +76,7 @@ class RunLog:
 
     def __init__(self, sinks, out: Path, rank: int, config: dict, name: str):
         self.sinks = tuple(sinks)
-        self.folder = Path(out) / "logs" / ("" if rank == 0 else f"rank{rank}")
+        self.folder = Path(out) / FOLDER / ("" if rank == 0 else f"rank{rank}")
         self.folder.mkdir(parents=True, exist_ok=True)
         self._tb = self._wandb = self._jsonl = None
         if Sink.TENSORBOARD in self.sinks:
@@ -90,7 +92,7 @@ class RunLog:
                                      mode=_wandb_mode(), reinit="create_new",
                                      settings=wandb.Settings(silent=True, console="off"))  # gridweave says where
         if Sink.JSONL in self.sinks:
-            self._jsonl = open(self.folder / "log.jsonl", "a")
+            self._jsonl = open(self.folder / JSON_LOG, "a")
             self._jsonl.write(json.dumps({"config": config}) + "\n")
 
     def step(self, step: int, values: dict) -> None:
@@ -113,7 +115,7 @@ class RunLog:
         if self._jsonl is None:
             return None
         self._jsonl.flush()
-        entries = [json.loads(line) for line in (self.folder / "log.jsonl").read_text().splitlines() if line.strip()]
+        entries = [json.loads(line) for line in (self.folder / JSON_LOG).read_text().splitlines() if line.strip()]
         return [e["restart"] for e in entries if "restart" in e]
 
     def loads(self, step: int, tag: str, counts: list) -> None:

@@ -185,7 +185,7 @@ def note_restart(out: Path, grid, cfg: TrainConfig, manifest: dict, before: dict
     the change, appended to out/RESTARTS: torch's restart count, the step it continues from (the
     checkpoint's), the world and grid it ran on and runs on now, and the seconds since the last
     step logged before (the time lost, the redone steps aside)."""
-    log = out / "logs" / "log.jsonl"
+    log = out / loggers.FOLDER / loggers.JSON_LOG
     record = {"restart": launch.restart_count(), "step": int(manifest["step"]),
               "previous_world": before.get("world_size"), "previous_grid": _degrees(before.get("grid") or {}),
               "world": grid.world_size, "grid": _degrees(grid.axes), "tp": cfg.mode.spec(),
