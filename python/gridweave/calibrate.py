@@ -245,6 +245,35 @@ def all_reduce_lines(grid, sizes=ALL_REDUCE_SIZES, reps: int = 11, rounds: int =
     return out
 
 
+def busy_speedup(grid, window: float = 0.3, rounds: int = 2, device="cpu", dtype=torch.float32) -> tuple:
+    """plan.Cluster.busy_speedup: for k = 1 .. a node's ranks, a rank's rate at a small Llama
+    layer's forward and backward (a step's mix of products and element-wise kernels) with the
+    first k ranks of each node running it and the rest waiting, over its rate with all of them
+    running; the median of `rounds` (the all-busy rate each round's own). Where ranks share cores
+    a pipeline's bubble leaves some idle: those running go faster, by this much."""
+    per_node = grid.ranks_per_node
+    cfg = ModelConfig("llama", 64, 128, 4, 1, 64)
+    layer = DenseTransformerLayer(cfg.hidden, cfg.heads, cfg.ffn, bias=cfg.bias, arch=cfg.arch, device=device,
+                                  dtype=dtype)
+    x = torch.randn(2, cfg.seq, cfg.hidden, device=device, dtype=dtype, requires_grad=True)
+
+    def step():
+        layer(x).sum().backward()
+
+    ratios = [[] for _ in range(per_node)]
+    for _ in range(rounds):
+        rates = []
+        for k in (per_node, *range(1, per_node)):
+            grid.barrier()
+            mine = call_rate(step, window, device) if grid.rank % per_node < k else 0.0
+            t = torch.tensor([mine], dtype=torch.float64, device=grid.device)
+            grid.all_reduce(t, "dp")  # every node's running ranks' rates, summed
+            rates.append(float(t) / (k * grid.world_size // per_node))
+        for k, rate in enumerate((*rates[1:], rates[0]), start=1):
+            ratios[k - 1].append(rate / rates[0])
+    return tuple(statistics.median(r) for r in ratios)
+
+
 def _slowest(grid, seconds: float) -> float:
     """The largest of every rank's `seconds` (what a step or a line of them waits for)."""
     t = torch.tensor([seconds], dtype=torch.float64, device=grid.device)
@@ -322,6 +351,8 @@ def measure(grid, fixed: bool = True, dtype=torch.float32, prefix: str = "calibr
         times = {"within_node": times, "across_nodes": across}
     scalar = scalar_all_reduce(grid) if g > 1 else 0.0
     all_reduces = all_reduce_lines(grid) if per_node > 1 else {}
+    cores = len(os.sched_getaffinity(0))
+    speedup = busy_speedup(grid, device=grid.device, dtype=dtype) if per_node > cores else ()
     local = []
     for probe in (gemm_costs, vector_bandwidth, launch_overhead, attention_costs, host_link, offload_bucket):
         grid.barrier()
@@ -348,7 +379,7 @@ def measure(grid, fixed: bool = True, dtype=torch.float32, prefix: str = "calibr
             "scalar_all_reduce_s": scalar, "all_reduce_s": fit_all_reduce(all_reduces),
             "measured_all_reduce_s": json.loads(json.dumps(all_reduces)),
             "memory_bytes": 24 * 2 ** 30, "ranks": grid.world_size,
-            "cores_per_node": len(os.sched_getaffinity(0)),
+            "cores_per_node": cores, "busy_speedup": list(speedup),
             "measured_all_gather_s": json.loads(json.dumps(times))}  # keys as strings
     if fixed and g > 1:
         terms, preset["fixed_cost_steps"] = fixed_costs(grid, preset, prefix=prefix)

@@ -281,14 +281,46 @@ class Timeline:
         return 1 - sum(self.busy) / (len(self.busy) * self.span)
 
 
-def simulate(t: Table, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0, t_msg: float = 0.0) -> Timeline:
+def _dependency(t: Table, s: int, op: Op):
+    """What op of stage s waits for: a forward the previous virtual stage's forward of its
+    micro-batch, a backward the next virtual stage's backward (the last virtual stage's its own
+    forward), a W nothing (it follows its own B on this stage: validate); None: nothing."""
+    v = t.virtual(s, op.chunk)
+    if op.kind is Kind.F:
+        return None if v == 0 else ("F", v - 1, op.mb)
+    if op.kind in (Kind.B, Kind.BW):
+        return ("F", v, op.mb) if v == t.virtual_stages - 1 else ("B", v + 1, op.mb)
+    return None
+
+
+def _stuck(t: Table, place: list) -> GridError:
+    stuck = ", ".join(f"stage {s} at {t.ops[s][place[s]].kind.value}(chunk {t.ops[s][place[s]].chunk}, mb "
+                      f"{t.ops[s][place[s]].mb})" for s in range(t.stages) if place[s] < len(t.ops[s]))
+    return GridError(f"schedule {t.name} cannot run: every stage waits on another ({stuck})")
+
+
+def _per_stage(x, stages: int) -> tuple:
+    """One op kind's seconds on each stage: x itself, or x's for every stage."""
+    x = tuple(x) if isinstance(x, (tuple, list)) else (x,) * stages
+    if len(x) != stages:
+        raise GridError(f"a simulated schedule of {stages} stages needs one op time per stage, got {len(x)}")
+    return x
+
+
+def simulate(t: Table, t_f=1.0, t_b=1.0, t_w=1.0, t_msg: float = 0.0, speed=None) -> Timeline:
     """Each stage runs its ops in order, an op as soon as what it needs has arrived: a forward the
     previous virtual stage's forward of its micro-batch (t_msg later), a backward the next virtual
-    stage's backward (the last virtual stage's its own forward). BW takes t_b + t_w. One clear
+    stage's backward (the last virtual stage's its own forward). BW takes t_b + t_w. t_f, t_b,
+    t_w: an op's seconds, or each stage's (a tuple: stages that hold the embedding or the head
+    take longer). speed: where the stages share what they run on (ranks sharing cores), each
+    running op's rate (its seconds' worth per second) as a function of how many stages run at
+    once: the ops progress together (processor sharing) and a stage alone runs faster. One clear
     error where the table cannot run (a stage would wait on an op that waits on it)."""
     validate(t)
-    cost = {Kind.F: t_f, Kind.B: t_b, Kind.W: t_w, Kind.BW: t_b + t_w}
-    last = t.virtual_stages - 1
+    f, b, w = (_per_stage(x, t.stages) for x in (t_f, t_b, t_w))
+    cost = [{Kind.F: f[s], Kind.B: b[s], Kind.W: w[s], Kind.BW: b[s] + w[s]} for s in range(t.stages)]
+    if speed is not None:
+        return _shared(t, cost, t_msg, speed)
     end = {}  # (kind F or B, virtual stage, mb) -> when it ended; B stands for BW too
     place = [0] * t.stages  # each stage's next op
     free = [0.0] * t.stages
@@ -300,30 +332,69 @@ def simulate(t: Table, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0, t_m
         for s in range(t.stages):
             while place[s] < len(t.ops[s]):
                 op = t.ops[s][place[s]]
-                v = t.virtual(s, op.chunk)
-                if op.kind is Kind.F:
-                    dep = None if v == 0 else ("F", v - 1, op.mb)
-                elif op.kind in (Kind.B, Kind.BW):
-                    dep = ("F", v, op.mb) if v == last else ("B", v + 1, op.mb)
-                else:
-                    dep = None  # W follows its own B on this stage (validate)
+                dep = _dependency(t, s, op)
                 if dep is not None and dep not in end:
                     break
                 ready = 0.0 if dep is None else end[dep] + (t_msg if t.stage_of(dep[1]) != s else 0.0)
                 start = max(free[s], ready)
-                free[s] = start + cost[op.kind]
-                busy[s] += cost[op.kind]
+                free[s] = start + cost[s][op.kind]
+                busy[s] += cost[s][op.kind]
                 times[s].append((op, start, free[s]))
                 if op.kind is not Kind.W:
-                    end[("F" if op.kind is Kind.F else "B", v, op.mb)] = free[s]
+                    end[("F" if op.kind is Kind.F else "B", t.virtual(s, op.chunk), op.mb)] = free[s]
                 place[s] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
-            stuck = ", ".join(f"stage {s} at {t.ops[s][place[s]].kind.value}(chunk {t.ops[s][place[s]].chunk}, mb "
-                              f"{t.ops[s][place[s]].mb})" for s in range(t.stages) if place[s] < len(t.ops[s]))
-            raise GridError(f"schedule {t.name} cannot run: every stage waits on another ({stuck})")
+            raise _stuck(t, place)
     return Timeline(max(free), tuple(busy), tuple(tuple(x) for x in times))
+
+
+def _shared(t: Table, cost: list, t_msg: float, speed) -> Timeline:
+    """simulate's step where the running ops share a rate: from one event (an op ends, a message
+    arrives) to the next, each of the k running ops does speed(k) of its seconds per second."""
+    end, place, now = {}, [0] * t.stages, 0.0
+    running = [None] * t.stages  # [op, work left, start]
+    busy = [0.0] * t.stages
+    times = [[] for _ in range(t.stages)]
+    remaining = sum(len(o) for o in t.ops)
+    while remaining:
+        arrivals = []
+        for s in range(t.stages):
+            if running[s] is not None or place[s] == len(t.ops[s]):
+                continue
+            op = t.ops[s][place[s]]
+            dep = _dependency(t, s, op)
+            if dep is not None and dep not in end:
+                continue
+            ready = 0.0 if dep is None else end[dep] + (t_msg if t.stage_of(dep[1]) != s else 0.0)
+            if ready > now:
+                arrivals.append(ready)
+            else:
+                running[s] = [op, cost[s][op.kind], now]
+        active = [s for s in range(t.stages) if running[s] is not None]
+        if not active:
+            if not arrivals:
+                raise _stuck(t, place)
+            now = min(arrivals)
+            continue
+        rate = speed(len(active))
+        step = min([running[s][1] / rate for s in active] + [a - now for a in arrivals])
+        now += step
+        for s in active:
+            op, left, start = running[s]
+            left -= step * rate
+            if left > 1e-12 * max(1.0, cost[s][op.kind]):
+                running[s][1] = left
+                continue
+            running[s] = None
+            busy[s] += now - start
+            times[s].append((op, start, now))
+            if op.kind is not Kind.W:
+                end[("F" if op.kind is Kind.F else "B", t.virtual(s, op.chunk), op.mb)] = now
+            place[s] += 1
+            remaining -= 1
+    return Timeline(now, tuple(busy), tuple(tuple(x) for x in times))
 
 
 def peaks(t: Table) -> tuple:

@@ -376,18 +376,27 @@ def test_pipeline_bubble_is_p_minus_1_over_m(p, m):
 
 
 def test_ranks_sharing_cores_fill_the_bubble():
-    """8 ranks on 2 cores (rates calibrated with every rank busy): the ranks idle in a
-    bubble lend their cores, so p = 4, m = 2 ((1 + 3/2) < 4) costs no bubble; with a core per
-    rank (or a GPU per rank) the bubble is (p-1)/m."""
+    """8 ranks on 2 cores (rates calibrated with every rank busy): the ranks idle in a bubble
+    lend their cores to the running ones (Cluster.speedup). At the cores' fair share one stage of
+    dp 2 keeps both cores busy, so p = 4, m = 2 costs no bubble at all (the step is its m stage
+    times); with a core per rank (or a GPU per rank) the bubble is (p-1)/m; one micro-batch
+    through p stages runs them one after another, each at the speedup measured for its 2 ranks."""
     import dataclasses
 
     model = plan.Model(ModelConfig("gpt", 51200, hidden=128, heads=8, layers=4, seq=64), batch=8, embedding=False)
     base = dataclasses.replace(plan.load_cluster("a100-ib"), **FREE)
-    for cores, stretch in ((2, 1.0), (8, 2.5), (0, 2.5), (4, 1.25)):
-        r = plan.predict(model, plan.GridShape(dp=2, pp=4), dataclasses.replace(base, cores_per_node=cores),
-                         microbatches=2)
+    assert base.gpus_per_node == 8
+    for cores, m, speedup, stretch in ((2, 2, (), 1.0), (8, 2, (), 2.5), (0, 2, (), 2.5), (2, 4, (), 1.0),
+                                       (2, 1, (5.0, 4.5, 3.0, 2.0, 1.8, 1.5, 1.3, 1.0), 4 / 4.5),
+                                       (4, 1, (), 4 / 2.0), (8, 1, (5.0, 4.5), 4.0)):
+        cluster = dataclasses.replace(base, cores_per_node=cores, busy_speedup=speedup)
+        r = plan.predict(model, plan.GridShape(dp=2, pp=4), cluster, microbatches=m)
         busy = r["pipeline_s"] - r["time_breakdown_s"]["bubble"]
-        assert r["pipeline_s"] == pytest.approx(busy * stretch, rel=1e-12), cores
+        assert r["pipeline_s"] == pytest.approx(busy * stretch, rel=1e-9), (cores, m, speedup)
+    # the speedup itself: measured where given, the fair share of the cores beyond, 1 without sharing
+    shared = dataclasses.replace(base, cores_per_node=2, busy_speedup=(5.0, 4.5))
+    assert [shared.speedup(k) for k in (1, 2, 3, 8, 9)] == [5.0, 4.5, 8 / 3, 1.0, 1.0]
+    assert dataclasses.replace(base, cores_per_node=8, busy_speedup=(5.0,)).speedup(1) == 1.0
 
 
 def _super_eqs(n, n_node, g):

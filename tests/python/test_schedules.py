@@ -49,6 +49,28 @@ def test_a_message_time_delays_each_stage_boundary():
         assert 2 * (p - 1) * 0.5 <= slow.span - base.span <= 2 * (m + p - 1) * 0.5, (slow.span, base.span)
 
 
+@pytest.mark.parametrize("p,m", [(2, 1), (4, 3), (4, 8), (3, 5)])
+def test_shared_stages_run_at_the_speed_of_how_many_run(p, m):
+    """Processor sharing: at a rate of 1 the shared simulation is the plain one (op by op); at a
+    constant rate c every time is 1/c; one micro-batch runs its stages one after another, each
+    alone (the sum of the stages' own F and BW at speed(1)); stages of their own times are
+    honoured (a slower last stage lengthens the span by at least its extra)."""
+    for table in (S.one_f_one_b(p, m), S.zb_h1(p, m)):
+        plain = S.simulate(table, t_msg=0.25)
+        same = S.simulate(table, t_msg=0.25, speed=lambda k: 1.0)
+        assert same.span == pytest.approx(plain.span, rel=1e-12)
+        assert same.busy == pytest.approx(plain.busy, rel=1e-12)
+        assert S.simulate(table, speed=lambda k: 4.0).span == pytest.approx(S.simulate(table).span / 4, rel=1e-12)
+    f = tuple(1.0 + s for s in range(p))  # stage s's forward takes 1 + s
+    alone = S.simulate(S.one_f_one_b(p, 1), f, f, f, speed=lambda k: 5.0 if k == 1 else 1.0)
+    assert alone.span == pytest.approx(3 * sum(f) / 5, rel=1e-12)
+    slow_last = (1.0,) * (p - 1) + (2.0,)
+    assert S.simulate(S.one_f_one_b(p, m), slow_last, slow_last, slow_last).span >= \
+        S.simulate(S.one_f_one_b(p, m)).span + 3 * m * 1.0 - 1e-12
+    with pytest.raises(gw.GridError, match="one op time per stage"):
+        S.simulate(S.one_f_one_b(p, m), (1.0,) * (p + 1))
+
+
 def test_a_table_that_cannot_run_is_one_clear_error():
     t = S.one_f_one_b(2, 2)
     # stage 0 waits on a backward that needs its own later forward
@@ -60,8 +82,9 @@ def test_a_table_that_cannot_run_is_one_clear_error():
     first_backward = (S.Op(S.Kind.F, 0, 0), S.Op(S.Kind.BW, 0, 0), S.Op(S.Kind.F, 0, 1), S.Op(S.Kind.BW, 0, 1))
     stuck = S.Table(t.name, 2, 2, 1, t.placement, (first_backward, (S.Op(S.Kind.F, 0, 1), S.Op(S.Kind.BW, 0, 1),
                                                                    S.Op(S.Kind.F, 0, 0), S.Op(S.Kind.BW, 0, 0))))
-    with pytest.raises(gw.GridError, match="cannot run: every stage waits on another"):
-        S.simulate(stuck)
+    for speed in (None, lambda k: 2.0):
+        with pytest.raises(gw.GridError, match="cannot run: every stage waits on another"):
+            S.simulate(stuck, speed=speed)
     missing = S.Table(t.name, 2, 2, 1, t.placement, (t.ops[0][:-1], t.ops[1]))
     with pytest.raises(gw.GridError, match="does not run chunk 0, micro-batch 1 through"):
         S.validate(missing)

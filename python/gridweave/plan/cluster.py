@@ -58,9 +58,31 @@ class Cluster:
     # each all-reduce all_reduce_s costs, further, amid a step: its peers arrive as the shared cores
     # schedule them, where the calibration timed the calls in lockstep
     measured_call_s: float = 0.0
+    # where ranks share cores: a rank's rate with k of its node's ranks running (k = 1, 2, ...) over
+    # its rate with all of them running, as calibrate.busy_speedup measures it (a pipeline's ranks
+    # idle in its bubble lend theirs). One rank alone ran 5x, two 4.5x, four 2.1x (8 ranks on 2
+    # cores: one thread uses one core, and 8 contend for caches). (): the cores' fair share
+    busy_speedup: tuple = ()
 
     def __post_init__(self):  # a preset's JSON lists, hashable (the lines' cache keys on the cluster)
         object.__setattr__(self, "all_reduce_s", tuple(tuple(row) for row in self.all_reduce_s))
+        object.__setattr__(self, "busy_speedup", tuple(self.busy_speedup))
+
+    @property
+    def shares_cores(self) -> bool:
+        """CPU ranks more than the cores they run on: a rank's rate depends on how many run."""
+        return bool(self.cores_per_node) and self.gpus_per_node > self.cores_per_node
+
+    def speedup(self, busy: int) -> float:
+        """A rank's rate with `busy` of its node's ranks running over its rate with all of them
+        running (what the rates are calibrated at): busy_speedup's where measured, else the
+        cores' fair share; 1 where ranks do not share cores."""
+        if not self.shares_cores:
+            return 1.0
+        busy = max(1, min(busy, self.gpus_per_node))
+        if busy <= len(self.busy_speedup):
+            return self.busy_speedup[busy - 1]
+        return self.gpus_per_node / max(busy, self.cores_per_node)
 
     @classmethod
     def of(cls, preset: dict) -> "Cluster":

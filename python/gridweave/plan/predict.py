@@ -12,6 +12,7 @@ from ..pipeline import TABLES, table_for
 from ..errors import GridError
 from ..grid import part_members
 from ..optim import link_bytes_per_element
+from .. import schedules
 from ..schedules import peaks
 from .record import GROUPED_SEND, Experts, optimizer_census, step_schedule, tally_of
 from .cluster import Cluster
@@ -312,6 +313,26 @@ def _aliased(model: Model, grid: GridShape, offload_bsize) -> bool:
     return grid.zero == 3 and not offload_bsize and model.bytes_per_value == 4
 
 
+def _shared_pipeline(model: Model, grid: GridShape, cluster: Cluster, m: int, seconds: dict) -> float:
+    """The pipeline's span where ranks share cores: its schedule's table (gw.schedules) simulated
+    with each stage's micro-batch time (a forward a third, the backward the rest: AxoNN eq. 3's
+    split) and, while k of its p stages run, each at the speedup of k/p of the node's ranks
+    running (Cluster.speedup): a lone stage of a one-micro-batch pipeline runs at its rank's
+    rate alone, not the all-busy rate the stage times are costed at."""
+    p, chunks = grid.pp, grid.chunks
+    name = grid.resolved_schedule(model.config)
+    if name in TABLES:
+        table = table_for(name, p, m, chunks)
+    elif chunks > 1 and m % p == 0:
+        table = schedules.interleaved(p, m, chunks)
+    else:  # the message-driven schedule takes 1F1B's order where its stages keep pace
+        table, chunks = schedules.one_f_one_b(p, m), 1
+    per_stage = tuple(seconds[min(s, 1) if s < p - 1 else p - 1] / (3 * chunks) for s in range(p))
+    node = min(cluster.gpus_per_node, grid.dp * p * grid.tp_ranks() * grid.sp)
+    return schedules.simulate(table, per_stage, per_stage, per_stage,
+                              speed=lambda k: cluster.speedup(max(1, round(k * node / p)))).span
+
+
 def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int | None = None,
             offload_bsize: int | None = None, recompute: bool | str = False, coarsening: int = 4,
             clip: bool = True, overlap_grad_reduce: bool = False) -> Prediction:
@@ -341,21 +362,23 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
     b = model.batch // grid.dp  # sequences per data-parallel replica
     m = microbatches or (min(b, 4 * grid.pp) if grid.pp > 1 else 1)
     bubble = bubble_fraction(grid.pp, m, grid.resolved_schedule(model.config), chunks)
-    costing = _Costing(grid, cluster, 1 / (1 + bubble))
+    shared = cluster.shares_cores
+    # where ranks share cores, the simulated pipeline below speeds up the ranks the bubble leaves
+    # running (their stage times are at the all-busy rate); elsewhere a step's contention is its busy share's
+    costing = _Costing(grid, cluster, 1.0 if shared else 1 / (1 + bubble))
     links = costing.links
-    # the middle stages do what these do, without embedding or head
+    # the middle stages (stage 1 stands for them) do what these do, without embedding or head
     stages = {s: stage_time(model, grid, costing, m, s, offload_bsize, recompute, coarsening, clip,
-                            overlap_grad_reduce and bool(offload_bsize)) for s in sorted({0, grid.pp - 1})}
+                            overlap_grad_reduce and bool(offload_bsize)) for s in sorted({0, min(1, grid.pp - 1),
+                                                                                            grid.pp - 1})}
     s_star = max(stages, key=lambda k: stages[k].seconds)
     critical = stages[s_star]
     t_stage, compute, redo, sched, per_axis = (critical.seconds, critical.compute, critical.recompute,
                                                critical.schedule, critical.per_axis)
-    # (m + p - 1) micro-batch slots; where ranks share cores (cores_per_node), the ones idle in
-    # the bubble lend theirs to the busy ones (the rates are calibrated with every rank busy), so
-    # the bubble costs only what the shared cores cannot absorb
-    shared = bool(cluster.cores_per_node) and cluster.gpus_per_node > cluster.cores_per_node
-    share = cluster.gpus_per_node / cluster.cores_per_node if shared else 1.0
-    pipeline = m * t_stage * max(1.0, (1 + bubble) / share)
+    # (m + p - 1) micro-batch slots of the slowest stage; where ranks share cores, the schedule's
+    # step simulated with each stage's own time and the ranks it leaves running sped up
+    pipeline = (_shared_pipeline(model, grid, cluster, m, {s: v.seconds for s, v in stages.items()})
+                if shared and grid.pp > 1 else m * t_stage * (1 + bubble))
     step_comm = costing.comm(sched.step_tally, per_axis, 1)
     if sched.in_backward:  # overlapped chunks (DDP's buckets): they travel during the last backward (2/3 of a
         # micro-batch's work), the last chunk after it; each axis is charged its share of what is exposed
