@@ -123,19 +123,24 @@ def make_cublas_workspaces(device) -> None:
     (a @ a).sum().backward()
 
 
+def _layer_step(cfg: ModelConfig, batch: int, device, dtype):
+    """A call of one gridweave layer of `cfg`'s forward and backward on `batch` sequences."""
+    layer = DenseTransformerLayer(cfg.hidden, cfg.heads, cfg.ffn, bias=cfg.bias, arch=cfg.arch, device=device,
+                                  dtype=dtype)
+    x = torch.randn(batch, cfg.seq, cfg.hidden, device=device, dtype=dtype, requires_grad=True)
+
+    def step():
+        layer(x).sum().backward()
+
+    return step
+
+
 def launch_overhead(window: float = 1.0, device="cpu", dtype=torch.float32) -> float:
     """Seconds each kernel costs beyond its work, in a real layer: a tiny Llama layer of
     gridweave's (no work to speak of) forward and backward, over its kernels as the planner
     counts them (recorder.Census). It holds what a kernel alone does not: Python,
     module and autograd bookkeeping between kernels."""
-    cfg = ModelConfig("llama", 64, 16, 2, 1, 8)
-    layer = DenseTransformerLayer(cfg.hidden, cfg.heads, cfg.ffn, bias=cfg.bias, arch=cfg.arch, device=device,
-                                  dtype=dtype)
-    x = torch.randn(1, cfg.seq, cfg.hidden, device=device, dtype=dtype, requires_grad=True)
-
-    def step():
-        layer(x).sum().backward()
-
+    step = _layer_step(ModelConfig("llama", 64, 16, 2, 1, 8), 1, device, dtype)
     with Census() as census:
         step()
     return 1 / call_rate(step, window, device) / (census.calls + census.kernels)
@@ -252,13 +257,7 @@ def busy_speedup(grid, window: float = 0.3, rounds: int = 2, device="cpu", dtype
     running; the median of `rounds` (the all-busy rate each round's own). Where ranks share cores
     a pipeline's bubble leaves some idle: those running go faster, by this much."""
     per_node = grid.ranks_per_node
-    cfg = ModelConfig("llama", 64, 128, 4, 1, 64)
-    layer = DenseTransformerLayer(cfg.hidden, cfg.heads, cfg.ffn, bias=cfg.bias, arch=cfg.arch, device=device,
-                                  dtype=dtype)
-    x = torch.randn(2, cfg.seq, cfg.hidden, device=device, dtype=dtype, requires_grad=True)
-
-    def step():
-        layer(x).sum().backward()
+    step = _layer_step(ModelConfig("llama", 64, 128, 4, 1, 64), 2, device, dtype)
 
     ratios = [[] for _ in range(per_node)]
     for _ in range(rounds):
