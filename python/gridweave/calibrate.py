@@ -258,18 +258,17 @@ def busy_speedup(grid, window: float = 0.3, rounds: int = 2, device="cpu", dtype
     a pipeline's bubble leaves some idle: those running go faster, by this much."""
     per_node = grid.ranks_per_node
     step = _layer_step(ModelConfig("llama", 64, 128, 4, 1, 64), 2, device, dtype)
-
     ratios = [[] for _ in range(per_node)]
     for _ in range(rounds):
         rates = []
-        for k in (per_node, *range(1, per_node)):
+        for k in range(1, per_node + 1):
             grid.barrier()
             mine = call_rate(step, window, device) if grid.rank % per_node < k else 0.0
             t = torch.tensor([mine], dtype=torch.float64, device=grid.device)
             grid.all_reduce(t, "dp")  # every node's running ranks' rates, summed
             rates.append(float(t) / (k * grid.world_size // per_node))
-        for k, rate in enumerate((*rates[1:], rates[0]), start=1):
-            ratios[k - 1].append(rate / rates[0])
+        for k, rate in enumerate(rates):
+            ratios[k].append(rate / rates[-1])
     return tuple(statistics.median(r) for r in ratios)
 
 

@@ -293,7 +293,19 @@ def _dependency(t: Table, s: int, op: Op):
     return None
 
 
+def _ready(t: Table, s: int, dep, end: dict, t_msg: float) -> float:
+    """When what stage s waits for (dep, ended) is there: t_msg after it ended on another stage."""
+    return 0.0 if dep is None else end[dep] + (t_msg if t.stage_of(dep[1]) != s else 0.0)
+
+
+def _ended(t: Table, s: int, op: Op, end: dict, at: float) -> None:
+    """Records op of stage s ended `at` (a W is waited for by nothing); B stands for BW too."""
+    if op.kind is not Kind.W:
+        end[("F" if op.kind is Kind.F else "B", t.virtual(s, op.chunk), op.mb)] = at
+
+
 def _stuck(t: Table, place: list) -> GridError:
+    """The clear error of a table whose every stage waits on another."""
     stuck = ", ".join(f"stage {s} at {t.ops[s][place[s]].kind.value}(chunk {t.ops[s][place[s]].chunk}, mb "
                       f"{t.ops[s][place[s]].mb})" for s in range(t.stages) if place[s] < len(t.ops[s]))
     return GridError(f"schedule {t.name} cannot run: every stage waits on another ({stuck})")
@@ -321,7 +333,7 @@ def simulate(t: Table, t_f=1.0, t_b=1.0, t_w=1.0, t_msg: float = 0.0, speed=None
     cost = [{Kind.F: f[s], Kind.B: b[s], Kind.W: w[s], Kind.BW: b[s] + w[s]} for s in range(t.stages)]
     if speed is not None:
         return _shared(t, cost, t_msg, speed)
-    end = {}  # (kind F or B, virtual stage, mb) -> when it ended; B stands for BW too
+    end = {}  # (kind F or B, virtual stage, mb) -> when it ended (_ended)
     place = [0] * t.stages  # each stage's next op
     free = [0.0] * t.stages
     busy = [0.0] * t.stages
@@ -335,13 +347,11 @@ def simulate(t: Table, t_f=1.0, t_b=1.0, t_w=1.0, t_msg: float = 0.0, speed=None
                 dep = _dependency(t, s, op)
                 if dep is not None and dep not in end:
                     break
-                ready = 0.0 if dep is None else end[dep] + (t_msg if t.stage_of(dep[1]) != s else 0.0)
-                start = max(free[s], ready)
+                start = max(free[s], _ready(t, s, dep, end, t_msg))
                 free[s] = start + cost[s][op.kind]
                 busy[s] += cost[s][op.kind]
                 times[s].append((op, start, free[s]))
-                if op.kind is not Kind.W:
-                    end[("F" if op.kind is Kind.F else "B", t.virtual(s, op.chunk), op.mb)] = free[s]
+                _ended(t, s, op, end, free[s])
                 place[s] += 1
                 remaining -= 1
                 progressed = True
@@ -367,7 +377,7 @@ def _shared(t: Table, cost: list, t_msg: float, speed) -> Timeline:
             dep = _dependency(t, s, op)
             if dep is not None and dep not in end:
                 continue
-            ready = 0.0 if dep is None else end[dep] + (t_msg if t.stage_of(dep[1]) != s else 0.0)
+            ready = _ready(t, s, dep, end, t_msg)
             if ready > now:
                 arrivals.append(ready)
             else:
@@ -390,8 +400,7 @@ def _shared(t: Table, cost: list, t_msg: float, speed) -> Timeline:
             running[s] = None
             busy[s] += now - start
             times[s].append((op, start, now))
-            if op.kind is not Kind.W:
-                end[("F" if op.kind is Kind.F else "B", t.virtual(s, op.chunk), op.mb)] = now
+            _ended(t, s, op, end, now)
             place[s] += 1
             remaining -= 1
     return Timeline(now, tuple(busy), tuple(tuple(x) for x in times))

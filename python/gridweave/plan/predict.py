@@ -313,14 +313,13 @@ def _aliased(model: Model, grid: GridShape, offload_bsize) -> bool:
     return grid.zero == 3 and not offload_bsize and model.bytes_per_value == 4
 
 
-def _shared_pipeline(model: Model, grid: GridShape, cluster: Cluster, m: int, seconds: dict) -> float:
-    """The pipeline's span where ranks share cores: its schedule's table (gw.schedules) simulated
+def _shared_pipeline(name: str, grid: GridShape, cluster: Cluster, m: int, seconds: dict) -> float:
+    """The pipeline's span where ranks share cores: its schedule's (`name`) table (gw.schedules) simulated
     with each stage's micro-batch time (a forward a third, the backward the rest: AxoNN eq. 3's
     split) and, while k of its p stages run, each at the speedup of k/p of the node's ranks
     running (Cluster.speedup): a lone stage of a one-micro-batch pipeline runs at its rank's
     rate alone, not the all-busy rate the stage times are costed at."""
     p, chunks = grid.pp, grid.chunks
-    name = grid.resolved_schedule(model.config)
     if name in TABLES:
         table = table_for(name, p, m, chunks)
     elif chunks > 1 and m % p == 0:
@@ -361,7 +360,8 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
     grid.check_experts(model.config)
     b = model.batch // grid.dp  # sequences per data-parallel replica
     m = microbatches or (min(b, 4 * grid.pp) if grid.pp > 1 else 1)
-    bubble = bubble_fraction(grid.pp, m, grid.resolved_schedule(model.config), chunks)
+    schedule = grid.resolved_schedule(model.config)
+    bubble = bubble_fraction(grid.pp, m, schedule, chunks)
     shared = cluster.shares_cores
     # where ranks share cores, the simulated pipeline below speeds up the ranks the bubble leaves
     # running (their stage times are at the all-busy rate); elsewhere a step's contention is its busy share's
@@ -377,7 +377,7 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
                                                critical.schedule, critical.per_axis)
     # (m + p - 1) micro-batch slots of the slowest stage; where ranks share cores, the schedule's
     # step simulated with each stage's own time and the ranks it leaves running sped up
-    pipeline = (_shared_pipeline(model, grid, cluster, m, {s: v.seconds for s, v in stages.items()})
+    pipeline = (_shared_pipeline(schedule, grid, cluster, m, {s: v.seconds for s, v in stages.items()})
                 if shared and grid.pp > 1 else m * t_stage * (1 + bubble))
     step_comm = costing.comm(sched.step_tally, per_axis, 1)
     if sched.in_backward:  # overlapped chunks (DDP's buckets): they travel during the last backward (2/3 of a
