@@ -389,7 +389,8 @@ def measure(grid, fixed: bool = True, dtype=torch.float32, prefix: str = "calibr
 # its FLOPs and bytes to matter, on grids with few and with many collectives; and on the main job's
 # own shape (one the planner may be tuned on), where the step's kernels are most of its time
 _SMALL = dict(model="llama", hidden=32, heads=4, layers=2, seq=32, batch=8, microbatches=1, tokenizer="bytes")
-_SMALL_GRIDS = ({}, {"tp": "row:2"}, {"sp": 2}, {"tp": "square:2"})
+# (and one at eight micro-batches: a micro-batch's own fixed cost apart from the step's)
+_SMALL_GRIDS = ({}, {"tp": "row:2"}, {"sp": 2}, {"tp": "square:2"}, {"batch": 64, "microbatches": 8})
 _MAIN_GRIDS = ({}, {"tp": "row:2"})
 
 
@@ -401,7 +402,7 @@ def _fixed_cost_configs() -> list:
 def _config_of(what: str, extra: dict) -> TrainConfig:
     """The TrainConfig of a timed step (its vocabulary: 256 bytes, or the main job's)."""
     extra = {"pp": 1, **extra}  # (TrainConfig's 0 lets the grid choose)
-    return TrainConfig(**_SMALL, **extra) if what == "small" else TrainConfig(**extra)
+    return TrainConfig(**{**_SMALL, **extra}) if what == "small" else TrainConfig(**extra)
 
 
 def fixed_costs(grid, preset: dict, steps: int = 5, prefix: str = "calibrate") -> tuple:
@@ -442,7 +443,7 @@ def _predicted(preset: dict, row: dict, **terms) -> dict:
     cfg = _config_of(row["model"], row["grid"])
     shape = cfg.grid_shape(preset["ranks"])
     cluster = dataclasses.replace(plan.Cluster.of(preset), **{**dict(
-        collective_s=0.0, step_s=0.0, compute_scale=1.0, measured_call_s=0.0), **terms})
+        collective_s=0.0, step_s=0.0, microbatch_s=0.0, compute_scale=1.0, measured_call_s=0.0), **terms})
     grid = plan.GridShape(dp=shape["dp"], pp=shape["pp"], tp=cfg.mode, sp=shape["sp"])
     return plan.predict(plan.model_of(cfg), grid, cluster, microbatches=cfg.microbatches, **cfg.planned_optimizer())
 
@@ -452,7 +453,7 @@ def fit_fixed_costs(preset: dict, rows: list) -> dict:
     each is given its prediction without them, its kernels, the collectives each term is charged
     to, its kernels' seconds and what the terms leave unexplained): the least squares (each error
     relative to its step's time) of what the prediction leaves unexplained as step_s +
-    collectives x collective_s + measured all-reduces x measured_call_s + (compute_scale - 1) x
+    micro-batches x microbatch_s + collectives x collective_s + measured all-reduces x measured_call_s + (compute_scale - 1) x
     the kernels' seconds.
     The per-kernel cost is the probe's, not an unknown of the fit: kernels and collectives grow
     together over these grids, so a fit of both traded one for the other from run to run (2 to
@@ -461,15 +462,16 @@ def fit_fixed_costs(preset: dict, rows: list) -> dict:
     kernels run slower than the probes that time one kind at a time."""
     for r in rows:
         p = _predicted(preset, r)
-        r.update(kernels=p["kernels"], collectives=p["fixed_cost_collectives"],
+        r.update(kernels=p["kernels"], microbatches=p["microbatches"], collectives=p["fixed_cost_collectives"],
                  measured_collectives=p["measured_collectives"], predicted_s=p["step_time_s"])
         # the kernels' seconds: a step without a pipeline is linear in compute_scale
         r["compute_s"] = _predicted(preset, r, compute_scale=2.0)["step_time_s"] - p["step_time_s"]
-    step_s, collective_s, call_s, scale = relative_fit(
-        [[1.0] * len(rows), [r["collectives"] for r in rows], [r["measured_collectives"] for r in rows],
-         [r["compute_s"] for r in rows]],
+    step_s, micro_s, collective_s, call_s, scale = relative_fit(
+        [[1.0] * len(rows), [r["microbatches"] for r in rows], [r["collectives"] for r in rows],
+         [r["measured_collectives"] for r in rows], [r["compute_s"] for r in rows]],
         [r["measured_s"] - r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])
-    terms = dict(step_s=step_s, collective_s=collective_s, measured_call_s=call_s, compute_scale=1.0 + scale)
+    terms = dict(step_s=step_s, microbatch_s=micro_s, collective_s=collective_s, measured_call_s=call_s,
+                 compute_scale=1.0 + scale)
     for r in rows:  # what each step leaves unexplained, the terms fitted
         r["unexplained_s"] = r["measured_s"] - _predicted(preset, r, **terms)["step_time_s"]
     return terms

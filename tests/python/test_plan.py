@@ -165,16 +165,18 @@ def test_calibrate_writes_a_usable_local_preset(tmp_path):
     assert g == 2 and fixed > 0
     if (want > 0).all():
         assert (fixed, per_byte) == (pytest.approx(want[0], rel=1e-6), pytest.approx(want[1], rel=1e-6))
-    # the per-kernel cost is the probe's; the per-step, per-collective and per-measured-all-reduce
+    # the per-kernel cost is the probe's; the per-step, per-micro-batch, per-collective and per-measured-all-reduce
     # costs and the kernels' contention the least squares, each error relative to its step's time,
     # of what the steps' predictions without them leave unexplained (the main job's shape among them)
     steps = preset["fixed_cost_steps"]
     assert {s["model"] for s in steps} == {"small", "main"}
     assert len(steps) >= 4 and all(s["kernels"] > 0 and s["measured_s"] > 0 and s["compute_s"] > 0 for s in steps)
     m = np.array([s["measured_s"] for s in steps])
-    a = np.array([[1.0, s["collectives"], s["measured_collectives"], s["compute_s"]] for s in steps]) / m[:, None]
+    assert {s["microbatches"] for s in steps} > {1}  # a micro-batch's cost apart from the step's
+    a = np.array([[1.0, s["microbatches"], s["collectives"], s["measured_collectives"], s["compute_s"]]
+                  for s in steps]) / m[:, None]
     unexplained = np.array([s["measured_s"] - s["predicted_s"] for s in steps]) / m
-    fitted = np.array([c.step_s, c.collective_s, c.measured_call_s, c.compute_scale - 1])
+    fitted = np.array([c.step_s, c.microbatch_s, c.collective_s, c.measured_call_s, c.compute_scale - 1])
     want, *_ = np.linalg.lstsq(a, unexplained, rcond=None)
     if (want > 0).all():
         assert fitted == pytest.approx(want, rel=1e-6)

@@ -1,6 +1,7 @@
 """gw.plan's measured costs (issue 34): all-reduces over lines of a calibrated size cost what
 calibrate.all_reduce_lines timed of them, whole; collective_s is charged to the other
-collectives only, and fitted over those; a step's own fixed cost, once a step."""
+collectives only, and fitted over those; a step's own fixed cost, once a step; a micro-batch's,
+once a micro-batch on every stage."""
 import dataclasses
 import json
 
@@ -83,6 +84,62 @@ def test_a_steps_own_cost_is_paid_once_a_step():
     assert t["compute"] - a["time_breakdown_s"]["compute"] == pytest.approx(0.25, rel=1e-9)
     assert t["compute"] + t["recompute"] + t["bubble"] + sum(t["communication"].values()) == \
         pytest.approx(b["step_time_s"], rel=1e-12)
+
+
+def test_a_micro_batchs_own_cost_is_paid_once_a_micro_batch_on_every_stage():
+    model, base = _layers(layers=4), plan.load_cluster("a100-ib")
+    for grid, m in ((plan.GridShape(dp=2), 4), (plan.GridShape(dp=4, tp=gw.Row(2)), 2)):
+        a, b = (plan.predict(model, grid, dataclasses.replace(base, microbatch_s=s), microbatches=m) for s in (0.0, 0.25))
+        assert b["step_time_s"] - a["step_time_s"] == pytest.approx(0.25 * m, rel=1e-9)
+        assert b["time_breakdown_s"]["compute"] - a["time_breakdown_s"]["compute"] == pytest.approx(0.25 * m, rel=1e-9)
+    # a pipeline: every stage pays it each micro-batch, so the 1F1B step (m + p - 1 slots) grows by that many
+    a, b = (plan.predict(model, plan.GridShape(dp=1, pp=2), dataclasses.replace(base, microbatch_s=s), microbatches=4)
+            for s in (0.0, 0.25))
+    assert b["step_time_s"] - a["step_time_s"] == pytest.approx(0.25 * (4 + 2 - 1), rel=1e-9)
+
+
+def _ops_a_step(ctx, family, microbatches):
+    """The kernels (every op but views) of one gw.train step on one rank, counted as they run."""
+    import collections
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    cfg = gw.train.TrainConfig(model=family, hidden=32, heads=4, layers=2, seq=16, batch=8, microbatches=microbatches,
+                               tokenizer="bytes", dp=1, pp=1)
+    grid = ctx.init(dp=1)
+    torch.manual_seed(0)
+    _, stage, opt, scaler = gw.train.build(cfg, grid, cfg.model_config(256))
+    x = torch.randint(0, 256, (cfg.batch, cfg.seq), generator=torch.Generator().manual_seed(0), device="cpu")
+    gw.train.train_step(cfg, grid, stage, opt, scaler, x, x.roll(1, 1))
+    count = Count()
+    with count:
+        gw.train.train_step(cfg, grid, stage, opt, scaler, x, x.roll(1, 1))
+    return dict(count.ops)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt"])
+def test_the_kernels_a_further_micro_batch_issues_are_the_ones_a_step_runs(pool, family):
+    """Each micro-batch after the first adds its gradients into the held ones (one add_ a parameter
+    tensor): the planner's kernels per further micro-batch are what a real step runs, counted op by op."""
+    (one,), (four,) = (pool.run(_ops_a_step, 1, family, m, timeout=120) for m in (1, 4))
+    ran = (sum(four.values()) - sum(one.values())) / 3
+    model = plan.model_of(gw.train.TrainConfig(model=family, hidden=32, heads=4, layers=2, seq=16, batch=8,
+                                               tokenizer="bytes", dp=1, pp=1))
+    c = plan.load_cluster("a100-ib")
+    k1, k4 = (plan.predict(model, plan.GridShape(dp=1), c, microbatches=m)["kernels"] for m in (1, 4))
+    assert (four.get("add_", 0) - one.get("add_", 0)) / 3 >= 10  # the accumulations, one a parameter tensor
+    assert (k4 - k1) / 3 == pytest.approx(ran, rel=0.05)
 
 
 def test_a_presets_rows_load_from_json_and_key_the_lines_cache(tmp_path):
@@ -173,7 +230,7 @@ def test_the_fixed_costs_fit_recovers_the_terms_of_steps_they_made():
     preset = json.loads(plan.PRESETS.joinpath("a100-ib.json").read_text())
     preset.update(ranks=8, gpus_per_node=8, cores_per_node=2, scalar_all_reduce_s=5e-4,
                   all_reduce_s=[[2, 2e-3, 1e-9], [4, 4e-3, 2e-9], [8, 9e-3, 2e-9]])
-    true = dict(step_s=7e-3, collective_s=6e-4, measured_call_s=3e-4, compute_scale=1.3)
+    true = dict(step_s=7e-3, microbatch_s=2e-3, collective_s=6e-4, measured_call_s=3e-4, compute_scale=1.3)
     rows = []
     for what, extra in calibrate._fixed_cost_configs():
         row = dict(model=what, grid=extra)

@@ -29,6 +29,8 @@ class Cluster:
     cores_per_node: int = 0  # CPU ranks: the cores they share (0: each rank has its own device)
     collective_s: float = 0.0  # fixed cost of each collective or message beyond alpha (threads handing off)
     step_s: float = 0.0  # fixed cost of each training step (its own bookkeeping: micro-batch cuts, loss, hooks)
+    # fixed cost of each micro-batch on a stage beyond its kernels (its Python loop, the autograd engine's start)
+    microbatch_s: float = 0.0
     attention_flops: float = 0.0  # FLOP/s of the fused attention kernels, forward and backward (0: gemm_flops)
     # FLOP/s of float8 products, their operands' casts included (0: gemm_flops): a GPU's float8
     # tensor cores (the data sheets: twice bf16's on H100 / H200), the CPU's emulated products
