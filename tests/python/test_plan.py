@@ -541,8 +541,10 @@ MEGATRON = [("22B", 6144, 48, 64, 1, 4, 4, 1, 1.10), ("175B", 12288, 96, 96, 8, 
 
 
 def _megatron(name, hidden, layers, heads, pp, batch, mbs, chunks, seconds):
-    # 2022: no flash attention, the scores were materialised (and selectively recomputed)
-    m = plan.Model(ModelConfig("gpt", 51200, hidden=hidden, heads=heads, layers=layers, seq=2048), batch=batch, fused_attention=False)
+    # 2022: no flash attention, the scores were materialised (and selectively recomputed); the
+    # weight-gradient GEMMs accumulate into the gradients (gradient_accumulation_fusion)
+    m = plan.Model(ModelConfig("gpt", 51200, hidden=hidden, heads=heads, layers=layers, seq=2048), batch=batch,
+                   fused_attention=False, fused_accumulation=True)
     grid = plan.GridShape(pp=pp, tp=gw.Row(8), schedule="interleaved" if chunks > 1 else "1f1b", chunks=chunks)
     r = plan.predict(m, grid, plan.load_cluster("a100-ib"), microbatches=batch // mbs, recompute="selective")
     return r["step_time_s"] / seconds - 1

@@ -211,7 +211,7 @@ def stage_time(model: Model, grid: GridShape, costing: _Costing, microbatches: i
     mb = sched.microbatch
     # each micro-batch after the first adds its gradients into the held ones (autograd's
     # AccumulateGrad: an add_ a parameter tensor, two reads and a write of its elements)
-    accumulate = (microbatches - 1) / microbatches * costing.scale * (
+    accumulate = 0.0 if model.fused_accumulation else (microbatches - 1) / microbatches * costing.scale * (
         sched.parameter_tensors * costing.launch + costing.vector(3 * model.bytes_per_value * sched.parameters))
     compute = costing.busy(mb) + accumulate + costing.cluster.microbatch_s
     # recomputation: each layer's forward again in backward, a third of its work (AxoNN eq. 3)
@@ -421,7 +421,8 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
         host_bytes=host, state_bytes=held, memory_stage=s_mem, critical_stage=s_star,
         pipeline_s=pipeline,
         # what the critical rank issues in the step: kernels and collectives (with messages)
-        kernels=m * (sched.microbatch.kernels + sched.microbatch.gemm_calls) + (m - 1) * sched.parameter_tensors,
+        kernels=m * (sched.microbatch.kernels + sched.microbatch.gemm_calls)
+        + (0 if model.fused_accumulation else (m - 1) * sched.parameter_tensors),
         collectives=m * sum(n for _, n in sched.microbatch.tally) + len(sched.step) + len(sched.in_backward),
         # of them, those charged collective_s (the rest measured whole, or a group's later sends)
         fixed_cost_collectives=costing.issued(sched, m, costing.fixed_cost),

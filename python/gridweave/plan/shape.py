@@ -36,6 +36,9 @@ class Model:
     expert_imbalance: float = 1.0
     fused_loss: bool = False  # the head's projection and loss fused (gw.train's fused_loss): no logits kept
     float8: object = None  # the linears' products in float8 (a gw.float8.Float8Recipe; None: in the model's dtype)
+    # the weight-gradient GEMMs add into the held gradients (Megatron-LM's gradient_accumulation_fusion),
+    # else each micro-batch after the first adds its gradients in (autograd's AccumulateGrad, gw.train's)
+    fused_accumulation: bool = False
 
     hidden = property(lambda self: self.config.hidden)
     layers = property(lambda self: self.config.layers)
