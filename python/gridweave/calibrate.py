@@ -453,8 +453,8 @@ def fit_fixed_costs(preset: dict, rows: list) -> dict:
     each is given its prediction without them, its kernels, the collectives each term is charged
     to, its kernels' seconds and what the terms leave unexplained): the least squares (each error
     relative to its step's time) of what the prediction leaves unexplained as step_s +
-    micro-batches x microbatch_s + collectives x collective_s + measured all-reduces x measured_call_s + (compute_scale - 1) x
-    the kernels' seconds.
+    micro-batches x microbatch_s + collectives x collective_s + measured all-reduces x
+    measured_call_s + (compute_scale - 1) x the kernels' seconds.
     The per-kernel cost is the probe's, not an unknown of the fit: kernels and collectives grow
     together over these grids, so a fit of both traded one for the other from run to run (2 to
     33 us a kernel on one machine). Where ranks share cores, a collective's thread handoffs wait

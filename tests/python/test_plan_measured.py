@@ -98,6 +98,11 @@ def test_a_micro_batchs_own_cost_is_paid_once_a_micro_batch_on_every_stage():
     assert b["step_time_s"] - a["step_time_s"] == pytest.approx(0.25 * (4 + 2 - 1), rel=1e-9)
 
 
+def _tiny(family, microbatches=1):
+    return gw.train.TrainConfig(model=family, hidden=32, heads=4, layers=2, seq=16, batch=8, microbatches=microbatches,
+                                tokenizer="bytes", dp=1, pp=1)
+
+
 def _ops_a_step(ctx, family, microbatches):
     """The kernels (every op but views) of one gw.train step on one rank, counted as they run."""
     import collections
@@ -115,8 +120,7 @@ def _ops_a_step(ctx, family, microbatches):
                 self.ops[func.overloadpacket.__name__] += 1
             return func(*args, **(kwargs or {}))
 
-    cfg = gw.train.TrainConfig(model=family, hidden=32, heads=4, layers=2, seq=16, batch=8, microbatches=microbatches,
-                               tokenizer="bytes", dp=1, pp=1)
+    cfg = _tiny(family, microbatches)
     grid = ctx.init(dp=1)
     torch.manual_seed(0)
     _, stage, opt, scaler = gw.train.build(cfg, grid, cfg.model_config(256))
@@ -134,8 +138,7 @@ def test_the_kernels_a_further_micro_batch_issues_are_the_ones_a_step_runs(pool,
     tensor): the planner's kernels per further micro-batch are what a real step runs, counted op by op."""
     (one,), (four,) = (pool.run(_ops_a_step, 1, family, m, timeout=120) for m in (1, 4))
     ran = (sum(four.values()) - sum(one.values())) / 3
-    model = plan.model_of(gw.train.TrainConfig(model=family, hidden=32, heads=4, layers=2, seq=16, batch=8,
-                                               tokenizer="bytes", dp=1, pp=1))
+    model = plan.model_of(_tiny(family))
     c = plan.load_cluster("a100-ib")
     k1, k4 = (plan.predict(model, plan.GridShape(dp=1), c, microbatches=m)["kernels"] for m in (1, 4))
     assert (four.get("add_", 0) - one.get("add_", 0)) / 3 >= 10  # the accumulations, one a parameter tensor

@@ -203,16 +203,25 @@ class _StageTime:
     per_axis: dict
 
 
+def accumulation(model: Model, sched, microbatches: int) -> tuple:
+    """(kernels, bytes) a step's gradient accumulation adds to its recorded micro-batches': each
+    micro-batch after the first adds its gradients into the held ones (autograd's AccumulateGrad:
+    an add_ a parameter tensor, two reads and a write of its elements); none where the
+    weight-gradient GEMMs accumulate (Model.fused_accumulation)."""
+    if model.fused_accumulation:
+        return 0, 0.0
+    further = microbatches - 1
+    return further * sched.parameter_tensors, further * 3 * model.bytes_per_value * sched.parameters
+
+
 def stage_time(model: Model, grid: GridShape, costing: _Costing, microbatches: int, stage: int,
                offload_bsize, recompute, coarsening: int, clip: bool, overlap: bool) -> _StageTime:
     """One micro-batch of pipeline stage `stage` (recorded, costed); recompute as predict's."""
     sched = schedule_of(model, grid, microbatches, stage, offload_bsize or FUSED_BUCKET, coarsening, clip, overlap,
                         _flat_gradients(model, grid, offload_bsize))
     mb = sched.microbatch
-    # each micro-batch after the first adds its gradients into the held ones (autograd's
-    # AccumulateGrad: an add_ a parameter tensor, two reads and a write of its elements)
-    accumulate = 0.0 if model.fused_accumulation else (microbatches - 1) / microbatches * costing.scale * (
-        sched.parameter_tensors * costing.launch + costing.vector(3 * model.bytes_per_value * sched.parameters))
+    adds, added_bytes = accumulation(model, sched, microbatches)  # a micro-batch's share of the step's
+    accumulate = costing.scale * (adds * costing.launch + costing.vector(added_bytes)) / microbatches
     compute = costing.busy(mb) + accumulate + costing.cluster.microbatch_s
     # recomputation: each layer's forward again in backward, a third of its work (AxoNN eq. 3)
     redo = sched.layers * (costing.busy(sched.layer) / 3 if recompute is True else
@@ -421,8 +430,7 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
         host_bytes=host, state_bytes=held, memory_stage=s_mem, critical_stage=s_star,
         pipeline_s=pipeline,
         # what the critical rank issues in the step: kernels and collectives (with messages)
-        kernels=m * (sched.microbatch.kernels + sched.microbatch.gemm_calls)
-        + (0 if model.fused_accumulation else (m - 1) * sched.parameter_tensors),
+        kernels=m * (sched.microbatch.kernels + sched.microbatch.gemm_calls) + accumulation(model, sched, m)[0],
         collectives=m * sum(n for _, n in sched.microbatch.tally) + len(sched.step) + len(sched.in_backward),
         # of them, those charged collective_s (the rest measured whole, or a group's later sends)
         fixed_cost_collectives=costing.issued(sched, m, costing.fixed_cost),
