@@ -389,8 +389,12 @@ def measure(grid, fixed: bool = True, dtype=torch.float32, prefix: str = "calibr
 # its FLOPs and bytes to matter, on grids with few and with many collectives; and on the main job's
 # own shape (one the planner may be tuned on), where the step's kernels are most of its time
 _SMALL = dict(model="llama", hidden=32, heads=4, layers=2, seq=32, batch=8, microbatches=1, tokenizer="bytes")
-# (and one at eight micro-batches: a micro-batch's own fixed cost apart from the step's)
-_SMALL_GRIDS = ({}, {"tp": "row:2"}, {"sp": 2}, {"tp": "square:2"}, {"batch": 64, "microbatches": 8})
+# (and the same micro-batch at 2, 4 and 8 of them: a micro-batch's own fixed cost apart from the
+# step's; and one micro-batch four times larger, its kernels' contention apart from both: with seven
+# steps for five terms one noisy step swung compute_scale over 1.00-1.57 and microbatch_s over 0-4.9
+# ms between calibrations minutes apart)
+_SMALL_GRIDS = ({}, {"tp": "row:2"}, {"sp": 2}, {"tp": "square:2"}, {"batch": 16, "microbatches": 2},
+                {"batch": 32, "microbatches": 4}, {"batch": 64, "microbatches": 8}, {"batch": 32})
 _MAIN_GRIDS = ({}, {"tp": "row:2"})
 
 
@@ -405,7 +409,7 @@ def _config_of(what: str, extra: dict) -> TrainConfig:
     return TrainConfig(**{**_SMALL, **extra}) if what == "small" else TrainConfig(**extra)
 
 
-def fixed_costs(grid, preset: dict, steps: int = 5, prefix: str = "calibrate") -> tuple:
+def fixed_costs(grid, preset: dict, steps: int = 7, prefix: str = "calibrate") -> tuple:
     """What the probes leave unexplained of real training steps on this machine under this
     many ranks (the main job's code: a tiny Llama on a few grids, and the main job's shape), each
     timed (the slowest rank, the median step): fit_fixed_costs's terms. Returns (those terms,
