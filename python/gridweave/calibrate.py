@@ -390,9 +390,8 @@ def measure(grid, fixed: bool = True, dtype=torch.float32, prefix: str = "calibr
 # own shape (one the planner may be tuned on), where the step's kernels are most of its time
 _SMALL = dict(model="llama", hidden=32, heads=4, layers=2, seq=32, batch=8, microbatches=1, tokenizer="bytes")
 # (and the same micro-batch at 2, 4 and 8 of them: a micro-batch's own fixed cost apart from the
-# step's; and one micro-batch four times larger, its kernels' contention apart from both: with seven
-# steps for five terms one noisy step swung compute_scale over 1.00-1.57 and microbatch_s over 0-4.9
-# ms between calibrations minutes apart)
+# step's; and one micro-batch four times larger: the kernels' contention apart from both; more
+# steps than terms, so no one noisy step decides a term)
 _SMALL_GRIDS = ({}, {"tp": "row:2"}, {"sp": 2}, {"tp": "square:2"}, {"batch": 16, "microbatches": 2},
                 {"batch": 32, "microbatches": 4}, {"batch": 64, "microbatches": 8}, {"batch": 32})
 _MAIN_GRIDS = ({}, {"tp": "row:2"})
