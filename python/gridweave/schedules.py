@@ -319,20 +319,26 @@ def _per_stage(x, stages: int) -> tuple:
     return x
 
 
-def simulate(t: Table, t_f=1.0, t_b=1.0, t_w=1.0, t_msg: float = 0.0, speed=None) -> Timeline:
+def simulate(t: Table, t_f=1.0, t_b=1.0, t_w=1.0, t_msg: float = 0.0, speed=None, waiting=0.0,
+             wire_speed=None) -> Timeline:
     """Each stage runs its ops in order, an op as soon as what it needs has arrived: a forward the
     previous virtual stage's forward of its micro-batch (t_msg later), a backward the next virtual
     stage's backward (the last virtual stage's its own forward). BW takes t_b + t_w. t_f, t_b,
     t_w: an op's seconds, or each stage's (a tuple: stages that hold the embedding or the head
     take longer). speed: where the stages share what they run on (ranks sharing cores), each
     running op's rate (its seconds' worth per second) as a function of how many stages run at
-    once: the ops progress together (processor sharing) and a stage alone runs faster. One clear
-    error where the table cannot run (a stage would wait on an op that waits on it)."""
+    once: the ops progress together (processor sharing) and a stage alone runs faster. waiting:
+    with speed, the share of each stage's op seconds (one, or each stage's) its messages and
+    collectives spend on the wire, which goes at wire_speed(k) (None: one second a second), not
+    speed(k): a transport's latency is not a core's work. One clear error where the table cannot
+    run (a stage would wait on an op that waits on it)."""
     validate(t)
-    f, b, w = (_per_stage(x, t.stages) for x in (t_f, t_b, t_w))
+    f, b, w, u = (_per_stage(x, t.stages) for x in (t_f, t_b, t_w, waiting))
+    if any(not 0.0 <= x <= 1.0 for x in u):
+        raise GridError(f"waiting is a share of each op's seconds, in [0, 1]; got {u}")
     cost = [{Kind.F: f[s], Kind.B: b[s], Kind.W: w[s], Kind.BW: b[s] + w[s]} for s in range(t.stages)]
     if speed is not None:
-        return _shared(t, cost, t_msg, speed)
+        return _shared(t, cost, t_msg, speed, u, wire_speed or (lambda k: 1.0))
     end = {}  # (kind F or B, virtual stage, mb) -> when it ended (_ended)
     place = [0] * t.stages  # each stage's next op
     free = [0.0] * t.stages
@@ -360,11 +366,12 @@ def simulate(t: Table, t_f=1.0, t_b=1.0, t_w=1.0, t_msg: float = 0.0, speed=None
     return Timeline(max(free), tuple(busy), tuple(tuple(x) for x in times))
 
 
-def _shared(t: Table, cost: list, t_msg: float, speed) -> Timeline:
-    """simulate's step where the running ops share a rate: from one event (an op ends, a message
-    arrives) to the next, each of the k running ops does speed(k) of its seconds per second."""
+def _shared(t: Table, cost: list, t_msg: float, speed, waiting: tuple, wire_speed) -> Timeline:
+    """simulate's step where the running ops share a rate: from one event (an op's work or wire
+    time ends, a message arrives) to the next, with k ops running, each does speed(k) of its
+    compute seconds per second, then wire_speed(k) of its stage's `waiting` share."""
     end, place, now = {}, [0] * t.stages, 0.0
-    running = [None] * t.stages  # [op, work left, start]
+    running = [None] * t.stages  # [op, work left, start, wait left]
     busy = [0.0] * t.stages
     times = [[] for _ in range(t.stages)]
     remaining = sum(len(o) for o in t.ops)
@@ -381,22 +388,33 @@ def _shared(t: Table, cost: list, t_msg: float, speed) -> Timeline:
             if ready > now:
                 arrivals.append(ready)
             else:
-                running[s] = [op, cost[s][op.kind], now]
-        active = [s for s in range(t.stages) if running[s] is not None]
-        if not active:
+                c = cost[s][op.kind]
+                running[s] = [op, c * (1 - waiting[s]), now, c * waiting[s]]
+        computing = [s for s in range(t.stages) if running[s] is not None and running[s][1] > 0]
+        waits = [s for s in range(t.stages) if running[s] is not None and running[s][1] <= 0]
+        if not computing and not waits:
             if not arrivals:
                 raise _stuck(t, place)
             now = min(arrivals)
             continue
-        rate = speed(len(active))
-        step = min([running[s][1] / rate for s in active] + [a - now for a in arrivals])
+        k = len(computing) + len(waits)
+        rate, wire = speed(k), wire_speed(k)
+        step = min([running[s][1] / rate for s in computing] + [running[s][3] / wire for s in waits] +
+                   [a - now for a in arrivals])
         now += step
-        for s in active:
-            op, left, start = running[s]
-            left -= step * rate
-            if left > 1e-12 * max(1.0, cost[s][op.kind]):
-                running[s][1] = left
-                continue
+        for s in computing + waits:
+            op, left, start, wait = running[s]
+            scale = 1e-12 * max(1.0, cost[s][op.kind])
+            if s in computing:
+                left -= step * rate
+                running[s][1] = left if left > scale else 0.0
+                if left > scale or wait > scale:
+                    continue
+            else:
+                wait -= step * wire
+                if wait > scale:
+                    running[s][3] = wait
+                    continue
             running[s] = None
             busy[s] += now - start
             times[s].append((op, start, now))

@@ -71,6 +71,29 @@ def test_shared_stages_run_at_the_speed_of_how_many_run(p, m):
         S.simulate(S.one_f_one_b(p, m), (1.0,) * (p + 1))
 
 
+@pytest.mark.parametrize("p,m", [(2, 1), (4, 3), (3, 5)])
+def test_a_shared_ops_wire_share_is_not_sped_up(p, m):
+    """An op's `waiting` share (its messages on the wire) goes at one second a second however
+    few stages run: all of it waiting, the shared simulation at any speed is the plain one; one
+    micro-batch's ops one after another, each alone, take their compute share at speed(1) and
+    their wire share whole: F's u + (1 - u) / 5 and BW's twice that, per stage."""
+    for table in (S.one_f_one_b(p, m), S.zb_h1(p, m)):
+        plain = S.simulate(table, t_msg=0.25)
+        wire = S.simulate(table, t_msg=0.25, speed=lambda k: 3.0 + k, waiting=1.0)
+        assert wire.span == pytest.approx(plain.span, rel=1e-12)
+        same = S.simulate(table, speed=lambda k: 4.0, waiting=0.0)
+        assert same.span == pytest.approx(S.simulate(table).span / 4, rel=1e-12)
+    u = tuple(0.2 * s for s in range(p))  # stage s waits 0.2 s of each second
+    alone = S.simulate(S.one_f_one_b(p, 1), speed=lambda k: 5.0 if k == 1 else 1.0, waiting=u)
+    assert alone.span == pytest.approx(sum(3 * (x + (1 - x) / 5) for x in u), rel=1e-12)
+    # two stages at once: the wire share of one does not wait for the other's compute
+    both = S.simulate(S.one_f_one_b(2, 2), speed=lambda k: 1.0 / k, waiting=(0.0, 1.0))
+    assert both.span < S.simulate(S.one_f_one_b(2, 2), speed=lambda k: 1.0 / k).span
+    for bad in (1.5, -0.1, (0.5,) * (p + 1)):
+        with pytest.raises(gw.GridError, match="waiting is a share|one op time per stage"):
+            S.simulate(S.one_f_one_b(p, m), speed=lambda k: 1.0, waiting=bad)
+
+
 def test_a_table_that_cannot_run_is_one_clear_error():
     t = S.one_f_one_b(2, 2)
     # stage 0 waits on a backward that needs its own later forward

@@ -142,14 +142,18 @@ class _Costing:
 
     def cost(self, op, nbytes, line) -> tuple:
         """(seconds of one collective on `line`, whether they hold collective_s, whether
-        measured_call_s)."""
+        measured_call_s, the seconds of a message on the wire: a send's link latency and
+        bandwidth; none of a collective's, whose peers arrive as the cores schedule them)."""
         cluster = self.cluster
         measured = _measured(op, nbytes, line, cluster)  # the whole call, as timed
         if measured is not None:
-            return measured[0], False, measured[1]
-        if op == GROUPED_SEND:  # in its group's launch: its link's latency and bandwidth alone
-            return collective_time("send", line[4], nbytes, line[:2], cluster), False, False
-        return self.launch + cluster.collective_s + collective_time(op, line[4], nbytes, line[:2], cluster), True, False
+            return measured[0], False, measured[1], 0.0
+        if op in (GROUPED_SEND, "send"):
+            wire = collective_time("send", line[4], nbytes, line[:2], cluster)
+            if op == GROUPED_SEND:  # in its group's launch: its link's latency and bandwidth alone
+                return wire, False, False, wire
+            return self.launch + cluster.collective_s + wire, True, False, wire
+        return self.launch + cluster.collective_s + collective_time(op, line[4], nbytes, line[:2], cluster), True, False, 0.0
 
     def fixed_cost(self, op, axis, nbytes) -> bool:  # comm charges it collective_s
         return self.links[axis] is not None and self.cost(op, nbytes, self.links[axis])[1]
@@ -164,19 +168,22 @@ class _Costing:
         return (microbatches * sum(n for k, n in sched.microbatch.tally if holds(*k))
                 + sum(n for k, n in sched.step_tally + tally_of(sched.in_backward) if holds(*k)))
 
-    def comm(self, tally, per_axis, repeat) -> float:
+    def comm(self, tally, per_axis, repeat, wire: list | None = None) -> float:
         """Seconds of the collectives of `tally` (((op, axis, nbytes), times issued), each of them
-        issued `repeat` times again); per axis too. Each distinct collective is costed once."""
+        issued `repeat` times again); per axis too; wire[0] gains their seconds on the wire
+        (cost's). Each distinct collective is costed once."""
         t = 0.0
         for (op, axis, nbytes), n in tally:
             line = self.links[axis]
             if line is None:
                 continue
-            c = self.cost(op, nbytes, line)[0]
+            c, _, _, on_wire = self.cost(op, nbytes, line)
             acc = per_axis.setdefault(axis, [0.0, 0.0])
             acc[0] += c * n * repeat
             acc[1] += nbytes * n * repeat
             t += c * n
+            if wire is not None:
+                wire[0] += on_wire * n
         return t
 
     def busy(self, w) -> float:
@@ -195,12 +202,14 @@ class _Costing:
 @dataclasses.dataclass
 class _StageTime:
     """A pipeline stage's micro-batch: its time (compute, recomputation, communication), the
-    compute and recomputation alone, its recorded schedule, seconds and bytes per axis."""
+    compute and recomputation alone, its recorded schedule, seconds and bytes per axis, and the
+    seconds of its collectives and messages on the wire (what ranks sharing cores do not speed up)."""
     seconds: float
     compute: float
     recompute: float
     schedule: object
     per_axis: dict
+    wire: float = 0.0
 
 
 def accumulation(model: Model, sched, microbatches: int) -> tuple:
@@ -228,8 +237,9 @@ def stage_time(model: Model, grid: GridShape, costing: _Costing, microbatches: i
                            sched.layer.attention_flops / costing.cluster.gemm_flops if recompute else 0.0)
     per_axis, chunks = {}, grid.chunks
     tally = mb.tally + tuple((k, n * (chunks - 1)) for k, n in mb.tally if k[:2] == ("send", "pp") and chunks > 1)
-    t = compute + redo + costing.comm(tally, per_axis, microbatches)  # the sends again: each chunk's boundary
-    return _StageTime(t, compute, redo, sched, per_axis)
+    wire = [0.0]
+    t = compute + redo + costing.comm(tally, per_axis, microbatches, wire)  # the sends again: each chunk's boundary
+    return _StageTime(t, compute, redo, sched, per_axis, wire[0])
 
 
 def optimizer_time(model: Model, sched, costing: _Costing, offload_bsize, coarsening: int, clip: bool) -> float:
@@ -326,7 +336,7 @@ def _aliased(model: Model, grid: GridShape, offload_bsize) -> bool:
     return grid.zero == 3 and not offload_bsize and model.bytes_per_value == 4
 
 
-def _shared_pipeline(name: str, grid: GridShape, cluster: Cluster, m: int, seconds: dict) -> float:
+def _shared_pipeline(name: str, grid: GridShape, cluster: Cluster, m: int, stages: dict) -> float:
     """The pipeline's span where ranks share cores: its schedule's (`name`) table (gw.schedules) simulated
     with each stage's micro-batch time (a forward a third, the backward the rest: AxoNN eq. 3's
     split) and, while k of its p stages run, each at the speedup of k/p of the node's ranks
@@ -339,9 +349,13 @@ def _shared_pipeline(name: str, grid: GridShape, cluster: Cluster, m: int, secon
         table = schedules.interleaved(p, m, chunks)
     else:  # the message-driven schedule takes 1F1B's order where its stages keep pace
         table, chunks = schedules.one_f_one_b(p, m), 1
-    per_stage = tuple(seconds[min(s, 1) if s < p - 1 else p - 1] / (3 * chunks) for s in range(p))
+    like = [stages[min(s, 1) if s < p - 1 else p - 1] for s in range(p)]
+    per_stage = tuple(v.seconds / (3 * chunks) for v in like)
+    # the share of a stage's time its messages spend on the wire: a latency idle cores do not shorten
+    # (a message between two ranks took 0.4-1.3 ms with 0 to 6 others computing, on 2 cores)
+    waiting = tuple(min(1.0, v.wire / v.seconds) if v.seconds > 0 else 0.0 for v in like)
     node = min(cluster.gpus_per_node, grid.dp * p * grid.tp_ranks() * grid.sp)
-    return schedules.simulate(table, per_stage, per_stage, per_stage,
+    return schedules.simulate(table, per_stage, per_stage, per_stage, waiting=waiting,
                               speed=lambda k: cluster.speedup(max(1, round(k * node / p)))).span
 
 
@@ -390,7 +404,7 @@ def predict(model: Model, grid: GridShape, cluster: Cluster, microbatches: int |
                                                critical.schedule, critical.per_axis)
     # (m + p - 1) micro-batch slots of the slowest stage; where ranks share cores, the schedule's
     # step simulated with each stage's own time and the ranks it leaves running sped up
-    pipeline = (_shared_pipeline(schedule, grid, cluster, m, {s: v.seconds for s, v in stages.items()})
+    pipeline = (_shared_pipeline(schedule, grid, cluster, m, stages)
                 if shared and grid.pp > 1 else m * t_stage * (1 + bubble))
     step_comm = costing.comm(sched.step_tally, per_axis, 1)
     if sched.in_backward:  # overlapped chunks (DDP's buckets): they travel during the last backward (2/3 of a
