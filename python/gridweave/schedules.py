@@ -319,8 +319,7 @@ def _per_stage(x, stages: int) -> tuple:
     return x
 
 
-def simulate(t: Table, t_f=1.0, t_b=1.0, t_w=1.0, t_msg: float = 0.0, speed=None, waiting=0.0,
-             wire_speed=None) -> Timeline:
+def simulate(t: Table, t_f=1.0, t_b=1.0, t_w=1.0, t_msg: float = 0.0, speed=None, waiting=0.0) -> Timeline:
     """Each stage runs its ops in order, an op as soon as what it needs has arrived: a forward the
     previous virtual stage's forward of its micro-batch (t_msg later), a backward the next virtual
     stage's backward (the last virtual stage's its own forward). BW takes t_b + t_w. t_f, t_b,
@@ -328,17 +327,17 @@ def simulate(t: Table, t_f=1.0, t_b=1.0, t_w=1.0, t_msg: float = 0.0, speed=None
     take longer). speed: where the stages share what they run on (ranks sharing cores), each
     running op's rate (its seconds' worth per second) as a function of how many stages run at
     once: the ops progress together (processor sharing) and a stage alone runs faster. waiting:
-    with speed, the share of each stage's op seconds (one, or each stage's) its messages and
-    collectives spend on the wire, which goes at wire_speed(k) (None: one second a second), not
-    speed(k): a transport's latency is not a core's work. One clear error where the table cannot
-    run (a stage would wait on an op that waits on it)."""
+    with speed, the share of each stage's op seconds (one, or each stage's) its messages spend on
+    the wire, which goes at one second a second however few run: a link's latency is not a
+    core's work. One clear error where the table cannot run (a stage would wait on an op that
+    waits on it)."""
     validate(t)
     f, b, w, u = (_per_stage(x, t.stages) for x in (t_f, t_b, t_w, waiting))
     if any(not 0.0 <= x <= 1.0 for x in u):
         raise GridError(f"waiting is a share of each op's seconds, in [0, 1]; got {u}")
     cost = [{Kind.F: f[s], Kind.B: b[s], Kind.W: w[s], Kind.BW: b[s] + w[s]} for s in range(t.stages)]
     if speed is not None:
-        return _shared(t, cost, t_msg, speed, u, wire_speed or (lambda k: 1.0))
+        return _shared(t, cost, t_msg, speed, u)
     end = {}  # (kind F or B, virtual stage, mb) -> when it ended (_ended)
     place = [0] * t.stages  # each stage's next op
     free = [0.0] * t.stages
@@ -366,10 +365,10 @@ def simulate(t: Table, t_f=1.0, t_b=1.0, t_w=1.0, t_msg: float = 0.0, speed=None
     return Timeline(max(free), tuple(busy), tuple(tuple(x) for x in times))
 
 
-def _shared(t: Table, cost: list, t_msg: float, speed, waiting: tuple, wire_speed) -> Timeline:
+def _shared(t: Table, cost: list, t_msg: float, speed, waiting: tuple) -> Timeline:
     """simulate's step where the running ops share a rate: from one event (an op's work or wire
-    time ends, a message arrives) to the next, with k ops running, each does speed(k) of its
-    compute seconds per second, then wire_speed(k) of its stage's `waiting` share."""
+    time ends, a message arrives) to the next, with k ops running (either), each does speed(k) of
+    its compute seconds per second, then its stage's `waiting` share at one second a second."""
     end, place, now = {}, [0] * t.stages, 0.0
     running = [None] * t.stages  # [op, work left, start, wait left]
     busy = [0.0] * t.stages
@@ -397,9 +396,8 @@ def _shared(t: Table, cost: list, t_msg: float, speed, waiting: tuple, wire_spee
                 raise _stuck(t, place)
             now = min(arrivals)
             continue
-        k = len(computing) + len(waits)
-        rate, wire = speed(k), wire_speed(k)
-        step = min([running[s][1] / rate for s in computing] + [running[s][3] / wire for s in waits] +
+        rate = speed(len(computing) + len(waits))
+        step = min([running[s][1] / rate for s in computing] + [running[s][3] for s in waits] +
                    [a - now for a in arrivals])
         now += step
         for s in computing + waits:
@@ -411,7 +409,7 @@ def _shared(t: Table, cost: list, t_msg: float, speed, waiting: tuple, wire_spee
                 if left > scale or wait > scale:
                     continue
             else:
-                wait -= step * wire
+                wait -= step
                 if wait > scale:
                     running[s][3] = wait
                     continue

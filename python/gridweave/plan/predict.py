@@ -203,7 +203,7 @@ class _Costing:
 class _StageTime:
     """A pipeline stage's micro-batch: its time (compute, recomputation, communication), the
     compute and recomputation alone, its recorded schedule, seconds and bytes per axis, and the
-    seconds of its collectives and messages on the wire (what ranks sharing cores do not speed up)."""
+    seconds of its messages on the wire (what ranks sharing cores do not speed up)."""
     seconds: float
     compute: float
     recompute: float
