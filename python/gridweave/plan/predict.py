@@ -148,12 +148,11 @@ class _Costing:
         measured = _measured(op, nbytes, line, cluster)  # the whole call, as timed
         if measured is not None:
             return measured[0], False, measured[1], 0.0
-        if op in (GROUPED_SEND, "send"):
-            wire = collective_time("send", line[4], nbytes, line[:2], cluster)
-            if op == GROUPED_SEND:  # in its group's launch: its link's latency and bandwidth alone
-                return wire, False, False, wire
-            return self.launch + cluster.collective_s + wire, True, False, wire
-        return self.launch + cluster.collective_s + collective_time(op, line[4], nbytes, line[:2], cluster), True, False, 0.0
+        link = collective_time("send" if op == GROUPED_SEND else op, line[4], nbytes, line[:2], cluster)
+        wire = link if op in (GROUPED_SEND, "send") else 0.0
+        if op == GROUPED_SEND:  # in its group's launch: its link's latency and bandwidth alone
+            return link, False, False, wire
+        return self.launch + cluster.collective_s + link, True, False, wire
 
     def fixed_cost(self, op, axis, nbytes) -> bool:  # comm charges it collective_s
         return self.links[axis] is not None and self.cost(op, nbytes, self.links[axis])[1]
@@ -209,7 +208,7 @@ class _StageTime:
     recompute: float
     schedule: object
     per_axis: dict
-    wire: float = 0.0
+    wire: float
 
 
 def accumulation(model: Model, sched, microbatches: int) -> tuple:
@@ -341,7 +340,8 @@ def _shared_pipeline(name: str, grid: GridShape, cluster: Cluster, m: int, stage
     with each stage's micro-batch time (a forward a third, the backward the rest: AxoNN eq. 3's
     split) and, while k of its p stages run, each at the speedup of k/p of the node's ranks
     running (Cluster.speedup): a lone stage of a one-micro-batch pipeline runs at its rank's
-    rate alone, not the all-busy rate the stage times are costed at."""
+    rate alone, not the all-busy rate the stage times are costed at; its sends' share of the
+    stage time (_StageTime.wire) at one second a second."""
     p, chunks = grid.pp, grid.chunks
     if name in TABLES:
         table = table_for(name, p, m, chunks)
