@@ -62,13 +62,28 @@ def attention_costs(window: float = 1.0, device="cpu", dtype=torch.float32) -> t
     return 1 / per_flop, per_row, per_score
 
 
-def softmax_costs(vector_Bps: float, window: float = 1.0, device="cpu", dtype=torch.float32) -> float:
+# the loss's logits a softmax_sizes row is timed at: a small shape's fit in the caches, a large one's not
+SOFTMAX_SIZES = (1 << 16, 1 << 18, 1 << 20, 1 << 22)
+
+
+def softmax_sizes(vector_Bps: float, window: float = 0.3, device="cpu", dtype=torch.float32) -> tuple:
+    """plan.Cluster.softmax_by_size: softmax_costs at each of SOFTMAX_SIZES elements. With 8 ranks
+    on 2 cores an element beyond its bytes took 4-7 ns at 2^16-2^18 elements and 100 ns at
+    2^20-2^22 on one host (the logits then out of its caches), 5-8 ns at every size on another
+    (32 MiB of L3): where the cliff lies is the host's, so it is measured, not assumed."""
+    return tuple(softmax_costs(vector_Bps, window, device, dtype, elements=n) for n in SOFTMAX_SIZES)
+
+
+def softmax_costs(vector_Bps: float, window: float = 1.0, device="cpu", dtype=torch.float32,
+                  elements: int | None = None) -> float:
     """Seconds per element of a log-softmax over the main job's vocabulary (forward and backward,
     the loss's kernels) beyond its bytes at `vector_Bps`: the further passes over each row (its
     maximum, the sum of exponentials). On this CPU 0.7-1.2 ns an element against 0.33 for one pass
-    of its bytes (one core). 0 where one pass is all it costs."""
+    of its bytes (one core). 0 where one pass is all it costs. elements: the logits' size (None: a
+    step's out of the caches)."""
     vocab = TrainConfig().vocab
-    rows = max(1, max(probe_size(device, "vector"), 1 << 22) // vocab)  # a step's logits: out of the caches
+    size = elements or max(probe_size(device, "vector"), 1 << 22)
+    rows = max(1, size // vocab)
     x = torch.randn(rows, vocab, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn(rows, vocab, device=device, dtype=dtype)
 
@@ -360,10 +375,12 @@ def measure(grid, fixed: bool = True, dtype=torch.float32, prefix: str = "calibr
     local.append(softmax_costs(local[2], device=grid.device, dtype=dtype))  # beyond this rank's vector bandwidth
     grid.barrier()
     local.append(float8_gemm_rate(device=grid.device))
+    grid.barrier()
+    local.extend(softmax_sizes(local[2], device=grid.device, dtype=dtype))
     local = torch.tensor(local, dtype=torch.float64, device=grid.device)
     every = grid.all_gather(local.unsqueeze(0), "dp", dim=0) if grid.world_size > 1 else local.unsqueeze(0)
-    gemm, gemm_bandwidth, vector, launch, attention, attention_row, attention_score, link, bucket, softmax, f8 = (
-        statistics.median(every[:, k].tolist()) for k in range(len(local)))
+    (gemm, gemm_bandwidth, vector, launch, attention, attention_row, attention_score, link, bucket, softmax, f8,
+     *by_size) = (statistics.median(every[:, k].tolist()) for k in range(len(local)))
     preset = {"name": "local", "about": f"measured by gridweave bench --calibrate with {grid.world_size} ranks at once"
                                         f" in {str(dtype).removeprefix('torch.')}",
             "gpus_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", grid.world_size)),
@@ -372,7 +389,8 @@ def measure(grid, fixed: bool = True, dtype=torch.float32, prefix: str = "calibr
             "gemm_flops": gemm, "float8_gemm_flops": f8, "gemm_bandwidth_Bps": gemm_bandwidth,
             "vector_bandwidth_Bps": vector,
             "launch_s": launch, "attention_flops": attention, "attention_row_s": attention_row,
-            "attention_score_s": attention_score, "softmax_element_s": softmax, "host_link_Bps": link,
+            "attention_score_s": attention_score, "softmax_element_s": softmax,
+            "softmax_by_size": [[n, t] for n, t in zip(SOFTMAX_SIZES, by_size)], "host_link_Bps": link,
             "offload_bucket_s": bucket,
             "scalar_all_reduce_s": scalar, "all_reduce_s": fit_all_reduce(all_reduces),
             "measured_all_reduce_s": json.loads(json.dumps(all_reduces)),

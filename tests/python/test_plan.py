@@ -229,6 +229,10 @@ def test_calibration_probes_measure_in_the_dtype_asked(monkeypatch):
     assert {d for n, d in seen if n != "add"} == {torch.bfloat16}, sorted({(n, str(d)) for n, d in seen})
     assert ("add", torch.bfloat16) in seen
     assert "bfloat16" in preset["about"] and preset["gemm_flops"] > 0 and preset["vector_bandwidth_Bps"] > 0
+    # the loss's softmax timed at each of its sizes, smallest first, and loaded by size
+    assert [n for n, _ in preset["softmax_by_size"]] == list(calibrate.SOFTMAX_SIZES)
+    assert all(t >= 0 for _, t in preset["softmax_by_size"])
+    assert plan.Cluster.of(preset).softmax_by_size == tuple(map(tuple, preset["softmax_by_size"]))
     assert measure.probe_size("cuda", "gemm") ** 3 >= 4096 * measure.probe_size("cpu", "gemm") ** 3
 
 
@@ -292,6 +296,35 @@ def test_the_recording_holds_each_products_operands_and_each_attention_row():
              - plan.predict(model, grid, base, microbatches=m)["step_time_s"])
     assert extra == pytest.approx(m * (mb.gemm_bytes / 1e9 + mb.attention_rows * 1e-6 + mb.attention_scores * 1e-9
                                        + mb.softmax_elements * 1e-10), rel=1e-9)
+
+
+def test_a_softmax_costs_its_sizes_rate_linear_in_the_log_of_its_size():
+    """Cluster.softmax_at: between softmax_by_size's rows, linear in log2 of the logits' size
+    (numpy's interp on the log2 sizes), the end rows' rate beyond them, softmax_element_s without
+    rows; predict charges a micro-batch's loss at the rate of its forward's size (half the
+    recording's elements, forward and backward)."""
+    import dataclasses
+
+    import numpy as np
+
+    base = plan.load_cluster("a100-ib")
+    rows = ((1 << 18, 6e-9), (1 << 16, 4e-9), (1 << 20, 1e-7), (1 << 22, 1.1e-7))  # unsorted: sorted on load
+    sized = dataclasses.replace(base, softmax_by_size=rows)
+    xs, ys = zip(*sorted(rows))
+    for n in (1, 1 << 10, 1 << 16, 3 << 16, 1 << 19, 777777, 1 << 21, 1 << 22, 1 << 30):
+        assert sized.softmax_at(n) == pytest.approx(np.interp(np.log2(n), np.log2(xs), ys), rel=1e-12)
+    assert base.softmax_by_size == () and base.softmax_at(1 << 20) == base.softmax_element_s
+
+    cfg = ModelConfig("llama", 3000, hidden=64, heads=4, layers=2, seq=32, kv_heads=2)
+    model = plan.Model(cfg, batch=8, bytes_per_value=4)
+    grid, m = plan.GridShape(dp=2), 2
+    mb = plan.schedule_of(model, grid, m, 0, plan.FUSED_BUCKET).microbatch
+    flat = dataclasses.replace(base, softmax_element_s=0.0)
+    extra = (plan.predict(model, grid, dataclasses.replace(flat, softmax_by_size=rows), microbatches=m)["step_time_s"]
+             - plan.predict(model, grid, flat, microbatches=m)["step_time_s"])
+    per = np.interp(np.log2(mb.softmax_elements / 2), np.log2(xs), ys)
+    assert 1 << 16 < mb.softmax_elements / 2 < 1 << 18  # between two rows
+    assert extra == pytest.approx(m * mb.softmax_elements * per, rel=1e-9)
 
 
 def test_a_causal_attention_kernel_counts_half_the_pairs_a_whole_block_computes():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,10 +66,31 @@ class Cluster:
     # idle in its bubble lend theirs). One rank alone ran 5x, two 4.5x, four 2.1x (8 ranks on 2
     # cores: one thread uses one core, and 8 contend for caches). (): the cores' fair share
     busy_speedup: tuple = ()
+    # and softmax_element_s measured at several sizes: ((elements, seconds per element), ...) by
+    # size, calibrate.softmax_sizes. Where ranks share caches a small shape's logits stay in them
+    # and a large one's do not (4-7 ns against 100 ns an element); (): softmax_element_s at any size
+    softmax_by_size: tuple = ()
 
     def __post_init__(self):  # a preset's JSON lists, hashable (the lines' cache keys on the cluster)
         object.__setattr__(self, "all_reduce_s", tuple(tuple(row) for row in self.all_reduce_s))
         object.__setattr__(self, "busy_speedup", tuple(self.busy_speedup))
+        object.__setattr__(self, "softmax_by_size", tuple(sorted(tuple(row) for row in self.softmax_by_size)))
+
+    def softmax_at(self, elements: float) -> float:
+        """A softmax kernel's seconds per element over `elements` logits: softmax_by_size's,
+        linear in log2 of the size between its rows and its end rows' beyond them; else
+        softmax_element_s."""
+        rows = self.softmax_by_size
+        if not rows:
+            return self.softmax_element_s
+        x = math.log2(max(elements, 1.0))
+        sizes = [math.log2(n) for n, _ in rows]
+        if x <= sizes[0]:
+            return rows[0][1]
+        for (x0, (_, t0)), (x1, (_, t1)) in zip(zip(sizes, rows), zip(sizes[1:], rows[1:])):
+            if x <= x1:
+                return t0 + (t1 - t0) * (x - x0) / (x1 - x0)
+        return rows[-1][1]
 
     @property
     def shares_cores(self) -> bool:

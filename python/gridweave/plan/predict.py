@@ -194,7 +194,7 @@ class _Costing:
                 + self.gemm_bytes(w.gemm_bytes) + w.float8_flops / (cluster.float8_gemm_flops or cluster.gemm_flops)
                 + w.fused_attention_flops / (cluster.attention_flops or cluster.gemm_flops)
                 + w.attention_rows * cluster.attention_row_s + w.attention_scores * cluster.attention_score_s
-                + w.softmax_elements * cluster.softmax_element_s
+                + w.softmax_elements * cluster.softmax_at(w.softmax_elements / 2)  # a loss's forward and backward
                 + (w.gemm_calls + w.kernels) * self.launch + self.vector(w.kernel_bytes)))
 
 
