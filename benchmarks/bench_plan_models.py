@@ -22,9 +22,10 @@ reported only.
 hidden 32-512, 2-12 layers, heads and key/value heads, sequence 32-1024, global batch 4-64, 1-8
 micro-batches, Llama, GPT and Mixtral, a step's work kept within what 8 ranks on 2 cores time in
 seconds. A drawn shape is never in FIT: the planner's terms never see it. With --draw the ranks
-calibrate again before each shape and each shape is predicted from its own calibration: the host's
-speed drifts (its GEMM rate 26.7 GFLOP/s at one calibration, 19.2 an hour later), and a shape's
-grids are timed within minutes of each other.
+calibrate before each shape and once after the last, and each shape is predicted from the two
+calibrations either side of it (calibrate.combine): the host's speed drifts (its GEMM rate 26.7
+GFLOP/s at one calibration, 19.2 an hour later; the collectives' share of a step 60% slower than
+half an hour before), and a shape's grids are timed within minutes of each other.
 """
 from __future__ import annotations
 
@@ -145,12 +146,21 @@ def worker(out_path: str, names: list, drawn: bool) -> None:
     n, rank, store = start_worker()
     world = gw.init(dp=n, store=store, prefix="planm-world")
     preset = calibrate.measure(world)
-    rows, presets = [], {}
-    for name in names:
+    rows, presets, calibrations = [], {}, [preset]
+
+    def write():
+        if rank == 0:  # what is measured so far survives an interrupted run
+            Path(out_path).write_text(json.dumps({"ranks": n, "backend": str(world.backend), "preset": presets.get(names[0], preset),
+                                                  "presets": presets, "calibrations": calibrations,
+                                                  "models": {k: MODELS[k] for k in names}, "fit": FIT,
+                                                  "rows": rows}, indent=1))
+
+    for k, name in enumerate(names):
         if drawn:  # the host's speed drifts (30% between two calibrations an hour apart): each shape's own
-            if presets:  # (the first shape's is the one just made)
-                preset = calibrate.measure(world, prefix=f"calibrate-{name}")
-            presets[name] = preset
+            if k:  # (the first shape's is the one just made)
+                calibrations.append(calibrate.measure(world, prefix=f"calibrate-{name}"))
+                presets[names[k - 1]] = calibrate.combine(calibrations[-2:])  # the calibrations either side of it
+            presets[name] = calibrations[-1]
         for i, (dp, pp, tp, sp, ep) in enumerate(grids(name)):
             cfg = job_config(name, dp=dp, pp=pp, tp=tp, sp=sp, ep=ep)
             grid = gw.init(dp=dp, pp=pp, tp=cfg.mode, sp=sp, store=store, prefix=f"planm-{name}-{i}")
@@ -173,11 +183,11 @@ def worker(out_path: str, names: list, drawn: bool) -> None:
             times = times[WARMUP:]
             rows.append({"model": name, "dp": dp, "pp": pp, "tp": tp, "sp": sp, "ep": ep,
                          "measured_s": statistics.median(times), "steps_s": times})
-            if rank == 0:  # what is measured so far survives an interrupted run
-                Path(out_path).write_text(json.dumps({"ranks": n, "backend": str(world.backend), "preset": presets.get(names[0], preset),
-                                                      "presets": presets,
-                                                      "models": {k: MODELS[k] for k in names}, "fit": FIT,
-                                                      "rows": rows}, indent=1))
+            write()
+    if drawn:  # the last shape's calibrations either side of it too
+        calibrations.append(calibrate.measure(world, prefix="calibrate-after"))
+        presets[names[-1]] = calibrate.combine(calibrations[-2:])
+        write()
     gw.shutdown()
     dist.destroy_process_group()
 

@@ -430,9 +430,14 @@ def fixed_costs(grid, preset: dict, steps: int = 7, prefix: str = "calibrate") -
     """What the probes leave unexplained of real training steps on this machine under this
     many ranks (the main job's code: a tiny Llama on a few grids, and the main job's shape), each
     timed (the slowest rank, the median step): fit_fixed_costs's terms. Returns (those terms,
-    the steps as measured and recorded)."""
+    the steps as measured and recorded).
+    The steps are timed in rounds, a step of every grid a round (after an untimed one of its own),
+    the order reversed each round:
+    the fit's terms are ratios between the grids, and a host whose speed drifts over the minute
+    this takes (one grid's steps 36% slower than minutes before, the others 8-20%) moves them all
+    alike, where grids timed one after another each took the drift of their own moment."""
     n = grid.world_size
-    rows = []
+    built = []
     for i, (what, extra) in enumerate(_fixed_cost_configs()):
         cfg = _config_of(what, extra)
         try:
@@ -444,15 +449,20 @@ def fixed_costs(grid, preset: dict, steps: int = 7, prefix: str = "calibrate") -
         _, stage, opt, scaler = build(cfg, g, cfg.model_config(cfg.vocab))
         x = torch.randint(0, cfg.vocab, (cfg.batch // shape["dp"], cfg.seq), generator=torch.Generator().manual_seed(0),
                           device="cpu")  # a host batch, as the reader's
-        times = []
-        for step in range(steps + 2):
-            grid.barrier()
-            t0 = time.perf_counter()
-            train_step(cfg, g, stage, opt, scaler, x, x.roll(1, 1))
-            times.append(_slowest(grid, time.perf_counter() - t0))  # a step lasts as long as its slowest rank
-        del stage, opt
-        g.shutdown()
-        rows.append(dict(model=what, grid=extra, measured_s=statistics.median(times[2:])))
+        built.append((what, extra, cfg, g, stage, opt, scaler, x, []))
+    for round_ in range(steps + 1):  # the first round warms up
+        for what, extra, cfg, g, stage, opt, scaler, x, times in (built if round_ % 2 == 0 else built[::-1]):
+            for timed in (False, True):  # each timed step after one of its own, as a job's steps follow each other
+                grid.barrier()
+                t0 = time.perf_counter()
+                train_step(cfg, g, stage, opt, scaler, x, x.roll(1, 1))
+                if timed:
+                    times.append(_slowest(grid, time.perf_counter() - t0))  # a step lasts as long as its slowest rank
+    rows = [dict(model=what, grid=extra, measured_s=statistics.median(times[1:]), steps_s=times[1:])
+            for what, extra, _, _, _, _, _, _, times in built]
+    for b in built:
+        b[3].shutdown()
+    del built
     return fit_fixed_costs(preset, rows), rows
 
 
@@ -496,6 +506,46 @@ def fit_fixed_costs(preset: dict, rows: list) -> dict:
     for r in rows:  # what each step leaves unexplained, the terms fitted
         r["unexplained_s"] = r["measured_s"] - _predicted(preset, r, **terms)["step_time_s"]
     return terms
+
+
+# what a calibration fits rather than measures (combine refits them)
+FITTED_TERMS = ("step_s", "microbatch_s", "collective_s", "measured_call_s", "compute_scale")
+
+
+def _median_of(values: list):
+    """The element-wise median of equal-shaped JSON values (numbers, lists of them, lists of
+    lists); of integers (counts, sizes) the lower median, one of them; the first where their
+    shapes differ or are not numbers."""
+    first = values[0]
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        return statistics.median_low(values)
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        return statistics.median(values)
+    if all(isinstance(v, list) and len(v) == len(first) for v in values) and first:
+        return [_median_of([v[i] for v in values]) for i in range(len(first))]
+    return first
+
+
+def combine(presets: list) -> dict:
+    """One preset of several calibrations of one machine (measure's, in any order): each probe's
+    median over them (two: their mean), each timed fixed-cost step's median, and the fitted terms
+    refitted on those (fit_fixed_costs). A host whose speed moves by tens of percent over minutes
+    is better described by calibrations that bracket a job than by the one before it."""
+    if not presets:
+        raise ValueError("combine: no presets")
+    out = {k: _median_of([p.get(k, presets[0][k]) for p in presets]) for k in presets[0]
+           if k not in FITTED_TERMS and k != "fixed_cost_steps"}
+    out["about"] = f"{presets[0]['about']}; the median of {len(presets)} calibrations"
+    if all("fixed_cost_steps" in p for p in presets):
+        key = lambda r: (r["model"], json.dumps(r["grid"], sort_keys=True))  # noqa: E731
+        timed = {}
+        for p in presets:
+            for r in p["fixed_cost_steps"]:
+                timed.setdefault(key(r), (r, []))[1].append(r["measured_s"])
+        rows = [dict(model=r["model"], grid=r["grid"], measured_s=statistics.median(t)) for r, t in timed.values()]
+        out.update(fit_fixed_costs(out, rows))
+        out["fixed_cost_steps"] = rows
+    return out
 
 
 def init_like(grid, shape: dict, cfg, prefix: str):

@@ -243,3 +243,42 @@ def test_the_fixed_costs_fit_recovers_the_terms_of_steps_they_made():
     fitted = calibrate.fit_fixed_costs(preset, rows)
     assert fitted == {k: pytest.approx(v, rel=1e-6) for k, v in true.items()}
     assert all(abs(r["unexplained_s"]) < 1e-9 for r in rows)
+
+
+def test_calibrations_combine_into_their_probes_medians_and_a_refit_of_their_steps():
+    """calibrate.combine: every probe the median over the calibrations (two: their mean; lists
+    element-wise), each timed step the median of its times, and the fitted terms those of
+    fit_fixed_costs on them: steps made by the planner under known terms at the probes' medians
+    give the terms back, whatever each calibration alone would have fitted."""
+    base = json.loads(plan.PRESETS.joinpath("a100-ib.json").read_text())
+    base.update(ranks=8, gpus_per_node=8, cores_per_node=2, scalar_all_reduce_s=5e-4,
+                all_reduce_s=[[2, 2e-3, 1e-9], [4, 4e-3, 2e-9], [8, 9e-3, 2e-9]],
+                busy_speedup=[4.0, 3.0, 2.0, 1.0], softmax_by_size=[[1 << 16, 4e-9], [1 << 22, 1e-7]])
+    true = dict(step_s=7e-3, microbatch_s=2e-3, collective_s=6e-4, measured_call_s=3e-4, compute_scale=1.3)
+    scales = (0.8, 1.0, 1.5)  # three calibrations: the probes' rates and the steps' times apart
+    presets = []
+    for k, f in enumerate(scales):
+        p = json.loads(json.dumps(base))
+        p["gemm_flops"] = base["gemm_flops"] * f
+        p["busy_speedup"] = [x * f for x in base["busy_speedup"]]
+        p["softmax_by_size"] = [[n, t * f] for n, t in base["softmax_by_size"]]
+        p.update({t: v * (1 + k) for t, v in true.items()})  # each its own fit, all of them discarded
+        p["fixed_cost_steps"] = []
+        presets.append(p)
+    median = dict(base)  # the probes' medians: scale 1.0
+    for what, extra in calibrate._fixed_cost_configs():
+        want = calibrate._predicted(median, dict(model=what, grid=extra), **true)["step_time_s"]
+        for p, f in zip(presets, (0.9, 1.0, 1.2)):  # the middle one is each step's median
+            p["fixed_cost_steps"].append(dict(model=what, grid=extra, measured_s=want * f, unexplained_s=0.0))
+    c = calibrate.combine(presets[::-1])
+    assert c["gemm_flops"] == pytest.approx(base["gemm_flops"], rel=1e-12)
+    assert c["busy_speedup"] == pytest.approx(base["busy_speedup"], rel=1e-12)
+    assert c["softmax_by_size"] == [[n, pytest.approx(t, rel=1e-12)] for n, t in base["softmax_by_size"]]
+    assert {k: c[k] for k in true} == {k: pytest.approx(v, rel=1e-6) for k, v in true.items()}
+    assert all(abs(r["unexplained_s"]) < 1e-9 for r in c["fixed_cost_steps"])
+    assert len(c["fixed_cost_steps"]) == len(calibrate._fixed_cost_configs())
+    two = calibrate.combine(presets[:2])  # two: their mean
+    assert two["gemm_flops"] == pytest.approx(base["gemm_flops"] * 0.9, rel=1e-12)
+    assert plan.Cluster.of(c).softmax_at(1 << 19) == pytest.approx((4e-9 + 1e-7) / 2, rel=1e-12)
+    with pytest.raises(ValueError):
+        calibrate.combine([])
