@@ -171,7 +171,7 @@ def test_calibrate_writes_a_usable_local_preset(tmp_path):
     steps = preset["fixed_cost_steps"]
     assert {s["model"] for s in steps} == {"small", "main"}
     assert len(steps) >= 4 and all(s["kernels"] > 0 and s["measured_s"] > 0 and s["compute_s"] > 0 for s in steps)
-    # each the median of its rounds' timed steps (a round times every grid once)
+    # each the median of its seven timed steps, kept
     assert all(len(s["steps_s"]) == 7 and s["measured_s"] == np.median(s["steps_s"]) for s in steps)
     m = np.array([s["measured_s"] for s in steps])
     assert {s["microbatches"] for s in steps} > {1}  # a micro-batch's cost apart from the step's
