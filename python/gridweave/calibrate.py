@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from . import plan
+from .errors import GridError
 from .grid import LinePart, Span, init, shutdown
 from .measure import call_rate, device_sync, float8_gemm_rate, gemm_costs, probe_size, relative_fit, vector_bandwidth
 from .models import ModelConfig
@@ -524,7 +525,7 @@ def combine(presets: list) -> dict:
     refitted on those (fit_fixed_costs). A host whose speed moves by tens of percent over minutes
     is better described by calibrations that bracket a job than by the one before it."""
     if not presets:
-        raise ValueError("combine: no presets")
+        raise GridError("calibrate.combine: no presets to combine")
     out = {k: _median_of([p.get(k, presets[0][k]) for p in presets]) for k in presets[0]
            if k not in FITTED_TERMS and k != "fixed_cost_steps"}
     out["about"] = f"{presets[0]['about']}; the median of {len(presets)} calibrations"
@@ -537,6 +538,8 @@ def combine(presets: list) -> dict:
         rows = [dict(model=r["model"], grid=r["grid"], measured_s=statistics.median(t)) for r, t in timed.values()]
         out.update(fit_fixed_costs(out, rows))
         out["fixed_cost_steps"] = rows
+    else:  # no steps to refit on: the terms' own medians
+        out.update({t: _median_of([p[t] for p in presets]) for t in FITTED_TERMS if all(t in p for p in presets)})
     return out
 
 

@@ -280,5 +280,7 @@ def test_calibrations_combine_into_their_probes_medians_and_a_refit_of_their_ste
     two = calibrate.combine(presets[:2])  # two: their mean
     assert two["gemm_flops"] == pytest.approx(base["gemm_flops"] * 0.9, rel=1e-12)
     assert plan.Cluster.of(c).softmax_at(1 << 19) == pytest.approx((4e-9 + 1e-7) / 2, rel=1e-12)
-    with pytest.raises(ValueError):
+    unfitted = [{k: v for k, v in p.items() if k != "fixed_cost_steps"} for p in presets]
+    assert calibrate.combine(unfitted)["collective_s"] == pytest.approx(2 * true["collective_s"], rel=1e-12)
+    with pytest.raises(gw.GridError, match="no presets"):
         calibrate.combine([])
