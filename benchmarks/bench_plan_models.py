@@ -156,8 +156,8 @@ def worker(out_path: str, names: list, drawn: bool) -> None:
                                                   "rows": rows}, indent=1))
 
     for k, name in enumerate(names):
-        if drawn:  # the host's speed drifts (30% between two calibrations an hour apart): each shape's own
-            if k:  # (the first shape's is the one just made)
+        if drawn:  # the host's speed drifts: each shape between calibrations of its own
+            if k:  # (the first shape's first is the one just made)
                 calibrations.append(calibrate.measure(world, prefix=f"calibrate-{name}"))
                 presets[names[k - 1]] = calibrate.combine(calibrations[-2:])  # the calibrations either side of it
             presets[name] = calibrations[-1]

@@ -431,9 +431,8 @@ def fixed_costs(grid, preset: dict, steps: int = 7, prefix: str = "calibrate") -
     """What the probes leave unexplained of real training steps on this machine under this
     many ranks (the main job's code: a tiny Llama on a few grids, and the main job's shape), each
     timed (the slowest rank, the median step): fit_fixed_costs's terms. Returns (those terms,
-    the steps as measured and recorded). Each grid's steps follow each other, as a job's do: timed in
-    rounds instead (a step of every grid a round), the fit's collective_s came out about half this
-    way's on the same host (medians 0.55 and 0.8 ms over two draws' calibrations, against 1.26)."""
+    the steps as measured and recorded). Each grid's steps follow each other, as a job's do (timed
+    in rounds of every grid instead, collective_s came out about half)."""
     n = grid.world_size
     rows = []
     for i, (what, extra) in enumerate(_fixed_cost_configs()):

@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from ..errors import GridError
 
 
@@ -80,17 +82,10 @@ class Cluster:
         """A softmax kernel's seconds per element over `elements` logits: softmax_by_size's,
         linear in log2 of the size between its rows and its end rows' beyond them; else
         softmax_element_s."""
-        rows = self.softmax_by_size
-        if not rows:
+        if not self.softmax_by_size:
             return self.softmax_element_s
-        x = math.log2(max(elements, 1.0))
-        sizes = [math.log2(n) for n, _ in rows]
-        if x <= sizes[0]:
-            return rows[0][1]
-        for (x0, (_, t0)), (x1, (_, t1)) in zip(zip(sizes, rows), zip(sizes[1:], rows[1:])):
-            if x <= x1:
-                return t0 + (t1 - t0) * (x - x0) / (x1 - x0)
-        return rows[-1][1]
+        sizes, seconds = zip(*self.softmax_by_size)
+        return float(np.interp(math.log2(max(elements, 1.0)), np.log2(sizes), seconds))
 
     @property
     def shares_cores(self) -> bool:
