@@ -8,7 +8,8 @@ full training step of several model shapes unlike the main job's on every grid o
 One job of 8 CPU ranks (torchrun, Gloo). The ranks calibrate once (gridweave.calibrate.measure,
 what `gridweave bench --calibrate` writes); then for each model and each grid they build the
 model as `gridweave train` does (gw.train.build) and time gw.train.train_step (the median over
-steps of the slowest rank's step). The parent predicts every grid from the calibrated preset
+steps of the slowest rank's step; each shape's grids in two rounds, forward then backward through
+them, each grid built afresh, so the host's drift over a shape's minutes falls on all alike). The parent predicts every grid from the calibrated preset
 alone (plan.predict at the job's micro-batch count, OffloadAdam as train builds it) and reports,
 per model and over the models: median and worst |error|, Kendall's tau between predicted and
 measured times, and the regret of the planner's first choice (its measured time over the
@@ -40,7 +41,9 @@ from pathlib import Path
 from bench_plan import name as label
 from launch import bench_parser, results_dir, run_ranks, save, start_worker, stem
 
-STEPS, WARMUP = 4, 2
+# each grid is built and timed in ROUNDS (STEPS timed steps after WARMUP each: a step after the
+# first ran at the steady rate, 1.1-1.6x faster than the first)
+STEPS, WARMUP, ROUNDS = 2, 1, 2
 
 # name -> TrainConfig fields. Narrow and wide, shallow and deep, short and long sequences, small
 # and large batches, Llama with grouped key/value heads and GPT without them.
@@ -136,6 +139,35 @@ def grids(name: str) -> list:
     return out
 
 
+def timed_steps(name: str, i: int, round_: int, dp: int, pp: int, tp: str, sp: int, ep: int, store) -> list:
+    """STEPS timed training steps (after WARMUP) of model `name` on a grid built for them, as
+    gridweave train builds it: each the slowest rank's."""
+    import torch
+    import torch.distributed as dist
+
+    import gridweave as gw
+
+    cfg = job_config(name, dp=dp, pp=pp, tp=tp, sp=sp, ep=ep)
+    grid = gw.init(dp=dp, pp=pp, tp=cfg.mode, sp=sp, store=store, prefix=f"planm-{name}-{i}-{round_}")
+    model_cfg = cfg.model_config(cfg.vocab)
+    g = torch.Generator().manual_seed(grid.coords["dp"])
+    x = torch.randint(0, model_cfg.vocab, (cfg.batch // dp, cfg.seq), generator=g)
+    torch.manual_seed(cfg.seed)
+    built = gw.train.build(cfg, grid, model_cfg)[1:]  # the dense model is not kept
+    times = []
+    for _ in range(WARMUP + STEPS):
+        dist.barrier()
+        t0 = time.perf_counter()
+        gw.train.train_step(cfg, grid, *built, x, x.roll(1, 1))
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+        times.append(float(t))
+    del built
+    gc.collect()
+    grid.shutdown()
+    return times[WARMUP:]
+
+
 def worker(out_path: str, names: list, drawn: bool) -> None:
     import torch
     import torch.distributed as dist
@@ -161,29 +193,18 @@ def worker(out_path: str, names: list, drawn: bool) -> None:
                 calibrations.append(calibrate.measure(world, prefix=f"calibrate-{name}"))
                 presets[names[k - 1]] = calibrate.combine(calibrations[-2:])  # the calibrations either side of it
             presets[name] = calibrations[-1]
-        for i, (dp, pp, tp, sp, ep) in enumerate(grids(name)):
-            cfg = job_config(name, dp=dp, pp=pp, tp=tp, sp=sp, ep=ep)
-            grid = gw.init(dp=dp, pp=pp, tp=cfg.mode, sp=sp, store=store, prefix=f"planm-{name}-{i}")
-            model_cfg = cfg.model_config(cfg.vocab)
-            g = torch.Generator().manual_seed(grid.coords["dp"])
-            x = torch.randint(0, model_cfg.vocab, (cfg.batch // dp, cfg.seq), generator=g)
-            torch.manual_seed(cfg.seed)
-            built = gw.train.build(cfg, grid, model_cfg)[1:]  # the dense model is not kept
-            times = []
-            for _ in range(WARMUP + STEPS):
-                dist.barrier()
-                t0 = time.perf_counter()
-                gw.train.train_step(cfg, grid, *built, x, x.roll(1, 1))
-                t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
-                times.append(float(t))
-            del built
-            gc.collect()
-            grid.shutdown()
-            times = times[WARMUP:]
+        shape_grids = list(enumerate(grids(name)))
+        times = {i: [] for i, _ in shape_grids}
+        # in ROUNDS, forward then backward through the grids: a host whose speed drifts over the
+        # minutes a shape takes then slows its first and last grids alike (timed one after the
+        # other, the grids late in the list ran 40-70% slower than when re-measured)
+        for round_ in range(ROUNDS):
+            for i, (dp, pp, tp, sp, ep) in (shape_grids if round_ % 2 == 0 else shape_grids[::-1]):
+                times[i] += timed_steps(name, i, round_, dp, pp, tp, sp, ep, store)
+        for i, (dp, pp, tp, sp, ep) in shape_grids:
             rows.append({"model": name, "dp": dp, "pp": pp, "tp": tp, "sp": sp, "ep": ep,
-                         "measured_s": statistics.median(times), "steps_s": times})
-            write()
+                         "measured_s": statistics.median(times[i]), "steps_s": times[i]})
+        write()
     if drawn:  # the last shape's calibrations either side of it too
         calibrations.append(calibrate.measure(world, prefix="calibrate-after"))
         presets[names[-1]] = calibrate.combine(calibrations[-2:])
