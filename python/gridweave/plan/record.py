@@ -478,18 +478,31 @@ class FusedAttention(TorchFunctionMode):
 
 
 class _Saved:
-    """Bytes of the tensors autograd keeps for backward (each storage once, parameters not)."""
+    """Bytes of the tensors autograd keeps for backward, parameters not: the most that the
+    storages packed for backward and still alive come to at once (each storage once while it
+    lives: a finalizer drops it). Counted by address for the run instead, a storage freed and
+    another made at its address was one, and how much the allocator's reuse hid changed from run
+    to run (a stage's saved bytes 1.59 MB one run, 1.75 MB another)."""
 
     def __init__(self, params):
         self.skip = {p.untyped_storage()._cdata for p in params}
-        self.seen, self.bytes = set(), 0
+        self.alive, self.live, self.bytes = set(), 0, 0
 
     def pack(self, t):
         st = t.untyped_storage()
-        if st._cdata not in self.skip and st._cdata not in self.seen:
-            self.seen.add(st._cdata)
-            self.bytes += st.nbytes()
+        key = st._cdata
+        if key not in self.skip and key not in self.alive:
+            n = st.nbytes()
+            self.alive.add(key)
+            self.live += n
+            self.bytes = max(self.bytes, self.live)
+            weakref.finalize(st, self._free, key, n)
         return t
+
+    def _free(self, key, n):
+        if key in self.alive:
+            self.alive.discard(key)
+            self.live -= n
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
