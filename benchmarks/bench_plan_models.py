@@ -41,8 +41,9 @@ from pathlib import Path
 from bench_plan import name as label
 from launch import bench_parser, results_dir, run_ranks, save, start_worker, stem
 
-# each grid is built and timed in ROUNDS (STEPS timed steps after WARMUP each: a step after the
-# first ran at the steady rate, 1.1-1.6x faster than the first)
+# each grid is built and timed in ROUNDS (STEPS timed steps after WARMUP each: the first step after
+# a build took 1.4-2.2x a steady one; the second and third ran alike, their ratio's median over
+# two draws' grids 0.99-1.03)
 STEPS, WARMUP, ROUNDS = 2, 1, 2
 
 # name -> TrainConfig fields. Narrow and wide, shallow and deep, short and long sequences, small
@@ -197,7 +198,7 @@ def worker(out_path: str, names: list, drawn: bool) -> None:
         times = {i: [] for i, _ in shape_grids}
         # in ROUNDS, forward then backward through the grids: a host whose speed drifts over the
         # minutes a shape takes then slows its first and last grids alike (timed one after the
-        # other, the grids late in the list ran 40-70% slower than when re-measured)
+        # other and re-measured, a shape's grids moved by up to 73% against the shape's median)
         for round_ in range(ROUNDS):
             for i, (dp, pp, tp, sp, ep) in (shape_grids if round_ % 2 == 0 else shape_grids[::-1]):
                 times[i] += timed_steps(name, i, round_, dp, pp, tp, sp, ep, store)
