@@ -9,8 +9,8 @@ One job of 8 CPU ranks (torchrun, Gloo). The ranks calibrate once (gridweave.cal
 what `gridweave bench --calibrate` writes); then for each model and each grid they build the
 model as `gridweave train` does (gw.train.build) and time gw.train.train_step (the median over
 steps of the slowest rank's step; each shape's grids in two rounds, forward then backward through
-them, each grid built afresh, so the host's drift over a shape's minutes falls on all alike). The parent predicts every grid from the calibrated preset
-alone (plan.predict at the job's micro-batch count, OffloadAdam as train builds it) and reports,
+them, each grid built afresh, so the host's drift over a shape's minutes falls on all alike). The
+parent predicts every grid from the calibrated preset alone (plan.predict at the job's micro-batch count, OffloadAdam as train builds it) and reports,
 per model and over the models: median and worst |error|, Kendall's tau between predicted and
 measured times, and the regret of the planner's first choice (its measured time over the
 fastest grid's). The models are split before anything is looked at: FIT holds the shapes any
@@ -170,7 +170,6 @@ def timed_steps(name: str, i: int, round_: int, dp: int, pp: int, tp: str, sp: i
 
 
 def worker(out_path: str, names: list, drawn: bool) -> None:
-    import torch
     import torch.distributed as dist
 
     import gridweave as gw

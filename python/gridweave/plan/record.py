@@ -388,6 +388,30 @@ class MetaMemo(TorchDispatchMode):
         return META(func, args, kwargs or {})
 
 
+class _LiveStorages:
+    """Bytes of the storages added and still alive, and the most they came to at once: each
+    storage once while it lives (torch keeps one Python object per storage, so a finalizer fires
+    when the storage is freed; an address is another storage's once its first is gone)."""
+
+    def __init__(self):
+        self.alive, self.live, self.peak = set(), 0, 0
+
+    def add(self, st) -> None:
+        key = st._cdata
+        if key in self.alive:
+            return
+        n = st.nbytes()
+        self.alive.add(key)
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(st, self._free, key, n)
+
+    def _free(self, key, n):
+        if key in self.alive:
+            self.alive.discard(key)
+            self.live -= n
+
+
 class Census(TorchDispatchMode):
     """What a recorded run costs a rank: GEMM calls and FLOPs, the other kernels (views are
     not kernels) and the bytes they read and write, and the activations kept for backward."""
@@ -403,7 +427,7 @@ class Census(TorchDispatchMode):
         self.softmax_elements = 0.0  # the softmax kernels' elements
         self.float8_flops = 0.0  # the float8 products'
         self.forward = True  # the recorder sets it False before backward
-        self.live, self.peak, self._alive = 0, 0, set()  # bytes of the tensors the run holds at once
+        self.held = _LiveStorages()  # bytes of the tensors the run holds at once
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = META(func, args, kwargs or {})
@@ -436,22 +460,13 @@ class Census(TorchDispatchMode):
         return out
 
     def hold(self, t):
-        """Count t's storage while it lives: until its last tensor or view dies (torch keeps
-        one Python object per storage, so the finalizer fires when the storage is freed)."""
-        st = t.untyped_storage()
-        key = st._cdata
-        if key in self._alive:
-            return
-        n = st.nbytes()
-        self._alive.add(key)
-        self.live += n
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(st, self._free, key, n)
+        """Count t's storage while it lives: until its last tensor or view dies."""
+        self.held.add(t.untyped_storage())
 
-    def _free(self, key, n):
-        if key in self._alive:
-            self._alive.discard(key)
-            self.live -= n
+    @property
+    def peak(self) -> int:
+        """The most bytes the run held at once."""
+        return self.held.peak
 
 
 class FusedAttention(TorchFunctionMode):
@@ -479,30 +494,23 @@ class FusedAttention(TorchFunctionMode):
 
 class _Saved:
     """Bytes of the tensors autograd keeps for backward, parameters not: the most that the
-    storages packed for backward and still alive come to at once (each storage once while it
-    lives: a finalizer drops it). Counted by address for the run instead, a storage freed and
-    another made at its address was one, and how much the allocator's reuse hid changed from run
-    to run (a stage's saved bytes 1.59 MB one run, 1.75 MB another)."""
+    storages packed for backward and still alive come to at once (_LiveStorages). Counted by
+    address for the run instead, a storage freed and another made at its address was one, and how
+    much the allocator's reuse hid changed from run to run (1.59 MB one run, 1.75 MB another)."""
 
     def __init__(self, params):
         self.skip = {p.untyped_storage()._cdata for p in params}
-        self.alive, self.live, self.bytes = set(), 0, 0
+        self.kept = _LiveStorages()
 
     def pack(self, t):
         st = t.untyped_storage()
-        key = st._cdata
-        if key not in self.skip and key not in self.alive:
-            n = st.nbytes()
-            self.alive.add(key)
-            self.live += n
-            self.bytes = max(self.bytes, self.live)
-            weakref.finalize(st, self._free, key, n)
+        if st._cdata not in self.skip:
+            self.kept.add(st)
         return t
 
-    def _free(self, key, n):
-        if key in self.alive:
-            self.alive.discard(key)
-            self.live -= n
+    @property
+    def bytes(self) -> int:
+        return self.kept.peak
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
