@@ -28,39 +28,48 @@ from .config import TrainConfig
 from .train import build, train_step
 
 
-def attention_costs(window: float = 1.0, device="cpu", dtype=torch.float32) -> tuple:
-    """(FLOP/s, seconds per query row, seconds per query x key pair) of torch's fused causal
-    attention, forward and backward: t = 6 b h s^2 d / rate + b h s x row_s + b h s^2 / 2 x score_s
-    (the FLOPs as the planner counts them; each row's blocks' setup and softmax bookkeeping; each
-    score's exponential and mask, which do not shrink with the head size), fitted (relative least
-    squares) at the main job's heads over six (sequence, head size) at one token count: the job's, a
-    quarter of its sequence, four times its sequence at twice its head size, four times its head
-    size, and half its head size at the job's and four times its sequence. On this CPU the kernel ran
-    5.9 ns a score at sequence 64 and head size 8 against 6.6 at head size 16 (one core): at small
-    heads the scores, not the FLOPs, are its time. A term the probes cannot see is 0."""
-    job = TrainConfig()
-    heads, d = job.heads, job.hidden // job.heads
-    tokens = probe_size(device, "attention_batch") * job.seq
-    flops, rows, scores, seconds = [], [], [], []
-    for seq, head_dim in ((job.seq // 4, d), (job.seq, d), (4 * job.seq, 2 * d), (job.seq, 4 * d),
-                          (job.seq, d // 2), (4 * job.seq, d // 2)):
-        batch = max(1, tokens // seq)
-        shape = (batch, heads, seq, head_dim)
-        q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-        grad = torch.randn(shape, device=device, dtype=dtype)
+# the head sizes attention_by_head_size times: every one to 32 (torch's CPU kernel took 13 ns a
+# query x key pair at 8, 12 at 10, 7 at 14, 5 at 16 and 14 at 28, one core: its vector loops' cut
+# of the head, not its FLOPs), then the wider common ones
+ATTENTION_HEAD_SIZES = tuple(range(8, 33)) + (40, 48, 56, 64, 80, 96, 128)
+# (sequence, batch x heads) each is timed at: few short rows (a kernel's setup), many short rows
+# (each row's), long rows (each pair's)
+ATTENTION_SHAPES = ((32, 4), (32, 32), (256, 8))
 
-        def step():
-            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
 
-        seconds.append(1 / call_rate(step, window / 6, device))
-        # as the recording counts them (plan.record.attention_pairs): the causal mask's half of the pairs
-        flops.append(3 * 4.0 * batch * heads * seq * seq / 2 * head_dim)
-        rows.append(2.0 * batch * heads * seq)  # forward and backward kernels, each over every row
-        scores.append(2.0 * batch * heads * seq * seq / 2)  # ... and every query x key pair computed
-    per_flop, per_row, per_score = relative_fit([flops, rows, scores], seconds)
-    if not per_flop:  # the FLOPs unseen beside the fixed costs (an H200 in bf16, once): the best rate seen
-        return max(f / t for f, t in zip(flops, seconds)), 0.0, 0.0
-    return 1 / per_flop, per_row, per_score
+def attention_by_head_size(window: float = 4.0, device="cpu", dtype=torch.float32) -> tuple:
+    """(seconds per kernel, per query row, and per query x key pair at each of
+    ATTENTION_HEAD_SIZES) of torch's fused causal attention, forward and backward, each head size
+    timed at ATTENTION_SHAPES (fit_attention; Cluster.attention_by_head_size). Over 108 other
+    shapes (head sizes 8-64, sequences 16-256, 4-48 rows of batch x heads; one core) it was off by
+    12% (the median) and 45% at worst, where a FLOP rate, a row and a pair cost fitted on those
+    shapes themselves were off by 19% and 80%."""
+    timed = []
+    per = window / (len(ATTENTION_HEAD_SIZES) * len(ATTENTION_SHAPES))
+    for d in ATTENTION_HEAD_SIZES:
+        for seq, bh in ATTENTION_SHAPES:
+            shape = (1, bh, seq, d)
+            q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+            grad = torch.randn(shape, device=device, dtype=dtype)
+
+            def step():
+                torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+            timed.append((d, seq, bh, 1 / call_rate(step, per, device)))
+    call_s, row_s, pair_s = fit_attention(timed)
+    return (call_s, row_s, *(pair_s[d] for d in ATTENTION_HEAD_SIZES))
+
+
+def fit_attention(timed: list) -> tuple:
+    """(call_s, row_s, {head size: pair_s}) of timed fused causal attentions, forward and backward
+    ((head size, sequence, batch x heads, seconds), ...): the relative least squares of
+    t = 2 call_s + 2 b h s x row_s + b h s^2 x pair_s(d) (its two kernels, each over every query
+    row, and the pairs under the causal mask, each kernel's)."""
+    sizes = sorted({d for d, *_ in timed})
+    columns = [[2.0] * len(timed), [2.0 * bh * s for _, s, bh, _ in timed]]
+    columns += [[float(bh * s * s) if d == e else 0.0 for d, s, bh, _ in timed] for e in sizes]
+    call_s, row_s, *pair_s = relative_fit(columns, [t for *_, t in timed])
+    return call_s, row_s, dict(zip(sizes, pair_s))
 
 
 # the loss's logits a softmax_sizes row is timed at: a small shape's fit in the caches, a large one's not
@@ -368,7 +377,7 @@ def measure(grid, fixed: bool = True, dtype=torch.float32, prefix: str = "calibr
     cores = len(os.sched_getaffinity(0))
     speedup = busy_speedup(grid, device=grid.device, dtype=dtype) if per_node > cores else ()
     local = []
-    for probe in (gemm_costs, vector_bandwidth, launch_overhead, attention_costs, host_link, offload_bucket):
+    for probe in (gemm_costs, vector_bandwidth, launch_overhead, attention_by_head_size, host_link, offload_bucket):
         grid.barrier()
         out = probe(device=grid.device, dtype=dtype)
         local.extend(out if isinstance(out, tuple) else (out,))
@@ -380,8 +389,10 @@ def measure(grid, fixed: bool = True, dtype=torch.float32, prefix: str = "calibr
     local.extend(softmax_sizes(local[2], device=grid.device, dtype=dtype))
     local = torch.tensor(local, dtype=torch.float64, device=grid.device)
     every = grid.all_gather(local.unsqueeze(0), "dp", dim=0) if grid.world_size > 1 else local.unsqueeze(0)
-    (gemm, gemm_bandwidth, vector, launch, attention, attention_row, attention_score, link, bucket, softmax, f8,
-     *by_size) = (statistics.median(every[:, k].tolist()) for k in range(len(local)))
+    heads = len(ATTENTION_HEAD_SIZES)
+    (gemm, gemm_bandwidth, vector, launch, attention_call, attention_row, *rest) = (
+        statistics.median(every[:, k].tolist()) for k in range(len(local)))
+    pair_s, (link, bucket, softmax, f8, *by_size) = rest[:heads], rest[heads:]
     preset = {"name": "local", "about": f"measured by gridweave bench --calibrate with {grid.world_size} ranks at once"
                                         f" in {str(dtype).removeprefix('torch.')}",
             "gpus_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", grid.world_size)),
@@ -389,8 +400,8 @@ def measure(grid, fixed: bool = True, dtype=torch.float32, prefix: str = "calibr
             "inter_alpha_s": inter_alpha, "inter_bandwidth_Bps": 1 / inter_beta, "nics_per_node": 1,
             "gemm_flops": gemm, "float8_gemm_flops": f8, "gemm_bandwidth_Bps": gemm_bandwidth,
             "vector_bandwidth_Bps": vector,
-            "launch_s": launch, "attention_flops": attention, "attention_row_s": attention_row,
-            "attention_score_s": attention_score, "softmax_element_s": softmax,
+            "launch_s": launch, "attention_call_s": attention_call, "attention_row_s": attention_row,
+            "attention_by_head_size": [[d, t] for d, t in zip(ATTENTION_HEAD_SIZES, pair_s)], "softmax_element_s": softmax,
             "softmax_by_size": [[n, t] for n, t in zip(SOFTMAX_SIZES, by_size)], "host_link_Bps": link,
             "offload_bucket_s": bucket,
             "scalar_all_reduce_s": scalar, "all_reduce_s": fit_all_reduce(all_reduces),

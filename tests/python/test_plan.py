@@ -300,6 +300,58 @@ def test_the_recording_holds_each_products_operands_and_each_attention_row():
                                        + mb.softmax_elements * 1e-10), rel=1e-9)
 
 
+def test_fused_attention_is_costed_by_the_head_size_where_the_cluster_measured_it():
+    """Cluster.attention_by_head_size: a Llama layer's recording holds its fused attention
+    kernels (forward and backward) and their pairs times the query's head size; predict then
+    charges each kernel attention_call_s, each row attention_row_s and each pair the table's cost
+    at the head size (linear between rows, the smallest's below, in proportion beyond) in place
+    of the FLOP rate and attention_score_s."""
+    import dataclasses
+
+    import torch
+
+    from gridweave import recorder
+
+    cfg = ModelConfig("llama", 256, hidden=64, heads=4, layers=2, seq=32, kv_heads=2)
+    head = cfg.hidden // cfg.heads
+    layer = recorder.step_schedule(cfg, gw.modes.parse("none"), 1, 1, 1, (), 1, 3, dtype=torch.float32,
+                                   ends=False).layer
+    assert layer.attention_calls == 2 and layer.attention_head_scores == layer.attention_scores * head
+
+    table = plan.Cluster.of({**dataclasses.asdict(plan.load_cluster("a100-ib")),
+                             "attention_by_head_size": [[32, 3e-9], [8, 1e-9], [16, 2e-9]]})
+    assert table.attention_by_head_size == ((8, 1e-9), (16, 2e-9), (32, 3e-9))
+    assert [table.attention_pair_s(d) for d in (4, 8, 12, 16, 24, 64)] == pytest.approx(
+        [1e-9, 1e-9, 1.5e-9, 2e-9, 2.5e-9, 6e-9], rel=1e-12)
+
+    model = plan.Model(cfg, batch=8, bytes_per_value=4)
+    grid, m = plan.GridShape(dp=2), 2
+    base = plan.load_cluster("a100-ib")
+    by_head = dataclasses.replace(base, attention_by_head_size=((8, 1e-9), (16, 2e-9), (32, 3e-9)),
+                                  attention_call_s=1e-5, attention_row_s=1e-7)
+    mb = plan.schedule_of(model, grid, m, 0, plan.FUSED_BUCKET).microbatch
+    assert mb.attention_calls == 2 * cfg.layers and mb.attention_head_scores == mb.attention_scores * head
+    old = (mb.fused_attention_flops / (base.attention_flops or base.gemm_flops)
+           + mb.attention_rows * base.attention_row_s + mb.attention_scores * base.attention_score_s)
+    new = mb.attention_calls * 1e-5 + mb.attention_rows * 1e-7 + mb.attention_scores * 2e-9
+    extra = (plan.predict(model, grid, by_head, microbatches=m)["step_time_s"]
+             - plan.predict(model, grid, base, microbatches=m)["step_time_s"])
+    assert extra == pytest.approx(m * (new - old), rel=1e-9)
+
+
+def test_the_attention_fit_recovers_each_head_sizes_cost():
+    """calibrate.fit_attention: timings made from known costs (t = 2 call_s + 2 b h s row_s +
+    b h s^2 pair_s(d), at calibrate's shapes and head sizes) give those costs back."""
+    from gridweave import calibrate
+
+    pair = {d: (3 + (d % 8)) * 1e-9 * (1 + d / 64) for d in calibrate.ATTENTION_HEAD_SIZES}
+    timed = [(d, s, bh, 2 * 7e-5 + 2 * bh * s * 9e-8 + bh * s * s * pair[d])
+             for d in calibrate.ATTENTION_HEAD_SIZES for s, bh in calibrate.ATTENTION_SHAPES]
+    call_s, row_s, pair_s = calibrate.fit_attention(timed)
+    assert (call_s, row_s) == pytest.approx((7e-5, 9e-8), rel=1e-9)
+    assert sorted(pair_s) == sorted(pair) and [pair_s[d] for d in pair] == pytest.approx(list(pair.values()), rel=1e-9)
+
+
 def test_a_softmax_costs_its_sizes_rate_linear_in_the_log_of_its_size():
     """Cluster.softmax_at: between softmax_by_size's rows, linear in log2 of the logits' size
     (numpy's interp on the log2 sizes), the end rows' rate beyond them, softmax_element_s without

@@ -72,11 +72,28 @@ class Cluster:
     # size, calibrate.softmax_sizes. Where ranks share caches a small shape's logits stay in them
     # and a large one's do not (4-7 ns against 100 ns an element); (): softmax_element_s at any size
     softmax_by_size: tuple = ()
+    # the fused attention kernels by the query's head size: ((head size, seconds per query x key
+    # pair), ...), calibrate.attention_by_head_size, with attention_call_s each kernel and
+    # attention_row_s each query row. torch's CPU kernel took 13 ns a pair at head size 8, 5 at
+    # 16 and 14 at 28 (one core): not the FLOPs' d, so measured by head size. (): attention_flops,
+    # attention_row_s and attention_score_s (a GPU preset's)
+    attention_by_head_size: tuple = ()
+    attention_call_s: float = 0.0  # with attention_by_head_size: each fused attention kernel's setup
 
     def __post_init__(self):  # a preset's JSON lists, hashable (the lines' cache keys on the cluster)
         object.__setattr__(self, "all_reduce_s", tuple(tuple(row) for row in self.all_reduce_s))
         object.__setattr__(self, "busy_speedup", tuple(self.busy_speedup))
         object.__setattr__(self, "softmax_by_size", tuple(sorted(tuple(row) for row in self.softmax_by_size)))
+        object.__setattr__(self, "attention_by_head_size", tuple(sorted(tuple(row) for row in self.attention_by_head_size)))
+
+    def attention_pair_s(self, head: float) -> float:
+        """A fused attention kernel's seconds per query x key pair at head size `head`:
+        attention_by_head_size's, linear between its rows, the smallest's below them and in
+        proportion to the head size beyond the largest (its products' FLOPs then dominate)."""
+        sizes, seconds = zip(*self.attention_by_head_size)
+        if head > sizes[-1]:
+            return seconds[-1] * head / sizes[-1]
+        return float(np.interp(head, sizes, seconds))
 
     def softmax_at(self, elements: float) -> float:
         """A softmax kernel's seconds per element over `elements` logits: softmax_by_size's,

@@ -185,6 +185,18 @@ class _Costing:
                 wire[0] += on_wire * n
         return t
 
+    def attention(self, w) -> float:
+        """The fused attention kernels of `w`: by the query's head size where the cluster measured
+        them so (each kernel's setup, each query row, each query x key pair at that head size),
+        else their FLOPs at the attention rate, each row and each pair."""
+        cluster = self.cluster
+        if cluster.attention_by_head_size and w.attention_scores:
+            head = w.attention_head_scores / w.attention_scores  # (a layer has one head size)
+            return (w.attention_calls * cluster.attention_call_s + w.attention_rows * cluster.attention_row_s
+                    + w.attention_scores * cluster.attention_pair_s(head))
+        return (w.fused_attention_flops / (cluster.attention_flops or cluster.gemm_flops)
+                + w.attention_rows * cluster.attention_row_s + w.attention_scores * cluster.attention_score_s)
+
     def busy(self, w) -> float:
         """GEMMs at the GEMM rate and their operands' bandwidth (fused attention at its rate, row and
         score costs), the other kernels at memory bandwidth (softmax's further passes per element),
@@ -192,8 +204,7 @@ class _Costing:
         cluster = self.cluster
         return self.scale * (((w.flops - w.fused_attention_flops - w.float8_flops) / cluster.gemm_flops
                 + self.gemm_bytes(w.gemm_bytes) + w.float8_flops / (cluster.float8_gemm_flops or cluster.gemm_flops)
-                + w.fused_attention_flops / (cluster.attention_flops or cluster.gemm_flops)
-                + w.attention_rows * cluster.attention_row_s + w.attention_scores * cluster.attention_score_s
+                + self.attention(w)
                 + w.softmax_elements * cluster.softmax_at(w.softmax_elements / 2)  # a loss's forward and backward
                 + (w.gemm_calls + w.kernels) * self.launch + self.vector(w.kernel_bytes)))
 

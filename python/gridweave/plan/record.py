@@ -85,6 +85,8 @@ class LayerSchedule:
     attention_scores: float = 0.0  # their query x key pairs (each an exponential and a mask, whatever the head size)
     softmax_elements: float = 0.0  # elements of the (log-)softmax kernels, forward and backward (within kernels)
     float8_flops: float = 0.0  # of the float8 products (torch._scaled_mm), forward and backward (within flops)
+    attention_calls: int = 0  # the fused attention kernels, forward and backward (within gemm_calls)
+    attention_head_scores: float = 0.0  # their query x key pairs times the query's head size (by it, its mean)
 
     @cached_property
     def tally(self) -> tuple:
@@ -106,8 +108,8 @@ class LayerSchedule:
 # the fields that add up over layers; of them, the counts do not change with the batch
 _SUMMED = ("gemm_calls", "parameters", "flops", "kernels", "kernel_bytes", "saved_bytes", "attention_flops",
            "peak_bytes", "fused_attention_flops", "gemm_bytes", "attention_rows", "attention_scores",
-           "softmax_elements", "float8_flops")
-_COUNTS = ("gemm_calls", "parameters", "kernels")
+           "softmax_elements", "float8_flops", "attention_calls", "attention_head_scores")
+_COUNTS = ("gemm_calls", "parameters", "kernels", "attention_calls")
 
 
 class _Done(Work):
@@ -426,6 +428,8 @@ class Census(TorchDispatchMode):
         self.attention_scores = 0.0  # and their query x key pairs
         self.softmax_elements = 0.0  # the softmax kernels' elements
         self.float8_flops = 0.0  # the float8 products'
+        self.attention_calls = 0  # the fused attention kernels
+        self.attention_head_scores = 0.0  # and their pairs times the query's head size
         self.forward = True  # the recorder sets it False before backward
         self.held = _LiveStorages()  # bytes of the tensors the run holds at once
 
@@ -446,6 +450,9 @@ class Census(TorchDispatchMode):
                 self.fused_attention_flops += f
                 self.attention_rows += math.prod(args[0].shape[:-1])  # q: (batch, heads, s_q, d)
                 self.attention_scores += pairs
+                self.attention_calls += 1
+                query = args[1] if name.endswith("_backward") else args[0]  # a backward's first is the output's gradient
+                self.attention_head_scores += pairs * query.shape[-1]
             else:
                 self.gemm_bytes += _kernel_bytes(func, args, out)
         elif not func.is_view:
@@ -625,7 +632,8 @@ def record_stage(config, mode, dp, pp, sp, at, batch, per_stage, dtype=torch.bfl
     sched = LayerSchedule(tuple(grid.log), census.calls, sum(p.numel() for p in params), census.flops,
                           census.kernels, census.bytes, saved.bytes, census.attention_flops, census.peak,
                           census.fused_attention_flops, census.gemm_bytes, census.attention_rows,
-                          census.attention_scores, census.softmax_elements, census.float8_flops)
+                          census.attention_scores, census.softmax_elements, census.float8_flops,
+                          census.attention_calls, census.attention_head_scores)
     return sched, math.prod(shape) * dtype.itemsize
 
 
