@@ -15,7 +15,7 @@ import statistics
 from pathlib import Path
 
 from bench_plan import name as label
-from bench_plan_models import GOALS, STEPS
+from bench_plan_models import STEPS, goals_met
 
 
 def floor(data: dict) -> dict:
@@ -35,7 +35,7 @@ def floor(data: dict) -> dict:
     out = {"grids": len(errors), "median_abs_error": statistics.median(abs(e) for e in errors),
            "worst_abs_error": max(abs(e) for e in errors), "median_kendall_tau": statistics.median(taus),
            "worst_regret": max(regrets)}
-    out["goals_met"] = {k: bool(out[k] >= v if k == "median_kendall_tau" else out[k] <= v) for k, v in GOALS.items()}
+    out["goals_met"] = goals_met(out)
     return out
 
 

@@ -32,9 +32,9 @@ from .train import build, train_step
 # query x key pair at 8, 12 at 10, 7 at 14, 5 at 16 and 14 at 28, one core: its vector loops' cut
 # of the head, not its FLOPs), then the wider common ones
 ATTENTION_HEAD_SIZES = tuple(range(8, 33)) + (40, 48, 56, 64, 80, 96, 128)
-# (sequence, batch x heads) each is timed at: few short rows (a kernel's setup), many short rows
-# (each row's), long rows (each pair's)
-ATTENTION_SHAPES = ((32, 4), (32, 32), (256, 8))
+# (sequence, heads) each is timed at, over the device's probe batch (measure.PROBE_SIZES: 4 on a
+# CPU): few short rows (a kernel's setup), many short rows (each row's), long rows (each pair's)
+ATTENTION_SHAPES = ((32, 1), (32, 8), (256, 2))
 
 
 def attention_by_head_size(window: float = 4.0, device="cpu", dtype=torch.float32) -> tuple:
@@ -44,18 +44,18 @@ def attention_by_head_size(window: float = 4.0, device="cpu", dtype=torch.float3
     shapes (head sizes 8-64, sequences 16-256, 4-48 rows of batch x heads; one core) it was off by
     12% (the median) and 45% at worst, where a FLOP rate, a row and a pair cost fitted on those
     shapes themselves were off by 19% and 80%."""
-    timed = []
+    timed, batch = [], probe_size(device, "attention_batch")
     per = window / (len(ATTENTION_HEAD_SIZES) * len(ATTENTION_SHAPES))
     for d in ATTENTION_HEAD_SIZES:
-        for seq, bh in ATTENTION_SHAPES:
-            shape = (1, bh, seq, d)
+        for seq, heads in ATTENTION_SHAPES:
+            shape = (batch, heads, seq, d)
             q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
             grad = torch.randn(shape, device=device, dtype=dtype)
 
             def step():
                 torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
 
-            timed.append((d, seq, bh, 1 / call_rate(step, per, device)))
+            timed.append((d, seq, batch * heads, 1 / call_rate(step, per, device)))
     call_s, row_s, pair_s = fit_attention(timed)
     return (call_s, row_s, *(pair_s[d] for d in ATTENTION_HEAD_SIZES))
 

@@ -198,8 +198,8 @@ class _Costing:
                 + w.attention_rows * cluster.attention_row_s + w.attention_scores * cluster.attention_score_s)
 
     def busy(self, w) -> float:
-        """GEMMs at the GEMM rate and their operands' bandwidth (fused attention at its rate, row and
-        score costs), the other kernels at memory bandwidth (softmax's further passes per element),
+        """GEMMs at the GEMM rate and their operands' bandwidth (fused attention: attention()), the
+        other kernels at memory bandwidth (softmax's further passes per element),
         each a launch; times the contention's scale."""
         cluster = self.cluster
         return self.scale * (((w.flops - w.fused_attention_flops - w.float8_flops) / cluster.gemm_flops
